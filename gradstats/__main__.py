@@ -1,0 +1,3 @@
+from gradstats.cli import main
+
+raise SystemExit(main())

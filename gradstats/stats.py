@@ -1,0 +1,228 @@
+"""Streaming statistics of one gradient tensor: the one home of the sufficient statistics.
+
+For a tensor ``g`` the statistics are (all in float32 arithmetic on ``g``'s own device,
+whatever its dtype):
+
+========================  =================================================================
+``n``                     number of elements
+``n_zero``                exact zeros (a point mass, never put into the logs)
+``n_nonfinite``           inf and NaN (counted, excluded from everything else)
+``sum``                   sum of ``g`` over finite entries
+``sum_abs``               sum of ``|g|`` over finite entries
+``sum_sq``                sum of ``g**2`` over finite entries
+``sum_ln_abs``            sum of ``ln|g|`` over non-zero finite entries
+``sum_ln_abs_sq``         sum of ``ln(|g|)**2`` over non-zero finite entries
+``min_abs``, ``max_abs``  smallest and largest non-zero finite ``|g|`` (NaN when there is none)
+``hist``                  counts of ``floor(log2|g|)`` over non-zero finite entries, one bin per
+                          float32 binade from ``HIST_MIN_EXP`` (-149, subnormals) to
+                          ``HIST_MAX_EXP`` (127): ``hist[i]`` counts values in
+                          ``[2**(HIST_MIN_EXP + i), 2**(HIST_MIN_EXP + i + 1))``
+========================  =================================================================
+
+The sums are sufficient for the lognormal MLE (``mu = sum_ln_abs / n_nz``) and mergeable:
+statistics of several batches, calls, steps or ranks combine with :func:`merge_stats`.
+
+Example:
+    >>> import torch
+    >>> from gradstats.stats import tensor_stats
+    >>> s = tensor_stats(torch.tensor([0.0, 1.0, -2.0, float("inf")]))
+    >>> s["n"], s["n_zero"], s["n_nonfinite"], s["sum_abs"], s["max_abs"]
+    (4, 1, 1, 3.0, 2.0)
+    >>> int(s["hist"][0 - HIST_MIN_EXP]), int(s["hist"][1 - HIST_MIN_EXP])  # binades of 1.0 and 2.0
+    (1, 1)
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
+
+#: lowest binade of float32: the smallest subnormal is 2**-149
+HIST_MIN_EXP = -149
+#: highest binade of float32: the largest finite value is just below 2**128
+HIST_MAX_EXP = 127
+#: number of histogram bins
+HIST_BINS = HIST_MAX_EXP - HIST_MIN_EXP + 1
+
+#: integer-valued statistics
+COUNT_FIELDS = ("n", "n_zero", "n_nonfinite")
+#: float-valued sums (mergeable by addition)
+SUM_FIELDS = ("sum", "sum_abs", "sum_sq", "sum_ln_abs", "sum_ln_abs_sq")
+#: every scalar statistic, in schema order (``hist`` follows them)
+SCALAR_FIELDS = COUNT_FIELDS + SUM_FIELDS + ("min_abs", "max_abs")
+
+_SUBNORMAL_FIELD = 0
+_NONFINITE_FIELD = 255
+_TINY = 2.0 ** -149  # smallest float32 subnormal
+
+
+def _histogram(a: torch.Tensor, field: torch.Tensor, counts: torch.Tensor,
+               n_sub_present: bool) -> torch.Tensor:
+    """Binade histogram of the non-zero finite entries of ``a = |x|`` from the counts of the
+    biased exponent ``field``; subnormals (field 0) are binned by a second, masked pass."""
+    hist = counts.new_zeros(HIST_BINS)
+    # normal numbers: biased exponent field f in 1..254 is binade f - 127
+    hist[1 - 127 - HIST_MIN_EXP: 255 - 127 - HIST_MIN_EXP] = counts[1:255]
+    if n_sub_present:
+        sub = (field == _SUBNORMAL_FIELD) & (a > 0)
+        _, e = torch.frexp(torch.where(sub, a, 1.0))
+        idx = torch.where(sub, e - 1 - HIST_MIN_EXP, HIST_BINS)
+        hist += torch.bincount(idx.reshape(-1), minlength=HIST_BINS + 1)[:HIST_BINS]
+    return hist
+
+
+def _reduce(x: torch.Tensor) -> torch.Tensor:
+    """All statistics of a flat float32 tensor as one float64 vector (on ``x``'s device).
+
+    Layout: ``SCALAR_FIELDS`` then ``HIST_BINS`` counts. Sums are computed in float32 and
+    only the results are widened; counts are exact. On the CPU, tensors without inf/NaN take
+    a path of plain arithmetic passes (boolean masks and ``log(0)`` are slow there).
+    """
+    n = x.numel()
+    f64 = torch.float64
+    if n == 0:
+        scalars = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, math.nan, math.nan], dtype=f64)
+        return torch.cat([scalars, torch.zeros(HIST_BINS, dtype=f64)]).to(x.device)
+    a = x.abs()
+    bits = a.view(torch.int32)
+    # the biased exponent field of |x|: 0 for zeros and subnormals, 255 for inf/NaN
+    field = bits >> 23
+    counts = torch.bincount(field, minlength=256)
+    on_cpu = x.device.type == "cpu"
+    if on_cpu and int(counts[_NONFINITE_FIELD]) == 0:
+        s = torch.sign(a)  # 0 for zeros, 1 otherwise
+        acc = f64 if n > 2 ** 24 else torch.float32  # integer-exact count
+        n_nz = s.sum(dtype=acc).to(f64)
+        n_zero = n - n_nz
+        n_nonfinite = torch.zeros((), dtype=f64)
+        lg = torch.log(a.clamp_min(_TINY)).mul_(s)
+        xs, as_ = x, a
+        # smallest positive |x|: non-negative floats order as their bit patterns; zeros
+        # (bits 0) become the largest int32 through the wrap of bits - 1
+        m = ((bits - 1) & 0x7FFFFFFF).min() + 1
+        amin = m.reshape(1).view(torch.float32)[0]
+        has_sub = int(counts[_SUBNORMAL_FIELD]) > int(n_zero)
+    else:
+        finite = field != _NONFINITE_FIELD
+        nz = finite & (a > 0)
+        n_nonfinite = counts[_NONFINITE_FIELD].to(f64)
+        n_zero = (a == 0).sum().to(f64)
+        n_nz = n - n_zero - n_nonfinite
+        xs = torch.where(finite, x, 0.0)
+        as_ = torch.where(finite, a, 0.0)
+        lg = torch.log(torch.where(nz, a, 1.0))
+        amin = torch.where(nz, a, math.inf).min()
+        has_sub = (not on_cpu) or int(counts[_SUBNORMAL_FIELD]) > int(n_zero)
+    hist = _histogram(a, field, counts, has_sub)
+    nan = torch.tensor(math.nan, dtype=f64, device=x.device)
+    has_nz = n_nz > 0
+    scalars = torch.stack([
+        torch.tensor(float(n), dtype=f64, device=x.device),
+        torch.as_tensor(n_zero, dtype=f64, device=x.device),
+        n_nonfinite.to(device=x.device),
+        xs.sum().to(f64),
+        as_.sum().to(f64),
+        torch.dot(xs, xs).to(f64),
+        lg.sum().to(f64),
+        torch.dot(lg, lg).to(f64),
+        torch.where(has_nz, amin.to(f64), nan),
+        torch.where(has_nz, as_.max().to(f64), nan),
+    ])
+    return torch.cat([scalars, hist.to(f64)])
+
+
+def tensor_stats_vector(g: torch.Tensor) -> torch.Tensor:
+    """Statistics of ``g`` as one float64 vector on ``g``'s device (no host synchronisation
+    on CUDA). Layout: ``SCALAR_FIELDS`` then the ``HIST_BINS`` histogram counts.
+
+    Use :func:`vector_to_stats` to turn it into a dict. The tracer keeps vectors on the
+    device and converts them in one batch when it flushes.
+
+    Example:
+        >>> import torch
+        >>> v = tensor_stats_vector(torch.ones(3))
+        >>> v.shape[0] == len(SCALAR_FIELDS) + HIST_BINS, float(v[0])
+        (True, 3.0)
+    """
+    x = g.detach()
+    if x.dtype != torch.float32:
+        x = x.float()
+    return _reduce(x.reshape(-1))
+
+
+def vector_to_stats(v: torch.Tensor | np.ndarray) -> dict[str, Any]:
+    """Turn a vector from :func:`tensor_stats_vector` into a statistics dict (on the host)."""
+    arr = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+    k = len(SCALAR_FIELDS)
+    out: dict[str, Any] = {}
+    for i, name in enumerate(SCALAR_FIELDS):
+        out[name] = int(arr[i]) if name in COUNT_FIELDS else float(arr[i])
+    out["hist"] = arr[k:k + HIST_BINS].astype(np.int64)
+    return out
+
+
+def tensor_stats(g: torch.Tensor) -> dict[str, Any]:
+    """Statistics of one tensor as a dict (see the module docstring for the fields).
+
+    Example:
+        >>> import torch
+        >>> s = tensor_stats(torch.tensor([0.5, -0.5, 0.0]))
+        >>> s["n_zero"], round(s["sum_ln_abs"], 6)
+        (1, -1.386294)
+    """
+    if not isinstance(g, torch.Tensor):
+        raise ValueError(f"tensor_stats expects a torch.Tensor, got {type(g).__name__}")
+    if not (g.is_floating_point()):
+        raise ValueError(f"tensor_stats expects a floating-point tensor, got dtype {g.dtype}")
+    return vector_to_stats(tensor_stats_vector(g))
+
+
+def n_nonzero(stats: Mapping[str, Any]) -> int:
+    """Number of non-zero finite entries (the support of the lognormal fit)."""
+    return int(stats["n"]) - int(stats["n_zero"]) - int(stats["n_nonfinite"])
+
+
+def merge_stats(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Combine statistics of disjoint pieces of data (batches, calls, ranks) exactly:
+    counts and sums add, minima and maxima combine, histograms add.
+
+    Example:
+        >>> import torch
+        >>> a, b = torch.tensor([1.0, 2.0]), torch.tensor([0.0, 4.0])
+        >>> m = merge_stats([tensor_stats(a), tensor_stats(b)])
+        >>> m["n"], m["n_zero"], m["sum_abs"], m["max_abs"]
+        (4, 1, 7.0, 4.0)
+    """
+    rows = list(rows)
+    if not rows:
+        raise ValueError("merge_stats needs at least one statistics row")
+    out: dict[str, Any] = {}
+    for f in COUNT_FIELDS:
+        out[f] = int(sum(int(r[f]) for r in rows))
+    for f in SUM_FIELDS:
+        out[f] = float(math.fsum(float(r[f]) for r in rows))
+    mins = [float(r["min_abs"]) for r in rows if not math.isnan(float(r["min_abs"]))]
+    maxs = [float(r["max_abs"]) for r in rows if not math.isnan(float(r["max_abs"]))]
+    out["min_abs"] = min(mins) if mins else math.nan
+    out["max_abs"] = max(maxs) if maxs else math.nan
+    out["hist"] = np.sum([np.asarray(r["hist"], dtype=np.int64) for r in rows], axis=0)
+    return out
+
+
+def lognormal_moments(stats: Mapping[str, Any]) -> tuple[float, float]:
+    """``(mu, sigma)`` of ``ln|g|`` (the MLE) from the sums; NaN when there are no non-zero
+    finite entries.
+
+    Example:
+        >>> import torch
+        >>> lognormal_moments(tensor_stats(torch.tensor([1.0, math.e ** 2])))
+        (1.0, 1.0)
+    """
+    m = n_nonzero(stats)
+    if m <= 0:
+        return math.nan, math.nan
+    mu = float(stats["sum_ln_abs"]) / m
+    var = max(float(stats["sum_ln_abs_sq"]) / m - mu * mu, 0.0)
+    return mu, math.sqrt(var)
