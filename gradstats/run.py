@@ -1,0 +1,422 @@
+"""Runs on disk: the directory a tracer writes and every later stage reads.
+
+Layout (documented in ``docs/run-format.md``)::
+
+    RUN/
+      manifest.json                        format version, versions, model, layers, capture config
+      stats/part-r{rank}-{seq:06d}.parquet  statistics rows of one flush (a Parquet dataset)
+      samples/part-r{rank}-{seq:06d}.safetensors  raw samples of one flush
+      commits/r{rank}-{seq:06d}.json       the commit record of one flush: its files, sizes, sha256
+
+Every file is written under a temporary name and renamed atomically, and a flush counts only
+once its commit record exists (written last), so a writer killed at any moment leaves a run
+whose committed steps all read back. Checksums in the commit records detect corrupted or
+truncated files; a damaged file is named in the error and the rest of the run stays readable.
+
+Example:
+    >>> import tempfile, torch
+    >>> import gradstats
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    >>> path = tempfile.mkdtemp()
+    >>> with gradstats.trace(model, path, sample_every=1) as tracer:
+    ...     for _ in range(2):
+    ...         model(torch.randn(8, 4)).square().mean().backward()
+    ...         tracer.step()
+    >>> run = gradstats.open_run(path)
+    >>> run.steps, run.samples(run.layers[0], 0).shape[0] > 0
+    ([0, 1], True)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Queue
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .stats import COUNT_FIELDS, HIST_BINS, SCALAR_FIELDS, merge_stats
+
+log = logging.getLogger(__name__)
+
+#: version of the on-disk format written by this module
+FORMAT_VERSION = 1
+KEY_COLUMNS = ("step", "rank", "layer", "kind", "call")
+_PART = re.compile(r"^r(\d+)-(\d+)\.json$")
+
+
+class RunCorruptError(ValueError):
+    """A file of a run is missing, truncated or does not match its recorded checksum."""
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and an atomic rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def _sample_key(step: int, layer: str, kind: str, call: int) -> str:
+    return f"{step}|{kind}|{call}|{layer}"
+
+
+def _parse_sample_key(key: str) -> tuple[int, str, int, str]:
+    step, kind, call, layer = key.split("|", 3)
+    return int(step), kind, int(call), layer
+
+
+# --------------------------------------------------------------------------- writer
+
+
+@dataclass
+class Flush:
+    """What one flush of one rank writes: statistics rows and sample tensors."""
+
+    rank: int
+    seq: int
+    steps: list[int]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    samples: dict[str, torch.Tensor] = field(default_factory=dict)
+    sample_totals: dict[str, int] = field(default_factory=dict)
+
+
+def rows_to_table(rows: Sequence[dict[str, Any]]):
+    """Statistics rows (dicts with the key columns, the scalar fields and ``hist``) as an
+    Arrow table with the run's schema."""
+    import pyarrow as pa
+
+    cols: dict[str, Any] = {
+        "step": pa.array([int(r["step"]) for r in rows], pa.int64()),
+        "rank": pa.array([int(r["rank"]) for r in rows], pa.int32()),
+        "layer": pa.array([str(r["layer"]) for r in rows], pa.string()),
+        "kind": pa.array([str(r["kind"]) for r in rows], pa.string()),
+        "call": pa.array([int(r["call"]) for r in rows], pa.int32()),
+    }
+    for f in SCALAR_FIELDS:
+        typ = pa.int64() if f in COUNT_FIELDS else pa.float64()
+        cols[f] = pa.array([r[f] for r in rows], typ)
+    hist = np.stack([np.asarray(r["hist"], dtype=np.int64) for r in rows]) if rows else \
+        np.zeros((0, HIST_BINS), np.int64)
+    cols["hist"] = pa.FixedSizeListArray.from_arrays(pa.array(hist.reshape(-1)), HIST_BINS)
+    return pa.table(cols)
+
+
+class RunWriter:
+    """Writes flushes of one rank into a run directory, on a background thread.
+
+    ``submit`` hands a :class:`Flush` over and returns at once; ``close`` (or ``wait``)
+    blocks until everything submitted is committed. Errors of the writer thread are raised
+    at the next ``submit``/``wait``.
+    """
+
+    def __init__(self, path: Path, rank: int, *, max_bytes: int | None = None) -> None:
+        self.path = Path(path)
+        self.rank = rank
+        self.max_bytes = max_bytes
+        self.bytes_written = 0
+        for sub in ("stats", "samples", "commits"):
+            (self.path / sub).mkdir(parents=True, exist_ok=True)
+        self._seq = self._next_seq()
+        self._queue: Queue[Flush | None] = Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="gradstats-writer", daemon=True)
+        self._thread.start()
+
+    def _next_seq(self) -> int:
+        seqs = [int(m.group(2)) for p in (self.path / "commits").iterdir()
+                if (m := _PART.match(p.name)) and int(m.group(1)) == self.rank]
+        return max(seqs, default=-1) + 1
+
+    def new_flush(self, steps: list[int]) -> Flush:
+        fl = Flush(rank=self.rank, seq=self._seq, steps=steps)
+        self._seq += 1
+        return fl
+
+    def submit(self, flush: Flush) -> None:
+        self._raise()
+        self._queue.put(flush)
+
+    def wait(self) -> None:
+        self._queue.join()
+        self._raise()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"gradstats could not write to the run at {self.path}: {err}") from err
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(item)
+            except BaseException as exc:  # reported to the training thread
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _write(self, fl: Flush) -> None:
+        import pyarrow.parquet as pq
+        from safetensors.torch import save as st_save
+
+        name = f"r{fl.rank}-{fl.seq:06d}"
+        files: dict[str, dict[str, Any]] = {}
+        if fl.rows:
+            rel = f"stats/part-{name}.parquet"
+            tmp = self.path / "stats" / f".part-{name}.parquet.tmp"
+            pq.write_table(rows_to_table(fl.rows), tmp, compression="zstd")
+            os.replace(tmp, self.path / rel)
+            files[rel] = {"bytes": (self.path / rel).stat().st_size, "sha256": _sha256(self.path / rel)}
+        samples_meta: dict[str, int] = {}
+        if fl.samples:
+            data = st_save({k: v.contiguous() for k, v in fl.samples.items()})
+            rel = f"samples/part-{name}.safetensors"
+            atomic_write_bytes(self.path / rel, data)
+            files[rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            samples_meta = dict(fl.sample_totals)
+        self.bytes_written += sum(f["bytes"] for f in files.values())
+        record = {"rank": fl.rank, "seq": fl.seq, "steps": sorted(set(fl.steps)), "files": files,
+                  "sample_totals": samples_meta}
+        atomic_write_json(self.path / "commits" / f"{name}.json", record)
+
+
+# --------------------------------------------------------------------------- reader
+
+
+class Run:
+    """A run directory opened for reading (see :func:`open_run`).
+
+    Attributes:
+        path: the directory.
+        manifest: the parsed ``manifest.json``.
+        layers: names of the traced layers, in model order.
+        steps: committed steps (sorted).
+        ranks: ranks that committed data.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"no run directory at {self.path}; pass the directory that "
+                                    "gradstats.trace(model, path) wrote")
+        mpath = self.path / "manifest.json"
+        if not mpath.exists():
+            raise RunCorruptError(f"{mpath} is missing: {self.path} is not a gradstats run "
+                                  "(or its tracer never started)")
+        try:
+            self.manifest: dict[str, Any] = json.loads(mpath.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RunCorruptError(f"{mpath} is not valid JSON ({exc}); the run's manifest is damaged") from exc
+        version = self.manifest.get("format_version")
+        if version != FORMAT_VERSION:
+            raise RunCorruptError(f"{mpath} has format_version {version!r}; this gradstats reads "
+                                  f"version {FORMAT_VERSION}")
+        self.problems: list[str] = []
+        self.refresh()
+
+    # -- discovery
+    def refresh(self) -> "Run":
+        """Re-read the commit records (a run still being written grows)."""
+        self.problems = []
+        self._commits: list[dict[str, Any]] = []
+        cdir = self.path / "commits"
+        for p in sorted(cdir.iterdir()) if cdir.is_dir() else []:
+            if not _PART.match(p.name):
+                continue
+            try:
+                rec = json.loads(p.read_text())
+                rec["files"]  # noqa: B018 - schema check
+            except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as exc:
+                self._problem(f"commit record {p} is damaged ({exc}); its flush is skipped")
+                continue
+            self._commits.append(rec)
+        self._stats_cache: pd.DataFrame | None = None
+        self._verified: set[str] = set()
+        return self
+
+    def _problem(self, msg: str) -> None:
+        self.problems.append(msg)
+        log.warning(msg)
+        warnings.warn(msg, stacklevel=3)
+
+    @property
+    def layers(self) -> list[str]:
+        return [entry["name"] for entry in self.manifest.get("layers", [])]
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({int(s) for c in self._commits for s in c["steps"]})
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({int(c["rank"]) for c in self._commits})
+
+    def layer_info(self) -> pd.DataFrame:
+        """One row per traced layer: name, type, output shape, parameter count."""
+        return pd.DataFrame(self.manifest.get("layers", []))
+
+    # -- integrity
+    def _check(self, rel: str, meta: dict[str, Any]) -> Path:
+        p = self.path / rel
+        if rel in self._verified:
+            return p
+        if not p.exists():
+            raise RunCorruptError(f"{p} is missing (listed in a commit record of the run)")
+        size = p.stat().st_size
+        if size != meta["bytes"]:
+            raise RunCorruptError(f"{p} is truncated or damaged: {size} bytes on disk, "
+                                  f"{meta['bytes']} recorded")
+        if _sha256(p) != meta["sha256"]:
+            raise RunCorruptError(f"{p} does not match its recorded sha256 checksum: the file is damaged")
+        self._verified.add(rel)
+        return p
+
+    def verify(self) -> list[str]:
+        """Check every file's size and checksum; returns the list of problems (empty when sound)."""
+        bad = []
+        for c in self._commits:
+            for rel, meta in c["files"].items():
+                try:
+                    self._check(rel, meta)
+                except RunCorruptError as exc:
+                    bad.append(str(exc))
+        return bad
+
+    # -- statistics
+    def stats(self, *, kinds: Iterable[str] | None = None, merge_ranks: bool = False,
+              on_error: str = "warn") -> pd.DataFrame:
+        """Statistics as a DataFrame, one row per step, rank, layer, kind and call.
+
+        Columns: ``step, rank, layer, kind, call``, the fields of :mod:`gradstats.stats`
+        and ``hist`` (an int64 array of binade counts per row). With ``merge_ranks=True`` the
+        ranks of a distributed run are combined exactly (rank becomes -1). A damaged file is
+        skipped with a warning naming it (``on_error="warn"``) or raises ``RunCorruptError``
+        (``on_error="raise"``).
+        """
+        if on_error not in ("warn", "raise"):
+            raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
+        if self._stats_cache is None:
+            import pyarrow.parquet as pq
+
+            tables = []
+            for c in self._commits:
+                for rel, meta in c["files"].items():
+                    if not rel.startswith("stats/"):
+                        continue
+                    try:
+                        tables.append(pq.read_table(self._check(rel, meta)).to_pandas())
+                    except RunCorruptError as exc:
+                        if on_error == "raise":
+                            raise
+                        self._problem(f"{exc}; the rest of the run is read without it")
+            cols = [*KEY_COLUMNS, *SCALAR_FIELDS, "hist"]
+            df = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=cols)
+            df = df.sort_values(list(KEY_COLUMNS), kind="stable").reset_index(drop=True)
+            self._stats_cache = df
+        df = self._stats_cache
+        if kinds is not None:
+            df = df[df["kind"].isin(list(kinds))].reset_index(drop=True)
+        if merge_ranks and len(df):
+            rows = []
+            for key, g in df.groupby(["step", "layer", "kind", "call"], sort=True):
+                m = merge_stats(g.to_dict("records"))
+                rows.append({"step": key[0], "rank": -1, "layer": key[1], "kind": key[2],
+                             "call": key[3], **m})
+            df = pd.DataFrame(rows)
+        return df.copy()
+
+    # -- samples
+    def sample_index(self) -> pd.DataFrame:
+        """Which raw samples exist: step, rank, layer, kind, call, n_samples, n_total, file."""
+        rows = []
+        for c in self._commits:
+            totals = c.get("sample_totals", {})
+            for rel in c["files"]:
+                if not rel.startswith("samples/"):
+                    continue
+                for key, (n_samp, n_tot) in totals.items():
+                    step, kind, call, layer = _parse_sample_key(key)
+                    rows.append({"step": step, "rank": c["rank"], "layer": layer, "kind": kind,
+                                 "call": call, "n_samples": n_samp, "n_total": n_tot, "file": rel})
+        cols = [*KEY_COLUMNS, "n_samples", "n_total", "file"]
+        return pd.DataFrame(rows, columns=cols).sort_values(list(KEY_COLUMNS)).reset_index(drop=True)
+
+    def samples(self, layer: str, step: int, *, kind: str = "grad", call: int = 0,
+                rank: int | None = None) -> torch.Tensor:
+        """Raw sampled values (signed, float32, 1-D) of one layer at one step.
+
+        With ``rank=None`` the samples of all ranks are concatenated in rank order.
+        """
+        from safetensors import safe_open
+
+        key = _sample_key(step, layer, kind, call)
+        parts = []
+        for c in sorted(self._commits, key=lambda c: (c["rank"], c["seq"])):
+            if rank is not None and c["rank"] != rank:
+                continue
+            if key not in c.get("sample_totals", {}):
+                continue
+            rel = next(r for r in c["files"] if r.startswith("samples/"))
+            p = self._check(rel, c["files"][rel])
+            with safe_open(str(p), framework="pt") as f:
+                parts.append(f.get_tensor(key))
+        if not parts:
+            have = self.sample_index()
+            have = have[(have.layer == layer) & (have.kind == kind)]["step"].unique().tolist()
+            if layer not in self.layers:
+                raise ValueError(f"layer {layer!r} is not in this run; its layers are {self.layers}")
+            raise ValueError(f"no {kind!r} samples of layer {layer!r} at step {step} (call {call}"
+                             f"{'' if rank is None else f', rank {rank}'}); samples of that layer "
+                             f"exist at steps {have}")
+        return torch.cat(parts).to(torch.float32)
+
+    def __repr__(self) -> str:
+        return (f"Run({str(self.path)!r}, layers={len(self.layers)}, steps={len(self.steps)}, "
+                f"ranks={self.ranks or [0]})")
+
+
+def open_run(path: str | os.PathLike[str]) -> Run:
+    """Open a run directory written by :func:`gradstats.trace` (also while it is being written).
+
+    Example:
+        >>> import gradstats, tempfile, pytest
+        >>> try:
+        ...     gradstats.open_run(tempfile.mkdtemp())
+        ... except ValueError as e:
+        ...     print("not a run")
+        not a run
+    """
+    return Run(path)

@@ -1,0 +1,440 @@
+"""Capture neural gradients (dL/d layer output) of any PyTorch model into a run on disk.
+
+A forward hook on each selected module registers a tensor hook on the module's output; the
+tensor hook sees the gradient with respect to that output in the backward pass, computes the
+streamed statistics of :mod:`gradstats.stats` on the tensor's own device and, on sampled
+steps, keeps an unbiased uniform random sample. Nothing is modified: training with the tracer
+is bit-identical to training without it.
+
+Example:
+    >>> import tempfile, torch
+    >>> import gradstats
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> with gradstats.trace(model, tempfile.mkdtemp(), optimizer=opt) as tracer:
+    ...     for _ in range(3):
+    ...         opt.zero_grad()
+    ...         model(torch.randn(16, 4)).square().mean().backward()
+    ...         opt.step()          # the tracer advances with the optimizer
+    >>> gradstats.open_run(tracer.path).steps
+    [0, 1, 2]
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+import re
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence, Union
+
+import torch
+from torch import nn
+
+from ._version import __version__
+from .run import FORMAT_VERSION, RunWriter, _sample_key, atomic_write_json
+from .stats import tensor_stats_vector, vector_to_stats
+
+log = logging.getLogger(__name__)
+
+KINDS = ("grad", "act", "weight", "wgrad")
+Schedule = Union[int, Sequence[int], None]
+LayerSelect = Union[None, str, Sequence[str], re.Pattern, Callable[[str, nn.Module], bool]]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _owns_parameters(name: str, module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def _selector(layers: LayerSelect) -> Callable[[str, nn.Module], bool]:
+    """Turn the ``layers=`` argument into a predicate on ``(name, module)``."""
+    if layers is None:
+        return _owns_parameters
+    if callable(layers) and not isinstance(layers, (str, re.Pattern)):
+        return layers
+    if isinstance(layers, re.Pattern):
+        return lambda name, _m: bool(layers.fullmatch(name))
+    if isinstance(layers, str):
+        layers = [layers]
+    if isinstance(layers, (list, tuple)) and all(isinstance(p, str) for p in layers):
+        pats = list(layers)
+
+        def match(name: str, _m: nn.Module) -> bool:
+            for p in pats:
+                if fnmatch.fnmatchcase(name, p):
+                    return True
+                if p.startswith("re:") and re.fullmatch(p[3:], name):
+                    return True
+            return False
+        return match
+    raise ValueError("layers= must be None (modules that own parameters), a glob or list of globs "
+                     "on module names ('re:PATTERN' for a regex), a compiled regex, or a callable "
+                     f"(name, module) -> bool; got {type(layers).__name__}")
+
+
+def _schedule(value: Schedule, what: str) -> Callable[[int], bool]:
+    """``every=`` / ``sample_every=``: a positive period, a list of steps, or None (never)."""
+    if value is None:
+        return lambda step: False
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a positive int period or a list of steps, got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{what} must be a positive int period (1 = every step) or a list of "
+                             f"steps, got {value}")
+        return lambda step: step % value == 0
+    try:
+        steps = frozenset(int(s) for s in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a positive int period or a list of step numbers, "
+                         f"got {value!r}") from None
+    if any(s < 0 for s in steps):
+        raise ValueError(f"{what} lists a negative step: steps count from 0")
+    return lambda step: step in steps
+
+
+def _first_grad_tensor(out: Any) -> torch.Tensor | None:
+    """The first floating tensor requiring grad in a (nested) module output."""
+    if isinstance(out, torch.Tensor):
+        return out if (out.requires_grad and out.is_floating_point()) else None
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        for item in out:
+            t = _first_grad_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside DistributedDataParallel-style wrappers (names stay the user's)."""
+    inner = getattr(model, "module", None)
+    if isinstance(inner, nn.Module) and type(model).__name__ in (
+            "DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"):
+        return inner
+    return model
+
+
+def _dist_info() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+# --------------------------------------------------------------------------- tracer
+
+
+class Tracer:
+    """Captures neural gradients (and optionally activations, weights and weight gradients)
+    of selected modules into a run directory. See :func:`trace` for the arguments.
+
+    Use as a context manager, or call :meth:`attach` / :meth:`detach`. Advance the step
+    with :meth:`step` (or pass ``optimizer=`` to advance on each ``optimizer.step()``).
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+        >>> tracer = gradstats.Tracer(model, tempfile.mkdtemp()).attach()
+        >>> model(torch.randn(2, 3)).sum().backward(); tracer.step()
+        >>> tracer.detach(); gradstats.open_run(tracer.path).layers
+        ['0']
+    """
+
+    def __init__(self, model: nn.Module, path: str | os.PathLike[str], *,
+                 layers: LayerSelect = None, every: Schedule = 1, sample_every: Schedule = 100,
+                 samples: int | None = 65536, kinds: Iterable[str] = ("grad",),
+                 optimizer: torch.optim.Optimizer | None = None,
+                 max_bytes: int | None = None, seed: int = 0) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"trace() needs a torch.nn.Module as model, got {type(model).__name__}")
+        self.kinds = tuple(kinds)
+        bad = [k for k in self.kinds if k not in KINDS]
+        if bad or not self.kinds:
+            raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {self.kinds}")
+        if samples is not None and (not isinstance(samples, int) or samples <= 0):
+            raise ValueError(f"samples must be a positive int (values kept per capture) or None "
+                             f"(keep whole tensors), got {samples!r}")
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be a positive number of bytes or None, got {max_bytes}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.model = model
+        self.path = Path(path)
+        self._take_stats = _schedule(every, "every")
+        self._take_samples = _schedule(sample_every, "sample_every")
+        self.config = {"every": every if isinstance(every, (int, type(None))) else list(every),
+                       "sample_every": sample_every if isinstance(sample_every, (int, type(None)))
+                       else list(sample_every),
+                       "samples": samples, "kinds": list(self.kinds), "max_bytes": max_bytes}
+        self.samples_per_capture = samples
+        self.max_bytes = max_bytes
+        self.optimizer = optimizer
+        self.seed = seed
+        select = _selector(layers)
+        root = _unwrap(model)
+        self.modules: dict[str, nn.Module] = {n: m for n, m in root.named_modules() if select(n, m)}
+        if not self.modules:
+            names = [n for n, _ in root.named_modules()][:12]
+            raise ValueError(f"layers={layers!r} matches no module of {type(root).__name__}; "
+                             f"module names look like {names}")
+        self.rank, self.world_size = _dist_info()
+        self.current_step = 0
+        self._handles: list[Any] = []
+        self._lock = threading.Lock()
+        self._pending: list[tuple[int, str, str, int, torch.Tensor]] = []
+        self._pending_samples: dict[str, tuple[torch.Tensor, int]] = {}
+        self._calls: dict[str, int] = {}
+        self._shapes: dict[str, list[int]] = {}
+        self._sampling_stopped = False
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._writer: RunWriter | None = None
+        self._written_shapes: dict[str, list[int]] = {}
+        self._created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._attached = False
+
+    # -- lifecycle
+    def attach(self) -> "Tracer":
+        """Create the run directory and register the hooks. Returns ``self``."""
+        if self._attached:
+            return self
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ValueError(f"cannot write a run to {self.path}: {exc.strerror or exc}; "
+                             "pass a writable directory") from None
+        self._writer = RunWriter(self.path, self.rank, max_bytes=self.max_bytes)
+        self._write_manifest()
+        for name, module in self.modules.items():
+            self._handles.append(module.register_forward_hook(self._make_forward_hook(name)))
+        if self.optimizer is not None:
+            if "weight" in self.kinds or "wgrad" in self.kinds:
+                self._handles.append(self.optimizer.register_step_pre_hook(
+                    lambda *_: self._capture_parameters()))
+            self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self._advance()))
+        self._attached = True
+        return self
+
+    def detach(self) -> None:
+        """Remove the hooks, flush what is pending and wait until it is on disk."""
+        if not self._attached:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._flush(self.current_step, force=True)
+        assert self._writer is not None
+        self._writer.close()
+        self._write_manifest()
+        self._attached = False
+
+    def __enter__(self) -> "Tracer":
+        return self.attach()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    # -- steps
+    def step(self) -> None:
+        """Close the current step: write its statistics and samples, advance the counter.
+
+        Call it once per optimizer step (not needed when the tracer was given ``optimizer=``).
+        """
+        if self.optimizer is not None:
+            raise ValueError("this tracer advances on optimizer.step() (optimizer= was given); "
+                             "do not call tracer.step() as well")
+        if ("weight" in self.kinds or "wgrad" in self.kinds):
+            self._capture_parameters()
+        self._advance()
+
+    def _advance(self) -> None:
+        self._flush(self.current_step)
+        self.current_step += 1
+        self._calls.clear()
+
+    def flush(self) -> None:
+        """Block until every closed step is committed to disk."""
+        if self._writer is not None:
+            self._writer.wait()
+
+    # -- hooks
+    def _active(self, step: int) -> tuple[bool, bool]:
+        return self._take_stats(step), self._take_samples(step) and not self._sampling_stopped
+
+    def _make_forward_hook(self, name: str) -> Callable[..., None]:
+        def forward_hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            out = _first_grad_tensor(output)
+            if out is None:
+                return
+            step = self.current_step
+            do_stats, do_samples = self._active(step)
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            if name not in self._shapes:
+                self._shapes[name] = list(out.shape)
+            if not (do_stats or do_samples):
+                return
+            if "act" in self.kinds:
+                self._record(step, name, "act", call, out.detach(), do_stats, do_samples)
+            if "grad" in self.kinds:
+                def tensor_hook(grad: torch.Tensor) -> None:
+                    self._record(step, name, "grad", call, grad, do_stats, do_samples)
+                out.register_hook(tensor_hook)
+        return forward_hook
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed + 7919 * self.rank)
+            self._generators[device] = gen
+        return gen
+
+    def _record(self, step: int, layer: str, kind: str, call: int, t: torch.Tensor,
+                do_stats: bool, do_samples: bool) -> None:
+        with torch.no_grad():
+            vec = tensor_stats_vector(t) if do_stats else None
+            sample = None
+            if do_samples:
+                flat = t.detach().reshape(-1)
+                k = self.samples_per_capture
+                if k is not None and flat.numel() > k:
+                    idx = torch.randperm(flat.numel(), generator=self._generator(flat.device),
+                                         device=flat.device)[:k]
+                    flat = flat[idx]
+                sample = (flat.to(torch.float32).clone(), t.numel())
+        with self._lock:
+            if vec is not None:
+                self._pending.append((step, layer, kind, call, vec))
+            if sample is not None:
+                self._pending_samples[_sample_key(step, layer, kind, call)] = sample
+
+    def _capture_parameters(self) -> None:
+        step = self.current_step
+        do_stats, do_samples = self._active(step)
+        if not (do_stats or do_samples):
+            return
+        for name, module in self.modules.items():
+            params = list(module.parameters(recurse=False))
+            if not params:
+                continue
+            if "weight" in self.kinds:
+                w = torch.cat([p.detach().reshape(-1).float() for p in params])
+                self._record(step, name, "weight", 0, w, do_stats, do_samples)
+            if "wgrad" in self.kinds:
+                grads = [p.grad.reshape(-1).float() for p in params if p.grad is not None]
+                if grads:
+                    self._record(step, name, "wgrad", 0, torch.cat(grads), do_stats, do_samples)
+
+    # -- writing
+    def _flush(self, step: int, *, force: bool = False) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            samples, self._pending_samples = self._pending_samples, {}
+        new_shapes = bool(set(self._shapes) - set(self._written_shapes))
+        if not pending and not samples:
+            if new_shapes:
+                self._write_manifest()
+            return
+        assert self._writer is not None
+        steps = sorted({p[0] for p in pending} | {int(k.split("|", 1)[0]) for k in samples})
+        fl = self._writer.new_flush(steps)
+        if pending:
+            vecs = torch.stack([p[4].to("cpu", non_blocking=False) for p in pending])
+            for (s, layer, kind, call, _), v in zip(pending, vecs):
+                fl.rows.append({"step": s, "rank": self.rank, "layer": layer, "kind": kind,
+                                "call": call, **vector_to_stats(v)})
+        if samples:
+            total = sum(v.numel() * 4 for v, _ in samples.values())
+            if self.max_bytes is not None and self._writer.bytes_written + total > self.max_bytes:
+                self._sampling_stopped = True
+                msg = (f"gradstats: the run at {self.path} reached its byte budget max_bytes="
+                       f"{self.max_bytes}; sampling stops here (statistics go on)")
+                log.warning(msg)
+                warnings.warn(msg, stacklevel=3)
+            else:
+                for key, (v, n_total) in samples.items():
+                    fl.samples[key] = v.cpu()
+                    fl.sample_totals[key] = [int(v.numel()), int(n_total)]
+        if not fl.rows and not fl.samples:
+            return
+        self._writer.submit(fl)
+        if new_shapes:
+            self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        if self.rank != 0:
+            return
+        root = _unwrap(self.model)
+        layers = []
+        for name, module in self.modules.items():
+            layers.append({"name": name, "type": type(module).__name__,
+                           "output_shape": self._shapes.get(name),
+                           "params": sum(p.numel() for p in module.parameters(recurse=False))})
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "gradstats_version": __version__,
+            "torch_version": torch.__version__,
+            "created": self._created,
+            "model_class": type(root).__name__,
+            "model_params": sum(p.numel() for p in root.parameters()),
+            "world_size": self.world_size,
+            "capture": self.config,
+            "layers": layers,
+        }
+        atomic_write_json(self.path / "manifest.json", manifest)
+        self._written_shapes = dict(self._shapes)
+
+    def __repr__(self) -> str:
+        return (f"Tracer({str(self.path)!r}, layers={len(self.modules)}, kinds={self.kinds}, "
+                f"step={self.current_step})")
+
+
+def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect = None,
+          every: Schedule = 1, sample_every: Schedule = 100, samples: int | None = 65536,
+          kinds: Iterable[str] = ("grad",), optimizer: torch.optim.Optimizer | None = None,
+          max_bytes: int | None = None, seed: int = 0) -> Tracer:
+    """Trace the neural gradients of ``model`` into the run directory ``path``.
+
+    Args:
+        model: any ``nn.Module`` (a DDP-wrapped model is traced through its ``.module``).
+        path: run directory (created; a run there is appended to).
+        layers: which modules: ``None`` for those that own parameters (Linear, Conv, norms,
+            Embedding, ...), a glob or list of globs on module names (``"re:..."`` for a
+            regex), a compiled regex, or a callable ``(name, module) -> bool``.
+        every: steps on which statistics are taken: a period (1 = every step) or a list.
+        sample_every: steps on which raw samples are kept: a period, a list, or ``None``.
+        samples: values kept per capture (an unbiased uniform sample without replacement),
+            or ``None`` to keep whole flattened tensors in order.
+        kinds: any of ``"grad"`` (dL/d output), ``"act"`` (outputs), ``"weight"`` and
+            ``"wgrad"`` (the module's own parameters and their gradients, taken when the step
+            closes; with ``optimizer=`` just before the optimizer updates them).
+        optimizer: advance the step on each ``optimizer.step()`` instead of ``tracer.step()``.
+        max_bytes: byte budget of the run's files; sampling stops with a warning beyond it.
+        seed: seed of the tracer's own random generator (the global RNG is never touched).
+
+    Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2))
+        >>> _ = model(torch.randn(1, 1, 8, 8))
+        >>> with gradstats.trace(model, tempfile.mkdtemp(), layers="0") as t:
+        ...     model(torch.randn(2, 1, 8, 8)).sum().backward(); t.step()
+        >>> list(gradstats.open_run(t.path).stats()["layer"])
+        ['0']
+    """
+    return Tracer(model, path, layers=layers, every=every, sample_every=sample_every,
+                  samples=samples, kinds=kinds, optimizer=optimizer, max_bytes=max_bytes, seed=seed)

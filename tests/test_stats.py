@@ -1,0 +1,112 @@
+"""Streaming statistics of a tensor against a float64 numpy reference."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gradstats.stats import (HIST_BINS, HIST_MIN_EXP, lognormal_moments, merge_stats,
+                             tensor_stats, tensor_stats_vector, vector_to_stats)
+
+
+def reference(x: np.ndarray) -> dict:
+    x = x.astype(np.float32).astype(np.float64).ravel()
+    fin = np.isfinite(x)
+    a = np.abs(x[fin])
+    nz = a[a > 0]
+    hist = np.zeros(HIST_BINS, np.int64)
+    if nz.size:
+        _, e = np.frexp(nz.astype(np.float32))
+        np.add.at(hist, e - 1 - HIST_MIN_EXP, 1)
+    return {"n": x.size, "n_zero": int((x == 0).sum()), "n_nonfinite": int((~fin).sum()),
+            "sum": x[fin].sum(), "sum_abs": a.sum(), "sum_sq": (a ** 2).sum(),
+            "sum_ln_abs": np.log(nz).sum(), "sum_ln_abs_sq": (np.log(nz) ** 2).sum(),
+            "min_abs": nz.min() if nz.size else math.nan, "max_abs": nz.max() if nz.size else math.nan,
+            "hist": hist, "scale_sum": a.sum(), "scale_sum_abs": a.sum(),
+            "scale_sum_sq": (a ** 2).sum(), "scale_sum_ln_abs": np.abs(np.log(nz)).sum(),
+            "scale_sum_ln_abs_sq": (np.log(nz) ** 2).sum()}
+
+
+def check(got: dict, ref: dict) -> None:
+    for k in ("n", "n_zero", "n_nonfinite"):
+        assert got[k] == ref[k], k
+    # float32 sums: error relative to the sum of the magnitudes of the terms
+    for k in ("sum", "sum_abs", "sum_sq", "sum_ln_abs", "sum_ln_abs_sq"):
+        tol = 1e-5 * ref["scale_" + k] + 1e-30
+        assert abs(got[k] - ref[k]) <= tol, (k, got[k], ref[k])
+    for k in ("min_abs", "max_abs"):
+        if math.isnan(ref[k]):
+            assert math.isnan(got[k])
+        else:
+            assert got[k] == pytest.approx(ref[k], rel=0, abs=0), k
+    np.testing.assert_array_equal(got["hist"], ref["hist"])
+
+
+def lognormal(n: int, sigma: float = 2.0, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g).sign() * torch.exp(torch.randn(n, generator=g) * sigma - 8)
+
+
+@pytest.mark.parametrize("case", ["clean", "zeros", "nonfinite", "subnormal", "all_zero", "empty"])
+def test_against_reference(case):
+    x = lognormal(50_000)
+    if case == "zeros":
+        x = torch.relu(x)
+    elif case == "nonfinite":
+        x[::97] = float("inf"); x[5::101] = float("-inf"); x[7::103] = float("nan"); x[::11] = 0
+    elif case == "subnormal":
+        x[::13] = torch.tensor(3e-42); x[1::17] = -1.4e-45; x[::19] = 0.0
+    elif case == "all_zero":
+        x = torch.zeros(100)
+    elif case == "empty":
+        x = torch.zeros(0)
+    check(tensor_stats(x), reference(x.numpy()))
+
+
+def test_large_tensor_counts_are_exact():
+    x = torch.relu(lognormal(1 << 25, seed=3))  # past the float32 integer range
+    s = tensor_stats(x)
+    assert s["n_zero"] == int((x == 0).sum())
+    assert int(s["hist"].sum()) == x.numel() - s["n_zero"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_dtypes_computed_in_float32(dtype):
+    x = lognormal(10_000, sigma=1.0).mul(1e4).to(dtype)
+    check(tensor_stats(x), reference(x.float().numpy()))
+
+
+def test_non_contiguous():
+    x = lognormal(40_000).reshape(200, 200).t()[::2]
+    check(tensor_stats(x), reference(x.contiguous().numpy()))
+
+
+def test_merge_equals_whole():
+    x = torch.relu(lognormal(30_000)); x[3] = float("nan")
+    parts = [tensor_stats(p) for p in x.split(7_000)]
+    m, whole = merge_stats(parts), tensor_stats(x)
+    for k in ("n", "n_zero", "n_nonfinite", "min_abs", "max_abs"):
+        assert m[k] == whole[k]
+    for k in ("sum", "sum_abs", "sum_sq", "sum_ln_abs", "sum_ln_abs_sq"):
+        assert m[k] == pytest.approx(whole[k], rel=1e-5)
+    np.testing.assert_array_equal(m["hist"], whole["hist"])
+
+
+def test_lognormal_moments_mle():
+    x = lognormal(200_000, sigma=1.5)
+    mu, sigma = lognormal_moments(tensor_stats(x))
+    ln = np.log(np.abs(x.double().numpy()))
+    assert mu == pytest.approx(ln.mean(), rel=1e-5)
+    assert sigma == pytest.approx(ln.std(), rel=1e-4)
+    assert all(math.isnan(v) for v in lognormal_moments(tensor_stats(torch.zeros(4))))
+
+
+def test_vector_roundtrip_and_errors():
+    v = tensor_stats_vector(torch.tensor([1.0, -3.0]))
+    assert vector_to_stats(v)["max_abs"] == 3.0
+    with pytest.raises(ValueError, match="floating-point"):
+        tensor_stats(torch.arange(3))
+    with pytest.raises(ValueError, match="torch.Tensor"):
+        tensor_stats([1.0, 2.0])

@@ -1,0 +1,296 @@
+"""The tracer: exact capture of dL/d(output), passivity, messy models, bad input."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradstats
+from gradstats.stats import tensor_stats
+
+
+# ----------------------------------------------------------------------------- models
+
+class ResBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(y)))
+
+
+class ResCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.block = ResBlock(8)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = self.block(self.stem(x))
+        return self.fc(nn.functional.adaptive_avg_pool2d(x, 4).flatten(1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]   # tuple output
+        return x + self.mlp(self.ln2(x))
+
+
+class LSTMModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(6, 12, batch_first=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)          # (output, (h, c))
+        return self.head(out[:, -1])
+
+
+class Reuse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
+
+
+CASES = {
+    "rescnn": (ResCNN, lambda: torch.randn(4, 1, 8, 8)),
+    "transformer": (TransformerBlock, lambda: torch.randn(3, 5, 16)),
+    "lstm": (LSTMModel, lambda: torch.randn(4, 7, 6)),
+    "reuse": (Reuse, lambda: torch.randn(5, 8)),
+}
+
+
+def retained_grads(model: nn.Module, x: torch.Tensor, names: list[str]) -> dict[tuple[str, int], torch.Tensor]:
+    """dL/d(output) of each call of each named module, via torch.autograd.grad."""
+    outs: list[tuple[str, int, torch.Tensor]] = []
+    calls: dict[str, int] = {}
+    handles = []
+    mods = dict(model.named_modules())
+    for n in names:
+        def hook(m, i, o, n=n):
+            t = o[0] if isinstance(o, tuple) else o
+            outs.append((n, calls.get(n, 0), t))
+            calls[n] = calls.get(n, 0) + 1
+        handles.append(mods[n].register_forward_hook(hook))
+    loss = model(x).square().mean()
+    grads = torch.autograd.grad(loss, [t for _, _, t in outs])
+    for h in handles:
+        h.remove()
+    return {(n, c): g for (n, c, _), g in zip(outs, grads)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_capture_equals_autograd_exactly(case, tmp_path):
+    build, make_x = CASES[case]
+    torch.manual_seed(1)
+    model = build()
+    x = make_x()
+    with gradstats.trace(model, tmp_path, samples=None, sample_every=1) as tr:
+        model(x).square().mean().backward()
+        tr.step()
+    names = list(tr.modules)
+    ref = retained_grads(model, x, names)
+    run = gradstats.open_run(tmp_path)
+    stats = run.stats()
+    for (name, call), g in ref.items():
+        got = run.samples(name, 0, call=call)
+        assert torch.equal(got, g.reshape(-1).float()), (name, call)
+        row = stats[(stats.layer == name) & (stats.call == call)].iloc[0]
+        exp = tensor_stats(g)
+        assert row["n"] == exp["n"] and row["n_zero"] == exp["n_zero"]
+        assert row["sum_ln_abs"] == pytest.approx(exp["sum_ln_abs"], rel=1e-6)
+        np.testing.assert_array_equal(row["hist"], exp["hist"])
+    if case == "reuse":
+        assert sorted(stats[stats.layer == "shared"]["call"]) == [0, 1]
+
+
+def test_default_selection_is_modules_with_parameters(tmp_path):
+    model = ResCNN()
+    tr = gradstats.Tracer(model, tmp_path)
+    assert set(tr.modules) == {"stem", "block.conv1", "block.bn1", "block.conv2", "block.bn2", "fc"}
+    assert set(gradstats.Tracer(model, tmp_path, layers="block.conv*").modules) == {"block.conv1", "block.conv2"}
+    assert set(gradstats.Tracer(model, tmp_path, layers="re:.*bn\\d").modules) == {"block.bn1", "block.bn2"}
+    pick = gradstats.Tracer(model, tmp_path, layers=lambda n, m: isinstance(m, nn.Linear))
+    assert list(pick.modules) == ["fc"]
+
+
+def train(model: nn.Module, steps: int, tracer_path=None, **kw) -> nn.Module:
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    tr = gradstats.trace(model, tracer_path, optimizer=opt, **kw).attach() if tracer_path else None
+    for _ in range(steps):
+        x = torch.randn(8, 1, 8, 8)
+        y = torch.randint(0, 10, (8,))
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    if tr:
+        tr.detach()
+    return model
+
+
+def test_passive_bit_identical_training(tmp_path):
+    torch.manual_seed(3)
+    base = ResCNN()
+    a = train(copy.deepcopy(base), 6)
+    b = train(copy.deepcopy(base), 6, tmp_path, sample_every=2, samples=100,
+              kinds=("grad", "act", "weight", "wgrad"))
+    for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), n
+    run = gradstats.open_run(tmp_path)
+    assert run.steps == list(range(6))
+    assert set(run.stats()["kind"]) == {"grad", "act", "weight", "wgrad"}
+
+
+def test_schedules_and_sampling(tmp_path):
+    model = ResCNN()
+    train(model, 7, tmp_path, every=3, sample_every=[1, 4], samples=50)
+    run = gradstats.open_run(tmp_path)
+    stats = run.stats()
+    assert sorted(stats["step"].unique()) == [0, 3, 6]
+    idx = run.sample_index()
+    assert sorted(idx["step"].unique()) == [1, 4]
+    s = run.samples("stem", 4)
+    assert s.shape == (50,) and int(idx[(idx.layer == "stem") & (idx.step == 4)]["n_total"].iloc[0]) == 8 * 8 * 8 * 8
+    with pytest.raises(ValueError, match="exist at steps \\[1, 4\\]"):
+        run.samples("stem", 3)
+    with pytest.raises(ValueError, match="not in this run"):
+        run.samples("nope", 1)
+
+
+def test_sample_is_uniform_subset(tmp_path):
+    lin = nn.Sequential(nn.Linear(1, 20000, bias=False))
+    with gradstats.trace(lin, tmp_path, samples=5000, sample_every=1) as tr:
+        x = torch.ones(1, 1, requires_grad=True)
+        w = torch.arange(20000, dtype=torch.float32)
+        (lin(x) * w).sum().backward()          # dL/dy_j = j
+        tr.step()
+    s = gradstats.open_run(tmp_path).samples("0", 0)
+    assert len(set(s.tolist())) == 5000                       # without replacement
+    assert abs(s.mean().item() - 9999.5) < 4 * 5774 / np.sqrt(5000)  # uniform: mean of 0..19999
+
+
+def test_messy_inputs(tmp_path):
+    """dict outputs, no-grad eval passes, in-place ops after the module, non-contiguous
+    outputs, outputs that do not require grad, and autocast."""
+    class Messy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 6)
+            self.frozen = nn.Linear(4, 4).requires_grad_(False)
+            self.b = nn.Linear(6, 6)
+
+        def forward(self, x):
+            x = self.frozen(x)                 # output requires no grad: skipped
+            h = self.a(x)
+            h = torch.relu_(h)                 # in-place after the module
+            y = self.b(h).t()                  # non-contiguous downstream
+            return {"y": y}
+
+    model = Messy()
+    ref = Messy(); ref.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    with gradstats.trace(model, tmp_path, samples=None, sample_every=1) as tr:
+        with torch.no_grad():
+            model(x)                            # eval pass: not recorded
+        model(x)["y"].square().sum().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)["y"].float().square().sum().backward()
+        tr.step()
+    run = gradstats.open_run(tmp_path)
+    stats = run.stats()
+    assert "frozen" not in set(stats.layer)
+    assert sorted(stats[stats.layer == "a"]["call"]) == [0, 1]
+    # dL/d(a's output) before the in-place relu: relu mask times upstream grad
+    h = ref.a(ref.frozen(x)).detach().requires_grad_(True)
+    (ref.b(torch.relu(h)).t().square().sum()).backward()
+    assert torch.equal(run.samples("a", 0, call=0), h.grad.reshape(-1))
+    bf = run.samples("b", 0, call=1)
+    assert bf.dtype == torch.float32 and torch.equal(bf, bf.bfloat16().float())
+
+
+def test_accumulation_records_each_micro_batch(tmp_path):
+    model = nn.Sequential(nn.Linear(3, 3))
+    with gradstats.trace(model, tmp_path) as tr:
+        for _ in range(2):
+            for _ in range(3):
+                model(torch.randn(2, 3)).sum().backward()
+            tr.step()
+    st = gradstats.open_run(tmp_path).stats()
+    assert sorted(zip(st.step, st.call)) == [(s, c) for s in (0, 1) for c in range(3)]
+
+
+def test_max_bytes_stops_sampling_with_warning(tmp_path):
+    model = nn.Sequential(nn.Linear(100, 1000))
+    with pytest.warns(UserWarning, match="byte budget"):
+        with gradstats.trace(model, tmp_path, samples=None, sample_every=1, max_bytes=20_000) as tr:
+            for _ in range(10):
+                model(torch.randn(4, 100)).sum().backward()
+                tr.step()
+    run = gradstats.open_run(tmp_path)
+    assert run.steps == list(range(10))                       # statistics go on
+    assert len(run.sample_index()) < 10
+
+
+def test_run_readable_while_in_progress(tmp_path):
+    model = nn.Sequential(nn.Linear(3, 3))
+    tr = gradstats.trace(model, tmp_path).attach()
+    for _ in range(3):
+        model(torch.randn(2, 3)).sum().backward()
+        tr.step()
+    tr.flush()
+    assert gradstats.open_run(tmp_path).steps == [0, 1, 2]
+    tr.detach()
+    assert gradstats.open_run(tmp_path).manifest["layers"][0]["output_shape"] == [2, 3]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"every": 0}, "every must be a positive"),
+    ({"sample_every": -2}, "sample_every must be a positive"),
+    ({"layers": "nothing*"}, "matches no module"),
+    ({"kinds": ("grads",)}, "kinds must be"),
+    ({"samples": 0}, "samples must be a positive"),
+    ({"layers": 3}, "layers= must be"),
+])
+def test_bad_arguments(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gradstats.trace(nn.Sequential(nn.Linear(2, 2)), tmp_path, **kwargs)
+
+
+def test_not_a_module_and_unwritable_path(tmp_path):
+    with pytest.raises(ValueError, match="torch.nn.Module"):
+        gradstats.trace(lambda x: x, tmp_path)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="cannot write a run"):
+        gradstats.trace(nn.Sequential(nn.Linear(2, 2)), blocker / "run").attach()
+
+
+def test_optimizer_and_manual_step_conflict(tmp_path):
+    model = nn.Sequential(nn.Linear(2, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradstats.trace(model, tmp_path, optimizer=opt) as tr:
+        with pytest.raises(ValueError, match="advances on optimizer.step"):
+            tr.step()
