@@ -312,7 +312,9 @@ def train(
             g["lr"] = base
     result.wall_time = t_loop
     if test is not None and not result.diverged:
-        result.test_accuracy, result.test_loss = _eval(model, test, eval_bs, seq_len, amp)
-        result.history.append({"step": result.steps, "test_accuracy": result.test_accuracy, "test_loss": result.test_loss})
+        if not result.history or result.history[-1]["step"] != result.steps:
+            acc, tl = _eval(model, test, eval_bs, seq_len, amp)
+            result.history.append({"step": result.steps, "test_accuracy": acc, "test_loss": tl})
+        result.test_accuracy, result.test_loss = result.history[-1]["test_accuracy"], result.history[-1]["test_loss"]
     log.info("%r", result)
     return result
