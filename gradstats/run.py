@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -402,6 +403,41 @@ class Run:
                              f"{'' if rank is None else f', rank {rank}'}); samples of that layer "
                              f"exist at steps {have}")
         return torch.cat(parts).to(torch.float32)
+
+    def summary(self, *, kind: str = "grad") -> pd.DataFrame:
+        """One row per layer: type, output shape, steps captured, and over all captured steps
+        (calls and ranks merged per step) the median zero fraction and the median mean and
+        std of ``log2|g|`` of the non-zero entries; plus the last step's values.
+
+        Example:
+            >>> import gradstats, tempfile, torch
+            >>> m = torch.nn.Sequential(torch.nn.Linear(3, 3))
+            >>> with gradstats.trace(m, tempfile.mkdtemp()) as t:
+            ...     m(torch.randn(4, 3)).sum().backward(); t.step()
+            >>> list(gradstats.open_run(t.path).summary().columns[:3])
+            ['layer', 'type', 'output_shape']
+        """
+        from .stats import lognormal_moments
+
+        info = {e["name"]: e for e in self.manifest.get("layers", [])}
+        df = self.stats(kinds=[kind], merge_ranks=len(self.ranks) > 1)
+        rows = []
+        for layer in self.layers:
+            g = df[df["layer"] == layer]
+            per_step = []
+            for step, gs in g.groupby("step", sort=True):
+                m = merge_stats(gs.to_dict("records"))
+                mu, sigma = lognormal_moments(m)
+                per_step.append((step, m["n_zero"] / max(m["n"], 1), mu / math.log(2), sigma / math.log(2)))
+            arr = np.array([p[1:] for p in per_step]) if per_step else np.full((1, 3), np.nan)
+            med = np.median(arr, axis=0)
+            last = arr[-1]
+            e = info.get(layer, {})
+            rows.append({"layer": layer, "type": e.get("type"), "output_shape": e.get("output_shape"),
+                         "params": e.get("params"), "steps": len(per_step),
+                         "zero_fraction": med[0], "mean_log2": med[1], "std_log2": med[2],
+                         "last_mean_log2": last[1], "last_std_log2": last[2]})
+        return pd.DataFrame(rows)
 
     def __repr__(self) -> str:
         return (f"Run({str(self.path)!r}, layers={len(self.layers)}, steps={len(self.steps)}, "
