@@ -19,6 +19,9 @@ whatever its dtype):
                           ``[2**(HIST_MIN_EXP + i), 2**(HIST_MIN_EXP + i + 1))``
 ========================  =================================================================
 
+On the CPU a fused one-pass C kernel (:mod:`gradstats._native`) computes them when a C
+compiler is available; elsewhere, and as the reference, a sequence of torch reductions.
+
 The sums are sufficient for the lognormal MLE (``mu = sum_ln_abs / n_nz``) and mergeable:
 statistics of several batches, calls, steps or ranks combine with :func:`merge_stats`.
 
@@ -33,6 +36,8 @@ Example:
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 from typing import Any, Iterable, Mapping
 
@@ -133,6 +138,29 @@ def _reduce(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([scalars, hist.to(f64)])
 
 
+@functools.lru_cache(maxsize=1)
+def _native_kernel():
+    from ._native import load
+
+    lib = load("stats")
+    if lib is None:
+        return None
+    fn = lib.gs_stats_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return fn
+
+
+def _reduce_native(fn, x: torch.Tensor) -> torch.Tensor:
+    """The fused one-pass C kernel (CPU, contiguous float32); same layout as :func:`_reduce`."""
+    out = torch.empty(len(SCALAR_FIELDS) + HIST_BINS, dtype=torch.float64)
+    hist = torch.empty(HIST_BINS, dtype=torch.int64)
+    fn(x.data_ptr(), x.numel(), out.data_ptr() + 8, hist.data_ptr(), torch.get_num_threads())
+    out[0] = float(x.numel())
+    out[len(SCALAR_FIELDS):] = hist
+    return out
+
+
 def tensor_stats_vector(g: torch.Tensor) -> torch.Tensor:
     """Statistics of ``g`` as one float64 vector on ``g``'s device (no host synchronisation
     on CUDA). Layout: ``SCALAR_FIELDS`` then the ``HIST_BINS`` histogram counts.
@@ -149,7 +177,12 @@ def tensor_stats_vector(g: torch.Tensor) -> torch.Tensor:
     x = g.detach()
     if x.dtype != torch.float32:
         x = x.float()
-    return _reduce(x.reshape(-1))
+    x = x.reshape(-1)
+    if x.device.type == "cpu" and x.numel() > 0:
+        fn = _native_kernel()
+        if fn is not None:
+            return _reduce_native(fn, x.contiguous())
+    return _reduce(x)
 
 
 def vector_to_stats(v: torch.Tensor | np.ndarray) -> dict[str, Any]:

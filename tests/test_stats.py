@@ -7,8 +7,19 @@ import numpy as np
 import pytest
 import torch
 
+import gradstats.stats as stats_mod
 from gradstats.stats import (HIST_BINS, HIST_MIN_EXP, lognormal_moments, merge_stats,
                              tensor_stats, tensor_stats_vector, vector_to_stats)
+
+
+@pytest.fixture(params=["native", "torch"], autouse=True)
+def kernel_path(request, monkeypatch):
+    """Every test runs on the fused C kernel and on the pure-torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(stats_mod, "_native_kernel", lambda: None)
+    elif stats_mod._native_kernel() is None:
+        pytest.skip("no C compiler here: the torch path is tested instead")
+    return request.param
 
 
 def reference(x: np.ndarray) -> dict:

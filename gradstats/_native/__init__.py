@@ -1,0 +1,96 @@
+"""Small native CPU kernels, compiled from C on first use with the system's C compiler.
+
+The C sources live beside this file. A kernel is compiled once per source, compiler and CPU
+(``-O3 -march=native``, with OpenMP when available) into a cache directory
+(``$GRADSTATS_CACHE`` or ``~/.cache/gradstats``), atomically, and loaded with ctypes. When no
+compiler is available, or ``GRADSTATS_NATIVE=0``, :func:`load` returns None and callers use
+their pure-torch path, which computes the same statistics.
+
+Example:
+    >>> from gradstats._native import load
+    >>> lib = load("stats")        # a ctypes library, or None without a C compiler
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("GRADSTATS_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "gradstats")
+    return Path(root)
+
+
+def _cpu_tag() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(src: Path, out: Path, cc: str, openmp: bool) -> bool:
+    flags = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c99"]
+    if openmp:
+        flags.append("-fopenmp")
+    else:
+        flags.append("-fopenmp-simd")
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *flags, "-o", tmp, str(src), "-lm"], capture_output=True, text=True,
+                             timeout=120)
+        if res.returncode != 0:
+            log.debug("compiling %s failed: %s", src.name, res.stderr[-2000:])
+            return False
+        os.replace(tmp, out)
+        return True
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=None)
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled kernel library ``name`` (from ``name.c`` beside this module), or None."""
+    if os.environ.get("GRADSTATS_NATIVE", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.info("no C compiler found: gradstats uses its pure-torch CPU kernels")
+        return None
+    src = _HERE / f"{name}.c"
+    key = hashlib.sha256(src.read_bytes() + cc.encode() + _cpu_tag().encode()).hexdigest()[:16]
+    cache = _cache_dir()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        cache = Path(tempfile.gettempdir()) / "gradstats-native"
+        cache.mkdir(parents=True, exist_ok=True)
+    lib_path = cache / f"{name}-{key}.so"
+    if not lib_path.exists():
+        log.info("compiling the native %s kernel (once) into %s", name, lib_path)
+        if not (_compile(src, lib_path, cc, openmp=True) or _compile(src, lib_path, cc, openmp=False)):
+            log.warning("could not compile the native %s kernel; using the pure-torch path", name)
+            return None
+    try:
+        return ctypes.CDLL(str(lib_path))
+    except OSError as exc:
+        log.warning("could not load %s (%s); using the pure-torch path", lib_path, exc)
+        return None
