@@ -102,7 +102,12 @@ class SmallCNN(nn.Module):
 
 
 class BasicBlock(nn.Module):
-    """ResNet basic block: two conv3x3-BN, identity or 1x1-conv-BN shortcut, ReLU after the sum."""
+    """ResNet basic block: two conv3x3-BN, identity or 1x1-conv-BN shortcut, ReLU after the sum.
+
+    Example:
+        >>> BasicBlock(16, 32, stride=2)(torch.zeros(1, 16, 8, 8)).shape
+        torch.Size([1, 32, 4, 4])
+    """
 
     def __init__(self, in_planes: int, planes: int, stride: int = 1) -> None:
         super().__init__()
@@ -193,7 +198,12 @@ def resnet18(in_channels: int = 1, num_classes: int = 10, image_size: int = 32) 
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with separate q, k, v and output projections (``nn.Linear``)."""
+    """Multi-head causal self-attention with separate q, k, v and output projections (``nn.Linear``).
+
+    Example:
+        >>> CausalSelfAttention(32, 4)(torch.zeros(2, 5, 32)).shape
+        torch.Size([2, 5, 32])
+    """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -219,7 +229,12 @@ class CausalSelfAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(ln1(x))``, then ``x + fc2(GELU(fc1(ln2(x))))``."""
+    """Pre-norm block: ``x + attn(ln1(x))``, then ``x + fc2(GELU(fc1(ln2(x))))``.
+
+    Example:
+        >>> TransformerBlock(32, 4)(torch.zeros(2, 5, 32)).shape
+        torch.Size([2, 5, 32])
+    """
 
     def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, dropout: float = 0.0) -> None:
         super().__init__()

@@ -50,6 +50,12 @@ class TrainResult:
         wall_time: seconds spent in the loop, evaluation excluded.
         diverged: the loss became non-finite (training stopped there).
         config: the settings (model class, optimizer, lr, batch size, seed, ...).
+
+    Example:
+        >>> r = train(nn.Linear(4, 2), (torch.randn(32, 4), torch.randint(0, 2, (32,))), steps=3,
+        ...           batch_size=8, progress=False)
+        >>> r.steps, len(r.to_dataframe())
+        (3, 3)
     """
 
     losses: list[float]
@@ -117,7 +123,12 @@ def make_optimizer(
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
-    """Cross-entropy for class logits ``(B, C)`` or sequence logits ``(B, T, V)``."""
+    """Cross-entropy for class logits ``(B, C)`` or sequence logits ``(B, T, V)`` (computed in float32).
+
+    Example:
+        >>> round(float(loss_fn(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long))), 4)
+        1.3863
+    """
     return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
 
 
@@ -318,3 +329,120 @@ def train(
         result.test_accuracy, result.test_loss = result.history[-1]["test_accuracy"], result.history[-1]["test_loss"]
     log.info("%r", result)
     return result
+
+
+# ----------------------------------------------------------------------------- model + data + settings
+RECOMMENDED: dict[str, dict] = {
+    "mlp": {"optimizer": "sgd", "lr": 0.05, "batch_size": 128},
+    "cnn": {"optimizer": "sgd", "lr": 0.05, "batch_size": 128},
+    "resnet20": {"optimizer": "sgd", "lr": 0.05, "batch_size": 128},
+    "resnet18": {"optimizer": "sgd", "lr": 0.05, "batch_size": 128},
+    "transformer": {"optimizer": "adamw", "lr": 3e-3, "batch_size": 32, "seq_len": 128, "warmup": 30},
+}
+"""Training settings that work for each built-in model on its built-in data (see :func:`prepare`)."""
+
+
+@dataclass
+class Task:
+    """A built-in model with its data and recommended settings; ``run(steps)`` trains it.
+
+    Attributes:
+        name: the model's registry name.
+        model: the built model (on the requested device).
+        train_data, test_data: the datasets (``test_data`` is None for a character dataset,
+            whose validation split is used).
+        hparams: keyword arguments for :func:`train` (optimizer, lr, batch size, seed, ...).
+
+    Example:
+        >>> task = prepare("mlp", source="subset", subset=128, test_subset=50)
+        >>> task.run(2, batch_size=32, progress=False).steps
+        2
+    """
+
+    name: str
+    model: nn.Module
+    train_data: Data
+    test_data: Data | None
+    hparams: dict
+
+    def run(self, steps: int, **overrides) -> TrainResult:
+        """``train(model, train_data, test=test_data, steps=steps, **hparams | overrides)``."""
+        kw = {**self.hparams, **overrides}
+        kw.setdefault("test", self.test_data)
+        return train(self.model, self.train_data, steps=steps, **kw)
+
+    def to_dict(self) -> dict:
+        """Model name, data summaries and settings."""
+        return {
+            "model": self.name,
+            "train_data": self.train_data.to_dict() if hasattr(self.train_data, "to_dict") else None,
+            "test_data": self.test_data.to_dict() if hasattr(self.test_data, "to_dict") else None,
+            "hparams": dict(self.hparams),
+        }
+
+
+def prepare(
+    name: str,
+    *,
+    data: str | None = None,
+    root: str | None = None,
+    source: str = "auto",
+    subset: int | None = None,
+    test_subset: int | None = None,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    **model_kw,
+) -> Task:
+    """Build a registry model, load the data it is meant for, and pick its recommended settings.
+
+    Args:
+        name: a model name from :func:`gradstats.models.list_models`.
+        data: dataset name (default: the model's, :data:`gradstats.models.DEFAULT_DATA`);
+            ``"digits"`` is resampled to the model's image size.
+        root, source, subset: passed to the image loader (``root`` is a text file for Shakespeare);
+            ``test_subset`` limits the test split likewise.
+        seed: initialises the model and orders the minibatches.
+        device: move the model there (batches follow it).
+        model_kw: passed to the model constructor (e.g. ``d_model=256``).
+
+    Example:
+        >>> task = prepare("cnn", source="subset", subset=256, test_subset=100)
+        >>> task.train_data.source, task.hparams["lr"]
+        ('committed subset', 0.05)
+        >>> task.run(3, progress=False).steps
+        3
+    """
+    from .data import load_data, load_images
+    from .models import DEFAULT_DATA, build_model, list_models
+
+    if name not in RECOMMENDED:
+        raise ValueError(f"unknown model {name!r}; expected one of {list_models()}")
+    data = data or DEFAULT_DATA[name]
+    hparams = {**RECOMMENDED[name], "seed": seed}
+    if data == "shakespeare":
+        if name != "transformer":
+            raise ValueError(f"model {name!r} takes images; the shakespeare data needs model 'transformer'")
+        train_data = load_data("shakespeare", root)
+        model_kw.setdefault("vocab_size", train_data.vocab_size)
+        model_kw.setdefault("seq_len", hparams["seq_len"])
+        hparams["seq_len"] = model_kw["seq_len"]
+        test_data = None
+    else:
+        if name == "transformer":
+            raise ValueError(f"model 'transformer' takes characters; use data='shakespeare', not {data!r}")
+        size = 32 if name == "resnet18" else 28
+        kw: dict = {"size": size}
+        if data == "digits":
+            if subset or test_subset or source != "auto":
+                raise ValueError("subset, test_subset and source apply to fashion-mnist, not to the digits")
+        else:
+            kw["source"] = source
+        train_data = load_images(data, root, split="train", **kw, **({"subset": subset} if subset else {}))
+        test_data = load_images(data, root, split="test", **kw, **({"subset": test_subset} if test_subset else {}))
+        if name == "cnn":
+            model_kw.setdefault("image_size", size)
+    model = build_model(name, seed=seed, **model_kw)
+    if device is not None:
+        model = model.to(device)
+    log.info("prepared %s on %s (%s)", name, getattr(train_data, "name", data), getattr(train_data, "source", ""))
+    return Task(name, model, train_data, test_data, hparams)

@@ -101,3 +101,29 @@ def test_bad_inputs(fm):
         train(model, [1, 2, 3], steps=1, progress=False)
     with pytest.raises(ValueError, match="lr must be positive"):
         make_optimizer(model, "sgd", lr=0.0)
+
+
+def test_prepare_picks_data_and_settings_per_model():
+    from gradstats.training import RECOMMENDED, prepare
+
+    cnn = prepare("cnn", source="subset", subset=200, test_subset=50, seed=1)
+    assert cnn.train_data.source == "committed subset" and len(cnn.train_data) == 200 and len(cnn.test_data) == 50
+    assert cnn.hparams == {**RECOMMENDED["cnn"], "seed": 1}
+    r18 = prepare("resnet18", source="subset", subset=20, test_subset=20)
+    assert r18.train_data.input_shape == (1, 32, 32) == r18.model.input_shape
+    digits = prepare("cnn", data="digits")
+    assert digits.train_data.input_shape == (1, 28, 28)
+    r = digits.run(2, batch_size=16, progress=False)
+    assert r.steps == 2 and r.test_accuracy is not None
+    tf = prepare("transformer", d_model=32, n_layers=1, seq_len=16)
+    assert tf.model.vocab_size == tf.train_data.vocab_size == 76 and tf.hparams["seq_len"] == 16
+    assert tf.run(2, batch_size=4, progress=False).steps == 2
+    assert tf.to_dict()["train_data"]["name"] == "shakespeare"
+    with pytest.raises(ValueError, match="unknown model"):
+        prepare("vgg")
+    with pytest.raises(ValueError, match="takes images"):
+        prepare("cnn", data="shakespeare")
+    with pytest.raises(ValueError, match="takes characters"):
+        prepare("transformer", data="fashion-mnist")
+    with pytest.raises(ValueError, match="not to the digits"):
+        prepare("mlp", data="digits", subset=10)
