@@ -1,0 +1,191 @@
+"""Figures of gradient pruning: achieved vs target sparsity per threshold rule, the threshold
+(in units of the layer's median |g|) against sigma, cosine similarity against sparsity, and a
+heterogeneous allocation.
+
+Example:
+    >>> import os, tempfile
+    >>> fig = plot_threshold_vs_sigma(path=os.path.join(tempfile.mkdtemp(), "t.png"))
+    >>> len(fig.axes)  # one panel per target sparsity
+    3
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from .style import FAMILY_COLORS, savefig, use_style
+
+#: one colour per threshold rule (the families keep the shared colours)
+RULE_COLORS = {**FAMILY_COLORS, "naive_lognormal": "#7fbf7b", "exact": "#444444",
+               "exact_stochastic": "#999999"}
+RULE_LABELS = {"lognormal": "lognormal (analytic)", "naive_lognormal": "naive lognormal quantile",
+               "normal": "normal (half-normal)", "laplace": "Laplace (exponential)",
+               "exact": "exact quantile (hard)", "exact_stochastic": "exact (sort oracle)"}
+
+
+def _finish(fig: Any, path: str | os.PathLike[str] | None) -> Any:
+    if path is not None:
+        savefig(fig, path)  # closes the figure; the returned object stays inspectable
+    return fig
+
+
+def plot_achieved_vs_target(table: Any, *, path: str | os.PathLike[str] | None = None,
+                            title: str | None = None) -> Any:
+    """Achieved sparsity against target, one colour per rule: per-layer points (small) and the
+    mean over layers (line); the diagonal is a perfect rule. ``table`` has columns ``rule``,
+    ``target``, ``achieved`` (and optionally ``layer``).
+
+    Example:
+        >>> import pandas as pd
+        >>> t = pd.DataFrame({"rule": ["lognormal"] * 2, "target": [0.5, 0.9], "achieved": [0.5, 0.9]})
+        >>> plot_achieved_vs_target(t).axes[0].get_xlabel()
+        'target sparsity'
+    """
+    import matplotlib.pyplot as plt
+
+    use_style()
+    fig, ax = plt.subplots(figsize=(5.6, 4.8))
+    lo = float(min(table["target"].min(), table["achieved"].min()))
+    ax.plot([lo, 1], [lo, 1], color="black", lw=0.8, ls="--", label="achieved = target")
+    rules = [r for r in RULE_COLORS if r in set(table["rule"])] + \
+        sorted(set(table["rule"]) - set(RULE_COLORS))
+    for i, rule in enumerate(rules):
+        sub = table[table["rule"] == rule]
+        c = RULE_COLORS.get(rule, f"C{i}")
+        jitter = (i - (len(rules) - 1) / 2) * 0.003
+        ax.scatter(sub["target"] + jitter, sub["achieved"], s=6, alpha=0.35, color=c, lw=0)
+        mean = sub.groupby("target")["achieved"].mean()
+        ax.plot(mean.index, mean.values, marker="o", ms=4, color=c, label=RULE_LABELS.get(rule, rule))
+    ax.set_xlabel("target sparsity")
+    ax.set_ylabel("achieved sparsity (fraction of zeros)")
+    ax.set_title(title or "Achieved vs target sparsity per threshold rule")
+    ax.legend(fontsize="small", loc="upper left")
+    return _finish(fig, path)
+
+
+def plot_threshold_vs_sigma(sigmas: Sequence[float] | None = None,
+                            targets: Sequence[float] = (0.5, 0.85, 0.95), *,
+                            path: str | os.PathLike[str] | None = None) -> Any:
+    """Threshold for a target sparsity, in units of the layer's median ``|g|`` (``e^mu``), as a
+    function of sigma for an exactly lognormal layer: the analytic rule, the naive lognormal
+    quantile, and the normal and Laplace rules fitted to the same layer (log2 y axis).
+
+    Example:
+        >>> fig = plot_threshold_vs_sigma([0.5, 1.0, 2.0], [0.9])
+        >>> fig.axes[0].get_yscale()
+        'log'
+    """
+    import matplotlib.pyplot as plt
+
+    from ..pruning import threshold
+
+    use_style()
+    s = np.linspace(0.25, 4.0, 60) if sigmas is None else np.asarray(sigmas, dtype=np.float64)
+    targets = list(targets)
+    fig, axes = plt.subplots(1, len(targets), figsize=(3.4 * len(targets) + 0.8, 4.2),
+                             sharey=True, squeeze=False)
+    for ax, S in zip(axes[0], targets):
+        ax.plot(s, threshold(S, mu=0.0, sigma=s), color=RULE_COLORS["lognormal"], lw=2,
+                label=RULE_LABELS["lognormal"])
+        ax.plot(s, threshold(S, mu=0.0, sigma=s, model="naive_lognormal"),
+                color=RULE_COLORS["naive_lognormal"], ls="--", label=RULE_LABELS["naive_lognormal"])
+        # bell-shaped models fitted to the same lognormal layer (mu = 0):
+        # E g^2 = exp(2 sigma^2), E|g| = exp(sigma^2 / 2)
+        ax.plot(s, threshold(S, scale=np.exp(s ** 2), model="normal"), color=RULE_COLORS["normal"],
+                ls="-.", label="normal fit to the layer")
+        ax.plot(s, threshold(S, scale=np.exp(s ** 2 / 2), model="laplace"),
+                color=RULE_COLORS["laplace"], ls=":", lw=2, label="Laplace fit to the layer")
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("sigma of ln|g|")
+        ax.set_title(f"target sparsity {S:g}")
+    axes[0][0].set_ylabel("threshold / median |g|  (log2 scale)")
+    axes[0][0].legend(fontsize="x-small", loc="upper left")
+    fig.suptitle("Threshold rules on an exactly lognormal layer")
+    return _finish(fig, path)
+
+
+def plot_cosine_vs_sparsity(sigmas: Sequence[float] = (0.5, 1.0, 2.0, 3.0, 4.0), *,
+                            measured: Any = None,
+                            path: str | os.PathLike[str] | None = None) -> Any:
+    """Predicted cosine similarity between ``g`` and its stochastic pruning against the target
+    sparsity, one curve per sigma (lognormal closed form). ``measured``: optional DataFrame with
+    columns ``sigma``, ``sparsity``, ``cosine`` drawn as points (e.g. Monte Carlo or real layers).
+
+    Example:
+        >>> fig = plot_cosine_vs_sparsity([1.0, 2.0])
+        >>> fig.axes[0].get_xlabel()
+        'sparsity (fraction of zeros)'
+    """
+    import matplotlib.pyplot as plt
+
+    from ..pruning import added_variance, threshold
+
+    use_style()
+    S = np.linspace(0.01, 0.995, 200)
+    fig, (ax, axl) = plt.subplots(1, 2, figsize=(10.0, 4.4))
+    cmap = plt.get_cmap("viridis")
+    for i, sg in enumerate(sigmas):
+        c = cmap(i / max(1, len(sigmas) - 1))
+        d = added_variance(threshold(S, mu=0.0, sigma=sg), mu=0.0, sigma=sg, relative=True)
+        one_minus = -np.expm1(-0.5 * np.log1p(d))  # 1 - 1/sqrt(1 + d), accurate when tiny
+        ax.plot(S, 1.0 - one_minus, color=c, label=f"sigma = {sg:g}")
+        axl.plot(S, one_minus, color=c)
+        if measured is not None:
+            sub = measured[np.isclose(measured["sigma"], sg)]
+            if len(sub):
+                for a_, y in ((ax, sub["cosine"]), (axl, 1.0 - sub["cosine"])):
+                    a_.scatter(sub["sparsity"], y, color=c, s=14, edgecolor="black", lw=0.4,
+                               zorder=3)
+    for a_ in (ax, axl):
+        a_.axvline(0.85, color="grey", lw=0.8, ls=":")
+        a_.set_xlabel("sparsity (fraction of zeros)")
+    ax.set_ylabel("cosine similarity of g and T(g)")
+    axl.set_yscale("log")
+    axl.set_ylabel("1 - cosine similarity (log scale)")
+    ax.legend(fontsize="small", loc="lower left")
+    fig.suptitle("Cost of stochastic pruning on a lognormal layer"
+                 + ("; points: measured" if measured is not None else ""))
+    return _finish(fig, path)
+
+
+def plot_allocation(allocation: Any, path: str | os.PathLike[str] | None = None) -> Any:
+    """Per-layer targets of a heterogeneous allocation (bars, width-agnostic) with the global
+    budget, and the predicted cosine similarity of each layer (points, right axis).
+
+    Example:
+        >>> from gradstats.pruning import allocate
+        >>> a = allocate({"a": {"mu": -9.0, "sigma": 1.0, "n": 100},
+        ...               "b": {"mu": -9.0, "sigma": 3.0, "n": 300}}, 0.8)
+        >>> len(plot_allocation(a).axes)
+        2
+    """
+    import matplotlib.pyplot as plt
+
+    use_style()
+    L = len(allocation.layers)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.45 * L + 2.5), 4.2))
+    x = np.arange(L)
+    ax.bar(x, allocation.targets, color=RULE_COLORS["lognormal"], alpha=0.7, label="layer target")
+    ax.axhline(allocation.budget, color="black", ls="--", lw=0.8,
+               label=f"global budget {allocation.budget:g}")
+    ax.set_xticks(x)
+    ax.set_xticklabels(allocation.layers, rotation=60, ha="right", fontsize="small")
+    ax.set_ylabel("sparsity")
+    ax.set_ylim(0, 1)
+    ax2 = ax.twinx()
+    ax2.plot(x, allocation.cosine, "o", color="#2166ac", ms=4, label="predicted cosine")
+    fl = np.asarray(allocation.floors)
+    if np.isfinite(fl).any():
+        ax2.plot(x, fl, "_", color="#b2182b", ms=12, mew=2, label="cosine floor")
+    ax2.set_ylabel("cosine similarity")
+    ax2.set_ylim(min(0.5, float(np.nanmin(allocation.cosine)) - 0.02), 1.005)
+    ax2.grid(False)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize="small", loc="lower center", ncol=2,
+              bbox_to_anchor=(0.5, 1.0), frameon=False)
+    ax.set_title(f"Heterogeneous sparsity allocation (achieved {allocation.achieved:.3f})",
+                 pad=44)
+    return _finish(fig, path)

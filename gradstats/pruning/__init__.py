@@ -1,0 +1,29 @@
+"""Gradient pruning: analytic lognormal thresholds, the baselines, unbiased stochastic pruning.
+
+Public verbs (see ``docs/pruning.md``):
+
+- :func:`expected_sparsity`, :func:`threshold`: the model's sparsity at a threshold and its
+  inverse (lognormal, naive lognormal, normal, Laplace), vectorised over layers;
+- :func:`predicted_cosine`, :func:`added_variance`: what pruning at a threshold costs;
+- :func:`stochastic_prune`, :func:`hard_prune`, :func:`prune`, :func:`exact_threshold`: the
+  operators on tensors, and the sort/selection baseline;
+- :func:`allocate`: heterogeneous mode, per-layer targets under a global element-weighted
+  budget with optional per-layer cosine floors.
+
+Example:
+    >>> from gradstats import pruning
+    >>> round(pruning.expected_sparsity(1.0, mu=0.0, sigma=1.0), 6)
+    0.238422
+"""
+from __future__ import annotations
+
+from .operator import METHODS, exact_threshold, hard_prune, prune, stochastic_prune
+from .thresholds import (MODELS, RULES, added_variance, expected_sparsity, predicted_cosine,
+                         threshold)
+
+__all__ = ["expected_sparsity", "threshold", "predicted_cosine", "added_variance",
+           "stochastic_prune", "hard_prune", "prune", "exact_threshold",
+           "MODELS", "RULES", "METHODS"]
+from .allocation import Allocation, allocate  # noqa: E402
+
+__all__ += ["allocate", "Allocation"]

@@ -1,0 +1,202 @@
+"""The CPU engine: cache-blocked sweeps over a flat float32/float64 array.
+
+Whole-tensor torch ops on the CPU each stream the full tensor through memory, and torch's
+generator fills uniforms on one thread; a stochastic prune written that way makes about eight
+passes over the data. Here the tensor is cut into blocks that stay in the L2 cache; each block
+goes through a short sequence of numpy ufuncs (which release the GIL) on per-thread scratch
+buffers, and blocks are spread over a small thread pool. Memory sees one read of ``x`` per sweep
+and one write of the output.
+
+Random numbers: a PCG64 stream seeded once per call. Block ``k`` jumps to its own place in the
+stream (``advance``), so the uniforms do not depend on the block size or the number of threads:
+they are exactly ``numpy.random.Generator(PCG64(seed)).random(n, dtype)``.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+#: elements per block (float32: 256 KiB, a fraction of a core's L2 cache)
+BLOCK = 1 << 16
+
+_local = threading.local()
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_SIGN32 = np.int32(-2 ** 31)
+_SIGN64 = np.int64(-2 ** 63)
+
+
+def _workers() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers != _workers():  # type: ignore[attr-defined]
+            _pool = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="gradstats-prune")
+        return _pool
+
+
+def _map(fn: Callable[[int], Any], n: int) -> list[Any]:
+    k = (n + BLOCK - 1) // BLOCK
+    if k <= 1 or _workers() == 1 or threading.current_thread().name.startswith("gradstats-prune"):
+        return [fn(i) for i in range(k)]
+    return list(_get_pool().map(fn, range(k)))
+
+
+def _scratch(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    key = np.dtype(dtype).char
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    if key not in bufs:
+        bufs[key] = (np.empty(BLOCK, dtype), np.empty(BLOCK, dtype), np.empty(BLOCK, np.bool_))
+    return bufs[key]
+
+
+def _bitgen(state: dict[str, Any]) -> np.random.PCG64:
+    bg = getattr(_local, "bitgen", None)
+    if bg is None:
+        bg = _local.bitgen = np.random.PCG64(0)
+    bg.state = state
+    return bg
+
+
+def pcg_state(seed: int) -> dict[str, Any]:
+    """The PCG64 state for ``seed`` (``numpy.random.PCG64(seed).state``)."""
+    return np.random.PCG64(seed).state
+
+
+# --------------------------------------------------------------------------- statistics sweep
+def _ones(dtype: np.dtype) -> np.ndarray:
+    key = "ones" + np.dtype(dtype).char
+    v = getattr(_local, key, None)
+    if v is None:
+        v = np.ones(BLOCK, dtype)
+        setattr(_local, key, v)
+    return v
+
+
+def _log_centre(x: np.ndarray) -> float:
+    """A rough mean of ``ln|x|`` from at most 4096 evenly spaced entries (0 if all are zero)."""
+    step = max(1, x.shape[0] // 4096)
+    a = np.abs(x[::step].astype(np.float64))
+    a = a[(a > 0) & np.isfinite(a)]
+    return float(np.log(a).mean()) if a.size else 0.0
+
+
+def moments(x: np.ndarray, *, logs: bool = True) -> dict[str, Any]:
+    """One sweep: ``n``, ``n_zero``, ``sum_abs``, ``sum_sq`` and (``logs``) ``sum_ln_abs``,
+    ``sum_ln_abs_sq`` of a flat array.
+
+    The logs are taken of ``|x| * e^-c`` with ``c`` a rough mean of ``ln|x|`` (from a few
+    thousand entries), so the squares summed in the array's dtype are of centred values and a
+    large ``|mu|`` costs no precision; zeros are mapped to 1 before the log (contributing 0).
+    Block sums are BLAS dot products; blocks are combined in float64. ``finite`` is False when
+    inf/NaN, an overflowing square or an underflowing scaled value made a sum non-finite; the
+    caller then uses :mod:`gradstats.stats`.
+    """
+    n = x.shape[0]
+    dt = x.dtype.type
+    c = _log_centre(x) if logs else 0.0
+    k_scale = dt(math.exp(-c))
+
+    def block(k: int) -> tuple[float, ...]:
+        s, e = k * BLOCK, min(n, (k + 1) * BLOCK)
+        w, z, m = _scratch(x.dtype)
+        w, z, m = w[: e - s], z[: e - s], m[: e - s]
+        ones = _ones(x.dtype)[: e - s]
+        np.abs(x[s:e], out=w)
+        sabs = float(np.dot(w, ones))
+        ssq = float(np.dot(w, w))
+        np.equal(w, 0, out=m)
+        n0 = int(np.count_nonzero(m))
+        if not logs or n0 == e - s:
+            return (n0, sabs, ssq, 0.0, 0.0)
+        np.multiply(w, k_scale, out=w)
+        if n0:
+            np.copyto(z, m, casting="unsafe")
+            np.add(w, z, out=w)  # zeros -> 1, whose log is 0
+        np.log(w, out=w)
+        return (n0, sabs, ssq, float(np.dot(w, ones)), float(np.dot(w, w)))
+
+    parts = np.array(_map(block, n), dtype=np.float64).reshape(-1, 5)
+    tot = parts.sum(axis=0)
+    n0 = int(round(tot[0]))
+    nz = n - n0
+    s1, s2 = tot[3], tot[4]  # sums of l - c and (l - c)^2 over the non-zero entries
+    with np.errstate(invalid="ignore", over="ignore"):
+        sq = float(s2 + 2.0 * c * s1 + nz * c * c)
+    out: dict[str, Any] = {"n": n, "n_zero": n0, "n_nonfinite": 0, "sum_abs": float(tot[1]), "sum_sq": float(tot[2]),
+                           "sum_ln_abs": float(s1 + nz * c),
+                           "sum_ln_abs_sq": sq}
+    out["finite"] = bool(np.isfinite(parts).all())
+    return out
+
+
+# --------------------------------------------------------------------------- stochastic prune
+def stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, *, seed: int | None = None,
+                     uniforms: np.ndarray | None = None) -> None:
+    """``out = T_a(x)``: ``x`` where ``|x| >= a``, else ``sign(x) * a`` when ``u * a < |x|``
+    and 0 otherwise, with ``u`` the uniforms given or drawn from PCG64(``seed``).
+
+    Every block reads its part of ``x`` before writing its part of ``out``, so ``out`` may be
+    ``x`` itself. Pruned entries are zeros of either sign; NaN stays NaN, inf stays inf.
+    """
+    n = x.shape[0]
+    dt = x.dtype
+    f32 = dt == np.float32
+    av = dt.type(a)
+    state = pcg_state(seed) if uniforms is None else None
+    ibits, sign = (np.int32, _SIGN32) if f32 else (np.int64, _SIGN64)
+    # u * a for u = r * 2^-k, computed as r * (a * 2^-k) (both exact scalings) when a * 2^-k
+    # stays a normal number; otherwise the uniform is formed first
+    mant = 24 if f32 else 53
+    scaled = dt.type(math.ldexp(float(av), -mant))
+    direct = bool(scaled >= np.finfo(dt).tiny)
+
+    def block(k: int) -> None:
+        s, e = k * BLOCK, min(n, (k + 1) * BLOCK)
+        u, w, m = _scratch(dt)
+        u, w, m = u[: e - s], w[: e - s], m[: e - s]
+        xc = x[s:e]
+        if uniforms is not None:
+            np.multiply(uniforms[s:e], av, out=u)
+        else:
+            bg = _bitgen(state)
+            if f32:
+                bg.advance(s // 2)  # two float32 draws per 64-bit output
+                raw = bg.random_raw((e - s + 1) // 2).view(np.uint32)[: e - s]
+                np.right_shift(raw, 8, out=raw)
+            else:
+                bg.advance(s)
+                raw = bg.random_raw(e - s)
+                np.right_shift(raw, 11, out=raw)
+            np.copyto(u, raw, casting="unsafe")
+            if direct:
+                np.multiply(u, scaled, out=u)
+            else:
+                np.multiply(u, dt.type(2.0 ** -mant), out=u)
+                np.multiply(u, av, out=u)
+        np.abs(xc, out=w)
+        np.less(u, w, out=m)            # keep: u * a < |x| (always true where |x| >= a)
+        np.maximum(w, av, out=w)        # max(|x|, a); NaN propagates
+        wi = w.view(ibits)
+        ui = u.view(ibits)
+        np.bitwise_and(xc.view(ibits), sign, out=ui)
+        np.bitwise_or(wi, ui, out=wi)   # sign(x) * max(|x|, a)
+        np.copyto(u, m, casting="unsafe")
+        np.multiply(w, u, out=out[s:e])
+
+    _map(block, n)
+
+
+def uniforms(seed: int, n: int, dtype: np.dtype) -> np.ndarray:
+    """The uniforms :func:`stochastic_prune` draws for ``seed`` (for tests and reproduction)."""
+    return np.random.Generator(np.random.PCG64(seed)).random(n, dtype=dtype)

@@ -1,0 +1,277 @@
+"""Magnitude models of the non-zero gradient entries and the bracketed solver.
+
+Each model describes ``|g|`` of the non-zero entries and works in a standardised log-threshold
+``x`` (float64 numpy arrays, vectorised over layers):
+
+============  ========================  =====================================================
+model         parameters                ``x`` for a threshold ``a``
+============  ========================  =====================================================
+lognormal     ``mu``, ``sigma`` of ln|g|  ``x = ln a - mu``
+normal        ``scale`` (``s^2 = E g^2``) ``x = ln(a / s)``   (half-normal magnitudes)
+laplace       ``scale`` (``b = E|g|``)    ``x = ln(a / b)``   (exponential magnitudes)
+============  ========================  =====================================================
+
+For every model the stochastic operator's zero fraction is ``S = H - U`` with ``H = P(|g| < a)``
+(the hard-threshold fraction) and ``U = E[|g| 1{|g| < a}] / a`` (the mass rounded *up* to ``a``),
+and ``dS/dx = U > 0``: ``S`` is increasing and the safeguarded Newton step is cheap.
+``r(x) = E[T(g)^2] / E[g^2]`` gives the cosine similarity ``1/sqrt(r)`` and the relative added
+variance ``r - 1``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+from scipy import special
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+class Model:
+    """Base: subclasses set ``name`` and implement the methods on float64 arrays."""
+
+    name = ""
+
+    def to_x(self, a: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def from_x(self, x: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def hard(self, x: np.ndarray) -> np.ndarray:
+        """``P(|g| < a)``."""
+        raise NotImplementedError
+
+    def up(self, x: np.ndarray) -> np.ndarray:
+        """``E[|g| 1{|g| < a}] / a`` (also ``dS/dx``)."""
+        raise NotImplementedError
+
+    def hard_quantile(self, q: np.ndarray) -> np.ndarray:
+        """``x`` with ``hard(x) = q``."""
+        raise NotImplementedError
+
+    def step(self) -> np.ndarray:
+        """A natural unit of ``x`` for bracketing."""
+        return np.ones(1)
+
+    def et2_ratio(self, x: np.ndarray) -> np.ndarray:
+        """``E[T(g)^2] / E[g^2]`` of the non-zero entries."""
+        raise NotImplementedError
+
+    def m2(self) -> np.ndarray:
+        """``E[g^2]`` of the non-zero entries."""
+        raise NotImplementedError
+
+    def added_rel(self, x: np.ndarray) -> np.ndarray:
+        """``E[T(g)^2] / E[g^2] - 1`` (relative added variance), >= 0."""
+        return np.maximum(self.et2_ratio(x) - 1.0, 0.0)
+
+    def stochastic(self, x: np.ndarray) -> np.ndarray:
+        return self.hard(x) - self.up(x)
+
+
+class Lognormal(Model):
+    name = "lognormal"
+
+    def __init__(self, mu: np.ndarray, sigma: np.ndarray) -> None:
+        self.mu, self.sigma = mu, sigma
+
+    def to_x(self, a):
+        with np.errstate(divide="ignore"):
+            return np.log(a) - self.mu
+
+    def from_x(self, x):
+        return np.exp(self.mu + x)
+
+    def hard(self, x):
+        return special.ndtr(x / self.sigma)
+
+    def up(self, x):
+        s = self.sigma
+        # exp(mu + s^2/2) / a * Phi(z - s), in logs so that no factor overflows
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.exp(0.5 * s * s - x + special.log_ndtr(x / s - s))
+
+    def hard_quantile(self, q):
+        return self.sigma * special.ndtri(q)
+
+    def step(self):
+        return self.sigma
+
+    def et2_ratio(self, x):
+        s = self.sigma
+        z = x / s
+        with np.errstate(over="ignore", invalid="ignore"):
+            tail = special.ndtr(2.0 * s - z)  # E[g^2 1{|g| >= a}] / E g^2
+            low = np.exp(x - 1.5 * s * s + special.log_ndtr(z - s))  # a E[|g| 1{|g|<a}] / E g^2
+        return tail + low
+
+    def m2(self):
+        return np.exp(2.0 * self.mu + 2.0 * self.sigma ** 2)
+
+    def added_rel(self, x):
+        # a E[|g| 1{|g|<a}] / E g^2 - E[g^2 1{|g|<a}] / E g^2, without forming 1 + tiny - 1
+        s = self.sigma
+        z = x / s
+        with np.errstate(over="ignore", invalid="ignore"):
+            up = np.exp(x - 1.5 * s * s + special.log_ndtr(z - s))
+        return np.maximum(up - special.ndtr(z - 2.0 * s), 0.0)
+
+
+class HalfNormal(Model):
+    name = "normal"
+
+    def __init__(self, scale: np.ndarray) -> None:
+        self.scale = scale
+
+    def to_x(self, a):
+        with np.errstate(divide="ignore"):
+            return np.log(a / self.scale)
+
+    def from_x(self, x):
+        return self.scale * np.exp(x)
+
+    def hard(self, x):
+        return special.erf(np.exp(x) / math.sqrt(2.0))
+
+    def up(self, x):
+        u = np.exp(x)
+        return _SQRT_2_OVER_PI * -np.expm1(-0.5 * u * u) / u
+
+    def hard_quantile(self, q):
+        return np.log(math.sqrt(2.0) * special.erfinv(q))
+
+    def et2_ratio(self, x):
+        u = np.exp(x)
+        return 2.0 * special.ndtr(-u) + _SQRT_2_OVER_PI * u
+
+    def m2(self):
+        return self.scale ** 2
+
+
+class Exponential(Model):
+    name = "laplace"
+
+    def __init__(self, scale: np.ndarray) -> None:
+        self.scale = scale
+
+    def to_x(self, a):
+        with np.errstate(divide="ignore"):
+            return np.log(a / self.scale)
+
+    def from_x(self, x):
+        return self.scale * np.exp(x)
+
+    def hard(self, x):
+        return -np.expm1(-np.exp(x))
+
+    def up(self, x):
+        v = np.exp(x)
+        return (-np.expm1(-v) - v * np.exp(-v)) / v
+
+    def hard_quantile(self, q):
+        return np.log(-np.log1p(-q))
+
+    def et2_ratio(self, x):
+        v = np.exp(x)
+        return 0.5 * (np.exp(-v) * (v + 2.0) + v)
+
+    def m2(self):
+        return 2.0 * self.scale ** 2
+
+
+def bracket_solve(f: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                  lo: np.ndarray, hi: np.ndarray, *,
+                  fprime: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+                  ftol: float = 1e-13, max_iter: int = 200) -> np.ndarray:
+    """Root of increasing ``f(x, idx)`` in ``[lo, hi]`` elementwise (``f(lo) <= 0 <= f(hi)``).
+
+    ``idx`` are the indices of the entries still being solved (so that ``f`` can pick its
+    parameters). Safeguarded Newton when ``fprime`` is given (a step leaving the current bracket
+    becomes a bisection), plain bisection otherwise. Stops per entry when ``|f| <= ftol`` or the
+    bracket no longer shrinks in float64.
+    """
+    lo = np.array(lo, dtype=np.float64, copy=True)
+    hi = np.array(hi, dtype=np.float64, copy=True)
+    x = 0.5 * (lo + hi)
+    active = np.arange(x.size)
+    for _ in range(max_iter):
+        if active.size == 0:
+            break
+        xa = x[active]
+        fa = f(xa, active)
+        done = np.abs(fa) <= ftol
+        neg = fa < 0
+        lo[active] = np.where(neg, xa, lo[active])
+        hi[active] = np.where(neg, hi[active], xa)
+        la, ha = lo[active], hi[active]
+        mid = 0.5 * (la + ha)
+        if fprime is not None:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                nx = xa - fa / fprime(xa, active)
+            ok = np.isfinite(nx) & (nx > la) & (nx < ha)
+            nx = np.where(ok, nx, mid)
+        else:
+            nx = mid
+        stuck = (mid <= la) | (mid >= ha)  # bracket is two adjacent floats
+        x[active] = np.where(done, xa, nx)
+        active = active[~(done | stuck)]
+    return x
+
+
+def solve_sparsity(model: Model, target: np.ndarray, *, stochastic: bool = True) -> np.ndarray:
+    """``x`` with ``S(x) = target`` for ``0 < target < 1`` (arrays of one shape)."""
+    xh = model.hard_quantile(target)
+    if not stochastic:
+        return xh
+    # S <= H everywhere, so the hard quantile is a lower bound; walk up to an upper bound
+    step = np.broadcast_to(model.step(), target.shape).astype(np.float64)
+    hi = xh + step
+    for _ in range(64):
+        low = model.stochastic(hi) < target
+        if not low.any():
+            break
+        step = np.where(low, 2.0 * step, step)
+        hi = np.where(low, hi + step, hi)
+    sub = _Sub(model)
+    return bracket_solve(lambda x, i: sub.at(i).stochastic(x) - target[i], xh, hi,
+                         fprime=lambda x, i: sub.at(i).up(x))
+
+
+def solve_ratio(model: Model, ratio: np.ndarray) -> np.ndarray:
+    """``x`` with ``et2_ratio(x) = ratio`` (``ratio > 1``; the ratio grows from 1 with ``x``)."""
+    shape = ratio.shape
+    lo = np.full(shape, -1.0)
+    hi = np.full(shape, 1.0)
+    sub = _Sub(model)
+    for _ in range(200):
+        bad = model.et2_ratio(lo) > ratio
+        if not bad.any():
+            break
+        lo = np.where(bad, 2.0 * lo, lo)
+    for _ in range(200):
+        bad = model.et2_ratio(hi) < ratio
+        if not bad.any():
+            break
+        hi = np.where(bad, 2.0 * hi, hi)
+    return bracket_solve(lambda x, i: sub.at(i).et2_ratio(x) - ratio[i], lo, hi)
+
+
+class _Sub:
+    """The model restricted to a subset of entries (parameters indexed by ``idx``)."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+
+    def at(self, idx: np.ndarray) -> Model:
+        m = self.model
+        if isinstance(m, Lognormal):
+            return Lognormal(_take(m.mu, idx), _take(m.sigma, idx))
+        if isinstance(m, HalfNormal):
+            return HalfNormal(_take(m.scale, idx))
+        return Exponential(_take(m.scale, idx))
+
+
+def _take(p: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    return p if p.size == 1 else p.reshape(-1)[idx]

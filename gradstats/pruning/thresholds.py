@@ -1,0 +1,309 @@
+"""Analytic thresholds for a target sparsity, and what a threshold costs.
+
+All functions are vectorised over layers: every numeric argument may be a Python number, a
+numpy array or a torch tensor (broadcast together); the parameters may also come from a
+``source``: a statistics row of :mod:`gradstats.stats` (a dict or a pandas Series), a pandas
+DataFrame of such rows (one result per row), a fit result (anything with
+``.params["lognormal"]["mu"]``, ``["sigma"]``, ``.params["normal"]["scale"]``,
+``.params["laplace"]["scale"]`` and ``.zero_fraction``), or a list of those. Explicit keyword
+values take precedence over the source. ``mu`` and ``sigma`` are the mean and standard
+deviation of ``ln|g|`` (natural log) of the non-zero entries; ``p0`` is the fraction of exact
+zeros (default 0, or the source's); ``scale`` is the bell-shaped models' parameter.
+
+Return type: a float when every input is a scalar, a torch tensor (float64, on the input's
+device) when any input is a tensor, a numpy array otherwise.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from ..stats import lognormal_moments, n_nonzero
+from ._models import Exponential, HalfNormal, Lognormal, Model, solve_sparsity
+
+ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
+
+#: distribution models of the non-zero magnitudes
+MODELS = ("lognormal", "normal", "laplace")
+#: threshold rules: the models, plus the lognormal quantile that ignores the rounding up
+RULES = ("lognormal", "naive_lognormal", "normal", "laplace")
+
+
+# ----------------------------------------------------------------------------- parameters
+def _stats_params(row: Mapping[str, Any]) -> dict[str, float]:
+    n = int(row["n"])
+    m = n_nonzero(row)
+    if n <= 0:
+        raise ValueError("the statistics row describes an empty tensor (n = 0): no threshold "
+                         "can be derived from it")
+    if m <= 0:
+        raise ValueError("the statistics row has no non-zero finite entries: mu and sigma of "
+                         "ln|g| are undefined")
+    mu, sigma = lognormal_moments(row)
+    return {"mu": mu, "sigma": sigma, "p0": int(row["n_zero"]) / n,
+            "scale_normal": math.sqrt(float(row["sum_sq"]) / m),
+            "scale_laplace": float(row["sum_abs"]) / m}
+
+
+def _fit_params(fit: Any) -> dict[str, float]:
+    p = fit.params
+    out: dict[str, float] = {"p0": float(getattr(fit, "zero_fraction", 0.0) or 0.0)}
+    for key, fam, par in (("mu", "lognormal", "mu"), ("sigma", "lognormal", "sigma"),
+                          ("scale_normal", "normal", "scale"), ("scale_laplace", "laplace", "scale")):
+        try:
+            out[key] = float(p[fam][par])
+        except (KeyError, TypeError):
+            pass
+    return out
+
+
+def _row_params(row: Any) -> dict[str, float]:
+    if hasattr(row, "params") and hasattr(row, "zero_fraction"):
+        return _fit_params(row)
+    if isinstance(row, Mapping) or hasattr(row, "index") and hasattr(row, "get"):
+        keys = set(row.keys())
+        if {"n", "n_zero", "sum_ln_abs", "sum_ln_abs_sq"} <= keys:
+            return _stats_params(row)
+        if "mu" in keys or "scale" in keys:
+            out = {k: float(row[k]) for k in ("mu", "sigma", "p0") if k in keys}
+            if "scale" in keys:
+                out["scale_normal"] = out["scale_laplace"] = float(row["scale"])
+            return out
+    raise ValueError(f"cannot read distribution parameters from a {type(row).__name__}: expected "
+                     "a statistics row (fields n, n_zero, sum_ln_abs, ...), a fit result, a "
+                     "DataFrame of statistics rows, or a list of those")
+
+
+def _source_params(source: Any) -> tuple[dict[str, np.ndarray], bool]:
+    """Parameters of ``source`` as arrays, and whether the source was a single row."""
+    import pandas as pd
+
+    if isinstance(source, pd.DataFrame):
+        rows = [_row_params(r) for r in source.to_dict("records")]
+        single = False
+    elif isinstance(source, (list, tuple)):
+        rows = [_row_params(r) for r in source]
+        single = False
+    else:
+        rows = [_row_params(source)]
+        single = True
+    keys = set().union(*[r.keys() for r in rows]) if rows else set()
+    out = {k: np.array([r.get(k, np.nan) for r in rows], dtype=np.float64) for k in keys}
+    if single:
+        out = {k: v.reshape(()) for k, v in out.items()}
+    return out, single
+
+
+def _as_array(v: Any) -> np.ndarray:
+    if isinstance(v, torch.Tensor):
+        return v.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(v, dtype=np.float64)
+
+
+def _wrap(result: np.ndarray, inputs: tuple[Any, ...]) -> Any:
+    for v in inputs:
+        if isinstance(v, torch.Tensor):
+            return torch.as_tensor(result, dtype=torch.float64, device=v.device)
+    if result.ndim == 0:
+        return float(result)
+    return result
+
+
+def _check_range(name: str, v: np.ndarray, lo: float, hi: float, what: str) -> None:
+    bad = ~((v >= lo) & (v < hi))
+    if bad.any():
+        raise ValueError(f"{name} must lie in [{lo:g}, {hi:g}) ({what}); got {v[bad].reshape(-1)[:5]}")
+
+
+def resolve(source: Any, *, model: str, mu: Any = None, sigma: Any = None, p0: Any = None,
+            scale: Any = None) -> tuple[Model, np.ndarray, bool]:
+    """The model (with flattened broadcast parameters), ``p0`` and whether the inputs were
+    one layer. Raises ``ValueError`` on missing or invalid parameters."""
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+    src: dict[str, np.ndarray] = {}
+    if source is not None:
+        src, _ = _source_params(source)
+    p0v = _as_array(p0) if p0 is not None else src.get("p0", np.zeros(()))
+    _check_range("p0 (fraction of exact zeros)", p0v, 0.0, 1.0, "a zero fraction below 1")
+    if model == "lognormal":
+        muv = _as_array(mu) if mu is not None else src.get("mu")
+        sv = _as_array(sigma) if sigma is not None else src.get("sigma")
+        if muv is None or sv is None:
+            raise ValueError("the lognormal model needs mu and sigma (of ln|g|): pass them, or "
+                             "a statistics row or fit result as source")
+        if not np.isfinite(muv).all():
+            raise ValueError(f"mu (mean of ln|g|) must be finite, got {muv.reshape(-1)[:5]}")
+        if not (np.isfinite(sv) & (sv > 0)).all():
+            raise ValueError(f"sigma (std of ln|g|) must be positive and finite, got "
+                             f"{sv.reshape(-1)[:5]}")
+        muv, sv, p0v = np.broadcast_arrays(muv, sv, p0v)
+        return Lognormal(muv.ravel().copy(), sv.ravel().copy()), p0v.ravel().copy(), muv.ndim == 0
+    key = "scale_normal" if model == "normal" else "scale_laplace"
+    sc = _as_array(scale) if scale is not None else src.get(key)
+    if sc is None:
+        raise ValueError(f"the {model} model needs scale ("
+                         f"{'s with s^2 = E g^2' if model == 'normal' else 'b = E|g|'}): pass it, "
+                         "or a statistics row or fit result as source")
+    if not (np.isfinite(sc) & (sc > 0)).all():
+        raise ValueError(f"scale of the {model} model must be positive and finite, got "
+                         f"{sc.reshape(-1)[:5]}")
+    sc, p0v = np.broadcast_arrays(sc, p0v)
+    cls = HalfNormal if model == "normal" else Exponential
+    return cls(sc.ravel().copy()), p0v.ravel().copy(), sc.ndim == 0
+
+
+def _broadcast(model: Model, p0: np.ndarray, v: np.ndarray) -> tuple[Model, np.ndarray, np.ndarray, tuple]:
+    """Broadcast the parameters (flat, one per layer) against ``v``; returns flat arrays."""
+    params = [model.mu, model.sigma] if isinstance(model, Lognormal) else [model.scale]
+    n = params[0].size
+    shape = np.broadcast_shapes(v.shape, (n,) if n > 1 else ())
+    flat = [np.broadcast_to(p.reshape(()) if n == 1 else p, shape).ravel() for p in params]
+    p0f = np.broadcast_to(p0.reshape(()) if p0.size == 1 else p0, shape).ravel()
+    vf = np.broadcast_to(v, shape).ravel()
+    m = Lognormal(*flat) if isinstance(model, Lognormal) else type(model)(flat[0])
+    return m, p0f, vf, shape
+
+
+# ----------------------------------------------------------------------------- public verbs
+def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
+                      sigma: ArrayLike | None = None, model: str = "lognormal",
+                      stochastic: bool = True, p0: ArrayLike | None = None,
+                      scale: ArrayLike | None = None) -> Any:
+    """Expected fraction of zeros after pruning at ``threshold``.
+
+    Stochastic operator (default): ``S = p0 + (1 - p0) * (P(|g| < a) - E[|g| 1{|g|<a}] / a)``;
+    for the lognormal model ``S(a) = Phi(z) - exp(mu + sigma^2/2) / a * Phi(z - sigma)`` with
+    ``z = (ln a - mu) / sigma``. ``stochastic=False``: the hard threshold, ``P(|g| < a)``.
+
+    Example:
+        >>> import math
+        >>> round(expected_sparsity(math.exp(0.0), mu=0.0, sigma=1.0), 6)
+        0.238422
+        >>> round(expected_sparsity(1.0, mu=0.0, sigma=2.0), 6)
+        0.331898
+        >>> expected_sparsity(1.0, mu=0.0, sigma=1.0, stochastic=False)
+        0.5
+    """
+    m, p0v, single = resolve(source, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
+    a = _as_array(threshold)
+    if np.isnan(a).any() or (a < 0).any():
+        raise ValueError(f"threshold must be >= 0, got {a[~(a >= 0)].reshape(-1)[:5]}")
+    m, p0f, af, shape = _broadcast(m, p0v, a)
+    pos = (af > 0) & np.isfinite(af)
+    s = np.where(np.isinf(af), 1.0, 0.0)
+    if pos.any():
+        sub = _subset(m, pos)
+        x = sub.to_x(af[pos])
+        s[pos] = sub.stochastic(x) if stochastic else sub.hard(x)
+    out = (p0f + (1.0 - p0f) * np.clip(s, 0.0, 1.0)).reshape(shape)
+    return _wrap(out, (threshold, mu, sigma, p0, scale))
+
+
+def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
+              sigma: ArrayLike | None = None, model: str = "lognormal", stochastic: bool = True,
+              p0: ArrayLike | None = None, scale: ArrayLike | None = None) -> Any:
+    """The threshold ``a`` whose expected sparsity is ``target``.
+
+    ``model``: ``"lognormal"`` (the analytic rule), ``"naive_lognormal"`` (the lognormal
+    quantile ``exp(mu + sigma * Phi^-1(S))``, which ignores the values rounded up and so
+    undershoots the target under the stochastic operator), ``"normal"`` (half-normal,
+    ``scale^2 = E g^2``) or ``"laplace"`` (exponential, ``scale = E|g|``). ``stochastic=False``
+    gives the hard-threshold quantile of the model. With exact zeros at fraction ``p0`` the
+    non-zero part is aimed at ``(target - p0) / (1 - p0)``; when ``target <= p0`` the zeros
+    already meet the target and the threshold is 0 (nothing is pruned, and the expected
+    sparsity is ``p0``, not ``target``). Solved in ``ln a`` by a bracketed safeguarded Newton
+    iteration in float64 to ``|expected_sparsity(threshold(S)) - S| <= 1e-9``.
+
+    Example:
+        >>> a = threshold(0.9, mu=-10.0, sigma=2.0)
+        >>> abs(expected_sparsity(a, mu=-10.0, sigma=2.0) - 0.9) < 1e-12
+        True
+        >>> threshold(0.9, mu=-10.0, sigma=2.0, model="naive_lognormal") < a
+        True
+        >>> threshold(0.2, mu=-10.0, sigma=2.0, p0=0.3)
+        0.0
+    """
+    if model == "naive_lognormal":
+        model, stochastic = "lognormal", False
+    elif model not in MODELS:
+        raise ValueError(f"model must be one of {RULES}, got {model!r}")
+    m, p0v, _ = resolve(source, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
+    s = _as_array(target)
+    _check_range("target sparsity", s, 0.0, 1.0, "a fraction of zeros below 1")
+    m, p0f, sf, shape = _broadcast(m, p0v, s)
+    q = (sf - p0f) / (1.0 - p0f)
+    a = np.zeros_like(q)
+    pos = q > 0
+    if pos.any():
+        sub = _subset(m, pos)
+        a[pos] = sub.from_x(solve_sparsity(sub, q[pos], stochastic=stochastic))
+    return _wrap(a.reshape(shape), (target, mu, sigma, p0, scale))
+
+
+def predicted_cosine(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
+                     sigma: ArrayLike | None = None, model: str = "lognormal",
+                     p0: ArrayLike | None = None, scale: ArrayLike | None = None) -> Any:
+    """Expected cosine similarity between ``g`` and its stochastic pruning ``T(g)`` at
+    ``threshold``: ``sqrt(E g^2 / E T(g)^2)`` with
+    ``E T^2 = E[g^2 1{|g| >= a}] + a E[|g| 1{|g| < a}]`` (exact zeros change neither side).
+
+    Example:
+        >>> predicted_cosine(0.0, mu=0.0, sigma=1.0)
+        1.0
+        >>> 0.9 < predicted_cosine(threshold(0.85, mu=0.0, sigma=2.5), mu=0.0, sigma=2.5) < 1.0
+        True
+    """
+    m, p0v, _ = resolve(source, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
+    d = _added_rel(m, p0v, threshold)
+    return _wrap(1.0 / np.sqrt(1.0 + d), (threshold, mu, sigma, p0, scale))
+
+
+def added_variance(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
+                   sigma: ArrayLike | None = None, model: str = "lognormal",
+                   p0: ArrayLike | None = None, scale: ArrayLike | None = None,
+                   relative: bool = False) -> Any:
+    """Expected variance the stochastic pruning at ``threshold`` adds per element,
+    ``E[(T(g) - g)^2] = (1 - p0) E[(a|g| - g^2) 1{|g| < a}]`` over all entries (zeros included).
+    ``relative=True`` divides by ``E g^2``, giving ``1/cosine^2 - 1`` (computed without
+    cancellation, so tiny values stay accurate).
+
+    Example:
+        >>> added_variance(0.0, mu=0.0, sigma=1.0)
+        0.0
+        >>> a = threshold(0.9, mu=0.0, sigma=2.0)
+        >>> v = added_variance(a, mu=0.0, sigma=2.0, relative=True)
+        >>> abs(v - (1 / predicted_cosine(a, mu=0.0, sigma=2.0) ** 2 - 1)) < 1e-12
+        True
+    """
+    m, p0v, _ = resolve(source, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
+    d = _added_rel(m, p0v, threshold)
+    if relative:
+        out = d
+    else:
+        mb, p0f, _, shape = _broadcast(m, p0v, np.asarray(d))
+        out = ((1.0 - p0f) * mb.m2() * d.ravel()).reshape(shape)
+    return _wrap(out, (threshold, mu, sigma, p0, scale))
+
+
+def _added_rel(m: Model, p0v: np.ndarray, threshold: ArrayLike) -> np.ndarray:
+    a = _as_array(threshold)
+    if np.isnan(a).any() or (a < 0).any():
+        raise ValueError(f"threshold must be >= 0, got {a[~(a >= 0)].reshape(-1)[:5]}")
+    m, _, af, shape = _broadcast(m, p0v, a)
+    d = np.zeros_like(af)
+    pos = af > 0
+    if pos.any():
+        sub = _subset(m, pos)
+        d[pos] = sub.added_rel(sub.to_x(af[pos]))
+    return d.reshape(shape)
+
+
+def _subset(m: Model, mask: np.ndarray) -> Model:
+    if isinstance(m, Lognormal):
+        return Lognormal(m.mu[mask], m.sigma[mask])
+    return type(m)(m.scale[mask])
