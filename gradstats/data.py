@@ -340,6 +340,7 @@ def load_digits(
     path: str | os.PathLike | None = None,
     *,
     split: Literal["train", "test"] = "train",
+    subset: int | None = None,
     test_fraction: float = 0.2,
     seed: int = 0,
     normalize: bool = True,
@@ -347,9 +348,10 @@ def load_digits(
 ) -> ImageDataset:
     """The 1,797 scikit-learn 8x8 digits (committed under ``data/digits``), as ``(N, 1, 8, 8)`` images.
 
-    The train/test split is a seeded, class-stratified split (``test_fraction`` of each
-    class is held out). ``size=28`` resamples the images (bilinear) to 28x28 so the
-    Fashion-MNIST models accept them.
+    The train/test split is a fixed, class-stratified split (``test_fraction`` of each
+    class is held out, the same for every ``seed``). ``subset`` keeps that many examples
+    of the split, balanced over classes and drawn with ``seed``. ``size=28`` resamples the images
+    (bilinear) to 28x28 so the Fashion-MNIST models accept them.
 
     Example:
         >>> tr, te = load_digits(split="train"), load_digits(split="test")
@@ -375,7 +377,7 @@ def load_digits(
         raise ValueError(f"{path}: expected rows of 64 pixels and a label, got shape {table.shape}")
     x = torch.from_numpy(table[:, :64].copy()).div_(16.0).reshape(-1, 1, 8, 8)
     y = torch.from_numpy(table[:, 64].astype(np.int64))
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(0)  # one fixed split, whatever the subset seed
     test_mask = torch.zeros(len(y), dtype=torch.bool)
     for c in torch.unique(y):
         idx = torch.nonzero(y == c).flatten()
@@ -383,6 +385,9 @@ def load_digits(
         test_mask[idx[: round(test_fraction * len(idx))]] = True
     keep = test_mask if split == "test" else ~test_mask
     x, y = x[keep], y[keep]
+    if subset is not None:
+        idx = _balanced_subset(y, subset, seed)
+        x, y = x[idx], y[idx]
     if normalize:
         x = (x - DIGITS_MEAN) / DIGITS_STD
     if size is not None and size != 8:
@@ -401,9 +406,10 @@ def load_images(
 ) -> ImageDataset:
     """Load an image dataset by name: ``"fashion-mnist"``, ``"digits"``, or ``"auto"``.
 
-    ``"auto"`` gives Fashion-MNIST from the first source found, and falls back to the
-    committed digits (resampled to 28x28, with a warning) only when no Fashion-MNIST is
-    available at all.
+    The digits are resampled to 28x28 unless ``size`` says otherwise, so that every
+    image set from here fits the built-in image models. ``"auto"`` gives Fashion-MNIST
+    from the first source found, and falls back to the committed digits (with a warning)
+    only when no Fashion-MNIST is available at all.
 
     Example:
         >>> load_images("digits", split="test", size=28).images.shape
@@ -411,17 +417,20 @@ def load_images(
     """
     if name == "fashion-mnist":
         return load_fashion_mnist(root, split=split, **kw)
+    def digits(path, kw):
+        if kw.pop("source", "auto") not in ("auto", "subset"):
+            raise ValueError("the digits exist only as the committed subset; source must be 'auto' or 'subset'")
+        kw["size"] = kw.get("size") or 28
+        return load_digits(path, split=split, **kw)
+
     if name == "digits":
-        return load_digits(root, split=split, **kw)
+        return digits(root, kw)
     if name == "auto":
         try:
             return load_fashion_mnist(root, split=split, **kw)
         except FileNotFoundError as exc:
             log.warning("%s Falling back to the scikit-learn digits.", exc)
-            kw.setdefault("size", 28)
-            kw.pop("subset", None)
-            kw.pop("source", None)
-            return load_digits(split=split, **kw)
+            return digits(None, kw)
     raise ValueError(f"unknown image dataset {name!r}; expected one of {IMAGE_DATASETS} or 'auto'")
 
 

@@ -431,12 +431,7 @@ def prepare(
         if name == "transformer":
             raise ValueError(f"model 'transformer' takes characters; use data='shakespeare', not {data!r}")
         size = 32 if name == "resnet18" else 28
-        kw: dict = {"size": size}
-        if data == "digits":
-            if subset or test_subset or source != "auto":
-                raise ValueError("subset, test_subset and source apply to fashion-mnist, not to the digits")
-        else:
-            kw["source"] = source
+        kw: dict = {"size": size, "source": source}
         train_data = load_images(data, root, split="train", **kw, **({"subset": subset} if subset else {}))
         test_data = load_images(data, root, split="test", **kw, **({"subset": test_subset} if test_subset else {}))
         if name == "cnn":

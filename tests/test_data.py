@@ -186,8 +186,13 @@ def test_digits():
     # stratified: every class is held out in about the same proportion
     frac = torch.tensor(test.class_counts()) / (torch.tensor(test.class_counts()) + torch.tensor(train.class_counts()))
     assert float((frac - 0.2).abs().max()) < 0.01
-    up = D.load_images("digits", split="test", size=28)
+    up = D.load_images("digits", split="test")  # resampled to fit the image models by default
     assert up.images.shape == (len(test), 1, 28, 28)
+    assert D.load_images("digits", split="test", size=32).images.shape[-2:] == (32, 32)
+    small = D.load_digits(split="train", subset=100, seed=1)
+    assert small.class_counts() == [10] * 10
+    train_rows = {tuple(r) for r in train.images.flatten(1).tolist()}
+    assert all(tuple(r) in train_rows for r in small.images.flatten(1).tolist())  # drawn from the train split
 
 
 def test_auto_falls_back_to_digits(tmp_path, monkeypatch):

@@ -125,5 +125,6 @@ def test_prepare_picks_data_and_settings_per_model():
         prepare("cnn", data="shakespeare")
     with pytest.raises(ValueError, match="takes characters"):
         prepare("transformer", data="fashion-mnist")
-    with pytest.raises(ValueError, match="not to the digits"):
-        prepare("mlp", data="digits", subset=10)
+    with pytest.raises(ValueError, match="only as the committed subset"):
+        prepare("mlp", data="digits", source="full")
+    assert prepare("mlp", data="digits", subset=50).train_data.class_counts() == [5] * 10
