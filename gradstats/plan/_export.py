@@ -1,0 +1,167 @@
+"""Exports of a plan, resolved per layer, for other code and other stacks (:meth:`Plan.export`).
+
+``"json"``: per layer the format (canonical name and its defining numbers), the scale rule and
+a scale any code can use, rounding, blocks and pruning: plain data with no gradstats types.
+
+``"torchao"``: the ``torchao.float8`` counterpart, a ``Float8LinearConfig``-like dict per
+``nn.Linear`` layer with the casts of ``grad_output`` (the neural gradient) for the two
+backward GEMMs. Only what torchao can express is mapped; the rest is reported (see
+``docs/plan-format.md`` for the mapping and how to build the torchao objects from it).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ._rules import Rule
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._plan import Plan
+
+log = logging.getLogger("gradstats.plan")
+
+#: targets of :meth:`gradstats.plan.Plan.export`
+EXPORT_TARGETS = ("json", "torchao")
+#: schema name and version of an export document
+EXPORT_SCHEMA = "gradstats.plan.export"
+EXPORT_VERSION = 1
+#: float8 dtypes torchao.float8 casts to (fnuz: ROCm)
+TORCHAO_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+_ALIASES = {"json": "json", "torchao": "torchao", "torchao.float8": "torchao"}
+
+
+def _resolved(plan: "Plan", model: Any, need_types: bool) -> list[tuple[str, Rule, tuple[str, ...] | None]]:
+    from ._plan import _modules_of
+
+    if model is None:
+        pats = [e.layer for e in plan.entries if e.is_pattern]
+        if pats:
+            raise ValueError(f"the plan has pattern entries {pats}: pass model= (an nn.Module, a Run, or a "
+                             "mapping name -> class name) to resolve them to layer names")
+        if need_types:
+            raise ValueError("this export needs each layer's module type: pass model= (an nn.Module, a Run, "
+                             "or a mapping name -> class name)")
+        model = list(dict.fromkeys(e.layer for e in plan.entries))
+    types = dict(_modules_of(model))
+    return [(name, rule, types.get(name)) for name, rule, _ in plan._resolve(model, strict=True)]
+
+
+def _plain_scale(r: Rule) -> float | None:
+    if r.scale == "fixed":
+        return r.scale_value
+    if r.scale == "lognormal" and r.predicted is not None:
+        return r.predicted.scale
+    return None
+
+
+def _json_layer(r: Rule) -> dict[str, Any]:
+    f = r.format
+    spec = None
+    if f is not None:
+        spec = {k: v for k, v in f.to_dict().items()
+                if k in ("bits", "exp_bits", "man_bits", "bias", "special", "subnormals", "max",
+                         "min_normal", "min_subnormal")}
+    td = f.torch_dtype if f is not None else None
+    p = r.predicted
+    return {
+        "format": None if f is None else str(f),
+        "format_spec": spec,
+        "torch_dtype": None if td is None else str(td).removeprefix("torch."),
+        "scale_rule": r.scale if f is not None else None,
+        "scale": _plain_scale(r) if f is not None else None,
+        "rounding": r.rounding if f is not None else None,
+        "block_size": r.block_size,
+        "scale_format": r.scale_format,
+        "sparsity": r.sparsity,
+        "threshold_rule": r.threshold_rule if r.sparsity is not None else None,
+        "threshold": None if p is None or r.sparsity is None else p.threshold,
+        "predicted": None if p is None else p.to_dict(),
+    }
+
+
+def _cast(dtype: str | None) -> dict[str, Any]:
+    if dtype is None:
+        return {"scaling_type": "disabled"}
+    return {"scaling_type": "dynamic", "scaling_granularity": "tensorwise", "target_dtype": dtype}
+
+
+def _torchao_layer(name: str, r: Rule, types: tuple[str, ...] | None,
+                   skipped: dict[str, str], dropped: dict[str, list[str]]) -> dict[str, Any] | None:
+    if not types or "Linear" not in types:
+        skipped[name] = (f"torchao.float8 converts nn.Linear modules only; {name!r} is a "
+                         f"{types[0] if types else 'module of unknown type'}")
+        return None
+    notes: list[str] = []
+    if r.format is None:
+        dtype = None
+    else:
+        td = r.format.torch_dtype
+        dtype = None if td is None else str(td).removeprefix("torch.")
+        if dtype not in TORCHAO_DTYPES:
+            skipped[name] = (f"format {r.format} has no torchao.float8 counterpart (it casts to "
+                             f"{', '.join(TORCHAO_DTYPES[:2])}; fnuz on ROCm)")
+            return None
+        if r.block_size is not None:
+            skipped[name] = (f"block scaling (block_size {r.block_size}) has no torchao.float8 counterpart "
+                             "(it scales per tensor or per row)")
+            return None
+        if r.scale != "amax":
+            notes.append(f"scale rule {r.scale!r}: torchao scales dynamically by the step's amax "
+                         "(rounded to a power of two)")
+        if r.rounding != "nearest":
+            notes.append(f"rounding {r.rounding!r}: torchao casts round to nearest")
+    if r.prunes:
+        notes.append(f"sparsity {r.sparsity} ({r.threshold_rule} threshold): torchao.float8 does not prune "
+                     "gradients")
+    if notes:
+        dropped[name] = notes
+    cfg: dict[str, Any] = {"cast_config_grad_output": _cast(dtype),
+                           "cast_config_grad_output_for_grad_weight": _cast(dtype)}
+    if dtype is None:
+        # torchao needs both operands of a GEMM in float8 or both in high precision
+        cfg["cast_config_weight_for_grad_input"] = _cast(None)
+        cfg["cast_config_input_for_grad_weight"] = _cast(None)
+    cfg["round_scales_to_power_of_2"] = True
+    return cfg
+
+
+def export(plan: "Plan", target: str, model: Any = None, *, path: str | os.PathLike[str] | None = None,
+           strict: bool = False) -> dict[str, Any]:
+    """See :meth:`gradstats.plan.Plan.export`."""
+    if target not in _ALIASES:
+        raise ValueError(f"unknown export target {target!r}; expected one of {list(EXPORT_TARGETS)}")
+    target = _ALIASES[target]
+    resolved = _resolved(plan, model, need_types=target == "torchao")
+    prov = None if plan.provenance is None else plan.provenance.to_dict()
+    skipped: dict[str, str] = {}
+    dropped: dict[str, list[str]] = {}
+    if target == "json":
+        doc: dict[str, Any] = {"schema": EXPORT_SCHEMA, "version": EXPORT_VERSION, "target": "json",
+                               "provenance": prov,
+                               "layers": {name: _json_layer(r) for name, r, _ in resolved}}
+    else:
+        configs = {}
+        for name, r, types in resolved:
+            cfg = _torchao_layer(name, r, types, skipped, dropped)
+            if cfg is not None:
+                configs[name] = cfg
+        doc = {"schema": EXPORT_SCHEMA, "version": EXPORT_VERSION, "target": "torchao.float8",
+               "provenance": prov, "configs": configs, "skipped": skipped, "dropped": dropped}
+    if skipped or dropped:
+        lines = [f"{n}: skipped ({why})" for n, why in skipped.items()]
+        lines += [f"{n}: {note}" for n, notes in dropped.items() for note in notes]
+        msg = f"export to {doc['target']}: not expressible there:\n  " + "\n  ".join(lines)
+        if strict:
+            raise ValueError(msg)
+        log.warning(msg)
+        warnings.warn(msg, stacklevel=3)
+    if path is not None:
+        from ..run import atomic_write_bytes
+
+        atomic_write_bytes(Path(path), (json.dumps(doc, indent=2, allow_nan=False) + "\n").encode())
+    return doc

@@ -1,0 +1,346 @@
+"""The :class:`Plan`: entries, defaults, provenance; resolution, JSON, views. See :mod:`gradstats.plan`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..formats import FPFormat
+from ._rules import (INHERIT, RULE_FIELDS, Prediction, PlanEntry, Provenance, Rule, _check_keys, _err,
+                     _fields_to_json, _DEFAULT_RULE)
+
+log = logging.getLogger("gradstats.plan")
+
+#: value of the ``"schema"`` key of a plan file
+SCHEMA = "gradstats.plan"
+#: version of the plan file format written by this module
+SCHEMA_VERSION = 1
+#: module classes planned by ``Plan.uniform(layers=None)``: every convolution and linear layer
+CONV_LINEAR_TYPES = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+                     "ConvTranspose3d", "Linear")
+
+
+# --------------------------------------------------------------------------- targets
+def _modules_of(target: Any) -> list[tuple[str, tuple[str, ...] | None]]:
+    """``(name, class names or None)`` of every candidate module of ``target``, in order."""
+    import torch.nn as nn
+
+    if isinstance(target, nn.Module):
+        from ..tracer import _unwrap
+
+        return [(n, tuple(c.__name__ for c in type(m).__mro__))
+                for n, m in _unwrap(target).named_modules() if n != ""]
+    from ..run import Run
+
+    if isinstance(target, Run):
+        info = target.layer_info()
+        if len(info) == 0:
+            return []
+        return [(str(n), (str(t),) if t is not None else None) for n, t in zip(info["name"], info["type"])]
+    if isinstance(target, Mapping):
+        out = []
+        for n, t in target.items():
+            if isinstance(t, nn.Module):
+                out.append((str(n), tuple(c.__name__ for c in type(t).__mro__)))
+            elif isinstance(t, type):
+                out.append((str(n), tuple(c.__name__ for c in t.__mro__)))
+            elif isinstance(t, str):
+                out.append((str(n), (t,)))
+            else:
+                raise ValueError(f"a mapping of modules must map names to modules, classes or class "
+                                 f"names; {n!r} maps to a {type(t).__name__}")
+        return out
+    if isinstance(target, (str, bytes)) or not isinstance(target, Iterable):
+        raise ValueError("resolve a plan against an nn.Module, a gradstats Run, a mapping "
+                         f"name -> module/class/class name, or a list of module names; got {type(target).__name__}")
+    names = list(target)
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError("a list of module names must hold strings only")
+    return [(n, None) for n in names]
+
+
+# --------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Plan:
+    """A per-layer plan for the neural gradients of a model (see the module doc for precedence).
+
+    Args:
+        entries: :class:`PlanEntry` objects (or dicts with their fields), in order.
+        defaults: the :class:`Rule` every planned module starts from (or a dict of its fields).
+        provenance: where the plan came from; default: this version, now, no source.
+
+    Example:
+        >>> import tempfile, os
+        >>> plan = Plan([PlanEntry("fc1", format="e4m3fn"), {"layer": "fc2", "sparsity": 0.5}],
+        ...             defaults={"rounding": "stochastic"})
+        >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
+        >>> plan.save(path)
+        >>> Plan.load(path) == plan
+        True
+        >>> plan.resolve(["fc1", "fc2", "fc3"])["fc2"].rounding
+        'stochastic'
+    """
+
+    entries: tuple[PlanEntry, ...] = ()
+    defaults: Rule = field(default_factory=Rule)
+    provenance: Provenance | None = field(default_factory=Provenance.now)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.entries, (str, bytes, Mapping, PlanEntry)) or not isinstance(self.entries, Iterable):
+            raise ValueError(f"entries must be a list of PlanEntry (or dicts), got {type(self.entries).__name__}")
+        entries = []
+        for i, e in enumerate(self.entries):
+            if isinstance(e, Mapping):
+                e = PlanEntry.from_dict(e, f"layers[{i}]")
+            elif not isinstance(e, PlanEntry):
+                raise ValueError(f"layers[{i}]: expected a PlanEntry or a dict, got {type(e).__name__}")
+            entries.append(e)
+        object.__setattr__(self, "entries", tuple(entries))
+        if isinstance(self.defaults, Mapping):
+            object.__setattr__(self, "defaults", _defaults_from_dict(self.defaults))
+        elif not isinstance(self.defaults, Rule):
+            raise ValueError(f"defaults must be a Rule or a dict of rule fields, got {type(self.defaults).__name__}")
+        if isinstance(self.provenance, Mapping):
+            object.__setattr__(self, "provenance", Provenance.from_dict(self.provenance))
+        elif self.provenance is not None and not isinstance(self.provenance, Provenance):
+            raise ValueError(f"provenance must be a Provenance, a dict or None, got {type(self.provenance).__name__}")
+        # each entry completed by the defaults alone must be a valid rule
+        for i, e in enumerate(entries):
+            self._complete([e], f"layers[{i}] ({e.layer!r}) with the defaults")
+
+    # -- construction
+    @classmethod
+    def uniform(cls, *, format: FPFormat | str | None = None, sparsity: float | None = None,
+                rounding: str = "nearest", scale: str = "lognormal",
+                layers: Sequence[str] | str | None = None, scale_value: float | None = None,
+                threshold_rule: str = "lognormal", block_size: int | None = None,
+                scale_format: str | None = None, source: str | os.PathLike[str] | None = None) -> "Plan":
+        """The same rule on every selected layer.
+
+        ``layers``: names or globs (``"re:..."`` for a regex); ``None`` selects every convolution and
+        linear layer (:data:`CONV_LINEAR_TYPES`, the study's choice). The rule goes into the plan's
+        ``defaults``; each entry names layers only.
+
+        Example:
+            >>> import torch
+            >>> m = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+            ...                         torch.nn.LazyLinear(3))
+            >>> plan = Plan.uniform(format="float6_e3m2fn", sparsity=0.85)
+            >>> sorted(plan.resolve(m)), str(plan.defaults.format)
+            (['0', '3'], 'e3m2fn')
+            >>> list(Plan.uniform(layers=["0"]).resolve(m))
+            ['0']
+        """
+        defaults = Rule(format=format, sparsity=sparsity, rounding=rounding, scale=scale,
+                        scale_value=scale_value, threshold_rule=threshold_rule, block_size=block_size,
+                        scale_format=scale_format)
+        if layers is None:
+            entries = [PlanEntry("*", types=CONV_LINEAR_TYPES)]
+        else:
+            if isinstance(layers, str):
+                layers = [layers]
+            entries = [PlanEntry(p) for p in layers]
+            if not entries:
+                raise ValueError("layers is empty: pass names or globs, or None for every conv and linear layer")
+        gen = (f"Plan.uniform(format={None if format is None else str(defaults.format)!r}, "
+               f"sparsity={sparsity!r}, rounding={rounding!r}, scale={scale!r})")
+        prov = Provenance.now(source=None if source is None else os.fspath(source), generator=gen)
+        return cls(entries, defaults, prov)
+
+    def with_entries(self, *entries: PlanEntry | Mapping[str, Any]) -> "Plan":
+        """A copy with ``entries`` appended (they take precedence over earlier ones of their kind)."""
+        return dataclasses.replace(self, entries=(*self.entries, *entries))
+
+    # -- resolution
+    def _complete(self, matched: Sequence[PlanEntry], where: str) -> Rule:
+        fields = {k: getattr(self.defaults, k) for k in RULE_FIELDS}
+        for e in sorted(matched, key=lambda e: not e.is_pattern):  # stable: patterns, then exact
+            fields.update(e.overrides)
+        try:
+            return Rule(**fields)
+        except ValueError as exc:
+            raise _err(where, str(exc)) from None
+
+    def resolve(self, target: Any, *, strict: bool = True) -> dict[str, Rule]:
+        """The complete :class:`Rule` of every planned module of ``target``, in module order.
+
+        ``target``: an ``nn.Module`` (inside a DDP wrapper too), a :class:`gradstats.run.Run`
+        (its traced layers), a mapping ``name -> module, class or class name``, or a list of
+        names (then no entry may select ``types``). Modules no entry matches are absent. With
+        ``strict`` an entry that matches no module is a ``ValueError``; otherwise a warning.
+
+        Example:
+            >>> plan = Plan([PlanEntry("*", sparsity=0.5), PlanEntry("b", sparsity=0.9),
+            ...              PlanEntry("b*", sparsity=0.7)])
+            >>> {n: r.sparsity for n, r in plan.resolve(["a", "b", "bb"]).items()}
+            {'a': 0.5, 'b': 0.9, 'bb': 0.7}
+        """
+        return {name: rule for name, rule, _ in self._resolve(target, strict=strict)}
+
+    def _resolve(self, target: Any, *, strict: bool) -> list[tuple[str, Rule, list[int]]]:
+        modules = _modules_of(target)
+        hits = [0] * len(self.entries)
+        exact: dict[str, list[int]] = {}
+        patterns: list[int] = []
+        for i, e in enumerate(self.entries):
+            (patterns.append(i) if e.is_pattern else exact.setdefault(e.layer, []).append(i))
+        out = []
+        for name, types in modules:
+            idx = [i for i in patterns if self.entries[i].matches(name, types)]
+            idx += [i for i in exact.get(name, ()) if self.entries[i].matches(name, types)]
+            if not idx:
+                continue
+            for i in idx:
+                hits[i] += 1
+            rule = self._complete([self.entries[i] for i in idx],
+                                  f"module {name!r} (entries {[self.entries[i].layer for i in idx]})")
+            out.append((name, rule, idx))
+        missing = [self.entries[i] for i, h in enumerate(hits) if h == 0]
+        if missing:
+            names = [n for n, _ in modules]
+            shown = ", ".join(repr(n) for n in names[:15]) + (" ..." if len(names) > 15 else "")
+            msg = "; ".join(
+                f"layer pattern {e.layer!r}" + (f" with types {list(e.types)}" if e.types else "")
+                + " matches no module" for e in missing) + f" (modules: {shown or 'none'})"
+            if strict:
+                raise ValueError(msg)
+            log.warning(msg)
+            warnings.warn(msg, stacklevel=3)
+        return out
+
+    # -- views
+    def to_dataframe(self, target: Any = None):
+        """A pandas view: one row per entry (completed by the defaults), or with ``target`` one
+        row per resolved module (with the indices of the ``entries`` that matched it).
+
+        Example:
+            >>> Plan.uniform(format="e5m2").to_dataframe()[["layer", "format", "scale"]]
+              layer format      scale
+            0     *   e5m2  lognormal
+        """
+        import pandas as pd
+
+        rows = []
+        if target is None:
+            for i, e in enumerate(self.entries):
+                r = self._complete([e], f"layers[{i}]")
+                rows.append({"layer": e.layer, "match": _kind(e), "types": list(e.types) if e.types else None,
+                             **_rule_row(r)})
+        else:
+            for name, r, idx in self._resolve(target, strict=False):
+                rows.append({"layer": name, "entries": idx, **_rule_row(r)})
+        cols = ["layer", "match", "types"] if target is None else ["layer", "entries"]
+        cols += list(_rule_row(_DEFAULT_RULE))
+        return pd.DataFrame(rows, columns=cols)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document of the plan (see ``docs/plan-format.md``)."""
+        return {"schema": SCHEMA, "version": SCHEMA_VERSION,
+                "provenance": None if self.provenance is None else self.provenance.to_dict(),
+                "defaults": _fields_to_json({k: getattr(self.defaults, k) for k in RULE_FIELDS
+                                             if k != "predicted"}),
+                "layers": [e.to_dict() for e in self.entries]}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Plan":
+        """Read and validate a plan document (as :meth:`to_dict` gives)."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a plan must be a JSON object, got {type(d).__name__}")
+        if d.get("schema") != SCHEMA:
+            raise ValueError(f"not a gradstats plan: expected \"schema\": \"{SCHEMA}\", got "
+                             f"{d.get('schema')!r}")
+        v = d.get("version")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"bad plan schema version {v!r}: expected a positive integer ({SCHEMA_VERSION})")
+        if v > SCHEMA_VERSION:
+            raise ValueError(f"plan schema version {v} is newer than this gradstats reads "
+                             f"(version {SCHEMA_VERSION}); upgrade gradstats")
+        _check_keys(d, ("schema", "version", "provenance", "defaults", "layers"), "plan")
+        layers = d.get("layers", [])
+        if not isinstance(layers, list):
+            raise ValueError(f"plan: 'layers' must be a list of entries, got {type(layers).__name__}")
+        prov = d.get("provenance")
+        return cls(entries=[PlanEntry.from_dict(e, f"layers[{i}]") for i, e in enumerate(layers)],
+                   defaults=_defaults_from_dict(d.get("defaults", {})),
+                   provenance=None if prov is None else Provenance.from_dict(prov))
+
+    def to_json(self) -> str:
+        """The plan document as indented JSON text."""
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON (atomically)."""
+        from ..run import atomic_write_bytes
+
+        atomic_write_bytes(Path(path), self.to_json().encode())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Plan":
+        """Read a plan file written by :meth:`save` or by hand; errors name the file and the problem."""
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"no plan file at {p}")
+        try:
+            d = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{p}: not valid JSON ({exc})") from None
+        try:
+            return cls.from_dict(d)
+        except ValueError as exc:
+            raise ValueError(f"{p}: {exc}") from None
+
+    def export(self, target: str = "json", model: Any = None, *, path: str | os.PathLike[str] | None = None,
+               strict: bool = False) -> dict[str, Any]:
+        """The plan resolved per layer in another stack's terms (a JSON-ready dict).
+
+        ``target``: ``"json"`` (per layer: format name and fields, scale rule and value,
+        rounding, blocks, pruning) or ``"torchao"`` (``torchao.float8`` ``Float8LinearConfig``
+        fields per linear layer: the ``grad_output`` casts; see ``docs/plan-format.md``).
+        ``model``: anything :meth:`resolve` takes; ``None`` uses the plan's exact layer names
+        (no patterns allowed). What the target cannot express is listed under ``"dropped"``
+        (per layer) and ``"skipped"`` (layers left out), with a warning; ``strict`` raises instead.
+        ``path``: also write the result there as JSON.
+
+        Example:
+            >>> plan = Plan([PlanEntry("fc", format="e5m2", scale="amax")])
+            >>> plan.export("json")["layers"]["fc"]["format"]
+            'e5m2'
+            >>> plan.export("torchao", {"fc": "Linear"})["configs"]["fc"]["cast_config_grad_output"]
+            {'scaling_type': 'dynamic', 'scaling_granularity': 'tensorwise', 'target_dtype': 'float8_e5m2'}
+        """
+        from ._export import export
+
+        return export(self, target, model, path=path, strict=strict)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def _defaults_from_dict(d: Any) -> Rule:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"defaults: expected an object of rule fields, got {type(d).__name__}")
+    _check_keys(d, [k for k in RULE_FIELDS if k != "predicted"], "defaults")
+    try:
+        return Rule(**d)
+    except ValueError as exc:
+        raise _err("defaults", str(exc)) from None
+
+
+def _kind(e: PlanEntry) -> str:
+    return "regex" if e.layer.startswith("re:") else ("glob" if e.is_pattern else "exact")
+
+
+def _rule_row(r: Rule) -> dict[str, Any]:
+    p = r.predicted or Prediction()
+    return {"format": None if r.format is None else str(r.format),
+            "bits": None if r.format is None else r.format.bits,
+            "scale": r.scale, "scale_value": r.scale_value, "rounding": r.rounding,
+            "block_size": r.block_size, "scale_format": r.scale_format, "sparsity": r.sparsity,
+            "threshold_rule": r.threshold_rule, "mu": p.mu, "sigma": p.sigma, "p0": p.p0,
+            "predicted_error": p.error, "predicted_sparsity": p.sparsity,
+            "predicted_scale": p.scale, "predicted_threshold": p.threshold}

@@ -1,0 +1,519 @@
+"""The value classes of a plan: :class:`Rule` (complete, what a module gets), :class:`PlanEntry`
+(a layer pattern and the fields it sets), :class:`Prediction` and :class:`Provenance`, with their
+validation. See :mod:`gradstats.plan`."""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+import os
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Mapping, Sequence
+
+from ..formats import FPFormat
+from ..pruning import METHODS as _METHODS
+from ..quant import ROUNDINGS as _ROUNDINGS, SCALE_FORMATS as _SCALE_FORMATS
+
+#: scale rules: a fixed multiplier, the power of two that maps the step's amax to the format's
+#: max, or the optimal power of two for the running lognormal mu and sigma
+SCALE_RULES = ("fixed", "amax", "lognormal")
+#: rounding modes (those of :func:`gradstats.quant.quantize`)
+ROUNDINGS: tuple[str, ...] = tuple(_ROUNDINGS)
+#: pruning threshold rules (those of :func:`gradstats.pruning.prune`)
+THRESHOLD_RULES: tuple[str, ...] = tuple(_METHODS)
+#: block scale formats (those of :func:`gradstats.quant.quantize`): MX ``e8m0``, NVFP4 ``e4m3``
+SCALE_FORMATS: tuple[str, ...] = tuple(_SCALE_FORMATS)
+
+_PATTERN_CHARS = re.compile(r"[*?\[]")
+
+class _Inherit:
+    """Marker of a rule field an entry does not set (it inherits); a singleton."""
+
+    _instance: "_Inherit | None" = None
+
+    def __new__(cls) -> "_Inherit":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "INHERIT"
+
+    def __reduce__(self) -> str:
+        return "INHERIT"
+
+
+#: the value of a :class:`PlanEntry` field that the entry leaves to the defaults and earlier entries
+INHERIT: Any = _Inherit()
+
+
+# --------------------------------------------------------------------------- checks
+def _err(where: str, msg: str) -> ValueError:
+    return ValueError(f"{where}: {msg}" if where else msg)
+
+
+def _opt_float(v: Any, name: str, where: str, *, lo: float | None = None, hi: float | None = None,
+               lo_open: bool = False, hi_open: bool = False) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _err(where, f"{name} must be a number or null, got {v!r}")
+    x = float(v)
+    if not math.isfinite(x):
+        raise _err(where, f"{name} must be finite, got {x}")
+    bad = (lo is not None and (x < lo or (lo_open and x == lo))) or \
+          (hi is not None and (x > hi or (hi_open and x == hi)))
+    if bad:
+        rng = f"{'(' if lo_open else '['}{'-inf' if lo is None else f'{lo:g}'}, " \
+              f"{'inf' if hi is None else f'{hi:g}'}{')' if hi_open else ']'}"
+        raise _err(where, f"{name} must lie in {rng}, got {x}")
+    return x
+
+
+def _choice(v: Any, name: str, options: Sequence[str], where: str) -> str:
+    if v not in options:
+        raise _err(where, f"unknown {name} {v!r}; expected one of {list(options)}")
+    return v
+
+
+def _format(v: Any, where: str) -> FPFormat | None:
+    if v is None:
+        return None
+    try:
+        return FPFormat.parse(v)
+    except ValueError as exc:
+        raise _err(where, str(exc)) from None
+
+
+# --------------------------------------------------------------------------- value classes
+@dataclass(frozen=True)
+class Prediction:
+    """Numbers known when a rule was recommended (informational; never used to enforce).
+
+    Attributes:
+        error: predicted quantisation error, ``E[(Q(g) - g)^2] / E[g^2]`` (relative MSE).
+        sparsity: predicted fraction of zeros after pruning (exact zeros included).
+        mu, sigma: mean and std of ``ln|g|`` (natural log) of the non-zero entries.
+        p0: fraction of exact zeros before pruning.
+        scale: the scale multiplier the rule gave at recommendation time.
+        threshold: the pruning threshold the rule gave at recommendation time.
+
+    Example:
+        >>> Prediction(error=1e-3, sigma=2.0).to_dict()
+        {'error': 0.001, 'sigma': 2.0}
+    """
+
+    error: float | None = None
+    sparsity: float | None = None
+    mu: float | None = None
+    sigma: float | None = None
+    p0: float | None = None
+    scale: float | None = None
+    threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        w = "predicted"
+        for name, lo, hi, lo_open in (("error", 0.0, None, False), ("sparsity", 0.0, 1.0, False),
+                                      ("mu", None, None, False), ("sigma", 0.0, None, False),
+                                      ("p0", 0.0, 1.0, False), ("scale", 0.0, None, True),
+                                      ("threshold", 0.0, None, False)):
+            object.__setattr__(self, name, _opt_float(getattr(self, name), name, w, lo=lo, hi=hi,
+                                                      lo_open=lo_open))
+
+    def to_dict(self) -> dict[str, float]:
+        """The fields that are set (not None)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "predicted") -> "Prediction":
+        """From a dict such as :meth:`to_dict` gives; unknown keys are an error."""
+        if not isinstance(d, Mapping):
+            raise _err(where, f"expected an object of predicted numbers, got {type(d).__name__}")
+        _check_keys(d, [f.name for f in dataclasses.fields(cls)], where)
+        try:
+            return cls(**d)
+        except ValueError as exc:
+            raise _err(where, str(exc).removeprefix("predicted: ")) from None
+
+
+_RULE_NAMES = ("format", "scale", "scale_value", "rounding", "block_size", "scale_format", "sparsity",
+               "threshold_rule", "predicted")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The complete treatment of one layer's neural gradient ``g`` in the backward pass:
+    prune (when ``sparsity`` is set), then quantise (when ``format`` is set).
+
+    Attributes:
+        format: an :class:`~gradstats.formats.FPFormat` (a name is parsed), or None: no quantisation.
+        scale: ``"fixed"`` (the multiplier ``scale_value``), ``"amax"`` (per step, the largest power
+            of two ``s`` with ``amax * s <= format.max``), or ``"lognormal"`` (the optimal power of
+            two for the running mu and sigma, :func:`gradstats.fpanalysis.optimal_scale`). The
+            gradient is stored as ``quantize(g * s) / s``.
+        scale_value: the multiplier of ``scale="fixed"`` (positive); None for the other rules.
+        rounding: ``"nearest"`` (ties to even), ``"stochastic"`` or ``"toward_zero"``.
+        block_size: elements per shared-scale block (MX 32, NVFP4 16) or None (one scale per
+            tensor). Block scales come from each block's amax, so it needs ``scale="amax"``.
+        scale_format: the block scale type, ``"e8m0"`` (MX, the default with blocks) or
+            ``"e4m3"`` (NVFP4); None without blocks.
+        sparsity: target fraction of zeros in ``[0, 1)`` after stochastic pruning, or None.
+        threshold_rule: how the pruning threshold is set from the gradient's statistics:
+            ``"lognormal"``, ``"naive_lognormal"``, ``"normal"``, ``"laplace"`` or ``"exact"``.
+        predicted: informational :class:`Prediction` (recommendations fill it), or None.
+
+    Example:
+        >>> r = Rule(format="e4m3", scale="amax", rounding="stochastic", sparsity=0.85)
+        >>> r.format.max, r.quantizes, r.prunes, r.is_identity
+        (240.0, True, True, False)
+        >>> r.scale_for(amax=3.0)   # amax * s <= 240 with s a power of two
+        64.0
+    """
+
+    format: FPFormat | None = None
+    scale: str = "lognormal"
+    scale_value: float | None = None
+    rounding: str = "nearest"
+    block_size: int | None = None
+    scale_format: str | None = None
+    sparsity: float | None = None
+    threshold_rule: str = "lognormal"
+    predicted: Prediction | None = None
+
+    def __post_init__(self) -> None:
+        _set_fields(self, _check_fields({k: getattr(self, k) for k in _RULE_NAMES}, ""))
+        _check_combination(self, "")
+
+    # -- what it does
+    @property
+    def quantizes(self) -> bool:
+        """Whether the gradient is quantised (a format is set)."""
+        return self.format is not None
+
+    @property
+    def prunes(self) -> bool:
+        """Whether the gradient is pruned (a positive sparsity target is set)."""
+        return self.sparsity is not None and self.sparsity > 0.0
+
+    @property
+    def is_identity(self) -> bool:
+        """True when the rule leaves the gradient unchanged (no format, no pruning)."""
+        return not (self.quantizes or self.prunes)
+
+    def quantize_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`gradstats.quant.quantize` for this rule, except ``scale``
+        (which depends on the step: see :meth:`scale_for`).
+
+        Example:
+            >>> Rule(format="e2m1fn", scale="amax", block_size=32).quantize_kwargs()
+            {'fmt': FPFormat('e2m1fn'), 'rounding': 'nearest', 'block_size': 32, 'scale_format': 'e8m0'}
+        """
+        if self.format is None:
+            raise ValueError("this rule has no format: nothing is quantised")
+        kw: dict[str, Any] = {"fmt": self.format, "rounding": self.rounding}
+        if self.block_size is not None:
+            kw["block_size"] = self.block_size
+            kw["scale_format"] = self.scale_format
+        return kw
+
+    def scale_for(self, *, mu: float | None = None, sigma: float | None = None,
+                  amax: float | None = None) -> float:
+        """The per-tensor scale multiplier ``s`` (``quantize(g * s) / s``) for the current statistics.
+
+        ``"fixed"``: ``scale_value``. ``"amax"``: ``2**floor(log2(format.max / amax))`` (1 when
+        ``amax`` is 0 or not finite). ``"lognormal"``: :func:`gradstats.fpanalysis.optimal_scale`
+        at ``mu``, ``sigma`` (of ``ln|g|``). Block-scaled rules have no per-tensor scale.
+
+        Example:
+            >>> Rule(format="e5m2", scale="fixed", scale_value=0.5).scale_for()
+            0.5
+            >>> Rule(format="e5m2", scale="amax").scale_for(amax=1e-6)
+            34359738368.0
+        """
+        if self.format is None:
+            raise ValueError("this rule has no format: there is no scale")
+        if self.block_size is not None:
+            raise ValueError("a block-scaled rule takes its scales from each block's amax "
+                             "(gradstats.quant.quantize with block_size); it has no per-tensor scale")
+        if self.scale == "fixed":
+            return float(self.scale_value)  # type: ignore[arg-type]
+        if self.scale == "amax":
+            if amax is None:
+                raise ValueError("scale='amax' needs amax= (the largest |g| of the step)")
+            a = float(amax)
+            if not (math.isfinite(a) and a > 0):
+                return 1.0
+            return math.ldexp(1.0, math.floor(math.log2(self.format.max / a)))
+        if mu is None or sigma is None:
+            raise ValueError("scale='lognormal' needs mu= and sigma= (mean and std of ln|g|)")
+        from .. import fpanalysis
+
+        return float(fpanalysis.optimal_scale(self.format, mu=mu, sigma=sigma))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready (the format as its canonical name)."""
+        return _fields_to_json({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    def replace(self, **changes: Any) -> "Rule":
+        """A copy with some fields changed (validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+#: the fields of a :class:`Rule`, in order
+RULE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Rule))
+
+
+def _check_fields(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Validate the rule fields present in ``values`` one by one; returns them normalised."""
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        if v is INHERIT:
+            out[k] = v
+        elif k == "format":
+            out[k] = _format(v, where)
+        elif k == "scale":
+            out[k] = _choice(v, "scale rule", SCALE_RULES, where)
+        elif k == "scale_value":
+            out[k] = _opt_float(v, "scale_value", where, lo=0.0, lo_open=True)
+        elif k == "rounding":
+            out[k] = _choice(v, "rounding", ROUNDINGS, where)
+        elif k == "block_size":
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise _err(where, f"block_size must be a positive int or null, got {v!r}")
+            out[k] = v
+        elif k == "scale_format":
+            out[k] = None if v is None else _choice(v, "scale_format", SCALE_FORMATS, where)
+        elif k == "sparsity":
+            out[k] = _opt_float(v, "sparsity", where, lo=0.0, hi=1.0, hi_open=True)
+        elif k == "threshold_rule":
+            out[k] = _choice(v, "threshold_rule", THRESHOLD_RULES, where)
+        elif k == "predicted":
+            if v is None or isinstance(v, Prediction):
+                out[k] = v
+            else:
+                out[k] = Prediction.from_dict(v, f"{where}: predicted" if where else "predicted")
+        else:
+            raise _err(where, f"unknown rule field {k!r}; expected one of {list(RULE_FIELDS)}")
+    return out
+
+
+def _check_combination(r: Rule, where: str) -> None:
+    if r.scale == "fixed" and r.scale_value is None:
+        raise _err(where, "scale 'fixed' needs a scale_value (the positive multiplier s of quantize(g*s)/s)")
+    if r.scale != "fixed" and r.scale_value is not None:
+        raise _err(where, f"scale_value is used by scale 'fixed' only; scale {r.scale!r} computes "
+                          "its own (remove scale_value, or set scale to 'fixed')")
+    if r.block_size is not None and r.scale != "amax":
+        raise _err(where, f"block_size {r.block_size} takes each block's scale from its amax: set "
+                          f"scale to 'amax' (got {r.scale!r})")
+    if r.scale_format is not None and r.block_size is None:
+        raise _err(where, "scale_format applies to block scaling only: set block_size too, or remove it")
+    if r.block_size is not None and r.scale_format is None:
+        object.__setattr__(r, "scale_format", "e8m0")
+
+
+def _set_fields(obj: Any, values: Mapping[str, Any]) -> None:
+    for k, v in values.items():
+        object.__setattr__(obj, k, v)
+
+
+def _fields_to_json(values: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        if v is INHERIT:
+            continue
+        if k == "format":
+            v = None if v is None else str(v)
+        elif k == "predicted":
+            v = None if v is None else v.to_dict()
+        out[k] = v
+    return out
+
+
+def _check_keys(d: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+    for k in d:
+        if k not in allowed:
+            raise _err(where, f"unknown key {k!r}; allowed keys: {list(allowed)}")
+
+
+@dataclass(frozen=True, repr=False)
+class PlanEntry:
+    """One line of a plan: a layer pattern and the rule fields it sets (see :class:`Rule`).
+
+    Args:
+        layer: a module name as in ``model.named_modules()`` (exact), a glob (``*``, ``?``,
+            ``[...]``, e.g. ``"layer1.*.conv*"``), or a regular expression prefixed ``"re:"``.
+            Patterns match every named module except the root (containers too, as with
+            :func:`gradstats.trace`); narrow them with ``types``.
+        types: optional module class names; the entry matches only modules that are instances
+            of one of them (any class in the module's MRO; e.g. ``"Linear"`` matches ``LazyLinear``).
+        format, scale, scale_value, rounding, block_size, scale_format, sparsity, threshold_rule,
+            predicted: the fields of :class:`Rule`; those not passed are :data:`INHERIT`.
+
+    Example:
+        >>> e = PlanEntry("layer*.conv*", format="e3m2fn", sparsity=None)
+        >>> e, e.is_pattern, e.overrides
+        (PlanEntry('layer*.conv*', format=FPFormat('e3m2fn'), sparsity=None), True, {'format': FPFormat('e3m2fn'), 'sparsity': None})
+    """
+
+    layer: str
+    types: tuple[str, ...] | None = None
+    format: Any = INHERIT
+    scale: Any = INHERIT
+    scale_value: Any = INHERIT
+    rounding: Any = INHERIT
+    block_size: Any = INHERIT
+    scale_format: Any = INHERIT
+    sparsity: Any = INHERIT
+    threshold_rule: Any = INHERIT
+    predicted: Any = INHERIT
+
+    def __post_init__(self) -> None:
+        where = f"layer entry {self.layer!r}" if isinstance(self.layer, str) else "layer entry"
+        if not isinstance(self.layer, str) or not self.layer.strip():
+            raise _err(where, f"layer must be a non-empty module name, glob or 're:' regex, got {self.layer!r}")
+        if self.layer.startswith("re:"):
+            try:
+                re.compile(self.layer[3:])
+            except re.error as exc:
+                raise _err(where, f"bad regular expression: {exc}") from None
+        if self.types is not None:
+            types = (self.types,) if isinstance(self.types, str) else self.types
+            if not isinstance(types, (list, tuple)) or not types or \
+                    not all(isinstance(t, str) and t for t in types):
+                raise _err(where, f"types must be a non-empty list of module class names, got {self.types!r}")
+            object.__setattr__(self, "types", tuple(types))
+        _set_fields(self, _check_fields(self.overrides, where))
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """The rule fields this entry sets."""
+        return {k: getattr(self, k) for k in RULE_FIELDS if getattr(self, k) is not INHERIT}
+
+    @property
+    def is_pattern(self) -> bool:
+        """Whether ``layer`` is a glob or ``re:`` regex (else an exact module name)."""
+        return self.layer.startswith("re:") or bool(_PATTERN_CHARS.search(self.layer))
+
+    def matches(self, name: str, type_names: Sequence[str] | None = None) -> bool:
+        """Whether the entry applies to the module ``name`` whose class (and base classes) are
+        ``type_names`` (needed only when the entry has ``types``).
+
+        Example:
+            >>> PlanEntry("layer1.*").matches("layer1.0.conv1"), PlanEntry("re:fc\\\\d").matches("fc2")
+            (True, True)
+        """
+        if self.layer.startswith("re:"):
+            ok = name != "" and re.fullmatch(self.layer[3:], name) is not None
+        elif self.is_pattern:
+            ok = name != "" and fnmatch.fnmatchcase(name, self.layer)
+        else:
+            ok = name == self.layer
+        if ok and self.types is not None:
+            if type_names is None:
+                raise ValueError(f"layer entry {self.layer!r} selects module types {list(self.types)}: "
+                                 "resolve the plan against a model, a run, or a mapping name -> class name")
+            ok = any(t in self.types for t in type_names)
+        return ok
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``layer``, ``types`` when set, and the fields the entry sets."""
+        d: dict[str, Any] = {"layer": self.layer}
+        if self.types is not None:
+            d["types"] = list(self.types)
+        d.update(_fields_to_json(self.overrides))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "layer entry") -> "PlanEntry":
+        """From a dict such as :meth:`to_dict` gives; unknown keys are an error."""
+        if not isinstance(d, Mapping):
+            raise _err(where, f"expected an object with a 'layer' key, got {type(d).__name__}")
+        _check_keys(d, ("layer", "types", *RULE_FIELDS), where)
+        if "layer" not in d:
+            raise _err(where, "missing the 'layer' key (a module name, glob or 're:' regex)")
+        try:
+            return cls(**d)
+        except ValueError as exc:
+            raise _err(where, str(exc)) from None
+        except TypeError as exc:  # pragma: no cover - guarded by _check_keys
+            raise _err(where, str(exc)) from None
+
+    def __repr__(self) -> str:
+        parts = [repr(self.layer)]
+        if self.types is not None:
+            parts.append(f"types={self.types!r}")
+        parts += [f"{k}={v!r}" for k, v in self.overrides.items()]
+        return f"PlanEntry({', '.join(parts)})"
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a plan came from.
+
+    Attributes:
+        source: the run directory it was recommended from (or None).
+        gradstats_version: the version that made it.
+        created: UTC time of creation, ISO 8601 (``2025-01-31T12:00:00Z``).
+        generator: how it was made, e.g. ``"recommend(bits=8, sparsity=0.85, ...)"``.
+        steps: ``[first, last]`` steps of the statistics used (or None).
+
+    Example:
+        >>> p = Provenance.now(source="runs/cnn", generator="uniform")
+        >>> p.created.endswith("Z"), p.source
+        (True, 'runs/cnn')
+    """
+
+    source: str | None = None
+    gradstats_version: str | None = None
+    created: str | None = None
+    generator: str | None = None
+    steps: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        for k in ("source", "gradstats_version", "created", "generator"):
+            v = getattr(self, k)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise _err("provenance", f"{k} must be a string or null, got {v!r}")
+            if isinstance(v, os.PathLike):
+                object.__setattr__(self, k, os.fspath(v))
+        if self.created is not None:
+            try:
+                datetime.fromisoformat(self.created.replace("Z", "+00:00"))
+            except ValueError:
+                raise _err("provenance", f"created must be an ISO 8601 time, got {self.created!r}") from None
+        if self.steps is not None:
+            s = self.steps
+            if not (isinstance(s, (list, tuple)) and len(s) == 2 and
+                    all(isinstance(v, int) and not isinstance(v, bool) for v in s) and s[0] <= s[1]):
+                raise _err("provenance", f"steps must be [first, last] integers, got {s!r}")
+            object.__setattr__(self, "steps", (int(s[0]), int(s[1])))
+
+    @classmethod
+    def now(cls, **kw: Any) -> "Provenance":
+        """Provenance stamped with this gradstats version and the current UTC time."""
+        from .._version import __version__
+
+        t = datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+        return cls(gradstats_version=__version__, created=t, **kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field (steps as a list)."""
+        d = dataclasses.asdict(self)
+        d["steps"] = list(self.steps) if self.steps is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Provenance":
+        """From a dict such as :meth:`to_dict` gives; unknown keys are an error."""
+        if not isinstance(d, Mapping):
+            raise _err("provenance", f"expected an object, got {type(d).__name__}")
+        _check_keys(d, [f.name for f in dataclasses.fields(cls)], "provenance")
+        return cls(**d)
+
+
+assert RULE_FIELDS == _RULE_NAMES
+_DEFAULT_RULE = Rule()
