@@ -41,11 +41,12 @@ _EXPORTS: dict[str, str] = {
     "FitResult": "gradstats.fitting",
     # plans
     "Plan": "gradstats.plan",
-    "recommend": "gradstats.recommend",
+    "recommend": "gradstats.recommendation",
     "apply": "gradstats.enforce",
 }
 # stage modules exposed as attributes (``gradstats.pruning.threshold(...)``)
-_SUBMODULES = {"pruning", "fpanalysis", "models", "data", "plots", "formats", "quant", "stats", "run"}
+_SUBMODULES = {"pruning", "fpanalysis", "models", "data", "training", "plots", "formats", "quant", "stats",
+               "run", "tracer", "plan"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 

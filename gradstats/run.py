@@ -105,6 +105,8 @@ class Flush:
     rows: list[dict[str, Any]] = field(default_factory=list)
     samples: dict[str, torch.Tensor] = field(default_factory=dict)
     sample_totals: dict[str, int] = field(default_factory=dict)
+    #: further tables by name (e.g. "applied": what gradstats.apply did), rows of plain values
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 def rows_to_table(rows: Sequence[dict[str, Any]]):
@@ -208,6 +210,15 @@ class RunWriter:
             atomic_write_bytes(self.path / rel, data)
             files[rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
             samples_meta = dict(fl.sample_totals)
+        for tname, trows in fl.tables.items():
+            if not trows:
+                continue
+            (self.path / tname).mkdir(exist_ok=True)
+            rel = f"{tname}/part-{name}.parquet"
+            tmp = self.path / tname / f".part-{name}.parquet.tmp"
+            pd.DataFrame(trows).to_parquet(tmp, index=False)
+            os.replace(tmp, self.path / rel)
+            files[rel] = {"bytes": (self.path / rel).stat().st_size, "sha256": _sha256(self.path / rel)}
         self.bytes_written += sum(f["bytes"] for f in files.values())
         record = {"rank": fl.rank, "seq": fl.seq, "steps": sorted(set(fl.steps)), "files": files,
                   "sample_totals": samples_meta}
@@ -358,6 +369,25 @@ class Run:
                              "call": key[3], **m})
             df = pd.DataFrame(rows)
         return df.copy()
+
+    def table(self, name: str, *, on_error: str = "warn") -> pd.DataFrame:
+        """A further table of the run by name, e.g. ``"applied"`` (what :func:`gradstats.apply`
+        did per layer and step when given ``log_to=``). Empty when the run has none."""
+        import pyarrow.parquet as pq
+
+        if name in ("stats", "samples", "commits") or not name.isidentifier():
+            raise ValueError(f"{name!r} is not a table name; use stats(), samples() for those")
+        frames = []
+        for c in self._commits:
+            for rel, meta in c["files"].items():
+                if rel.startswith(f"{name}/"):
+                    try:
+                        frames.append(pq.read_table(self._check(rel, meta)).to_pandas())
+                    except RunCorruptError as exc:
+                        if on_error == "raise":
+                            raise
+                        self._problem(f"{exc}; the rest of the run is read without it")
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
     # -- samples
     def sample_index(self) -> pd.DataFrame:

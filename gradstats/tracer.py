@@ -191,6 +191,7 @@ class Tracer:
         self._lock = threading.Lock()
         self._pending: list[tuple[int, str, str, int, torch.Tensor]] = []
         self._pending_samples: dict[str, tuple[torch.Tensor, int]] = {}
+        self._pending_tables: dict[str, list[dict[str, Any]]] = {}
         self._calls: dict[str, int] = {}
         self._shapes: dict[str, list[int]] = {}
         self._sampling_stopped = False
@@ -266,6 +267,14 @@ class Tracer:
         """Block until every closed step is committed to disk."""
         if self._writer is not None:
             self._writer.wait()
+
+    def log_rows(self, table: str, rows: Iterable[dict[str, Any]]) -> None:
+        """Add rows (plain values) to a further table of the run, written with the current
+        step; ``gradstats.apply(..., log_to=tracer)`` logs what it did this way.
+        Read back with ``open_run(path).table(table)``."""
+        rows = [dict(r, step=self.current_step, rank=self.rank) for r in rows]
+        with self._lock:
+            self._pending_tables.setdefault(table, []).extend(rows)
 
     # -- hooks
     def _active(self, step: int) -> tuple[bool, bool]:
@@ -343,14 +352,17 @@ class Tracer:
         with self._lock:
             pending, self._pending = self._pending, []
             samples, self._pending_samples = self._pending_samples, {}
+            tables, self._pending_tables = self._pending_tables, {}
         new_shapes = bool(set(self._shapes) - set(self._written_shapes))
-        if not pending and not samples:
+        if not pending and not samples and not tables:
             if new_shapes:
                 self._write_manifest()
             return
         assert self._writer is not None
-        steps = sorted({p[0] for p in pending} | {int(k.split("|", 1)[0]) for k in samples})
+        steps = sorted({p[0] for p in pending} | {int(k.split("|", 1)[0]) for k in samples}
+                       | {int(r["step"]) for rows in tables.values() for r in rows})
         fl = self._writer.new_flush(steps)
+        fl.tables = tables
         if pending:
             vecs = torch.stack([p[4].to("cpu", non_blocking=False) for p in pending])
             for (s, layer, kind, call, _), v in zip(pending, vecs):
@@ -368,7 +380,7 @@ class Tracer:
                 for key, (v, n_total) in samples.items():
                     fl.samples[key] = v.cpu()
                     fl.sample_totals[key] = [int(v.numel()), int(n_total)]
-        if not fl.rows and not fl.samples:
+        if not fl.rows and not fl.samples and not fl.tables:
             return
         self._writer.submit(fl)
         if new_shapes:

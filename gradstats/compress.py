@@ -1,0 +1,150 @@
+"""Prune then quantise a gradient tensor in one pass: the operator that :func:`gradstats.apply`
+runs in the backward pass.
+
+``prune_quantize(x, threshold, fmt, ...)`` is ``quantize(stochastic_prune(x, threshold), fmt)``
+with the counts a training log needs (zeros, entries pruned, entries flushed to zero by
+rounding, entries saturated). On the CPU one fused C kernel (:mod:`gradstats._native`) does
+it in a single pass over the data and is bit-identical to :func:`gradstats.quantize` for
+nearest and toward-zero rounding; block scaling, other devices, and machines without a C
+compiler go through :func:`gradstats.pruning.stochastic_prune` and :func:`gradstats.quantize`
+(their Triton kernels on CUDA).
+
+Example:
+    >>> import torch
+    >>> from gradstats.compress import prune_quantize
+    >>> x = torch.tensor([0.001, -0.3, 0.6, 5.0])
+    >>> out, counts = prune_quantize(x, 0.5, "e3m2fn", generator=torch.Generator().manual_seed(0))
+    >>> out.tolist()[2:], counts.saturated
+    ([0.625, 5.0], 0)
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import asdict, dataclass
+from typing import Optional, Union
+
+import torch
+
+from .formats import FPFormat
+
+ROUNDING_CODES = {"nearest": 0, "stochastic": 1, "toward_zero": 2}
+
+
+@dataclass(frozen=True)
+class CompressCounts:
+    """What one call of :func:`prune_quantize` did to a tensor of ``n`` elements."""
+
+    n: int
+    zeros: int          #: zeros in the result (pruned, underflowed, or zero already)
+    pruned: int         #: non-zero entries set to zero by pruning
+    underflow: int      #: non-zero entries flushed to zero by rounding
+    saturated: int      #: entries whose scaled magnitude exceeded the format's max
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of zeros in the result."""
+        return self.zeros / self.n if self.n else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "sparsity": self.sparsity}
+
+
+@functools.lru_cache(maxsize=1)
+def _native():
+    from ._native import load
+
+    lib = load("prune_quant")
+    if lib is None:
+        return None
+    fn = lib.gs_prune_quantize_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p]
+    return fn
+
+
+def _native_ok(fmt: Optional[FPFormat], scale: float) -> bool:
+    """Formats the fused kernel covers: signed, up to 8 exponent bits (the kernel saturates)."""
+    if fmt is None:
+        return True
+    return fmt.signed and fmt.exp_bits <= 8 and fmt.man_bits <= 23 and scale > 0
+
+
+def _seed(generator: Optional[torch.Generator]) -> int:
+    return int(torch.randint(0, 2 ** 62, (1,), generator=generator).item())
+
+
+def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, None], *,
+                   scale: float = 1.0, rounding: str = "nearest",
+                   generator: Optional[torch.Generator] = None, block_size: Optional[int] = None,
+                   out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, CompressCounts]:
+    """Stochastic pruning at ``threshold`` (0 = none), then rounding to ``fmt`` (None = none)
+    at ``scale`` with ``rounding``, saturating at the format's max. Returns ``(result, counts)``.
+
+    ``scale`` multiplies before rounding and divides after (exact for powers of two);
+    ``block_size`` uses MX-style shared scales instead (``scale`` is then ignored).
+
+    Example:
+        >>> import torch
+        >>> y, c = prune_quantize(torch.tensor([1.0, 1000.0]), 0.0, "e2m1fn")
+        >>> y.tolist(), c.saturated
+        ([1.0, 6.0], 1)
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"prune_quantize expects a floating-point tensor, got {type(x).__name__}")
+    if not (threshold >= 0):
+        raise ValueError(f"threshold must be >= 0 (0 = no pruning), got {threshold}")
+    if rounding not in ROUNDING_CODES:
+        raise ValueError(f"rounding must be one of {sorted(ROUNDING_CODES)}, got {rounding!r}")
+    if not (scale > 0):
+        raise ValueError(f"scale must be a positive number, got {scale}")
+    fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
+    n = x.numel()
+    fn = _native() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    if fn is not None and block_size is None and _native_ok(fmt, scale) and n > 0:
+        xc = x.contiguous()
+        res = out if out is not None and out.is_contiguous() else torch.empty_like(xc)
+        counts = torch.zeros(4, dtype=torch.int64)
+        q = fmt is not None
+        rc = fn(xc.data_ptr(), res.data_ptr(), n, float(threshold), float(scale), int(q),
+                fmt.man_bits if q else 0, fmt.emin if q else 0, fmt.max if q else 0.0,
+                int(fmt.subnormals) if q else 1, ROUNDING_CODES[rounding], _seed(generator),
+                torch.get_num_threads(), counts.data_ptr())
+        if rc != 0:  # pragma: no cover - arguments are validated above
+            raise RuntimeError("the fused prune/quantise kernel rejected its arguments")
+        c = counts.tolist()
+        result = res.view_as(x)
+        if out is not None:
+            if res is not out:
+                out.copy_(result)
+            result = out
+        return result, CompressCounts(n, c[0], c[1], c[2], c[3])
+    return _composed(x, threshold, fmt, scale, rounding, generator, block_size, out)
+
+
+def _composed(x, threshold, fmt, scale, rounding, generator, block_size, out):
+    """Reference path: the pruning and quantisation operators one after the other."""
+    from .pruning import stochastic_prune
+    from .quant import quantize
+
+    nonzero_in = x != 0
+    y = stochastic_prune(x, threshold, generator=generator) if threshold > 0 else x
+    pruned = int((nonzero_in & (y == 0)).sum())
+    saturated = underflow = 0
+    if fmt is not None:
+        if block_size is not None:
+            z = quantize(y, fmt, rounding=rounding, generator=generator, block_size=block_size)
+        else:
+            z = quantize(y, fmt, scale=scale, rounding=rounding, generator=generator)
+            saturated = int(((y.abs() * scale) > fmt.max).sum())
+        underflow = int(((y != 0) & (z == 0)).sum())
+        y = z
+    zeros = int((y == 0).sum())
+    if out is not None:
+        out.copy_(y)
+        y = out
+    elif y is x:
+        y = x.clone()
+    return y, CompressCounts(x.numel(), zeros, pruned, underflow, saturated)

@@ -1,0 +1,105 @@
+"""The fused prune + quantise operator against the composed reference operators."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gradstats.compress as compress
+from gradstats.compress import prune_quantize
+from gradstats.formats import FPFormat
+from gradstats.quant import quantize
+
+FORMATS = ["e4m3fn", "e5m2", "e3m2fn", "e2m3fn", "e2m1fn", "e4m3", "e6m1", "e3m3", "e4m3fnuz",
+           "e5m2_nosub", "e3m2_nosub", "e8m3", "e2m2"]
+
+
+@pytest.fixture(params=["native", "composed"])
+def path(request, monkeypatch):
+    if request.param == "composed":
+        monkeypatch.setattr(compress, "_native", lambda: None)
+    elif compress._native() is None:
+        pytest.skip("no C compiler here: the composed path is tested instead")
+    return request.param
+
+
+def lognormal(n, sigma=3.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * sigma)
+    x[:12] = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-45, 448, 464, 480, 1e30, -3e-39, 57344])
+    return x
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rounding", ["nearest", "toward_zero"])
+def test_quantise_only_is_bit_exact(path, name, rounding):
+    x = lognormal(50_000)
+    fmt = FPFormat.parse(name)
+    for scale in (1.0, 2.0 ** 12, 2.0 ** -7):
+        ref = quantize(x, fmt, scale=scale, rounding=rounding)
+        got, c = prune_quantize(x, 0.0, fmt, scale=scale, rounding=rounding)
+        same = (ref == got) | (ref.isnan() & got.isnan())
+        assert bool(same.all()), (name, scale, x[~same][:3], ref[~same][:3], got[~same][:3])
+        assert c.saturated == int(((x.abs() * scale) > fmt.max).sum())
+        assert c.zeros == int((got == 0).sum())
+        assert c.underflow == int(((x != 0) & (got == 0)).sum())
+
+
+@pytest.mark.parametrize("name", ["e3m2fn", "e2m1fn", "e4m3fn", "e3m2_nosub"])
+def test_stochastic_rounding_neighbours_and_unbiased(path, name):
+    fmt = FPFormat.parse(name)
+    vals = torch.tensor([0.3, -1.1, 2.7, fmt.min_normal * 0.37])
+    x = vals.repeat_interleave(40_000)
+    g = torch.Generator().manual_seed(1)
+    got, _ = prune_quantize(x, 0.0, fmt, rounding="stochastic", generator=g)
+    lo = quantize(x, fmt, rounding="toward_zero")
+    grid = sorted(set(fmt.values().tolist()))
+    for v, chunk, low in zip(vals.tolist(), got.split(40_000), lo.split(40_000)):
+        lo_v = low[0].item()
+        # the neighbour on the far side of v from zero
+        hi_v = min(u for u in grid if u > lo_v) if v > 0 else max(u for u in grid if u < lo_v)
+        assert set(chunk.unique().tolist()) <= {lo_v, hi_v}, (name, v)
+        mean = chunk.double().mean().item()
+        spread = chunk.double().std().item() / math.sqrt(chunk.numel())
+        assert abs(mean - v) < 5 * spread + 1e-12, (name, v, mean)
+
+
+@pytest.mark.parametrize("sigma, target_a", [(1.0, 0.5), (2.5, 0.05)])
+def test_pruning_statistics(path, sigma, target_a):
+    x = lognormal(400_000, sigma=sigma)[12:]
+    g = torch.Generator().manual_seed(2)
+    got, c = prune_quantize(x, target_a, None, generator=g)
+    small = x.abs() < target_a
+    assert torch.equal(got[~small], x[~small])                        # large values kept
+    assert set(got[small].abs().unique().tolist()) <= {0.0, target_a} | {float(torch.tensor(target_a))}
+    expected_zeros = (1 - x[small].abs() / target_a).sum().item()
+    sd = math.sqrt(((x[small].abs() / target_a) * (1 - x[small].abs() / target_a)).sum().item())
+    assert abs(c.pruned - expected_zeros) < 5 * sd
+    assert abs((got - x).sum().item()) < 5 * math.sqrt((target_a * x[small].abs() - x[small] ** 2).sum().item())
+
+
+def test_reproducible_with_generator(path):
+    x = lognormal(50_000)
+    a, _ = prune_quantize(x, 0.01, "e3m2fn", rounding="stochastic", generator=torch.Generator().manual_seed(5))
+    b, _ = prune_quantize(x, 0.01, "e3m2fn", rounding="stochastic", generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_out_and_shape(path):
+    x = lognormal(6_000).reshape(60, 100).t()                          # non-contiguous
+    out = torch.empty(100, 60)
+    y, _ = prune_quantize(x, 0.0, "e4m3fn", out=out)
+    assert y is out
+    torch.testing.assert_close(y, quantize(x, "e4m3fn"), rtol=0, atol=0, equal_nan=True)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="threshold"):
+        prune_quantize(torch.ones(3), -1.0, None)
+    with pytest.raises(ValueError, match="rounding"):
+        prune_quantize(torch.ones(3), 0.0, "e4m3fn", rounding="up")
+    with pytest.raises(ValueError, match="scale"):
+        prune_quantize(torch.ones(3), 0.0, "e4m3fn", scale=0.0)
+    with pytest.raises(ValueError, match="floating-point"):
+        prune_quantize(torch.ones(3, dtype=torch.int32), 0.0, None)
