@@ -1,0 +1,512 @@
+"""``fit``: the three-family comparison on raw values, exact and fast.
+
+How the work is laid out (n values, m of them non-zero and finite):
+
+1. signed fits on the finite values (mean/std; median and mean absolute deviation);
+2. magnitudes ``a = |x|`` (one copy), sorted once in place (numpy's vectorised sort on the CPU,
+   ``torch.sort`` elsewhere). Zeros sort first and inf/NaN last, so the non-zero finite
+   magnitudes are one contiguous slice, counted by two binary searches;
+3. pass 1 over cache-sized chunks: shifted sums of ``ln a`` and ``(ln a)^2`` and scaled
+   sums of ``a`` and ``a^2`` (float64 accumulation) -> the MLE parameters;
+4. pass 2 over the same chunks: ``u = (ln a - mu)/sigma``; the three model CDFs against the
+   ECDF ramp ``j/m`` (per-chunk extremes of ``F - ramp``); the centred log-likelihood
+   differences of the three pairs for Vuong's test; ``sum u^3``, ``sum u^4``; the
+   Anderson-Darling sums of ``ln Phi(u)`` and ``ln Phi(-u)``;
+5. exact KS: pass 2 runs in the input's precision (float32 for float32 data); every chunk
+   whose float32 extreme lies within twice a proven rounding bound of the global extreme is
+   recomputed in float64, so the reported KS is the float64 value (scipy's) at float32 speed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ._families import FAMILIES, MIN_NONZERO, check_families
+from ._result import FitResult, assemble
+
+CHUNK = 1 << 16
+_SQRT2 = math.sqrt(2.0)
+#: confidence of the DKW bound reported for KS on a subsample
+SUBSAMPLE_CONFIDENCE = 0.999
+#: quarter-binade bins for the stored log2 histogram of the magnitudes
+_BINS_PER_BINADE = 4
+_QQ_POINTS = 200
+
+
+def _as_flat(x: Any) -> torch.Tensor:
+    """The input as a flat tensor of the working dtype (float64 for float64 or integer input,
+    float32 for other floating types)."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+        if t.dtype == torch.bool or t.is_complex():
+            raise ValueError(f"fit expects real gradient values, got a tensor of dtype {t.dtype}")
+        if t.dtype != torch.float64:
+            t = t.to(torch.float32) if t.is_floating_point() else t.to(torch.float64)
+        return t.reshape(-1).contiguous()
+    try:
+        arr = np.asarray(x)
+    except Exception as exc:  # noqa: BLE001 - anything that is not array-like
+        raise ValueError(f"fit expects a tensor or array of gradient values, got {type(x).__name__}") from exc
+    if arr.dtype.kind in "iu":
+        arr = arr.astype(np.float64)
+    elif arr.dtype.kind == "f":
+        arr = arr if arr.dtype in (np.float32, np.float64) else arr.astype(np.float32)
+    else:
+        try:  # ml_dtypes' bfloat16 / float8 arrays convert; strings, objects, complex do not
+            if arr.dtype.kind in "cbOSUM":
+                raise TypeError
+            arr = arr.astype(np.float32)
+        except (TypeError, ValueError):
+            raise ValueError(f"fit expects real gradient values, got an array of dtype {arr.dtype}") from None
+    return torch.from_numpy(np.ascontiguousarray(arr.reshape(-1)))
+
+
+def _chunks(lo: int, hi: int):
+    for s in range(lo, hi, CHUNK):
+        yield s, min(hi, s + CHUNK)
+
+
+_LOCK = threading.Lock()
+_DEPTH = 0
+_SAVED_THREADS = 1
+
+
+@contextmanager
+def torch_single_thread() -> Iterator[None]:
+    """Run torch's CPU ops single-threaded inside the block (re-entrant, thread-safe; the
+    previous setting is restored when the outermost block exits).
+
+    The chunked passes issue thousands of small ops; torch's intra-op pool turns each into
+    a parallel region, which on a busy machine costs up to a scheduler quantum. One torch
+    thread per Python worker is faster and steadier (see ``docs/fitting.md``)."""
+    global _DEPTH, _SAVED_THREADS
+    with _LOCK:
+        if _DEPTH == 0:
+            _SAVED_THREADS = torch.get_num_threads()
+            if _SAVED_THREADS != 1:
+                torch.set_num_threads(1)
+        _DEPTH += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _DEPTH -= 1
+            if _DEPTH == 0 and _SAVED_THREADS != 1:
+                torch.set_num_threads(_SAVED_THREADS)
+
+
+def default_workers() -> int:
+    """Python worker threads for one fit: torch's CPU thread count, at most 2 and the cores."""
+    n = torch.get_num_threads() if _DEPTH == 0 else _SAVED_THREADS
+    return max(1, min(2, os.cpu_count() or 1, n))
+
+
+def _split(m: int, workers: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of ``[0, m)`` aligned to chunk boundaries, one per worker."""
+    nch = -(-m // CHUNK)
+    w = max(1, min(workers, nch))
+    bounds = [min(m, (nch * i // w) * CHUNK) for i in range(w + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(w) if bounds[i] < bounds[i + 1]]
+
+
+def _map(fn: Callable[[int, int], dict[str, Any]], m: int, pool: ThreadPoolExecutor | None
+         ) -> list[dict[str, Any]]:
+    ranges = _split(m, 1 if pool is None else pool._max_workers)  # noqa: SLF001
+    if pool is None or len(ranges) == 1:
+        return [fn(lo, hi) for lo, hi in ranges]
+    return list(pool.map(lambda r: fn(*r), ranges))
+
+
+def _select(x: torch.Tensor, ks: tuple[int, ...]) -> list[float]:
+    """The ``k``-th smallest values (0-based ranks ``ks``, ascending) of ``x``, exactly.
+
+    Large inputs: the ranks of a random sample give a bracket ``[lo, hi]`` that holds the
+    answers with overwhelming probability (5 standard deviations each side); one counting
+    pass checks it, and only the values inside are selected. A missed bracket falls back to
+    a full selection, so the result is always exact."""
+    n = x.numel()
+    if x.device.type != "cpu":
+        return [float(torch.kthvalue(x, k + 1).values) for k in ks]
+    if n <= 200_000:
+        part = np.partition(x.numpy(), ks)
+        return [float(part[k]) for k in ks]
+    ns = 20_000
+    gen = torch.Generator().manual_seed(n)
+    samp = np.sort(x[torch.randint(n, (ns,), generator=gen)].numpy())
+    r1, r2, d = ks[0] * ns / n, ks[-1] * ns / n, 2.5 * math.sqrt(ns)
+    lo = float(samp[int(r1 - d)]) if r1 - d >= 0 else -math.inf
+    hi = float(samp[int(r2 + d) + 1]) if r2 + d + 1 < ns else math.inf
+    below = inside = 0
+    parts = []
+    for s, e in _chunks(0, n):
+        ch = x[s:e]
+        below += int((ch < lo).sum())
+        sel = ch[(ch >= lo) & (ch <= hi)]
+        inside += sel.numel()
+        parts.append(sel)
+    if below <= ks[0] and ks[-1] < below + inside:
+        part = np.partition(torch.cat(parts).numpy(), [k - below for k in ks])
+        return [float(part[k - below]) for k in ks]
+    part = np.partition(x.numpy(), ks)  # pragma: no cover - bracket missed (p < 1e-6)
+    return [float(part[k]) for k in ks]
+
+
+def _median(x: torch.Tensor) -> float:
+    """Median as numpy's ``median`` defines it (mean of the two middle values for even n)."""
+    n = x.numel()
+    k = n // 2
+    if n % 2:
+        return _select(x, (k,))[0]
+    lo, hi = _select(x, (k - 1, k))
+    return 0.5 * (lo + hi)
+
+
+def _signed(x: torch.Tensor) -> tuple[dict[str, float], int]:
+    """Signed normal (mean, std) and Laplace (median, mean |x - median|) fits on the finite
+    values; also returns the number of finite values."""
+    total = float(x.sum(dtype=torch.float64))
+    if not math.isfinite(total):
+        x = x[torch.isfinite(x)]
+        total = float(x.sum(dtype=torch.float64))
+    nf = x.numel()
+    if nf == 0:
+        return {}, 0
+    mean = total / nf
+    med = _median(x)
+    ss = sa = 0.0
+    buf = torch.empty(min(CHUNK, nf), dtype=x.dtype, device=x.device)
+    for s, e in _chunks(0, nf):
+        d = torch.sub(x[s:e], mean, out=buf[:e - s])
+        ss += float(torch.dot(d, d))
+        d = torch.sub(x[s:e], med, out=buf[:e - s]).abs_()
+        sa += float(d.sum())
+    return {"normal_loc": mean, "normal_std": math.sqrt(ss / nf),
+            "laplace_loc": med, "laplace_b": sa / nf}, nf
+
+
+def _sort_(a: torch.Tensor) -> None:
+    if a.device.type == "cpu":
+        a.numpy().sort()  # in place, vectorised; NaN last
+    else:
+        a.copy_(torch.sort(a).values)
+
+
+def _pass1(a: torch.Tensor, lo: int, hi: int, shift: float, scale: float,
+           hist_range: tuple[int, float, float] | None) -> dict[str, Any]:
+    """MLE sums over the magnitudes ``a[lo:hi]`` (all > 0 and finite): ``sum(ln a - shift)``
+    (float64 per chunk), ``sum((ln a - shift)^2)``, ``sum(a scale)``, ``sum((a scale)^2)``
+    (float32 per chunk, float64 across); with ``hist_range = (bins, min, max)`` also a
+    histogram of ``ln a``."""
+    dt = a.dtype
+    bl = torch.empty(min(CHUNK, hi - lo), dtype=dt, device=a.device)
+    bs = torch.empty_like(bl)
+    r: dict[str, Any] = {"s1": 0.0, "s2": 0.0, "sa": 0.0, "sa2": 0.0, "counts": None}
+    for s, e in _chunks(lo, hi):
+        ch = a[s:e]
+        k = e - s
+        l = torch.log(ch, out=bl[:k])
+        if hist_range is not None:
+            h = torch.histc(l, bins=hist_range[0], min=hist_range[1], max=hist_range[2])
+            r["counts"] = h if r["counts"] is None else r["counts"] + h
+        l.sub_(shift)
+        r["s1"] += float(l.sum(dtype=torch.float64))
+        r["s2"] += float(torch.dot(l, l))
+        w = torch.mul(ch, scale, out=bs[:k])
+        r["sa"] += float(w.sum())
+        r["sa2"] += float(torch.dot(w, w))
+    return r
+
+
+def _params(a: torch.Tensor, amax: float, hist_range: tuple[int, float, float] | None,
+            pool: ThreadPoolExecutor | None) -> tuple[dict[str, float], Any]:
+    m = a.numel()
+    shift = float(torch.log(a[:CHUNK]).mean(dtype=torch.float64))
+    scale = 2.0 ** -math.frexp(amax)[1]  # power of two: exact, keeps a^2 finite
+    parts = _map(lambda lo, hi: _pass1(a, lo, hi, shift, scale, hist_range), m, pool)
+    s1, s2, sa, sa2 = (math.fsum(p[k] for p in parts) for k in ("s1", "s2", "sa", "sa2"))
+    counts = None if hist_range is None else sum(p["counts"] for p in parts)
+    mean_d = s1 / m
+    var = max(s2 / m - mean_d * mean_d, 0.0)
+    return {"mu": shift + mean_d, "sigma": math.sqrt(var), "s": math.sqrt(sa2 / m) / scale,
+            "b": sa / m / scale}, counts
+
+
+def _tolerances(mu: float, sigma: float, lmax: float, eps: float) -> dict[str, float]:
+    """Proven bound (with a safety factor of 8 for library functions of up to ~4 ulp) on
+    the difference between the working-precision and the exact value of ``F_i - i/m``.
+
+    Lognormal: ``u = (l - mu)/sigma`` with ``l = ln a`` carries an error of at most
+    ``eps (3|l| + 2|mu|)/sigma + 2 eps |u|``; ``Phi' <= 0.4`` and ``Phi'(u)|u| <= 0.25`` turn
+    it into ``eps (0.4 (3 L + 2|mu|)/sigma + 0.5)`` on the CDF; erfc, the ramp and the
+    subtraction add a few ``eps``. Half-normal and exponential: arguments carry relative
+    error ``2 eps`` and ``t erf'(t) <= 0.5``, ``t e^-t <= 0.37``, so a few ``eps`` in all.
+    """
+    ln = 8.0 * eps * (0.4 * (3.0 * lmax + 2.0 * abs(mu)) / sigma + 6.0)
+    return {"lognormal": ln, "normal": 8.0 * eps * 6.0, "laplace": 8.0 * eps * 6.0}
+
+
+def _pass2(a: torch.Tensor, lo: int, hi: int, p: dict[str, float], *, vuong: bool, ks: bool
+           ) -> dict[str, Any]:
+    """Over ``a[lo:hi]``: Vuong and moment sums (``vuong``); per-chunk KS extremes and
+    Anderson-Darling sums (``ks``; ``a`` must then be sorted, ``m = len(a)``)."""
+    m = a.numel()
+    dt, dev = a.dtype, a.device
+    mu, sigma, s, b = p["mu"], p["sigma"], p["s"], p["b"]
+    c = min(CHUNK, hi - lo)
+    bu, bu2, bP, bF, bt, bd = (torch.empty(c, dtype=dt, device=dev) for _ in range(6))
+    jr = torch.arange(c, dtype=torch.float64, device=dev)
+    ramp0 = torch.arange(c, dtype=torch.float64, device=dev).div_(m).to(dt)
+    out: dict[str, Any] = {"s3": 0.0, "s4": 0.0, "v": [0.0, 0.0, 0.0], "ad": 0.0,
+                           "ext": {f: ([], []) for f in FAMILIES}}  # per-chunk (min, max) of F - ramp
+    ext = out["ext"]
+    inv_sigma, inv_b, inv_s = 1.0 / sigma, 1.0 / b, 1.0 / s
+    for st, e in _chunks(lo, hi):
+        ch = a[st:e]
+        k = e - st
+        u = torch.log(ch, out=bu[:k]).sub_(mu).mul_(inv_sigma)
+        if vuong:
+            u2 = torch.mul(u, u, out=bu2[:k])
+            out["s3"] += float(torch.dot(u2, u))
+            out["s4"] += float(torch.dot(u2, u2))
+            # centred per-sample log-likelihoods: P (lognormal), -Q (half-normal), -R (exponential)
+            P = torch.sub(u2, 1.0, out=bP[:k]).mul_(0.5).add_(u, alpha=sigma).neg_()
+            Q = torch.mul(ch, inv_s, out=bt[:k]).square_().sub_(1.0).mul_(0.5)
+            R = torch.mul(ch, inv_b, out=bF[:k]).sub_(1.0)
+            d = torch.add(P, Q, out=bd[:k])
+            out["v"][0] += float(torch.dot(d, d))
+            d = torch.add(P, R, out=bd[:k])
+            out["v"][1] += float(torch.dot(d, d))
+            d = torch.sub(R, Q, out=bd[:k])
+            out["v"][2] += float(torch.dot(d, d))
+        if not ks:
+            continue
+        ramp = torch.add(ramp0[:k], st / m, out=bd[:k])
+        # lognormal: F = Phi(u) = erfc(-u/sqrt2)/2; Anderson-Darling needs ln Phi(u), ln Phi(-u)
+        t = torch.mul(u, -1.0 / _SQRT2, out=bt[:k])
+        F = torch.erfc(t, out=bF[:k]).mul_(0.5)
+        if float(u[0]) < -12.0 or float(u[-1]) > 12.0:  # deep tails (sorted): log-CDF directly
+            A = torch.special.log_ndtr(u)
+            B = torch.special.log_ndtr(-u)
+        else:
+            A = torch.log(F, out=bP[:k])
+            if float(F[-1]) <= 0.5:  # 1 - F >= 1/2 holds its precision
+                B = torch.neg(F, out=bu2[:k]).log1p_()
+            else:
+                B = torch.erfc(t.neg_(), out=bu2[:k]).mul_(0.5).log_()
+        w0 = (2.0 * st + 1.0) / m
+        A64 = A.to(torch.float64)  # weights up to 2m: accumulate in float64
+        B64 = B.to(torch.float64)
+        out["ad"] += (w0 * float(A64.sum()) + 2.0 / m * float(torch.dot(jr[:k], A64))
+                      + (2.0 - w0) * float(B64.sum()) - 2.0 / m * float(torch.dot(jr[:k], B64)))
+        for fam in FAMILIES:
+            if fam == "normal":
+                F = torch.mul(ch, inv_s / _SQRT2, out=bF[:k])
+                F = torch.erf(F, out=F)
+            elif fam == "laplace":
+                F = torch.mul(ch, -inv_b, out=bF[:k])
+                F = torch.expm1(F, out=F).neg_()
+            lo_, hi_ = torch.aminmax(F.sub_(ramp))
+            ext[fam][0].append(lo_)
+            ext[fam][1].append(hi_)
+    return out
+
+
+def _moments(a: torch.Tensor, p: dict[str, float], *, vuong: bool, ks: bool,
+             pool: ThreadPoolExecutor | None) -> dict[str, Any]:
+    parts = _map(lambda lo, hi: _pass2(a, lo, hi, p, vuong=vuong, ks=ks), a.numel(), pool)
+    out: dict[str, Any] = {k: math.fsum(q[k] for q in parts) for k in ("s3", "s4", "ad")}
+    out["v"] = [math.fsum(q["v"][i] for q in parts) for i in range(3)]
+    if ks:
+        out["ext"] = {f: (torch.stack([t for q in parts for t in q["ext"][f][0]]).double().cpu(),
+                          torch.stack([t for q in parts for t in q["ext"][f][1]]).double().cpu())
+                      for f in FAMILIES}
+    return out
+
+
+def _exact_ks(a: torch.Tensor, family: str, p: dict[str, float], ext: tuple[torch.Tensor, torch.Tensor],
+              tol: float) -> float:
+    """KS distance ``max(max_i (i+1)/m - F_i, max_i F_i - i/m)`` (0-based i) of sorted ``a``,
+    exact in float64: only chunks whose working-precision extreme could hold the true
+    extreme are recomputed."""
+    from ._families import cdf64
+
+    m = a.numel()
+    mins, maxs = ext
+    params = {"mu": p["mu"], "sigma": p["sigma"], "scale": p["s"] if family == "normal" else p["b"]}
+    hi_cands = torch.nonzero(maxs >= maxs.max() - 2 * tol).flatten().tolist()
+    lo_cands = torch.nonzero(mins <= mins.min() + 2 * tol).flatten().tolist()
+    best_hi, best_lo = -math.inf, math.inf
+    for ci in sorted(set(hi_cands) | set(lo_cands)):
+        st, e = ci * CHUNK, min(m, (ci + 1) * CHUNK)
+        F = cdf64(family, a[st:e], params)
+        F -= torch.arange(st, e, dtype=torch.float64, device=F.device) / m
+        lo, hi = torch.aminmax(F)
+        best_hi, best_lo = max(best_hi, float(hi)), min(best_lo, float(lo))
+    return max(best_hi, 1.0 / m - best_lo)
+
+
+def _log2_hist_sorted(a: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    lo = math.floor(math.log2(float(a[0])) * _BINS_PER_BINADE) / _BINS_PER_BINADE
+    hi = (math.floor(math.log2(float(a[-1])) * _BINS_PER_BINADE) + 1) / _BINS_PER_BINADE
+    edges = np.arange(lo, hi + 0.5 / _BINS_PER_BINADE, 1.0 / _BINS_PER_BINADE)
+    pos = torch.searchsorted(a, torch.from_numpy(np.exp2(edges)).to(a.dtype).to(a.device))
+    return edges, np.diff(pos.cpu().numpy()).astype(np.int64)
+
+
+def _qq_sorted(a: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    m = a.numel()
+    probs = (np.arange(_QQ_POINTS) + 0.5) / _QQ_POINTS
+    idx = torch.from_numpy(np.minimum((probs * m).astype(np.int64), m - 1)).to(a.device)
+    return probs, np.log(a[idx].double().cpu().numpy())
+
+
+def fit(x: Any, *, families: Sequence[str] = FAMILIES, ks: str = "exact",
+        max_samples: int | None = None, seed: int = 0, workers: int | None = None) -> FitResult:
+    """Fit lognormal, normal and Laplace models to gradient values and compare them.
+
+    The comparison is on the non-zero finite magnitudes ``|g|`` (lognormal, half-normal,
+    exponential); signed normal and Laplace fits with a location are reported too. See
+    ``docs/fitting.md`` for the formulas.
+
+    Args:
+        x: signed values (tensor, array or sequence; any real dtype).
+        families: which of ``("lognormal", "normal", "laplace")`` to report.
+        ks: ``"exact"`` (sort once; KS equals ``scipy.stats.kstest``), ``"hist"`` (bounds from
+            the binade histogram, no sort; ``ks_error`` is the proven half-width), ``"none"``.
+        max_samples: with ``ks="exact"``, compute KS and Anderson-Darling on a random sample
+            (with replacement) of this many magnitudes when there are more; ``ks_error`` is
+            then the DKW bound holding with probability ``SUBSAMPLE_CONFIDENCE``. Parameters,
+            likelihoods and Vuong's test always use every value.
+        seed: seed of that sample.
+        workers: Python worker threads (default: torch's thread count, at most 2); torch
+            runs single-threaded inside the call.
+
+    Raises ValueError for empty input, fewer than 10 non-zero finite values (all zeros, all
+    non-finite) and constant magnitudes (``sigma = 0``, no continuous family fits).
+
+    Example:
+        >>> import torch, gradstats
+        >>> g = torch.randn(100_000).mul(2.0).exp() * torch.sign(torch.randn(100_000))
+        >>> r = gradstats.fit(g)
+        >>> r.best, round(r.params["lognormal"]["sigma"], 1)
+        ('lognormal', 2.0)
+    """
+    fams = check_families(families)
+    if ks not in ("exact", "hist", "none"):
+        raise ValueError(f"ks must be 'exact', 'hist' or 'none', got {ks!r}")
+    if max_samples is not None and (not isinstance(max_samples, int) or max_samples < MIN_NONZERO):
+        raise ValueError(f"max_samples must be None or an integer >= {MIN_NONZERO}, got {max_samples!r}")
+    if workers is None:
+        workers = default_workers()
+    xf = _as_flat(x)
+    if xf.numel() == 0:
+        raise ValueError("fit got an empty input; pass at least 10 non-zero finite values")
+    with torch_single_thread():
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as pool:
+                return _fit(xf, fams, ks, max_samples, seed, pool)
+        return _fit(xf, fams, ks, max_samples, seed, None)
+
+
+def _fit(xf: torch.Tensor, fams: tuple[str, ...], ks: str, max_samples: int | None, seed: int,
+         pool: ThreadPoolExecutor | None) -> FitResult:
+    n = xf.numel()
+    # the signed fits run beside the magnitude work (numpy's partition and sort release the GIL)
+    signed_job = pool.submit(_signed, xf) if pool is not None else None
+    a = xf.abs()
+    eps = float(torch.finfo(a.dtype).eps) / 2.0
+    do_sort = ks == "exact"
+    if ks != "exact" or max_samples is not None:
+        n_zero = int((a == 0).sum())
+        n_bad = int((~torch.isfinite(a)).sum())
+        do_sort = ks == "exact" and n - n_zero - n_bad <= max_samples  # type: ignore[operator]
+    if do_sort:
+        _sort_(a)
+        n_zero = int(torch.searchsorted(a, torch.zeros(1, dtype=a.dtype, device=a.device), right=True))
+        n_fin = int(torch.searchsorted(a, torch.full((1,), math.inf, dtype=a.dtype, device=a.device)))
+        mags = a[n_zero:n_fin]
+    else:
+        mags = a if n_zero == 0 and n_bad == 0 else a[torch.isfinite(a) & (a > 0)]
+    signed, n_finite = signed_job.result() if signed_job is not None else _signed(xf)
+    m = mags.numel()
+    n_nonfinite = n - n_finite
+    if m < MIN_NONZERO:
+        raise ValueError(f"fit needs at least {MIN_NONZERO} non-zero finite values, got {m} "
+                         f"(n={n}: {n_zero} zeros, {n_nonfinite} non-finite)")
+    if do_sort:
+        amin, amax = float(mags[0]), float(mags[-1])
+    else:
+        amin, amax = (float(v) for v in torch.aminmax(mags))
+    if amin == amax:
+        raise ValueError(f"all {m} non-zero magnitudes equal {amin:g}: sigma = 0, so no continuous "
+                         "family fits and the comparison is undefined")
+    hist_range = None
+    if not do_sort:
+        lo_b = math.floor(math.log2(amin) * _BINS_PER_BINADE) / _BINS_PER_BINADE
+        hi_b = (math.floor(math.log2(amax) * _BINS_PER_BINADE) + 1) / _BINS_PER_BINADE
+        hist_range = (int(round((hi_b - lo_b) * _BINS_PER_BINADE)), lo_b * math.log(2), hi_b * math.log(2))
+    p, counts = _params(mags, amax, hist_range, pool)
+    if p["sigma"] == 0.0:
+        raise ValueError(f"the {m} non-zero magnitudes have sigma(ln|g|) = 0 to working precision; "
+                         "no continuous family fits")
+    sub = None
+    if ks == "exact" and not do_sort:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        idx = torch.randint(m, (max_samples,), generator=gen).to(mags.device)  # type: ignore[arg-type]
+        sub = mags[idx]
+        del idx
+        _sort_(sub)
+    ks_data = mags if do_sort else sub
+    s2 = _moments(mags, p, vuong=True, ks=do_sort, pool=pool)
+    if sub is not None:
+        s2.update({k: v for k, v in _moments(sub, p, vuong=False, ks=True, pool=pool).items()
+                   if k in ("ext", "ad")})
+    ks_vals: dict[str, float] = {}
+    ks_err: dict[str, float] = {}
+    ad = None
+    ks_method = "none"
+    if ks_data is not None:
+        k_n = ks_data.numel()
+        lmax = max(abs(math.log(float(ks_data[0]))), abs(math.log(float(ks_data[-1]))))
+        tol = _tolerances(p["mu"], p["sigma"], lmax, eps)
+        for f in fams:
+            ks_vals[f] = _exact_ks(ks_data, f, p, s2["ext"][f], tol[f])
+        dkw = math.sqrt(math.log(2.0 / (1.0 - SUBSAMPLE_CONFIDENCE)) / (2.0 * k_n))
+        ks_err = {f: 0.0 if sub is None else dkw for f in fams}
+        ad = -k_n - s2["ad"]
+        ks_method = "exact" if sub is None else "subsample"
+    elif ks == "hist":
+        from ..stats import tensor_stats
+        from ._stats import hist_ks_bounds
+
+        st = tensor_stats(xf)
+        m_h = st["n"] - st["n_zero"] - st["n_nonfinite"]  # float32 view of the data, as traced
+        lo, hi = hist_ks_bounds(st["hist"][None, :], np.array([m_h]), np.array([st["min_abs"]]),
+                                np.array([st["max_abs"]]),
+                                {"lognormal": {"mu": p["mu"], "sigma": p["sigma"]},
+                                 "normal": {"scale": p["s"]}, "laplace": {"scale": p["b"]}})
+        for f in fams:
+            ks_vals[f] = 0.5 * (lo[f][0] + hi[f][0])
+            ks_err[f] = 0.5 * (hi[f][0] - lo[f][0])
+        ks_method = "hist"
+    if do_sort:
+        edges, hcounts = _log2_hist_sorted(mags)
+        qq = _qq_sorted(mags)
+    else:
+        assert hist_range is not None
+        edges = np.linspace(hist_range[1], hist_range[2], hist_range[0] + 1) / math.log(2)
+        hcounts = counts.cpu().numpy().astype(np.int64)
+        qq = _qq_sorted(sub) if sub is not None else (None, None)
+    return assemble(
+        fams, source="samples", n=n, n_zero=n_zero, n_nonfinite=n_nonfinite, m=m, p=p, signed=signed,
+        vuong_sq=s2["v"], s3=s2["s3"], s4=s2["s4"], ks=ks_vals, ks_error=ks_err, ks_method=ks_method,
+        ks_n=0 if ks_data is None else ks_data.numel(), ad=ad,
+        ks_confidence=SUBSAMPLE_CONFIDENCE if sub is not None else 1.0,
+        log2_edges=edges, log2_counts=hcounts, qq=qq)

@@ -1,0 +1,121 @@
+"""The three magnitude families and the comparison arithmetic shared by every fit path.
+
+All models are compared on the same data with the same support, the non-zero finite
+magnitudes ``a = |g|``:
+
+=============  ==========================  ========================================================
+family         model of ``a``              maximum-likelihood parameters (``m`` magnitudes)
+=============  ==========================  ========================================================
+``lognormal``  ``ln a ~ N(mu, sigma^2)``   ``mu = mean ln a``, ``sigma^2 = mean (ln a - mu)^2``
+``normal``     half-normal, scale ``s``    ``s^2 = mean a^2``
+``laplace``    exponential, scale ``b``    ``b = mean a``
+=============  ==========================  ========================================================
+
+At the MLE the mean log-likelihood per magnitude is a closed form of the parameters:
+``-mu - ln sigma - ln(2 pi)/2 - 1/2`` (lognormal), ``ln(2/pi)/2 - ln s - 1/2`` (half-normal),
+``-ln b - 1`` (exponential).
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+
+#: the families compared, in display order
+FAMILIES = ("lognormal", "normal", "laplace")
+#: number of fitted parameters of each magnitude model (for AIC and BIC)
+N_PARAMS = {"lognormal": 2, "normal": 1, "laplace": 1}
+#: the magnitude model behind each family name
+MAGNITUDE_MODEL = {"lognormal": "lognormal", "normal": "half-normal", "laplace": "exponential"}
+#: two-sided level at which the Vuong test is said to separate two families
+VUONG_ALPHA = 0.05
+#: fewest non-zero finite values a fit accepts
+MIN_NONZERO = 10
+
+_HALF_LN_2PI = 0.5 * math.log(2.0 * math.pi)
+_HALF_LN_2_OVER_PI = 0.5 * math.log(2.0 / math.pi)
+
+
+def check_families(families: object) -> tuple[str, ...]:
+    """Validate a ``families`` argument: a non-empty sequence of distinct names of FAMILIES."""
+    if isinstance(families, str):
+        families = (families,)
+    try:
+        fams = tuple(families)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"families must be a sequence of names from {FAMILIES}, got {families!r}") from None
+    bad = [f for f in fams if f not in FAMILIES]
+    if not fams or bad or len(set(fams)) != len(fams):
+        raise ValueError(f"families must be distinct names from {FAMILIES}, got {fams!r}")
+    return fams
+
+
+def mean_loglik(family: str, p: Mapping[str, float]) -> float:
+    """Mean log-likelihood per magnitude at the MLE (closed form; see the module docstring)."""
+    if family == "lognormal":
+        return -p["mu"] - math.log(p["sigma"]) - _HALF_LN_2PI - 0.5
+    if family == "normal":
+        return _HALF_LN_2_OVER_PI - math.log(p["scale"]) - 0.5
+    return -math.log(p["scale"]) - 1.0
+
+
+def cdf64(family: str, a: torch.Tensor, p: Mapping[str, float]) -> torch.Tensor:
+    """Model CDF of the magnitudes at ``a`` (computed in float64; ``a >= 0``, may hold inf)."""
+    a = a.to(torch.float64)
+    if family == "lognormal":
+        return torch.special.ndtr((torch.log(a) - p["mu"]) / p["sigma"])
+    if family == "normal":
+        return torch.erf(a / (p["scale"] * math.sqrt(2.0)))
+    return -torch.expm1(-a / p["scale"])
+
+
+def log_density64(family: str, a: torch.Tensor, p: Mapping[str, float]) -> torch.Tensor:
+    """Model log-density of the magnitudes at ``a > 0`` (float64)."""
+    a = a.to(torch.float64)
+    if family == "lognormal":
+        la = torch.log(a)
+        return -la - math.log(p["sigma"]) - _HALF_LN_2PI - 0.5 * ((la - p["mu"]) / p["sigma"]) ** 2
+    if family == "normal":
+        return _HALF_LN_2_OVER_PI - math.log(p["scale"]) - 0.5 * (a / p["scale"]) ** 2
+    return -math.log(p["scale"]) - a / p["scale"]
+
+
+def information_criteria(family: str, loglik: float, m: int) -> tuple[float, float]:
+    """``(AIC, BIC)`` of a family with mean log-likelihood ``loglik`` on ``m`` magnitudes."""
+    k = N_PARAMS[family]
+    total = loglik * m
+    return 2.0 * k - 2.0 * total, k * math.log(m) - 2.0 * total
+
+
+def vuong(mean_diff: float, var_diff: float, m: int) -> dict[str, float]:
+    """Vuong's non-nested test from the mean and variance of the per-magnitude log-likelihood
+    differences ``d_i``: ``z = sum(d_i) / (sqrt(m) std(d_i))``, effect size ``z / sqrt(m)``
+    (= mean/std of ``d``), two-sided p-value. A zero variance (identical per-sample
+    likelihoods up to a constant) gives ``z = +-inf`` (or 0 when the mean is 0 too)."""
+    sd = math.sqrt(max(var_diff, 0.0))
+    if sd > 0:
+        effect = mean_diff / sd
+    elif mean_diff != 0:
+        effect = math.copysign(math.inf, mean_diff)
+    else:
+        effect = 0.0
+    z = effect * math.sqrt(m)
+    p = math.erfc(abs(z) / math.sqrt(2.0)) if math.isfinite(z) else 0.0
+    return {"z": z, "effect": effect, "p": p, "mean": mean_diff, "std": sd}
+
+
+def ranking(loglik: Mapping[str, float], vuong_tests: Mapping[tuple[str, str], Mapping[str, float]]
+            ) -> tuple[str, str | None, bool | None]:
+    """``(best, runner_up, separated)``: the family with the highest mean log-likelihood, the
+    next one, and whether Vuong's test separates them at ``VUONG_ALPHA`` (``None`` when
+    there is no runner-up or no Vuong test, as for fits from statistics alone)."""
+    order = sorted(loglik, key=lambda f: -loglik[f])
+    best = order[0]
+    if len(order) < 2:
+        return best, None, None
+    runner = order[1]
+    test = vuong_tests.get((best, runner)) or vuong_tests.get((runner, best))
+    if test is None:
+        return best, runner, None
+    return best, runner, bool(test["p"] < VUONG_ALPHA)
