@@ -236,7 +236,8 @@ class Plan:
                 rows.append({"layer": name, "entries": idx, **_rule_row(r)})
         cols = ["layer", "match", "types"] if target is None else ["layer", "entries"]
         cols += list(_rule_row(_DEFAULT_RULE))
-        return pd.DataFrame(rows, columns=cols)
+        df = pd.DataFrame(rows, columns=cols)
+        return df.astype({"bits": "Int64", "block_size": "Int64"})
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document of the plan (see ``docs/plan-format.md``)."""

@@ -84,7 +84,8 @@ def _format(v: Any, where: str) -> FPFormat | None:
     try:
         return FPFormat.parse(v)
     except ValueError as exc:
-        raise _err(where, str(exc)) from None
+        msg = str(exc)
+        raise _err(where, msg if msg.startswith(("unknown format", "format")) else f"format {v!r}: {msg}") from None
 
 
 # --------------------------------------------------------------------------- value classes

@@ -1,0 +1,431 @@
+"""Per-layer plans: validation, precedence, resolution against models and runs, JSON, exports."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import gradstats
+from gradstats.formats import FPFormat
+from gradstats.models import build_model
+from gradstats.plan import (CONV_LINEAR_TYPES, INHERIT, SCHEMA_VERSION, Plan, PlanEntry, Prediction,
+                            Provenance, Rule)
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "plan-format.md"
+
+
+def _docs_example() -> dict:
+    text = DOCS.read_text()
+    return json.loads(re.search(r"```json\n(.*?)```", text, re.S).group(1))
+
+
+def _conv_linear(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules()
+            if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))]
+
+
+# --------------------------------------------------------------------------- rules
+def test_rule_defaults_and_properties():
+    r = Rule()
+    assert (r.format, r.scale, r.rounding, r.sparsity, r.threshold_rule) == (None, "lognormal", "nearest",
+                                                                             None, "lognormal")
+    assert r.is_identity and not r.quantizes and not r.prunes
+    assert Rule(sparsity=0.0).is_identity  # a zero target prunes nothing
+    r = Rule(format="fp8_e4m3fn", sparsity=0.85, rounding="stochastic")
+    assert r.format == FPFormat(4, 3, special="fn") and r.quantizes and r.prunes
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.sparsity = 0.5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"format": "banana"}, "unknown format 'banana'"),
+    ({"format": "e9m9"}, "format 'e9m9': FPFormat: e9m9 is wider than float32"),
+    ({"format": "fp6_e4m3"}, "prefix says 6 bits"),
+    ({"scale": "minmax"}, "unknown scale rule 'minmax'"),
+    ({"rounding": "up"}, "unknown rounding 'up'"),
+    ({"sparsity": 1.0}, "sparsity must lie in [0, 1)"),
+    ({"sparsity": -0.1}, "sparsity must lie in [0, 1)"),
+    ({"sparsity": float("nan")}, "sparsity must be finite"),
+    ({"sparsity": "0.5"}, "sparsity must be a number"),
+    ({"threshold_rule": "topk"}, "unknown threshold_rule 'topk'"),
+    ({"scale": "fixed"}, "scale 'fixed' needs a scale_value"),
+    ({"scale": "fixed", "scale_value": 0.0}, "scale_value must lie in (0, inf]"),
+    ({"scale_value": 2.0}, "scale_value is used by scale 'fixed' only"),
+    ({"block_size": 32}, "set scale to 'amax'"),
+    ({"block_size": 0, "scale": "amax"}, "block_size must be a positive int"),
+    ({"scale_format": "e4m3"}, "scale_format applies to block scaling only"),
+    ({"block_size": 16, "scale": "amax", "scale_format": "ue4m3"}, "unknown scale_format"),
+    ({"predicted": {"error": -1.0}}, "error must lie in [0, inf]"),
+    ({"predicted": {"sigm": 1.0}}, "unknown key 'sigm'"),
+])
+def test_rule_validation_errors(kw, msg):
+    with pytest.raises(ValueError) as exc:
+        Rule(**kw)
+    assert msg in str(exc.value)
+
+
+def test_block_rule_defaults_to_mx_scale():
+    r = Rule(format="e2m1fn", scale="amax", block_size=32)
+    assert r.scale_format == "e8m0"
+    assert r.quantize_kwargs() == {"fmt": FPFormat.parse("e2m1fn"), "rounding": "nearest",
+                                   "block_size": 32, "scale_format": "e8m0"}
+    with pytest.raises(ValueError, match="no per-tensor scale"):
+        r.scale_for(amax=1.0)
+    with pytest.raises(ValueError, match="no format"):
+        Rule().quantize_kwargs()
+
+
+def test_rule_kwargs_drive_quantize_exactly():
+    """quantize_kwargs plus scale_for give values of the format after unscaling."""
+    rule = Rule(format="e3m2fn", scale="amax", rounding="stochastic")
+    g = torch.randn(4096).mul(3).exp() * 1e-6
+    s = rule.scale_for(amax=float(g.abs().max()))
+    q = gradstats.quantize(g, scale=s, **rule.quantize_kwargs())
+    values = set((FPFormat.parse("e3m2fn").values()).tolist())
+    assert set((q.double() * s).tolist()) <= values
+    assert float((g * s).abs().max()) <= rule.format.max
+
+
+@settings(max_examples=60, deadline=None)
+@given(amax=st.floats(1e-30, 1e30), name=st.sampled_from(["e4m3", "e5m2", "e3m2fn", "e2m1fn", "e4m3fn"]))
+def test_amax_scale_is_the_largest_fitting_power_of_two(amax, name):
+    rule = Rule(format=name, scale="amax")
+    s = rule.scale_for(amax=amax)
+    m, e = math.frexp(s)
+    assert m == 0.5  # a power of two
+    assert amax * s <= rule.format.max < amax * s * 2
+
+
+def test_scale_for_edge_cases():
+    r = Rule(format="e5m2", scale="amax")
+    assert r.scale_for(amax=0.0) == 1.0 and r.scale_for(amax=float("nan")) == 1.0
+    with pytest.raises(ValueError, match="needs amax"):
+        r.scale_for()
+    with pytest.raises(ValueError, match="needs mu= and sigma="):
+        Rule(format="e5m2").scale_for(amax=1.0)
+    assert Rule(format="e5m2", scale="fixed", scale_value=3.0).scale_for() == 3.0
+
+
+# --------------------------------------------------------------------------- entries
+def test_entry_fields_inherit_unless_set():
+    e = PlanEntry("fc", format="e5m2", sparsity=None)
+    assert e.rounding is INHERIT and e.overrides == {"format": FPFormat(5, 2), "sparsity": None}
+    assert not e.is_pattern and PlanEntry("fc*").is_pattern and PlanEntry("re:fc[0-9]").is_pattern
+    assert PlanEntry("layer[12].conv?").is_pattern
+    assert e.to_dict() == {"layer": "fc", "format": "e5m2", "sparsity": None}
+    assert "INHERIT" not in repr(e) and "format=FPFormat('e5m2')" in repr(e)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"layer": ""}, "layer must be a non-empty"),
+    ({"layer": 3}, "layer must be a non-empty"),
+    ({"layer": "re:(unclosed"}, "bad regular expression"),
+    ({"layer": "fc", "types": []}, "types must be a non-empty list"),
+    ({"layer": "fc", "format": "nope"}, "layer entry 'fc': unknown format 'nope'"),
+])
+def test_entry_validation_errors(kw, msg):
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        PlanEntry(**kw)
+
+
+def test_entry_matching():
+    assert PlanEntry("layers.*").matches("layers.0.conv1")
+    assert PlanEntry("layers.*").matches("layers.0")  # containers too, like trace(layers=...)
+    assert not PlanEntry("*").matches("")  # never the model itself
+    assert PlanEntry("re:fc\\d").matches("fc2") and not PlanEntry("re:fc\\d").matches("fc2x")
+    assert PlanEntry("fc").matches("fc") and not PlanEntry("fc").matches("fc1")
+    lin = PlanEntry("*", types=["Linear"])
+    assert lin.matches("x", [c.__name__ for c in nn.LazyLinear.__mro__])
+    assert not lin.matches("x", ["Conv2d", "_ConvNd", "Module"])
+    with pytest.raises(ValueError, match="selects module types"):
+        lin.matches("x")
+
+
+# --------------------------------------------------------------------------- precedence
+def test_precedence_exact_over_patterns_later_over_earlier():
+    plan = Plan([
+        PlanEntry("b", format="e5m2"),                 # exact, listed first
+        PlanEntry("*", format="e4m3", sparsity=0.5),
+        PlanEntry("b*", format="e3m2fn", rounding="stochastic"),
+        PlanEntry("b", sparsity=None),                 # a second exact entry: field-wise
+    ], defaults={"threshold_rule": "normal"})
+    r = plan.resolve(["a", "b", "bb"])
+    assert list(r) == ["a", "b", "bb"]
+    assert (str(r["a"].format), r["a"].sparsity, r["a"].rounding) == ("e4m3", 0.5, "nearest")
+    # b: '*' then 'b*' (patterns, in order), then both exact entries
+    assert (str(r["b"].format), r["b"].sparsity, r["b"].rounding) == ("e5m2", None, "stochastic")
+    assert (str(r["bb"].format), r["bb"].sparsity, r["bb"].rounding) == ("e3m2fn", 0.5, "stochastic")
+    assert all(rule.threshold_rule == "normal" for rule in r.values())
+
+
+def test_unmatched_modules_are_not_planned_and_unmatched_patterns_fail():
+    plan = Plan([PlanEntry("fc*", sparsity=0.5), PlanEntry("conv9", format="e5m2")])
+    with pytest.raises(ValueError) as exc:
+        plan.resolve(["fc1", "fc2", "conv1"])
+    assert "layer pattern 'conv9' matches no module" in str(exc.value) and "'conv1'" in str(exc.value)
+    with pytest.warns(UserWarning, match="conv9"):
+        got = plan.resolve(["fc1", "fc2", "conv1"], strict=False)
+    assert list(got) == ["fc1", "fc2"]
+
+
+def test_invalid_combinations_are_caught_early_or_at_resolution():
+    # each entry completed by the defaults must be valid on its own ...
+    with pytest.raises(ValueError, match=r"layers\[1\] \('fc'\) with the defaults: .*set scale to 'amax'"):
+        Plan([PlanEntry("*", scale="amax"), PlanEntry("fc", block_size=32)])
+    plan = Plan([PlanEntry("*", scale="amax"), PlanEntry("fc", scale="amax", block_size=32)])
+    assert plan.resolve(["fc", "x"])["fc"].block_size == 32
+    # ... and a cascade that combines badly is reported with the module and its entries
+    plan = Plan([PlanEntry("f*", scale="fixed", scale_value=2.0), PlanEntry("fc", scale="lognormal")])
+    with pytest.raises(ValueError, match=r"module 'fc' \(entries \['f\*', 'fc'\]\): scale_value is used by"):
+        plan.resolve(["fc"])
+
+
+# --------------------------------------------------------------------------- real models and runs
+@pytest.mark.parametrize("name", ["cnn", "resnet20", "transformer", "mlp"])
+def test_uniform_plans_every_conv_and_linear_layer(name):
+    model = build_model(name)
+    plan = Plan.uniform(format="e3m2fn", sparsity=0.85, rounding="stochastic")
+    rules = plan.resolve(model)
+    assert list(rules) == _conv_linear(model)
+    assert all(r == Rule(format="e3m2fn", sparsity=0.85, rounding="stochastic") for r in rules.values())
+
+
+def test_uniform_with_layers_and_ddp_style_wrapper():
+    model = build_model("resnet20")
+    plan = Plan.uniform(format="e5m2", layers=["layers.*.conv1", "fc"])
+    names = list(plan.resolve(model))
+    assert names == [n for n in _conv_linear(model) if n.endswith("conv1") and n.startswith("layers.")] + ["fc"]
+    wrapped = type("DistributedDataParallel", (nn.Module,), {})()
+    wrapped.module = model
+    assert list(plan.resolve(wrapped)) == names
+    with pytest.raises(ValueError, match="layers is empty"):
+        Plan.uniform(layers=[])
+
+
+def test_resolve_against_a_run_and_mappings(tmp_path):
+    model = build_model("cnn")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradstats.trace(model, tmp_path / "run", layers=["conv1", "fc*", "bn1"]) as tracer:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(4, 1, 28, 28)).logsumexp(1).mean().backward()
+            opt.step()
+            tracer.step()
+    run = gradstats.open_run(tmp_path / "run")
+    plan = Plan.uniform(format="e4m3")
+    assert list(plan.resolve(run)) == ["conv1", "fc1", "fc2"]  # bn1 is traced but not conv/linear
+    assert list(plan.resolve({"a": "Linear", "b": nn.ReLU(), "c": nn.Conv1d})) == ["a", "c"]
+    with pytest.raises(ValueError, match="selects module types"):
+        plan.resolve(["conv1"])
+    with pytest.raises(ValueError, match="resolve a plan against"):
+        plan.resolve(42)
+
+
+def test_docs_example_loads_and_resolves_as_documented():
+    plan = Plan.from_dict(_docs_example())
+    rules = plan.resolve(build_model("cnn"))
+    assert list(rules) == ["conv1", "conv2", "fc1", "fc2"]
+    assert (str(rules["conv1"].format), rules["conv1"].scale, rules["conv1"].sparsity) == ("e5m2", "lognormal", None)
+    assert (str(rules["conv2"].format), rules["conv2"].sparsity) == ("e4m3", 0.85)
+    assert (rules["fc2"].format, rules["fc2"].sparsity) == (None, 0.85)
+    fc1 = rules["fc1"]
+    assert (str(fc1.format), fc1.scale, fc1.scale_value, fc1.rounding, fc1.sparsity) == \
+        ("e4m3fn", "fixed", 4096.0, "stochastic", 0.85)
+    assert plan.provenance.steps == (299, 299)
+
+
+# --------------------------------------------------------------------------- JSON
+def _rich_plan() -> Plan:
+    return Plan([
+        PlanEntry("*", types=CONV_LINEAR_TYPES),
+        PlanEntry("re:layers\\.\\d+\\.0\\.conv1", rounding="stochastic"),
+        PlanEntry("conv1", format="e5m2", scale="fixed", scale_value=0.125, sparsity=None,
+                  predicted=Prediction(error=1.5e-3, mu=-12.25, sigma=2.5, p0=0.0, scale=1024.0)),
+        PlanEntry("fc", format="e2m1fn", scale="amax", block_size=16, scale_format="e4m3",
+                  threshold_rule="exact"),
+    ], defaults=Rule(format="e4m3", sparsity=0.85),
+        provenance=Provenance.now(source="runs/x", generator="test", steps=(3, 9)))
+
+
+def test_save_load_round_trip(tmp_path):
+    plan = _rich_plan()
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    back = Plan.load(path)
+    assert back == plan
+    assert back.resolve(build_model("resnet20")) == plan.resolve(build_model("resnet20"))
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "gradstats.plan" and doc["version"] == SCHEMA_VERSION
+    assert doc["layers"][2] == {"layer": "conv1", "format": "e5m2", "scale": "fixed", "scale_value": 0.125,
+                                "sparsity": None, "predicted": {"error": 1.5e-3, "mu": -12.25, "sigma": 2.5,
+                                                                "p0": 0.0, "scale": 1024.0}}
+    assert doc["provenance"]["source"] == "runs/x" and doc["provenance"]["created"].endswith("Z")
+
+
+_format_names = st.sampled_from([None, "e4m3", "e5m2", "e4m3fn", "e3m2fn", "e2m3fn", "e2m1fn", "e4m3b11fnuz",
+                                 "e3m3_nosub", "bf16"])
+
+
+@st.composite
+def _entries(draw):
+    kw = {}
+    if draw(st.booleans()):
+        kw["format"] = draw(_format_names)
+    if draw(st.booleans()):
+        kw["sparsity"] = draw(st.one_of(st.none(), st.floats(0.0, 0.999)))
+    if draw(st.booleans()):
+        kw["rounding"] = draw(st.sampled_from(["nearest", "stochastic", "toward_zero"]))
+    if draw(st.booleans()):
+        kw["threshold_rule"] = draw(st.sampled_from(["lognormal", "naive_lognormal", "normal", "laplace", "exact"]))
+    if draw(st.booleans()):
+        kw["scale"], kw["scale_value"] = "fixed", draw(st.floats(1e-30, 1e30))
+    if draw(st.booleans()):
+        kw["predicted"] = Prediction(error=draw(st.floats(0, 1)), sigma=draw(st.floats(0.01, 10)),
+                                     mu=draw(st.floats(-80, 10)))
+    layer = draw(st.sampled_from(["fc1", "fc*", "re:fc\\d", "conv?", "net.[13]"]))
+    return PlanEntry(layer, **kw)
+
+
+@settings(max_examples=40, deadline=None)
+@given(entries=st.lists(_entries(), max_size=6), fmt=_format_names)
+def test_json_round_trip_property(entries, fmt):
+    plan = Plan(entries, defaults=Rule(format=fmt))
+    back = Plan.from_dict(json.loads(plan.to_json()))
+    assert back == plan
+    names = ["fc1", "fc2", "conv1", "net.1", "net.3"]
+    assert back.resolve(names, strict=False) == plan.resolve(names, strict=False)
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (lambda d: d.update(extra=1), "plan: unknown key 'extra'"),
+    (lambda d: d["layers"][1].update(formt="e5m2"), "layers[1]: unknown key 'formt'"),
+    (lambda d: d["defaults"].update(sparsty=0.5), "defaults: unknown key 'sparsty'"),
+    (lambda d: d["defaults"].update(predicted={}), "defaults: unknown key 'predicted'"),
+    (lambda d: d["provenance"].update(host="x"), "provenance: unknown key 'host'"),
+    (lambda d: d["layers"][2]["predicted"].update(cosine=1.0), "layers[2]: layer entry 'fc2': predicted: unknown key 'cosine'"),
+    (lambda d: d["layers"][1].update(format="e4m3fnx"), "layers[1]: layer entry 'conv1': unknown format 'e4m3fnx'"),
+    (lambda d: d["layers"][1].update(scale="optimal"), "unknown scale rule 'optimal'"),
+    (lambda d: d["layers"][3].update(rounding="even"), "unknown rounding 'even'"),
+    (lambda d: d["defaults"].update(sparsity=1.5), "defaults: sparsity must lie in [0, 1)"),
+    (lambda d: d.update(version=2), "plan schema version 2 is newer than this gradstats reads"),
+    (lambda d: d.update(version=0), "bad plan schema version 0"),
+    (lambda d: d.update(version="1"), "bad plan schema version '1'"),
+    (lambda d: d.pop("version"), "bad plan schema version None"),
+    (lambda d: d.update(schema="other"), "not a gradstats plan"),
+    (lambda d: d["layers"][0].pop("layer"), "layers[0]: missing the 'layer' key"),
+    (lambda d: d.update(layers={"a": 1}), "'layers' must be a list"),
+])
+def test_load_errors_name_the_file_place_and_problem(tmp_path, edit, msg):
+    doc = _docs_example()
+    edit(doc)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError) as exc:
+        Plan.load(path)
+    assert str(path) in str(exc.value) and msg in str(exc.value)
+
+
+def test_load_missing_file_and_bad_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no plan file"):
+        Plan.load(tmp_path / "none.json")
+    (tmp_path / "p.json").write_text("{ not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Plan.load(tmp_path / "p.json")
+
+
+def test_plan_accepts_dicts_and_checks_types():
+    plan = Plan([{"layer": "fc", "format": "e5m2"}], defaults={"rounding": "stochastic"}, provenance=None)
+    assert plan.entries == (PlanEntry("fc", format="e5m2"),) and plan.defaults.rounding == "stochastic"
+    with pytest.raises(ValueError, match="entries must be a list"):
+        Plan("fc")
+    with pytest.raises(ValueError, match=r"layers\[0\]: expected a PlanEntry"):
+        Plan([3])
+    with pytest.raises(ValueError, match="ISO 8601"):
+        Provenance(created="yesterday")
+    with pytest.raises(ValueError, match="steps must be"):
+        Provenance(steps=(5, 2))
+
+
+# --------------------------------------------------------------------------- views and exports
+def test_to_dataframe_per_entry_and_per_module():
+    plan = Plan.from_dict(_docs_example())
+    df = plan.to_dataframe()
+    assert list(df["layer"]) == ["*", "conv1", "fc2", "fc1"]
+    assert list(df["match"]) == ["glob", "exact", "exact", "exact"]
+    assert pd.isna(df.loc[2, "format"]) and df.loc[2, "sigma"] == 1.2
+    per = plan.to_dataframe(build_model("cnn"))
+    assert list(per["layer"]) == ["conv1", "conv2", "fc1", "fc2"]
+    assert per.loc[0, "entries"] == [0, 1] and per.loc[2, "scale_value"] == 4096.0
+    assert per["bits"].tolist()[:3] == [8, 8, 8] and pd.isna(per["bits"][3])
+
+
+def test_export_json(tmp_path):
+    plan = _rich_plan()
+    model = build_model("resnet20")
+    doc = plan.export("json", model, path=tmp_path / "e.json")
+    assert json.loads((tmp_path / "e.json").read_text()) == doc
+    assert list(doc["layers"]) == _conv_linear(model)
+    c1 = doc["layers"]["conv1"]
+    assert (c1["format"], c1["torch_dtype"], c1["scale_rule"], c1["scale"], c1["sparsity"]) == \
+        ("e5m2", "float8_e5m2", "fixed", 0.125, None)
+    assert c1["format_spec"]["max"] == 57344.0 and c1["format_spec"]["exp_bits"] == 5
+    fc = doc["layers"]["fc"]
+    assert (fc["format"], fc["block_size"], fc["scale_format"], fc["scale"], fc["threshold_rule"]) == \
+        ("e2m1fn", 16, "e4m3", None, "exact")
+    other = doc["layers"]["layers.0.0.conv2"]
+    assert (other["format"], other["torch_dtype"], other["scale_rule"], other["sparsity"]) == \
+        ("e4m3", None, "lognormal", 0.85)
+    # without a model only exact names can be exported
+    with pytest.raises(ValueError, match="pattern entries"):
+        plan.export("json")
+    exact = Plan([PlanEntry("a", format="e4m3fn", scale="lognormal",
+                            predicted=Prediction(scale=256.0))])
+    assert exact.export("json")["layers"]["a"]["scale"] == 256.0
+    with pytest.raises(ValueError, match="unknown export target 'onnx'"):
+        exact.export("onnx")
+
+
+def test_export_torchao():
+    model = nn.Sequential()
+    model.add_module("conv", nn.Conv2d(1, 2, 3))
+    for name in ("a", "b", "c", "d", "e"):
+        model.add_module(name, nn.Linear(2, 2))
+    plan = Plan([PlanEntry("a", format="e5m2", scale="amax"),
+                 PlanEntry("b", format="e4m3fn", rounding="stochastic", sparsity=0.5),
+                 PlanEntry("c", format=None, sparsity=0.9),
+                 PlanEntry("d", format="e4m3"),       # ieee e4m3 (max 240): no torch dtype
+                 PlanEntry("e", format="e4m3fn", scale="amax", block_size=32),
+                 PlanEntry("conv", format="e5m2")])
+    with pytest.warns(UserWarning, match="not expressible"):
+        doc = plan.export("torchao", model)
+    assert doc["target"] == "torchao.float8" and sorted(doc["configs"]) == ["a", "b", "c"]
+    dyn = {"scaling_type": "dynamic", "scaling_granularity": "tensorwise"}
+    assert doc["configs"]["a"] == {"cast_config_grad_output": {**dyn, "target_dtype": "float8_e5m2"},
+                                   "cast_config_grad_output_for_grad_weight": {**dyn, "target_dtype": "float8_e5m2"},
+                                   "round_scales_to_power_of_2": True}
+    assert doc["configs"]["b"]["cast_config_grad_output"]["target_dtype"] == "float8_e4m3fn"
+    off = {"scaling_type": "disabled"}
+    assert doc["configs"]["c"] == {"cast_config_grad_output": off, "cast_config_grad_output_for_grad_weight": off,
+                                   "cast_config_weight_for_grad_input": off,
+                                   "cast_config_input_for_grad_weight": off, "round_scales_to_power_of_2": True}
+    assert set(doc["skipped"]) == {"conv", "d", "e"} and "nn.Linear modules only" in doc["skipped"]["conv"]
+    assert "no torchao.float8 counterpart" in doc["skipped"]["d"] and "block" in doc["skipped"]["e"]
+    assert "a" not in doc["dropped"]
+    assert any("stochastic" in s for s in doc["dropped"]["b"]) and any("sparsity 0.5" in s for s in doc["dropped"]["b"])
+    assert any("lognormal" in s for s in doc["dropped"]["b"])
+    assert any("does not prune" in s for s in doc["dropped"]["c"])
+    with pytest.raises(ValueError, match="not expressible"):
+        plan.export("torchao", model, strict=True)
+    clean = Plan([PlanEntry("a", format="e5m2", scale="amax")])
+    assert clean.export("torchao.float8", model, strict=True)["skipped"] == {}
+    with pytest.raises(ValueError, match="needs each layer's module type"):
+        clean.export("torchao")
