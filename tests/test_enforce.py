@@ -1,0 +1,206 @@
+"""gradstats.apply: plans enforced on neural gradients in the backward pass."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradstats
+from gradstats.formats import FPFormat
+from gradstats.plan import Plan, PlanEntry
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc1 = nn.Linear(8 * 4 * 4, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv(x)))
+        x = nn.functional.adaptive_avg_pool2d(x, 4).flatten(1)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def batches(n=6, bs=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(bs, 1, 8, 8, generator=g), torch.randint(0, 10, (bs,), generator=g)) for _ in range(n)]
+
+
+def train(model, data, plan=None, **kw):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    handle = gradstats.apply(model, plan, **kw) if plan is not None else None
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    if handle is not None:
+        handle.remove()
+    return model, handle
+
+
+def same_weights(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_pass_through_plan_is_bit_identical():
+    torch.manual_seed(0)
+    base = Net()
+    plain, _ = train(copy.deepcopy(base), batches())
+    passed, h = train(copy.deepcopy(base), batches(), Plan.uniform(format=None, sparsity=None))
+    assert same_weights(plain, passed) and h.history == []
+
+
+def outgoing_gradients(model, names):
+    """Register (after apply) tensor hooks that see the gradient the plan lets through."""
+    seen = {}
+    mods = dict(model.named_modules())
+
+    def fwd(name):
+        def hook(m, i, o):
+            o.register_hook(lambda g: seen.setdefault(name, []).append(g.clone()))
+        return hook
+    return seen, [mods[n].register_forward_hook(fwd(n)) for n in names]
+
+
+@pytest.mark.parametrize("fmt, scale, rounding", [("e3m2fn", "amax", "nearest"), ("e4m3fn", "fixed", "stochastic"),
+                                                   ("e2m1fn", "amax", "stochastic")])
+def test_outgoing_gradients_are_representable(fmt, scale, rounding):
+    model = Net()
+    kw = {"scale_value": 2.0 ** 14} if scale == "fixed" else {}
+    plan = Plan.uniform(format=fmt, sparsity=0.8, scale=scale, rounding=rounding, **kw) if not kw else \
+        Plan([PlanEntry("*", types=["Conv2d", "Linear"], format=fmt, scale="fixed", scale_value=2.0 ** 14,
+                        rounding=rounding, sparsity=0.8)])
+    handle = gradstats.apply(model, plan)
+    seen, hooks = outgoing_gradients(model, ["conv", "fc1", "fc2"])
+    for x, y in batches(2):
+        nn.functional.cross_entropy(model(x), y).backward()
+    values = set(FPFormat.parse(fmt).values().tolist())
+    df = handle.to_dataframe()
+    for name, grads in seen.items():
+        rows = df[df.layer == name]
+        for g, s in zip(grads, rows["scale"]):
+            scaled = (g * s).reshape(-1).tolist()
+            assert set(scaled) <= values, name
+    assert set(df["layer"]) == {"conv", "fc1", "fc2"}          # Plan.uniform: conv and linear only
+
+
+def test_weight_gradient_from_compressed_neural_gradient():
+    torch.manual_seed(1)
+    model = Net()
+    plan = Plan.uniform(format="e3m2fn", sparsity=0.7, scale="amax")
+    gradstats.apply(model, plan)
+    seen, _ = outgoing_gradients(model, ["fc1"])
+    inputs = {}
+    model.fc1.register_forward_hook(lambda m, i, o: inputs.update(x=i[0].detach()))
+    x, y = batches(1)[0]
+    nn.functional.cross_entropy(model(x), y).backward()
+    gc = seen["fc1"][0]
+    torch.testing.assert_close(model.fc1.weight.grad, gc.t() @ inputs["x"], rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(model.fc1.bias.grad, gc.sum(0), rtol=1e-6, atol=1e-9)
+
+
+def test_achieved_sparsity_on_real_training():
+    from gradstats.data import load_fashion_mnist
+    from gradstats.models import build_model
+
+    data = load_fashion_mnist(split="train", source="subset", subset=640)
+    model = build_model("cnn", seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    handle = gradstats.apply(model, Plan.uniform(sparsity=0.85))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(8):
+        idx = torch.randint(0, len(data), (64,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(data.images[idx]), data.labels[idx]).backward()
+        opt.step()
+    s = handle.summary()
+    assert len(s) == 4
+    assert abs(s["achieved_sparsity"].mean() - 0.85) <= 0.01, s
+    assert (abs(s["achieved_sparsity"] - 0.85) <= 0.02).all(), s
+
+
+def test_remove_restores_identical_behaviour():
+    torch.manual_seed(2)
+    base = Net()
+    a = copy.deepcopy(base)
+    h = gradstats.apply(a, Plan.uniform(format="e2m1fn", sparsity=0.9, scale="amax"))
+    h.remove()
+    a, _ = train(a, batches())
+    b, _ = train(copy.deepcopy(base), batches())
+    assert same_weights(a, b)
+
+
+def test_saved_plan_applies_identically(tmp_path):
+    torch.manual_seed(3)
+    base = Net()
+    plan = Plan.uniform(format="e4m3fn", sparsity=0.8, scale="amax", rounding="stochastic")
+    plan.save(tmp_path / "plan.json")
+    a, _ = train(copy.deepcopy(base), batches(), plan, seed=7)
+    b, _ = train(copy.deepcopy(base), batches(), tmp_path / "plan.json", seed=7)
+    c, _ = train(copy.deepcopy(base), batches(), plan, seed=8)
+    assert same_weights(a, b) and not same_weights(a, c)
+
+
+def test_eval_no_grad_accumulation_reuse_and_autocast():
+    class Reuse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            return self.lin(torch.tanh(self.lin(x)))
+
+    model = Reuse()
+    h = gradstats.apply(model, Plan.uniform(format="e3m2fn", scale="amax"))
+    with torch.no_grad():
+        model(torch.randn(3, 6))
+    model.eval()
+    model(torch.randn(3, 6)).sum().backward()
+    model.train()
+    assert h.history == []                                   # eval and no_grad: untouched
+    for _ in range(3):                                       # accumulation, reused module
+        model(torch.randn(3, 6)).sum().backward()
+    assert list(h.to_dataframe()["seq"]) == list(range(6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(3, 6))
+    out.float().sum().backward()
+    assert h.to_dataframe()["n"].iloc[-1] == 18
+
+
+def test_log_to_a_tracer(tmp_path):
+    model = Net()
+    with gradstats.trace(model, tmp_path, every=1) as tr:
+        gradstats.apply(model, Plan.uniform(format="e4m3fn", sparsity=0.5, scale="amax"), log_to=tr)
+        for x, y in batches(3):
+            nn.functional.cross_entropy(model(x), y).backward()
+            tr.step()
+    t = gradstats.open_run(tmp_path).table("applied")
+    assert len(t) == 9 and sorted(t["step"].unique()) == [0, 1, 2]
+    assert np.all(t["achieved_sparsity"] >= 0.4)
+
+
+def test_refresh_every_and_ema():
+    model = Net()
+    h = gradstats.apply(model, Plan.uniform(sparsity=0.8), refresh_every=3, ema=0.5)
+    for x, y in batches(4):
+        nn.functional.cross_entropy(model(x), y).backward()
+    df = h.to_dataframe()
+    fc1 = df[df.layer == "fc1"]["threshold"].tolist()
+    assert fc1[0] == fc1[1] == fc1[2] and fc1[3] != fc1[2]
+
+
+@pytest.mark.parametrize("kwargs, match", [({"refresh_every": 0}, "refresh_every"), ({"ema": 1.0}, "ema"),
+                                           ({"log_to": "run"}, "log_to")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gradstats.apply(Net(), Plan.uniform(sparsity=0.5), **kwargs)
+    with pytest.raises(ValueError, match="Plan"):
+        gradstats.apply(Net(), {"format": "e4m3"})
+    with pytest.raises(ValueError, match="match"):
+        gradstats.apply(Net(), Plan([PlanEntry("nothing*", sparsity=0.5)]))
