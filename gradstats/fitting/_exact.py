@@ -200,25 +200,25 @@ def _sort_(a: torch.Tensor) -> None:
 
 def _pass1(a: torch.Tensor, lo: int, hi: int, shift: float, scale: float,
            hist_range: tuple[int, float, float] | None) -> dict[str, Any]:
-    """MLE sums over the magnitudes ``a[lo:hi]`` (all > 0 and finite): ``sum(ln a - shift)``
-    (float64 per chunk), ``sum((ln a - shift)^2)``, ``sum(a scale)``, ``sum((a scale)^2)``
-    (float32 per chunk, float64 across); with ``hist_range = (bins, min, max)`` also a
-    histogram of ``ln a``."""
-    dt = a.dtype
-    bl = torch.empty(min(CHUNK, hi - lo), dtype=dt, device=a.device)
-    bs = torch.empty_like(bl)
+    """MLE sums over the magnitudes ``a[lo:hi]`` (all > 0 and finite), in float64 whatever
+    the input's dtype (the parameters then match a float64 fit of the same values):
+    ``sum(ln a - shift)``, ``sum((ln a - shift)^2)``, ``sum(a scale)``, ``sum((a scale)^2)``;
+    with ``hist_range = (bins, min, max)`` also a histogram of ``ln a``."""
+    f64 = torch.float64
+    b64 = torch.empty(min(CHUNK, hi - lo), dtype=f64, device=a.device)
+    bl = torch.empty_like(b64)
     r: dict[str, Any] = {"s1": 0.0, "s2": 0.0, "sa": 0.0, "sa2": 0.0, "counts": None}
     for s, e in _chunks(lo, hi):
-        ch = a[s:e]
         k = e - s
+        ch = b64[:k].copy_(a[s:e])
         l = torch.log(ch, out=bl[:k])
         if hist_range is not None:
             h = torch.histc(l, bins=hist_range[0], min=hist_range[1], max=hist_range[2])
             r["counts"] = h if r["counts"] is None else r["counts"] + h
         l.sub_(shift)
-        r["s1"] += float(l.sum(dtype=torch.float64))
+        r["s1"] += float(l.sum())
         r["s2"] += float(torch.dot(l, l))
-        w = torch.mul(ch, scale, out=bs[:k])
+        w = ch.mul_(scale)
         r["sa"] += float(w.sum())
         r["sa2"] += float(torch.dot(w, w))
     return r
@@ -227,7 +227,8 @@ def _pass1(a: torch.Tensor, lo: int, hi: int, shift: float, scale: float,
 def _params(a: torch.Tensor, amax: float, hist_range: tuple[int, float, float] | None,
             pool: ThreadPoolExecutor | None) -> tuple[dict[str, float], Any]:
     m = a.numel()
-    shift = float(torch.log(a[:CHUNK]).mean(dtype=torch.float64))
+    # a shift near mu keeps the variance free of cancellation
+    shift = float(torch.log(a[:CHUNK].to(torch.float64)).mean())
     scale = 2.0 ** -math.frexp(amax)[1]  # power of two: exact, keeps a^2 finite
     parts = _map(lambda lo, hi: _pass1(a, lo, hi, shift, scale, hist_range), m, pool)
     s1, s2, sa, sa2 = (math.fsum(p[k] for p in parts) for k in ("s1", "s2", "sa", "sa2"))
