@@ -35,14 +35,12 @@ def parse_steps(tokens: Sequence[str] | None, all_steps: Sequence[int]) -> list[
         try:
             if ":" in tok:
                 parts = [int(v) if v else None for v in tok.split(":")]
-                if len(parts) > 3:
+                if len(parts) > 3 or (len(parts) == 3 and parts[2] is not None and parts[2] <= 0):
                     raise ValueError
                 sl = slice(*parts)
                 lo = -math.inf if sl.start is None else sl.start
                 hi = math.inf if sl.stop is None else sl.stop
                 st, base = sl.step or 1, sl.start or 0
-                if st <= 0:
-                    raise ValueError
                 want.update(s for s in have if lo <= s < hi and (s - base) % st == 0)
             else:
                 want.add(int(tok))

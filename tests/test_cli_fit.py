@@ -1,0 +1,78 @@
+"""Tests of ``gradstats fit``."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+import gradstats
+from gradstats.cli import main
+from gradstats.cli.fit import layer_verdicts, parse_steps
+
+
+@pytest.fixture(scope="module")
+def run_path(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("runs") / "mlp"
+    model = torch.nn.Sequential(torch.nn.Linear(12, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48),
+                                torch.nn.ReLU(), torch.nn.Linear(48, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradstats.trace(model, path, sample_every=2) as tracer:
+        for _ in range(4):
+            x, y = torch.randn(96, 12), torch.randint(0, 5, (96,))
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            tracer.step()
+    return path
+
+
+def test_parse_steps():
+    have = [0, 1, 2, 3, 10, 20]
+    assert parse_steps(None, have) is None
+    assert parse_steps(["1", "3"], have) == [1, 3]
+    assert parse_steps(["0:4:2", "20"], have) == [0, 2, 20]
+    assert parse_steps(["2:"], have) == [2, 3, 10, 20]
+    assert parse_steps(["1,2"], have) == [1, 2]
+    for bad in ("x", "1:2:3:4", "0:10:0"):
+        with pytest.raises(ValueError, match="bad --steps"):
+            parse_steps([bad], have)
+
+
+def test_fit_command_writes_parquet_and_prints_verdicts(run_path, tmp_path, capsys):
+    out = tmp_path / "fits.parquet"
+    assert main(["fit", str(run_path), "-o", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    df = pd.read_parquet(out)
+    run = gradstats.open_run(run_path)
+    assert len(df) == len(run.layers) * 4 * 3
+    assert set(df.source) == {"samples", "stats"} and (df.status == "ok").all()
+    for layer in run.layers:
+        assert layer in text
+    assert "lognormal wins" in text and "median KS" in text and "wrote" in text
+    v = layer_verdicts(df)
+    assert list(v.layer) == run.layers
+    assert (v[["wins_lognormal", "wins_normal", "wins_laplace"]].sum(axis=1) == 4).all()
+    assert (v["margin_loglik"] >= 0).all()
+    ok = df[df.family == "lognormal"]
+    assert v["ks_lognormal"].iloc[0] == pytest.approx(ok[ok.layer == run.layers[0]]["ks"].median())
+
+
+def test_fit_command_selection_and_stats_only(run_path, tmp_path, capsys):
+    out = tmp_path / "sel.parquet"
+    run = gradstats.open_run(run_path)
+    first = run.layers[0]
+    assert main(["fit", str(run_path), "--layers", first, "--steps", "1:3", "--stats-only",
+                 "-o", str(out), "--no-progress"]) == 0
+    df = pd.read_parquet(out)
+    assert set(df.layer) == {first} and set(df.step) == {1, 2} and set(df.source) == {"stats"}
+    capsys.readouterr()
+
+
+def test_fit_command_errors(run_path, capsys):
+    assert main(["fit", str(run_path), "--steps", "zz", "--no-progress"]) == 2
+    assert "bad --steps" in capsys.readouterr().err
+    assert main(["fit", str(run_path), "--layers", "nope*", "--no-progress"]) == 2
+    assert "no layer matches" in capsys.readouterr().err
+    assert main(["fit", str(run_path.parent / "missing"), "--no-progress"]) == 2
