@@ -9,9 +9,12 @@ Both compute, for threshold ``a`` and a uniform ``u`` per entry,
 
 with ``u * a`` rounded to the compute dtype (float32, or float64 for float64 tensors) before the
 comparison. Given the same uniforms (``uniforms=``) the kernel and the reference agree bit for
-bit. Without them the kernel draws ``u`` with ``tl.rand(seed, offset)`` (Philox, counter =
-element index), so a result is reproducible from ``(seed, x)`` and costs no extra memory pass;
-the reference draws ``torch.rand`` from a torch generator.
+bit. Without them the kernel makes ``u`` from a counter-based hash of ``(seed, index)``
+(the SplitMix64 output function on ``seed + (index + 1) * 0x9E3779B97F4A7C15``; its top 24 bits
+for float32, 53 for float64): a result is reproducible from ``(seed, x)``, costs no extra memory
+pass, and :func:`hash_uniforms` reproduces the very same uniforms on the CPU (so the seeded
+kernel, too, can be checked bit for bit). The reference draws ``torch.rand`` from a torch
+generator unless given uniforms.
 
 Example:
     >>> import torch
@@ -24,12 +27,41 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from . import interpreting
 
 #: elements per Triton program
 BLOCK = 2048
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def hash_uniforms(seed: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The uniforms the kernel draws for ``seed`` at indices ``0..n-1`` (computed on the CPU
+    in numpy's wrapping uint64 arithmetic).
+
+    Example:
+        >>> u = hash_uniforms(7, 5)
+        >>> u.shape, bool(((u >= 0) & (u < 1)).all())
+        (torch.Size([5]), True)
+    """
+    u64 = np.uint64
+    z = np.arange(1, n + 1, dtype=u64)
+    z *= u64(_GOLDEN)
+    z += u64(seed % 2 ** 64)
+    z ^= z >> u64(30)
+    z *= u64(_MIX1)
+    z ^= z >> u64(27)
+    z *= u64(_MIX2)
+    z ^= z >> u64(31)
+    if dtype == torch.float64:
+        return torch.from_numpy((z >> u64(11)).astype(np.float64) * 2.0 ** -53)
+    return torch.from_numpy((z >> u64(40)).astype(np.float32) * np.float32(2.0 ** -24))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -60,7 +92,7 @@ def _kernel(interpret: bool):  # noqa: ARG001 - the cache key: Triton decides at
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["seed"])
     def prune_kernel(x_ptr, u_ptr, a_ptr, out_ptr, n, seed,
                      BLOCK: tl.constexpr, HAS_U: tl.constexpr, F64: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
@@ -75,9 +107,15 @@ def _kernel(interpret: bool):  # noqa: ARG001 - the cache key: Triton decides at
         if HAS_U:
             u = tl.load(u_ptr + offs, mask=mask, other=0.0)
         else:
-            u = tl.rand(seed, offs)
+            # SplitMix64 output function of seed + (index + 1) * golden (uint64, wrapping)
+            z = seed.to(tl.uint64) + (offs.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15
+            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+            z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+            z = z ^ (z >> 31)
             if F64:
-                u = u.to(tl.float64)
+                u = (z >> 11).to(tl.float64) * 1.1102230246251565e-16
+            else:
+                u = (z >> 40).to(tl.float32) * 5.960464477539063e-08
         ax = tl.abs(xf)
         ua = u * a
         up = tl.where(ua < ax, tl.where(xf < 0, -a, a), 0.0)
@@ -90,8 +128,9 @@ def _kernel(interpret: bool):  # noqa: ARG001 - the cache key: Triton decides at
 def stochastic_prune(x: torch.Tensor, a: float, *, seed: int | None = None,
                      uniforms: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """Stochastic pruning through the Triton kernel. Give either ``seed`` (uniforms from
-    ``tl.rand``) or ``uniforms`` (a tensor of ``x``'s shape). ``out`` may be ``x``.
+    """Stochastic pruning through the Triton kernel. Give either ``seed`` (uniforms from the
+    counter hash, see :func:`hash_uniforms`) or ``uniforms`` (a tensor of ``x``'s shape).
+    ``out`` may be ``x``.
 
     Example (on a CUDA device, or on the CPU with ``TRITON_INTERPRET=1``)::
 

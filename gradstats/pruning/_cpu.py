@@ -55,7 +55,7 @@ def _scratch(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     bufs = getattr(_local, "bufs", None)
     if bufs is None:
         bufs = _local.bufs = {}
-    if key not in bufs:
+    if key not in bufs or bufs[key][0].shape[0] < BLOCK:
         bufs[key] = (np.empty(BLOCK, dtype), np.empty(BLOCK, dtype), np.empty(BLOCK, np.bool_))
     return bufs[key]
 
@@ -77,7 +77,7 @@ def pcg_state(seed: int) -> dict[str, Any]:
 def _ones(dtype: np.dtype) -> np.ndarray:
     key = "ones" + np.dtype(dtype).char
     v = getattr(_local, key, None)
-    if v is None:
+    if v is None or v.shape[0] < BLOCK:
         v = np.ones(BLOCK, dtype)
         setattr(_local, key, v)
     return v
@@ -91,16 +91,16 @@ def _log_centre(x: np.ndarray) -> float:
     return float(np.log(a).mean()) if a.size else 0.0
 
 
-def moments(x: np.ndarray, *, logs: bool = True) -> dict[str, Any]:
-    """One sweep: ``n``, ``n_zero``, ``sum_abs``, ``sum_sq`` and (``logs``) ``sum_ln_abs``,
-    ``sum_ln_abs_sq`` of a flat array.
+def moments(x: np.ndarray, *, logs: bool = True, sums: bool = False) -> dict[str, Any]:
+    """One sweep over a flat array: ``n``, ``n_zero``; with ``logs`` the sums ``sum_ln_abs``,
+    ``sum_ln_abs_sq`` over the non-zero entries; with ``sums`` also ``sum_abs``, ``sum_sq``.
 
     The logs are taken of ``|x| * e^-c`` with ``c`` a rough mean of ``ln|x|`` (from a few
     thousand entries), so the squares summed in the array's dtype are of centred values and a
     large ``|mu|`` costs no precision; zeros are mapped to 1 before the log (contributing 0).
     Block sums are BLAS dot products; blocks are combined in float64. ``finite`` is False when
-    inf/NaN, an overflowing square or an underflowing scaled value made a sum non-finite; the
-    caller then uses :mod:`gradstats.stats`.
+    inf/NaN (or an overflowing sum) made a requested sum non-finite; the caller then uses the
+    robust :mod:`gradstats.stats` path.
     """
     n = x.shape[0]
     dt = x.dtype.type
@@ -113,8 +113,9 @@ def moments(x: np.ndarray, *, logs: bool = True) -> dict[str, Any]:
         w, z, m = w[: e - s], z[: e - s], m[: e - s]
         ones = _ones(x.dtype)[: e - s]
         np.abs(x[s:e], out=w)
-        sabs = float(np.dot(w, ones))
-        ssq = float(np.dot(w, w))
+        sabs = ssq = 0.0
+        if sums:
+            sabs, ssq = float(np.dot(w, ones)), float(np.dot(w, w))
         np.equal(w, 0, out=m)
         n0 = int(np.count_nonzero(m))
         if not logs or n0 == e - s:
@@ -123,20 +124,21 @@ def moments(x: np.ndarray, *, logs: bool = True) -> dict[str, Any]:
         if n0:
             np.copyto(z, m, casting="unsafe")
             np.add(w, z, out=w)  # zeros -> 1, whose log is 0
-        np.log(w, out=w)
+        np.log(w, out=w)  # inf and NaN propagate into both sums
         return (n0, sabs, ssq, float(np.dot(w, ones)), float(np.dot(w, w)))
 
-    parts = np.array(_map(block, n), dtype=np.float64).reshape(-1, 5)
-    tot = parts.sum(axis=0)
-    n0 = int(round(tot[0]))
-    nz = n - n0
-    s1, s2 = tot[3], tot[4]  # sums of l - c and (l - c)^2 over the non-zero entries
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        parts = np.array(_map(block, n), dtype=np.float64).reshape(-1, 5)
+        tot = parts.sum(axis=0)
+        n0 = int(tot[0])
+        nz = n - n0
+        s1, s2 = tot[3], tot[4]  # sums of l - c and (l - c)^2 over the non-zero entries
         sq = float(s2 + 2.0 * c * s1 + nz * c * c)
-    out: dict[str, Any] = {"n": n, "n_zero": n0, "n_nonfinite": 0, "sum_abs": float(tot[1]), "sum_sq": float(tot[2]),
-                           "sum_ln_abs": float(s1 + nz * c),
-                           "sum_ln_abs_sq": sq}
-    out["finite"] = bool(np.isfinite(parts).all())
+    out: dict[str, Any] = {"n": n, "n_zero": n0, "n_nonfinite": 0,
+                           "sum_ln_abs": float(s1 + nz * c), "sum_ln_abs_sq": sq}
+    if sums:
+        out["sum_abs"], out["sum_sq"] = float(tot[1]), float(tot[2])
+    out["finite"] = bool(np.isfinite(tot).all())
     return out
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..stats import merge_stats
+from ..stats import HIST_BINS, merge_stats
 from ._models import solve_ratio
 from .thresholds import (MODELS, _row_params, _subset, added_variance, expected_sparsity,
                          predicted_cosine, resolve, threshold)
@@ -93,12 +93,17 @@ def _layers(layers: Any, sizes: Any) -> tuple[list[str], list[Any], np.ndarray]:
 
     if isinstance(layers, pd.DataFrame):
         df = layers
+        if "kind" in df.columns:  # a run's statistics: the neural gradients only
+            df = df[df["kind"] == "grad"]
         if "layer" in df.columns:
             names, rows = [], []
             for name, grp in df.groupby("layer", sort=False):
                 recs = grp.to_dict("records")
-                rows.append(merge_stats(recs) if len(recs) > 1 and "sum_ln_abs" in grp.columns
-                            else recs[0])
+                if len(recs) > 1 and "sum_ln_abs" in grp.columns:
+                    for r in recs:
+                        r.setdefault("hist", np.zeros(HIST_BINS, dtype=np.int64))
+                    recs = [merge_stats(recs)]
+                rows.append(recs[0])
                 names.append(str(name))
         else:
             names = [str(i) for i in df.index]
@@ -137,7 +142,7 @@ def allocate(layers: Any, budget: float, *, cosine_floor: Any = None, weights: A
     least weighted relative added noise, with optional per-layer cosine-similarity floors.
 
     ``layers``: a DataFrame of statistics rows (one per layer, or a ``layer`` column whose rows
-    are merged), or a mapping name -> statistics row / fit result / ``{"mu", "sigma", "p0",
+    are merged, e.g. ``run.stats()``: only rows of kind ``"grad"`` are used), or a mapping name -> statistics row / fit result / ``{"mu", "sigma", "p0",
     "n"}``. ``cosine_floor``: one number, a mapping name -> floor, or an array (NaN: none).
     ``weights``: importance per layer (default: element counts). ``sizes``: element counts
     when the rows lack ``n``. A budget below the zeros already present gives threshold 0

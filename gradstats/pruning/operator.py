@@ -194,7 +194,7 @@ def _estimate(x: torch.Tensor, method: str) -> dict[str, Any]:
     """Statistics of ``x`` needed by ``method`` (n, n_zero, sums), in one sweep."""
     logs = method in ("lognormal", "naive_lognormal")
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
-        st = _cpu.moments(x.detach().contiguous().reshape(-1).numpy(), logs=logs)
+        st = _cpu.moments(x.detach().contiguous().reshape(-1).numpy(), logs=logs, sums=not logs)
         if st.pop("finite"):
             return st
     elif x.device.type != "cpu":

@@ -44,9 +44,12 @@ def _stats_params(row: Mapping[str, Any]) -> dict[str, float]:
         raise ValueError("the statistics row has no non-zero finite entries: mu and sigma of "
                          "ln|g| are undefined")
     mu, sigma = lognormal_moments(row)
-    return {"mu": mu, "sigma": sigma, "p0": int(row["n_zero"]) / n,
-            "scale_normal": math.sqrt(float(row["sum_sq"]) / m),
-            "scale_laplace": float(row["sum_abs"]) / m}
+    out = {"mu": mu, "sigma": sigma, "p0": int(row["n_zero"]) / n}
+    if "sum_sq" in row:
+        out["scale_normal"] = math.sqrt(float(row["sum_sq"]) / m)
+    if "sum_abs" in row:
+        out["scale_laplace"] = float(row["sum_abs"]) / m
+    return out
 
 
 def _fit_params(fit: Any) -> dict[str, float]:

@@ -1,0 +1,502 @@
+"""Tests of gradstats.pruning: the sparsity formulas and their inverse, the baselines, the
+closed forms of the cost, the stochastic operator (Monte Carlo), prune, exact thresholds,
+heterogeneous allocation, bad input and the figures."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import integrate, special, stats as sps
+
+from gradstats import pruning
+from gradstats.kernels.prune import stochastic_prune_torch
+from gradstats.pruning import (added_variance, allocate, exact_threshold, expected_sparsity,
+                               predicted_cosine, prune, stochastic_prune, threshold)
+from gradstats.pruning import _cpu
+from gradstats.stats import lognormal_moments, tensor_stats
+
+SIGMAS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+
+
+def lognormal_samples(n: int, mu: float, sigma: float, seed: int, *, signed: bool = True,
+                      p0: float = 0.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64).mul_(sigma).add_(mu).exp_()
+    if signed:
+        x.mul_(torch.randint(0, 2, (n,), generator=g, dtype=torch.float64).mul_(2).sub_(1))
+    if p0:
+        x[torch.rand(n, generator=g, dtype=torch.float64) < p0] = 0.0
+    return x.float()
+
+
+# ----------------------------------------------------------------------------- formulas
+def test_check_values_from_the_brief():
+    for mu in (0.0, -9.5, 4.0):
+        assert expected_sparsity(math.exp(mu), mu=mu, sigma=1.0) == pytest.approx(0.238422, abs=5e-7)
+        assert expected_sparsity(math.exp(mu), mu=mu, sigma=2.0) == pytest.approx(0.331898, abs=5e-7)
+    # "at sigma = 2.5 and S = 0.85, about 93%" of the entries lie below the threshold
+    a = threshold(0.85, mu=0.0, sigma=2.5)
+    assert expected_sparsity(a, mu=0.0, sigma=2.5, stochastic=False) == pytest.approx(0.93, abs=0.005)
+
+
+def _numeric_sparsity(dist, a: float) -> float:
+    """P(|g| < a) - E[|g| 1{|g|<a}] / a by quadrature, independent of the closed forms."""
+    hard = dist.cdf(a)
+    m1 = integrate.quad(lambda t: t * dist.pdf(t), 0, a, limit=200, points=[dist.median()]
+                        if dist.median() < a else None)[0]
+    return hard - m1 / a
+
+
+@pytest.mark.parametrize("model", ["lognormal", "normal", "laplace"])
+def test_sparsity_matches_quadrature(model):
+    for a in (0.05, 0.3, 1.0, 2.5, 7.0):
+        if model == "lognormal":
+            dist, kw = sps.lognorm(s=1.3, scale=math.exp(-0.4)), dict(mu=-0.4, sigma=1.3)
+        elif model == "normal":
+            dist, kw = sps.halfnorm(scale=1.7), dict(scale=1.7)
+        else:
+            dist, kw = sps.expon(scale=0.8), dict(scale=0.8)
+        got = expected_sparsity(a, model=model, **kw)
+        assert got == pytest.approx(_numeric_sparsity(dist, a), abs=1e-8)
+        assert expected_sparsity(a, model=model, stochastic=False, **kw) == pytest.approx(dist.cdf(a), abs=1e-12)
+
+
+def test_bell_models_match_the_brief_formulas():
+    s, b = 0.7, 0.3
+    for a in (0.01, 0.2, 1.0, 3.0):
+        normal = (2 * special.ndtr(a / s) - 1) - s * math.sqrt(2 / math.pi) / a * (1 - math.exp(-a * a / (2 * s * s)))
+        laplace = 1 - (b / a) * (1 - math.exp(-a / b))
+        assert expected_sparsity(a, model="normal", scale=s) == pytest.approx(normal, abs=1e-13)
+        assert expected_sparsity(a, model="laplace", scale=b) == pytest.approx(laplace, abs=1e-13)
+
+
+@settings(max_examples=150, deadline=None)
+@given(target=st.floats(0.0, 0.9999), mu=st.floats(-30, 10), sigma=st.floats(0.05, 6.0),
+       p0=st.one_of(st.just(0.0), st.floats(0.0, 0.95)),
+       model=st.sampled_from(["lognormal", "normal", "laplace"]), stochastic=st.booleans())
+def test_threshold_inverts_expected_sparsity(target, mu, sigma, p0, model, stochastic):
+    kw = dict(mu=mu, sigma=sigma) if model == "lognormal" else dict(scale=math.exp(mu))
+    a = threshold(target, model=model, stochastic=stochastic, p0=p0, **kw)
+    if target <= p0:
+        assert a == 0.0
+        assert expected_sparsity(a, model=model, p0=p0, **kw) == pytest.approx(p0)
+    else:
+        assert a > 0 or target < 1e-300  # a target of a denormal size may underflow to 0
+        s = expected_sparsity(a, model=model, stochastic=stochastic, p0=p0, **kw)
+        assert abs(s - target) <= 1e-9
+
+
+def test_vectorised_over_layers_and_types():
+    mu = np.array([-12.0, -8.0, -3.0])
+    sg = np.array([0.7, 2.0, 3.5])
+    S = np.array([0.5, 0.85, 0.95])
+    a = threshold(S, mu=mu, sigma=sg)
+    assert isinstance(a, np.ndarray) and a.shape == (3,)
+    for i in range(3):
+        assert a[i] == pytest.approx(threshold(float(S[i]), mu=float(mu[i]), sigma=float(sg[i])), rel=1e-12)
+    at = threshold(torch.tensor(S), mu=torch.tensor(mu), sigma=torch.tensor(sg))
+    assert isinstance(at, torch.Tensor) and at.dtype == torch.float64
+    assert np.allclose(at.numpy(), a, rtol=1e-12)
+    # a grid: targets x layers by broadcasting
+    grid = threshold(np.array([0.5, 0.9])[:, None], mu=mu, sigma=sg)
+    assert grid.shape == (2, 3)
+    assert isinstance(threshold(0.9, mu=-1.0, sigma=1.0), float)
+    es = expected_sparsity(a, mu=mu, sigma=sg)
+    assert np.allclose(es, S, atol=1e-9)
+
+
+def test_sources_stats_row_series_dataframe_and_fit_result():
+    x = lognormal_samples(100_000, -9.0, 2.0, seed=1, p0=0.3)
+    row = tensor_stats(x)
+    mu, sigma = lognormal_moments(row)
+    p0 = row["n_zero"] / row["n"]
+    want = threshold(0.85, mu=mu, sigma=sigma, p0=p0)
+    assert threshold(0.85, row) == pytest.approx(want, rel=1e-12)
+    series = pd.Series({k: v for k, v in row.items() if k != "hist"})
+    assert threshold(0.85, series) == pytest.approx(want, rel=1e-12)
+    df = pd.DataFrame([series, series])
+    assert np.allclose(threshold(0.85, df), want, rtol=1e-12)
+    # bell-shaped scales from the sums, over the non-zero entries
+    nz = x[x != 0].double()
+    assert threshold(0.85, row, model="normal") == pytest.approx(
+        threshold(0.85, scale=float(nz.square().mean().sqrt()), p0=p0, model="normal"), rel=1e-5)
+    assert threshold(0.85, row, model="laplace") == pytest.approx(
+        threshold(0.85, scale=float(nz.abs().mean()), p0=p0, model="laplace"), rel=1e-5)
+    fit = SimpleNamespace(params={"lognormal": {"mu": mu, "sigma": sigma}, "normal": {"scale": 0.1},
+                                  "laplace": {"scale": 0.05}}, zero_fraction=p0)
+    assert threshold(0.85, fit) == pytest.approx(want, rel=1e-12)
+    assert threshold(0.85, fit, model="laplace") == pytest.approx(
+        threshold(0.85, scale=0.05, p0=p0, model="laplace"))
+    assert np.allclose(threshold(0.85, [fit, fit]), want)
+    # explicit values take precedence over the source
+    assert threshold(0.85, row, p0=0.0) == pytest.approx(threshold(0.85, mu=mu, sigma=sigma))
+
+
+def test_naive_quantile_undershoots_and_bell_models_misjudge_lognormal_layers():
+    for sigma in (1.0, 2.0, 3.0):
+        for S in (0.5, 0.85, 0.95):
+            a = threshold(S, mu=0.0, sigma=sigma)
+            naive = threshold(S, mu=0.0, sigma=sigma, model="naive_lognormal")
+            assert naive == pytest.approx(math.exp(sigma * special.ndtri(S)), rel=1e-12)
+            assert naive < a
+            assert expected_sparsity(naive, mu=0.0, sigma=sigma) < S - 0.02
+    # normal fitted to a heavy-tailed lognormal layer (E g^2 = exp(2 sigma^2)) overshoots
+    sigma = 2.5
+    an = threshold(0.85, scale=math.exp(sigma ** 2), model="normal")
+    assert expected_sparsity(an, mu=0.0, sigma=sigma) > 0.99
+
+
+def _quad_cost(dist, a: float) -> tuple[float, float]:
+    """(E T^2 / E g^2, added variance) by quadrature."""
+    m2 = dist.moment(2)
+    low2 = integrate.quad(lambda t: t * t * dist.pdf(t), 0, a, limit=200)[0]
+    low1 = integrate.quad(lambda t: t * dist.pdf(t), 0, a, limit=200)[0]
+    et2 = (m2 - low2) + a * low1
+    return et2 / m2, a * low1 - low2
+
+
+@pytest.mark.parametrize("model", ["lognormal", "normal", "laplace"])
+def test_cosine_and_added_variance_match_quadrature(model):
+    if model == "lognormal":
+        dist, kw = sps.lognorm(s=1.1, scale=math.exp(-0.2)), dict(mu=-0.2, sigma=1.1)
+    elif model == "normal":
+        dist, kw = sps.halfnorm(scale=1.3), dict(scale=1.3)
+    else:
+        dist, kw = sps.expon(scale=0.6), dict(scale=0.6)
+    for a in (0.1, 0.7, 2.0):
+        ratio, var = _quad_cost(dist, a)
+        assert predicted_cosine(a, model=model, **kw) == pytest.approx(1 / math.sqrt(ratio), rel=1e-7)
+        assert added_variance(a, model=model, **kw) == pytest.approx(var, rel=1e-6)
+        assert added_variance(a, model=model, p0=0.25, **kw) == pytest.approx(0.75 * var, rel=1e-6)
+        assert added_variance(a, model=model, relative=True, **kw) == pytest.approx(ratio - 1, rel=1e-6)
+    assert predicted_cosine(0.0, model=model, **kw) == 1.0
+    assert added_variance(0.0, model=model, **kw) == 0.0
+
+
+# ----------------------------------------------------------------------------- operator
+def _mc_check(sigma: float, targets, n: int = 4_000_000, seed: int = 0):
+    x = lognormal_samples(n, -6.0, sigma, seed=seed, signed=False)
+    xd = x.double()
+    g = torch.Generator().manual_seed(seed + 100)
+    rows = []
+    for S in targets:
+        a = float(threshold(S, mu=-6.0, sigma=sigma))
+        y = stochastic_prune(x, a, generator=g)
+        achieved = float((y == 0).double().mean())
+        d = y.double() - xd
+        af = float(torch.tensor(a, dtype=torch.float32))
+        var = added_variance(af, mu=-6.0, sigma=sigma)
+        z = float(d.mean()) / math.sqrt(var / n)
+        rel_var = float(d.square().mean()) / var
+        cos = float(torch.dot(y.double(), xd) / (y.double().norm() * xd.norm()))
+        # the cosine expected for this very sample: E[T^2 | x] = x^2 (|x| >= a) or a|x| (below)
+        et2 = float(torch.where(xd >= af, xd * xd, af * xd).sum())
+        cos_x = math.sqrt(float(xd.square().sum()) / et2)
+        rows.append((S, achieved, z, rel_var, cos, cos_x))
+    return rows
+
+
+@pytest.mark.parametrize("sigma", SIGMAS)
+def test_monte_carlo_sparsity_and_unbiasedness(sigma):
+    # every sigma; three targets per sigma, rotating through 0.5..0.99
+    k = SIGMAS.index(sigma)
+    grid = [0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.97, 0.99]
+    targets = [grid[k % 9], grid[(k + 3) % 9], grid[(k + 6) % 9]]
+    for S, achieved, z, rel_var, cos, pcos in _mc_check(sigma, targets):
+        # standard error sqrt(S(1-S)/4e6) <= 2.5e-4: the bound is 8 standard errors
+        assert abs(achieved - S) <= 0.002, (sigma, S, achieved)
+        assert abs(z) < 4.5, (sigma, S, z)
+        assert rel_var == pytest.approx(1.0, abs=0.05), (sigma, S, rel_var)
+        assert cos == pytest.approx(pcos, abs=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sigma", SIGMAS)
+def test_monte_carlo_full_grid(sigma):
+    targets = [0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99]
+    for S, achieved, z, rel_var, cos, pcos in _mc_check(sigma, targets, n=8_000_000, seed=7):
+        assert abs(achieved - S) <= 0.002, (sigma, S, achieved)
+        assert abs(z) < 4.5, (sigma, S, z)
+        assert rel_var == pytest.approx(1.0, abs=0.05)
+
+
+def test_operator_values_and_semantics():
+    x = torch.tensor([0.5, -0.05, 0.02, -2.0, 0.0, -0.0, 0.1, -0.1, float("inf"), float("nan")])
+    a = 0.1
+    for seed in range(20):
+        y = stochastic_prune(x, a, generator=torch.Generator().manual_seed(seed))
+        a32 = float(torch.tensor(a))
+        for xi, yi in zip(x.tolist(), y.tolist()):
+            if math.isnan(xi):
+                assert math.isnan(yi)
+            elif abs(xi) >= a32:
+                assert yi == xi
+            else:
+                assert yi == 0.0 or yi == math.copysign(a32, xi)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3000), a=st.floats(1e-6, 10.0), seed=st.integers(0, 2 ** 31),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_engine_equals_reference_with_the_same_uniforms(n, a, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=g, dtype=dtype) * 3).exp() * torch.randn(n, generator=g, dtype=dtype).sign()
+    u = torch.rand(n, generator=g, dtype=dtype)
+    ar = float(torch.tensor(a, dtype=dtype))
+    y = stochastic_prune(x, a, uniforms=u)
+    assert torch.equal(y, stochastic_prune_torch(x, ar, uniforms=u))
+
+
+def test_engine_draws_the_pcg64_stream_whatever_the_block_size(monkeypatch):
+    n = 300_001
+    x = lognormal_samples(n, 0.0, 2.0, seed=3)
+    out1, out2 = torch.empty(n), torch.empty(n)
+    _cpu.stochastic_prune(x.numpy(), 1.5, out1.numpy(), seed=42)
+    monkeypatch.setattr(_cpu, "BLOCK", 4096)
+    _cpu.stochastic_prune(x.numpy(), 1.5, out2.numpy(), seed=42)
+    assert torch.equal(out1, out2)
+    u = torch.from_numpy(_cpu.uniforms(42, n, np.float32))
+    assert torch.equal(out1, stochastic_prune_torch(x, 1.5, uniforms=u))
+    x64 = x.double()
+    o64 = torch.empty(n, dtype=torch.float64)
+    _cpu.stochastic_prune(x64.numpy(), 1.5, o64.numpy(), seed=9)
+    u64 = torch.from_numpy(_cpu.uniforms(9, n, np.float64))
+    assert torch.equal(o64, stochastic_prune_torch(x64, 1.5, uniforms=u64))
+
+
+def test_reproducible_out_in_place_and_dtypes():
+    x = lognormal_samples(200_000, -5.0, 2.0, seed=4).reshape(400, 500)
+    a = float(threshold(0.8, mu=-5.0, sigma=2.0))
+    y1 = stochastic_prune(x, a, generator=torch.Generator().manual_seed(1))
+    y2 = stochastic_prune(x, a, generator=torch.Generator().manual_seed(1))
+    y3 = stochastic_prune(x, a, generator=torch.Generator().manual_seed(2))
+    assert y1.shape == x.shape and torch.equal(y1, y2) and not torch.equal(y1, y3)
+    torch.manual_seed(11)
+    d1 = stochastic_prune(x, a)
+    torch.manual_seed(11)
+    assert torch.equal(d1, stochastic_prune(x, a))  # the default generator governs
+    out = torch.empty_like(x)
+    r = stochastic_prune(x, a, generator=torch.Generator().manual_seed(1), out=out)
+    assert r is out and torch.equal(out, y1)
+    xc = x.clone()
+    stochastic_prune(xc, a, generator=torch.Generator().manual_seed(1), out=xc)
+    assert torch.equal(xc, y1)
+    # non-contiguous input and output
+    xt = x.t()
+    yt = stochastic_prune(xt, a, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(yt, y1.t().contiguous().reshape(xt.shape)) or yt.shape == xt.shape
+    ot = torch.empty(500, 400).t()
+    stochastic_prune(x, a, generator=torch.Generator().manual_seed(1), out=ot)
+    assert torch.equal(ot, y1)
+    assert torch.equal(stochastic_prune(x, 0.0), x)
+    for dt in (torch.float16, torch.bfloat16, torch.float64):
+        xd = x.to(dt)
+        yd = stochastic_prune(xd, a, generator=torch.Generator().manual_seed(3))
+        assert yd.dtype == dt
+        ad = float(torch.tensor(a, dtype=dt))
+        big = xd.abs() >= ad
+        assert torch.equal(yd[big], xd[big])
+        assert set(yd[~big].abs().double().unique().tolist()) <= {0.0, ad}
+    # inside an autograd hook (the intended use): the gradient is pruned, shapes kept
+    w = torch.randn(64, 32, requires_grad=True)
+    h = w.register_hook(lambda grad: stochastic_prune(grad, 0.5))
+    (w * torch.randn(64, 32)).sum().backward()
+    h.remove()
+    assert ((w.grad.abs() >= 0.5) | (w.grad == 0)).all()
+
+
+def test_prune_hits_the_target_on_lognormal_tensors():
+    x = lognormal_samples(2_000_000, -11.0, 2.2, seed=5, p0=0.25)
+    g = torch.Generator().manual_seed(0)
+    for S in (0.5, 0.85, 0.95):
+        y, a = prune(x, S, generator=g, return_threshold=True)
+        assert float((y == 0).double().mean()) == pytest.approx(S, abs=0.002)
+        assert a == pytest.approx(float(threshold(S, tensor_stats(x))), rel=1e-4)
+        yh = prune(x, S, stochastic=False)
+        assert float((yh == 0).double().mean()) == pytest.approx(S, abs=0.002)
+        ye = prune(x, S, method="exact", stochastic=False)
+        assert abs(int((ye == 0).sum()) - round(S * x.numel())) <= 1
+        ys = prune(x, S, method="exact", generator=g)
+        assert float((ys == 0).double().mean()) == pytest.approx(S, abs=0.002)
+    # the naive rule undershoots under the stochastic operator
+    yn = prune(x, 0.85, method="naive_lognormal", generator=g)
+    assert float((yn == 0).double().mean()) < 0.83
+    # a tensor with inf/NaN takes the robust statistics path
+    xb = x.clone()
+    xb[:10] = float("inf")
+    xb[10:20] = float("nan")
+    yb = prune(xb, 0.85, generator=g)
+    assert torch.isnan(yb[10:20]).all() and torch.isinf(yb[:10]).all()
+    assert float((yb == 0).double().mean()) == pytest.approx(0.85, abs=0.003)
+    assert torch.equal(prune(torch.zeros(100), 0.5), torch.zeros(100))
+
+
+def test_moments_engine_matches_stats():
+    for scale in (1.0, 1e-12, 1e9):
+        x = lognormal_samples(700_001, 0.0, 2.5, seed=6, p0=0.4) * scale
+        m = _cpu.moments(x.numpy(), logs=True, sums=True)
+        s = tensor_stats(x.double())
+        assert m["finite"] and m["n_zero"] == s["n_zero"]
+        mu_m, sg_m = lognormal_moments(m)
+        mu_s, sg_s = lognormal_moments(s)
+        assert mu_m == pytest.approx(mu_s, abs=1e-5) and sg_m == pytest.approx(sg_s, rel=1e-5)
+        assert m["sum_abs"] == pytest.approx(s["sum_abs"], rel=1e-5)
+        assert m["sum_sq"] == pytest.approx(s["sum_sq"], rel=1e-5)
+
+
+def test_exact_thresholds():
+    x = torch.tensor([0.0, 1.0, -2.0, 3.0, 4.0])
+    assert exact_threshold(x, 0.4) == 2.0
+    assert exact_threshold(x, 0.1) == 0.0  # the one zero already gives 0.2 >= 0.1 by rounding
+    assert exact_threshold(x, 0.4, stochastic=True) == pytest.approx(3.0)
+    y = lognormal_samples(50_001, 0.0, 1.7, seed=8, p0=0.2)
+    for S in (0.3, 0.7, 0.9, 0.99):
+        a = exact_threshold(y, S, stochastic=True)
+        v = y.abs().double()
+        emp = float(torch.where(v < a, 1 - v / a, torch.zeros_like(v)).mean())
+        assert emp == pytest.approx(S, abs=1e-9)
+        ah = exact_threshold(y, S)
+        assert int((y.abs() < ah).sum()) == round(S * y.numel())
+    assert exact_threshold(y, 0.1, stochastic=True) == 0.0  # zeros already exceed it
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_bad_input_raises_clear_errors():
+    cases = [
+        (lambda: threshold(1.0, mu=0.0, sigma=1.0), "target"),
+        (lambda: threshold(-0.1, mu=0.0, sigma=1.0), "target"),
+        (lambda: threshold(np.array([0.5, 1.2]), mu=0.0, sigma=1.0), "target"),
+        (lambda: threshold(0.5, mu=0.0, sigma=0.0), "sigma"),
+        (lambda: threshold(0.5, mu=0.0, sigma=-1.0), "sigma"),
+        (lambda: threshold(0.5, mu=float("nan"), sigma=1.0), "mu"),
+        (lambda: threshold(0.5, mu=float("inf"), sigma=1.0), "mu"),
+        (lambda: threshold(0.5), "mu and sigma"),
+        (lambda: threshold(0.5, scale=-1.0, model="normal"), "scale"),
+        (lambda: threshold(0.5, mu=0.0, sigma=1.0, model="cauchy"), "model"),
+        (lambda: threshold(0.5, mu=0.0, sigma=1.0, p0=1.0), "p0"),
+        (lambda: expected_sparsity(-1.0, mu=0.0, sigma=1.0), "threshold"),
+        (lambda: threshold(0.5, tensor_stats(torch.zeros(0))), "empty"),
+        (lambda: threshold(0.5, tensor_stats(torch.zeros(5))), "non-zero"),
+        (lambda: threshold(0.5, {"foo": 1}), "statistics row"),
+        (lambda: prune(torch.zeros(0), 0.5), "empty"),
+        (lambda: prune(torch.ones(3), 1.0), "target"),
+        (lambda: prune(torch.ones(3), 0.5, method="topk"), "method"),
+        (lambda: prune([1.0, 2.0], 0.5), "torch.Tensor"),
+        (lambda: prune(torch.ones(3, dtype=torch.int32), 0.5), "floating"),
+        (lambda: stochastic_prune(torch.zeros(0), 0.1), "empty"),
+        (lambda: stochastic_prune(torch.ones(3), -0.1), "threshold"),
+        (lambda: stochastic_prune(torch.ones(3), float("nan")), "threshold"),
+        (lambda: stochastic_prune(torch.ones(3), 0.1, out=torch.empty(4)), "out"),
+        (lambda: exact_threshold(torch.zeros(0), 0.5), "empty"),
+        (lambda: exact_threshold(torch.ones(4), 1.5), "target"),
+        (lambda: allocate({"a": {"mu": 0.0, "sigma": 1.0, "n": 10}}, 1.0), "budget"),
+        (lambda: allocate({"a": {"mu": 0.0, "sigma": -1.0, "n": 10}}, 0.5), "sigma"),
+        (lambda: allocate({"a": {"mu": 0.0, "sigma": 1.0}}, 0.5), "sizes"),
+        (lambda: allocate({"a": {"mu": 0.0, "sigma": 1.0, "n": 10}}, 0.5, cosine_floor=1.5), "floor"),
+    ]
+    for fn, word in cases:
+        with pytest.raises(ValueError, match=word):
+            fn()
+
+
+# ----------------------------------------------------------------------------- allocation
+LAYERS = {"a": {"mu": -9.0, "sigma": 1.0, "n": 20000},
+          "b": {"mu": -12.0, "sigma": 1.5, "n": 5000},
+          "c": {"mu": -5.0, "sigma": 2.0, "p0": 0.3, "n": 10000},
+          "d": {"mu": -7.0, "sigma": 2.8, "p0": 0.5, "n": 40000}}
+
+
+def _objective(targets, layers=LAYERS, w=None):
+    tot = 0.0
+    for (name, p), S in zip(layers.items(), targets):
+        a = threshold(S, mu=p["mu"], sigma=p["sigma"], p0=p.get("p0", 0.0))
+        tot += (w[name] if w else p["n"]) * added_variance(a, mu=p["mu"], sigma=p["sigma"], relative=True)
+    return tot
+
+
+def test_allocation_meets_budget_and_is_optimal():
+    n = np.array([p["n"] for p in LAYERS.values()], dtype=float)
+    for B in (0.5, 0.7, 0.85, 0.95):
+        al = allocate(LAYERS, B)
+        assert al.achieved == pytest.approx(B, abs=1e-10)
+        assert float((n * al.targets).sum() / n.sum()) == pytest.approx(B, abs=1e-10)
+        assert al.objective <= al.uniform_objective + 1e-12
+        # KKT: thresholds are one common multiple of each layer's RMS gradient
+        rms = np.array([math.sqrt((1 - p.get("p0", 0.0)) * math.exp(2 * p["mu"] + 2 * p["sigma"] ** 2))
+                        for p in LAYERS.values()])
+        ratio = al.thresholds / rms
+        assert np.allclose(ratio, ratio[0], rtol=1e-9)
+        assert _objective(al.targets) == pytest.approx(al.objective, rel=1e-9)
+        # moving element-weighted sparsity between two layers only makes it worse
+        for i, j in ((0, 1), (1, 3), (2, 0)):
+            for eps in (1e-3, -1e-3):
+                t = al.targets.copy()
+                t[i] += eps / n[i]
+                t[j] -= eps / n[j]
+                if all(p.get("p0", 0.0) < tk < 1 for p, tk in zip(LAYERS.values(), t)):
+                    assert _objective(t) > al.objective
+
+
+def test_allocation_floors_weights_and_edges():
+    free = allocate(LAYERS, 0.7)
+    floored = allocate(LAYERS, 0.7, cosine_floor={"b": 0.999})
+    assert free.cosine[1] < 0.999
+    assert floored.cosine[1] == pytest.approx(0.999, abs=1e-9)
+    assert floored.achieved == pytest.approx(0.7, abs=1e-10)
+    assert floored.objective >= free.objective
+    assert np.isnan(floored.floors[0]) and floored.floors[1] == 0.999
+    with pytest.raises(ValueError, match="cannot be met"):
+        allocate(LAYERS, 0.9, cosine_floor=0.99)
+    # weights: a heavier layer gets less noise
+    w = {k: p["n"] for k, p in LAYERS.items()}
+    w["a"] *= 10
+    weighted = allocate(LAYERS, 0.7, weights=[w[k] for k in LAYERS])
+    assert weighted.targets[0] < free.targets[0]
+    assert _objective(weighted.targets, w=w) == pytest.approx(weighted.objective, rel=1e-9)
+    # a budget the zeros already meet: nothing to prune
+    low = allocate(LAYERS, 0.05)
+    assert (low.thresholds == 0).all() and low.achieved > 0.05
+    # statistics rows in a DataFrame with a 'layer' column (merged per layer)
+    rows = []
+    for name, (mu, sg, p0) in {"x": (-9.0, 1.0, 0.0), "y": (-6.0, 2.5, 0.4)}.items():
+        for seed in range(2):
+            s = tensor_stats(lognormal_samples(50_000, mu, sg, seed=seed, p0=p0))
+            rows.append({"layer": name, **{k: v for k, v in s.items() if k != "hist"}})
+    al = allocate(pd.DataFrame(rows), 0.8)
+    assert al.layers == ["x", "y"] and list(al.n) == [100_000, 100_000]
+    assert al.achieved == pytest.approx(0.8, abs=1e-10)
+    df = al.to_dataframe()
+    assert list(df["layer"]) == ["x", "y"] and "cosine" in df
+    assert al.to_dict()["budget"] == 0.8
+    for model in ("normal", "laplace"):
+        alm = allocate({"u": {"scale": 1e-3, "p0": 0.2, "n": 1000}, "v": {"scale": 1e-5, "n": 3000}},
+                       0.9, model=model)
+        assert alm.achieved == pytest.approx(0.9, abs=1e-10)
+
+
+# ----------------------------------------------------------------------------- figures
+def test_figures(tmp_path):
+    from gradstats.plots import pruning as pp
+
+    table = pd.DataFrame({"rule": ["lognormal", "lognormal", "normal", "normal"], "layer": ["a", "b"] * 2,
+                          "target": [0.5, 0.9, 0.5, 0.9], "achieved": [0.51, 0.9, 0.7, 0.99]})
+    paths = [tmp_path / f"{k}.png" for k in ("a", "t", "c", "l")]
+    pp.plot_achieved_vs_target(table, path=paths[0])
+    pp.plot_threshold_vs_sigma([0.5, 1.0, 2.0], [0.5, 0.9], path=paths[1])
+    pp.plot_cosine_vs_sparsity([1.0, 2.0], measured=pd.DataFrame(
+        {"sigma": [1.0], "sparsity": [0.8], "cosine": [0.7]}), path=paths[2])
+    allocate(LAYERS, 0.8, cosine_floor={"a": 0.95}).plot(paths[3])
+    for p in paths:
+        assert p.stat().st_size > 10_000
+
+
+def test_public_names():
+    for name in ("expected_sparsity", "threshold", "exact_threshold", "stochastic_prune", "prune",
+                 "allocate", "predicted_cosine", "added_variance", "hard_prune", "Allocation"):
+        assert callable(getattr(pruning, name))
