@@ -1,0 +1,206 @@
+"""Triton kernel of :func:`gradstats.quant.quantize`: one pass, integer arithmetic on float32 bits.
+
+The kernel reads ``x`` in its own dtype, applies an optional scale (a float, or a tensor indexed as
+``(i // div) % mod`` of the flat element index ``i``), rounds, handles overflow, NaN, signs, and
+writes ``x``'s dtype. Rounding is done on the int32 pattern only (no float arithmetic on
+subnormals, so a device that flushes subnormals gets the same bits); values below ``2**emin`` are
+rebuilt by a float subtraction of two normal numbers or, when the result is a float32 subnormal, by
+an integer shift. Stochastic rounding draws its bits from the same keyed counter hash as the torch
+path, so CPU and GPU give identical results for the same generator state.
+
+The torch path (``gradstats.quant``) is the reference; ``tests/test_quant_triton.py`` runs this kernel
+on the CPU under ``TRITON_INTERPRET=1`` and compares bit for bit. The kernel is built on first use
+(``triton.jit`` is applied then), so setting ``TRITON_INTERPRET=1`` before the first call suffices.
+
+Example:
+    >>> import torch
+    >>> from gradstats.kernels.quantize import supports
+    >>> from gradstats.formats import FPFormat
+    >>> supports(FPFormat.parse("e4m3fn")), supports(FPFormat.parse("e8m0fnu"))
+    (True, False)
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Union
+
+import torch
+
+from ..formats import FPFormat
+from . import interpreting, triton_available
+
+try:  # the kernel body refers to ``tl``; it is only compiled when Triton is installed
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the installation
+    tl = None
+
+__all__ = ["supports", "quantize_triton", "BLOCK"]
+
+BLOCK = 1024
+_ROUNDING = {"nearest": 0, "stochastic": 1, "toward_zero": 2}
+
+
+def supports(fmt: FPFormat) -> bool:
+    """Whether the kernel handles ``fmt`` (all formats but the unsigned ``fnu`` scale type)."""
+    return fmt.special != "fnu" and triton_available()
+
+
+def _kernel_src(X, Y, S, KEY, RB, n, scale_f, s_div, s_mod, k1, k2,
+                M: tl.constexpr, MSUB: tl.constexpr, E0F: tl.constexpr, MAXBITS: tl.constexpr,
+                OVFBITS: tl.constexpr, ROUNDING: tl.constexpr, SCALE_MODE: tl.constexpr,
+                SCALE_DIV: tl.constexpr, KEY_MODE: tl.constexpr, FNUZ: tl.constexpr,
+                T_SUB: tl.constexpr, SH_SUB: tl.constexpr, C0F: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if SCALE_MODE == 1:
+        x = x * scale_f
+    if SCALE_MODE == 2:
+        sv = tl.load(S + (offs // s_div) % s_mod, mask=mask, other=1.0)
+        if SCALE_DIV:
+            x = tl.math.div_rn(x, sv)
+        else:
+            x = x * sv
+    b = x.to(tl.int32, bitcast=True)
+    neg = b < 0
+    a = b & 0x7FFFFFFF
+    ex = a >> 23
+    eff = tl.maximum(ex, 1)
+    sig = (a & 0x7FFFFF) | tl.where(ex > 0, 0x800000, 0)
+    sub = a < (E0F << 23)
+    pre = tl.minimum(tl.where(sub, E0F - eff, 0), 30)
+    if ROUNDING == 1:
+        if KEY_MODE == 2:
+            r23 = tl.load(RB + offs, mask=mask, other=0)
+        else:
+            if KEY_MODE == 1:
+                k1 = tl.load(KEY)
+                k2 = tl.load(KEY + 1)
+            h = (offs.to(tl.int32) + k1) * 0x7FEB352D
+            h = h ^ ((h >> 16) & 0xFFFF)
+            h = h * (-2073254261) + k2
+            r23 = (h >> 9) & 0x7FFFFF
+        # normal range: add random bits below the kept ones, truncate (carries reach the exponent)
+        res_n = ((a + (r23 >> M)) >> (23 - M)) << (23 - M)
+        # below 2**emin: round to nearest on the grid 2**(emin-23), then the same on the fixed grid
+        q0 = sig >> pre
+        rem = sig - (q0 << pre)
+        half = (1 << pre) >> 1
+        nn = q0 + (((rem > half) | ((rem == half) & ((q0 & 1) == 1))) & (pre > 0)).to(tl.int32)
+        q = (nn + (r23 >> MSUB)) >> (23 - MSUB)
+    else:
+        sh = tl.where(sub, tl.minimum(23 - MSUB + pre, 30), 23 - M)
+        base = tl.where(sub, sig, a)
+        q = base >> sh
+        if ROUNDING == 0:
+            rem = base - (q << sh)
+            half = (1 << sh) >> 1
+            odd = (q & 1) == 1
+            if M == 0:  # the significand 1 is odd: ties of a mantissa-free format round up
+                odd = odd | (sub == 0)
+            q = q + (((rem > half) | ((rem == half) & odd)) & (sh > 0)).to(tl.int32)
+        res_n = q << sh
+    # value q * 2**(emin - MSUB) below 2**emin: float path (normal result) or integer path
+    g = ((E0F << 23) + (q << (23 - MSUB))).to(tl.float32, bitcast=True)
+    res_s = (g - C0F).to(tl.int32, bitcast=True)
+    if T_SUB > 0:
+        res_s = tl.where(q < T_SUB, q << SH_SUB, res_s)
+    res = tl.where(sub, res_s, res_n)
+    res = tl.where(res > MAXBITS, OVFBITS, res)
+    res = tl.where(a > 0x7F800000, 0x7FC00000, res)
+    if FNUZ:
+        res = tl.where(neg & (res != 0), res | (-2147483648), res)
+    else:
+        res = tl.where(neg, res | (-2147483648), res)
+    y = res.to(tl.float32, bitcast=True)
+    if SCALE_MODE == 1:
+        y = tl.math.div_rn(y, scale_f)
+    if SCALE_MODE == 2:
+        if SCALE_DIV:
+            y = y * sv
+        else:
+            y = tl.math.div_rn(y, sv)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):
+    import triton
+
+    return triton.jit(_kernel_src, do_not_specialize=["n", "scale_f", "s_div", "s_mod", "k1", "k2"])
+
+
+def _scale_index(scale: torch.Tensor, shape: torch.Size):
+    """``(flat scale, div, mod)`` with ``scale_flat[(i // div) % mod]`` the scale of flat element ``i``."""
+    nd = len(shape)
+    s = scale.reshape((1,) * (nd - scale.dim()) + tuple(scale.shape))
+    dims = [d for d in range(nd) if s.shape[d] != 1]
+    if not dims:
+        return s.reshape(1).contiguous(), 1, 1
+    p, q = dims[0], dims[-1] + 1
+    if all(s.shape[d] == shape[d] for d in range(p, q)):
+        div = math.prod(shape[q:])
+        return s.reshape(-1).contiguous(), div, math.prod(shape[p:q])
+    full = s.expand(shape).contiguous().reshape(-1)
+    return full, 1, full.numel()
+
+
+def quantize_triton(
+    x: torch.Tensor,
+    fmt: FPFormat,
+    *,
+    scale: Union[float, torch.Tensor, None] = None,
+    rounding: str = "nearest",
+    overflow: str = "saturate",
+    generator: Optional[torch.Generator] = None,
+    scale_div: bool = False,
+    rbits: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Quantise ``x`` with the Triton kernel (arguments as :func:`gradstats.quant.quantize`, validated).
+
+    ``scale_div=True`` divides by a tensor ``scale`` first and multiplies after (block scaling).
+    ``rbits`` (int32, one per element, in ``[0, 2**23)``) replaces the hash bits of stochastic rounding.
+    """
+    from ..quant import _consts, random_key
+
+    c = _consts(fmt)
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    n = xc.numel()
+    if n == 0:
+        return y
+    dummy = torch.empty(1, dtype=torch.float32, device=x.device)
+    S, s_div, s_mod, scale_f, mode = dummy, 1, 1, 1.0, 0
+    if isinstance(scale, torch.Tensor):
+        S, s_div, s_mod = _scale_index(scale.to(device=x.device, dtype=torch.float32), xc.shape)
+        mode = 2
+    elif scale is not None:
+        scale_f, mode = float(scale), 1
+    key_t, k1, k2, key_mode, RB = dummy, 0, 0, 0, dummy
+    if rounding == "stochastic":
+        if rbits is not None:
+            RB, key_mode = rbits.reshape(-1).to(device=x.device, dtype=torch.int32).contiguous(), 2
+        else:
+            key = random_key(generator, x.device)
+            if isinstance(key, torch.Tensor):
+                key_t, key_mode = key, 1
+            else:
+                k1, k2 = key
+    ovf = c.MAXBITS if overflow == "saturate" else c.ovf_bits
+    sub_exp = fmt.emin - c.Msub  # exponent of the smallest step below 2**emin
+    t_sub = 1 << min(-126 - sub_exp, 24) if sub_exp < -126 else 0
+    sh_sub = min(max(sub_exp + 149, 0), 30)
+    grid = (triton_cdiv(n, BLOCK),)
+    _kernel(interpreting())[grid](
+        xc, y, S, key_t, RB, n, scale_f, s_div, s_mod, k1, k2,
+        M=c.M, MSUB=c.Msub, E0F=c.E0F, MAXBITS=c.MAXBITS, OVFBITS=ovf, ROUNDING=_ROUNDING[rounding],
+        SCALE_MODE=mode, SCALE_DIV=bool(scale_div), KEY_MODE=key_mode, FNUZ=fmt.special == "fnuz",
+        T_SUB=t_sub, SH_SUB=sh_sub, C0F=fmt.min_normal, BLOCK=BLOCK,
+    )
+    return y.view(x.shape)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b

@@ -1,0 +1,550 @@
+"""Exact emulation of low-precision floating point: :func:`quantize` (quantise-dequantise).
+
+``quantize(x, fmt)`` returns a tensor of ``x``'s shape and dtype holding values of ``fmt`` (an
+:class:`~gradstats.formats.FPFormat` or a name). Rounding is nearest-even (subnormals included),
+stochastic (unbiased, reproducible with a ``torch.Generator``) or toward zero; overflow saturates or
+follows the format's own convention; scales are per tensor, per channel (a broadcastable tensor) or
+per block (OCP MX: shared E8M0 power of two; NVFP4: E4M3 block scale times a float32 tensor scale).
+
+How it works (see ``docs/formats.md``): all arithmetic is on float32 and its int32 bit pattern, no
+search over values. Nearest-even adds a per-element power of two ``C = 2**(max(e, emin) - M + 23)``
+(``e`` the element's binade) so that float32's own round-to-nearest-even happens exactly at the
+format's spacing, subnormal range included, then subtracts it. Stochastic rounding adds uniform random
+bits below the kept mantissa bits of the int32 pattern and truncates (below the smallest normal the
+value is first offset by ``2**emin`` so the spacing is fixed). Rare cases (toward-zero, formats without
+subnormals, ``e8m0fnu``, 23 mantissa bits, E8 formats) take an exact integer path. On CUDA (and on the
+CPU under ``TRITON_INTERPRET=1``) a Triton kernel (:mod:`gradstats.kernels.quantize`) does the same in
+one pass. The CPU path works on cache-sized chunks with reused buffers and in-place operations.
+
+Example:
+    >>> import torch
+    >>> from gradstats.quant import quantize
+    >>> x = torch.tensor([0.1, 1.0, 300.0, 1e6, -2.5e-5])
+    >>> quantize(x, "e4m3fn")
+    tensor([ 1.0156e-01,  1.0000e+00,  2.8800e+02,  4.4800e+02, -0.0000e+00])
+    >>> quantize(x, "e5m2", overflow="nonfinite")
+    tensor([ 1.0156e-01,  1.0000e+00,  2.5600e+02,         inf, -2.2888e-05])
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .formats import FPFormat, parse
+from .kernels import use_triton
+
+__all__ = ["quantize", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS"]
+
+log = logging.getLogger(__name__)
+
+ROUNDINGS = ("nearest", "stochastic", "toward_zero")
+OVERFLOWS = ("saturate", "nonfinite")
+SCALE_FORMATS = ("e8m0", "e4m3")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: elements per chunk of the CPU path (buffers of this size stay in cache between passes)
+CHUNK = 1 << 15
+
+_EXP = 0x7F800000
+_QNAN = 0x7FC00000
+_BF16 = FPFormat(8, 7)
+_FP16 = FPFormat(5, 10)
+_FP32 = FPFormat(8, 23)
+
+
+@dataclass(frozen=True)
+class _Consts:
+    """Per (format, overflow) constants of the float32 bit algorithms."""
+
+    fmt: FPFormat
+    M: int
+    Msub: int
+    E0F: int  # exponent field of 2**emin
+    E0: int  # bit pattern of 2**emin
+    MAXBITS: int
+    maxv: float
+    ovf_bits: int  # bit pattern written on overflow in "nonfinite" mode
+    fast: bool  # the float32 fast paths apply
+    fast_nearest: bool  # ... and the magic constant of nearest-even stays finite
+    near_hi: int  # upper clamp of the exponent field used for the magic constant
+    ieee_f1: float
+    ieee_f2: float
+    nan_g: float  # y * nan_g overflows to inf exactly when y > max (has_nan formats)
+
+
+def _f32_bits(v: float) -> int:
+    return int(torch.tensor(v, dtype=torch.float32).view(torch.int32))
+
+
+@functools.lru_cache(maxsize=None)
+def _consts(fmt: FPFormat) -> _Consts:
+    M = fmt.man_bits
+    Msub = M if fmt.subnormals else 0
+    e0f = fmt.emin + 127
+    maxv = fmt.max
+    maxbits = _f32_bits(maxv)
+    if fmt.has_inf:
+        ovf = _EXP
+    elif fmt.has_nan:
+        ovf = _QNAN
+    else:
+        ovf = maxbits
+    nxt = maxv + math.ldexp(1.0, fmt.emax - M)  # next value of the unbounded grid above max
+    g = math.ldexp(1.0, 128) / ((maxv + nxt) / 2)
+    g32 = float(torch.tensor(g, dtype=torch.float32))
+    ok_g = (math.isfinite(g32) and g32 > 0 and math.isfinite(float(torch.tensor(maxv) * g32))
+            and math.isinf(float(torch.tensor(nxt) * g32)))
+    fast = (fmt.special != "fnu" and M <= 22 and (fmt.subnormals or M == 0) and e0f >= 1
+            and (not fmt.has_inf or fmt.emax >= -22) and (fmt.has_inf or not fmt.has_nan or ok_g))
+    near_hi = min(fmt.emax + 1 + 127, 254 - (23 - M)) << 23
+    return _Consts(fmt, M, Msub, e0f, max(e0f, 0) << 23, maxbits, maxv, ovf, fast,
+                   fast and fmt.emax <= 104 + M, near_hi,
+                   math.ldexp(1.0, 127 - fmt.emax), math.ldexp(1.0, fmt.emax - 127), g32 if ok_g else 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------------
+def quantize(
+    x: torch.Tensor,
+    fmt: Union[FPFormat, str],
+    *,
+    scale: Union[float, torch.Tensor, None] = None,
+    rounding: str = "nearest",
+    overflow: str = "saturate",
+    generator: Optional[torch.Generator] = None,
+    block_size: Optional[int] = None,
+    block_dim: int = -1,
+    scale_format: str = "e8m0",
+) -> torch.Tensor:
+    """Round ``x`` to the values of ``fmt`` and return them in ``x``'s dtype (quantise-dequantise).
+
+    Args:
+        x: float32, float16 or bfloat16 tensor of any shape, contiguous or not, on CPU or CUDA.
+            float16/bfloat16 are computed in float32 and cast back; when ``fmt`` is not a subset of
+            the input dtype (e.g. ``e8m3`` on float16 input) that cast rounds a second time (and can
+            overflow to inf) -- pass float32 for exact emulation.
+        fmt: an :class:`FPFormat` or a name accepted by :func:`gradstats.formats.parse`.
+        scale: ``None``, a positive float, or a positive tensor broadcastable to ``x`` (per tensor
+            or per channel): quantise ``x * scale`` and divide by ``scale`` (exact for powers of two).
+        rounding: ``"nearest"`` (ties to even), ``"stochastic"`` (rounds up with probability equal
+            to the fractional distance between the two neighbours; unbiased), ``"toward_zero"``.
+        overflow: ``"saturate"`` (to +-max; +-inf too) or ``"nonfinite"`` (the format's own rule:
+            ieee -> +-inf; 8-bit fn, fnuz and fnu -> NaN; 6/4-bit fn have neither and saturate).
+            NaN in gives NaN out (also for formats that have no NaN code: see ``docs/formats.md``);
+            fnuz maps -0 to +0; fnu maps x <= 0 to NaN.
+        generator: random source of stochastic rounding (default: torch's global generator).
+        block_size: shared-scale blocks of this many consecutive elements along ``block_dim``
+            (OCP MX uses 32, NVFP4 16); the last block may be partial.
+        block_dim: dimension along which blocks run.
+        scale_format: ``"e8m0"`` (MX: power-of-two scale ``2**(floor(log2 amax) - fmt.emax)``) or
+            ``"e4m3"`` (NVFP4 style: per-block scale rounded to e4m3fn times a float32 per-tensor
+            scale); see :func:`block_scales`.
+
+    Returns:
+        A new tensor, same shape, dtype and device as ``x``.
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([1.0, 1.125, 1.25, 1.375, 3e-3])
+        >>> quantize(x, "e4m3")
+        tensor([1.0000, 1.0000, 1.2500, 1.5000, 2.9297e-03])
+        >>> g = torch.Generator().manual_seed(0)
+        >>> quantize(torch.full((4,), 1.1), "e2m1", rounding="stochastic", generator=g)
+        tensor([1.0000, 1.5000, 1.0000, 1.0000])
+        >>> quantize(torch.tensor([[1.0, 100.0], [0.01, 0.02]]), "e2m1fn", block_size=2).tolist()
+        [[0.0, 96.0], [0.009765625, 0.01953125]]
+    """
+    fmt, scale = _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format)
+    if x.numel() == 0:
+        return x.clone()
+    if block_size is not None:
+        return _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_dim, scale_format)
+    if use_triton(x.device.type):
+        from .kernels import quantize as kq
+
+        if kq.supports(fmt):
+            return kq.quantize_triton(x, fmt, scale=scale, rounding=rounding, overflow=overflow, generator=generator)
+    return _quantize_eager(x, fmt, scale, rounding, overflow, generator)
+
+
+def mx_shared_exponent(amax: torch.Tensor, fmt: Union[FPFormat, str]) -> torch.Tensor:
+    """The OCP MX shared exponent of blocks whose largest magnitude is ``amax`` (int32 tensor).
+
+    ``floor(log2(amax)) - fmt.emax`` clamped to the E8M0 range ``[-127, 127]``; ``amax == 0`` (and
+    NaN) gives ``-127``. A block is encoded as ``quantize(x / 2**e, fmt, overflow="saturate") * 2**e``.
+    This is the single home of the rule: the format analysis uses it on model amaxes.
+
+    Example:
+        >>> import torch
+        >>> mx_shared_exponent(torch.tensor([1.0, 448.0, 500.0, 0.0]), "e4m3fn").tolist()
+        [-8, 0, 0, -127]
+    """
+    fmt = parse(fmt)
+    a = torch.nan_to_num(amax.float().abs(), nan=0.0, posinf=torch.finfo(torch.float32).max)
+    _, e = torch.frexp(a)
+    e = torch.where(a > 0, e.to(torch.int32) - 1 - fmt.emax, torch.full_like(e, -127, dtype=torch.int32))
+    return e.clamp_(-127, 127).to(torch.int32)
+
+
+def block_scales(
+    x: torch.Tensor,
+    fmt: Union[FPFormat, str],
+    *,
+    block_size: int = 32,
+    block_dim: int = -1,
+    scale_format: str = "e8m0",
+) -> torch.Tensor:
+    """Per-block decode scales ``X`` of ``x`` (float32): a block is stored as ``Q(x / X) * X``.
+
+    The result has ``x``'s shape with ``block_dim`` replaced by the number of blocks. The block amax
+    is taken over finite values. ``"e8m0"``: ``X = 2**mx_shared_exponent(amax)``. ``"e4m3"``
+    (NVFP4 style): a float32 tensor scale ``t = amax(x) / (fmt.max * 448)`` (1 if ``x`` is all zero)
+    and ``X = e4m3fn(amax_block / (fmt.max * t)) * t`` rounded to float32; ``X == 0`` marks blocks
+    that encode as zeros.
+
+    Example:
+        >>> import torch
+        >>> block_scales(torch.tensor([[1.0, 3.0, 0.5, 0.25]]), "e2m1fn", block_size=2).tolist()
+        [[0.5, 0.125]]
+    """
+    fmt = parse(fmt)
+    _check_block(x, block_size, block_dim, scale_format)
+    xb, _ = _to_blocks(x, block_size, block_dim)
+    return _scales_of_blocks(xb, fmt, scale_format)[..., 0].movedim(-1, _norm_dim(block_dim, x.dim()))
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------------
+def _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format):
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"quantize: x must be float32, float16 or bfloat16, got {x.dtype} (cast it first)")
+    fmt = parse(fmt)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"quantize: rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if overflow not in OVERFLOWS:
+        raise ValueError(f"quantize: overflow must be one of {OVERFLOWS}, got {overflow!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"quantize: generator must be a torch.Generator, got {type(generator).__name__}")
+    if scale is not None:
+        if block_size is not None:
+            raise ValueError("quantize: pass either scale or block_size (block scales are computed), not both")
+        if isinstance(scale, torch.Tensor):
+            if not scale.is_floating_point():
+                raise ValueError(f"quantize: a scale tensor must be floating point, got {scale.dtype}")
+            try:
+                shape = torch.broadcast_shapes(scale.shape, x.shape)
+            except RuntimeError:
+                shape = None
+            if shape != x.shape:
+                raise ValueError(f"quantize: scale of shape {tuple(scale.shape)} does not broadcast to x's {tuple(x.shape)}")
+            scale = scale.to(device=x.device, dtype=torch.float32)
+            if scale.device.type == "cpu" and scale.numel() and not bool(((scale > 0) & scale.isfinite()).all()):
+                raise ValueError("quantize: scale must be positive and finite")
+        elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            scale = float(scale)
+            if not (math.isfinite(scale) and scale > 0):
+                raise ValueError(f"quantize: scale must be positive and finite, got {scale}")
+            if scale == 1.0:
+                scale = None
+        else:
+            raise ValueError(f"quantize: scale must be None, a float or a tensor, got {type(scale).__name__}")
+    if block_size is not None:
+        _check_block(x, block_size, block_dim, scale_format)
+    elif scale_format not in SCALE_FORMATS:
+        raise ValueError(f"quantize: scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
+    return fmt, scale
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _check_block(x, block_size, block_dim, scale_format):
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"quantize: block_size must be a positive int, got {block_size!r}")
+    if x.dim() == 0:
+        raise ValueError("quantize: block scaling needs a tensor with at least one dimension")
+    if not isinstance(block_dim, int) or not -x.dim() <= block_dim < x.dim():
+        raise ValueError(f"quantize: block_dim must be in [{-x.dim()}, {x.dim() - 1}], got {block_dim!r}")
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"quantize: scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# eager torch path
+# ---------------------------------------------------------------------------------------------
+def _quantize_eager(x, fmt, scale, rounding, overflow, generator, rbits=None):
+    """The torch reference path; ``rbits`` (int32, x's numel, values in [0, 2**23)) replaces the random
+    source of stochastic rounding (tests feed the same bits to the Triton kernel)."""
+    dtype, shape = x.dtype, x.shape
+    tensor_scale = isinstance(scale, torch.Tensor)
+    v = x.float()
+    if tensor_scale:
+        v = v * scale
+    v = v.reshape(-1)
+    if not v.is_contiguous():
+        v = v.contiguous()
+    s = None if tensor_scale else scale
+    y = _round_flat(v, fmt, s, rounding, overflow, generator, rbits)
+    y = y.view(shape)
+    if tensor_scale:
+        y = y.div_(scale)
+        if fmt.special == "fnuz":
+            y.add_(0.0)
+    return y if dtype == torch.float32 else y.to(dtype)
+
+
+def _round_flat(v, fmt, s, rounding, overflow, generator, rbits):
+    """Quantise the contiguous 1-D float32 ``v`` (times the float ``s``), divide by ``s``."""
+    c = _consts(fmt)
+    if rounding == "nearest" and fmt in (_BF16, _FP16, _FP32) and rbits is None:
+        y = v * s if s is not None else v.clone()
+        if fmt != _FP32:
+            y = y.to(torch.bfloat16 if fmt == _BF16 else torch.float16).float()
+        if overflow == "saturate":
+            y.clamp_(-c.maxv, c.maxv)
+        return y.div_(s) if s is not None else y
+    if rounding == "toward_zero" or not (c.fast_nearest if rounding == "nearest" else c.fast):
+        return _round_generic(v, c, s, rounding, overflow, generator, rbits)
+    out = torch.empty_like(v)
+    n = v.numel()
+    chunk = n if v.device.type != "cpu" else CHUNK
+    t = torch.empty(min(chunk, n), dtype=torch.int32, device=v.device)
+    tf = t.view(torch.float32)
+    r = iota = key = None
+    if rounding == "stochastic":
+        r = torch.empty_like(t)
+        if rbits is None:
+            iota = _iota(min(chunk, n), v.device)
+            key = random_key(generator, v.device)
+    nearest = rounding == "nearest"
+    sat = overflow == "saturate"
+    fix_nan_always = v.device.type != "cpu" and not nearest
+    for lo in range(0, n, chunk):
+        hi = min(lo + chunk, n)
+        xs, y = v[lo:hi], out[lo:hi]
+        m = hi - lo
+        ti, tt = t[:m], tf[:m]
+        yi = y.view(torch.int32)
+        if s is None:
+            torch.abs(xs, out=y)
+        else:
+            torch.mul(xs, s, out=y).abs_()
+        if sat:
+            y.clamp_(max=c.maxv)
+        if nearest:
+            # magic constant C = 2**(max(e, emin) + 23 - M): float32 rounds x + C at the format spacing
+            torch.bitwise_and(yi, _EXP, out=ti).clamp_(c.E0, c.near_hi).add_((23 - c.M) << 23)
+            y.add_(tt).sub_(tt)
+            has_nan = False
+        else:
+            # below 2**emin offset by 2**emin (float32 then rounds to the fixed grid 2**(emin-23)),
+            # add random bits under the kept mantissa bits, truncate, remove the offset
+            has_nan = fix_nan_always or bool(torch.isnan(y.sum()))
+            rr = r[:m]
+            if rbits is not None:
+                torch.bitwise_right_shift(rbits[lo:hi], c.M, out=rr)
+            else:
+                _hash_bits(lo, key, iota[:m], rr, ti, 23 - c.M)
+            torch.sub(yi, c.E0, out=ti).bitwise_right_shift_(31).bitwise_and_(c.E0)
+            y.add_(tt)
+            yi.add_(rr).bitwise_and_(~((1 << (23 - c.M)) - 1))
+            y.sub_(tt)
+        if not sat:
+            _overflow_fast(y, tt, c)
+        if has_nan:
+            y.masked_fill_(torch.isnan(xs), float("nan"))
+        torch.copysign(y, xs, out=y)
+        if s is not None:
+            y.div_(s)
+        if fmt.special == "fnuz":
+            y.add_(0.0)
+    return out
+
+
+def _overflow_fast(y, tmp, c):
+    """"nonfinite" overflow of the non-negative rounded ``y`` in place (``tmp``: float scratch)."""
+    fmt = c.fmt
+    if fmt.has_inf:  # y >= 2**(emax+1) -> inf, others unchanged (powers of two: exact)
+        y.mul_(c.ieee_f1).mul_(c.ieee_f2)
+    elif fmt.has_nan:  # y > max -> y * g overflows -> inf - inf = NaN
+        torch.mul(y, c.nan_g, out=tmp)
+        tmp.sub_(tmp)
+        y.add_(tmp)
+    else:
+        y.clamp_(max=c.maxv)
+
+
+def _round_generic(v, c, s, rounding, overflow, generator, rbits):
+    """Exact integer algorithm for every case (int64 on the float32 bit pattern, float64 rebuild)."""
+    fmt = c.fmt
+    w = v * s if s is not None else v
+    b = w.view(torch.int32).to(torch.int64)
+    neg = b < 0
+    a = b & 0x7FFFFFFF
+    isnan = a > _EXP
+    isinf = a == _EXP
+    ex = a >> 23
+    eff = ex.clamp(min=1)
+    sig = (a & 0x7FFFFF) | ((ex > 0).to(torch.int64) << 23)
+    if rounding == "stochastic":
+        if rbits is None:
+            rbits = torch.empty(a.shape, dtype=torch.int32, device=a.device)
+            _hash_bits(0, random_key(generator, a.device), _iota(a.numel(), a.device), rbits,
+                       torch.empty_like(rbits), 23)
+        R = rbits.to(torch.int64)
+    if fmt.special == "fnu":
+        # powers of two 2**emin .. 2**emax; x <= 0 has no code (NaN); below 2**emin -> 2**emin
+        frac = sig & 0x7FFFFF
+        e = eff - 127
+        # float32 subnormals: renormalise in float64 (exact)
+        small = ex == 0
+        m, e2 = torch.frexp(torch.where(small, w, 1.0).double().abs())
+        e = torch.where(small, e2.to(torch.int64) - 1, e)
+        frac = torch.where(small, ((m * 2 - 1) * 2.0 ** 23).to(torch.int64), frac)
+        if rounding == "nearest":
+            up = (frac >= 0x400000).to(torch.int64)  # ties: the significand 1 is odd, so up
+        elif rounding == "toward_zero":
+            up = torch.zeros_like(frac)
+        else:
+            up = (frac + R) >> 23
+        e = (e + up).clamp(min=fmt.emin)
+        val = torch.ldexp(torch.ones_like(e, dtype=torch.float64), e)
+        ovf = (e > fmt.emax) | isinf
+        bad = isnan | neg | (a == 0)
+    else:
+        sub = a < c.E0
+        meff = torch.where(sub, c.Msub, c.M)
+        e = eff - 127
+        spacing = torch.where(sub, fmt.emin, e) - meff
+        if rounding == "stochastic":
+            pre = torch.where(sub, c.E0F - eff, 0).clamp(0, 62)
+            half = (1 << pre) >> 1
+            q0 = sig >> pre
+            rem = sig - (q0 << pre)
+            n = q0 + ((rem > half) | ((rem == half) & (q0 & 1 == 1))).to(torch.int64) * (pre > 0)
+            sp = 23 - meff
+            q = (n + (R >> (23 - sp))) >> sp
+        else:
+            sh = (spacing - (eff - 150)).clamp(0, 62)
+            q0 = sig >> sh
+            if rounding == "nearest":
+                rem = sig - (q0 << sh)
+                half = (1 << sh) >> 1
+                up = ((rem > half) | ((rem == half) & (q0 & 1 == 1))) & (sh > 0)
+                q = q0 + up.to(torch.int64)
+            else:
+                q = q0
+        val = torch.ldexp(q.to(torch.float64), spacing)
+        ovf = (val > c.maxv) | isinf
+        bad = isnan
+    if overflow == "saturate" or not (fmt.has_inf or fmt.has_nan):
+        val = torch.where(ovf, c.maxv, val)
+    else:
+        val = torch.where(ovf, math.inf if fmt.has_inf else math.nan, val)
+    val = torch.where(neg, -val, val)
+    val = torch.where(bad, math.nan, val)
+    y = val.float()
+    if s is not None:
+        y.div_(s)
+    if fmt.special == "fnuz":
+        y.add_(0.0)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# random bits of stochastic rounding
+# ---------------------------------------------------------------------------------------------
+_K1 = 0x7FEB352D
+_K2 = 0x846CA68B - (1 << 32)  # as int32
+
+
+def _s32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def random_key(generator: Optional[torch.Generator], device: torch.device):
+    """Two int32 keys of the random-bit hash, drawn from ``generator`` (default: torch's global CPU
+    generator). Python ints for a CPU generator; a 2-element int32 tensor on the generator's device
+    otherwise (no host-device synchronisation)."""
+    gdev = generator.device if generator is not None else torch.device("cpu")
+    k = torch.randint(-(1 << 31), 1 << 31, (2,), generator=generator, dtype=torch.int64, device=gdev)
+    if gdev.type == "cpu":
+        return int(k[0]), int(k[1])
+    return k.to(device=device, dtype=torch.int32)
+
+
+@functools.lru_cache(maxsize=8)
+def _iota_cached(n: int, device: str) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int32, device=device)
+
+
+def _iota(n: int, device: torch.device) -> torch.Tensor:
+    return _iota_cached(n, str(device)) if n <= CHUNK else torch.arange(n, dtype=torch.int32, device=device)
+
+
+def _hash_bits(lo: int, key, iota: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor, nbits: int) -> torch.Tensor:
+    """The top ``nbits`` bits of ``h(lo + i)`` for ``i`` in ``iota``, into ``out`` (int32).
+
+    ``h(c) = ((c + k1) * K1 ^ >>16) * K2 + k2`` on 32-bit words (a keyed multiply-xorshift hash, a
+    bijection of ``c`` for every key): the counter ``c`` is the element's index in the flattened
+    tensor, so every path and device draws the same bits for the same key.
+    """
+    k1, k2 = key
+    if isinstance(k1, int):
+        torch.add(iota, _s32(lo + k1), out=out)
+    else:
+        torch.add(iota, k1 + _s32(lo), out=out)
+    out.mul_(_K1)
+    torch.bitwise_right_shift(out, 16, out=tmp).bitwise_and_(0xFFFF)
+    out.bitwise_xor_(tmp).mul_(_K2).add_(k2)
+    return out.bitwise_right_shift_(32 - nbits).bitwise_and_((1 << nbits) - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# block scaling
+# ---------------------------------------------------------------------------------------------
+def _to_blocks(x: torch.Tensor, block_size: int, block_dim: int):
+    """``x`` as float32 ``(..., nblocks, block_size)`` with ``block_dim`` moved last (zero padded)."""
+    xm = x.float().movedim(block_dim, -1)
+    n = xm.shape[-1]
+    pad = (-n) % block_size
+    if pad:
+        xm = torch.nn.functional.pad(xm, (0, pad))
+    return xm.reshape(*xm.shape[:-1], -1, block_size), n
+
+
+def _scales_of_blocks(xb: torch.Tensor, fmt: FPFormat, scale_format: str) -> torch.Tensor:
+    """Decode scale per block, shape ``(..., nblocks, 1)``."""
+    ab = xb.abs()
+    ab = torch.where(torch.isfinite(ab), ab, 0.0)
+    amax = ab.amax(dim=-1, keepdim=True)
+    if scale_format == "e8m0":
+        return torch.ldexp(torch.ones_like(amax), mx_shared_exponent(amax, fmt))
+    e4m3 = parse("e4m3fn")
+    tmax = amax.amax() if amax.numel() else amax.new_zeros(())
+    t = torch.where(tmax > 0, tmax / (fmt.max * e4m3.max), 1.0)
+    sb = _quantize_eager(amax / (fmt.max * t), e4m3, None, "nearest", "saturate", None)
+    return sb * t
+
+
+def _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_dim, scale_format):
+    xb, n = _to_blocks(x, block_size, block_dim)
+    X = _scales_of_blocks(xb, fmt, scale_format)
+    z = xb / torch.where(X > 0, X, 1.0)
+    q = quantize(z, fmt, rounding=rounding, overflow=overflow, generator=generator)
+    y = torch.where(X > 0, q * X, q * 0.0)
+    if fmt.special == "fnuz":
+        y = y + 0.0
+    y = y.reshape(*y.shape[:-2], -1)[..., :n].movedim(-1, block_dim)
+    return y.to(x.dtype).contiguous()
