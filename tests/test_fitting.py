@@ -215,8 +215,9 @@ def test_subsample_ks_within_dkw_bound():
 def test_true_family_wins(truth, sigma, n):
     r = fit(signed_sample(truth, n, sigma=sigma, seed=n + int(10 * sigma)))
     assert r.best == truth
-    assert r.separated
     assert min(r.ks, key=r.ks.get) == truth
+    if n >= 10_000:  # below, wide lognormals need not be separated (docs/fitting.md, separability)
+        assert r.separated
 
 
 @pytest.mark.slow
@@ -430,3 +431,12 @@ def test_fit_run_on_traced_model(tmp_path):
 def test_histogram_vector_layout():
     s = tensor_stats(torch.tensor([1.0, 2.0, 3.0] * 5))
     assert s["hist"].shape == (HIST_BINS,)
+
+
+@pytest.mark.parametrize("zeros", [0.0, 0.5, 0.9])
+def test_median_selection_is_exact_with_ties(zeros):
+    g = torch.Generator().manual_seed(int(zeros * 10))
+    for n in (300_001, 300_000):
+        x = torch.randn(n, generator=g).to(torch.bfloat16).float()
+        x[torch.rand(n, generator=g) < zeros] = 0.0
+        assert _exact._median(x) == float(np.median(x.numpy().astype(np.float64)))

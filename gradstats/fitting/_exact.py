@@ -143,19 +143,28 @@ def _select(x: torch.Tensor, ks: tuple[int, ...]) -> list[float]:
     r1, r2, d = ks[0] * ns / n, ks[-1] * ns / n, 2.5 * math.sqrt(ns)
     lo = float(samp[int(r1 - d)]) if r1 - d >= 0 else -math.inf
     hi = float(samp[int(r2 + d) + 1]) if r2 + d + 1 < ns else math.inf
-    below = inside = 0
+    # counts below lo, equal to lo, strictly inside, equal to hi; ties (zeros!) are not copied
+    below = at_lo = inside = at_hi = 0
     parts = []
     for s, e in _chunks(0, n):
         ch = x[s:e]
         below += int((ch < lo).sum())
-        sel = ch[(ch >= lo) & (ch <= hi)]
+        at_lo += int((ch == lo).sum())
+        at_hi += int((ch == hi).sum()) if hi != lo else 0
+        sel = ch[(ch > lo) & (ch < hi)]
         inside += sel.numel()
         parts.append(sel)
-    if below <= ks[0] and ks[-1] < below + inside:
-        part = np.partition(torch.cat(parts).numpy(), [k - below for k in ks])
-        return [float(part[k - below]) for k in ks]
-    part = np.partition(x.numpy(), ks)  # pragma: no cover - bracket missed (p < 1e-6)
-    return [float(part[k]) for k in ks]
+    if not (below <= ks[0] and ks[-1] < below + at_lo + inside + at_hi):
+        part = np.partition(x.numpy(), ks)  # pragma: no cover - bracket missed (p < 1e-6)
+        return [float(part[k]) for k in ks]
+    mid = torch.cat(parts).numpy() if inside else np.empty(0, dtype=x.numpy().dtype)
+    want = sorted({k - below - at_lo for k in ks if 0 <= k - below - at_lo < inside})
+    part = np.partition(mid, want) if want else mid
+    out = []
+    for k in ks:
+        r = k - below
+        out.append(lo if r < at_lo else float(part[r - at_lo]) if r < at_lo + inside else hi)
+    return out
 
 
 def _median(x: torch.Tensor) -> float:
@@ -168,13 +177,18 @@ def _median(x: torch.Tensor) -> float:
     return 0.5 * (lo + hi)
 
 
+def _sum64(x: torch.Tensor) -> float:
+    """Sum in float64 chunk by chunk (``x.sum(dtype=float64)`` would widen all of ``x`` at once)."""
+    return math.fsum(float(x[s:e].sum(dtype=torch.float64)) for s, e in _chunks(0, x.numel()))
+
+
 def _signed(x: torch.Tensor) -> tuple[dict[str, float], int]:
     """Signed normal (mean, std) and Laplace (median, mean |x - median|) fits on the finite
     values; also returns the number of finite values."""
-    total = float(x.sum(dtype=torch.float64))
+    total = _sum64(x)
     if not math.isfinite(total):
         x = x[torch.isfinite(x)]
-        total = float(x.sum(dtype=torch.float64))
+        total = _sum64(x)
     nf = x.numel()
     if nf == 0:
         return {}, 0
