@@ -257,16 +257,17 @@ def test_engine_draws_the_pcg64_stream_whatever_the_block_size(monkeypatch):
     n = 300_001
     x = lognormal_samples(n, 0.0, 2.0, seed=3)
     out1, out2 = torch.empty(n), torch.empty(n)
-    _cpu.stochastic_prune(x.numpy(), 1.5, out1.numpy(), seed=42)
+    key = (42, 2 ** 62 - 1, 7, 0)
+    _cpu.stochastic_prune(x.numpy(), 1.5, out1.numpy(), key=key)
     monkeypatch.setattr(_cpu, "BLOCK", 4096)
-    _cpu.stochastic_prune(x.numpy(), 1.5, out2.numpy(), seed=42)
+    _cpu.stochastic_prune(x.numpy(), 1.5, out2.numpy(), key=key)
     assert torch.equal(out1, out2)
-    u = torch.from_numpy(_cpu.uniforms(42, n, np.float32))
+    u = torch.from_numpy(_cpu.uniforms(key, n, np.float32))
     assert torch.equal(out1, stochastic_prune_torch(x, 1.5, uniforms=u))
     x64 = x.double()
     o64 = torch.empty(n, dtype=torch.float64)
-    _cpu.stochastic_prune(x64.numpy(), 1.5, o64.numpy(), seed=9)
-    u64 = torch.from_numpy(_cpu.uniforms(9, n, np.float64))
+    _cpu.stochastic_prune(x64.numpy(), 1.5, o64.numpy(), key=(9, 9, 9, 9))
+    u64 = torch.from_numpy(_cpu.uniforms((9, 9, 9, 9), n, np.float64))
     assert torch.equal(o64, stochastic_prune_torch(x64, 1.5, uniforms=u64))
 
 

@@ -7,9 +7,11 @@ goes through a short sequence of numpy ufuncs (which release the GIL) on per-thr
 buffers, and blocks are spread over a small thread pool. Memory sees one read of ``x`` per sweep
 and one write of the output.
 
-Random numbers: a PCG64 stream seeded once per call. Block ``k`` jumps to its own place in the
-stream (``advance``), so the uniforms do not depend on the block size or the number of threads:
-they are exactly ``numpy.random.Generator(PCG64(seed)).random(n, dtype)``.
+Random numbers: one PCG64 stream per call, its 128-bit state and increment given by the caller
+(drawn from a torch generator). Block ``k`` jumps to its own place in the stream
+(``advance``), so the uniforms do not depend on the block size or the number of threads: they
+are exactly ``numpy.random.Generator(bitgen).random(n, dtype)`` for that stream
+(:func:`uniforms`).
 """
 from __future__ import annotations
 
@@ -68,9 +70,13 @@ def _bitgen(state: dict[str, Any]) -> np.random.PCG64:
     return bg
 
 
-def pcg_state(seed: int) -> dict[str, Any]:
-    """The PCG64 state for ``seed`` (``numpy.random.PCG64(seed).state``)."""
-    return np.random.PCG64(seed).state
+def pcg_state(key: tuple[int, int, int, int]) -> dict[str, Any]:
+    """A PCG64 state from four 62-bit integers: 128-bit state and (odd) increment. Cheaper than
+    seeding through a SeedSequence, which matters for the many small tensors of a backward."""
+    k0, k1, k2, k3 = (int(v) for v in key)
+    return {"bit_generator": "PCG64",
+            "state": {"state": (k0 << 66 | k1) % 2 ** 128, "inc": ((k2 << 66 | k3) * 2 + 1) % 2 ** 128},
+            "has_uint32": 0, "uinteger": 0}
 
 
 # --------------------------------------------------------------------------- statistics sweep
@@ -143,10 +149,11 @@ def moments(x: np.ndarray, *, logs: bool = True, sums: bool = False) -> dict[str
 
 
 # --------------------------------------------------------------------------- stochastic prune
-def stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, *, seed: int | None = None,
+def stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, *,
+                     key: tuple[int, int, int, int] | None = None,
                      uniforms: np.ndarray | None = None) -> None:
     """``out = T_a(x)``: ``x`` where ``|x| >= a``, else ``sign(x) * a`` when ``u * a < |x|``
-    and 0 otherwise, with ``u`` the uniforms given or drawn from PCG64(``seed``).
+    and 0 otherwise, with ``u`` the uniforms given or drawn from the PCG64 stream of ``key``.
 
     Every block reads its part of ``x`` before writing its part of ``out``, so ``out`` may be
     ``x`` itself. Pruned entries are zeros of either sign; NaN stays NaN, inf stays inf.
@@ -155,7 +162,7 @@ def stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, *, seed: int | No
     dt = x.dtype
     f32 = dt == np.float32
     av = dt.type(a)
-    state = pcg_state(seed) if uniforms is None else None
+    state = pcg_state(key) if uniforms is None else None
     ibits, sign = (np.int32, _SIGN32) if f32 else (np.int64, _SIGN64)
     # u * a for u = r * 2^-k, computed as r * (a * 2^-k) (both exact scalings) when a * 2^-k
     # stays a normal number; otherwise the uniform is formed first
@@ -199,6 +206,26 @@ def stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, *, seed: int | No
     _map(block, n)
 
 
-def uniforms(seed: int, n: int, dtype: np.dtype) -> np.ndarray:
-    """The uniforms :func:`stochastic_prune` draws for ``seed`` (for tests and reproduction)."""
-    return np.random.Generator(np.random.PCG64(seed)).random(n, dtype=dtype)
+def hard_prune(x: np.ndarray, a: float, out: np.ndarray) -> None:
+    """``out = x`` where ``|x| >= a`` else 0 (NaN stays NaN); ``out`` may be ``x``."""
+    n = x.shape[0]
+    av = x.dtype.type(a)
+
+    def block(k: int) -> None:
+        s, e = k * BLOCK, min(n, (k + 1) * BLOCK)
+        w, z, m = _scratch(x.dtype)
+        w, z, m = w[: e - s], z[: e - s], m[: e - s]
+        np.abs(x[s:e], out=w)
+        np.less(w, av, out=m)
+        np.logical_not(m, out=m)       # not (|x| < a): keeps NaN and inf
+        np.copyto(z, m, casting="unsafe")
+        np.multiply(x[s:e], z, out=out[s:e])
+
+    _map(block, n)
+
+
+def uniforms(key: tuple[int, int, int, int], n: int, dtype: np.dtype) -> np.ndarray:
+    """The uniforms :func:`stochastic_prune` draws for ``key`` (for tests and reproduction)."""
+    bg = np.random.PCG64(0)
+    bg.state = pcg_state(key)
+    return np.random.Generator(bg).random(n, dtype=dtype)

@@ -57,10 +57,10 @@ def _check_out(out: torch.Tensor | None, x: torch.Tensor) -> None:
                          f"{(tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor) else type(out).__name__}")
 
 
-def _seed(generator: torch.Generator | None) -> int:
-    """A 63-bit seed drawn from ``generator`` (or torch's default generator)."""
+def _draw(generator: torch.Generator | None, k: int = 1) -> list[int]:
+    """``k`` 62-bit integers drawn from ``generator`` (or torch's default generator)."""
     dev = generator.device if generator is not None else torch.device("cpu")
-    return int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=dev).item())
+    return torch.randint(0, 2 ** 62, (k,), generator=generator, device=dev).tolist()
 
 
 def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Generator | None = None,
@@ -115,32 +115,44 @@ def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Gene
         if uniforms is not None:
             u = uniforms.detach().to(x.dtype).contiguous().reshape(-1).numpy()
         _cpu.stochastic_prune(xc.numpy(), a, res.reshape(-1).numpy(),
-                              seed=None if u is not None else _seed(generator), uniforms=u)
+                              key=None if u is not None else tuple(_draw(generator, 4)), uniforms=u)
         if direct:
             return out  # type: ignore[return-value]
         res = res.reshape(x.shape)
         return out.copy_(res) if out is not None else res
     if use_triton(dev) and x.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        return kprune.stochastic_prune(x, a, seed=None if uniforms is not None else _seed(generator),
+        return kprune.stochastic_prune(x, a, seed=None if uniforms is not None else _draw(generator)[0],
                                        uniforms=uniforms, out=out)
     return kprune.stochastic_prune_torch(x, a, generator=generator, uniforms=uniforms, out=out)
 
 
 def hard_prune(x: torch.Tensor, threshold: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Deterministic hard thresholding: ``x`` where ``|x| >= threshold``, else 0 (biased).
+    NaN and inf are kept; ``out`` may be ``x``.
 
     Example:
         >>> import torch
-        >>> hard_prune(torch.tensor([0.5, -0.01, 2.0]), 0.1).tolist()
-        [0.5, 0.0, 2.0]
+        >>> hard_prune(torch.tensor([0.5, 0.01, -2.0]), 0.1).tolist()
+        [0.5, 0.0, -2.0]
     """
     _check_tensor(x)
     _check_out(out, x)
-    a = float(threshold)
+    try:
+        a = float(threshold)
+    except (TypeError, ValueError):
+        raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}") from None
     if not (math.isfinite(a) and a >= 0):
         raise ValueError(f"threshold must be a finite number >= 0, got {a}")
-    keep = x.abs() >= a
-    res = x.masked_fill(~keep, 0.0)
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        xc = x.detach().contiguous().reshape(-1)
+        direct = out is not None and out.is_contiguous()
+        res = out if direct else torch.empty_like(xc)
+        _cpu.hard_prune(xc.numpy(), a, res.reshape(-1).numpy())
+        if direct:
+            return out  # type: ignore[return-value]
+        res = res.reshape(x.shape)
+        return out.copy_(res) if out is not None else res
+    res = torch.where(x.abs() < a, torch.zeros_like(x), x)
     return out.copy_(res) if out is not None else res
 
 
