@@ -172,6 +172,7 @@ class Applied:
             if rule.scale == "amax" or (refresh and rule.scale == "lognormal") or rule.scale == "fixed":
                 st.scale = rule.scale_for(mu=st.mu, sigma=max(st.sigma, 1e-6), amax=st.amax)
 
+    @torch.compiler.disable
     def _compress(self, name: str, g: torch.Tensor) -> torch.Tensor:
         rule, st = self.rules[name], self.state[name]
         refresh = st.seq % self.refresh_every == 0

@@ -311,6 +311,7 @@ class Tracer:
             self._generators[device] = gen
         return gen
 
+    @torch.compiler.disable
     def _record(self, step: int, layer: str, kind: str, call: int, t: torch.Tensor,
                 do_stats: bool, do_samples: bool) -> None:
         with torch.no_grad():
