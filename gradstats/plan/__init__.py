@@ -24,9 +24,9 @@ Example:
 """
 from ._plan import CONV_LINEAR_TYPES, SCHEMA, SCHEMA_VERSION, Plan
 from ._rules import (INHERIT, ROUNDINGS, RULE_FIELDS, SCALE_FORMATS, SCALE_RULES, THRESHOLD_RULES,
-                     PlanEntry, Prediction, Provenance, Rule)
+                     PlanEntry, Prediction, Provenance, Rule, amax_scale)
 from ._export import EXPORT_TARGETS
 
 __all__ = ["Plan", "PlanEntry", "Rule", "Prediction", "Provenance", "INHERIT", "SCHEMA",
            "SCHEMA_VERSION", "SCALE_RULES", "ROUNDINGS", "THRESHOLD_RULES", "SCALE_FORMATS",
-           "RULE_FIELDS", "CONV_LINEAR_TYPES", "EXPORT_TARGETS"]
+           "RULE_FIELDS", "CONV_LINEAR_TYPES", "EXPORT_TARGETS", "amax_scale"]

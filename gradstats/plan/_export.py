@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._rules import Rule
+from ._rules import Rule, amax_scale
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._plan import Plan
@@ -54,8 +54,11 @@ def _resolved(plan: "Plan", model: Any, need_types: bool) -> list[tuple[str, Rul
 def _plain_scale(r: Rule) -> float | None:
     if r.scale == "fixed":
         return r.scale_value
-    if r.scale == "lognormal" and r.predicted is not None:
-        return r.predicted.scale
+    if r.scale == "lognormal" and r.predicted is not None and r.predicted.scale is not None:
+        s = r.predicted.scale
+        if r.predicted.amax is not None and r.predicted.amax > 0:
+            s = max(s, amax_scale(r.format, r.predicted.amax))  # the floor of Rule.scale_for
+        return s
     return None
 
 

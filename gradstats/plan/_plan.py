@@ -318,9 +318,6 @@ class Plan:
 
         return export(self, target, model, path=path, strict=strict)
 
-    def __len__(self) -> int:
-        return len(self.entries)
-
 
 def _defaults_from_dict(d: Any) -> Rule:
     if not isinstance(d, Mapping):

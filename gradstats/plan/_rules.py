@@ -88,6 +88,22 @@ def _format(v: Any, where: str) -> FPFormat | None:
         raise _err(where, msg if msg.startswith(("unknown format", "format")) else f"format {v!r}: {msg}") from None
 
 
+def amax_scale(fmt: FPFormat, amax: float) -> float:
+    """The largest power of two ``s`` with ``amax * s <= fmt.max`` (1 when ``amax`` is 0 or not finite).
+
+    Example:
+        >>> amax_scale(FPFormat.parse("e4m3fn"), 3.0)
+        128.0
+    """
+    a = float(amax)
+    if not (math.isfinite(a) and a > 0):
+        return 1.0
+    k = math.floor(math.log2(fmt.max / a))
+    if math.ldexp(a, k) > fmt.max:  # guard the rounding of log2
+        k -= 1
+    return math.ldexp(1.0, max(min(k, 127), -126))
+
+
 # --------------------------------------------------------------------------- value classes
 @dataclass(frozen=True)
 class Prediction:
@@ -98,8 +114,10 @@ class Prediction:
         sparsity: predicted fraction of zeros after pruning (exact zeros included).
         mu, sigma: mean and std of ``ln|g|`` (natural log) of the non-zero entries.
         p0: fraction of exact zeros before pruning.
-        scale: the scale multiplier the rule gave at recommendation time.
+        scale: the scale multiplier the analysis found best at recommendation time (the
+            lognormal optimum, before the amax floor of :meth:`Rule.scale_for`).
         threshold: the pruning threshold the rule gave at recommendation time.
+        amax: the largest ``|g|`` seen in the statistics used.
 
     Example:
         >>> Prediction(error=1e-3, sigma=2.0).to_dict()
@@ -113,13 +131,14 @@ class Prediction:
     p0: float | None = None
     scale: float | None = None
     threshold: float | None = None
+    amax: float | None = None
 
     def __post_init__(self) -> None:
         w = "predicted"
         for name, lo, hi, lo_open in (("error", 0.0, None, False), ("sparsity", 0.0, 1.0, False),
                                       ("mu", None, None, False), ("sigma", 0.0, None, False),
                                       ("p0", 0.0, 1.0, False), ("scale", 0.0, None, True),
-                                      ("threshold", 0.0, None, False)):
+                                      ("threshold", 0.0, None, False), ("amax", 0.0, None, False)):
             object.__setattr__(self, name, _opt_float(getattr(self, name), name, w, lo=lo, hi=hi,
                                                       lo_open=lo_open))
 
@@ -224,15 +243,23 @@ class Rule:
                   amax: float | None = None) -> float:
         """The per-tensor scale multiplier ``s`` (``quantize(g * s) / s``) for the current statistics.
 
-        ``"fixed"``: ``scale_value``. ``"amax"``: ``2**floor(log2(format.max / amax))`` (1 when
-        ``amax`` is 0 or not finite). ``"lognormal"``: :func:`gradstats.fpanalysis.optimal_scale`
-        at ``mu``, ``sigma`` (of ``ln|g|``). Block-scaled rules have no per-tensor scale.
+        ``"fixed"``: ``scale_value``. ``"amax"``: :func:`amax_scale`, the largest power of two
+        with ``amax * s <= format.max`` (1 when ``amax`` is 0 or not finite). ``"lognormal"``: the
+        power of two :func:`gradstats.fpanalysis.optimal_scale` finds for ``mu``, ``sigma`` (of
+        ``ln|g|``) and the rule's rounding, floored at :func:`amax_scale` when ``amax`` is given: a
+        smaller scale leaves the largest value below the format's top binade and, on the data at
+        hand, only loses resolution (no value saturates either way). The floor matters when the
+        lognormal's upper tail, which dominates the mean squared error for large sigma, reaches
+        far beyond the largest value the tensor holds. Block-scaled rules have no per-tensor scale.
 
         Example:
             >>> Rule(format="e5m2", scale="fixed", scale_value=0.5).scale_for()
             0.5
             >>> Rule(format="e5m2", scale="amax").scale_for(amax=1e-6)
             34359738368.0
+            >>> r = Rule(format="e3m2fn")
+            >>> r.scale_for(mu=-12.0, sigma=2.5), r.scale_for(mu=-12.0, sigma=2.5, amax=1e-3)
+            (1.0, 16384.0)
         """
         if self.format is None:
             raise ValueError("this rule has no format: there is no scale")
@@ -244,15 +271,16 @@ class Rule:
         if self.scale == "amax":
             if amax is None:
                 raise ValueError("scale='amax' needs amax= (the largest |g| of the step)")
-            a = float(amax)
-            if not (math.isfinite(a) and a > 0):
-                return 1.0
-            return math.ldexp(1.0, math.floor(math.log2(self.format.max / a)))
+            return amax_scale(self.format, amax)
         if mu is None or sigma is None:
             raise ValueError("scale='lognormal' needs mu= and sigma= (mean and std of ln|g|)")
         from .. import fpanalysis
 
-        return float(fpanalysis.optimal_scale(self.format, mu=mu, sigma=sigma))
+        rounding = self.rounding if self.rounding in ("nearest", "stochastic") else "nearest"
+        s = float(fpanalysis.optimal_scale(self.format, mu=mu, sigma=sigma, rounding=rounding).scale)
+        if amax is not None and math.isfinite(float(amax)) and float(amax) > 0:
+            s = max(s, amax_scale(self.format, amax))
+        return s
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, JSON-ready (the format as its canonical name)."""

@@ -1,0 +1,106 @@
+"""``gradstats recommend RUN --bits 8 [--sparsity 0.85] -o plan.json``: a per-layer plan from a run."""
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def _bits(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--bits takes an int or a comma list of ints, got {text!r}") from None
+
+
+def _step(text: str):
+    """'120' -> 120; '100:199' -> (100, 199); 'last' -> None."""
+    if text == "last":
+        return None
+    try:
+        if ":" in text:
+            lo, hi = text.split(":", 1)
+            return (int(lo), int(hi))
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--step takes an int, FIRST:LAST or 'last', got {text!r}") from None
+
+
+def _granularity(text: str):
+    return int(text) if text.isdigit() else text
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "recommend", help="recommend a per-layer plan (format, scale, pruning) from a run",
+        description="Recommend per layer the floating-point format, scale and (with --sparsity) pruning "
+                    "threshold rule for the neural gradients of a traced run, print it as a table and "
+                    "optionally save it as a plan file (docs/plan-format.md).")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--bits", type=_bits, default=[8],
+                   help="format width, or a comma list (then -o needs '{bits}' in its name) (default 8)")
+    p.add_argument("--sparsity", type=float, default=None, help="target gradient sparsity in [0, 1)")
+    p.add_argument("--granularity", type=_granularity, default="tensor",
+                   help="tensor, mx, nvfp4 or a block size (default tensor)")
+    p.add_argument("--rounding", default="nearest", choices=["nearest", "stochastic"])
+    p.add_argument("--threshold-rule", default="lognormal",
+                   choices=["lognormal", "naive_lognormal", "normal", "laplace", "exact"])
+    p.add_argument("--step", type=_step, default=None,
+                   help="statistics of step N, of steps FIRST:LAST merged, or 'last' (default: each "
+                        "layer's latest step)")
+    p.add_argument("--layers", default=None,
+                   help="comma list of layer names/globs (default: every traced conv and linear layer)")
+    p.add_argument("-o", "--out", default=None, help="write the plan (JSON) here")
+    p.set_defaults(func=run)
+
+
+def format_table(plan) -> str:
+    """The plan's per-layer table as text (sigma and mu in log2 units, labelled)."""
+    import pandas as pd
+
+    df = plan.to_dataframe()
+    ln2 = math.log(2.0)
+    out = pd.DataFrame({
+        "layer": df["layer"],
+        "format": df["format"].fillna("-"),
+        "mu_log2": df["mu"] / ln2,
+        "sigma_log2": df["sigma"] / ln2,
+        "p0": df["p0"],
+        "log2_scale": [math.log2(s) if s == s and s is not None else float("nan") for s in df["predicted_scale"]],
+        "pred_error": df["predicted_error"],
+        "snr_db": [-10 * math.log10(e) if e == e and e is not None and e > 0 else float("nan")
+                   for e in df["predicted_error"]],
+    })
+    if plan.defaults.sparsity is not None:
+        out["threshold"] = df["predicted_threshold"]
+        out["pred_sparsity"] = df["predicted_sparsity"]
+    with pd.option_context("display.width", 200, "display.max_rows", 1000):
+        text = out.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-")
+    d = plan.defaults
+    head = (f"scale rule {d.scale}"
+            + (f" (blocks of {d.block_size}, {d.scale_format} scales)" if d.block_size else "")
+            + f", rounding {d.rounding}"
+            + (f", sparsity {d.sparsity} ({d.threshold_rule} threshold)" if d.sparsity is not None else ""))
+    foot = ("mu_log2, sigma_log2: mean and std of log2|g| (non-zero entries); pred_error: predicted "
+            "E[(Q(g)-g)^2]/E[g^2]; snr_db = -10 log10(pred_error)")
+    return f"{head}\n{text}\n{foot}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradstats.recommendation import recommend
+
+    if len(args.bits) > 1 and args.out and "{bits}" not in args.out:
+        raise ValueError("with several --bits, -o needs '{bits}' in the file name (e.g. plan-{bits}.json)")
+    layers = [s for s in args.layers.split(",") if s] if args.layers else None
+    result = recommend(args.run, bits=args.bits if len(args.bits) > 1 else args.bits[0],
+                       sparsity=args.sparsity, granularity=args.granularity,
+                       rounding=args.rounding, step=args.step, threshold_rule=args.threshold_rule,
+                       layers=layers)
+    plans = result if isinstance(result, dict) else {args.bits[0]: result}
+    for b, plan in plans.items():
+        print(f"== {b}-bit plan for {args.run}")
+        print(format_table(plan))
+        if args.out:
+            path = args.out.replace("{bits}", str(b))
+            plan.save(path)
+            print(f"plan written to {path}")
+    return 0
