@@ -1,0 +1,35 @@
+"""Floating-point format analysis of lognormal gradients (see ``docs/fpanalysis.md``).
+
+With ``ln|g| ~ N(mu, sigma**2)`` (natural log; ``p0`` exact zeros) the quantisation error of any
+:class:`~gradstats.formats.FPFormat` is an exact sum of lognormal partial moments over the
+format's cells. Public verbs, all vectorised over layers (``mu``, ``sigma`` arrays):
+
+- :func:`expected_error`: the error and its parts (overflow, normal, subnormal, underflow) and the
+  fractions flushed, saturated, non-finite; nearest or stochastic rounding; per-tensor or block
+  (MX E8M0, NVFP4-style E4M3) scales;
+- :func:`optimal_scale`: the per-tensor (power-of-two) scale that minimises it;
+- :func:`best_format`: the exponent/mantissa splits of a bit width ranked, each at its best scale;
+- :func:`crossover_table`: the sigma (std of log2|g|) at which one more exponent bit pays.
+
+``relative=True`` errors are ``MSE / E[g**2]`` (inverse SNR); ``criterion="elementwise"`` is the
+mean of ``((Q(g) - g)/g)**2``. By the identity ``MSE/E[x**2]`` under ``LN(mu, s)`` == mean relative
+squared error under ``LN(mu + 2 s**2, s)``, the two criteria have the same minimum over the scale.
+
+Example:
+    >>> from gradstats import fpanalysis
+    >>> b = fpanalysis.best_format(8, mu=-9.0, sigma=1.5)
+    >>> str(b.format), b.scale
+    ('e4m3fn', 128.0)
+    >>> round(fpanalysis.expected_error(b.format, mu=-9.0, sigma=1.5, scale=b.scale).total, 6)
+    0.000715
+"""
+from __future__ import annotations
+
+from ._pieces import FRACTIONS, PARTS
+from .crossover import AUTHORS_TABLE, CrossoverTable, crossover_table
+from .error import ErrorResult, expected_error
+from .scale import BestFormat, FormatChoice, ScaleResult, best_format, candidate_formats, optimal_scale
+
+__all__ = ["expected_error", "optimal_scale", "best_format", "crossover_table", "candidate_formats",
+           "ErrorResult", "ScaleResult", "BestFormat", "FormatChoice", "CrossoverTable", "AUTHORS_TABLE",
+           "PARTS", "FRACTIONS"]

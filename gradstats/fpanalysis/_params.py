@@ -1,0 +1,106 @@
+"""Input checking and broadcasting shared by the format-analysis verbs."""
+from __future__ import annotations
+
+import math
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from ..formats import FPFormat, parse
+
+ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
+
+ROUNDINGS = ("nearest", "stochastic")
+OVERFLOWS = ("saturate", "nonfinite")
+CRITERIA = ("mse", "elementwise")
+SCALE_FORMATS = ("e8m0", "e4m3")
+
+#: largest sigma (of ln|g|) accepted: std of log2|g| about 17 binades, far beyond gradients (1.5-5)
+SIGMA_MAX = 12.0
+#: scales must be float32 normal numbers (the quantiser multiplies in float32; E8M0 holds the
+#: powers of two 2**-127..2**127)
+LOG2_SCALE_RANGE = (-126, 127)
+LN2 = math.log(2.0)
+
+
+def as_array(name: str, v: Any) -> np.ndarray:
+    if isinstance(v, torch.Tensor):
+        return v.detach().to("cpu", torch.float64).numpy()
+    try:
+        return np.asarray(v, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number or an array of numbers, got {type(v).__name__}") from None
+
+
+def check_format(fmt: Any) -> FPFormat:
+    fmt = parse(fmt)
+    if not fmt.signed or not fmt.has_zero:
+        raise ValueError(f"format {fmt} is unsigned and has no zero (a scale type); it cannot hold "
+                         "signed gradients: pick a signed format such as 'e4m3fn'")
+    if fmt.bits > 16:
+        raise ValueError(f"format {fmt} has {fmt.bits} bits; the analysis enumerates quantisation "
+                         "cells and handles formats of 3 to 16 bits")
+    return fmt
+
+
+def check_choice(name: str, v: Any, allowed: tuple[str, ...]) -> str:
+    if v not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {v!r}")
+    return v
+
+
+def check_bits(bits: Any) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 3 <= int(bits) <= 16:
+        raise ValueError(f"bits must be an integer in 3..16 (sign + at least one exponent and one "
+                         f"mantissa bit, at most 16), got {bits!r}")
+    return int(bits)
+
+
+def check_block(block_size: Any, scale_format: Any) -> int | None:
+    check_choice("scale_format", scale_format, SCALE_FORMATS)
+    if block_size is None:
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int (MX uses 32, NVFP4 16) or None, got {block_size!r}")
+    return int(block_size)
+
+
+def lognormal(mu: Any, sigma: Any, p0: Any = 0.0, *extra: tuple[str, Any]) -> tuple[tuple[int, ...], list[np.ndarray]]:
+    """Validate and broadcast ``mu``, ``sigma``, ``p0`` (and named extras); flat arrays + shape."""
+    if mu is None or sigma is None:
+        raise ValueError("mu and sigma (mean and std of ln|g|, natural log) are required")
+    muv, sv, pv = as_array("mu", mu), as_array("sigma", sigma), as_array("p0", p0)
+    if not np.isfinite(muv).all():
+        raise ValueError(f"mu (mean of ln|g|) must be finite, got {muv.reshape(-1)[:5]}")
+    bad = ~(np.isfinite(sv) & (sv > 0) & (sv <= SIGMA_MAX))
+    if bad.any():
+        raise ValueError(f"sigma (std of ln|g|, natural log) must be in (0, {SIGMA_MAX:g}]; got "
+                         f"{sv[bad].reshape(-1)[:5]} (a constant tensor has sigma = 0 and needs no analysis)")
+    if not ((pv >= 0) & (pv < 1)).all():
+        raise ValueError(f"p0 (fraction of exact zeros) must be in [0, 1), got {pv[~((pv >= 0) & (pv < 1))][:5]}")
+    arrays = [muv, sv, pv] + [as_array(n, v) for n, v in extra]
+    try:
+        b = np.broadcast_arrays(*arrays)
+    except ValueError:
+        raise ValueError(f"mu, sigma, p0{''.join(', ' + n for n, _ in extra)} do not broadcast together: "
+                         f"shapes {[a.shape for a in arrays]}") from None
+    return b[0].shape, [np.ascontiguousarray(a, dtype=np.float64).ravel() for a in b]
+
+
+def check_scale(scale: np.ndarray) -> np.ndarray:
+    if not (np.isfinite(scale) & (scale > 0)).all():
+        raise ValueError(f"scale must be positive and finite, got {scale[~(np.isfinite(scale) & (scale > 0))][:5]}")
+    l2 = np.log2(scale)
+    lo, hi = LOG2_SCALE_RANGE
+    bad = (l2 < lo) | (l2 > hi)
+    if bad.any():
+        raise ValueError(f"scale {scale[bad][:3]} lies outside 2**{lo}..2**{hi}: the quantiser multiplies "
+                         "in float32 (and an E8M0 scale holds 2**-127..2**127), which cannot represent it")
+    return scale
+
+
+def out(v: np.ndarray, shape: tuple[int, ...]) -> Any:
+    """Reshape a flat result; a float for scalar inputs."""
+    v = np.asarray(v).reshape(shape)
+    return float(v) if v.ndim == 0 else v

@@ -1,0 +1,302 @@
+"""Expected quantisation error of lognormal gradients: :func:`expected_error`.
+
+Per tensor scale: the exact sum of lognormal partial moments over the format's cells
+(:mod:`._pieces`). Block scaling (``block_size``): exact as well, by conditioning on the block's
+shared scale. With ``B`` elements per block, ``F`` the CDF of one entry's magnitude (zeros
+included) and the block scale ``X_j`` chosen when the block maximum lies in ``[A_j, A_{j+1})``,
+exchangeability gives, per entry,
+
+    E[err] = sum_j  F(A_{j+1})**(B-1) E[err_j(x) 1{x < A_{j+1}}] - F(A_j)**(B-1) E[err_j(x) 1{x < A_j}]
+
+where ``err_j`` is the error under the fixed scale ``X_j``: one more partial-moment sum, cut at
+the block-maximum bounds. MX (``scale_format="e8m0"``): ``X_j = 2**j``, ``A_j = 2**(j + emax)``
+(:func:`gradstats.quant.mx_shared_exponent`, clamped to ``-127..127`` as there); the series runs
+over the shared exponents whose probability under the block maximum (tilted by ``x**2`` for the
+MSE) is above about 1e-15.
+NVFP4 style (``"e4m3"``): ``X_j = w_j t`` over the e4m3fn codes ``w_j``, with the per-tensor
+float32 scale ``t = tensor_amax / (fmt.max * 448)`` (:func:`gradstats.quant.block_scales`);
+``tensor_amax`` defaults to the median maximum of ``numel`` draws. Blocks are assumed full and
+independent; the float32 rounding of ``w_j t`` is ignored.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+from scipy.special import log_ndtr, ndtri
+
+from ..formats import FPFormat, parse
+from . import _params as P
+from ._pieces import FRACTIONS, PARTS, Pieces, build, integrate
+
+__all__ = ["expected_error", "ErrorResult"]
+
+
+@dataclass(frozen=True)
+class ErrorResult:
+    """Predicted quantisation error of lognormal gradients (see :func:`expected_error`).
+
+    Array attributes have the broadcast shape of the inputs (floats for one layer).
+
+    Attributes:
+        total: the mean squared error: divided by ``E[x**2]`` when ``relative`` (noise-to-signal
+            ratio), in units of ``x**2`` otherwise; with ``criterion="elementwise"`` the mean of
+            ``((Q(x) - x) / x)**2`` over the non-zero entries. Equals the sum of the four parts.
+            Entries that become inf/NaN (``overflow="nonfinite"``) are not counted: see ``nonfinite``.
+        overflow, normal, subnormal, underflow: the parts of ``total`` from values above ``max``,
+            rounded in the normal range, rounded in the subnormal range, and in the cell that
+            rounds to zero (stochastic rounding: ``[0, min_subnormal)``).
+        flushed, saturated, nonfinite: fractions of all entries (exact zeros ``p0`` included in
+            the denominator) that a non-zero value turns into 0, clips to +-max, or into inf/NaN.
+        format, rounding, overflow_mode, relative, criterion, block_size, scale_format: the setting.
+        mu, sigma, p0, scale: the inputs (``scale`` is NaN under block scaling).
+
+    Example:
+        >>> r = expected_error("e4m3fn", mu=-9.0, sigma=1.5, scale=2.0 ** 7)
+        >>> round(r.total * 1e4, 2), r.flushed < 1e-4
+        (7.15, True)
+        >>> abs(r.total - (r.overflow + r.normal + r.subnormal + r.underflow)) < 1e-15
+        True
+    """
+
+    format: FPFormat
+    total: Any
+    overflow: Any
+    normal: Any
+    subnormal: Any
+    underflow: Any
+    flushed: Any
+    saturated: Any
+    nonfinite: Any
+    mu: Any
+    sigma: Any
+    p0: Any
+    scale: Any
+    rounding: str = "nearest"
+    overflow_mode: str = "saturate"
+    relative: bool = True
+    criterion: str = "mse"
+    block_size: Optional[int] = None
+    scale_format: Optional[str] = None
+    _fields: tuple = field(default=("total", *PARTS, *FRACTIONS, "mu", "sigma", "p0", "scale"), repr=False)
+
+    @property
+    def parts(self) -> dict[str, Any]:
+        """The error parts as a dict (they sum to ``total``)."""
+        return {p: getattr(self, p) for p in PARTS}
+
+    @property
+    def snr_db(self) -> Any:
+        """``-10 log10(total)``: signal-to-noise ratio in dB (for ``relative`` MSE)."""
+        return -10 * np.log10(self.total)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (arrays as lists)."""
+        d: dict[str, Any] = {"format": str(self.format), "rounding": self.rounding,
+                             "overflow_mode": self.overflow_mode, "relative": self.relative,
+                             "criterion": self.criterion, "block_size": self.block_size,
+                             "scale_format": self.scale_format}
+        for f in self._fields:
+            v = getattr(self, f)
+            d[f] = v.tolist() if isinstance(v, np.ndarray) else v
+        return d
+
+    def to_dataframe(self):
+        """One row per layer (flattened inputs)."""
+        import pandas as pd
+
+        cols = {f: np.ravel(np.asarray(getattr(self, f), dtype=np.float64)) for f in self._fields}
+        n = max(len(v) for v in cols.values())
+        df = pd.DataFrame({f: np.broadcast_to(v, (n,)) for f, v in cols.items()})
+        df.insert(0, "format", str(self.format))
+        return df
+
+
+def _zero_pieces() -> Pieces:
+    """One piece ``[0, inf)`` of a block that encodes as zeros: error ``y**2``, flushed."""
+    return Pieces(FPFormat(2, 1, special="fn"), "nearest", "saturate", np.array([0.0, math.inf]),
+                  np.array([0, 0]), np.array([2, 0]), np.zeros(2), np.ones(2), np.array([PARTS.index("underflow"), 4]))
+
+
+def _log_cdf_all(ln_t: np.ndarray, mu: np.ndarray, sigma: np.ndarray, p0: np.ndarray) -> np.ndarray:
+    """``ln F(t)`` of one entry's magnitude, exact zeros included."""
+    lf = log_ndtr((ln_t - mu) / sigma)
+    with np.errstate(divide="ignore"):
+        return np.logaddexp(np.log(p0), np.log1p(-p0) + lf)
+
+
+def _series(pc: Pieces, mu, sigma, p0, B, log_scale, ln_a_lo, ln_a_hi, up_lo, up_hi, valid, mode):
+    """Sum over block-scale rows (layers x rows, 2-D arrays) of the conditioned error."""
+    n, k = log_scale.shape
+    rep = lambda v: np.repeat(v, k)  # noqa: E731
+    w_hi = np.exp((B - 1) * _log_cdf_all(ln_a_hi, mu[:, None], sigma[:, None], p0[:, None]))
+    w_lo = np.exp((B - 1) * _log_cdf_all(ln_a_lo, mu[:, None], sigma[:, None], p0[:, None]))
+    w_hi, w_lo = np.where(valid, w_hi, 0.0), np.where(valid, w_lo, 0.0)
+    j_hi = integrate(pc, rep(mu), rep(sigma), log_scale.ravel(), mode=mode, upper=up_hi.ravel())
+    j_lo = integrate(pc, rep(mu), rep(sigma), log_scale.ravel(), mode=mode, upper=up_lo.ravel())
+    res = w_hi.ravel()[:, None] * j_hi - w_lo.ravel()[:, None] * j_lo
+    return res.reshape(n, k, -1).sum(axis=1)
+
+
+def block_integrals(fmt: FPFormat, rounding: str, overflow: str, mu, sigma, p0, B: int,
+                    scale_format: str, tensor_amax, mode: str) -> np.ndarray:
+    """``(N, 7)`` integrals (as :func:`._pieces.integrate`) under block scaling."""
+    pc = build(fmt, rounding, overflow)
+    tilt = 2 * sigma if mode == "relative" else 0.0
+    z_lo = ndtri(1e-16 ** (1.0 / B)) if B > 1 else -8.3
+    lo = mu + sigma * z_lo  # ln of a block maximum below which blocks are negligible
+    hi = mu + sigma * (tilt + 8.0)
+    if scale_format == "e8m0":
+        emax = fmt.emax
+        kmin = np.floor(lo / P.LN2) - emax - 1
+        kmax = np.ceil(hi / P.LN2) - emax + 1
+        kmin, kmax = np.clip(kmin, -127, 127), np.clip(kmax, -127, 127)
+        kk = kmin[:, None] + np.arange(int((kmax - kmin).max()) + 1)[None, :]
+        valid = kk <= kmax[:, None]
+        up_lo = np.full(kk.shape, math.ldexp(1.0, emax))
+        up_hi = 2 * up_lo
+        ln_lo, ln_hi = (kk + emax) * P.LN2, (kk + emax + 1) * P.LN2
+        # the E8M0 exponent saturates at -127 and 127 (mx_shared_exponent clamps)
+        ln_lo = np.where(kk <= -127, -np.inf, ln_lo)
+        ln_hi = np.where(kk >= 127, np.inf, ln_hi)
+        up_hi = np.where(kk >= 127, np.inf, up_hi)
+        up_lo = np.where(kk <= -127, 0.0, up_lo)
+        return _series(pc, mu, sigma, p0, B, -kk * P.LN2, ln_lo, ln_hi, up_lo, up_hi, valid, mode)
+    # NVFP4 style: e4m3fn block scale times a float32 tensor scale
+    e4 = FPFormat(4, 3, special="fn")
+    w = e4.values().numpy()
+    w = w[w > 0]
+    mids = np.concatenate([[w[0] / 2], (w[:-1] + w[1:]) / 2, [math.inf]])
+    ln_t = np.log(tensor_amax) - math.log(fmt.max * e4.max)
+    # block max bounds (x space) of each code: fmt.max * t * [mids_j, mids_{j+1})
+    ln_lo = ln_t[:, None] + math.log(fmt.max) + np.log(mids[None, :-1])
+    with np.errstate(divide="ignore"):
+        ln_hi = ln_t[:, None] + math.log(fmt.max) + np.log(mids[None, 1:])
+    valid = (ln_hi > lo[:, None]) & (ln_lo < hi[:, None])
+    log_scale = -(np.log(w)[None, :] + ln_t[:, None])
+    up_lo = np.broadcast_to(fmt.max * mids[:-1] / w, valid.shape)
+    up_hi = np.broadcast_to(fmt.max * mids[1:] / w, valid.shape)
+    res = _series(pc, mu, sigma, p0, B, log_scale, ln_lo, ln_hi, up_lo, up_hi, valid, mode)
+    # blocks whose scale rounds to zero encode as zeros
+    ln_z = ln_t + math.log(fmt.max) + math.log(mids[0])
+    w0 = np.exp((B - 1) * _log_cdf_all(ln_z, mu, sigma, p0))
+    zp = integrate(_zero_pieces(), mu, sigma, np.zeros_like(mu), mode=mode, upper=np.exp(ln_z))
+    return res + w0[:, None] * zp
+
+
+def default_tensor_amax(mu, sigma, p0, numel: int) -> np.ndarray:
+    """Median of the largest magnitude among ``numel`` entries (``p0`` of them zero)."""
+    n = np.maximum((1 - p0) * numel, 1.0)
+    return np.exp(mu + sigma * ndtri(0.5 ** (1.0 / n)))
+
+
+def integrals(fmt: FPFormat, mu, sigma, p0, log_scale, *, rounding: str, overflow: str, mode: str,
+              block_size: int | None = None, scale_format: str = "e8m0", tensor_amax=None) -> np.ndarray:
+    """Flat-array core of :func:`expected_error`: ``(N, 7)``, error parts per non-zero entry."""
+    if block_size is None:
+        return integrate(build(fmt, rounding, overflow), mu, sigma, log_scale, mode=mode)
+    return block_integrals(fmt, rounding, overflow, mu, sigma, p0, block_size, scale_format, tensor_amax, mode)
+
+
+def expected_error(
+    fmt: FPFormat | str,
+    *,
+    mu: P.ArrayLike,
+    sigma: P.ArrayLike,
+    scale: P.ArrayLike | None = 1.0,
+    rounding: str = "nearest",
+    relative: bool = True,
+    p0: P.ArrayLike = 0.0,
+    block_size: int | None = None,
+    overflow: str = "saturate",
+    criterion: str = "mse",
+    scale_format: str = "e8m0",
+    tensor_amax: P.ArrayLike | None = None,
+    numel: int = 2 ** 20,
+) -> ErrorResult:
+    """Expected error of quantising lognormal gradients, exact (no Monte Carlo), vectorised over layers.
+
+    The non-zero magnitudes have ``ln|g| ~ N(mu, sigma**2)`` (natural log), a fraction ``p0`` of
+    the entries is exactly zero; the tensor is quantised as ``quantize(g * scale, fmt) / scale``
+    (:func:`gradstats.quantize`).
+
+    Args:
+        fmt: an :class:`~gradstats.formats.FPFormat` or a name (any convention, with or without
+            subnormals, 3 to 16 bits).
+        mu, sigma: mean and std of ``ln|g|``; numbers or arrays (one per layer), broadcast together
+            with ``p0``, ``scale`` and ``tensor_amax``.
+        scale: per-tensor scale ``s`` (quantise ``g*s``); ignored (pass None or 1) with ``block_size``.
+        rounding: ``"nearest"`` (ties to even) or ``"stochastic"``.
+        relative: divide the MSE by ``E[g**2]`` (the inverse SNR; does not depend on ``p0``).
+            ``False``: the MSE in units of ``g**2`` (scales with ``1 - p0``).
+        p0: fraction of exact zeros; they quantise exactly and add no error.
+        block_size: shared-scale blocks of this many entries (MX: 32, NVFP4: 16); see the module doc.
+        overflow: ``"saturate"`` or ``"nonfinite"`` (the format's inf/NaN; entries that become
+            non-finite are excluded from ``total`` and reported in ``nonfinite``).
+        criterion: ``"mse"``, or ``"elementwise"``: the mean of ``((Q(g) - g)/g)**2`` over the
+            non-zero entries (``relative`` must stay True).
+        scale_format: block scale type, ``"e8m0"`` (MX) or ``"e4m3"`` (NVFP4 style).
+        tensor_amax, numel: for ``"e4m3"`` blocks: the tensor's largest magnitude, by default the
+            median maximum of ``numel`` entries.
+
+    Returns an :class:`ErrorResult`.
+
+    Example:
+        >>> r = expected_error("e5m2", mu=[-10.0, -4.0], sigma=[2.0, 1.0], scale=2.0 ** 10)
+        >>> [round(float(t) * 1e3, 3) for t in r.total]
+        [3.027, 2.78]
+        >>> round(expected_error("e2m1fn", mu=0.0, sigma=1.0, block_size=32).total, 4)
+        0.0395
+    """
+    fmt = P.check_format(fmt)
+    P.check_choice("rounding", rounding, P.ROUNDINGS)
+    P.check_choice("overflow", overflow, P.OVERFLOWS)
+    P.check_choice("criterion", criterion, P.CRITERIA)
+    block_size = P.check_block(block_size, scale_format)
+    if not isinstance(relative, bool):
+        raise ValueError(f"relative must be True or False, got {relative!r}")
+    if criterion == "elementwise" and not relative:
+        raise ValueError("criterion='elementwise' is a relative measure; use relative=True")
+    if block_size is not None and scale is not None and not (np.ndim(scale) == 0 and float(as_float(scale)) == 1.0):
+        raise ValueError("pass either scale or block_size (block scales follow the block maxima), not both")
+    extra = [("scale", 1.0 if scale is None else scale)]
+    if block_size is not None and scale_format == "e4m3" and tensor_amax is not None:
+        extra.append(("tensor_amax", tensor_amax))
+    shape, arrs = P.lognormal(mu, sigma, p0, *extra)
+    mu_, s_, p0_, sc = arrs[:4]
+    if block_size is None:
+        P.check_scale(sc)
+    tamax = None
+    if block_size is not None and scale_format == "e4m3":
+        if tensor_amax is not None:
+            tamax = arrs[4]
+            if not (np.isfinite(tamax) & (tamax > 0)).all():
+                raise ValueError("tensor_amax must be positive and finite")
+        else:
+            if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 1:
+                raise ValueError(f"numel must be a positive int, got {numel!r}")
+            tamax = default_tensor_amax(mu_, s_, p0_, int(numel))
+    mode = "elementwise" if criterion == "elementwise" else ("relative" if relative else "absolute")
+    res = integrals(fmt, mu_, s_, p0_, np.log(sc), rounding=rounding, overflow=overflow, mode=mode,
+                    block_size=block_size, scale_format=scale_format, tensor_amax=tamax)
+    parts = res[:, :4].copy()
+    if mode == "absolute":
+        parts *= (1 - p0_)[:, None]
+    fr = res[:, 4:] * (1 - p0_)[:, None]
+    o = lambda v: P.out(v, shape)  # noqa: E731
+    return ErrorResult(
+        format=fmt, total=o(parts.sum(axis=1)), overflow=o(parts[:, 0]), normal=o(parts[:, 1]),
+        subnormal=o(parts[:, 2]), underflow=o(parts[:, 3]), flushed=o(fr[:, 0]), saturated=o(fr[:, 1]),
+        nonfinite=o(fr[:, 2]), mu=o(mu_), sigma=o(s_), p0=o(p0_),
+        scale=o(np.full_like(sc, np.nan) if block_size else sc), rounding=rounding, overflow_mode=overflow,
+        relative=relative, criterion=criterion, block_size=block_size,
+        scale_format=scale_format if block_size else None)
+
+
+def as_float(v: Any) -> float:
+    try:
+        return float(np.asarray(P.as_array("scale", v)))
+    except (TypeError, ValueError):
+        raise ValueError(f"scale must be a number, got {v!r}") from None
