@@ -154,7 +154,9 @@ def _moments(run, *, step: Step, layers, kind: str, skip_empty: bool = True) -> 
         raise ValueError(f"the run at {run.path} has no {kind!r} statistics yet (no committed steps)")
     df = df[df["layer"].isin(names)]
     sel, what = _steps_filter(df, step)
-    groups = {k: g for k, g in sel.groupby("layer", sort=False)}
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for rec in sel.to_dict("records"):  # one conversion: per-group conversions dominate otherwise
+        groups.setdefault(rec["layer"], []).append(rec)
     missing = [n for n in names if n not in groups]
     if missing:
         have = sorted(df[df["layer"] == missing[0]]["step"].unique().tolist())
@@ -165,8 +167,8 @@ def _moments(run, *, step: Step, layers, kind: str, skip_empty: bool = True) -> 
     lo, hi = math.inf, -math.inf
     for n in names:
         g = groups[n]
-        m = merge_stats(g.to_dict("records"))
-        s0, s1 = int(g["step"].min()), int(g["step"].max())
+        m = merge_stats(g)
+        s0, s1 = min(int(r["step"]) for r in g), max(int(r["step"]) for r in g)
         m["first_step"], m["last_step"] = s0, s1
         mu, sigma = lognormal_moments(m)
         if skip_empty and not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
