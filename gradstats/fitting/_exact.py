@@ -152,8 +152,9 @@ def _select(x: torch.Tensor, ks: tuple[int, ...]) -> list[float]:
         at_lo += int((ch == lo).sum())
         at_hi += int((ch == hi).sum()) if hi != lo else 0
         sel = ch[(ch > lo) & (ch < hi)]
-        inside += sel.numel()
-        parts.append(sel)
+        if sel.numel():
+            inside += sel.numel()
+            parts.append(sel.clone())  # a compact copy: the indexing result may hold a larger block
     if not (below <= ks[0] and ks[-1] < below + at_lo + inside + at_hi):
         part = np.partition(x.numpy(), ks)  # pragma: no cover - bracket missed (p < 1e-6)
         return [float(part[k]) for k in ks]
@@ -328,8 +329,8 @@ def _pass2(a: torch.Tensor, lo: int, hi: int, p: dict[str, float], *, vuong: boo
                 F = torch.mul(ch, -inv_b, out=bF[:k])
                 F = torch.expm1(F, out=F).neg_()
             lo_, hi_ = torch.aminmax(F.sub_(ramp))
-            ext[fam][0].append(lo_)
-            ext[fam][1].append(hi_)
+            ext[fam][0].append(lo_.item())  # floats: no small tensors kept between big buffers
+            ext[fam][1].append(hi_.item())
     return out
 
 
@@ -339,8 +340,8 @@ def _moments(a: torch.Tensor, p: dict[str, float], *, vuong: bool, ks: bool,
     out: dict[str, Any] = {k: math.fsum(q[k] for q in parts) for k in ("s3", "s4", "ad")}
     out["v"] = [math.fsum(q["v"][i] for q in parts) for i in range(3)]
     if ks:
-        out["ext"] = {f: (torch.stack([t for q in parts for t in q["ext"][f][0]]).double().cpu(),
-                          torch.stack([t for q in parts for t in q["ext"][f][1]]).double().cpu())
+        out["ext"] = {f: (torch.tensor([t for q in parts for t in q["ext"][f][0]], dtype=torch.float64),
+                          torch.tensor([t for q in parts for t in q["ext"][f][1]], dtype=torch.float64))
                       for f in FAMILIES}
     return out
 
