@@ -25,6 +25,14 @@ def _step(text: str):
         raise argparse.ArgumentTypeError(f"--step takes an int, FIRST:LAST or 'last', got {text!r}") from None
 
 
+def _ok(v) -> bool:
+    return v is not None and v == v and v > 0
+
+
+def _log2(v) -> float:
+    return math.log2(v) if _ok(v) else float("nan")
+
+
 def _granularity(text: str):
     return int(text) if text.isdigit() else text
 
@@ -57,7 +65,12 @@ def format_table(plan) -> str:
     """The plan's per-layer table as text (sigma and mu in log2 units, labelled)."""
     import pandas as pd
 
+    from gradstats.formats import FPFormat
+    from gradstats.plan import amax_scale
+
     df = plan.to_dataframe()
+    fmts = [plan._complete([e], "").format for e in plan.entries]
+    amax = [e.predicted.amax if e.predicted is not None else None for e in plan.entries]
     ln2 = math.log(2.0)
     out = pd.DataFrame({
         "layer": df["layer"],
@@ -65,7 +78,9 @@ def format_table(plan) -> str:
         "mu_log2": df["mu"] / ln2,
         "sigma_log2": df["sigma"] / ln2,
         "p0": df["p0"],
-        "log2_scale": [math.log2(s) if s == s and s is not None else float("nan") for s in df["predicted_scale"]],
+        "log2_scale": [_log2(s) for s in df["predicted_scale"]],
+        "log2_floor": [_log2(amax_scale(f, a)) if isinstance(f, FPFormat) and _ok(a) and _ok(s) else float("nan")
+                       for f, a, s in zip(fmts, amax, df["predicted_scale"])],
         "pred_error": df["predicted_error"],
         "snr_db": [-10 * math.log10(e) if e == e and e is not None and e > 0 else float("nan")
                    for e in df["predicted_error"]],
@@ -80,8 +95,9 @@ def format_table(plan) -> str:
             + (f" (blocks of {d.block_size}, {d.scale_format} scales)" if d.block_size else "")
             + f", rounding {d.rounding}"
             + (f", sparsity {d.sparsity} ({d.threshold_rule} threshold)" if d.sparsity is not None else ""))
-    foot = ("mu_log2, sigma_log2: mean and std of log2|g| (non-zero entries); pred_error: predicted "
-            "E[(Q(g)-g)^2]/E[g^2]; snr_db = -10 log10(pred_error)")
+    foot = ("mu_log2, sigma_log2: mean and std of log2|g| (non-zero entries); log2_scale: the lognormal "
+            "optimum, at which pred_error = E[(Q(g)-g)^2]/E[g^2] is predicted (snr_db = -10 log10 of it); "
+            "log2_floor: the amax scale that floors it when applied")
     return f"{head}\n{text}\n{foot}"
 
 
