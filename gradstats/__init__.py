@@ -41,8 +41,12 @@ _EXPORTS: dict[str, str] = {
     "FitResult": "gradstats.fitting",
     # plans
     "Plan": "gradstats.plan",
+    "PlanEntry": "gradstats.plan",
+    "Rule": "gradstats.plan",
     "recommend": "gradstats.recommendation",
     "apply": "gradstats.enforce",
+    "Applied": "gradstats.enforce",
+    "prune_quantize": "gradstats.compress",
 }
 # stage modules exposed as attributes (``gradstats.pruning.threshold(...)``)
 _SUBMODULES = {"pruning", "fpanalysis", "models", "data", "training", "plots", "formats", "quant", "stats",
