@@ -155,7 +155,7 @@ def peers_table(n: int) -> None:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     t0 = time.perf_counter()
-                    f = Fitter(data, distributions=dists, timeout=300)
+                    f = Fitter(data, distributions=dists, timeout=120)
                     f.fit(progress=False, n_jobs=1)
                     best = next(iter(f.get_best(method="sumsquare_error")))
                     rows.append((label + " (sumsquare_error)", name_map.get(best, best), time.perf_counter() - t0))

@@ -509,8 +509,8 @@ def _fit(xf: torch.Tensor, fams: tuple[str, ...], ks: str, max_samples: int | No
                                 {"lognormal": {"mu": p["mu"], "sigma": p["sigma"]},
                                  "normal": {"scale": p["s"]}, "laplace": {"scale": p["b"]}})
         for f in fams:
-            ks_vals[f] = 0.5 * (lo[f][0] + hi[f][0])
-            ks_err[f] = 0.5 * (hi[f][0] - lo[f][0])
+            ks_vals[f] = float(0.5 * (lo[f][0] + hi[f][0]))
+            ks_err[f] = float(0.5 * (hi[f][0] - lo[f][0]))
         ks_method = "hist"
     if do_sort:
         edges, hcounts = _log2_hist_sorted(mags)

@@ -156,8 +156,8 @@ def fit_many_stats(stats: Sequence[Mapping[str, Any]], families: Sequence[str] =
             out[i] = assemble(
                 fams, source="stats", n=int(st["n"]), n_zero=int(st["n_zero"]),
                 n_nonfinite=int(st["n_nonfinite"]), m=m, p=p, signed=p["signed"], vuong_sq=None, s3=None,
-                s4=None, ks={f: 0.5 * (lo[f][j] + hi[f][j]) for f in fams},
-                ks_error={f: 0.5 * (hi[f][j] - lo[f][j]) for f in fams}, ks_method="hist", ks_n=m, ad=None,
+                s4=None, ks={f: float(0.5 * (lo[f][j] + hi[f][j])) for f in fams},
+                ks_error={f: float(0.5 * (hi[f][j] - lo[f][j])) for f in fams}, ks_method="hist", ks_n=m, ad=None,
                 ks_confidence=1.0, log2_edges=np.arange(k0, k1 + 1, dtype=np.float64) + HIST_MIN_EXP,
                 log2_counts=hist[k0:k1].copy(), qq=(cum, qe * math.log(2.0)))
     return out  # type: ignore[return-value]
