@@ -100,6 +100,26 @@ def check_scale(scale: np.ndarray) -> np.ndarray:
     return scale
 
 
+def check_amax(amax: np.ndarray) -> np.ndarray:
+    if not (np.isfinite(amax) & (amax > 0)).all():
+        raise ValueError(f"amax (largest |g| of the tensor) must be positive and finite, got "
+                         f"{amax[~(np.isfinite(amax) & (amax > 0))][:5]}")
+    return amax
+
+
+def numel_array(numel: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    """Entries per tensor (zeros included), broadcast to the layers' shape, flat; None stays None."""
+    if numel is None:
+        return None
+    v = as_array("numel", numel)
+    if not (np.isfinite(v) & (v >= 1)).all():
+        raise ValueError(f"numel (entries per tensor) must be >= 1, got {v[~(np.isfinite(v) & (v >= 1))][:5]}")
+    try:
+        return np.broadcast_to(v, shape).astype(np.float64).ravel()
+    except ValueError:
+        raise ValueError(f"numel of shape {v.shape} does not broadcast to the layers' shape {shape}") from None
+
+
 def out(v: np.ndarray, shape: tuple[int, ...]) -> Any:
     """Reshape a flat result; a float for scalar inputs."""
     v = np.asarray(v).reshape(shape)

@@ -203,3 +203,16 @@ def integrate(pc: Pieces, mu: np.ndarray, sigma: np.ndarray, log_scale: np.ndarr
         scale = np.exp(base[:, None] - np.where(is_err[None, :], lnn[:, None], 0.0))
         out += (dphi @ cm) * scale
     return out
+
+
+def point(pc: Pieces, y: np.ndarray) -> np.ndarray:
+    """The tracked quantities at single values ``y`` (``(N, 7)``: squared errors in units of ``y**2``
+    -- not normalised -- then the probabilities): the exact error of one entry."""
+    idx = np.clip(np.searchsorted(pc.bounds, y, side="right") - 1, 0, pc.n_pieces - 1)
+    out = np.zeros((y.size, len(_OUT)))
+    coef = pc.sign * np.exp(pc.lnc)
+    for t in range(pc.piece.size):
+        sel = idx == pc.piece[t]
+        if sel.any():
+            out[sel, pc.out[t]] += coef[t] * y[sel] ** pc.k[t]
+    return out

@@ -34,18 +34,21 @@ def _mode(criterion: str) -> str:
     return "elementwise" if criterion == "elementwise" else "relative"
 
 
-def _anchor(fmt: FPFormat, mu: np.ndarray, sigma: np.ndarray, criterion: str) -> np.ndarray:
-    """log2 of the scale that centres the normal range on the distribution the criterion weighs."""
+def _anchor(fmt: FPFormat, mu: np.ndarray, sigma: np.ndarray, criterion: str, amax=None) -> np.ndarray:
+    """log2 of the scale that centres the normal range on the distribution the criterion weighs
+    (kept a sigma below ``amax`` when the lognormal is truncated there)."""
     centre = 0.5 * (math.log(fmt.max) + math.log(fmt.min_normal))
     loc = mu + (2 * sigma * sigma if criterion == "mse" else 0.0)
+    if amax is not None:
+        loc = np.minimum(loc, np.log(amax) - sigma)
     return (centre - loc) / P.LN2
 
 
 class _Objective:
     """Total error as a function of log2(scale), rows = layers."""
 
-    def __init__(self, fmt, mu, sigma, rounding, criterion):
-        self.fmt, self.mu, self.sigma = fmt, mu, sigma
+    def __init__(self, fmt, mu, sigma, rounding, criterion, amax=None, n_nonzero=None):
+        self.fmt, self.mu, self.sigma, self.amax, self.nnz = fmt, mu, sigma, amax, n_nonzero
         self.rounding, self.mode = rounding, _mode(criterion)
 
     def __call__(self, j: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -53,8 +56,10 @@ class _Objective:
         k = j.shape[1]
         mu = np.repeat(self.mu[rows], k)
         s = np.repeat(self.sigma[rows], k)
+        am = None if self.amax is None else np.repeat(self.amax[rows], k)
+        nz = None if self.nnz is None else np.repeat(self.nnz[rows], k)
         res = integrals(self.fmt, mu, s, None, j.ravel() * P.LN2, rounding=self.rounding,
-                        overflow="saturate", mode=self.mode)
+                        overflow="saturate", mode=self.mode, amax=am, n_nonzero=nz)
         return res[:, :4].sum(axis=1).reshape(j.shape)
 
 
@@ -129,9 +134,10 @@ def _check_range(fmt: FPFormat, j: np.ndarray) -> None:
                          "from the format's range")
 
 
-def _optimal(fmt, mu, sigma, *, power_of_two, rounding, criterion, tie_rtol=TIE_RTOL):
-    obj = _Objective(fmt, mu, sigma, rounding, criterion)
-    j, e = _search(obj, _anchor(fmt, mu, sigma, criterion), power_of_two, tie_rtol)
+def _optimal(fmt, mu, sigma, *, power_of_two, rounding, criterion, amax=None, n_nonzero=None,
+             tie_rtol=TIE_RTOL):
+    obj = _Objective(fmt, mu, sigma, rounding, criterion, amax, n_nonzero)
+    j, e = _search(obj, _anchor(fmt, mu, sigma, criterion, amax), power_of_two, tie_rtol)
     _check_range(fmt, j)
     return j, e
 
@@ -192,6 +198,9 @@ def optimal_scale(
     power_of_two: bool = True,
     rounding: str = "nearest",
     criterion: str = "mse",
+    amax: P.ArrayLike | None = None,
+    numel: P.ArrayLike | None = None,
+    p0: P.ArrayLike = 0.0,
 ) -> ScaleResult:
     """The per-tensor scale that minimises the predicted error of ``fmt`` on lognormal gradients.
 
@@ -208,6 +217,8 @@ def optimal_scale(
             refines continuously.
         rounding: ``"nearest"`` or ``"stochastic"``.
         criterion: ``"mse"`` or ``"elementwise"``.
+        amax, numel, p0: the tensor's largest magnitude, entries and zero fraction, if known: optimise
+            the error of this tensor given its maximum (see :func:`~gradstats.fpanalysis.expected_error`).
 
     Raises ``ValueError`` when the best scale lies outside ``2**-126..2**127`` (not representable).
 
@@ -215,14 +226,19 @@ def optimal_scale(
         >>> r = optimal_scale("e5m2", mu=[-12.0, -6.0], sigma=[2.0, 2.0])
         >>> r.log2_scale.tolist()
         [6.0, -2.0]
-        >>> float(optimal_scale("e2m1fn", mu=0.0, sigma=1.0, power_of_two=False).log2_scale) > 0
-        True
+        >>> round(optimal_scale("e2m1fn", mu=0.0, sigma=1.0, power_of_two=False).log2_scale, 3)
+        -1.694
     """
     fmt = P.check_format(fmt)
     P.check_choice("rounding", rounding, P.ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
-    shape, (mu_, s_, _) = P.lognormal(mu, sigma)
-    j, e = _optimal(fmt, mu_, s_, power_of_two=bool(power_of_two), rounding=rounding, criterion=criterion)
+    shape, arrs = P.lognormal(mu, sigma, p0, *([("amax", amax)] if amax is not None else []))
+    mu_, s_, p0_ = arrs[:3]
+    am = P.check_amax(arrs[3]) if amax is not None else None
+    nn = P.numel_array(numel, shape)
+    nz = None if (am is None or nn is None) else (1 - p0_) * nn
+    j, e = _optimal(fmt, mu_, s_, power_of_two=bool(power_of_two), rounding=rounding, criterion=criterion,
+                    amax=am, n_nonzero=nz)
     o = lambda v: P.out(v, shape)  # noqa: E731
     return ScaleResult(format=fmt, scale=o(np.exp2(j)), log2_scale=o(j), error=o(e), mu=o(mu_), sigma=o(s_),
                        power_of_two=bool(power_of_two), rounding=rounding, criterion=criterion)
@@ -294,7 +310,7 @@ class BestFormat:
             NaN under block scaling (the block rule sets them).
         order: candidate indices per layer, best first.
         format, scale, error, exp_bits: the winner per layer (a single value for one layer).
-        mu, sigma, p0, names: the inputs; rounding, criterion, block_size, scale_format,
+        mu, sigma, p0, names, amax: the inputs; rounding, criterion, block_size, scale_format,
         power_of_two: the setting.
 
     Example:
@@ -317,6 +333,7 @@ class BestFormat:
     block_size: Optional[int] = None
     scale_format: Optional[str] = None
     power_of_two: bool = True
+    amax: Any = None
 
     @property
     def single(self) -> bool:
@@ -398,8 +415,9 @@ def best_format(
     criterion: str = "mse",
     power_of_two: bool = True,
     scale_format: str = "e8m0",
-    numel: int = 2 ** 20,
+    numel: P.ArrayLike | None = None,
     names: Sequence[str] | None = None,
+    amax: P.ArrayLike | None = None,
 ) -> BestFormat:
     """Rank the exponent/mantissa splits of a bit width by predicted error, each at its best scale.
 
@@ -412,9 +430,11 @@ def best_format(
             convention), a convention name (see :func:`candidate_formats`), or a list of formats of
             ``bits`` bits.
         block_size: rank under block scaling (MX ``scale_format="e8m0"``, NVFP4 ``"e4m3"``, with
-            ``numel`` entries per tensor) instead of a per-tensor scale.
+            ``numel`` entries per tensor, default 2**20) instead of a per-tensor scale.
         rounding, criterion, power_of_two: as in :func:`optimal_scale`.
         names: optional layer names (kept in the result and its table).
+        amax: the layers' largest magnitudes, if known (per-tensor scales): rank for each tensor
+            given its maximum (and ``numel`` entries; see :func:`~gradstats.fpanalysis.expected_error`).
 
     Example:
         >>> b = best_format(8, mu=-9.0, sigma=3.0 * 0.6931)
@@ -436,7 +456,13 @@ def best_format(
             raise ValueError(f"candidates {wrong} do not have {bits} bits")
     for c in cands:
         P.check_format(c)
-    shape, (mu_, s_, p0_) = P.lognormal(mu, sigma, p0)
+    if amax is not None and block_size is not None:
+        raise ValueError("amax conditions per-tensor scales; it does not apply with block_size")
+    shape, arrs = P.lognormal(mu, sigma, p0, *([("amax", amax)] if amax is not None else []))
+    mu_, s_, p0_ = arrs[:3]
+    am = P.check_amax(arrs[3]) if amax is not None else None
+    nn = P.numel_array(numel, shape)
+    nz = None if (am is None or nn is None) else (1 - p0_) * nn
     if names is not None:
         names = tuple(str(n) for n in names)
         if len(names) != mu_.size:
@@ -445,10 +471,12 @@ def best_format(
     errs = np.empty((mu_.size, k))
     scales = np.full((mu_.size, k), np.nan)
     mode = _mode(criterion)
-    tamax = default_tensor_amax(mu_, s_, p0_, numel) if block_size and scale_format == "e4m3" else None
+    tamax = (default_tensor_amax(mu_, s_, p0_, 2.0 ** 20 if nn is None else nn)
+             if block_size and scale_format == "e4m3" else None)
     for i, f in enumerate(cands):
         if block_size is None:
-            j, e = _optimal(f, mu_, s_, power_of_two=bool(power_of_two), rounding=rounding, criterion=criterion)
+            j, e = _optimal(f, mu_, s_, power_of_two=bool(power_of_two), rounding=rounding, criterion=criterion,
+                            amax=am, n_nonzero=nz)
             errs[:, i], scales[:, i] = e, np.exp2(j)
         else:
             r = integrals(f, mu_, s_, p0_, np.zeros_like(mu_), rounding=rounding, overflow="saturate",
@@ -459,4 +487,5 @@ def best_format(
     return BestFormat(bits=bits, candidates=tuple(cands), errors=rs(errs), scales=rs(scales), order=rs(order),
                       mu=P.out(mu_, shape), sigma=P.out(s_, shape), p0=P.out(p0_, shape), names=names,
                       rounding=rounding, criterion=criterion, block_size=block_size,
-                      scale_format=scale_format if block_size else None, power_of_two=bool(power_of_two))
+                      scale_format=scale_format if block_size else None, power_of_two=bool(power_of_two),
+                      amax=None if am is None else P.out(am, shape))

@@ -1,0 +1,189 @@
+"""Measured quantisation error of real tensors, and the brute-force check of the predictions.
+
+:func:`measured_error` quantises with :func:`gradstats.quant.quantize` and measures the same
+criteria the analysis predicts; :func:`check_prediction` fits the lognormal to a tensor's non-zero
+values (:func:`gradstats.stats.lognormal_moments`; optionally truncated at its largest magnitude), predicts the best split and power-of-two
+scale with :func:`~gradstats.fpanalysis.best_format`, and compares it with an exhaustive search
+over every split and every power-of-two scale around it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ..formats import FPFormat, parse
+from ..quant import quantize
+from ..stats import lognormal_moments, tensor_stats
+from . import _params as P
+from .error import expected_error
+from .scale import TIE_RTOL, best_format, candidate_formats
+
+__all__ = ["measured_error", "check_prediction", "PredictionCheck"]
+
+
+def _errors(x: torch.Tensor, q: torch.Tensor, criterion: str) -> torch.Tensor:
+    """Criterion per row of ``q`` (rows: scales), computed in float64."""
+    xd, qd = x.double(), q.double()
+    if criterion == "mse":
+        return ((qd - xd) ** 2).sum(dim=-1) / (xd * xd).sum()
+    nz = xd != 0
+    r = ((qd - xd) / torch.where(nz, xd, 1.0)) ** 2
+    return (r * nz).sum(dim=-1) / nz.sum()
+
+
+def measured_error(
+    x: torch.Tensor,
+    fmt: Union[FPFormat, str],
+    *,
+    scale: Union[float, Sequence[float], np.ndarray, None] = 1.0,
+    rounding: str = "nearest",
+    criterion: str = "mse",
+    block_size: Optional[int] = None,
+    scale_format: str = "e8m0",
+    generator: Optional[torch.Generator] = None,
+) -> Any:
+    """The error of ``quantize(x * scale, fmt) / scale`` on a real tensor.
+
+    ``criterion="mse"``: ``sum((Q(x) - x)**2) / sum(x**2)`` (the relative MSE of
+    :func:`~gradstats.fpanalysis.expected_error`); ``"elementwise"``: the mean of
+    ``((Q(x) - x)/x)**2`` over the non-zero entries. ``scale`` may be a list (one error each, one
+    vectorised call). With ``block_size`` the block scales follow the blocks (MX/NVFP4) along the
+    last dimension of ``x`` flattened.
+
+    Example:
+        >>> import torch
+        >>> x = torch.exp(torch.randn(10000, generator=torch.Generator().manual_seed(0)))
+        >>> round(measured_error(x, "e4m3fn") * 1e4, 1)
+        6.3
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError("x must be a floating-point torch.Tensor")
+    P.check_choice("criterion", criterion, P.CRITERIA)
+    fmt = P.check_format(fmt)
+    x = x.detach().reshape(-1).float()
+    x = x[torch.isfinite(x)]
+    if x.numel() == 0 or not bool((x != 0).any()):
+        raise ValueError("x has no non-zero finite values: its relative error is undefined")
+    if block_size is not None:
+        if scale not in (None, 1.0):
+            raise ValueError("pass either scale or block_size, not both")
+        q = quantize(x, fmt, rounding=rounding, block_size=block_size, scale_format=scale_format,
+                     generator=generator)
+        return float(_errors(x, q[None, :], criterion)[0])
+    scalar = np.ndim(scale) == 0
+    s = np.atleast_1d(np.asarray(1.0 if scale is None else scale, dtype=np.float64))
+    P.check_scale(s)
+    st = torch.as_tensor(s, dtype=torch.float32)[:, None]
+    q = quantize(x[None, :].expand(len(s), -1), fmt, scale=st, rounding=rounding, generator=generator)
+    e = _errors(x, q, criterion).numpy()
+    return float(e[0]) if scalar else e
+
+
+@dataclass(frozen=True)
+class PredictionCheck:
+    """Predicted best format and scale of one tensor against the measured brute-force best.
+
+    Attributes:
+        mu, sigma, p0, n: the lognormal fit of the tensor's non-zero values (ln|g|), zero fraction, size.
+        predicted_format, predicted_log2_scale, predicted_error: the analysis' choice and its
+            predicted error; measured_at_predicted: that choice's measured error.
+        best_format, best_log2_scale, best_error: the measured minimum over every split and every
+            power-of-two scale searched.
+        match: the predicted (split, scale) is the measured argmin.
+        tie: the predicted choice's measured error is within ``TIE_RTOL`` of the minimum (power-of-two
+            scales leave the normal-range values unchanged, so several scales can tie exactly).
+        excess: ``measured_at_predicted / best_error - 1``.
+        best_per_format: ``{format: (log2 scale, error)}``, the measured best scale of each split.
+    """
+
+    mu: float
+    sigma: float
+    p0: float
+    n: int
+    predicted_format: str
+    predicted_log2_scale: float
+    predicted_error: float
+    measured_at_predicted: float
+    best_format: str
+    best_log2_scale: float
+    best_error: float
+    match: bool
+    tie: bool
+    excess: float
+    best_per_format: dict
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict."""
+        return asdict(self)
+
+
+def check_prediction(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    candidates: Union[None, str, Sequence[Union[FPFormat, str]]] = None,
+    rounding: str = "nearest",
+    criterion: str = "mse",
+    window: int = 8,
+    use_amax: bool = True,
+    generator: Optional[torch.Generator] = None,
+) -> PredictionCheck:
+    """Fit, predict, and brute-force one tensor (see the module doc).
+
+    ``use_amax``: predict the error of this tensor given its largest magnitude (one entry there, the
+    others lognormal truncated there); ``False``: the population optimum from ``mu`` and ``sigma`` alone.
+    Every split of ``candidates`` (default: the ``fn`` splits of ``bits`` bits) is measured at the
+    powers of two within ``window`` binades of its predicted best scale; the window grows until the
+    measured minimum is inside it.
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> x = torch.exp(-9 + 2.0 * torch.randn(50000, generator=g))
+        >>> c = check_prediction(x, 8)
+        >>> c.predicted_format, c.match or c.tie, c.excess < 0.1
+        ('e4m3fn', True, True)
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError("x must be a floating-point torch.Tensor")
+    x = x.detach().reshape(-1).float()
+    x = x[torch.isfinite(x)]
+    st = tensor_stats(x)
+    mu, sigma = lognormal_moments(st)
+    if not (math.isfinite(mu) and sigma > 0):
+        raise ValueError("x needs at least two distinct non-zero finite magnitudes to fit a lognormal")
+    p0 = float(st["n_zero"]) / max(int(st["n"]), 1)
+    amax = float(st["max_abs"]) if use_amax else None
+    bf = best_format(bits, mu=mu, sigma=sigma, p0=p0, candidates=candidates, rounding=rounding,
+                     criterion=criterion, amax=amax, numel=int(st["n"]) if use_amax else None)
+    measured: dict[tuple[str, float], float] = {}
+    per_fmt: dict[str, tuple[float, float]] = {}
+    for i, f in enumerate(bf.candidates):
+        j0 = round(math.log2(bf.scales[i]))
+        lo, hi = j0 - window, j0 + window
+        while True:
+            js = [j for j in range(lo, hi + 1) if (str(f), float(j)) not in measured]
+            js = [j for j in js if P.LOG2_SCALE_RANGE[0] <= j <= P.LOG2_SCALE_RANGE[1]]
+            if js:
+                e = measured_error(x, f, scale=[2.0 ** j for j in js], rounding=rounding, criterion=criterion,
+                                   generator=generator)
+                measured.update({(str(f), float(j)): float(v) for j, v in zip(js, e)})
+            mine = {j: v for (n, j), v in measured.items() if n == str(f)}
+            jb = min(mine, key=lambda j: (mine[j], abs(j - j0)))
+            if lo < jb < hi or not (P.LOG2_SCALE_RANGE[0] < jb < P.LOG2_SCALE_RANGE[1]):
+                break
+            lo, hi = (lo - window, hi) if jb <= lo else (lo, hi + window)
+        per_fmt[str(f)] = (jb, mine[jb])
+    pf, pj = str(bf.format), round(math.log2(bf.scale))
+    at_pred = measured[(pf, float(pj))]
+    (bfmt, bj), best = min(measured.items(), key=lambda kv: kv[1])
+    return PredictionCheck(
+        mu=mu, sigma=sigma, p0=p0, n=int(st["n"]), predicted_format=pf, predicted_log2_scale=float(pj),
+        predicted_error=float(bf.error), measured_at_predicted=at_pred, best_format=bfmt,
+        best_log2_scale=bj, best_error=best, match=(pf, float(pj)) == (bfmt, bj),
+        tie=at_pred <= best * (1 + TIE_RTOL), excess=at_pred / best - 1 if best > 0 else 0.0,
+        best_per_format=per_fmt)
