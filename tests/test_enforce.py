@@ -204,3 +204,59 @@ def test_bad_arguments(kwargs, match):
         gradstats.apply(Net(), {"format": "e4m3"})
     with pytest.raises(ValueError, match="match"):
         gradstats.apply(Net(), Plan([PlanEntry("nothing*", sparsity=0.5)]))
+
+
+DDP_SCRIPT = """
+import json, os, sys, torch
+import torch.distributed as dist
+from torch import nn
+import gradstats
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 4))
+ddp = nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+plan = gradstats.Plan.uniform(format="e3m2fn", sparsity=0.8, scale="amax")
+h = gradstats.apply(ddp, plan, sync_stats=sys.argv[2] == "sync", seed=rank)
+g = torch.Generator().manual_seed(rank)
+for _ in range(3):
+    opt.zero_grad()
+    nn.functional.cross_entropy(ddp(torch.randn(8, 10, generator=g)), torch.randint(0, 4, (8,), generator=g)).backward()
+    opt.step()
+df = h.to_dataframe()
+json.dump({"threshold": df["threshold"].tolist(), "scale": df["scale"].tolist(),
+           "w": model[0].weight.sum().item()}, open(f"{sys.argv[1]}/r{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("mode", ["sync", "local"])
+def test_ddp_same_plan_on_every_rank(tmp_path, mode):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(28500 + os.getpid() % 1000 + (mode == "sync")),
+               WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", DDP_SCRIPT, str(tmp_path), mode], env=dict(env, RANK=str(r)))
+             for r in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    r0, r1 = (json.load(open(tmp_path / f"r{r}.json")) for r in range(2))
+    assert r0["w"] == r1["w"]                                  # DDP keeps the replicas equal
+    if mode == "sync":
+        assert r0["threshold"] == r1["threshold"] and r0["scale"] == r1["scale"]
+    else:
+        assert r0["threshold"] != r1["threshold"]              # each rank's own statistics
+
+
+@pytest.mark.slow
+def test_torch_compile_runs_the_plan():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    h = gradstats.apply(model, Plan.uniform(format="e4m3fn", sparsity=0.5, scale="amax"))
+    compiled = torch.compile(model)
+    for _ in range(3):
+        compiled(torch.randn(32, 8)).sum().backward()
+    df = h.to_dataframe()
+    assert len(df) == 6 and set(df["layer"]) == {"0", "2"}
