@@ -214,7 +214,8 @@ class Applied:
             predicted_sparsity=("predicted_sparsity", "mean"), achieved_sparsity=("achieved_sparsity", "mean"),
             underflow_fraction=("underflow_fraction", "mean"), overflow_fraction=("overflow_fraction", "mean"),
             mu=("mu", "last"), sigma=("sigma", "last"))
-        return agg.reset_index()
+        order = [n for n in self.rules if n in agg.index]            # model order
+        return agg.loc[order].reset_index()
 
     def to_dict(self) -> dict[str, Any]:
         """The plan, the settings and the per-layer summary as plain data."""
