@@ -26,6 +26,14 @@ _EXPORTS: dict[str, str] = {
     # formats and quantisation
     "FPFormat": "gradstats.formats",
     "quantize": "gradstats.quant",
+    # built-in models, data and training loop
+    "build_model": "gradstats.models",
+    "list_models": "gradstats.models",
+    "load_fashion_mnist": "gradstats.data",
+    "load_shakespeare": "gradstats.data",
+    "train": "gradstats.training",
+    "evaluate": "gradstats.training",
+    "prepare": "gradstats.training",
     # capture
     "trace": "gradstats.tracer",
     "Tracer": "gradstats.tracer",
