@@ -20,16 +20,17 @@ Example:
     >>> import torch
     >>> from gradstats.quant import quantize
     >>> x = torch.tensor([0.1, 1.0, 300.0, 1e6, -2.5e-5])
-    >>> quantize(x, "e4m3fn")
-    tensor([ 1.0156e-01,  1.0000e+00,  2.8800e+02,  4.4800e+02, -0.0000e+00])
-    >>> quantize(x, "e5m2", overflow="nonfinite")
-    tensor([ 1.0156e-01,  1.0000e+00,  2.5600e+02,         inf, -2.2888e-05])
+    >>> quantize(x, "e4m3fn").tolist()
+    [0.1015625, 1.0, 288.0, 448.0, -0.0]
+    >>> quantize(x, "e5m2", overflow="nonfinite").tolist()
+    [0.09375, 1.0, 320.0, inf, -3.0517578125e-05]
 """
 from __future__ import annotations
 
 import functools
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -47,8 +48,11 @@ OVERFLOWS = ("saturate", "nonfinite")
 SCALE_FORMATS = ("e8m0", "e4m3")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-#: elements per chunk of the CPU path (buffers of this size stay in cache between passes)
+#: elements per chunk of the CPU path (buffers of this size stay in cache between passes; at most
+#: torch's grain size, so each operation runs on one thread)
 CHUNK = 1 << 15
+#: worker threads of the CPU path for large tensors (0: ``torch.get_num_threads()``)
+THREADS = 0
 
 _EXP = 0x7F800000
 _QNAN = 0x7FC00000
@@ -100,7 +104,7 @@ def _consts(fmt: FPFormat) -> _Consts:
     ok_g = (math.isfinite(g32) and g32 > 0 and math.isfinite(float(torch.tensor(maxv) * g32))
             and math.isinf(float(torch.tensor(nxt) * g32)))
     fast = (fmt.special != "fnu" and M <= 22 and (fmt.subnormals or M == 0) and e0f >= 1
-            and (not fmt.has_inf or fmt.emax >= -22) and (fmt.has_inf or not fmt.has_nan or ok_g))
+            and (not fmt.has_inf or fmt.emax >= 0) and (fmt.has_inf or not fmt.has_nan or ok_g))
     near_hi = min(fmt.emax + 1 + 127, 254 - (23 - M)) << 23
     return _Consts(fmt, M, Msub, e0f, max(e0f, 0) << 23, maxbits, maxv, ovf, fast,
                    fast and fmt.emax <= 104 + M, near_hi,
@@ -151,16 +155,21 @@ def quantize(
 
     Example:
         >>> import torch
-        >>> x = torch.tensor([1.0, 1.125, 1.25, 1.375, 3e-3])
-        >>> quantize(x, "e4m3")
-        tensor([1.0000, 1.0000, 1.2500, 1.5000, 2.9297e-03])
+        >>> quantize(torch.tensor([1.0625, 1.1875, 3e-3]), "e4m3").tolist()  # ties to even; a subnormal
+        [1.0, 1.25, 0.00390625]
         >>> g = torch.Generator().manual_seed(0)
-        >>> quantize(torch.full((4,), 1.1), "e2m1", rounding="stochastic", generator=g)
-        tensor([1.0000, 1.5000, 1.0000, 1.0000])
+        >>> y = quantize(torch.full((100_000,), 1.1), "e2m1fn", rounding="stochastic", generator=g)
+        >>> sorted(y.unique().tolist()), round(y.mean().item(), 2)  # 1.5 with probability 0.2
+        ([1.0, 1.5], 1.1)
         >>> quantize(torch.tensor([[1.0, 100.0], [0.01, 0.02]]), "e2m1fn", block_size=2).tolist()
-        [[0.0, 96.0], [0.009765625, 0.01953125]]
+        [[0.0, 96.0], [0.01171875, 0.0234375]]
     """
     fmt, scale = _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format)
+    with torch.no_grad():  # quantise-dequantise is not differentiable; results never track gradients
+        return _quantize(x.detach(), fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format)
+
+
+def _quantize(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format):
     if x.numel() == 0:
         return x.clone()
     if block_size is not None:
@@ -284,58 +293,90 @@ def _check_block(x, block_size, block_dim, scale_format):
 # ---------------------------------------------------------------------------------------------
 def _quantize_eager(x, fmt, scale, rounding, overflow, generator, rbits=None):
     """The torch reference path; ``rbits`` (int32, x's numel, values in [0, 2**23)) replaces the random
-    source of stochastic rounding (tests feed the same bits to the Triton kernel)."""
+    bits of stochastic rounding (tests feed the same bits to the Triton kernel)."""
     dtype, shape = x.dtype, x.shape
-    tensor_scale = isinstance(scale, torch.Tensor)
-    v = x.float()
-    if tensor_scale:
-        v = v * scale
-    v = v.reshape(-1)
-    if not v.is_contiguous():
-        v = v.contiguous()
-    s = None if tensor_scale else scale
-    y = _round_flat(v, fmt, s, rounding, overflow, generator, rbits)
-    y = y.view(shape)
-    if tensor_scale:
+    if isinstance(scale, torch.Tensor):
+        v = (x.float() * scale).reshape(-1)
+        y = _round_flat(v, fmt, None, rounding, overflow, generator, rbits, torch.float32).view(shape)
         y = y.div_(scale)
         if fmt.special == "fnuz":
             y.add_(0.0)
-    return y if dtype == torch.float32 else y.to(dtype)
+        return y.to(dtype)
+    v = x.reshape(-1)
+    if not v.is_contiguous():
+        v = v.contiguous()
+    return _round_flat(v, fmt, scale, rounding, overflow, generator, rbits, dtype).view(shape)
 
 
-def _round_flat(v, fmt, s, rounding, overflow, generator, rbits):
-    """Quantise the contiguous 1-D float32 ``v`` (times the float ``s``), divide by ``s``."""
+def _round_flat(v, fmt, s, rounding, overflow, generator, rbits, out_dtype):
+    """Quantise the contiguous 1-D ``v`` (times the float ``s``), divide by ``s``; ``out_dtype`` result."""
     c = _consts(fmt)
     if rounding == "nearest" and fmt in (_BF16, _FP16, _FP32) and rbits is None:
-        y = v * s if s is not None else v.clone()
+        y = v.float() * s if s is not None else v.float().clone()
         if fmt != _FP32:
             y = y.to(torch.bfloat16 if fmt == _BF16 else torch.float16).float()
         if overflow == "saturate":
             y.clamp_(-c.maxv, c.maxv)
-        return y.div_(s) if s is not None else y
-    if rounding == "toward_zero" or not (c.fast_nearest if rounding == "nearest" else c.fast):
-        return _round_generic(v, c, s, rounding, overflow, generator, rbits)
-    out = torch.empty_like(v)
+        return (y.div_(s) if s is not None else y).to(out_dtype)
     n = v.numel()
-    chunk = n if v.device.type != "cpu" else CHUNK
-    t = torch.empty(min(chunk, n), dtype=torch.int32, device=v.device)
+    cpu = v.device.type == "cpu"
+    chunk = CHUNK if cpu else n
+    key = None
+    if rounding == "stochastic" and rbits is None:
+        key = random_key(generator, v.device)
+    if rounding == "toward_zero" or not (c.fast_nearest if rounding == "nearest" else c.fast):
+        out = torch.empty(n, dtype=out_dtype, device=v.device)
+        for lo in range(0, n, chunk):
+            hi = min(lo + chunk, n)
+            out[lo:hi] = _round_generic(v[lo:hi].float(), c, s, rounding, overflow, None,
+                                        None if rbits is None else rbits[lo:hi], key=key, lo=lo)
+        return out
+    out = torch.empty(n, dtype=out_dtype, device=v.device)
+    args = (v, out, c, s, rounding == "nearest", overflow == "saturate", rbits, key, chunk, not cpu)
+    nchunks = -(-n // chunk)
+    workers = min(THREADS if THREADS else torch.get_num_threads(), nchunks // 4) if cpu else 1
+    if workers <= 1:
+        _fast_chunks(0, n, *args)
+        return out
+    per = -(-nchunks // workers) * chunk
+    futures = [_pool().submit(_fast_chunks, k * per, min((k + 1) * per, n), *args) for k in range(1, workers)]
+    _fast_chunks(0, min(per, n), *args)
+    for f in futures:
+        f.result()
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _pool():
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="gradstats-quant")
+
+
+def _fast_chunks(start, stop, v, out, c, s, nearest, sat, rbits, key, chunk, fix_nan_always):
+    """The float32 fast paths on ``v[start:stop]`` into ``out``, chunk by chunk (own scratch buffers)."""
+    fmt = c.fmt
+    m0 = min(chunk, stop - start)
+    t = torch.empty(m0, dtype=torch.int32, device=v.device)
     tf = t.view(torch.float32)
-    r = iota = key = None
-    if rounding == "stochastic":
+    direct = out.dtype == torch.float32  # else rounded in a float32 buffer, cast on the way out
+    ybuf = None if direct else torch.empty(m0, dtype=torch.float32, device=v.device)
+    if not nearest:
         r = torch.empty_like(t)
-        if rbits is None:
-            iota = _iota(min(chunk, n), v.device)
-            key = random_key(generator, v.device)
-    nearest = rounding == "nearest"
-    sat = overflow == "saturate"
-    fix_nan_always = v.device.type != "cpu" and not nearest
-    for lo in range(0, n, chunk):
-        hi = min(lo + chunk, n)
-        xs, y = v[lo:hi], out[lo:hi]
+        iota = _iota(m0, v.device) if rbits is None else None
+    for lo in range(start, stop, chunk):
+        hi = min(lo + chunk, stop)
         m = hi - lo
+        xs = v[lo:hi]
+        y = out[lo:hi] if direct else ybuf[:m]
         ti, tt = t[:m], tf[:m]
         yi = y.view(torch.int32)
-        if s is None:
+        if not direct or xs.dtype != torch.float32:
+            y.copy_(xs)
+            if s is not None:
+                y.mul_(s)
+            y.abs_()
+        elif s is None:
             torch.abs(xs, out=y)
         else:
             torch.mul(xs, s, out=y).abs_()
@@ -368,13 +409,14 @@ def _round_flat(v, fmt, s, rounding, overflow, generator, rbits):
             y.div_(s)
         if fmt.special == "fnuz":
             y.add_(0.0)
-    return out
+        if not direct:
+            out[lo:hi].copy_(y)
 
 
 def _overflow_fast(y, tmp, c):
     """"nonfinite" overflow of the non-negative rounded ``y`` in place (``tmp``: float scratch)."""
     fmt = c.fmt
-    if fmt.has_inf:  # y >= 2**(emax+1) -> inf, others unchanged (powers of two: exact)
+    if fmt.has_inf:  # y >= 2**(emax+1) -> inf, others unchanged (powers of two, 0 <= emax: exact)
         y.mul_(c.ieee_f1).mul_(c.ieee_f2)
     elif fmt.has_nan:  # y > max -> y * g overflows -> inf - inf = NaN
         torch.mul(y, c.nan_g, out=tmp)
@@ -384,8 +426,9 @@ def _overflow_fast(y, tmp, c):
         y.clamp_(max=c.maxv)
 
 
-def _round_generic(v, c, s, rounding, overflow, generator, rbits):
-    """Exact integer algorithm for every case (int64 on the float32 bit pattern, float64 rebuild)."""
+def _round_generic(v, c, s, rounding, overflow, generator, rbits, *, key=None, lo=0):
+    """Exact integer algorithm for every case (int64 on the float32 bit pattern, float64 rebuild) on
+    float32 ``v``; ``lo`` is the flat index of ``v[0]`` (the counter of the random bits)."""
     fmt = c.fmt
     w = v * s if s is not None else v
     b = w.view(torch.int32).to(torch.int64)
@@ -399,8 +442,8 @@ def _round_generic(v, c, s, rounding, overflow, generator, rbits):
     if rounding == "stochastic":
         if rbits is None:
             rbits = torch.empty(a.shape, dtype=torch.int32, device=a.device)
-            _hash_bits(0, random_key(generator, a.device), _iota(a.numel(), a.device), rbits,
-                       torch.empty_like(rbits), 23)
+            key = random_key(generator, a.device) if key is None else key
+            _hash_bits(lo, key, _iota(a.numel(), a.device), rbits, torch.empty_like(rbits), 23)
         R = rbits.to(torch.int64)
     if fmt.special == "fnu":
         # powers of two 2**emin .. 2**emax; x <= 0 has no code (NaN); below 2**emin -> 2**emin
@@ -466,6 +509,7 @@ def _round_generic(v, c, s, rounding, overflow, generator, rbits):
 # ---------------------------------------------------------------------------------------------
 _K1 = 0x7FEB352D
 _K2 = 0x846CA68B - (1 << 32)  # as int32
+_K3 = 0x9E3779B1 - (1 << 32)
 
 
 def _s32(v: int) -> int:
@@ -496,9 +540,10 @@ def _iota(n: int, device: torch.device) -> torch.Tensor:
 def _hash_bits(lo: int, key, iota: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor, nbits: int) -> torch.Tensor:
     """The top ``nbits`` bits of ``h(lo + i)`` for ``i`` in ``iota``, into ``out`` (int32).
 
-    ``h(c) = ((c + k1) * K1 ^ >>16) * K2 + k2`` on 32-bit words (a keyed multiply-xorshift hash, a
-    bijection of ``c`` for every key): the counter ``c`` is the element's index in the flattened
-    tensor, so every path and device draws the same bits for the same key.
+    On 32-bit words, ``h = (c + k1) * K1; h ^= h >> 16; h = h * K2 + k2; h ^= h >> 15; h *= K3``
+    (logical shifts): a keyed multiply-xorshift hash, a bijection of the counter ``c`` for every key,
+    so each element's bits are exactly uniform over keys. ``c`` is the element's index in the
+    flattened tensor: every path and device draws the same bits for the same key.
     """
     k1, k2 = key
     if isinstance(k1, int):
@@ -508,6 +553,8 @@ def _hash_bits(lo: int, key, iota: torch.Tensor, out: torch.Tensor, tmp: torch.T
     out.mul_(_K1)
     torch.bitwise_right_shift(out, 16, out=tmp).bitwise_and_(0xFFFF)
     out.bitwise_xor_(tmp).mul_(_K2).add_(k2)
+    torch.bitwise_right_shift(out, 15, out=tmp).bitwise_and_(0x1FFFF)
+    out.bitwise_xor_(tmp).mul_(_K3)
     return out.bitwise_right_shift_(32 - nbits).bitwise_and_((1 << nbits) - 1)
 
 
@@ -541,9 +588,19 @@ def _scales_of_blocks(xb: torch.Tensor, fmt: FPFormat, scale_format: str) -> tor
 def _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_dim, scale_format):
     xb, n = _to_blocks(x, block_size, block_dim)
     X = _scales_of_blocks(xb, fmt, scale_format)
-    z = xb / torch.where(X > 0, X, 1.0)
-    q = quantize(z, fmt, rounding=rounding, overflow=overflow, generator=generator)
-    y = torch.where(X > 0, q * X, q * 0.0)
+    Xs = torch.where(X > 0, X, 1.0)
+    if use_triton(x.device.type):
+        from .kernels import quantize as kq
+
+        if kq.supports(fmt):  # one pass: x / X, round, * X
+            y = kq.quantize_triton(xb.contiguous(), fmt, scale=Xs, rounding=rounding, overflow=overflow,
+                                   generator=generator, scale_div=True)
+        else:
+            y = _quantize_eager(xb / Xs, fmt, None, rounding, overflow, generator) * Xs
+    else:
+        y = _quantize_eager(xb / Xs, fmt, None, rounding, overflow, generator) * Xs
+    if scale_format == "e4m3":
+        y = torch.where(X > 0, y, y * 0.0)
     if fmt.special == "fnuz":
         y = y + 0.0
     y = y.reshape(*y.shape[:-2], -1)[..., :n].movedim(-1, block_dim)

@@ -81,6 +81,8 @@ def _kernel_src(X, Y, S, KEY, RB, n, scale_f, s_div, s_mod, k1, k2,
             h = (offs.to(tl.int32) + k1) * 0x7FEB352D
             h = h ^ ((h >> 16) & 0xFFFF)
             h = h * (-2073254261) + k2
+            h = h ^ ((h >> 15) & 0x1FFFF)
+            h = h * (-1640531535)
             r23 = (h >> 9) & 0x7FFFFF
         # normal range: add random bits below the kept ones, truncate (carries reach the exponent)
         res_n = ((a + (r23 >> M)) >> (23 - M)) << (23 - M)
