@@ -501,3 +501,44 @@ def test_public_names():
     for name in ("expected_sparsity", "threshold", "exact_threshold", "stochastic_prune", "prune",
                  "allocate", "predicted_cosine", "added_variance", "hard_prune", "Allocation"):
         assert callable(getattr(pruning, name))
+
+
+# ----------------------------------------------------------------------------- real gradients
+def _load_experiment():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "pruning_real.py"
+    spec = importlib.util.spec_from_file_location("pruning_real", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_real_gradient_table_small(tmp_path):
+    """A small version of experiments/pruning_real.py: a tiny MLP, a few steps on the
+    committed Fashion-MNIST subset, whole gradient tensors of every layer."""
+    pr = _load_experiment()
+    cfg = {"mlp": dict(steps=4, prepare={"source": "subset", "subset": 512, "test_subset": 64,
+                                         "hidden": (64,)},
+                       run={"batch_size": 64}, sample_steps=[1, 3])}
+    df = pr.run_experiment(cfg, workdir=tmp_path, targets=(0.5, 0.8, 0.9), verbose=False)
+    assert set(df["rule"]) == set(pr.RULES)
+    assert df[["layer", "step"]].drop_duplicates().shape[0] == 4  # 2 layers x 2 steps
+    feas = df[~df["zeros_suffice"]]
+    summ = pr.summarize(df).set_index("rule")
+    # the exact quantile with the hard operator hits every target up to ties
+    assert (feas[feas["rule"] == "exact"]["error"].abs() <= 1e-3).all()
+    # the quantile fed to the stochastic operator, and the naive rule, undershoot
+    assert (feas[feas["rule"] == "exact_stochastic"]["error"] < 0).all()
+    assert summ.loc["naive_lognormal", "mean_error"] < -0.05
+    # ours beats the naive quantile and the normal model by a wide margin (the tiny MLP's
+    # logits layer, 640 bimodal values, is far from lognormal: the full run is the real test)
+    ours = summ.loc["lognormal", "mean_abs_error"]
+    assert ours < 0.03
+    for rule in ("naive_lognormal", "normal", "exact_stochastic"):
+        assert ours < 0.5 * summ.loc[rule, "mean_abs_error"]
+    # a real draw of the operator agrees with its expectation
+    lg = feas[feas["rule"] == "lognormal"]
+    assert (lg["achieved_draw"] - lg["achieved"]).abs().max() < 0.05
+    assert len(pr.per_model(df)) == len(pr.RULES)
