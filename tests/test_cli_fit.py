@@ -55,8 +55,10 @@ def test_fit_command_writes_parquet_and_prints_verdicts(run_path, tmp_path, caps
     assert list(v.layer) == run.layers
     assert (v[["wins_lognormal", "wins_normal", "wins_laplace"]].sum(axis=1) == 4).all()
     assert (v["margin_loglik"] >= 0).all()
-    ok = df[df.family == "lognormal"]
+    ok = df[(df.family == "lognormal") & (df.ks_method == "exact")]  # exact KS where samples exist
     assert v["ks_lognormal"].iloc[0] == pytest.approx(ok[ok.layer == run.layers[0]]["ks"].median())
+    assert (v["ks_from"] == "samples").all()
+    assert "exact KS (samples)" in text and "KS bound midpoints (statistics)" in text
 
 
 def test_fit_command_selection_and_stats_only(run_path, tmp_path, capsys):
