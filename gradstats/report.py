@@ -1,0 +1,489 @@
+"""The analysis and report of a run: what ``gradstats report RUN -o DIR`` and ``make demo`` do.
+
+:func:`analyse` fits every traced layer (:func:`gradstats.fit_run` on the steps with raw
+samples, else on the streamed statistics), derives the pruning thresholds for the target
+sparsities (85% and 90% by default) and the recommended FP8, FP6 and FP4 formats per layer
+(:func:`gradstats.recommend`, one plan per width and sparsity), and checks the predicted
+quantisation error against the error measured on the run's raw samples
+(:func:`gradstats.fpanalysis.measured_error`). :meth:`Analysis.write` (or :func:`report`) writes
+``plan.json``, the per-width plans, ``report.md`` with the figures embedded, the figures
+(:func:`gradstats.plots.study.write_figures`) and the tables.
+
+Example:
+    >>> import tempfile, gradstats
+    >>> from gradstats.report import analyse
+    >>> a = analyse(gradstats.data.data_dir() / "sample-run")
+    >>> a.table.loc[a.table["layer"] == "conv2", "fp8"].item()
+    'e4m3fn'
+    >>> rep = a.write(tempfile.mkdtemp(), figures=False)
+    >>> sorted(p.name for p in rep.files.values())[:3]
+    ['errors.csv', 'fits.parquet', 'plan.json']
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+log = logging.getLogger(__name__)
+
+__all__ = ["analyse", "report", "Analysis", "Report", "SPARSITIES", "BITS"]
+
+#: target sparsities of the report (the study's headline 85%, and 90%)
+SPARSITIES = (0.85, 0.9)
+#: bit widths of the recommended formats
+BITS = (8, 6, 4)
+_LN2 = math.log(2.0)
+
+
+def _open(run: Any) -> Any:
+    from .plots.study import _open as open_any
+
+    return open_any(run)
+
+
+def _pct(s: float) -> str:
+    return f"{round(100 * s):d}"
+
+
+# ----------------------------------------------------------------------------- analysis
+@dataclass
+class Analysis:
+    """The analysis of one run (see :func:`analyse`).
+
+    Attributes:
+        run: the :class:`gradstats.Run`.
+        table: one row per traced layer: type, zero fraction, mean and std of ``log2|g|`` (at the
+            step the plans were made from), the fit verdict over the fitted steps (winner, wins,
+            median KS per family, median Vuong effect size of the winner), the threshold per target
+            sparsity, and per bit width the recommended format, its log2 scale and predicted error.
+        fits: the rows of :func:`gradstats.fit_run` (one per layer, step and family).
+        verdicts: per-layer summary of ``fits`` (:func:`gradstats.cli.fit.layer_verdicts`).
+        plans: ``plans[sparsity][bits]``: the :class:`~gradstats.plan.Plan` of :func:`gradstats.recommend`.
+        errors: predicted against measured quantisation error per layer, bit width and sampled step
+            (empty for a run without raw samples).
+        sparsities, bits: the targets and widths analysed.
+        fit_steps: the steps fitted; plan_step: the statistics step the plans were made from.
+    """
+
+    run: Any
+    table: pd.DataFrame
+    fits: pd.DataFrame
+    verdicts: pd.DataFrame
+    plans: dict[float, dict[int, Any]]
+    errors: pd.DataFrame
+    sparsities: tuple[float, ...]
+    bits: tuple[int, ...]
+    fit_steps: list[int]
+    plan_step: int
+    context: dict[str, str] = field(default_factory=dict)
+
+    def plan(self, bits: int | None = None, sparsity: float | None = None) -> Any:
+        """The plan of one width and target (default: the first of each, FP8 at 85%)."""
+        s = self.sparsities[0] if sparsity is None else sparsity
+        b = self.bits[0] if bits is None else bits
+        if s not in self.plans or b not in self.plans[s]:
+            raise ValueError(f"no plan for bits={b}, sparsity={s}; analysed bits {list(self.bits)} and "
+                             f"sparsities {list(self.sparsities)}")
+        return self.plans[s][b]
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """The per-layer table (a copy)."""
+        return self.table.copy()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: the run, the settings, the per-layer table and the plans."""
+        return {"run": str(self.run.path), "sparsities": list(self.sparsities), "bits": list(self.bits),
+                "fit_steps": list(self.fit_steps), "plan_step": self.plan_step, "context": dict(self.context),
+                "layers": _records(self.table),
+                "plans": {_pct(s): {str(b): p.to_dict() for b, p in ps.items()} for s, ps in self.plans.items()}}
+
+    def summary(self) -> str:
+        """The per-layer summary as a text table (what ``gradstats report`` and the demo print)."""
+        return _text_table(self)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def write(self, out_dir: str | os.PathLike[str], *, figures: bool = True, progress: bool = False) -> "Report":
+        """Write the plans, tables, figures and ``report.md`` into ``out_dir``; see :func:`report`."""
+        return _write(self, Path(out_dir), figures=figures, progress=progress)
+
+
+def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    out = []
+    for rec in df.to_dict("records"):
+        out.append({k: (None if isinstance(v, float) and not math.isfinite(v) else
+                        v.item() if isinstance(v, np.generic) else v) for k, v in rec.items()})
+    return out
+
+
+def _fit_steps(run: Any) -> tuple[list[int], bool]:
+    from .plots.study import sampled_steps
+
+    have = sampled_steps(run, "grad")
+    if have:
+        return have, True
+    steps = sorted(int(s) for s in run.steps)
+    if not steps:
+        raise ValueError(f"the run at {run.path} has no committed steps yet")
+    return steps, False
+
+
+def _plan_step(run: Any, sampled: list[int], has_samples: bool) -> int:
+    """The step the plans are made from: the latest step with raw samples (so predicted and
+    measured errors refer to the same gradients), else the latest step."""
+    st = run.stats(kinds=["grad"])
+    have = set(int(s) for s in st["step"].unique()) if len(st) else set()
+    if has_samples:
+        both = [s for s in sampled if s in have]
+        if both:
+            return both[-1]
+    if not have:
+        raise ValueError(f"the run at {run.path} has no neural-gradient statistics")
+    return max(have)
+
+
+def _errors(run: Any, steps: Sequence[int], bits: Sequence[int]) -> pd.DataFrame:
+    """Predicted (recommend at that step) and measured error of each planned layer and width."""
+    from .fpanalysis import measured_error
+    from .plots.study import layer_values
+    from .recommendation import recommend
+
+    rows = []
+    for s in steps:
+        try:
+            plans = recommend(run, bits=list(bits), step=int(s))
+        except ValueError as exc:
+            log.info("no recommendation at step %s: %s", s, exc)
+            continue
+        for b, plan in plans.items():
+            for e in plan.entries:
+                x = layer_values(run, e.layer, int(s), "grad")
+                pr = e.predicted
+                if x is None or pr is None or pr.scale is None:
+                    continue
+                try:
+                    meas = measured_error(x, e.format, scale=pr.scale)
+                except ValueError as exc:
+                    log.info("no measured error for %s at step %s: %s", e.layer, s, exc)
+                    continue
+                rows.append({"layer": e.layer, "step": int(s), "bits": b, "format": str(e.format),
+                             "log2_scale": math.log2(pr.scale), "sigma_log2": pr.sigma / _LN2,
+                             "predicted": pr.error, "measured": meas})
+    return pd.DataFrame(rows, columns=["layer", "step", "bits", "format", "log2_scale", "sigma_log2",
+                                       "predicted", "measured"])
+
+
+def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterable[int] = BITS,
+            progress: bool = False, context: Mapping[str, str] | None = None) -> Analysis:
+    """Fit every layer of a run, derive thresholds and recommended formats, check the predictions.
+
+    Args:
+        run: a :class:`gradstats.Run` or the path of a run directory.
+        sparsities: target sparsities (fractions of zeros in ``[0, 1)``); one plan per target and width.
+        bits: bit widths of the recommended formats.
+        progress: progress bars.
+        context: ``{label: text}`` lines shown at the top of the report (e.g. the data used).
+
+    The fits use the steps with raw samples (exact KS and Vuong's test), or every step's streamed
+    statistics for a run without samples. The plans are made from the statistics of the latest
+    sampled step (else the latest step), so that the predicted error can be measured on the same
+    gradients. Only convolution and linear layers are planned (the study's choice).
+
+    Example:
+        >>> import gradstats
+        >>> a = analyse(gradstats.data.data_dir() / "sample-run", sparsities=[0.9], bits=[8])
+        >>> list(a.plans), list(a.plans[0.9]), a.plan_step
+        ([0.9], [8], 196)
+    """
+    from tqdm.auto import tqdm
+
+    from .cli.fit import layer_verdicts
+    from .fitting import fit_run
+    from .recommendation import recommend
+
+    run = _open(run)
+    sps = tuple(float(s) for s in sparsities)
+    bts = tuple(int(b) for b in bits)
+    if not sps or not bts:
+        raise ValueError("analyse needs at least one target sparsity and one bit width")
+    for s in sps:
+        if not 0.0 <= s < 1.0:
+            raise ValueError(f"target sparsities must lie in [0, 1), got {s}")
+    bar = tqdm(total=4, desc="analyse", unit="stage", disable=not progress, leave=False)
+    fit_steps, has_samples = _fit_steps(run)
+    bar.set_postfix_str("fit")
+    fits = fit_run(run, steps=fit_steps, kinds=("grad",), use_samples=has_samples, progress=progress)
+    verdicts = layer_verdicts(fits)
+    bar.update()
+    bar.set_postfix_str("recommend")
+    plan_step = _plan_step(run, fit_steps, has_samples)
+    plans = {s: recommend(run, bits=list(bts), sparsity=s, step=plan_step) for s in sps}
+    bar.update()
+    bar.set_postfix_str("errors")
+    errors = _errors(run, [plan_step], bts) if has_samples else _errors(run, [], bts)
+    bar.update()
+    table = _layer_table(run, verdicts, plans, plan_step, sps, bts)
+    bar.update()
+    bar.close()
+    return Analysis(run=run, table=table, fits=fits, verdicts=verdicts, plans=plans, errors=errors,
+                    sparsities=sps, bits=bts, fit_steps=fit_steps, plan_step=plan_step,
+                    context=dict(context or {}))
+
+
+def _layer_table(run: Any, verdicts: pd.DataFrame, plans: Mapping[float, Mapping[int, Any]], plan_step: int,
+                 sps: Sequence[float], bts: Sequence[int]) -> pd.DataFrame:
+    from .recommendation import layer_moments
+
+    info = run.layer_info()
+    types = dict(zip(info["name"], info["type"])) if len(info) else {}
+    mom = layer_moments(run, step=plan_step, layers=list(run.layers))
+    mom = {r["layer"]: r for r in mom.to_dict("records")}
+    ver = {r["layer"]: r for r in verdicts.to_dict("records")} if len(verdicts) else {}
+    entries = {(s, b): {e.layer: e for e in p.entries} for s, ps in plans.items() for b, p in ps.items()}
+    rows = []
+    for name in run.layers:
+        m, v = mom.get(name, {}), ver.get(name, {})
+        mu, sigma = m.get("mu", math.nan), m.get("sigma", math.nan)
+        row: dict[str, Any] = {
+            "layer": name, "type": types.get(name), "zero_fraction": m.get("p0", math.nan),
+            "mean_log2": mu / _LN2 if mu is not None else math.nan,
+            "std_log2": sigma / _LN2 if sigma is not None else math.nan,
+            "verdict": v.get("winner"), "fitted_steps": v.get("groups", 0),
+            "wins_lognormal": v.get("wins_lognormal", 0),
+            "ks_lognormal": v.get("ks_lognormal", math.nan), "ks_normal": v.get("ks_normal", math.nan),
+            "ks_laplace": v.get("ks_laplace", math.nan), "vuong_effect": v.get("vuong_effect", math.nan),
+            "planned": any(name in entries[(s, b)] for s in sps for b in bts)}
+        for s in sps:
+            e = entries[(s, bts[0])].get(name)
+            row[f"threshold_{_pct(s)}"] = e.predicted.threshold if e is not None else math.nan
+            row[f"predicted_sparsity_{_pct(s)}"] = e.predicted.sparsity if e is not None else math.nan
+        for b in bts:
+            e = entries[(sps[0], b)].get(name)
+            row[f"fp{b}"] = str(e.format) if e is not None else None
+            row[f"fp{b}_log2_scale"] = math.log2(e.predicted.scale) if e is not None and e.predicted.scale else math.nan
+            row[f"fp{b}_error"] = e.predicted.error if e is not None else math.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------- text views
+def _fmt_thr(t: float, p0: float, s: float) -> str:
+    if not math.isfinite(t):
+        return "-"
+    if t == 0.0:
+        return f"0 (zeros {p0:.0%})" if p0 >= s else "0"
+    return f"{t:.2e}"
+
+
+def _summary_rows(a: Analysis) -> tuple[list[str], list[list[str]]]:
+    head = ["layer", "std log2|g|", "zeros", "best fit", "KS lognormal"]
+    head += [f"thr {_pct(s)}%" for s in a.sparsities]
+    head += [f"FP{b}" for b in a.bits]
+    rows = []
+    for r in a.table.to_dict("records"):
+        verdict = "-"
+        if isinstance(r["verdict"], str):
+            n, wins = int(r["fitted_steps"]), int(r["wins_lognormal"])
+            verdict = f"lognormal {wins}/{n}" if r["verdict"] == "lognormal" else \
+                f"{r['verdict']} (lognormal {wins}/{n})"
+        row = [r["layer"], f"{r['std_log2']:.2f}", f"{r['zero_fraction']:.0%}", verdict,
+               "-" if not math.isfinite(r["ks_lognormal"]) else f"{r['ks_lognormal']:.3f}"]
+        row += [_fmt_thr(r[f"threshold_{_pct(s)}"], r["zero_fraction"], s) for s in a.sparsities]
+        for b in a.bits:
+            f = r[f"fp{b}"]
+            row.append("-" if not isinstance(f, str) else f"{f} 2^{int(r[f'fp{b}_log2_scale'])}"
+                       if math.isfinite(r[f"fp{b}_log2_scale"]) else f)
+        rows.append(row)
+    return head, rows
+
+
+def _text_table(a: Analysis) -> str:
+    head, rows = _summary_rows(a)
+    w = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(cells))  # noqa: E731
+    out = [line(head), line(["-" * x for x in w])] + [line(r) for r in rows]
+    nl = int((a.table["verdict"] == "lognormal").sum())
+    out.append(f"lognormal is the best fit of {nl} of {len(a.table)} layers (majority over {len(a.fit_steps)} "
+               f"fitted step(s)); std log2|g| and the plans from step {a.plan_step}; thresholds: stochastic "
+               f"pruning, lognormal rule; formats: best ExMy (saturating, OCP 'fn') at its power-of-two scale "
+               f"2^k (gradients are multiplied by 2^k before the cast); '-': layer not planned (the plans "
+               f"cover convolution and linear layers)")
+    return "\n".join(out)
+
+
+def _md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+    out = ["| " + " | ".join(esc(h) for h in head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- writing
+@dataclass
+class Report:
+    """What :func:`report` wrote.
+
+    Attributes:
+        out_dir: the output directory.
+        analysis: the :class:`Analysis`.
+        files: ``{name: path}`` of the plans and tables (``plan``, ``plan_fp8_s85``, ..., ``fits``,
+            ``layers``, ``errors``, ``report``).
+        figures: ``{name: path}`` of the PNG figures (empty with ``figures=False``).
+    """
+
+    out_dir: Path
+    analysis: Analysis
+    files: dict[str, Path]
+    figures: dict[str, Path]
+
+    @property
+    def markdown(self) -> Path:
+        """The path of ``report.md``."""
+        return self.files["report"]
+
+    def summary(self) -> str:
+        """The analysis' summary table and the files written."""
+        lines = [self.analysis.summary(), "", f"wrote to {self.out_dir}:"]
+        for name, p in {**self.files, **self.figures}.items():
+            lines.append(f"  {p.relative_to(self.out_dir) if p.is_relative_to(self.out_dir) else p}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: the output directory, the files and the analysis."""
+        return {"out_dir": str(self.out_dir), "files": {k: str(v) for k, v in self.files.items()},
+                "figures": {k: str(v) for k, v in self.figures.items()}, "analysis": self.analysis.to_dict()}
+
+
+def report(run: Any, out_dir: str | os.PathLike[str], *, sparsities: Iterable[float] = SPARSITIES,
+           bits: Iterable[int] = BITS, figures: bool = True, progress: bool = False,
+           context: Mapping[str, str] | None = None) -> Report:
+    """Analyse a run (:func:`analyse`) and write the report into ``out_dir``:
+
+    - ``plan.json``: the plan of the first width and target (FP8 at 85% by default), ready for
+      :func:`gradstats.apply`; ``plans/fp{bits}-s{pct}.json``: every width and target;
+    - ``layers.csv`` (the per-layer table), ``fits.parquet`` (every fit), ``errors.csv`` (predicted
+      against measured quantisation error);
+    - ``figures/*.png`` (:func:`gradstats.plots.study.write_figures`) and ``report.md`` embedding them.
+
+    Example:
+        >>> import tempfile, gradstats
+        >>> rep = report(gradstats.data.data_dir() / "sample-run", tempfile.mkdtemp(), bits=[8],
+        ...              sparsities=[0.85], figures=False)
+        >>> gradstats.Plan.load(rep.files["plan"]).entries[0].layer
+        'conv1'
+    """
+    return analyse(run, sparsities=sparsities, bits=bits, progress=progress, context=context).write(
+        out_dir, figures=figures, progress=progress)
+
+
+def _write(a: Analysis, out: Path, *, figures: bool, progress: bool) -> Report:
+    from .plots.study import FIGURES, write_figures
+
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Path] = {}
+    main = a.plan()
+    main.save(out / "plan.json")
+    files["plan"] = out / "plan.json"
+    (out / "plans").mkdir(exist_ok=True)
+    for s, ps in a.plans.items():
+        for b, p in ps.items():
+            path = out / "plans" / f"fp{b}-s{_pct(s)}.json"
+            p.save(path)
+            files[f"plan_fp{b}_s{_pct(s)}"] = path
+    a.table.to_csv(out / "layers.csv", index=False)
+    files["layers"] = out / "layers.csv"
+    a.fits.to_parquet(out / "fits.parquet", index=False)
+    files["fits"] = out / "fits.parquet"
+    a.errors.to_csv(out / "errors.csv", index=False)
+    files["errors"] = out / "errors.csv"
+    figs: dict[str, Path] = {}
+    if figures:
+        figs = write_figures(a.run, out / "figures", plans=a.plans[a.sparsities[0]], progress=progress)
+    md = _markdown(a, out, files, figs, {k: v[1] for k, v in FIGURES.items()})
+    (out / "report.md").write_text(md)
+    files["report"] = out / "report.md"
+    return Report(out_dir=out, analysis=a, files=files, figures=figs)
+
+
+def _markdown(a: Analysis, out: Path, files: Mapping[str, Path], figs: Mapping[str, Path],
+              captions: Mapping[str, str]) -> str:
+    from . import __version__
+
+    run = a.run
+    m = run.manifest
+    rel = lambda p: os.path.relpath(p, out)  # noqa: E731
+    idx = run.sample_index()
+    sampled = sorted(int(s) for s in idx["step"].unique()) if len(idx) else []
+    lines = [f"# gradstats report: {m.get('model_class', 'model')}", ""]
+    lines += [f"- run: `{run.path}` ({len(run.layers)} traced layers, {len(run.steps)} steps with statistics "
+              f"{run.steps[0]}..{run.steps[-1]}, raw samples at steps {sampled or 'none'})",
+              f"- model: {m.get('model_class')} with {m.get('model_params', 0):,} parameters; captured kinds "
+              f"{', '.join(m.get('capture', {}).get('kinds', []))}"]
+    lines += [f"- {k}: {v}" for k, v in a.context.items()]
+    lines += [f"- gradstats {__version__}; std log2|g| and plans from step {a.plan_step}; fits over steps "
+              f"{a.fit_steps if len(a.fit_steps) <= 12 else f'{a.fit_steps[0]}..{a.fit_steps[-1]}'}", ""]
+    lines += ["## Per layer", ""]
+    head, rows = _summary_rows(a)
+    lines += [_md_table(head, rows), ""]
+    nl = int((a.table["verdict"] == "lognormal").sum())
+    ks = {f: a.fits[(a.fits["family"] == f) & (a.fits["status"] == "ok")]["ks"].median()
+          for f in ("lognormal", "normal", "laplace")}
+    lines += [f"Lognormal is the best of the three magnitude models (by likelihood, majority over the fitted "
+              f"steps) for **{nl} of {len(a.table)}** layers. Median KS distance over all fits: "
+              + ", ".join(f"{f} {v:.3f}" for f, v in ks.items() if math.isfinite(v)) + ".", "",
+              "Thresholds are for stochastic pruning (values below the threshold become 0 or "
+              "+-threshold, unbiased) under the lognormal rule; when the exact zeros already exceed the "
+              "target the threshold is 0. Formats are the best exponent/mantissa split of each width "
+              "(finite, saturating 'fn' convention) at its optimal power-of-two scale 2^k, by the "
+              "predicted relative MSE; '-' marks layers the plans leave alone (only convolution and "
+              "linear layers are planned).", ""]
+    if len(a.errors):
+        lines += ["## Predicted and measured quantisation error", "",
+                  f"Relative MSE (MSE / E[g^2]) of the recommended format at its scale, predicted from the "
+                  f"lognormal fit of step {a.plan_step} and measured by quantising that step's raw samples:", ""]
+        er = a.errors.sort_values(["bits", "layer"], ascending=[False, True])
+        rows = [[r["layer"], f"FP{r['bits']}", f"{r['format']} 2^{int(r['log2_scale'])}", f"{r['sigma_log2']:.2f}",
+                 f"{r['predicted']:.3g}", f"{r['measured']:.3g}",
+                 f"{r['measured'] / r['predicted']:.2f}" if r["predicted"] > 0 else "-"]
+                for r in er.to_dict("records")]
+        lines += [_md_table(["layer", "width", "format", "std log2|g|", "predicted", "measured", "measured / predicted"],
+                            rows), ""]
+        bad = er[(er["measured"] > 2 * er["predicted"]) & (er["measured"] > 1e-3)]
+        if len(bad):
+            lines += [f"**Warning**: the measured error exceeds twice the prediction for "
+                      f"{', '.join(sorted(set(f'{r.layer} (FP{r.bits})' for r in bad.itertuples())))}: their "
+                      "gradients are far from lognormal in the upper tail (see the Q-Q plots), so the "
+                      "lognormal optimum of the scale does not hold for them. Check these layers before "
+                      "applying the plan.", ""]
+    applied = run.table("applied")
+    if len(applied):
+        g = applied.groupby("layer", sort=False).agg(calls=("seq", "size"), target=("target_sparsity", "mean"),
+                                                     predicted=("predicted_sparsity", "mean"),
+                                                     achieved=("achieved_sparsity", "mean"))
+        lines += ["## Plan applied during the run", "",
+                  _md_table(["layer", "calls", "target", "predicted", "achieved"],
+                            [[str(k), str(int(r.calls)), f"{r.target:.3f}", f"{r.predicted:.3f}", f"{r.achieved:.3f}"]
+                             for k, r in g.iterrows()]), ""]
+    if figs:
+        lines += ["## Figures", "", "How to read each figure: `docs/figures.md` in the gradstats repository.", ""]
+        for name, p in figs.items():
+            lines += [f"### {captions.get(name, name).capitalize()}", "", f"![{name}]({rel(p)})", ""]
+    lines += ["## Plans", "",
+              f"- `{rel(files['plan'])}`: FP{a.bits[0]} with {_pct(a.sparsities[0])}% sparsity (the default plan)"]
+    lines += [f"- `{rel(p)}`" for k, p in files.items() if k.startswith("plan_")]
+    lines += ["", "Apply one during training (the schema is documented in `docs/plan-format.md`):", "",
+              "```python", "import gradstats", "",
+              f"plan = gradstats.Plan.load(\"{rel(files['plan'])}\")",
+              "with gradstats.apply(model, plan) as applied:", "    ...  # train as usual",
+              "print(applied.summary())", "```", "",
+              f"Tables: `{rel(files['layers'])}` (this table, all columns), `{rel(files['fits'])}` (every fit), "
+              f"`{rel(files['errors'])}` (predicted vs measured error).", ""]
+    return "\n".join(lines)
