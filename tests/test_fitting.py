@@ -139,7 +139,7 @@ def test_working_precision_extremes_within_proven_tolerance():
         a = a[a > 0]
         a, _ = torch.sort(a)
         with _exact.torch_single_thread():
-            p, _ = _exact._params(a, float(a[-1]), None, None)
+            p = _exact._params(a, float(a[-1]), None)
             ext = _exact._moments(a, p, vuong=False, ks=True, pool=None)["ext"]
         lmax = max(abs(math.log(float(a[0]))), abs(math.log(float(a[-1]))))
         tol = _exact._tolerances(p["mu"], p["sigma"], lmax, 2.0 ** -24)
@@ -191,7 +191,7 @@ def test_fit_hist_and_none_modes():
     assert nn.ks == {} and nn.ad is None and nn.ks_method == "none"
     assert nn.vuong[("lognormal", "normal")]["z"] == pytest.approx(exact.vuong[("lognormal", "normal")]["z"], rel=1e-5)
     assert nn.best == exact.best
-    nn.plot()  # histogram from the unsorted pass, no Q-Q points: still a figure
+    nn.plot()
 
 
 def test_subsample_ks_within_dkw_bound():

@@ -213,23 +213,18 @@ def _sort_(a: torch.Tensor) -> None:
         a.copy_(torch.sort(a).values)
 
 
-def _pass1(a: torch.Tensor, lo: int, hi: int, shift: float, scale: float,
-           hist_range: tuple[int, float, float] | None) -> dict[str, Any]:
+def _pass1(a: torch.Tensor, lo: int, hi: int, shift: float, scale: float) -> dict[str, Any]:
     """MLE sums over the magnitudes ``a[lo:hi]`` (all > 0 and finite), in float64 whatever
     the input's dtype (the parameters then match a float64 fit of the same values):
-    ``sum(ln a - shift)``, ``sum((ln a - shift)^2)``, ``sum(a scale)``, ``sum((a scale)^2)``;
-    with ``hist_range = (bins, min, max)`` also a histogram of ``ln a``."""
+    ``sum(ln a - shift)``, ``sum((ln a - shift)^2)``, ``sum(a scale)``, ``sum((a scale)^2)``."""
     f64 = torch.float64
     b64 = torch.empty(min(CHUNK, hi - lo), dtype=f64, device=a.device)
     bl = torch.empty_like(b64)
-    r: dict[str, Any] = {"s1": 0.0, "s2": 0.0, "sa": 0.0, "sa2": 0.0, "counts": None}
+    r: dict[str, Any] = {"s1": 0.0, "s2": 0.0, "sa": 0.0, "sa2": 0.0}
     for s, e in _chunks(lo, hi):
         k = e - s
         ch = b64[:k].copy_(a[s:e])
         l = torch.log(ch, out=bl[:k])
-        if hist_range is not None:
-            h = torch.histc(l, bins=hist_range[0], min=hist_range[1], max=hist_range[2])
-            r["counts"] = h if r["counts"] is None else r["counts"] + h
         l.sub_(shift)
         r["s1"] += float(l.sum())
         r["s2"] += float(torch.dot(l, l))
@@ -239,19 +234,17 @@ def _pass1(a: torch.Tensor, lo: int, hi: int, shift: float, scale: float,
     return r
 
 
-def _params(a: torch.Tensor, amax: float, hist_range: tuple[int, float, float] | None,
-            pool: ThreadPoolExecutor | None) -> tuple[dict[str, float], Any]:
+def _params(a: torch.Tensor, amax: float, pool: ThreadPoolExecutor | None) -> dict[str, float]:
     m = a.numel()
     # a shift near mu keeps the variance free of cancellation
     shift = float(torch.log(a[:CHUNK].to(torch.float64)).mean())
     scale = 2.0 ** -math.frexp(amax)[1]  # power of two: exact, keeps a^2 finite
-    parts = _map(lambda lo, hi: _pass1(a, lo, hi, shift, scale, hist_range), m, pool)
+    parts = _map(lambda lo, hi: _pass1(a, lo, hi, shift, scale), m, pool)
     s1, s2, sa, sa2 = (math.fsum(p[k] for p in parts) for k in ("s1", "s2", "sa", "sa2"))
-    counts = None if hist_range is None else sum(p["counts"] for p in parts)
     mean_d = s1 / m
     var = max(s2 / m - mean_d * mean_d, 0.0)
     return {"mu": shift + mean_d, "sigma": math.sqrt(var), "s": math.sqrt(sa2 / m) / scale,
-            "b": sa / m / scale}, counts
+            "b": sa / m / scale}
 
 
 def _tolerances(mu: float, sigma: float, lmax: float, eps: float) -> dict[str, float]:
@@ -394,8 +387,9 @@ def fit(x: Any, *, families: Sequence[str] = FAMILIES, ks: str = "exact",
     Args:
         x: signed values (tensor, array or sequence; any real dtype).
         families: which of ``("lognormal", "normal", "laplace")`` to report.
-        ks: ``"exact"`` (sort once; KS equals ``scipy.stats.kstest``), ``"hist"`` (bounds from
-            the binade histogram, no sort; ``ks_error`` is the proven half-width), ``"none"``.
+        ks: ``"exact"`` (KS equals ``scipy.stats.kstest``; Anderson-Darling too), ``"hist"``
+            (KS bounds from the binade histogram, as :func:`fit_stats` gives them;
+            ``ks_error`` is the proven half-width), ``"none"`` (no KS, no Anderson-Darling).
         max_samples: with ``ks="exact"``, compute KS and Anderson-Darling on a random sample
             (with replacement) of this many magnitudes when there are more; ``ks_error`` is
             then the DKW bound holding with probability ``SUBSAMPLE_CONFIDENCE``. Parameters,
@@ -431,6 +425,20 @@ def fit(x: Any, *, families: Sequence[str] = FAMILIES, ks: str = "exact",
         return _fit(xf, fams, ks, max_samples, seed, None)
 
 
+def _binade_hist(mags: torch.Tensor) -> np.ndarray | None:
+    """Binade counts of sorted magnitudes (the layout of ``gradstats.stats``), or None when
+    some lie outside float32's binades (float64 input)."""
+    from ..stats import HIST_BINS, HIST_MIN_EXP
+
+    if float(mags[0]) < 2.0 ** HIST_MIN_EXP or float(mags[-1]) >= 2.0 ** (HIST_MIN_EXP + HIST_BINS):
+        return None
+    edges = torch.exp2(torch.arange(HIST_MIN_EXP, HIST_MIN_EXP + HIST_BINS + 1, dtype=torch.float64))
+    pos = torch.searchsorted(mags, edges.to(mags.dtype).to(mags.device)).cpu().numpy()
+    if mags.dtype == torch.float32:  # 2**128 rounds to inf in float32: all finite values lie below
+        pos[-1] = mags.numel()
+    return np.diff(pos).astype(np.int64)
+
+
 def _fit(xf: torch.Tensor, fams: tuple[str, ...], ks: str, max_samples: int | None, seed: int,
          pool: ThreadPoolExecutor | None) -> FitResult:
     n = xf.numel()
@@ -438,51 +446,41 @@ def _fit(xf: torch.Tensor, fams: tuple[str, ...], ks: str, max_samples: int | No
     signed_job = pool.submit(_signed, xf) if pool is not None else None
     a = xf.abs()
     eps = float(torch.finfo(a.dtype).eps) / 2.0
-    do_sort = ks == "exact"
-    if ks != "exact" or max_samples is not None:
-        n_zero = int((a == 0).sum())
-        n_bad = int((~torch.isfinite(a)).sum())
-        do_sort = ks == "exact" and n - n_zero - n_bad <= max_samples  # type: ignore[operator]
-    if do_sort:
-        _sort_(a)
-        n_zero = int(torch.searchsorted(a, torch.zeros(1, dtype=a.dtype, device=a.device), right=True))
-        n_fin = int(torch.searchsorted(a, torch.full((1,), math.inf, dtype=a.dtype, device=a.device)))
-        mags = a[n_zero:n_fin]
-    else:
-        mags = a if n_zero == 0 and n_bad == 0 else a[torch.isfinite(a) & (a > 0)]
+    # Sorting in place is the cheapest way to set zeros and inf/NaN aside (zeros first, inf
+    # and NaN last: the non-zero finite magnitudes are one slice) and needs no further copy,
+    # so it is done in every mode; it also gives the plot's histogram and quantiles.
+    _sort_(a)
+    n_zero = int(torch.searchsorted(a, torch.zeros(1, dtype=a.dtype, device=a.device), right=True))
+    n_fin = int(torch.searchsorted(a, torch.full((1,), math.inf, dtype=a.dtype, device=a.device)))
+    mags = a[n_zero:n_fin]
     signed, n_finite = signed_job.result() if signed_job is not None else _signed(xf)
     m = mags.numel()
     n_nonfinite = n - n_finite
     if m < MIN_NONZERO:
         raise ValueError(f"fit needs at least {MIN_NONZERO} non-zero finite values, got {m} "
                          f"(n={n}: {n_zero} zeros, {n_nonfinite} non-finite)")
-    if do_sort:
-        amin, amax = float(mags[0]), float(mags[-1])
-    else:
-        amin, amax = (float(v) for v in torch.aminmax(mags))
+    amin, amax = float(mags[0]), float(mags[-1])
     if amin == amax:
         raise ValueError(f"all {m} non-zero magnitudes equal {amin:g}: sigma = 0, so no continuous "
                          "family fits and the comparison is undefined")
-    hist_range = None
-    if not do_sort:
-        lo_b = math.floor(math.log2(amin) * _BINS_PER_BINADE) / _BINS_PER_BINADE
-        hi_b = (math.floor(math.log2(amax) * _BINS_PER_BINADE) + 1) / _BINS_PER_BINADE
-        hist_range = (int(round((hi_b - lo_b) * _BINS_PER_BINADE)), lo_b * math.log(2), hi_b * math.log(2))
-    p, counts = _params(mags, amax, hist_range, pool)
+    p = _params(mags, amax, pool)
     if p["sigma"] == 0.0:
         raise ValueError(f"the {m} non-zero magnitudes have sigma(ln|g|) = 0 to working precision; "
                          "no continuous family fits")
-    sub = None
-    if ks == "exact" and not do_sort:
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        idx = torch.randint(m, (max_samples,), generator=gen).to(mags.device)  # type: ignore[arg-type]
-        sub = mags[idx]
-        del idx
-        _sort_(sub)
-    ks_data = mags if do_sort else sub
-    s2 = _moments(mags, p, vuong=True, ks=do_sort, pool=pool)
-    if sub is not None:
-        s2.update({k: v for k, v in _moments(sub, p, vuong=False, ks=True, pool=pool).items()
+    ks_data = None
+    if ks == "exact":
+        if max_samples is None or m <= max_samples:
+            ks_data = mags
+        else:
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+            idx = torch.randint(m, (max_samples,), generator=gen).to(mags.device)
+            ks_data = mags[idx]
+            del idx
+            _sort_(ks_data)
+    sub = ks_data is not None and ks_data is not mags
+    s2 = _moments(mags, p, vuong=True, ks=ks_data is mags, pool=pool)
+    if sub:
+        s2.update({k: v for k, v in _moments(ks_data, p, vuong=False, ks=True, pool=pool).items()
                    if k in ("ext", "ad")})
     ks_vals: dict[str, float] = {}
     ks_err: dict[str, float] = {}
@@ -495,34 +493,31 @@ def _fit(xf: torch.Tensor, fams: tuple[str, ...], ks: str, max_samples: int | No
         for f in fams:
             ks_vals[f] = _exact_ks(ks_data, f, p, s2["ext"][f], tol[f])
         dkw = math.sqrt(math.log(2.0 / (1.0 - SUBSAMPLE_CONFIDENCE)) / (2.0 * k_n))
-        ks_err = {f: 0.0 if sub is None else dkw for f in fams}
+        ks_err = {f: dkw if sub else 0.0 for f in fams}
         ad = -k_n - s2["ad"]
-        ks_method = "exact" if sub is None else "subsample"
+        ks_method = "subsample" if sub else "exact"
     elif ks == "hist":
-        from ..stats import tensor_stats
         from ._stats import hist_ks_bounds
 
-        st = tensor_stats(xf)
-        m_h = st["n"] - st["n_zero"] - st["n_nonfinite"]  # float32 view of the data, as traced
-        lo, hi = hist_ks_bounds(st["hist"][None, :], np.array([m_h]), np.array([st["min_abs"]]),
-                                np.array([st["max_abs"]]),
+        hist = _binade_hist(mags)
+        if hist is None:  # float64 values beyond float32's binades: the float32 view, as traced
+            from ..stats import tensor_stats
+
+            st = tensor_stats(xf)
+            hist, m_h, lo_v, hi_v = st["hist"], st["n"] - st["n_zero"] - st["n_nonfinite"], st["min_abs"], st["max_abs"]
+        else:
+            m_h, lo_v, hi_v = m, amin, amax
+        lo, hi = hist_ks_bounds(hist[None, :], np.array([m_h]), np.array([lo_v]), np.array([hi_v]),
                                 {"lognormal": {"mu": p["mu"], "sigma": p["sigma"]},
                                  "normal": {"scale": p["s"]}, "laplace": {"scale": p["b"]}})
         for f in fams:
             ks_vals[f] = float(0.5 * (lo[f][0] + hi[f][0]))
             ks_err[f] = float(0.5 * (hi[f][0] - lo[f][0]))
         ks_method = "hist"
-    if do_sort:
-        edges, hcounts = _log2_hist_sorted(mags)
-        qq = _qq_sorted(mags)
-    else:
-        assert hist_range is not None
-        edges = np.linspace(hist_range[1], hist_range[2], hist_range[0] + 1) / math.log(2)
-        hcounts = counts.cpu().numpy().astype(np.int64)
-        qq = _qq_sorted(sub) if sub is not None else (None, None)
+    edges, hcounts = _log2_hist_sorted(mags)
     return assemble(
         fams, source="samples", n=n, n_zero=n_zero, n_nonfinite=n_nonfinite, m=m, p=p, signed=signed,
         vuong_sq=s2["v"], s3=s2["s3"], s4=s2["s4"], ks=ks_vals, ks_error=ks_err, ks_method=ks_method,
         ks_n=0 if ks_data is None else ks_data.numel(), ad=ad,
-        ks_confidence=SUBSAMPLE_CONFIDENCE if sub is not None else 1.0,
-        log2_edges=edges, log2_counts=hcounts, qq=qq)
+        ks_confidence=SUBSAMPLE_CONFIDENCE if sub else 1.0,
+        log2_edges=edges, log2_counts=hcounts, qq=_qq_sorted(mags))
