@@ -530,15 +530,18 @@ def random_key(generator: Optional[torch.Generator], device: torch.device):
 
 @functools.lru_cache(maxsize=8)
 def _iota_cached(n: int, device: str) -> torch.Tensor:
-    return torch.arange(n, dtype=torch.int32, device=device)
+    return torch.arange(n, dtype=torch.int32, device=device).mul_(_K1)
 
 
 def _iota(n: int, device: torch.device) -> torch.Tensor:
-    return _iota_cached(n, str(device)) if n <= CHUNK else torch.arange(n, dtype=torch.int32, device=device)
+    """``arange(n) * K1`` (int32, wrapping): the first multiplication of the hash, done once."""
+    if n <= CHUNK:
+        return _iota_cached(n, str(device))
+    return torch.arange(n, dtype=torch.int32, device=device).mul_(_K1)
 
 
 def _hash_bits(lo: int, key, iota: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor, nbits: int) -> torch.Tensor:
-    """The top ``nbits`` bits of ``h(lo + i)`` for ``i`` in ``iota``, into ``out`` (int32).
+    """The top ``nbits`` bits of ``h(lo + i)`` for the ``i`` of ``iota`` (given as ``i * K1``), into ``out``.
 
     On 32-bit words, ``h = (c + k1) * K1; h ^= h >> 16; h = h * K2 + k2; h ^= h >> 15; h *= K3``
     (logical shifts): a keyed multiply-xorshift hash, a bijection of the counter ``c`` for every key,
@@ -547,10 +550,9 @@ def _hash_bits(lo: int, key, iota: torch.Tensor, out: torch.Tensor, tmp: torch.T
     """
     k1, k2 = key
     if isinstance(k1, int):
-        torch.add(iota, _s32(lo + k1), out=out)
+        torch.add(iota, _s32((lo + k1) * _K1), out=out)
     else:
-        torch.add(iota, k1 + _s32(lo), out=out)
-    out.mul_(_K1)
+        torch.add(iota, (k1 + _s32(lo)) * _K1, out=out)
     torch.bitwise_right_shift(out, 16, out=tmp).bitwise_and_(0xFFFF)
     out.bitwise_xor_(tmp).mul_(_K2).add_(k2)
     torch.bitwise_right_shift(out, 15, out=tmp).bitwise_and_(0x1FFFF)

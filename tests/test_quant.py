@@ -397,7 +397,7 @@ def test_random_bits_hash_matches_numpy_and_looks_random():
     k1, k2 = -123456789, 987654321
     lo = 2 ** 32 - 3000  # crosses the 32-bit wrap of the counter
     out = torch.empty(6000, dtype=torch.int32)
-    Q._hash_bits(lo, (k1, k2), torch.arange(6000, dtype=torch.int32), out, torch.empty_like(out), 23)
+    Q._hash_bits(lo, (k1, k2), Q._iota(6000, torch.device("cpu")), out, torch.empty_like(out), 23)
     with np.errstate(over="ignore"):
         h = (np.arange(lo, lo + 6000, dtype=np.uint64) % 2 ** 32).astype(u32) + u32(k1 % 2 ** 32)
         h *= u32(0x7FEB352D)
@@ -409,7 +409,7 @@ def test_random_bits_hash_matches_numpy_and_looks_random():
     # statistics of one stream: uniform, no serial correlation, independent pairs
     n = 1 << 20
     r = torch.empty(n, dtype=torch.int32)
-    Q._hash_bits(0, (12345, -777), torch.arange(n, dtype=torch.int32), r, torch.empty_like(r), 23)
+    Q._hash_bits(0, (12345, -777), Q._iota(n, torch.device("cpu")), r, torch.empty_like(r), 23)
     u = r.double() / 2 ** 23
     assert abs(u.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / n)
     c = u - u.mean()
