@@ -440,3 +440,34 @@ def test_median_selection_is_exact_with_ties(zeros):
         x = torch.randn(n, generator=g).to(torch.bfloat16).float()
         x[torch.rand(n, generator=g) < zeros] = 0.0
         assert _exact._median(x) == float(np.median(x.numpy().astype(np.float64)))
+
+
+_MEMORY_SCRIPT = r"""
+import json, resource, sys, torch
+from gradstats.fitting import fit
+n = int(sys.argv[1])
+x = torch.empty(n)
+g = torch.Generator().manual_seed(0)
+for s in range(0, n, 1 << 20):
+    e = min(n, s + (1 << 20))
+    x[s:e] = torch.randn(e - s, generator=g).mul_(2.0).exp_()
+x[::10] = 0.0
+fit(torch.randn(1000))  # libraries loaded before the baseline
+with open("/proc/self/statm") as f:
+    before = int(f.read().split()[1]) * 4096
+fit(x)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"before": before, "peak": peak, "input": 4 * n}))
+"""
+
+
+@pytest.mark.slow
+def test_memory_stays_near_one_copy_of_the_input():
+    """The issue's budget is about 3x the input in all; fit needs one copy plus buffers."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(30_000_000)], capture_output=True,
+                         text=True, check=True)
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    assert d["peak"] - d["before"] <= 1.5 * d["input"]
