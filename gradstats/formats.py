@@ -28,6 +28,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -294,6 +295,11 @@ def parse(name: "str | FPFormat") -> FPFormat:
         return name
     if not isinstance(name, str):
         raise ValueError(f"format: expected an FPFormat or a name such as 'e4m3fn', got {type(name).__name__}")
+    return _parse_str(name)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_str(name: str) -> FPFormat:
     key = name.strip().lower()
     if key in REGISTRY:
         return REGISTRY[key]

@@ -63,7 +63,7 @@ _FP32 = FPFormat(8, 23)
 
 @dataclass(frozen=True)
 class _Consts:
-    """Per (format, overflow) constants of the float32 bit algorithms."""
+    """Per-format constants of the float32 bit algorithms."""
 
     fmt: FPFormat
     M: int

@@ -194,7 +194,7 @@ def quantize_triton(
     sub_exp = fmt.emin - c.Msub  # exponent of the smallest step below 2**emin
     t_sub = 1 << min(-126 - sub_exp, 24) if sub_exp < -126 else 0
     sh_sub = min(max(sub_exp + 149, 0), 30)
-    grid = (triton_cdiv(n, BLOCK),)
+    grid = (-(-n // BLOCK),)
     _kernel(interpreting())[grid](
         xc, y, S, key_t, RB, n, scale_f, s_div, s_mod, k1, k2,
         M=c.M, MSUB=c.Msub, E0F=c.E0F, MAXBITS=c.MAXBITS, OVFBITS=ovf, ROUNDING=_ROUNDING[rounding],
@@ -202,7 +202,3 @@ def quantize_triton(
         T_SUB=t_sub, SH_SUB=sh_sub, C0F=fmt.min_normal, BLOCK=BLOCK,
     )
     return y.view(x.shape)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
