@@ -323,7 +323,7 @@ def _round_flat(v, fmt, s, rounding, overflow, generator, rbits, out_dtype):
     chunk = CHUNK if cpu else n
     key = None
     if rounding == "stochastic" and rbits is None:
-        key = random_key(generator, v.device)
+        key = _random_key(generator, v.device)
     if rounding == "toward_zero" or not (c.fast_nearest if rounding == "nearest" else c.fast):
         out = torch.empty(n, dtype=out_dtype, device=v.device)
         for lo in range(0, n, chunk):
@@ -442,7 +442,7 @@ def _round_generic(v, c, s, rounding, overflow, generator, rbits, *, key=None, l
     if rounding == "stochastic":
         if rbits is None:
             rbits = torch.empty(a.shape, dtype=torch.int32, device=a.device)
-            key = random_key(generator, a.device) if key is None else key
+            key = _random_key(generator, a.device) if key is None else key
             _hash_bits(lo, key, _iota(a.numel(), a.device), rbits, torch.empty_like(rbits), 23)
         R = rbits.to(torch.int64)
     if fmt.special == "fnu":
@@ -517,7 +517,7 @@ def _s32(v: int) -> int:
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
-def random_key(generator: Optional[torch.Generator], device: torch.device):
+def _random_key(generator: Optional[torch.Generator], device: torch.device):
     """Two int32 keys of the random-bit hash, drawn from ``generator`` (default: torch's global CPU
     generator). Python ints for a CPU generator; a 2-element int32 tensor on the generator's device
     otherwise (no host-device synchronisation)."""

@@ -164,8 +164,13 @@ def quantize_triton(
 
     ``scale_div=True`` divides by a tensor ``scale`` first and multiplies after (block scaling).
     ``rbits`` (int32, one per element, in ``[0, 2**23)``) replaces the hash bits of stochastic rounding.
+
+    Example (CUDA, or the CPU with ``TRITON_INTERPRET=1`` set before the first call):
+        >>> from gradstats.formats import parse
+        >>> quantize_triton(torch.tensor([0.1, 500.0], device="cuda"), parse("e4m3fn")).tolist()  # doctest: +SKIP
+        [0.1015625, 448.0]
     """
-    from ..quant import _consts, random_key
+    from ..quant import _consts, _random_key
 
     c = _consts(fmt)
     xc = x.contiguous()
@@ -185,7 +190,7 @@ def quantize_triton(
         if rbits is not None:
             RB, key_mode = rbits.reshape(-1).to(device=x.device, dtype=torch.int32).contiguous(), 2
         else:
-            key = random_key(generator, x.device)
+            key = _random_key(generator, x.device)
             if isinstance(key, torch.Tensor):
                 key_t, key_mode = key, 1
             else:
