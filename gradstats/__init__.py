@@ -26,6 +26,8 @@ _EXPORTS: dict[str, str] = {
     # formats and quantisation
     "FPFormat": "gradstats.formats",
     "quantize": "gradstats.quant",
+    "block_scales": "gradstats.quant",
+    "mx_shared_exponent": "gradstats.quant",
     # built-in models, data and training loop
     "build_model": "gradstats.models",
     "list_models": "gradstats.models",

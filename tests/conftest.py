@@ -1,8 +1,15 @@
 """Shared test fixtures."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # each xdist worker gets one core: two workers with two OpenMP threads each on a 2-core
+    # machine stall on each other
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
