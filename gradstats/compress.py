@@ -5,7 +5,8 @@ runs in the backward pass.
 with the counts a training log needs (zeros, entries pruned, entries flushed to zero by
 rounding, entries saturated). On the CPU one fused C kernel (:mod:`gradstats._native`) does
 it in a single pass over the data and is bit-identical to :func:`gradstats.quantize` for
-nearest and toward-zero rounding; block scaling, other devices, and machines without a C
+nearest and toward-zero rounding (stochastic rounding draws its own random bits: equal in
+distribution, not bit for bit); block scaling, other devices, and machines without a C
 compiler go through :func:`gradstats.pruning.stochastic_prune` and :func:`gradstats.quantize`
 (their Triton kernels on CUDA).
 
@@ -61,15 +62,17 @@ def _native():
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p]
+                   ctypes.c_int, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p]
     return fn
 
 
 def _native_ok(fmt: Optional[FPFormat], scale: float) -> bool:
-    """Formats the fused kernel covers: signed, up to 8 exponent bits (the kernel saturates)."""
+    """Formats the fused kernel covers: signed, with a zero, steps not below float32's subnormal
+    range (every format of up to 8 exponent bits with the usual bias); it saturates."""
     if fmt is None:
         return True
-    return fmt.signed and fmt.exp_bits <= 8 and fmt.man_bits <= 23 and scale > 0
+    return (fmt.signed and fmt.has_zero and fmt.man_bits <= 23 and fmt.emin - fmt.man_bits >= -126
+            and fmt.emin <= 104 and scale > 0)
 
 
 def _seed(generator: Optional[torch.Generator]) -> int:
@@ -110,7 +113,8 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, 
         q = fmt is not None
         rc = fn(xc.data_ptr(), res.data_ptr(), n, float(threshold), float(scale), int(q),
                 fmt.man_bits if q else 0, fmt.emin if q else 0, fmt.max if q else 0.0,
-                int(fmt.subnormals) if q else 1, ROUNDING_CODES[rounding], _seed(generator),
+                int(fmt.subnormals) if q else 1, ROUNDING_CODES[rounding],
+                int(fmt.has_negative_zero) if q else 1, _seed(generator),
                 torch.get_num_threads(), counts.data_ptr())
         if rc != 0:  # pragma: no cover - arguments are validated above
             raise RuntimeError("the fused prune/quantise kernel rejected its arguments")

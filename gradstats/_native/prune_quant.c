@@ -3,22 +3,30 @@
  * For each element v of x:
  *   1. prune (when a > 0): |v| >= a is kept; otherwise v becomes sign(v)*a with probability
  *      |v|/a, else 0 (unbiased);
- *   2. quantise (when quant != 0): w = v*scale is rounded to the format with man_bits mantissa
+ *   2. quantise (when quant != 0): w = |v|*scale is rounded to the format with man_bits mantissa
  *      bits, smallest normal exponent emin, largest finite value maxv (saturating: larger
  *      magnitudes and inf become maxv), with or without subnormals, by nearest-even,
- *      stochastic or toward-zero rounding; the result is divided by scale again. NaN stays NaN.
- * and counts: out[0] zeros in the result, out[1] entries set to zero by pruning,
+ *      stochastic or toward-zero rounding; the result is divided by scale again and takes v's
+ *      sign (zeros are +0 in formats without -0). NaN stays NaN.
+ * and counts: out[0] zeros in the result, out[1] non-zero entries set to zero by pruning,
  * out[2] non-zero entries flushed to zero by rounding (underflow), out[3] entries whose
  * scaled magnitude exceeded maxv (saturated, overflow).
  *
- * The uniforms come from a counter-based hash of (seed, index): reproducible, independent of
- * thread count, 24-bit resolution (a bias below 6e-8 of the rounding step).
- * Rounding works on the magnitude in double precision, where scaling by powers of two and the
- * rounding step are exact for every format up to 8 exponent bits.
+ * Rounding works on the float32 bit pattern of w:
+ * - w >= 2^emin (the format's normal range): the low 23-M mantissa bits are dropped after
+ *   adding half an ulp less one plus the kept lsb (ties to even), or uniform random bits
+ *   (stochastic); a carry moves into the exponent;
+ * - w < 2^emin (its subnormal range), step 2^(emin-M): nearest is (w + C) - C with
+ *   C = 2^(emin-M+23), whose ulp is that step; stochastic and toward zero truncate w/step + u;
+ * - without subnormals only 0 and 2^emin exist below 2^emin.
+ * This needs emin - M >= -126 (every format with at most 8 exponent bits and the usual bias).
+ *
+ * The uniforms come from a counter-based hash of (seed, index): reproducible and independent
+ * of the thread count; 24-bit uniforms for pruning and subnormal rounding, 23-M random bits
+ * for stochastic rounding in the normal range.
  */
 #include <stdint.h>
 #include <string.h>
-#include <math.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -30,13 +38,12 @@ static inline uint32_t mix32(uint32_t h) {
     return h;
 }
 
-static inline double p2(int k) {           /* 2^k as a double, |k| < 1000 */
-    uint64_t b = (uint64_t)(k + 1023) << 52; double d; memcpy(&d, &b, 8); return d;
-}
+static inline float f_of(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static inline uint32_t u_of(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
 
 typedef struct {
     float a, scale, maxv;
-    int quant, man_bits, emin, subnormals, rounding;   /* rounding: 0 nearest, 1 stochastic, 2 toward zero */
+    int man_bits, emin, neg_zero;
     uint32_t seed_lo, seed_hi;
 } params_t;
 
@@ -44,66 +51,72 @@ static inline __attribute__((always_inline)) void
 block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, const params_t *p,
           int64_t *restrict cnt, const int PRUNE, const int QUANT, const int ROUNDING, const int SUBNORMALS) {
     int64_t nzero = 0, npruned = 0, nunder = 0, nover = 0;
-    const double inv_scale = 1.0 / (double)p->scale;
-    const double maxv = (double)p->maxv;
-    const double min_normal = p2(p->emin);
-    const float a = p->a;
-    const double da = (double)a;
+    const float a = p->a, scale = p->scale, inv_scale = 1.0f / p->scale, maxv = p->maxv;
+    const int drop = 23 - p->man_bits;
+    const uint32_t low = drop > 0 ? ((1u << drop) - 1u) : 0u;
+    const uint32_t half = drop > 0 ? (1u << (drop - 1)) - 1u : 0u;
+    const uint32_t rshift = 32 - drop;
+    const float min_normal = f_of((uint32_t)(p->emin + 127) << 23);
+    const float half_min_normal = 0.5f * min_normal;
+    const float step = f_of((uint32_t)(p->emin - p->man_bits + 127) << 23);
+    const float inv_step = 1.0f / step;
+    const float magic = f_of((uint32_t)(p->emin - p->man_bits + 23 + 127) << 23);
+    const uint32_t zero_sign = p->neg_zero ? 0x80000000u : 0u;
+    const uint32_t seed_lo = p->seed_lo, seed_hi = p->seed_hi;
 #pragma omp simd reduction(+:nzero, npruned, nunder, nover)
     for (int64_t j = 0; j < m; j++) {
-        uint32_t idx = (uint32_t)(lo + j);
-        uint32_t base = mix32(idx * 2u + p->seed_lo) ^ p->seed_hi;
+        uint32_t base = mix32((uint32_t)(lo + j) * 2u + seed_lo) ^ seed_hi;
         float v = x[j];
-        float av = fabsf(v);
-        double sgn = v < 0.f ? -1.0 : 1.0;
-        double w = (double)av;
+        uint32_t vb = u_of(v);
+        uint32_t sign = vb & 0x80000000u;
+        float w = f_of(vb & 0x7fffffffu);
         int isnan_ = v != v;
-        /* 1. stochastic pruning */
         if (PRUNE) {
             float u = (float)(mix32(base) >> 8) * (1.0f / 16777216.0f);
-            int small = av < a;
-            int up = u * a < av;
-            w = small ? (up ? da : 0.0) : w;
-            npruned += small & !up & (av != 0.f);
+            int small = w < a;
+            int up = u * a < w;
+            npruned += small & !up & (w != 0.f);
+            w = small ? (up ? a : 0.f) : w;
         }
-        double r = w;
+        float r = w;
         if (QUANT) {
-            double ws = w * (double)p->scale;
-            nover += (ws > maxv) & !isnan_;
-            /* exponent of ws (ws < 2^128 * scale: double keeps it exact) */
-            uint64_t wb; memcpy(&wb, &ws, 8);
-            int e = (int)((wb >> 52) & 0x7ff) - 1023;
-            int ee = e < p->emin ? p->emin : e;
-            double q = ws * p2(p->man_bits - ee);         /* in units of the step */
-            double qr;
-            if (ROUNDING == 1) {
-                double u2 = (double)(mix32(base ^ 0x68e31da4u) >> 8) * (1.0 / 16777216.0);
-                qr = floor(q + u2);
-            } else if (ROUNDING == 2) {
-                qr = trunc(q);
-            } else {
-                qr = nearbyint(q);                        /* ties to even */
-            }
-            double res = qr * p2(ee - p->man_bits);
-            if (!SUBNORMALS) {
-                /* below the smallest normal only 0 and min_normal exist */
-                double lowres;
-                if (ROUNDING == 1) {
-                    double u3 = (double)(mix32(base ^ 0x2545f491u) >> 8) * (1.0 / 16777216.0);
-                    lowres = (u3 * min_normal < ws) ? min_normal : 0.0;
-                } else if (ROUNDING == 2) {
-                    lowres = 0.0;
+            float ws = w * scale;
+            int over = ws > maxv;
+            nover += over;
+            uint32_t rnd = mix32(base ^ 0x68e31da4u);
+            uint32_t wb = u_of(ws);
+            uint32_t add;
+            if (ROUNDING == 0) add = half + ((wb >> drop) & 1u);
+            else if (ROUNDING == 1) add = drop > 0 ? (rnd >> rshift) : 0u;
+            else add = 0u;
+            float rn = f_of((wb + add) & ~low);
+            float rs;
+            if (SUBNORMALS) {
+                if (ROUNDING == 0) {
+                    rs = (ws + magic) - magic;
                 } else {
-                    lowres = ws > 0.5 * min_normal ? min_normal : 0.0;
+                    float uq = ROUNDING == 1 ? (float)(rnd & 0xffffffu) * (1.0f / 16777216.0f) : 0.f;
+                    float q = ws < min_normal ? ws * inv_step : 0.f;     /* < 2^M there: exact */
+                    rs = (float)(int32_t)(q + uq) * step;
                 }
-                res = ws < min_normal ? lowres : res;
+            } else {
+                if (ROUNDING == 0) {
+                    rs = ws > half_min_normal ? min_normal : 0.f;
+                } else if (ROUNDING == 1) {
+                    float uq = (float)(rnd & 0xffffffu) * (1.0f / 16777216.0f);
+                    rs = uq * min_normal < ws ? min_normal : 0.f;
+                } else {
+                    rs = 0.f;
+                }
             }
-            res = res > maxv ? maxv : res;
-            res = ws > maxv ? maxv : res;             /* saturate, inf included */
-            nunder += (res == 0.0) & (ws != 0.0) & !isnan_;
+            float res = ws < min_normal ? rs : rn;
+            res = (over | (res > maxv)) ? maxv : res;               /* saturate, inf included */
+            nunder += (res == 0.f) & (w != 0.f);
             r = res * inv_scale;
         }
-        float o = (float)(sgn * r);
+        uint32_t rb = u_of(r);
+        uint32_t sgn = rb == 0u ? (sign & zero_sign) : sign;
+        float o = f_of(rb | sgn);
         o = isnan_ ? v : o;
         out[j] = o;
         nzero += o == 0.f;
@@ -130,12 +143,12 @@ static const runner_t RUNNERS[2][2][3][2] = {
 
 int gs_prune_quantize_f32(const float *x, float *out, int64_t n, float a, float scale, int quant,
                           int man_bits, int emin, float maxv, int subnormals, int rounding,
-                          uint64_t seed, int nthreads, int64_t *counts) {
-    params_t p = {a, scale, maxv, quant, man_bits, emin, subnormals, rounding,
-                  (uint32_t)seed, (uint32_t)(seed >> 32)};
-    int64_t total[4] = {0, 0, 0, 0};
+                          int neg_zero, uint64_t seed, int nthreads, int64_t *counts) {
     if (rounding < 0 || rounding > 2) return -1;
+    if (quant && (man_bits < 0 || man_bits > 23 || emin - man_bits < -126 || emin > 127)) return -2;
+    params_t p = {a, scale, maxv, man_bits, emin, neg_zero, (uint32_t)seed, (uint32_t)(seed >> 32)};
     runner_t run = RUNNERS[a > 0.f][quant != 0][rounding][subnormals != 0];
+    int64_t total[4] = {0, 0, 0, 0};
     int64_t nblocks = (n + BLOCK - 1) / BLOCK;
     if (nthreads < 1) nthreads = 1;
 #ifdef _OPENMP
