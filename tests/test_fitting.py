@@ -463,11 +463,14 @@ print(json.dumps({"before": before, "peak": peak, "input": 4 * n}))
 
 @pytest.mark.slow
 def test_memory_stays_near_one_copy_of_the_input():
-    """The issue's budget is about 3x the input in all; fit needs one copy plus buffers."""
+    """fit needs one copy of the input plus chunk buffers."""
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(30_000_000)], capture_output=True,
                          text=True, check=True)
     d = json.loads(out.stdout.strip().splitlines()[-1])
-    assert d["peak"] - d["before"] <= 1.5 * d["input"]
+    extra = (d["peak"] - d["before"]) / d["input"]
+    # one copy of the magnitudes plus buffers: measured 1.1-1.6x (heap fragmentation varies with
+    # thread timing); the issue's budget is about 3x the input in all, i.e. 2x beyond it
+    assert extra <= 2.0, d

@@ -143,22 +143,28 @@ def _select(x: torch.Tensor, ks: tuple[int, ...]) -> list[float]:
     r1, r2, d = ks[0] * ns / n, ks[-1] * ns / n, 2.5 * math.sqrt(ns)
     lo = float(samp[int(r1 - d)]) if r1 - d >= 0 else -math.inf
     hi = float(samp[int(r2 + d) + 1]) if r2 + d + 1 < ns else math.inf
-    # counts below lo, equal to lo, strictly inside, equal to hi; ties (zeros!) are not copied
+    # counts below lo, equal to lo, strictly inside, equal to hi; ties (zeros!) are not copied.
+    # Two passes (count, then copy into one buffer): keeping many small pieces alive between
+    # the per-chunk temporaries fragments the heap and costs far more memory than they hold.
     below = at_lo = inside = at_hi = 0
-    parts = []
     for s, e in _chunks(0, n):
         ch = x[s:e]
         below += int((ch < lo).sum())
         at_lo += int((ch == lo).sum())
         at_hi += int((ch == hi).sum()) if hi != lo else 0
-        sel = ch[(ch > lo) & (ch < hi)]
-        if sel.numel():
-            inside += sel.numel()
-            parts.append(sel.clone())  # a compact copy: the indexing result may hold a larger block
+        inside += int(((ch > lo) & (ch < hi)).sum())
     if not (below <= ks[0] and ks[-1] < below + at_lo + inside + at_hi):
         part = np.partition(x.numpy(), ks)  # pragma: no cover - bracket missed (p < 1e-6)
         return [float(part[k]) for k in ks]
-    mid = torch.cat(parts).numpy() if inside else np.empty(0, dtype=x.numpy().dtype)
+    buf = torch.empty(inside, dtype=x.dtype)
+    pos = 0
+    if inside:
+        for s, e in _chunks(0, n):
+            ch = x[s:e]
+            sel = ch[(ch > lo) & (ch < hi)]
+            buf[pos:pos + sel.numel()] = sel
+            pos += sel.numel()
+    mid = buf.numpy()
     want = sorted({k - below - at_lo for k in ks if 0 <= k - below - at_lo < inside})
     part = np.partition(mid, want) if want else mid
     out = []
