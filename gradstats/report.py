@@ -16,8 +16,8 @@ Example:
     >>> a.table.loc[a.table["layer"] == "conv2", "fp8"].item()
     'e4m3fn'
     >>> rep = a.write(tempfile.mkdtemp(), figures=False)
-    >>> sorted(p.name for p in rep.files.values())[:3]
-    ['errors.csv', 'fits.parquet', 'plan.json']
+    >>> sorted(rep.files)[:4]
+    ['errors', 'fits', 'layers', 'plan']
 """
 from __future__ import annotations
 
@@ -150,37 +150,6 @@ def _plan_step(run: Any, sampled: list[int], has_samples: bool) -> int:
     return max(have)
 
 
-def _errors(run: Any, steps: Sequence[int], bits: Sequence[int]) -> pd.DataFrame:
-    """Predicted (recommend at that step) and measured error of each planned layer and width."""
-    from .fpanalysis import measured_error
-    from .plots.study import layer_values
-    from .recommendation import recommend
-
-    rows = []
-    for s in steps:
-        try:
-            plans = recommend(run, bits=list(bits), step=int(s))
-        except ValueError as exc:
-            log.info("no recommendation at step %s: %s", s, exc)
-            continue
-        for b, plan in plans.items():
-            for e in plan.entries:
-                x = layer_values(run, e.layer, int(s), "grad")
-                pr = e.predicted
-                if x is None or pr is None or pr.scale is None:
-                    continue
-                try:
-                    meas = measured_error(x, e.format, scale=pr.scale)
-                except ValueError as exc:
-                    log.info("no measured error for %s at step %s: %s", e.layer, s, exc)
-                    continue
-                rows.append({"layer": e.layer, "step": int(s), "bits": b, "format": str(e.format),
-                             "log2_scale": math.log2(pr.scale), "sigma_log2": pr.sigma / _LN2,
-                             "predicted": pr.error, "measured": meas})
-    return pd.DataFrame(rows, columns=["layer", "step", "bits", "format", "log2_scale", "sigma_log2",
-                                       "predicted", "measured"])
-
-
 def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterable[int] = BITS,
             progress: bool = False, context: Mapping[str, str] | None = None) -> Analysis:
     """Fit every layer of a run, derive thresholds and recommended formats, check the predictions.
@@ -207,6 +176,7 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
 
     from .cli.fit import layer_verdicts
     from .fitting import fit_run
+    from .plots.study import error_check
     from .recommendation import recommend
 
     run = _open(run)
@@ -228,7 +198,7 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     plans = {s: recommend(run, bits=list(bts), sparsity=s, step=plan_step) for s in sps}
     bar.update()
     bar.set_postfix_str("errors")
-    errors = _errors(run, [plan_step], bts) if has_samples else _errors(run, [], bts)
+    errors = error_check(run, steps=[plan_step] if has_samples else [], bits=bts)
     bar.update()
     table = _layer_table(run, verdicts, plans, plan_step, sps, bts)
     bar.update()
@@ -406,7 +376,8 @@ def _write(a: Analysis, out: Path, *, figures: bool, progress: bool) -> Report:
     files["errors"] = out / "errors.csv"
     figs: dict[str, Path] = {}
     if figures:
-        figs = write_figures(a.run, out / "figures", plans=a.plans[a.sparsities[0]], progress=progress)
+        figs = write_figures(a.run, out / "figures", plans=a.plans[a.sparsities[0]], errors=a.errors,
+                             progress=progress)
     md = _markdown(a, out, files, figs, {k: v[1] for k, v in FIGURES.items()})
     (out / "report.md").write_text(md)
     files["report"] = out / "report.md"
@@ -456,13 +427,20 @@ def _markdown(a: Analysis, out: Path, files: Mapping[str, Path], figs: Mapping[s
                 for r in er.to_dict("records")]
         lines += [_md_table(["layer", "width", "format", "std log2|g|", "predicted", "measured", "measured / predicted"],
                             rows), ""]
-        bad = er[(er["measured"] > 2 * er["predicted"]) & (er["measured"] > 1e-3)]
-        if len(bad):
-            lines += [f"**Warning**: the measured error exceeds twice the prediction for "
-                      f"{', '.join(sorted(set(f'{r.layer} (FP{r.bits})' for r in bad.itertuples())))}: their "
-                      "gradients are far from lognormal in the upper tail (see the Q-Q plots), so the "
-                      "lognormal optimum of the scale does not hold for them. Check these layers before "
+        lost = er[er["measured"] >= 0.99]
+        bad = er[(er["measured"] > 2 * er["predicted"]) & (er["measured"] > 1e-3) & (er["measured"] < 0.99)]
+        name = lambda d: ", ".join(sorted(set(f"{r.layer} (FP{r.bits})" for r in d.itertuples())))  # noqa: E731
+        if len(lost):
+            lines += [f"**Warning**: with the recommended scale every value of {name(lost)} is flushed to zero "
+                      "(measured relative error 1): the scale, optimal for a lognormal with this sigma, puts "
+                      "these layers' real gradients, whose upper tail is bounded (see the Q-Q plots), below "
+                      "the format's smallest value. Use the `amax` scale rule for them or check them before "
                       "applying the plan.", ""]
+        if len(bad):
+            lines += [f"**Warning**: the measured error exceeds twice the prediction for {name(bad)}: their "
+                      "gradients are far from lognormal in the tails (see the Q-Q plots), so the lognormal "
+                      "optimum of the scale does not hold for them. Check these layers before applying the "
+                      "plan.", ""]
     applied = run.table("applied")
     if len(applied):
         g = applied.groupby("layer", sort=False).agg(calls=("seq", "size"), target=("target_sparsity", "mean"),
@@ -475,7 +453,8 @@ def _markdown(a: Analysis, out: Path, files: Mapping[str, Path], figs: Mapping[s
     if figs:
         lines += ["## Figures", "", "How to read each figure: `docs/figures.md` in the gradstats repository.", ""]
         for name, p in figs.items():
-            lines += [f"### {captions.get(name, name).capitalize()}", "", f"![{name}]({rel(p)})", ""]
+            cap = captions.get(name, name)
+            lines += [f"### {cap[:1].upper() + cap[1:]}", "", f"![{name}]({rel(p)})", ""]
     lines += ["## Plans", "",
               f"- `{rel(files['plan'])}`: FP{a.bits[0]} with {_pct(a.sparsities[0])}% sparsity (the default plan)"]
     lines += [f"- `{rel(p)}`" for k, p in files.items() if k.startswith("plan_")]

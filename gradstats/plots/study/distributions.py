@@ -1,0 +1,309 @@
+"""Figures of where the gradients lie and how well each family follows them: per-layer histograms
+of ``log2|x|`` with the fitted densities (gradients beside activations and weights), Q-Q plots of
+``ln|g|``, KS distance and Vuong effect size per layer, and location and spread over training.
+
+Example:
+    >>> import gradstats
+    >>> from gradstats.plots.study import plot_moments_over_steps
+    >>> fig = plot_moments_over_steps(gradstats.data.data_dir() / "sample-run")
+    >>> [ax.get_ylabel() for ax in fig.axes[:2]]
+    ['mean of log2|g|', 'std of log2|g|  (binades)']
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+
+from ..style import FAMILY_COLORS, use_style
+from ._data import (_FAMILY_LABELS, _LN2, _SYMBOL, KIND_LABELS, _fits_or_run, _layers, _open, _pick_step,
+                    goodness_of_fit, layer_fit, moments_over_steps)
+
+def _log2_density(family: str, t: np.ndarray, params: Mapping[str, float]) -> np.ndarray:
+    from ..fit import _log2_density as dens  # the one home of the change of variables
+
+    return dens(family, t, params)
+
+
+def _grid(n: int, ncols: int) -> tuple[int, int]:
+    ncols = max(1, min(ncols, n))
+    return int(math.ceil(n / ncols)), ncols
+
+
+def _layer_palette(n: int) -> list[Any]:
+    import seaborn as sns
+
+    return sns.color_palette("colorblind" if n <= 10 else "husl", n)
+
+
+def _hist_panel(ax: Any, res: Any, kind: str) -> None:
+    edges = np.asarray(res.log2_edges, dtype=float)
+    counts = np.asarray(res.log2_counts, dtype=float)
+    dens = counts / max(counts.sum(), 1.0) / np.diff(edges)
+    ax.stairs(dens, edges, fill=True, color="0.78", label="data")
+    ax.stairs(dens, edges, color="0.45", lw=0.6)
+    t = np.linspace(edges[0] - 1.5, edges[-1] + 1.5, 600)
+    peak = float(dens.max()) if dens.size else 1.0
+    top = peak
+    for fam in res.families:
+        y = _log2_density(fam, t, res.params[fam])
+        top = max(top, min(float(y.max()), 1.6 * peak))
+        best = fam == res.best
+        ax.plot(t, y, color=FAMILY_COLORS[fam], lw=2.0 if best else 1.3, ls="-" if best else "--",
+                label=_FAMILY_LABELS[fam])
+    ax.set_xlim(t[0], t[-1])
+    ax.set_ylim(0, top * 1.12)
+    sig = res.params["lognormal"]["sigma"] / _LN2
+    ks = res.ks.get("lognormal", math.nan)
+    ax.text(0.02, 0.97, f"std log2 = {sig:.2f}\nzeros {res.zero_fraction:.0%}\nKS(lognormal) {ks:.3f}\nbest: {res.best}",
+            transform=ax.transAxes, va="top", ha="left", fontsize="x-small",
+            bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "0.8", "alpha": 0.85})
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=7, integer=True))
+
+
+def plot_layer_histograms(run: Any, *, step: int | None = None, layers: str | Sequence[str] | None = None,
+                          kinds: Sequence[str] = ("grad", "act", "weight")) -> Any:
+    """Per layer (rows), the histogram of ``log2|x|`` of the neural gradient with the three fitted
+    magnitude densities (lognormal, half-normal, exponential: solid = best by likelihood), and
+    beside it the same for the layer's activations and weights, for contrast.
+
+    Densities are per binade on the ``log2`` axis (a lognormal is a Gaussian bump there; the
+    half-normal and exponential are skewed bumps with a sharp upper edge). Exact zeros are not in
+    the histogram: their fraction is printed in each panel. ``step``: default the latest step with
+    raw samples; without samples the streamed binade histograms are drawn instead.
+
+    Example:
+        >>> import gradstats
+        >>> fig = plot_layer_histograms(gradstats.data.data_dir() / "sample-run", layers=["conv2", "fc1"])
+        >>> len(fig.axes)
+        6
+    """
+    import matplotlib.pyplot as plt
+
+    run = _open(run)
+    step = _pick_step(run, step)
+    names = _layers(run, layers)
+    stats = run.stats()
+    have = set(stats["kind"].unique()) if len(stats) else set()
+    idx = run.sample_index()
+    have |= set(idx["kind"].unique()) if len(idx) else set()
+    kinds = [k for k in kinds if k in have]
+    if "grad" not in kinds:
+        raise ValueError(f"the run at {run.path} has no neural-gradient ('grad') captures to draw")
+    use_style()
+    fig, axes = plt.subplots(len(names), len(kinds), figsize=(4.2 * len(kinds) + 0.6, 2.55 * len(names) + 0.9),
+                             squeeze=False)
+    for i, name in enumerate(names):
+        for j, kind in enumerate(kinds):
+            ax = axes[i][j]
+            try:
+                res = layer_fit(run, name, step, kind)
+                _hist_panel(ax, res, kind)
+            except ValueError as exc:
+                msg = "constant values" if "sigma = 0" in str(exc) else "nothing to fit"
+                ax.text(0.5, 0.5, f"{msg}\n(no spread in log2|{_SYMBOL.get(kind, 'x')}|)", ha="center",
+                        va="center", transform=ax.transAxes, fontsize="small", color="0.35")
+                ax.set_yticks([])
+            if i == 0:
+                ax.set_title(KIND_LABELS.get(kind, kind), fontsize="medium", fontweight="bold")
+            if i == len(names) - 1:
+                ax.set_xlabel(f"log2 |x|  (binades)")
+            if j == 0:
+                ax.set_ylabel(f"{name}\ndensity / binade", fontsize="small")
+    fig.suptitle(f"Where the values lie, per layer (step {step}): gradients span many binades, "
+                 f"weights and activations few", fontsize="large")
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor="0.78", edgecolor="0.45", label="data (non-zero values)")]
+    handles += [Line2D([], [], color=FAMILY_COLORS[f], lw=1.6, label=_FAMILY_LABELS[f] + " fit")
+                for f in ("lognormal", "normal", "laplace")]
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / fig.get_figheight()))
+    fig.legend(handles=handles, loc="upper center", ncol=4, frameon=False, fontsize="small",
+               bbox_to_anchor=(0.5, 1 - 0.42 / fig.get_figheight()),
+               title="solid: best fit by likelihood; dashed: the others", title_fontsize="x-small")
+    return fig
+
+
+def plot_qq(run_or_fits: Any, *, step: int | None = None, layers: str | Sequence[str] | None = None,
+            ncols: int = 3) -> Any:
+    """Q-Q plot of ``ln|g|`` against the standard normal, one panel per layer: a lognormal is the
+    straight line ``mu + sigma z``; the half-normal and exponential fits are drawn as the curves
+    of their ``ln|g|`` quantiles. Points that bend away from the line at the ends show heavier or
+    lighter tails than lognormal (printed: skewness and excess kurtosis of ``ln|g|``).
+
+    ``run_or_fits``: a run (fitted at ``step``, default the latest sampled step) or a mapping
+    ``{layer: FitResult}``.
+
+    Example:
+        >>> import gradstats
+        >>> fig = plot_qq(gradstats.data.data_dir() / "sample-run", layers="conv*")
+        >>> fig.axes[0].get_xlabel()
+        'standard normal quantile'
+    """
+    import matplotlib.pyplot as plt
+    from scipy import special
+
+    from ..fit import _ln_quantile
+
+    fits, where = _fits_or_run(run_or_fits, step, "grad", layers)
+    if not fits:
+        raise ValueError("no layer could be fitted: nothing to draw")
+    use_style()
+    nrows, ncols = _grid(len(fits), ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.9 * ncols + 0.4, 3.3 * nrows + 0.8), squeeze=False)
+    for k, (name, res) in enumerate(fits.items()):
+        ax = axes[k // ncols][k % ncols]
+        if res.qq_p is None or not len(res.qq_p):
+            ax.text(0.5, 0.5, "no quantiles (fit without sorted values)", ha="center", va="center",
+                    transform=ax.transAxes, fontsize="small")
+            ax.set_title(name)
+            continue
+        z = special.ndtri(np.asarray(res.qq_p, dtype=float))
+        ax.plot(z, res.qq_ln, "o", ms=2.6, color="0.25", label="data" + (" (binade edges)" if res.source == "stats" else ""),
+                zorder=3)
+        zz = np.linspace(float(z.min()), float(z.max()), 300)
+        qq = special.ndtr(zz)
+        for fam in res.families:
+            best = fam == res.best
+            ax.plot(zz, _ln_quantile(fam, qq, res.params[fam]), color=FAMILY_COLORS[fam], lw=1.8 if best else 1.2,
+                    ls="-" if best else "--", label=_FAMILY_LABELS[fam])
+        note = f"sigma(ln) = {res.params['lognormal']['sigma']:.2f}"
+        if res.ln_skew is not None:
+            note += f"\nskew {res.ln_skew:+.2f}, ex. kurt {res.ln_exkurt:+.2f}"
+        ax.text(0.97, 0.04, note, transform=ax.transAxes, ha="right", va="bottom", fontsize="x-small",
+                bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "0.8", "alpha": 0.85})
+        ax.set_title(name)
+        if k % ncols == 0:
+            ax.set_ylabel("ln |g| quantile")
+        if k // ncols == nrows - 1 or k + ncols >= len(fits):
+            ax.set_xlabel("standard normal quantile")
+        if k == 0:
+            ax.legend(fontsize="x-small", loc="upper left")
+    for k in range(len(fits), nrows * ncols):
+        axes[k // ncols][k % ncols].set_visible(False)
+    fig.suptitle("Q-Q plots of ln|g| against the normal (lognormal = straight line)"
+                 + (f", {where}" if where else ""), fontsize="large")
+    fig.tight_layout()
+    return fig
+
+
+def plot_goodness_of_fit(run_or_table: Any, *, kind: str = "grad", layers: str | Sequence[str] | None = None) -> Any:
+    """Left: KS distance per layer for the three families (log scale; small = close fit), one
+    small point per sampled step and a large marker at the median. Right: Vuong's effect size
+    ``z/sqrt(n)`` of lognormal against half-normal and against exponential per layer (positive:
+    lognormal is the likelier model; at ``n`` of 1e4-1e6 every ``|z|`` is huge, so the effect
+    size, not the p-value, says by how much).
+
+    ``run_or_table``: a run, or the DataFrame of :func:`goodness_of_fit`.
+
+    Example:
+        >>> import gradstats
+        >>> fig = plot_goodness_of_fit(gradstats.data.data_dir() / "sample-run")
+        >>> fig.axes[0].get_yscale()
+        'log'
+    """
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    df = run_or_table if isinstance(run_or_table, pd.DataFrame) else goodness_of_fit(run_or_table, kind=kind,
+                                                                                         layers=layers)
+    if df.empty:
+        raise ValueError("no layer could be fitted: nothing to draw")
+    names = list(dict.fromkeys(df["layer"]))
+    x = np.arange(len(names))
+    use_style()
+    fig, (ax, vx) = plt.subplots(1, 2, figsize=(min(max(11.0, 1.6 * len(names) + 4), 20.0), 4.8))
+    fams = [f for f in ("lognormal", "normal", "laplace") if f"ks_{f}" in df]
+    off = {f: (i - (len(fams) - 1) / 2) * 0.22 for i, f in enumerate(fams)}
+    for fam in fams:
+        for i, name in enumerate(names):
+            v = df.loc[df["layer"] == name, f"ks_{fam}"].dropna()
+            if not len(v):
+                continue
+            ax.scatter(np.full(len(v), i + off[fam]), v, s=9, color=FAMILY_COLORS[fam], alpha=0.45, lw=0)
+        med = df.groupby("layer", sort=False)[f"ks_{fam}"].median().reindex(names)
+        ax.scatter(x + off[fam], med, s=46, marker="D", color=FAMILY_COLORS[fam], edgecolor="black", lw=0.5,
+                   label=_FAMILY_LABELS[fam], zorder=3)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(x)
+    ax.set_xticklabels(names, rotation=30 if len(names) > 6 else 0, ha="right" if len(names) > 6 else "center")
+    ax.set_ylabel("KS distance on |g|  (log scale)")
+    ax.set_title("Kolmogorov-Smirnov distance (lower is better)")
+    ax.legend(fontsize="small", loc="best")
+    pairs = [("normal", "lognormal vs half-normal"), ("laplace", "lognormal vs exponential")]
+    has_vuong = any(df[f"vuong_lognormal_vs_{o}"].notna().any() for o, _ in pairs if f"vuong_lognormal_vs_{o}" in df)
+    if has_vuong:
+        for k, (other, lab) in enumerate(pairs):
+            col = f"vuong_lognormal_vs_{other}"
+            dx = (k - 0.5) * 0.26
+            for i, name in enumerate(names):
+                v = df.loc[df["layer"] == name, col].dropna()
+                vx.scatter(np.full(len(v), i + dx), v, s=9, color=FAMILY_COLORS[other], alpha=0.45, lw=0)
+            med = df.groupby("layer", sort=False)[col].median().reindex(names)
+            vx.bar(x + dx, med, width=0.24, color=FAMILY_COLORS[other], alpha=0.75, label=lab)
+        vx.axhline(0.0, color="black", lw=0.8)
+        vals = df[[f"vuong_lognormal_vs_{o}" for o, _ in pairs]].to_numpy(dtype=float)
+        hi, lo = max(float(np.nanmax(vals)), 0.05), min(float(np.nanmin(vals)), 0.0)
+        span = hi - lo
+        vx.set_ylim(min(lo - 0.12 * span, -0.1 * span), hi + 0.12 * span)
+        vx.legend(fontsize="small", loc="best")
+    else:
+        vx.text(0.5, 0.5, "Vuong's test needs raw samples\n(this run has statistics only)", ha="center",
+                va="center", transform=vx.transAxes)
+    vx.set_xticks(x)
+    vx.set_xticklabels(names, rotation=30 if len(names) > 6 else 0, ha="right" if len(names) > 6 else "center")
+    vx.set_ylabel("Vuong effect size z/sqrt(n)")
+    vx.set_title("Likelihood ratio per value (> 0: lognormal fits better)")
+    steps = sorted(df["step"].unique())
+    fig.suptitle(f"Goodness of fit of the neural gradients per layer ({len(steps)} step"
+                 f"{'s' if len(steps) != 1 else ''}: small points; median: large markers)", fontsize="large")
+    fig.tight_layout()
+    return fig
+
+
+def plot_moments_over_steps(run: Any, *, kind: str = "grad", layers: str | Sequence[str] | None = None) -> Any:
+    """Per layer, across training steps: the mean of ``log2|g|`` (where the layer's gradients sit,
+    in binades; layers differ by many binades, which is why every layer needs its own scale), the
+    std of ``log2|g|`` (their spread in binades: the quantity that picks the exponent bits) and
+    the fraction of exact zeros.
+
+    Example:
+        >>> import gradstats
+        >>> len(plot_moments_over_steps(gradstats.data.data_dir() / "sample-run").axes)
+        3
+    """
+    import matplotlib.pyplot as plt
+
+    run = _open(run)
+    df = moments_over_steps(run, kind=kind, layers=layers)
+    if df.empty:
+        raise ValueError(f"the run at {run.path} has no {kind!r} statistics")
+    names = list(dict.fromkeys(df["layer"]))
+    colors = _layer_palette(len(names))
+    use_style()
+    fig, axes = plt.subplots(1, 3, figsize=(15.5, 4.4))
+    sym = _SYMBOL.get(kind, "x")
+    for name, c in zip(names, colors):
+        g = df[df["layer"] == name]
+        few = len(g) < 30
+        for ax, col in zip(axes, ("mean_log2", "std_log2", "zero_fraction")):
+            ax.plot(g["step"], g[col], color=c, lw=1.4, marker="o" if few else None, ms=3, label=name)
+    axes[0].set_ylabel(f"mean of log2|{sym}|")
+    axes[0].set_title("Location (binades): each layer sits elsewhere")
+    axes[1].set_ylabel(f"std of log2|{sym}|  (binades)")
+    axes[1].set_title("Spread (binades): picks the exponent bits")
+    axes[2].set_ylabel("fraction of exact zeros")
+    axes[2].set_ylim(-0.02, 1.02)
+    axes[2].set_title("Zeros (point mass, not in the fit)")
+    for ax in axes:
+        ax.set_xlabel("training step")
+    axes[2].legend(fontsize="small", loc="center left", bbox_to_anchor=(1.02, 0.5), title="layer")
+    fig.suptitle(f"{KIND_LABELS.get(kind, kind).capitalize()} statistics over training", fontsize="large")
+    fig.tight_layout()
+    return fig

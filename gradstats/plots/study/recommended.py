@@ -1,0 +1,269 @@
+"""Figures of what the analysis recommends for a run, checked against the run: the per-layer map of
+recommended formats, each layer against the sigma ranges where each split is best, error against
+exponent bits at the narrowest and widest layer, achieved against target sparsity per threshold
+rule, and the cost of pruning predicted against measured.
+
+Example:
+    >>> import gradstats
+    >>> from gradstats.plots.study import plot_format_map
+    >>> fig = plot_format_map(gradstats.recommend(gradstats.data.data_dir() / "sample-run", bits=[8, 4]))
+    >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    ['FP8', 'FP4']
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..style import use_style
+from ._data import _LN2, _plan_moments, sparsity_check
+from .distributions import _layer_palette
+
+def plot_format_map(plans: Any, *, measured: Any = None, title: str | None = None) -> Any:
+    """A per-layer map of the recommended formats: one row per layer, one column per bit width;
+    each cell names the chosen ``ExMy`` format and its power-of-two scale, coloured by its
+    exponent bits, with the predicted signal-to-quantisation-noise ratio
+    (``-10 log10(MSE / E[g^2])``). The row labels give each layer's std of ``log2|g|``: wider
+    layers need more exponent bits.
+
+    ``plans``: ``{bits: Plan}`` as :func:`gradstats.recommend` returns for a list of widths, or one
+    :class:`~gradstats.plan.Plan`. ``measured``: optional table of :func:`error_check` (columns
+    ``layer, bits, measured``): each cell then also gives the SNR measured on the run's samples,
+    and a cell whose measured error is over twice the prediction (or whose values are all lost) is
+    outlined in red.
+
+    Example:
+        >>> import gradstats
+        >>> plans = gradstats.recommend(gradstats.data.data_dir() / "sample-run", bits=[8, 6, 4])
+        >>> fig = plot_format_map(plans)
+        >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
+        ['FP8', 'FP6', 'FP4']
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+    from matplotlib.patches import Rectangle
+
+    from ...formats import FPFormat
+    from ...plan import Plan, Prediction
+
+    if isinstance(plans, Plan):
+        widths = sorted({e.format.bits for e in plans.entries if isinstance(e.format, FPFormat)}, reverse=True)
+        if len(widths) != 1:
+            raise ValueError("a single plan must hold formats of one width; pass {bits: plan} for several")
+        plans = {widths[0]: plans}
+    if not isinstance(plans, Mapping) or not plans:
+        raise ValueError("plans must be {bits: Plan} (as recommend(run, bits=[8, 6, 4]) returns) or one Plan")
+    widths = list(plans)
+    meas: dict[tuple[str, int], float] = {}
+    if measured is not None and len(measured):
+        last = measured[measured["step"] == measured["step"].max()] if "step" in measured else measured
+        meas = {(str(r["layer"]), int(r["bits"])): float(r["measured"]) for r in last.to_dict("records")}
+    layers: list[str] = []
+    for p in plans.values():
+        layers += [e.layer for e in p.entries if e.layer not in layers]
+    cell: dict[tuple[str, int], Any] = {}
+    sigma: dict[str, float] = {}
+    for b, p in plans.items():
+        for e in p.entries:
+            cell[(e.layer, b)] = e
+            pr = e.predicted if isinstance(e.predicted, Prediction) else None
+            if pr is not None and pr.sigma is not None:
+                sigma.setdefault(e.layer, pr.sigma / _LN2)
+    ebits = np.full((len(layers), len(widths)), np.nan)
+    for i, name in enumerate(layers):
+        for j, b in enumerate(widths):
+            e = cell.get((name, b))
+            if e is not None and isinstance(e.format, FPFormat):
+                ebits[i, j] = e.format.exp_bits
+    emax = int(np.nanmax(ebits)) if np.isfinite(ebits).any() else 5
+    import seaborn as sns
+
+    cols = sns.color_palette("YlGnBu", emax + 2)[1:]
+    cmap = ListedColormap(cols[:emax])
+    norm = BoundaryNorm(np.arange(0.5, emax + 1.5), cmap.N)
+    use_style()
+    fig, ax = plt.subplots(figsize=(2.3 * len(widths) + 3.2, 0.62 * len(layers) + 1.6))
+    im = ax.imshow(np.ma.masked_invalid(ebits), cmap=cmap, norm=norm, aspect="auto")
+    for i, name in enumerate(layers):
+        for j, b in enumerate(widths):
+            e = cell.get((name, b))
+            if e is None or not isinstance(e.format, FPFormat):
+                ax.text(j, i, "-", ha="center", va="center")
+                continue
+            pr = e.predicted if isinstance(e.predicted, Prediction) else None
+            txt = str(e.format)
+            if pr is not None and pr.scale:
+                txt += f"  x2^{int(round(math.log2(pr.scale)))}"
+            if pr is not None and pr.error:
+                txt += f"\nSNR {-10 * math.log10(pr.error):.1f} dB"
+            m = meas.get((name, int(b)))
+            if m is not None:
+                snr = -10 * math.log10(m) if m > 0 else math.inf
+                txt += ", measured exact" if m == 0 else f", measured {0.0 if abs(snr) < 0.05 else snr:.1f}"
+                if m >= 0.99 or (pr is not None and pr.error and m > 2 * pr.error):
+                    ax.add_patch(Rectangle((j - 0.47, i - 0.45), 0.94, 0.9, fill=False, ec="#d7301f", lw=2.5))
+            dark = np.isfinite(ebits[i, j]) and ebits[i, j] >= 0.6 * emax
+            ax.text(j, i, txt, ha="center", va="center", fontsize="small", color="white" if dark else "black")
+    ax.set_xticks(range(len(widths)))
+    ax.set_xticklabels([f"FP{b}" for b in widths])
+    ax.set_yticks(range(len(layers)))
+    ax.set_yticklabels([f"{n}  (std log2 {sigma[n]:.2f})" if n in sigma else n for n in layers])
+    ax.xaxis.tick_top()
+    ax.grid(False)
+    cb = fig.colorbar(im, ax=ax, ticks=range(1, emax + 1), fraction=0.05, pad=0.02)
+    cb.set_label("exponent bits")
+    what = "predicted" + (" and measured" if meas else "")
+    ax.set_title(title or f"Recommended gradient formats per layer ({what} SNR; scale = power of two)"
+                 + ("\nred outline: measured error over twice the prediction, or every value lost" if meas else ""),
+                 pad=28, fontsize="medium")
+    fig.tight_layout()
+    return fig
+
+
+def plot_layer_format_ranges(plans: Mapping[int, Any]) -> Any:
+    """Per bit width (rows), each planned layer's std of ``log2|g|`` with its chosen format, over the
+    sigma ranges where each split is best (:func:`gradstats.plots.fpanalysis.plot_layer_formats`
+    of :func:`gradstats.fpanalysis.best_format` at the plans' ``mu``, ``sigma``, ``p0``).
+
+    Example:
+        >>> import gradstats
+        >>> plans = gradstats.recommend(gradstats.data.data_dir() / "sample-run", bits=[8, 4])
+        >>> len(plot_layer_format_ranges(plans).axes)
+        2
+    """
+    import matplotlib.pyplot as plt
+
+    from ...fpanalysis import best_format
+    from ..fpanalysis import plot_layer_formats
+
+    names, mu, sigma, p0 = _plan_moments(plans)
+    use_style()
+    fig, axes = plt.subplots(len(plans), 1, figsize=(8.0, len(plans) * (1.2 + 0.3 * len(names)) + 0.4),
+                             squeeze=False, sharex=True)
+    for ax, b in zip(axes[:, 0], plans):
+        plot_layer_formats(best_format(int(b), mu=mu, sigma=sigma, p0=p0, names=names), ax=ax)
+        if ax is not axes[-1, 0]:
+            ax.set_xlabel("")
+    fig.tight_layout()
+    return fig
+
+
+def plot_error_vs_bits_for_layers(plans: Mapping[int, Any]) -> Any:
+    """Predicted error of every exponent/mantissa split, FP4 to FP8, at the sigma of the planned
+    layer with the narrowest and of the one with the widest gradients (two panels of
+    :func:`gradstats.plots.fpanalysis.plot_error_vs_exponent_bits`).
+
+    Example:
+        >>> import gradstats
+        >>> plans = gradstats.recommend(gradstats.data.data_dir() / "sample-run", bits=[8])
+        >>> len(plot_error_vs_bits_for_layers(plans).axes)
+        2
+    """
+    import matplotlib.pyplot as plt
+
+    from ..fpanalysis import plot_error_vs_exponent_bits
+
+    names, _, sigma, _ = _plan_moments(plans)
+    pick = [int(np.argmin(sigma)), int(np.argmax(sigma))] if len(sigma) > 1 else [0]
+    use_style()
+    fig, axes = plt.subplots(1, len(pick), figsize=(6.6 * len(pick), 4.8), squeeze=False, sharey=True)
+    for ax, k, what in zip(axes[0], pick, ("narrowest", "widest")):
+        plot_error_vs_exponent_bits(float(sigma[k]), ax=ax)
+        ax.set_title(f"{names[k]} ({what} gradients of the plan)\n" + ax.get_title(), fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def plot_sparsity_check(run_or_table: Any, **kw: Any) -> Any:
+    """Achieved against target sparsity per threshold rule on the run's gradients
+    (:func:`gradstats.plots.pruning.plot_achieved_vs_target` of :func:`sparsity_check`).
+
+    Example:
+        >>> import gradstats
+        >>> fig = plot_sparsity_check(gradstats.data.data_dir() / "sample-run", steps=[0], targets=[0.5, 0.9])
+        >>> fig.axes[0].get_xlabel()
+        'target sparsity'
+    """
+    import pandas as pd
+
+    from ..pruning import plot_achieved_vs_target
+
+    table = run_or_table if isinstance(run_or_table, pd.DataFrame) else sparsity_check(run_or_table, **kw)
+    if table.empty:
+        raise ValueError("no layer with raw gradient samples: nothing to draw")
+    # where the exact zeros alone reach the target no rule has anything to do (achieved = p0)
+    t = table[table["p0"] < table["target"]]
+    if t.empty:
+        raise ValueError("the exact zeros exceed every target sparsity: nothing to prune")
+    nl, ns = t["layer"].nunique(), t["step"].nunique()
+    left = len(table.drop_duplicates(["layer", "step", "target"])) - len(t.drop_duplicates(["layer", "step", "target"]))
+    fig = plot_achieved_vs_target(t, title=f"Achieved vs target sparsity per threshold rule\n"
+                                           f"({nl} layers x {ns} sampled steps of the run; points: layers, "
+                                           f"lines: means)")
+    if left:
+        fig.axes[0].text(0.98, 0.02, f"{left} (layer, step, target) cases left out:\n"
+                         "the exact zeros alone exceed the target",
+                         transform=fig.axes[0].transAxes, ha="right", va="bottom", fontsize="x-small", color="0.3")
+    return fig
+
+
+def plot_cosine_check(run_or_table: Any, *, rule: str = "lognormal", **kw: Any) -> Any:
+    """What pruning costs, predicted against measured: ``1 - cos(g, T(g))`` between each sampled
+    gradient and its stochastic pruning at the ``rule``'s threshold for each target sparsity, as
+    the lognormal closed form predicts it (:func:`gradstats.pruning.predicted_cosine`, x) and as
+    measured on the run's samples (y), log-log. Points on the diagonal: the model predicts the
+    cost; above it: pruning costs more than predicted (typically a layer whose largest gradients
+    are bounded, so the upper tail is lighter than lognormal). One colour per layer; larger
+    markers for higher targets.
+
+    Example:
+        >>> import gradstats
+        >>> fig = plot_cosine_check(gradstats.data.data_dir() / "sample-run", steps=[0], layers=["conv2"])
+        >>> fig.axes[0].get_xscale(), fig.axes[0].get_yscale()
+        ('log', 'log')
+    """
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    table = run_or_table if isinstance(run_or_table, pd.DataFrame) else sparsity_check(
+        run_or_table, rules=[rule], **kw)
+    t = table[(table["rule"] == rule) & (table["threshold"] > 0)].copy()
+    if t.empty:
+        raise ValueError(f"no pruned case of rule {rule!r}: nothing to draw")
+    floor = 1e-9  # below this the cost is nil for training purposes; clipped points are marked
+    t["pred"] = (1.0 - t["predicted_cosine"]).clip(lower=floor)
+    t["meas"] = (1.0 - t["cosine"]).clip(lower=floor)
+    clipped = (1.0 - t["predicted_cosine"]) < floor
+    names = list(dict.fromkeys(t["layer"]))
+    colors = dict(zip(names, _layer_palette(len(names))))
+    targets = sorted(t["target"].unique())
+    size = {S: 14 + 46 * i / max(len(targets) - 1, 1) for i, S in enumerate(targets)}
+    use_style()
+    fig, ax = plt.subplots(figsize=(8.2, 5.6))
+    for name in names:
+        for clip, marker in ((False, "o"), (True, "<")):
+            g = t[(t["layer"] == name) & (clipped == clip)]
+            if len(g):
+                ax.scatter(g["pred"], g["meas"], s=g["target"].map(size), marker=marker, color=colors[name],
+                           edgecolor="black", lw=0.4, alpha=0.85, label=None if clip else name, zorder=3)
+    lo, hi = floor / 3, 3.0
+    ax.plot([lo, hi], [lo, hi], color="black", lw=0.8, ls="--", label="measured = predicted")
+    ax.plot([lo, hi], [lo * 10, hi * 10], color="0.55", lw=0.7, ls=":", label="x10 and x0.1")
+    ax.plot([lo, hi], [lo / 10, hi / 10], color="0.55", lw=0.7, ls=":")
+    if clipped.any():
+        ax.scatter([], [], marker="<", color="0.6", edgecolor="black", lw=0.4,
+                   label=f"predicted < {floor:g} (drawn at {floor:g})")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("predicted 1 - cosine (lognormal model)")
+    ax.set_ylabel("measured 1 - cosine on the run's samples")
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0),
+              title=f"layer\n(marker size: target\nsparsity {targets[0]:g}..{targets[-1]:g})", title_fontsize="x-small")
+    ax.set_title(f"Cost of stochastic pruning ({rule} thresholds):\npredicted vs measured "
+                 f"({t['step'].nunique()} sampled steps)", fontsize="medium")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,140 @@
+"""The analysis and report pipeline (gradstats.report), the report/figures subcommands, and the
+demo end to end on a tiny setting."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+
+import gradstats
+from gradstats.cli import main
+from gradstats.cli.demo import sample_steps
+from gradstats.report import analyse, report
+
+SAMPLE = gradstats.data.data_dir() / "sample-run"
+
+
+@pytest.fixture(scope="module")
+def analysis():
+    return analyse(SAMPLE)
+
+
+def test_table_has_every_layer_and_the_plans_the_planned_ones(analysis):
+    t = analysis.table
+    assert list(t["layer"]) == ["conv1", "bn1", "conv2", "bn2", "fc1", "fc2"]
+    planned = t[t["planned"]]
+    assert list(planned["layer"]) == ["conv1", "conv2", "fc1", "fc2"]  # convolutions and linear layers
+    for b in (8, 6, 4):
+        fmts = [gradstats.FPFormat.parse(f) for f in planned[f"fp{b}"]]
+        assert all(f.bits == b for f in fmts)
+        assert (planned[f"fp{b}_error"] > 0).all()
+    assert t.loc[~t["planned"], "fp8"].isna().all()
+    assert set(analysis.plans) == {0.85, 0.9} and all(set(p) == {8, 6, 4} for p in analysis.plans.values())
+    assert analysis.plan() is analysis.plans[0.85][8]
+
+
+def test_thresholds_reach_their_targets_under_the_model(analysis):
+    from gradstats.pruning import expected_sparsity
+
+    for r in analysis.table[analysis.table["planned"]].to_dict("records"):
+        mu, sigma = r["mean_log2"] * math.log(2), r["std_log2"] * math.log(2)
+        for s in (0.85, 0.9):
+            a = r[f"threshold_{round(100 * s)}"]
+            got = expected_sparsity(a, mu=mu, sigma=sigma, p0=r["zero_fraction"])
+            assert got == pytest.approx(max(s, r["zero_fraction"]), abs=1e-6)
+        assert r["threshold_90"] >= r["threshold_85"]
+
+
+def test_std_and_verdicts_come_from_the_run(analysis):
+    from gradstats.recommendation import layer_moments
+
+    m = layer_moments(SAMPLE, step=analysis.plan_step, layers=["conv2"]).iloc[0]
+    row = analysis.table.set_index("layer").loc["conv2"]
+    assert row["std_log2"] == pytest.approx(m["sigma"] / math.log(2), rel=1e-12)
+    assert analysis.plan_step == 196 and analysis.fit_steps == [0, 64, 128, 196]
+    assert row["verdict"] == "lognormal" and row["fitted_steps"] == 4
+    assert row["ks_lognormal"] < row["ks_normal"] and row["ks_lognormal"] < row["ks_laplace"]
+    assert set(analysis.fits["step"]) == {0, 64, 128, 196} and (analysis.fits["source"] == "samples").all()
+
+
+def test_summary_and_dict(analysis):
+    text = analysis.summary()
+    head = text.splitlines()[0]
+    for col in ("std log2|g|", "best fit", "KS lognormal", "thr 85%", "thr 90%", "FP8", "FP6", "FP4"):
+        assert col in head
+    assert re.search(r"conv2 .* e\dm\dfn 2\^-?\d+", text)
+    d = analysis.to_dict()
+    json.dumps(d, allow_nan=False)  # plain data
+    assert [r["layer"] for r in d["layers"]][:2] == ["conv1", "bn1"] and set(d["plans"]) == {"85", "90"}
+
+
+def test_report_writes_plans_tables_and_markdown(tmp_path):
+    import torch  # noqa: F401
+
+    from gradstats.models import build_model
+
+    rep = report(SAMPLE, tmp_path, sparsities=[0.9], bits=[6], figures=False)
+    plan = gradstats.Plan.load(rep.files["plan"])
+    resolved = plan.resolve(build_model("cnn"))
+    assert sorted(resolved) == ["conv1", "conv2", "fc1", "fc2"]
+    assert all(r.format.bits == 6 and r.sparsity == 0.9 for r in resolved.values())
+    assert (tmp_path / "plans" / "fp6-s90.json").is_file()
+    md = rep.markdown.read_text()
+    assert "| layer |" in md and "fp6-s90.json" in md and "## Predicted and measured" in md
+    assert rep.figures == {} and "![" not in md
+    assert (tmp_path / "layers.csv").read_text().startswith("layer,type,")
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        analyse(SAMPLE, sparsities=[1.0])
+    with pytest.raises(ValueError, match="at least one"):
+        analyse(SAMPLE, bits=[])
+    with pytest.raises(ValueError, match="no plan for"):
+        analyse(SAMPLE, bits=[8], sparsities=[0.9]).plan(bits=4)
+    with pytest.raises(ValueError):
+        sample_steps(0, 1, 1)
+
+
+def test_sample_steps():
+    assert sample_steps(300, 2, 4) == [0, 100, 198, 298]
+    assert sample_steps(5, 1, 2) == [0, 4]
+    assert sample_steps(3, 5, 4) == [0]
+
+
+def test_cli_report_and_figures(tmp_path, capsys):
+    assert main(["report", str(SAMPLE), "-o", str(tmp_path / "r"), "--bits", "8", "--sparsity", "0.85",
+                 "--no-figures", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8" in out and "plan.json" in out
+    assert main(["figures", str(SAMPLE), "-o", str(tmp_path / "f"), "--only", "moments", "format_map",
+                 "--no-progress"]) == 0
+    assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["format_map.png", "moments.png"]
+    res = subprocess.run([sys.executable, "-m", "gradstats", "report", str(tmp_path / "nope"), "-o",
+                          str(tmp_path / "x")], capture_output=True, text=True)
+    assert res.returncode == 2 and "no run directory" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_demo_end_to_end_tiny(tmp_path, capsys):
+    """The whole main job on a tiny setting: train and trace, fit, thresholds, formats, plans,
+    figures, report, summary."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--steps", "4", "--every", "1", "--sample-steps", "2", "--samples", "4096",
+                 "--data", "subset", "--subset", "256", "--test-subset", "100", "--batch-size", "32",
+                 "--out", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "committed subset" in text  # says which data it used
+    assert "thr 85%" in text and "FP4" in text and "done in" in text
+    run = gradstats.open_run(out / "run")
+    assert run.steps == [0, 1, 2, 3] and sorted(run.sample_index()["step"].unique()) == [0, 3]
+    assert sorted(run.stats()["kind"].unique()) == ["act", "grad", "weight"]
+    assert gradstats.Plan.load(out / "plan.json").defaults.sparsity == 0.85
+    assert len(list((out / "plans").glob("*.json"))) == 6
+    md = (out / "report.md").read_text()
+    images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", md)
+    assert len(images) >= 8 and all((out / p).is_file() and (out / p).stat().st_size > 5000 for p in images)
+    assert "data: Fashion-MNIST, committed subset" in md
