@@ -19,19 +19,17 @@ How the work is laid out (n values, m of them non-zero and finite):
 from __future__ import annotations
 
 import math
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from ._families import FAMILIES, MIN_NONZERO, check_families
+from ._parallel import CHUNK, _chunks, _map, default_workers, torch_single_thread
 from ._result import FitResult, assemble
+from ._signed import _signed
 
-CHUNK = 1 << 16
 _SQRT2 = math.sqrt(2.0)
 #: confidence of the DKW bound reported for KS on a subsample
 SUBSAMPLE_CONFIDENCE = 0.999
@@ -66,150 +64,6 @@ def _as_flat(x: Any) -> torch.Tensor:
         except (TypeError, ValueError):
             raise ValueError(f"fit expects real gradient values, got an array of dtype {arr.dtype}") from None
     return torch.from_numpy(np.ascontiguousarray(arr.reshape(-1)))
-
-
-def _chunks(lo: int, hi: int):
-    for s in range(lo, hi, CHUNK):
-        yield s, min(hi, s + CHUNK)
-
-
-_LOCK = threading.Lock()
-_DEPTH = 0
-_SAVED_THREADS = 1
-
-
-@contextmanager
-def torch_single_thread() -> Iterator[None]:
-    """Run torch's CPU ops single-threaded inside the block (re-entrant, thread-safe; the
-    previous setting is restored when the outermost block exits).
-
-    The chunked passes issue thousands of small ops; torch's intra-op pool turns each into
-    a parallel region, which on a busy machine costs up to a scheduler quantum. One torch
-    thread per Python worker is faster and steadier (see ``docs/fitting.md``)."""
-    global _DEPTH, _SAVED_THREADS
-    with _LOCK:
-        if _DEPTH == 0:
-            _SAVED_THREADS = torch.get_num_threads()
-            if _SAVED_THREADS != 1:
-                torch.set_num_threads(1)
-        _DEPTH += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            _DEPTH -= 1
-            if _DEPTH == 0 and _SAVED_THREADS != 1:
-                torch.set_num_threads(_SAVED_THREADS)
-
-
-def default_workers() -> int:
-    """Python worker threads for one fit: torch's CPU thread count, at most 2 and the cores."""
-    n = torch.get_num_threads() if _DEPTH == 0 else _SAVED_THREADS
-    return max(1, min(2, os.cpu_count() or 1, n))
-
-
-def _split(m: int, workers: int) -> list[tuple[int, int]]:
-    """Contiguous ranges of ``[0, m)`` aligned to chunk boundaries, one per worker."""
-    nch = -(-m // CHUNK)
-    w = max(1, min(workers, nch))
-    bounds = [min(m, (nch * i // w) * CHUNK) for i in range(w + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(w) if bounds[i] < bounds[i + 1]]
-
-
-def _map(fn: Callable[[int, int], dict[str, Any]], m: int, pool: ThreadPoolExecutor | None
-         ) -> list[dict[str, Any]]:
-    ranges = _split(m, 1 if pool is None else pool._max_workers)  # noqa: SLF001
-    if pool is None or len(ranges) == 1:
-        return [fn(lo, hi) for lo, hi in ranges]
-    return list(pool.map(lambda r: fn(*r), ranges))
-
-
-def _select(x: torch.Tensor, ks: tuple[int, ...]) -> list[float]:
-    """The ``k``-th smallest values (0-based ranks ``ks``, ascending) of ``x``, exactly.
-
-    Large inputs: the ranks of a random sample give a bracket ``[lo, hi]`` that holds the
-    answers with overwhelming probability (5 standard deviations each side); one counting
-    pass checks it, and only the values inside are selected. A missed bracket falls back to
-    a full selection, so the result is always exact."""
-    n = x.numel()
-    if x.device.type != "cpu":
-        return [float(torch.kthvalue(x, k + 1).values) for k in ks]
-    if n <= 200_000:
-        part = np.partition(x.numpy(), ks)
-        return [float(part[k]) for k in ks]
-    ns = 20_000
-    gen = torch.Generator().manual_seed(n)
-    samp = np.sort(x[torch.randint(n, (ns,), generator=gen)].numpy())
-    r1, r2, d = ks[0] * ns / n, ks[-1] * ns / n, 2.5 * math.sqrt(ns)
-    lo = float(samp[int(r1 - d)]) if r1 - d >= 0 else -math.inf
-    hi = float(samp[int(r2 + d) + 1]) if r2 + d + 1 < ns else math.inf
-    # counts below lo, equal to lo, strictly inside, equal to hi; ties (zeros!) are not copied.
-    # Two passes (count, then copy into one buffer): keeping many small pieces alive between
-    # the per-chunk temporaries fragments the heap and costs far more memory than they hold.
-    below = at_lo = inside = at_hi = 0
-    for s, e in _chunks(0, n):
-        ch = x[s:e]
-        below += int((ch < lo).sum())
-        at_lo += int((ch == lo).sum())
-        at_hi += int((ch == hi).sum()) if hi != lo else 0
-        inside += int(((ch > lo) & (ch < hi)).sum())
-    if not (below <= ks[0] and ks[-1] < below + at_lo + inside + at_hi):
-        part = np.partition(x.numpy(), ks)  # pragma: no cover - bracket missed (p < 1e-6)
-        return [float(part[k]) for k in ks]
-    buf = torch.empty(inside, dtype=x.dtype)
-    pos = 0
-    if inside:
-        for s, e in _chunks(0, n):
-            ch = x[s:e]
-            sel = ch[(ch > lo) & (ch < hi)]
-            buf[pos:pos + sel.numel()] = sel
-            pos += sel.numel()
-    mid = buf.numpy()
-    want = sorted({k - below - at_lo for k in ks if 0 <= k - below - at_lo < inside})
-    part = np.partition(mid, want) if want else mid
-    out = []
-    for k in ks:
-        r = k - below
-        out.append(lo if r < at_lo else float(part[r - at_lo]) if r < at_lo + inside else hi)
-    return out
-
-
-def _median(x: torch.Tensor) -> float:
-    """Median as numpy's ``median`` defines it (mean of the two middle values for even n)."""
-    n = x.numel()
-    k = n // 2
-    if n % 2:
-        return _select(x, (k,))[0]
-    lo, hi = _select(x, (k - 1, k))
-    return 0.5 * (lo + hi)
-
-
-def _sum64(x: torch.Tensor) -> float:
-    """Sum in float64 chunk by chunk (``x.sum(dtype=float64)`` would widen all of ``x`` at once)."""
-    return math.fsum(float(x[s:e].sum(dtype=torch.float64)) for s, e in _chunks(0, x.numel()))
-
-
-def _signed(x: torch.Tensor) -> tuple[dict[str, float], int]:
-    """Signed normal (mean, std) and Laplace (median, mean |x - median|) fits on the finite
-    values; also returns the number of finite values."""
-    total = _sum64(x)
-    if not math.isfinite(total):
-        x = x[torch.isfinite(x)]
-        total = _sum64(x)
-    nf = x.numel()
-    if nf == 0:
-        return {}, 0
-    mean = total / nf
-    med = _median(x)
-    ss = sa = 0.0
-    buf = torch.empty(min(CHUNK, nf), dtype=x.dtype, device=x.device)
-    for s, e in _chunks(0, nf):
-        d = torch.sub(x[s:e], mean, out=buf[:e - s])
-        ss += float(torch.dot(d, d))
-        d = torch.sub(x[s:e], med, out=buf[:e - s]).abs_()
-        sa += float(d.sum())
-    return {"normal_loc": mean, "normal_std": math.sqrt(ss / nf),
-            "laplace_loc": med, "laplace_b": sa / nf}, nf
 
 
 def _sort_(a: torch.Tensor) -> None:

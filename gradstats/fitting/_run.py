@@ -11,7 +11,8 @@ import pandas as pd
 import torch
 
 from ..stats import merge_stats
-from ._exact import default_workers, fit, torch_single_thread
+from ._exact import fit
+from ._parallel import default_workers, torch_single_thread
 from ._families import FAMILIES, check_families
 from ._result import FitResult
 from ._stats import fit_many_stats
