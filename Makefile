@@ -34,5 +34,12 @@ bench: venv
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	for b in bench/[a-z]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+# the committed sample run (data/sample-run) and the figure gallery (figures/) made from it
+sample-run: venv
+	$(PY) tools/make_sample_run.py --out data/sample-run
+
+figures: venv
+	$(VENV)/bin/gradstats figures data/sample-run -o figures
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

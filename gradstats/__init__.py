@@ -60,7 +60,7 @@ _EXPORTS: dict[str, str] = {
 }
 # stage modules exposed as attributes (``gradstats.pruning.threshold(...)``)
 _SUBMODULES = {"pruning", "fpanalysis", "models", "data", "training", "plots", "formats", "quant", "stats",
-               "run", "tracer", "plan"}
+               "run", "tracer", "plan", "report", "compress", "enforce", "fitting"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 

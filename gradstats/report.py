@@ -64,7 +64,7 @@ class Analysis:
             median KS per family, median Vuong effect size of the winner), the threshold per target
             sparsity, and per bit width the recommended format, its log2 scale and predicted error.
         fits: the rows of :func:`gradstats.fit_run` (one per layer, step and family).
-        verdicts: per-layer summary of ``fits`` (:func:`gradstats.cli.fit.layer_verdicts`).
+        verdicts: per-layer summary of ``fits`` (:func:`gradstats.fitting.layer_verdicts`).
         plans: ``plans[sparsity][bits]``: the :class:`~gradstats.plan.Plan` of :func:`gradstats.recommend`.
         errors: predicted against measured quantisation error per layer, bit width and sampled step
             (empty for a run without raw samples).
@@ -174,7 +174,7 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     """
     from tqdm.auto import tqdm
 
-    from .cli.fit import layer_verdicts
+    from .fitting import layer_verdicts
     from .fitting import fit_run
     from .plots.study import error_check
     from .recommendation import recommend
@@ -405,10 +405,10 @@ def _markdown(a: Analysis, out: Path, files: Mapping[str, Path], figs: Mapping[s
     head, rows = _summary_rows(a)
     lines += [_md_table(head, rows), ""]
     nl = int((a.table["verdict"] == "lognormal").sum())
-    ks = {f: a.fits[(a.fits["family"] == f) & (a.fits["status"] == "ok")]["ks"].median()
-          for f in ("lognormal", "normal", "laplace")}
+    exact = a.fits[(a.fits["status"] == "ok") & a.fits["ks_method"].isin(["exact", "subsample"])]
+    ks = {f: exact[exact["family"] == f]["ks"].median() for f in ("lognormal", "normal", "laplace")}
     lines += [f"Lognormal is the best of the three magnitude models (by likelihood, majority over the fitted "
-              f"steps) for **{nl} of {len(a.table)}** layers. Median KS distance over all fits: "
+              f"steps) for **{nl} of {len(a.table)}** layers. Median exact KS distance over the fits from raw samples: "
               + ", ".join(f"{f} {v:.3f}" for f, v in ks.items() if math.isfinite(v)) + ".", "",
               "Thresholds are for stochastic pruning (values below the threshold become 0 or "
               "+-threshold, unbiased) under the lognormal rule; when the exact zeros already exceed the "

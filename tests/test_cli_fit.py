@@ -7,7 +7,8 @@ import torch
 
 import gradstats
 from gradstats.cli import main
-from gradstats.cli.fit import layer_verdicts, parse_steps
+from gradstats.cli.fit import parse_steps
+from gradstats.fitting import layer_verdicts
 
 
 @pytest.fixture(scope="module")

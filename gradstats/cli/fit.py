@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,40 +49,11 @@ def parse_steps(tokens: Sequence[str] | None, all_steps: Sequence[int]) -> list[
     return sorted(want)
 
 
-def layer_verdicts(df: Any) -> Any:
-    """Per layer and kind: wins per family over steps, the winner, its margin over the runner-up
-    (median difference in mean log-likelihood per value and median Vuong effect size) and the
-    median KS of each family."""
-    import pandas as pd
-
-    ok = df[df["status"] == "ok"]
-    rows = []
-    for (layer, kind), g in ok.groupby(["layer", "kind"], sort=False):
-        best = g[g["best"]]
-        wins = best["family"].value_counts()
-        winner = wins.index[0]
-        margin = g[~g["best"]].groupby("step")["delta_loglik"].max()  # runner-up vs best, per step
-        row: dict[str, Any] = {"layer": layer, "kind": kind, "groups": int(best.shape[0]), "winner": winner}
-        for fam in ("lognormal", "normal", "laplace"):
-            row[f"wins_{fam}"] = int(wins.get(fam, 0))
-        row["margin_loglik"] = float(-margin.median()) if len(margin) else math.nan
-        row["vuong_effect"] = float(best["vuong_effect"].median())
-        # exact KS where the layer has raw samples; otherwise midpoints of the histogram bounds
-        exact = g[g["ks_method"].isin(["exact", "subsample"])]
-        src = exact if len(exact) else g
-        row["ks_from"] = "samples" if len(exact) else "stats (bounds)"
-        for fam, fg in src.groupby("family"):
-            row[f"ks_{fam}"] = float(fg["ks"].median())
-        row["sigma"] = float(g["sigma"].median())
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from gradstats import open_run
-    from gradstats.fitting import fit_run
+    from gradstats.fitting import fit_run, layer_verdicts
 
     r = open_run(args.run)
     steps = parse_steps(args.steps, r.steps)

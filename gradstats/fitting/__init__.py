@@ -24,8 +24,8 @@ from __future__ import annotations
 from ._exact import SUBSAMPLE_CONFIDENCE, fit
 from ._families import FAMILIES, MAGNITUDE_MODEL, MIN_NONZERO, VUONG_ALPHA
 from ._result import FitResult
-from ._run import fit_run
+from ._run import fit_run, layer_verdicts
 from ._stats import fit_many_stats, fit_stats, hist_ks_bounds
 
-__all__ = ["fit", "fit_stats", "fit_run", "FitResult", "FAMILIES", "MAGNITUDE_MODEL", "MIN_NONZERO",
+__all__ = ["fit", "fit_stats", "fit_run", "layer_verdicts", "FitResult", "FAMILIES", "MAGNITUDE_MODEL", "MIN_NONZERO",
            "VUONG_ALPHA", "SUBSAMPLE_CONFIDENCE", "fit_many_stats", "hist_ks_bounds"]

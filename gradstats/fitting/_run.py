@@ -167,3 +167,30 @@ def fit_run(run: Any, *, layers: str | Iterable[str] | None = None,
     if n_err:
         log.warning("%d of %d groups could not be fitted (see the status column)", n_err, len(keys))
     return df
+
+
+def layer_verdicts(df: Any) -> Any:
+    """Per layer and kind: wins per family over steps, the winner, its margin over the runner-up
+    (median difference in mean log-likelihood per value and median Vuong effect size) and the
+    median KS of each family."""
+    ok = df[df["status"] == "ok"]
+    rows = []
+    for (layer, kind), g in ok.groupby(["layer", "kind"], sort=False):
+        best = g[g["best"]]
+        wins = best["family"].value_counts()
+        winner = wins.index[0]
+        margin = g[~g["best"]].groupby("step")["delta_loglik"].max()  # runner-up vs best, per step
+        row: dict[str, Any] = {"layer": layer, "kind": kind, "groups": int(best.shape[0]), "winner": winner}
+        for fam in ("lognormal", "normal", "laplace"):
+            row[f"wins_{fam}"] = int(wins.get(fam, 0))
+        row["margin_loglik"] = float(-margin.median()) if len(margin) else math.nan
+        row["vuong_effect"] = float(best["vuong_effect"].median())
+        # exact KS where the layer has raw samples; otherwise midpoints of the histogram bounds
+        exact = g[g["ks_method"].isin(["exact", "subsample"])]
+        src = exact if len(exact) else g
+        row["ks_from"] = "samples" if len(exact) else "stats (bounds)"
+        for fam, fg in src.groupby("family"):
+            row[f"ks_{fam}"] = float(fg["ks"].median())
+        row["sigma"] = float(g["sigma"].median())
+        rows.append(row)
+    return pd.DataFrame(rows)
