@@ -28,9 +28,9 @@ from __future__ import annotations
 from ._pieces import FRACTIONS, PARTS
 from .crossover import AUTHORS_TABLE, CrossoverTable, crossover_table
 from .error import ErrorResult, expected_error
-from .empirical import PredictionCheck, check_prediction, measured_error
+from .empirical import PredictionCheck, check_prediction, energy_moments, measured_error
 from .scale import BestFormat, FormatChoice, ScaleResult, best_format, candidate_formats, optimal_scale
 
 __all__ = ["expected_error", "optimal_scale", "best_format", "crossover_table", "candidate_formats",
            "ErrorResult", "ScaleResult", "BestFormat", "FormatChoice", "CrossoverTable", "AUTHORS_TABLE",
-           "measured_error", "check_prediction", "PredictionCheck", "PARTS", "FRACTIONS"]
+           "measured_error", "check_prediction", "energy_moments", "PredictionCheck", "PARTS", "FRACTIONS"]

@@ -10,7 +10,10 @@ that the MSE sees; ``mu`` for the elementwise criterion), evaluate 5 neighbourin
 walk downhill until both neighbours are worse, and (``power_of_two=False``) refine on a grid of
 quarter binades over the two neighbouring binades followed by successive parabolic interpolation. Powers of two whose
 error lies within ``tie_rtol`` (relative) of the best are ties; the one nearest the centring scale
-wins, which keeps the most headroom on both sides when the error is flat over many binades.
+wins, which keeps the most headroom on both sides when the error is flat over many binades. Given
+the tensor's maximum (``amax``) the largest tied scale wins instead: nothing above ``amax`` can
+clip, and the extra binades at the bottom protect the small values (real gradients have a longer
+lower tail than the lognormal).
 """
 from __future__ import annotations
 
@@ -75,7 +78,8 @@ def _parabola(a, b, c, fa, fb, fc):
     return np.where(bad, fallback, x)
 
 
-def _search(obj: _Objective, anchor: np.ndarray, power_of_two: bool, tie_rtol: float) -> tuple[np.ndarray, np.ndarray]:
+def _search(obj: _Objective, anchor: np.ndarray, power_of_two: bool, tie_rtol: float,
+            prefer_large: bool = False) -> tuple[np.ndarray, np.ndarray]:
     n = anchor.size
     allrows = np.arange(n)
     j0 = np.round(anchor)
@@ -101,6 +105,18 @@ def _search(obj: _Objective, anchor: np.ndarray, power_of_two: bool, tie_rtol: f
         j[active[move]] = nb[move, side[move]]
         ej[active[move]] = emin[move]
         active = active[move]
+    if prefer_large:  # climb to the largest scale of a flat optimum
+        active = allrows
+        for _ in range(400):
+            if active.size == 0:
+                break
+            up = obj(j[active, None] + 1.0, active)[:, 0]
+            move = up <= ej[active] * (1 + tie_rtol)
+            j[active[move]] += 1.0
+            nbr[active[move], 0] = ej[active[move]]
+            ej[active[move]] = np.minimum(ej[active[move]], up[move])
+            nbr[active[~move], 1] = up[~move]
+            active = active[move]
     if power_of_two:
         return j, ej
     # continuous: quarter binades over [j - 1, j + 1] (with small sigma the error is nearly periodic
@@ -137,7 +153,8 @@ def _check_range(fmt: FPFormat, j: np.ndarray) -> None:
 def _optimal(fmt, mu, sigma, *, power_of_two, rounding, criterion, amax=None, n_nonzero=None,
              tie_rtol=TIE_RTOL):
     obj = _Objective(fmt, mu, sigma, rounding, criterion, amax, n_nonzero)
-    j, e = _search(obj, _anchor(fmt, mu, sigma, criterion, amax), power_of_two, tie_rtol)
+    j, e = _search(obj, _anchor(fmt, mu, sigma, criterion, amax), power_of_two, tie_rtol,
+                   prefer_large=amax is not None)
     _check_range(fmt, j)
     return j, e
 

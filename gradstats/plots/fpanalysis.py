@@ -1,0 +1,253 @@
+"""Figures of the floating-point format analysis: error against exponent bits at a layer's sigma,
+the best exponent bits against sigma with the crossovers (beside the authors' table), per-layer
+sigma with the chosen format, and predicted against measured error.
+
+Sigma is shown as the std of log2|g| (binades); the functions take it as the API does, the std of
+ln|g|, unless the argument name says ``log2``.
+
+Example:
+    >>> import os, tempfile
+    >>> fig = plot_error_vs_exponent_bits(2.0, bits=[6, 8], path=os.path.join(tempfile.mkdtemp(), "e.png"))
+    >>> fig.axes[0].get_xlabel()
+    'exponent bits E (mantissa bits M = bits - 1 - E)'
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+from .style import savefig, use_style
+
+LN2 = math.log(2.0)
+
+
+def _finish(fig: Any, path: str | os.PathLike[str] | None) -> Any:
+    if path is not None:
+        savefig(fig, path)
+    return fig
+
+
+def _bit_colors(bits: Iterable[int]) -> dict[int, Any]:
+    import seaborn as sns
+
+    bits = sorted(set(bits))
+    pal = sns.color_palette("viridis", max(len(bits), 2))
+    return {b: pal[i] for i, b in enumerate(bits)}
+
+
+def plot_error_vs_exponent_bits(sigma: float, *, bits: Iterable[int] = range(4, 9), special: str = "fn",
+                                rounding: str = "nearest", power_of_two: bool = False, ax: Any = None,
+                                path: str | os.PathLike[str] | None = None) -> Any:
+    """Predicted relative MSE of every split of each bit width, each at its best scale, at one
+    layer's ``sigma`` (std of ln|g|); the best split of each width is starred.
+
+    Example:
+        >>> fig = plot_error_vs_exponent_bits(1.5, bits=[8])
+        >>> fig.axes[0].get_yscale()
+        'log'
+    """
+    import matplotlib.pyplot as plt
+
+    from ..fpanalysis import best_format
+
+    use_style()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6.0, 4.4))
+    else:
+        fig = ax.figure
+    bits = list(bits)
+    colors = _bit_colors(bits)
+    for b in bits:
+        r = best_format(b, mu=0.0, sigma=sigma, candidates=special, rounding=rounding, power_of_two=power_of_two)
+        e = [c.exp_bits for c in r.candidates]
+        ax.plot(e, r.errors, marker="o", ms=4, color=colors[b], label=f"FP{b}")
+        best = r.order[0]
+        ax.plot([e[best]], [r.errors[best]], marker="*", ms=14, color=colors[b], mec="black", mew=0.6,
+                ls="none")
+    ax.set_yscale("log")
+    ax.set_xlabel("exponent bits E (mantissa bits M = bits - 1 - E)")
+    ax.set_ylabel("relative MSE = MSE / E[g²] (log scale)")
+    ax.set_xticks(range(1, max(bits) - 1))
+    scale = "power-of-two" if power_of_two else "best"
+    ax.set_title(f"Lognormal gradients, σ = {sigma / LN2:.2f} (std of log2|g|, binades)\n"
+                 f"{special} formats, {rounding} rounding, {scale} scale per split; ★ = best split",
+                 fontsize="medium")
+    ax.legend(title="width", fontsize="small")
+    return _finish(fig, path)
+
+
+def plot_optimal_exponent_bits(table: Any = None, *, authors: bool = True,
+                               path: str | os.PathLike[str] | None = None) -> Any:
+    """Best exponent bits against sigma (std of log2|g|), one panel per bit width, as a step function
+    with the crossovers marked; the authors' table (dashed) beside ours where it has that width.
+    ``table``: a :class:`~gradstats.fpanalysis.CrossoverTable` (default: ``crossover_table()``).
+
+    Example:
+        >>> from gradstats.fpanalysis import crossover_table
+        >>> fig = plot_optimal_exponent_bits(crossover_table(bits=[6], sigma_max=4.0))
+        >>> fig.axes[-1].get_xlabel()
+        'σ = std of log2|g| (binades)'
+    """
+    import matplotlib.pyplot as plt
+
+    from ..fpanalysis import AUTHORS_TABLE, crossover_table
+
+    use_style()
+    table = table if table is not None else crossover_table()
+    rows = list(table.ranges)
+    bits = sorted({r["bits"] for r in rows}, reverse=True)
+    colors = _bit_colors(bits)
+    _, hi_s = table.assumptions["sigma_range"]
+    fig, axes = plt.subplots(len(bits), 1, figsize=(7.0, 0.6 + 1.45 * len(bits)), sharex=True, squeeze=False)
+    for ax, b in zip(axes[:, 0], bits):
+        mine = [r for r in rows if r["bits"] == b]
+        xs, ys = [], []
+        for r in mine:
+            xs += [r["sigma_lo"], r["sigma_hi"]]
+            ys += [r["exp_bits"]] * 2
+        ax.plot(xs, ys, color=colors[b], lw=2.4, label="ours")
+        for r in mine[1:]:
+            ax.axvline(r["sigma_lo"], color=colors[b], lw=0.7, ls=":")
+            ax.annotate(f"{r['sigma_lo']:.2f}", (r["sigma_lo"], r["exp_bits"] - 0.5), fontsize=7,
+                        color="0.25", ha="left", va="center", xytext=(3, 0), textcoords="offset points")
+        theirs = [t for t in AUTHORS_TABLE if t[0] == b]
+        if authors and theirs:
+            for k, (_, e, lo, hi) in enumerate(theirs):
+                ax.plot([lo, min(hi, hi_s)], [e + 0.25] * 2, color="black", lw=1.4, ls="--",
+                        label="authors' table" if k == 0 else None)
+                ax.annotate(f"{lo:g}", (lo, e + 0.25), fontsize=7, ha="right", va="bottom",
+                            xytext=(-2, 1), textcoords="offset points")
+            ax.legend(fontsize="x-small", loc="lower right")
+        es = [r["exp_bits"] for r in mine]
+        ax.set_ylim(min(es) - 0.8, max(es) + 0.7)
+        ax.set_yticks(range(min(es), max(es) + 1))
+        ax.set_ylabel(f"FP{b}: E", fontsize="small")
+    axes[-1, 0].set_xlim(0, hi_s)
+    axes[-1, 0].set_xlabel("σ = std of log2|g| (binades)")
+    a = table.assumptions
+    axes[0, 0].set_title(f"Best exponent bits E vs σ ({a['convention']}, "
+                         f"{'subnormals' if a['subnormals'] else 'no subnormals'}, {a['rounding']} rounding,\n"
+                         f"{a['scale']})", fontsize="small")
+    return _finish(fig, path)
+
+
+def plot_layer_formats(best: Any, *, crossovers: bool = True, ax: Any = None,
+                       path: str | os.PathLike[str] | None = None) -> Any:
+    """Per-layer sigma (std of log2|g|) with the format :func:`~gradstats.fpanalysis.best_format`
+    chose, one row per layer; the sigma ranges where each split is best (continuous scale, this
+    width) are shaded behind. Layers far to the right are where low precision struggles.
+
+    Example:
+        >>> from gradstats.fpanalysis import best_format
+        >>> b = best_format(8, mu=[-9.0, -12.0], sigma=[1.0, 2.5], names=["fc1", "conv1"])
+        >>> [t.get_text() for t in plot_layer_formats(b).axes[0].get_yticklabels()]
+        ['fc1', 'conv1']
+    """
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    from ..fpanalysis import crossover_table
+
+    use_style()
+    sig = np.atleast_1d(np.asarray(best.sigma, dtype=np.float64)) / LN2
+    n = sig.size
+    names = list(best.names) if best.names else [str(i) for i in range(n)]
+    fmts = best.format if isinstance(best.format, list) else [best.format]
+    errs = np.atleast_1d(np.asarray(best.error, dtype=np.float64))
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7.2, 0.9 + 0.28 * n))
+    else:
+        fig = ax.figure
+    cand = [str(c) for c in best.candidates]
+    pal = dict(zip(cand, sns.color_palette("colorblind", len(cand))))
+    xmax = max(float(sig.max()) * 1.15, 1.0)
+    if crossovers and best.block_size is None:
+        t = crossover_table(bits=[best.bits], special=best.candidates[0].special, sigma_max=max(xmax, 1.0),
+                            step=0.05 if xmax < 8 else 0.1)
+        for r in t.ranges:
+            c = pal.get(r["format"], (0.9, 0.9, 0.9))
+            right = xmax * 1.15 if r["open_end"] else r["sigma_hi"]
+            ax.axvspan(r["sigma_lo"], right, color=c, alpha=0.12, lw=0)
+            if right - r["sigma_lo"] > 0.09 * xmax:
+                ax.text(0.5 * (r["sigma_lo"] + right), -0.9, r["format"], ha="center", va="bottom",
+                        fontsize=7, color="0.3")
+    y = np.arange(n)
+    for i in range(n):
+        f = str(fmts[i])
+        ax.plot([sig[i]], [y[i]], "o", ms=7, color=pal.get(f, "black"), mec="black", mew=0.4)
+        ax.annotate(f"{f}  {-10 * math.log10(errs[i]):.0f} dB", (sig[i], y[i]), xytext=(6, 0),
+                    textcoords="offset points", va="center", fontsize=7)
+    ax.set_yticks(y, names)
+    ax.set_ylim(n - 0.5, -1.2)
+    ax.set_xlim(0, xmax * 1.15)
+    ax.set_xlabel("σ = std of log2|g| (binades)")
+    scale = f"blocks of {best.block_size}, {best.scale_format} scales" if best.block_size else \
+        ("power-of-two scale" if best.power_of_two else "best scale")
+    ax.set_title(f"Per-layer σ and the chosen FP{best.bits} format ({scale}; SNR = -10 log10 relative MSE)",
+                 fontsize="small")
+    return _finish(fig, path)
+
+
+def plot_predicted_vs_measured(table: Any, *, hue: str = "model", style: Optional[str] = None,
+                               predicted: str = "predicted_error",
+                               measured: str = "measured_at_predicted", ax: Any = None,
+                               title: Optional[str] = None, path: str | os.PathLike[str] | None = None) -> Any:
+    """Predicted against measured error per layer (log-log), the diagonal and a factor-2 band;
+    ``table``: a DataFrame with the two error columns, ``hue`` (colour, e.g. the model) and
+    optionally ``style`` (marker, e.g. the prediction variant).
+
+    Example:
+        >>> import pandas as pd
+        >>> t = pd.DataFrame({"model": ["cnn", "mlp"], "predicted_error": [1e-3, 2e-4],
+        ...                   "measured_at_predicted": [1.1e-3, 2e-4]})
+        >>> plot_predicted_vs_measured(t).axes[0].get_xscale()
+        'log'
+    """
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    use_style()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(5.4, 5.0))
+    else:
+        fig = ax.figure
+    p = np.asarray(table[predicted], dtype=np.float64)
+    m = np.asarray(table[measured], dtype=np.float64)
+    ok = np.isfinite(p) & np.isfinite(m) & (p > 0) & (m > 0)
+    lo, hi = float(min(p[ok].min(), m[ok].min())) / 2, float(max(p[ok].max(), m[ok].max())) * 2
+    xs = np.array([lo, hi])
+    ax.plot(xs, xs, color="black", lw=0.8, label="predicted = measured")
+    ax.fill_between(xs, xs / 2, xs * 2, color="0.85", alpha=0.6, lw=0, label="within a factor 2")
+    cols = getattr(table, "columns", ())
+    groups = list(dict.fromkeys(table[hue])) if hue in cols else [None]
+    styles = list(dict.fromkeys(table[style])) if style is not None and style in cols else [None]
+    pal = sns.color_palette("colorblind", max(len(groups), 1))
+    markers = ["o", "^", "s", "D", "v", "P"]
+    for k, st in enumerate(styles):
+        for i, g in enumerate(groups):
+            sel = ok.copy()
+            if g is not None:
+                sel &= np.asarray(table[hue]) == g
+            if st is not None:
+                sel &= np.asarray(table[style]) == st
+            if not sel.any():
+                continue
+            label = " ".join(str(v) for v in (g, st) if v is not None) or None
+            ax.scatter(m[sel], p[sel], s=18, alpha=0.8, color=pal[i], marker=markers[k % len(markers)],
+                       lw=0.3 if k else 0, edgecolors="black" if k else "none", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured relative MSE (quantize on the layer's gradient)")
+    ax.set_ylabel("predicted relative MSE (lognormal model)")
+    ax.set_title(title or "Predicted vs measured quantisation error per layer", fontsize="medium")
+    ax.legend(fontsize="small", loc="upper left")
+    return _finish(fig, path)
+
+
+__all__ = ["plot_error_vs_exponent_bits", "plot_optimal_exponent_bits", "plot_layer_formats",
+           "plot_predicted_vs_measured"]
