@@ -6,6 +6,8 @@ quantile (torch.kthvalue / torch.topk) + pruning, with the achieved sparsity of 
 Rows (each timed end to end from the raw tensor to the pruned tensor, allocating its output):
   ours                  one statistics sweep, analytic lognormal threshold, stochastic prune
   ours, hard            one statistics sweep, lognormal quantile, hard threshold
+  ours, histogram       one counting sweep (quarter-binade bins), model-free threshold,
+                        stochastic prune
   kthvalue + hard       exact quantile by torch.kthvalue, hard threshold (the baseline)
   topk + hard           exact quantile by torch.topk, hard threshold
   kthvalue + stochastic the exact quantile fed to the stochastic operator (undershoots)
@@ -51,6 +53,7 @@ def methods(x: torch.Tensor, S: float, device: str) -> dict[str, Callable[[], to
     m = {
         "ours": lambda: prune(x, S, generator=g),
         "ours, hard": lambda: prune(x, S, stochastic=False),
+        "ours, histogram": lambda: prune(x, S, method="histogram", generator=g),
         "kthvalue + hard": lambda: hard_prune(x, exact_threshold(x, S)),
         "topk + hard": lambda: hard_prune(x, topk_threshold(x, S)),
         "kthvalue + stochastic": lambda: stochastic_prune(x, exact_threshold(x, S), generator=g),
@@ -89,8 +92,36 @@ def bench(x: torch.Tensor, S: float, device: str, repeats: int) -> list[dict]:
     return rows
 
 
+def monte_carlo(n: int, sigmas=(0.5, 1.0, 1.5, 2.0, 3.0, 4.0),
+                targets=(0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.97, 0.99)) -> list[dict]:
+    """Achieved sparsity of stochastic_prune at the analytic threshold on exact lognormal
+    samples (positive, so that the mean of T(g) - g is a real test), and the z statistic of
+    that mean against the closed-form added variance."""
+    import math
+
+    from gradstats.pruning import added_variance
+
+    rows = []
+    for sigma in sigmas:
+        g = torch.Generator().manual_seed(int(sigma * 100))
+        x = torch.randn(n, generator=g, dtype=torch.float64).mul_(sigma).sub_(6.0).exp_()
+        xf, xd = x.float(), x.float().double()
+        for S in targets:
+            a = float(torch.tensor(float(threshold(S, mu=-6.0, sigma=sigma))))
+            y = stochastic_prune(xf, a, generator=g)
+            d = y.double() - xd
+            var = float(added_variance(a, mu=-6.0, sigma=sigma))
+            achieved = float((y == 0).double().mean())
+            rows.append({"sigma": sigma, "target": S, "achieved": achieved, "error": achieved - S,
+                         "se": math.sqrt(S * (1 - S) / n),
+                         "z_mean": float(d.mean()) / math.sqrt(var / n)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--montecarlo", type=int, default=0, metavar="N",
+                    help="instead: the Monte Carlo table with N lognormal samples per sigma")
     ap.add_argument("--n", type=int, default=10_000_000)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--targets", type=float, nargs="+", default=[0.85, 0.95])
@@ -98,6 +129,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--p0", type=float, default=0.3, help="fraction of exact zeros")
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = ap.parse_args(argv)
+    if args.montecarlo:
+        rows = monte_carlo(args.montecarlo)
+        print(f"# Monte Carlo: {args.montecarlo:.0e} exact lognormal samples per sigma; "
+              "achieved sparsity of stochastic_prune at the analytic threshold")
+        print("| sigma | target | achieved | error | std. error | z (mean of T(g)-g) |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['sigma']:g} | {r['target']:.2f} | {r['achieved']:.5f} | "
+                  f"{r['error']:+.5f} | {r['se']:.5f} | {r['z_mean']:+.2f} |")
+        worst = max(rows, key=lambda r: abs(r["error"]))
+        print(f"# worst |error| {abs(worst['error']):.5f} (sigma {worst['sigma']:g}, target "
+              f"{worst['target']:.2f}); max |z| {max(abs(r['z_mean']) for r in rows):.2f}")
+        return 0
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     print(f"# gradient pruning: n = {args.n:.0e}, lognormal sigma = {args.sigma} (ln), "
           f"p0 = {args.p0}, {args.repeats} repeats, torch threads = {torch.get_num_threads()}, "

@@ -6,10 +6,13 @@ tensors of every layer at a few steps. For every (model, layer, step) tensor and
 sparsity, each threshold rule sets a threshold from that tensor:
 
   lognormal        analytic rule from (mu, sigma, p0) of the tensor (ours)
+  histogram        model-free rule from the binade histogram of log2|g| in the tensor's
+                   statistics row (what a traced run stores; ours)
+  histogram4       the same at four bins per binade (what prune(method="histogram") uses)
   naive_lognormal  lognormal quantile exp(mu + sigma Phi^-1(S)), ignores the rounding up
   normal           half-normal model, s^2 = E g^2 of the non-zero entries
   laplace          exponential model, b = E|g| of the non-zero entries
-  exact            exact quantile (kthvalue), hard threshold (deterministic, biased)
+  exact            exact quantile (as exact_threshold), hard threshold (deterministic, biased)
   exact_stochastic the same exact quantile fed to the stochastic operator
 
 and the stochastic operator (or the hard one, for ``exact``) is applied. The *achieved*
@@ -26,7 +29,6 @@ rule's misses with diagnostics), and writes ``pruning_real.csv`` and the figure
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import time
@@ -37,11 +39,13 @@ import pandas as pd
 import torch
 
 import gradstats
-from gradstats.pruning import exact_threshold, hard_prune, stochastic_prune, threshold
+from gradstats.pruning import hard_prune, stochastic_prune, threshold
+from gradstats.pruning.operator import _histogram
 from gradstats.stats import lognormal_moments, tensor_stats
 
 TARGETS = (0.5, 0.7, 0.8, 0.85, 0.9, 0.95)
-RULES = ("lognormal", "naive_lognormal", "normal", "laplace", "exact", "exact_stochastic")
+RULES = ("lognormal", "histogram", "histogram4", "naive_lognormal", "normal", "laplace", "exact",
+         "exact_stochastic")
 
 #: (registry name, training steps, keyword arguments for prepare / run)
 CONFIGS = {
@@ -92,12 +96,16 @@ def evaluate_tensor(g: torch.Tensor, targets=TARGETS, *, generator: torch.Genera
     """Rows (rule, target, threshold, achieved, achieved_draw) for one gradient tensor."""
     st = tensor_stats(g)
     sm = SortedMagnitudes(g)
+    h4 = _histogram(g)
     rows = []
     for S in targets:
-        a_exact = exact_threshold(g, S)
+        # exact_threshold's quantile, read off the sorted magnitudes (no second selection)
+        a_exact = float(sm.v[min(int(round(S * sm.n)), sm.n - 1)])
         for rule in RULES:
             if rule in ("exact", "exact_stochastic"):
                 a = a_exact
+            elif rule == "histogram4":
+                a = h4.threshold(S)
             else:
                 a = float(threshold(S, st, model=rule))
             sto = rule != "exact"

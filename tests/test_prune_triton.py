@@ -56,7 +56,7 @@ def _check_bit_exact(device: str) -> None:
 
 
 def _check_seeded_statistics(device: str) -> None:
-    n = 400_000
+    n = 200_000
     x = _sample(n, 3, device, p0=0.0)[4:].abs()  # positive, finite: a non-trivial mean
     n = x.numel()
     for S, seed in ((0.6, 1234), (0.9, 2 ** 62 - 5)):

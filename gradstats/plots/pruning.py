@@ -18,11 +18,14 @@ import numpy as np
 from .style import FAMILY_COLORS, savefig, use_style
 
 #: one colour per threshold rule (the families keep the shared colours)
-RULE_COLORS = {**FAMILY_COLORS, "naive_lognormal": "#7fbf7b", "exact": "#444444",
-               "exact_stochastic": "#999999"}
-RULE_LABELS = {"lognormal": "lognormal (analytic)", "naive_lognormal": "naive lognormal quantile",
+RULE_COLORS = {**FAMILY_COLORS, "histogram": "#762a83", "histogram4": "#c2a5cf",
+               "naive_lognormal": "#7fbf7b", "exact": "#444444", "exact_stochastic": "#999999"}
+RULE_LABELS = {"lognormal": "lognormal (analytic)", "histogram": "log2 histogram (binade)",
+               "histogram4": "log2 histogram (1/4 binade)",
+               "naive_lognormal": "naive lognormal quantile",
                "normal": "normal (half-normal)", "laplace": "Laplace (exponential)",
-               "exact": "exact quantile (hard)", "exact_stochastic": "exact (sort oracle)"}
+               "exact": "exact quantile, hard operator",
+               "exact_stochastic": "exact quantile, stochastic operator"}
 
 
 def _finish(fig: Any, path: str | os.PathLike[str] | None) -> Any:
@@ -33,8 +36,11 @@ def _finish(fig: Any, path: str | os.PathLike[str] | None) -> Any:
 
 def plot_achieved_vs_target(table: Any, *, path: str | os.PathLike[str] | None = None,
                             title: str | None = None) -> Any:
-    """Achieved sparsity against target, one colour per rule: per-layer points (small) and the
-    mean over layers (line); the diagonal is a perfect rule. ``table`` has columns ``rule``,
+    """Left: achieved sparsity against target, one colour per rule, per-layer points (small)
+    and the mean over layers (line); the dashed diagonal is a perfect rule. Right: the error
+    ``achieved - target`` of every (layer, target) case per rule as a box plot on a symmetric
+    log axis (linear within +-1e-3), so both the large misses of the bell-shaped and naive
+    rules and the small ones of the good rules are visible. ``table`` has columns ``rule``,
     ``target``, ``achieved`` (and optionally ``layer``).
 
     Example:
@@ -46,11 +52,13 @@ def plot_achieved_vs_target(table: Any, *, path: str | os.PathLike[str] | None =
     import matplotlib.pyplot as plt
 
     use_style()
-    fig, ax = plt.subplots(figsize=(5.6, 4.8))
-    lo = float(min(table["target"].min(), table["achieved"].min()))
-    ax.plot([lo, 1], [lo, 1], color="black", lw=0.8, ls="--", label="achieved = target")
     rules = [r for r in RULE_COLORS if r in set(table["rule"])] + \
         sorted(set(table["rule"]) - set(RULE_COLORS))
+    fig, (ax, axe) = plt.subplots(1, 2, figsize=(13.0, 5.6),
+                                  gridspec_kw={"width_ratios": [1.1, 1.0]})
+    lo = float(min(table["target"].min(), table["achieved"].min()))
+    ax.plot([lo, 1], [lo, 1], color="black", lw=0.8, ls="--", label="achieved = target")
+    errors = []
     for i, rule in enumerate(rules):
         sub = table[table["rule"] == rule]
         c = RULE_COLORS.get(rule, f"C{i}")
@@ -58,10 +66,28 @@ def plot_achieved_vs_target(table: Any, *, path: str | os.PathLike[str] | None =
         ax.scatter(sub["target"] + jitter, sub["achieved"], s=6, alpha=0.35, color=c, lw=0)
         mean = sub.groupby("target")["achieved"].mean()
         ax.plot(mean.index, mean.values, marker="o", ms=4, color=c, label=RULE_LABELS.get(rule, rule))
+        errors.append((sub["achieved"] - sub["target"]).to_numpy())
     ax.set_xlabel("target sparsity")
     ax.set_ylabel("achieved sparsity (fraction of zeros)")
-    ax.set_title(title or "Achieved vs target sparsity per threshold rule")
-    ax.legend(fontsize="small", loc="upper left")
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize="small", loc="lower center", ncol=5,
+               bbox_to_anchor=(0.5, -0.01), frameon=False)
+    pos = np.arange(len(rules))[::-1]
+    bp = axe.boxplot(errors, positions=pos, orientation="horizontal", widths=0.6, patch_artist=True,
+                     showfliers=True, flierprops={"markersize": 2, "alpha": 0.4})
+    for patch, rule, i in zip(bp["boxes"], rules, range(len(rules))):
+        patch.set_facecolor(RULE_COLORS.get(rule, f"C{i}"))
+        patch.set_alpha(0.6)
+    axe.axvline(0.0, color="black", lw=0.8)
+    for v in (-0.01, 0.01):
+        axe.axvline(v, color="grey", lw=0.8, ls=":")
+    axe.set_xscale("symlog", linthresh=1e-3)
+    axe.set_yticks(pos)
+    axe.set_yticklabels([RULE_LABELS.get(r, r) for r in rules], fontsize="small")
+    axe.yaxis.tick_right()
+    axe.set_xlabel("achieved - target (symmetric log scale; dotted: +-0.01)")
+    fig.suptitle(title or "Achieved vs target sparsity per threshold rule")
+    fig.subplots_adjust(bottom=0.2, wspace=0.08)
     return _finish(fig, path)
 
 

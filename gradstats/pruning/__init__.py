@@ -3,7 +3,8 @@
 Public verbs (see ``docs/pruning.md``):
 
 - :func:`expected_sparsity`, :func:`threshold`: the model's sparsity at a threshold and its
-  inverse (lognormal, naive lognormal, normal, Laplace), vectorised over layers;
+  inverse (lognormal, naive lognormal, normal, Laplace, and the model-free log2-histogram
+  rule of :class:`LogHistogram`), vectorised over layers;
 - :func:`predicted_cosine`, :func:`added_variance`: what pruning at a threshold costs;
 - :func:`stochastic_prune`, :func:`hard_prune`, :func:`prune`, :func:`exact_threshold`: the
   operators on tensors, and the sort/selection baseline;
@@ -26,4 +27,6 @@ __all__ = ["expected_sparsity", "threshold", "predicted_cosine", "added_variance
            "MODELS", "RULES", "METHODS"]
 from .allocation import Allocation, allocate  # noqa: E402
 
-__all__ += ["allocate", "Allocation"]
+from .histogram import LogHistogram  # noqa: E402
+
+__all__ += ["allocate", "Allocation", "LogHistogram"]

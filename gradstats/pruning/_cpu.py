@@ -148,6 +148,26 @@ def moments(x: np.ndarray, *, logs: bool = True, sums: bool = False) -> dict[str
     return out
 
 
+def log2_histogram(x: np.ndarray, mbits: int = 2) -> np.ndarray:
+    """Counts of ``(bits of |x|) >> (mantissa bits - mbits)``: ``2**mbits`` bins per binade
+    (see :meth:`gradstats.pruning.histogram.LogHistogram.from_counts`), in one sweep."""
+    n = x.shape[0]
+    f32 = x.dtype == np.float32
+    ib, mask, shift = ((np.int32, np.int32(0x7FFFFFFF), 23 - mbits) if f32 else
+                       (np.int64, np.int64(0x7FFFFFFFFFFFFFFF), 52 - mbits))
+    size = (256 if f32 else 2048) << mbits
+
+    def block(k: int) -> np.ndarray:
+        s, e = k * BLOCK, min(n, (k + 1) * BLOCK)
+        w, _, _ = _scratch(x.dtype)
+        key = w[: e - s].view(ib)
+        np.bitwise_and(x[s:e].view(ib), mask, out=key)
+        np.right_shift(key, shift, out=key)
+        return np.bincount(key, minlength=size)
+
+    return np.sum(_map(block, n), axis=0)
+
+
 # --------------------------------------------------------------------------- stochastic prune
 def stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, *,
                      key: tuple[int, int, int, int] | None = None,

@@ -142,8 +142,8 @@ def allocate(layers: Any, budget: float, *, cosine_floor: Any = None, weights: A
     least weighted relative added noise, with optional per-layer cosine-similarity floors.
 
     ``layers``: a DataFrame of statistics rows (one per layer, or a ``layer`` column whose rows
-    are merged, e.g. ``run.stats()``: only rows of kind ``"grad"`` are used), or a mapping name -> statistics row / fit result / ``{"mu", "sigma", "p0",
-    "n"}``. ``cosine_floor``: one number, a mapping name -> floor, or an array (NaN: none).
+    are merged, e.g. ``run.stats()``: only rows of kind ``"grad"`` are used), or a mapping
+    name -> statistics row / fit result / ``{"mu", "sigma", "p0", "n"}``. ``cosine_floor``: one number, a mapping name -> floor, or an array (NaN: none).
     ``weights``: importance per layer (default: element counts). ``sizes``: element counts
     when the rows lack ``n``. A budget below the zeros already present gives threshold 0
     everywhere (and ``achieved`` above the budget); a budget the floors cannot allow raises

@@ -12,7 +12,6 @@ import logging
 import math
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..kernels import prune as kprune
@@ -52,9 +51,10 @@ def _check_out(out: torch.Tensor | None, x: torch.Tensor) -> None:
         return
     if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype \
             or out.device != x.device:
+        got = ((tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor)
+               else type(out).__name__)
         raise ValueError(f"out must be a tensor of x's shape {tuple(x.shape)}, dtype {x.dtype} and "
-                         f"device {x.device}; got "
-                         f"{(tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor) else type(out).__name__}")
+                         f"device {x.device}; got {got}")
 
 
 def _draw(generator: torch.Generator | None, k: int = 1) -> list[int]:
@@ -202,6 +202,24 @@ def exact_threshold(x: torch.Tensor, target: float, *, stochastic: bool = False)
     return num / (cnt - n * s)
 
 
+#: bins per binade of the histogram rule in :func:`prune` (``2**HIST_MBITS``)
+HIST_MBITS = 2
+
+
+def _histogram(x: torch.Tensor):
+    """The LogHistogram of ``x`` at ``2**HIST_MBITS`` bins per binade, in one sweep."""
+    from .histogram import LogHistogram
+
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        counts = _cpu.log2_histogram(x.detach().contiguous().reshape(-1).numpy(), HIST_MBITS)
+        return LogHistogram.from_counts(counts, mbits=HIST_MBITS, float64=x.dtype == torch.float64,
+                                        n=x.numel())
+    bits = x.detach().reshape(-1).float().view(torch.int32) & 0x7FFFFFFF
+    counts = torch.bincount(bits >> (23 - HIST_MBITS), minlength=256 << HIST_MBITS)
+    return LogHistogram.from_counts(counts.cpu().numpy(), mbits=HIST_MBITS, float64=False,
+                                    n=x.numel())
+
+
 def _estimate(x: torch.Tensor, method: str) -> dict[str, Any]:
     """Statistics of ``x`` needed by ``method`` (n, n_zero, sums), in one sweep."""
     logs = method in ("lognormal", "naive_lognormal")
@@ -231,8 +249,10 @@ def prune(x: torch.Tensor, target: float, *, method: str = "lognormal", stochast
 
     ``method``: a rule of :func:`gradstats.pruning.threshold` (``"lognormal"``,
     ``"naive_lognormal"``, ``"normal"``, ``"laplace"``; the parameters come from one sweep
-    over ``x``: zero count and the sums of ``ln|x|``, ``ln^2|x|``, ``|x|``, ``x^2``), or
-    ``"exact"`` (``torch.kthvalue`` for the hard operator, the sort-based oracle of
+    over ``x``: zero count and the sums of ``ln|x|``, ``ln^2|x|``, ``|x|``, ``x^2``),
+    ``"histogram"`` (model-free: one sweep counting ``|x|`` in quarter-binade bins, see
+    :mod:`gradstats.pruning.histogram`; the most accurate sort-free rule on real gradients),
+    or ``"exact"`` (``torch.kthvalue`` for the hard operator, the sort-based oracle of
     :func:`exact_threshold` for the stochastic one). ``stochastic=True`` applies
     :func:`stochastic_prune` with the threshold solved for that operator;
     ``stochastic=False`` hard-thresholds at the rule's quantile. Returns the pruned tensor, or
@@ -253,6 +273,8 @@ def prune(x: torch.Tensor, target: float, *, method: str = "lognormal", stochast
     _check_out(out, x)
     if method == "exact":
         a = exact_threshold(x, s, stochastic=stochastic)
+    elif method == "histogram":
+        a = min(_histogram(x).threshold(s, stochastic=stochastic), float(torch.finfo(x.dtype).max))
     else:
         st = _estimate(x, method)
         if int(st["n"]) - int(st["n_zero"]) - int(st.get("n_nonfinite", 0)) <= 0:

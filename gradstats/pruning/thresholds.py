@@ -29,8 +29,9 @@ ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
 
 #: distribution models of the non-zero magnitudes
 MODELS = ("lognormal", "normal", "laplace")
-#: threshold rules: the models, plus the lognormal quantile that ignores the rounding up
-RULES = ("lognormal", "naive_lognormal", "normal", "laplace")
+#: threshold rules: the models, the lognormal quantile that ignores the rounding up, and the
+#: model-free histogram rule (:mod:`gradstats.pruning.histogram`)
+RULES = ("lognormal", "naive_lognormal", "normal", "laplace", "histogram")
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -172,6 +173,37 @@ def _broadcast(model: Model, p0: np.ndarray, v: np.ndarray) -> tuple[Model, np.n
     return m, p0f, vf, shape
 
 
+def _histograms(source: Any) -> tuple[list[Any], bool]:
+    """LogHistograms of a source (a statistics row with ``hist``, a DataFrame or list of such
+    rows, or LogHistogram objects) and whether it was a single one."""
+    import pandas as pd
+
+    from .histogram import LogHistogram
+
+    if source is None:
+        raise ValueError("the histogram rule needs a source: a statistics row with its 'hist' "
+                         "field, a DataFrame or list of rows, or a LogHistogram")
+    if isinstance(source, pd.DataFrame):
+        items, single = source.to_dict("records"), False
+    elif isinstance(source, (list, tuple)):
+        items, single = list(source), False
+    else:
+        items, single = [source], True
+    out = []
+    for it in items:
+        if isinstance(it, LogHistogram):
+            out.append(it)
+        elif isinstance(it, Mapping) or hasattr(it, "keys"):
+            if int(it["n"]) <= 0:
+                raise ValueError("the statistics row describes an empty tensor (n = 0): no "
+                                 "threshold can be derived from it")
+            out.append(LogHistogram.from_stats(it))
+        else:
+            raise ValueError(f"the histogram rule cannot read a {type(it).__name__}: expected a "
+                             "statistics row with 'hist' or a LogHistogram")
+    return out, single
+
+
 # ----------------------------------------------------------------------------- public verbs
 def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
                       sigma: ArrayLike | None = None, model: str = "lognormal",
@@ -192,6 +224,17 @@ def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike
         >>> expected_sparsity(1.0, mu=0.0, sigma=1.0, stochastic=False)
         0.5
     """
+    if model == "histogram":
+        hs, single = _histograms(source)
+        a = _as_array(threshold)
+        if np.isnan(a).any() or (a < 0).any():
+            raise ValueError(f"threshold must be >= 0, got {a[~(a >= 0)].reshape(-1)[:5]}")
+        if single:
+            out = hs[0].expected_sparsity(a.ravel(), stochastic=stochastic).reshape(a.shape)
+        else:
+            ab = np.broadcast_to(a, (len(hs),))
+            out = np.array([h.expected_sparsity(v, stochastic=stochastic)[0] for h, v in zip(hs, ab)])
+        return _wrap(out, (threshold,))
     m, p0v, single = resolve(source, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
     a = _as_array(threshold)
     if np.isnan(a).any() or (a < 0).any():
@@ -215,7 +258,9 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
     ``model``: ``"lognormal"`` (the analytic rule), ``"naive_lognormal"`` (the lognormal
     quantile ``exp(mu + sigma * Phi^-1(S))``, which ignores the values rounded up and so
     undershoots the target under the stochastic operator), ``"normal"`` (half-normal,
-    ``scale^2 = E g^2``) or ``"laplace"`` (exponential, ``scale = E|g|``). ``stochastic=False``
+    ``scale^2 = E g^2``), ``"laplace"`` (exponential, ``scale = E|g|``), or ``"histogram"``
+    (model-free, from the binade histogram of a statistics row: see
+    :mod:`gradstats.pruning.histogram`; needs ``source``). ``stochastic=False``
     gives the hard-threshold quantile of the model. With exact zeros at fraction ``p0`` the
     non-zero part is aimed at ``(target - p0) / (1 - p0)``; when ``target <= p0`` the zeros
     already meet the target and the threshold is 0 (nothing is pruned, and the expected
@@ -233,6 +278,17 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
     """
     if model == "naive_lognormal":
         model, stochastic = "lognormal", False
+    elif model == "histogram":
+        hs, single = _histograms(source)
+        sv = _as_array(target)
+        _check_range("target sparsity", sv, 0.0, 1.0, "a fraction of zeros below 1")
+        if single:
+            out = np.array([hs[0].threshold(float(v), stochastic=stochastic) for v in sv.ravel()])
+            out = out.reshape(sv.shape)
+        else:
+            sb = np.broadcast_to(sv, (len(hs),))
+            out = np.array([h.threshold(float(v), stochastic=stochastic) for h, v in zip(hs, sb)])
+        return _wrap(out, (target,))
     elif model not in MODELS:
         raise ValueError(f"model must be one of {RULES}, got {model!r}")
     m, p0v, _ = resolve(source, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
