@@ -89,9 +89,9 @@ class Lognormal(Model):
 
     def up(self, x):
         s = self.sigma
-        # exp(mu + s^2/2) / a * Phi(z - s), in logs so that no factor overflows
-        with np.errstate(over="ignore", invalid="ignore"):
-            return np.exp(0.5 * s * s - x + special.log_ndtr(x / s - s))
+        # exp(mu + s^2/2) / a * Phi(z - s), in logs so that no factor overflows: the exponent
+        # is about -x^2 / (2 s^2) for very negative x, and at most s^2/2 - x + 0 otherwise
+        return np.exp(0.5 * s * s - x + special.log_ndtr(x / s - s))
 
     def hard_quantile(self, q):
         return self.sigma * special.ndtri(q)
@@ -181,42 +181,40 @@ class Exponential(Model):
         return 2.0 * self.scale ** 2
 
 
-def bracket_solve(f: Callable[[np.ndarray, np.ndarray], np.ndarray],
-                  lo: np.ndarray, hi: np.ndarray, *,
-                  fprime: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-                  ftol: float = 1e-13, max_iter: int = 200) -> np.ndarray:
+def bracket_solve(fg: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray | None]],
+                  lo: np.ndarray, hi: np.ndarray, *, ftol: float = 1e-13,
+                  max_iter: int = 200) -> np.ndarray:
     """Root of increasing ``f(x, idx)`` in ``[lo, hi]`` elementwise (``f(lo) <= 0 <= f(hi)``).
 
-    ``idx`` are the indices of the entries still being solved (so that ``f`` can pick its
-    parameters). Safeguarded Newton when ``fprime`` is given (a step leaving the current bracket
-    becomes a bisection), plain bisection otherwise. Stops per entry when ``|f| <= ftol`` or the
-    bracket no longer shrinks in float64.
+    ``fg(x, idx)`` returns ``(f, f')`` (``f'`` may be None) for the entries ``idx`` still being
+    solved (so that it can pick their parameters). Safeguarded Newton when ``f'`` is given (a
+    step leaving the current bracket becomes a bisection), plain bisection otherwise. Stops per
+    entry when ``|f| <= ftol`` or the bracket no longer shrinks in float64.
     """
     lo = np.array(lo, dtype=np.float64, copy=True)
     hi = np.array(hi, dtype=np.float64, copy=True)
     x = 0.5 * (lo + hi)
     active = np.arange(x.size)
-    for _ in range(max_iter):
-        if active.size == 0:
-            break
-        xa = x[active]
-        fa = f(xa, active)
-        done = np.abs(fa) <= ftol
-        neg = fa < 0
-        lo[active] = np.where(neg, xa, lo[active])
-        hi[active] = np.where(neg, hi[active], xa)
-        la, ha = lo[active], hi[active]
-        mid = 0.5 * (la + ha)
-        if fprime is not None:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                nx = xa - fa / fprime(xa, active)
-            ok = np.isfinite(nx) & (nx > la) & (nx < ha)
-            nx = np.where(ok, nx, mid)
-        else:
-            nx = mid
-        stuck = (mid <= la) | (mid >= ha)  # bracket is two adjacent floats
-        x[active] = np.where(done, xa, nx)
-        active = active[~(done | stuck)]
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+        for _ in range(max_iter):
+            if active.size == 0:
+                break
+            xa = x[active]
+            fa, da = fg(xa, active)
+            done = np.abs(fa) <= ftol
+            neg = fa < 0
+            la = np.where(neg, xa, lo[active])
+            ha = np.where(neg, hi[active], xa)
+            lo[active], hi[active] = la, ha
+            mid = 0.5 * (la + ha)
+            if da is not None:
+                nx = xa - fa / da
+                nx = np.where(np.isfinite(nx) & (nx > la) & (nx < ha), nx, mid)
+            else:
+                nx = mid
+            stuck = (mid <= la) | (mid >= ha)  # the bracket is two adjacent floats
+            x[active] = np.where(done, xa, nx)
+            active = active[~(done | stuck)]
     return x
 
 
@@ -235,8 +233,13 @@ def solve_sparsity(model: Model, target: np.ndarray, *, stochastic: bool = True)
         step = np.where(low, 2.0 * step, step)
         hi = np.where(low, hi + step, hi)
     sub = _Sub(model)
-    return bracket_solve(lambda x, i: sub.at(i).stochastic(x) - target[i], xh, hi,
-                         fprime=lambda x, i: sub.at(i).up(x))
+
+    def fg(x: np.ndarray, i: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        m = sub.at(i)
+        u = m.up(x)  # dS/dx
+        return m.hard(x) - u - target[i], u
+
+    return bracket_solve(fg, xh, hi)
 
 
 def solve_ratio(model: Model, ratio: np.ndarray) -> np.ndarray:
@@ -255,7 +258,7 @@ def solve_ratio(model: Model, ratio: np.ndarray) -> np.ndarray:
         if not bad.any():
             break
         hi = np.where(bad, 2.0 * hi, hi)
-    return bracket_solve(lambda x, i: sub.at(i).et2_ratio(x) - ratio[i], lo, hi)
+    return bracket_solve(lambda x, i: (sub.at(i).et2_ratio(x) - ratio[i], None), lo, hi)
 
 
 class _Sub:
@@ -266,11 +269,17 @@ class _Sub:
 
     def at(self, idx: np.ndarray) -> Model:
         m = self.model
+        if idx.size == _size(m):
+            return m
         if isinstance(m, Lognormal):
             return Lognormal(_take(m.mu, idx), _take(m.sigma, idx))
         if isinstance(m, HalfNormal):
             return HalfNormal(_take(m.scale, idx))
         return Exponential(_take(m.scale, idx))
+
+
+def _size(m: Model) -> int:
+    return (m.mu if isinstance(m, Lognormal) else m.scale).size
 
 
 def _take(p: np.ndarray, idx: np.ndarray) -> np.ndarray:
