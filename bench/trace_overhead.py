@@ -54,7 +54,8 @@ class NaiveHooks:
         nz = a[fin & (a > 0)]
         ln = np.log(nz)
         np.bincount(np.frexp(nz)[1] + 148, minlength=277)
-        return (x.size, int((a == 0).sum()), x[fin].sum(), a[fin].sum(), (x[fin] ** 2).sum(), ln.sum(), (ln ** 2).sum())
+        _ = (x.size, int((a == 0).sum()), x[fin].sum(), a[fin].sum(), (x[fin] ** 2).sum(), ln.sum(), (ln ** 2).sum())
+        # returns None: the gradient flows on unchanged
 
     def detach(self):
         for h in self.handles:
