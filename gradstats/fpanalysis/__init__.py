@@ -29,7 +29,8 @@ from ._pieces import FRACTIONS, PARTS
 from .crossover import AUTHORS_TABLE, CrossoverTable, crossover_table
 from .error import ErrorResult, expected_error
 from .empirical import PredictionCheck, check_prediction, energy_moments, measured_error
-from .scale import BestFormat, FormatChoice, ScaleResult, best_format, candidate_formats, optimal_scale
+from .choice import BestFormat, FormatChoice, best_format, candidate_formats
+from .scale import ScaleResult, optimal_scale
 
 __all__ = ["expected_error", "optimal_scale", "best_format", "crossover_table", "candidate_formats",
            "ErrorResult", "ScaleResult", "BestFormat", "FormatChoice", "CrossoverTable", "AUTHORS_TABLE",

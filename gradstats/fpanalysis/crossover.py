@@ -19,7 +19,8 @@ import numpy as np
 from ..formats import FPFormat
 from . import _params as P
 from .error import default_tensor_amax, integrals
-from .scale import _optimal, candidate_formats
+from .choice import candidate_formats
+from .scale import _optimal
 
 __all__ = ["crossover_table", "CrossoverTable", "AUTHORS_TABLE"]
 

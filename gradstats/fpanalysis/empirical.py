@@ -15,12 +15,12 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ..formats import FPFormat, parse
+from ..formats import FPFormat
 from ..quant import quantize
 from ..stats import lognormal_moments, tensor_stats
 from . import _params as P
-from .error import expected_error
-from .scale import TIE_RTOL, best_format, candidate_formats
+from .choice import best_format
+from .scale import TIE_RTOL
 
 __all__ = ["measured_error", "check_prediction", "energy_moments", "PredictionCheck"]
 

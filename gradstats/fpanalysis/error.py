@@ -27,7 +27,7 @@ from typing import Any, Optional
 import numpy as np
 from scipy.special import log_ndtr, ndtr, ndtri
 
-from ..formats import FPFormat, parse
+from ..formats import FPFormat
 from . import _params as P
 from ._pieces import FRACTIONS, PARTS, Pieces, build, integrate, point
 

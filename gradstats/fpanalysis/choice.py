@@ -1,0 +1,266 @@
+"""The exponent/mantissa splits of a bit width ranked for lognormal gradients: :func:`best_format`.
+
+Every split ``E = 1..bits-2``, ``M = bits-1-E``, each at its own best scale
+(:func:`~gradstats.fpanalysis.optimal_scale`) or under a block-scaling rule, ranked per layer by
+predicted error. Vectorised over layers: 100 layers at bit widths 4..8 take a fraction of a second.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from ..formats import FPFormat, parse
+from . import _params as P
+from .error import default_tensor_amax, integrals
+from .scale import _mode, _optimal
+
+__all__ = ["best_format", "BestFormat", "FormatChoice", "candidate_formats"]
+
+
+def candidate_formats(bits: int, special: str = "fn", *, subnormals: bool = True) -> list[FPFormat]:
+    """Every exponent/mantissa split of a ``bits``-wide format: ``E = 1 .. bits-2``, ``M = bits-1-E``.
+
+    ``special="fn"`` (default): finite, saturating, with subnormals, as the OCP FP8/FP6/FP4
+    formats (``e4m3fn``, ``e3m2fn``, ``e2m1fn``); ``"ieee"`` (inf/NaN reserve the top binade,
+    ``E >= 2``), ``"fnuz"``; ``"hardware"``: ``e5m2`` (ieee) at 8 bits, ``fn`` otherwise.
+    Exponent bits are capped at 8 (float32 range).
+
+    Example:
+        >>> [str(f) for f in candidate_formats(6)]
+        ['e1m4fn', 'e2m3fn', 'e3m2fn', 'e4m1fn']
+    """
+    bits = P.check_bits(bits)
+    if special not in ("fn", "ieee", "fnuz", "hardware"):
+        raise ValueError(f"candidates: convention must be 'fn', 'ieee', 'fnuz' or 'hardware', got {special!r}")
+    out = []
+    for e in range(1, min(bits - 2, 8) + 1):
+        m = bits - 1 - e
+        if m > 23:
+            continue
+        sp = special
+        if special == "hardware":
+            sp = "ieee" if (e, m) == (5, 2) else "fn"
+        if sp == "ieee" and e < 2:
+            continue
+        out.append(FPFormat(e, m, special=sp, subnormals=subnormals))
+    if not out:
+        raise ValueError(f"no {special} format has {bits} bits")
+    return out
+
+
+@dataclass(frozen=True)
+class FormatChoice:
+    """One candidate of :func:`best_format` for one layer: ``format``, ``scale``, ``error``, ``rank``.
+
+    Example:
+        >>> best_format(8, mu=-9.0, sigma=1.5).choices()[0].format
+        FPFormat('e4m3fn')
+    """
+
+    format: FPFormat
+    scale: float
+    error: float
+    rank: int
+
+    @property
+    def log2_scale(self) -> float:
+        return math.log2(self.scale) if self.scale == self.scale else math.nan
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict."""
+        return {"format": str(self.format), "exp_bits": self.format.exp_bits, "man_bits": self.format.man_bits,
+                "scale": self.scale, "log2_scale": self.log2_scale, "error": self.error, "rank": self.rank}
+
+
+@dataclass(frozen=True)
+class BestFormat:
+    """Candidates of one bit width ranked by predicted error, per layer (see :func:`best_format`).
+
+    Attributes:
+        bits: the bit width; candidates: the formats compared.
+        errors, scales: ``(layers, candidates)`` arrays (``(candidates,)`` for one layer); scales are
+            NaN under block scaling (the block rule sets them).
+        order: candidate indices per layer, best first.
+        format, scale, error, exp_bits: the winner per layer (a single value for one layer).
+        mu, sigma, p0, names, amax: the inputs; rounding, criterion, block_size, scale_format,
+        power_of_two: the setting.
+
+    Example:
+        >>> b = best_format(6, mu=[-8.0, -8.0], sigma=[1.0, 2.5])
+        >>> [str(f) for f in b.format], b.exp_bits.tolist()
+        (['e3m2fn', 'e4m1fn'], [3, 4])
+    """
+
+    bits: int
+    candidates: tuple[FPFormat, ...]
+    errors: np.ndarray
+    scales: np.ndarray
+    order: np.ndarray
+    mu: Any
+    sigma: Any
+    p0: Any
+    names: Optional[tuple[str, ...]] = None
+    rounding: str = "nearest"
+    criterion: str = "mse"
+    block_size: Optional[int] = None
+    scale_format: Optional[str] = None
+    power_of_two: bool = True
+    amax: Any = None
+
+    @property
+    def single(self) -> bool:
+        return self.errors.ndim == 1
+
+    def _top(self, a: np.ndarray) -> Any:
+        a2 = a.reshape(-1, len(self.candidates))
+        o2 = self.order.reshape(-1, len(self.candidates))
+        v = a2[np.arange(a2.shape[0]), o2[:, 0]]
+        return float(v[0]) if self.single else v.reshape(self.errors.shape[:-1])
+
+    @property
+    def error(self) -> Any:
+        return self._top(self.errors)
+
+    @property
+    def scale(self) -> Any:
+        return self._top(self.scales)
+
+    @property
+    def format(self) -> Union[FPFormat, list[FPFormat]]:
+        o2 = self.order.reshape(-1, len(self.candidates))[:, 0]
+        f = [self.candidates[i] for i in o2]
+        return f[0] if self.single else f
+
+    @property
+    def exp_bits(self) -> Any:
+        e = np.array([self.candidates[i].exp_bits for i in self.order.reshape(-1, len(self.candidates))[:, 0]])
+        return int(e[0]) if self.single else e.reshape(self.errors.shape[:-1])
+
+    def choices(self, layer: int = 0) -> list[FormatChoice]:
+        """The ranked candidates of one layer (index into the flattened layers)."""
+        e = self.errors.reshape(-1, len(self.candidates))[layer]
+        s = self.scales.reshape(-1, len(self.candidates))[layer]
+        o = self.order.reshape(-1, len(self.candidates))[layer]
+        return [FormatChoice(self.candidates[i], float(s[i]), float(e[i]), r) for r, i in enumerate(o)]
+
+    def to_dataframe(self):
+        """One row per (layer, candidate): layer, rank, format, exp_bits, man_bits, scale, log2_scale, error."""
+        import pandas as pd
+
+        k = len(self.candidates)
+        e = self.errors.reshape(-1, k)
+        rows = []
+        mu, sg = np.ravel(self.mu), np.ravel(self.sigma)
+        for li in range(e.shape[0]):
+            name = self.names[li] if self.names else li
+            for c in self.choices(li):
+                rows.append({"layer": name, "mu": mu[li], "sigma": sg[li], "sigma_log2": sg[li] / P.LN2,
+                             **c.to_dict()})
+        return pd.DataFrame(rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict: setting, candidates, and per layer the ranked choices."""
+        n = self.errors.reshape(-1, len(self.candidates)).shape[0]
+        return {"bits": self.bits, "candidates": [str(c) for c in self.candidates], "rounding": self.rounding,
+                "criterion": self.criterion, "block_size": self.block_size, "scale_format": self.scale_format,
+                "power_of_two": self.power_of_two,
+                "layers": [{"layer": self.names[i] if self.names else i,
+                            "mu": float(np.ravel(self.mu)[i]), "sigma": float(np.ravel(self.sigma)[i]),
+                            "choices": [c.to_dict() for c in self.choices(i)]} for i in range(n)]}
+
+    def plot(self, **kw):
+        """Per-layer sigma with the chosen format (:func:`gradstats.plots.fpanalysis.plot_layer_formats`)."""
+        from ..plots.fpanalysis import plot_layer_formats
+
+        return plot_layer_formats(self, **kw)
+
+
+def best_format(
+    bits: int,
+    *,
+    mu: P.ArrayLike,
+    sigma: P.ArrayLike,
+    p0: P.ArrayLike = 0.0,
+    candidates: Union[None, str, Sequence[Union[FPFormat, str]]] = None,
+    block_size: int | None = None,
+    rounding: str = "nearest",
+    criterion: str = "mse",
+    power_of_two: bool = True,
+    scale_format: str = "e8m0",
+    numel: P.ArrayLike | None = None,
+    names: Sequence[str] | None = None,
+    amax: P.ArrayLike | None = None,
+) -> BestFormat:
+    """Rank the exponent/mantissa splits of a bit width by predicted error, each at its best scale.
+
+    Vectorised over layers; 100 layers at 8 bits take a few tens of milliseconds.
+
+    Args:
+        bits: total width, 3..16.
+        mu, sigma, p0: the layers' lognormal parameters (``ln|g|``) and zero fractions.
+        candidates: ``None`` (every split as an ``fn`` saturating format with subnormals: the OCP
+            convention), a convention name (see :func:`candidate_formats`), or a list of formats of
+            ``bits`` bits.
+        block_size: rank under block scaling (MX ``scale_format="e8m0"``, NVFP4 ``"e4m3"``, with
+            ``numel`` entries per tensor, default 2**20) instead of a per-tensor scale.
+        rounding, criterion, power_of_two: as in :func:`optimal_scale`.
+        names: optional layer names (kept in the result and its table).
+        amax: the layers' largest magnitudes, if known (per-tensor scales): rank for each tensor
+            given its maximum (and ``numel`` entries; see :func:`~gradstats.fpanalysis.expected_error`).
+
+    Example:
+        >>> b = best_format(8, mu=-9.0, sigma=3.0 * 0.6931)
+        >>> [(str(c.format), c.log2_scale) for c in b.choices()[:2]]
+        [('e4m3fn', 1.0), ('e5m2fn', 1.0)]
+    """
+    bits = P.check_bits(bits)
+    P.check_choice("rounding", rounding, P.ROUNDINGS)
+    P.check_choice("criterion", criterion, P.CRITERIA)
+    block_size = P.check_block(block_size, scale_format)
+    if candidates is None or isinstance(candidates, str):
+        cands = candidate_formats(bits, candidates or "fn")
+    else:
+        cands = [P.check_format(parse(c)) for c in candidates]
+        if not cands:
+            raise ValueError("candidates is empty")
+        wrong = [str(c) for c in cands if c.bits != bits]
+        if wrong:
+            raise ValueError(f"candidates {wrong} do not have {bits} bits")
+    for c in cands:
+        P.check_format(c)
+    if amax is not None and block_size is not None:
+        raise ValueError("amax conditions per-tensor scales; it does not apply with block_size")
+    shape, arrs = P.lognormal(mu, sigma, p0, *([("amax", amax)] if amax is not None else []))
+    mu_, s_, p0_ = arrs[:3]
+    am = P.check_amax(arrs[3]) if amax is not None else None
+    nn = P.numel_array(numel, shape)
+    nz = None if (am is None or nn is None) else (1 - p0_) * nn
+    if names is not None:
+        names = tuple(str(n) for n in names)
+        if len(names) != mu_.size:
+            raise ValueError(f"names has {len(names)} entries for {mu_.size} layers")
+    k = len(cands)
+    errs = np.empty((mu_.size, k))
+    scales = np.full((mu_.size, k), np.nan)
+    mode = _mode(criterion)
+    tamax = (default_tensor_amax(mu_, s_, p0_, 2.0 ** 20 if nn is None else nn)
+             if block_size and scale_format == "e4m3" else None)
+    for i, f in enumerate(cands):
+        if block_size is None:
+            j, e = _optimal(f, mu_, s_, power_of_two=bool(power_of_two), rounding=rounding, criterion=criterion,
+                            amax=am, n_nonzero=nz)
+            errs[:, i], scales[:, i] = e, np.exp2(j)
+        else:
+            r = integrals(f, mu_, s_, p0_, np.zeros_like(mu_), rounding=rounding, overflow="saturate",
+                          mode=mode, block_size=block_size, scale_format=scale_format, tensor_amax=tamax)
+            errs[:, i] = r[:, :4].sum(axis=1)
+    order = np.argsort(errs, axis=1, kind="stable")
+    rs = lambda a: a.reshape(*shape, k)  # noqa: E731
+    return BestFormat(bits=bits, candidates=tuple(cands), errors=rs(errs), scales=rs(scales), order=rs(order),
+                      mu=P.out(mu_, shape), sigma=P.out(s_, shape), p0=P.out(p0_, shape), names=names,
+                      rounding=rounding, criterion=criterion, block_size=block_size,
+                      scale_format=scale_format if block_size else None, power_of_two=bool(power_of_two),
+                      amax=None if am is None else P.out(am, shape))
