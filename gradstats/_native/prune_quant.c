@@ -40,6 +40,11 @@ static inline uint32_t mix32(uint32_t h) {
 
 static inline float f_of(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
 static inline uint32_t u_of(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+/* branch-free select on bit masks (keeps the loop free of control flow) */
+static inline float sel(int c, float a, float b) {
+    uint32_t m = 0u - (uint32_t)(c != 0);
+    return f_of((u_of(a) & m) | (u_of(b) & ~m));
+}
 
 typedef struct {
     float a, scale, maxv;
@@ -50,7 +55,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void
 block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, const params_t *p,
           int64_t *restrict cnt, const int PRUNE, const int QUANT, const int ROUNDING, const int SUBNORMALS) {
-    int64_t nzero = 0, npruned = 0, nunder = 0, nover = 0;
+    int32_t nzero = 0, npruned = 0, nunder = 0, nover = 0;   /* per block: m <= BLOCK */
     const float a = p->a, scale = p->scale, inv_scale = 1.0f / p->scale, maxv = p->maxv;
     const int drop = 23 - p->man_bits;
     const uint32_t low = drop > 0 ? ((1u << drop) - 1u) : 0u;
@@ -63,7 +68,6 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
     const float magic = f_of((uint32_t)(p->emin - p->man_bits + 23 + 127) << 23);
     const uint32_t zero_sign = p->neg_zero ? 0x80000000u : 0u;
     const uint32_t seed_lo = p->seed_lo, seed_hi = p->seed_hi;
-#pragma omp simd reduction(+:nzero, npruned, nunder, nover)
     for (int64_t j = 0; j < m; j++) {
         uint32_t base = mix32((uint32_t)(lo + j) * 2u + seed_lo) ^ seed_hi;
         float v = x[j];
@@ -76,7 +80,7 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
             int small = w < a;
             int up = u * a < w;
             npruned += small & !up & (w != 0.f);
-            w = small ? (up ? a : 0.f) : w;
+            w = sel(small, sel(up, a, 0.f), w);
         }
         float r = w;
         if (QUANT) {
@@ -96,28 +100,28 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
                     rs = (ws + magic) - magic;
                 } else {
                     float uq = ROUNDING == 1 ? (float)(rnd & 0xffffffu) * (1.0f / 16777216.0f) : 0.f;
-                    float q = ws < min_normal ? ws * inv_step : 0.f;     /* < 2^M there: exact */
+                    float q = sel(ws < min_normal, ws * inv_step, 0.f);  /* < 2^M there: exact */
                     rs = (float)(int32_t)(q + uq) * step;
                 }
             } else {
                 if (ROUNDING == 0) {
-                    rs = ws > half_min_normal ? min_normal : 0.f;
+                    rs = sel(ws > half_min_normal, min_normal, 0.f);
                 } else if (ROUNDING == 1) {
                     float uq = (float)(rnd & 0xffffffu) * (1.0f / 16777216.0f);
-                    rs = uq * min_normal < ws ? min_normal : 0.f;
+                    rs = sel(uq * min_normal < ws, min_normal, 0.f);
                 } else {
                     rs = 0.f;
                 }
             }
-            float res = ws < min_normal ? rs : rn;
-            res = (over | (res > maxv)) ? maxv : res;               /* saturate, inf included */
+            float res = sel(ws < min_normal, rs, rn);
+            res = sel(over | (res > maxv), maxv, res);              /* saturate, inf included */
             nunder += (res == 0.f) & (w != 0.f);
             r = res * inv_scale;
         }
         uint32_t rb = u_of(r);
-        uint32_t sgn = rb == 0u ? (sign & zero_sign) : sign;
+        uint32_t sgn = sign & (rb == 0u ? zero_sign : 0xffffffffu);
         float o = f_of(rb | sgn);
-        o = isnan_ ? v : o;
+        o = sel(isnan_, v, o);
         out[j] = o;
         nzero += o == 0.f;
     }
