@@ -80,7 +80,7 @@ def test_matches_monte_carlo_subset(name, rounding):
         j = fa.optimal_scale(fmt, mu=mu, sigma=sigma, rounding=rounding).log2_scale
         scale = 2.0 ** (j + off)
         a = fa.expected_error(fmt, mu=mu, sigma=sigma, scale=scale, rounding=rounding).total
-        m, se = mc_error(fmt, mu, sigma, scale=scale, rounding=rounding, seed=k, n=2 ** 18)
+        m, se = mc_error(fmt, mu, sigma, scale=scale, rounding=rounding, seed=k, n=2 ** 17)
         assert agrees(a, m, se), (name, rounding, mu, s2, off, a, m, se)
 
 
@@ -92,7 +92,9 @@ def grid_formats():
 
 @pytest.mark.slow
 def test_matches_monte_carlo_full_grid():
-    """The full grid of the issue: 1e6 samples per check; prints the agreement summary."""
+    """The full grid of the issue: 1e6 samples per check; prints the agreement summary. With 1320
+    checks, 3 standard errors would fail about 4 checks by chance alone: the Monte Carlo side uses 4
+    (Bonferroni: a family-wise false-alarm rate near 8%); the number beyond 3 is printed."""
     rows = []
     for fmt in grid_formats():
         for rounding in ("nearest", "stochastic"):
@@ -104,14 +106,16 @@ def test_matches_monte_carlo_full_grid():
                     a = fa.expected_error(fmt, mu=mu, sigma=sigma, scale=scale, rounding=rounding).total
                     m, se = mc_error(fmt, mu, sigma, scale=scale, rounding=rounding, n=10 ** 6,
                                      seed=len(rows))
-                    rows.append((str(fmt), rounding, s2, off, a, m, se, abs(m - a) / a, agrees(a, m, se),
-                                 abs(m - a) <= 0.03 * a))
+                    rows.append((str(fmt), rounding, s2, off, a, m, se, abs(m - a) / a,
+                                 agrees(a, m, se, z=4.0), abs(m - a) <= 0.03 * a))
     dev = np.array([r[7] for r in rows])
     z = np.array([abs(r[5] - r[4]) / r[6] for r in rows])
     by_se = sum(1 for r in rows if r[8] and not r[9])
+    precise = np.array([3 * r[6] < 0.03 * r[4] for r in rows])
     print(f"\nanalytic vs Monte Carlo (1e6 samples): {len(rows)} checks, {len(grid_formats())} formats; "
-          f"max relative deviation {dev.max():.4f} (median {np.median(dev):.5f}); max |z| {z.max():.2f}; "
-          f"{by_se} checks within 3 standard errors but beyond 3%")
+          f"max relative deviation {dev.max():.4f} (median {np.median(dev):.5f}); among the {precise.sum()} "
+          f"checks whose 3 standard errors are below 3%: max {dev[precise].max():.4f}; max |z| {z.max():.2f}, "
+          f"{int((z > 3).sum())} beyond 3; {by_se} checks within 4 standard errors but beyond 3%")
     worst = sorted(rows, key=lambda r: -r[7])[:5]
     for r in worst:
         print("  ", r[:4], f"analytic {r[4]:.4g} mc {r[5]:.4g} +- {r[6]:.2g}")
