@@ -170,6 +170,7 @@ def _moments(run, *, step: Step, layers, kind: str, skip_empty: bool = True) -> 
         m = merge_stats(g)
         s0, s1 = min(int(r["step"]) for r in g), max(int(r["step"]) for r in g)
         m["first_step"], m["last_step"] = s0, s1
+        m["numel"] = m["n"] / len(g)                     # elements of one captured tensor
         mu, sigma = lognormal_moments(m)
         if skip_empty and not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
             empty.append(n)
@@ -322,9 +323,14 @@ def _choose(fpanalysis, bits: int, mom: _Moments, *, rounding: str, block_size: 
         if not mine:
             raise ValueError(f"candidates hold no {bits}-bit format (given: {[str(FPFormat.parse(c)) for c in candidates]})")
         candidates = mine
+    # per-tensor scales are chosen for each tensor given its observed maximum: the lognormal's
+    # tail beyond amax does not exist in the data, and without this condition the MSE-optimal
+    # scale of a wide layer chases it and flushes every real value to zero
+    cond = {} if block_size is not None else {
+        "amax": mom.amax, "numel": np.array([r["numel"] for r in mom.rows], dtype=np.float64)}
     res = fpanalysis.best_format(bits, mu=mom.mu, sigma=mom.sigma, p0=mom.p0, candidates=candidates,
                                  block_size=block_size, rounding=rounding, scale_format=scale_format or "e8m0",
-                                 names=mom.layers)
+                                 names=mom.layers, **cond)
     fmts = res.format
     if not isinstance(fmts, list):  # one layer given as a scalar
         fmts = [fmts]
