@@ -139,11 +139,17 @@ def plot_layer_format_ranges(plans: Mapping[int, Any]) -> Any:
     from ..fpanalysis import plot_layer_formats
 
     names, mu, sigma, p0 = _plan_moments(plans)
+    first = next(iter(plans.values()))
+    pred = {e.layer: e.predicted for e in first.entries}
+    amax = np.array([pred[n].amax if pred[n].amax else np.nan for n in names])
+    cond = {"amax": amax} if np.isfinite(amax).all() and first.defaults.block_size is None else {}
     use_style()
     fig, axes = plt.subplots(len(plans), 1, figsize=(8.0, len(plans) * (1.2 + 0.3 * len(names)) + 0.4),
                              squeeze=False, sharex=True)
     for ax, b in zip(axes[:, 0], plans):
-        plot_layer_formats(best_format(int(b), mu=mu, sigma=sigma, p0=p0, names=names), ax=ax)
+        # the dots: each layer's choice given its observed maximum, as recommend makes it; the
+        # bands: the sigma ranges where each split is best for an unbounded lognormal
+        plot_layer_formats(best_format(int(b), mu=mu, sigma=sigma, p0=p0, names=names, **cond), ax=ax)
         if ax is not axes[-1, 0]:
             ax.set_xlabel("")
     fig.tight_layout()
