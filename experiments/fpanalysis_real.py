@@ -32,10 +32,8 @@ and the figure ``fpanalysis_predicted_vs_measured.png`` to ``--out``.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,9 +41,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-import gradstats
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import CONFIGS, layer_tensors, log_shape, parse_args  # noqa: E402
+
 from gradstats.fpanalysis import check_prediction
-from gradstats.stats import lognormal_moments, tensor_stats
 
 BITS = (4, 6, 8)
 SAMPLES = 1 << 16
@@ -56,37 +55,10 @@ VARIANTS = {"mse|energy+amax": dict(criterion="mse", fit="energy", use_amax=True
             "mse|mle": dict(criterion="mse", fit="mle", use_amax=False, window=2),
             "elementwise": dict(criterion="elementwise", fit="mle", use_amax=True)}
 
-#: (registry name, training steps, keyword arguments for prepare / run)
-CONFIGS = {
-    "cnn": dict(steps=120, prepare={}, run={}),
-    "mlp": dict(steps=300, prepare={}, run={}),
-    "transformer": dict(steps=80, prepare={"d_model": 128, "n_layers": 4}, run={"batch_size": 16}),
-}
-
-
-def trace_model(name: str, steps: int, path: Path, *, prepare_kw: dict | None = None,
-                run_kw: dict | None = None, seed: int = 0) -> gradstats.run.Run:
-    """Train a built-in model, keeping 2**16 sampled gradient entries of every layer at the last
-    step; return the run."""
-    from gradstats.training import prepare
-
-    task = prepare(name, seed=seed, **(prepare_kw or {}))
-    sample_steps = [steps - 1]
-    with gradstats.trace(task.model, path, every=sample_steps, sample_every=sample_steps,
-                         samples=SAMPLES, seed=seed) as tracer:
-        task.run(steps, callback=lambda step, loss: tracer.step(), progress=False, **(run_kw or {}))
-    return gradstats.open_run(path)
-
-
 def shape_of(g: torch.Tensor) -> dict:
-    """The usual fit (sigma in log2 units, p0) and the skewness and excess kurtosis of ln|g| over
-    the non-zero entries (lognormal: 0, 0)."""
-    st = tensor_stats(g)
-    mu, sigma = lognormal_moments(st)
-    lg = g[g != 0].abs().double().log()
-    z = (lg - lg.mean()) / lg.std()
-    return {"sigma_log2_mle": sigma / math.log(2), "p0_mle": st["n_zero"] / st["n"],
-            "skew": float(z.pow(3).mean()), "kurt": float(z.pow(4).mean() - 3)}
+    """The usual fit (sigma in log2 units, p0) and the skewness and excess kurtosis of ln|g|."""
+    d = log_shape(g)
+    return {"sigma_log2_mle": d["sigma"] / math.log(2), "p0_mle": d["p0"], "skew": d["skew"], "kurt": d["kurt"]}
 
 
 def evaluate_tensor(g: torch.Tensor, bits=BITS) -> list[dict]:
@@ -105,22 +77,11 @@ def evaluate_tensor(g: torch.Tensor, bits=BITS) -> list[dict]:
 def run_experiment(configs: dict = CONFIGS, *, workdir: str | Path | None = None, bits=BITS,
                    seed: int = 0, verbose: bool = True) -> pd.DataFrame:
     """Trace each configured model and check every layer tensor."""
-    workdir = Path(workdir or tempfile.mkdtemp(prefix="fpanalysis_real_"))
     rows = []
-    for name, cfg in configs.items():
-        t0 = time.perf_counter()
-        run = trace_model(name, cfg["steps"], workdir / name, prepare_kw=cfg.get("prepare"),
-                          run_kw=cfg.get("run"), seed=seed)
-        idx = run.sample_index()
-        idx = idx[idx["kind"] == "grad"][["layer", "step"]].drop_duplicates()
-        for layer, step in idx.itertuples(index=False):
-            g = run.samples(layer, int(step))
-            if int((g != 0).sum()) < 16:
-                continue
-            extra = {"model": name, "layer": layer, "step": int(step), **shape_of(g)}
-            rows += [{**extra, **r} for r in evaluate_tensor(g, bits)]
-        if verbose:
-            print(f"{name}: {len(idx)} layer tensors checked in {time.perf_counter() - t0:.0f} s", flush=True)
+    for name, layer, step, g in layer_tensors(configs, workdir, prefix="fpanalysis_real_", min_nonzero=16,
+                                              samples=SAMPLES, seed=seed, verbose=verbose):
+        extra = {"model": name, "layer": layer, "step": step, **shape_of(g)}
+        rows += [{**extra, **r} for r in evaluate_tensor(g, bits)]
     return pd.DataFrame(rows)
 
 
@@ -137,17 +98,9 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="experiments/out", help="directory for the CSV and figure")
-    ap.add_argument("--quick", action="store_true", help="a few steps per model (smoke test)")
-    args = ap.parse_args(argv)
-    configs = CONFIGS
-    if args.quick:
-        configs = {k: {**v, "steps": 6} for k, v in CONFIGS.items()}
+    args, configs, out = parse_args(__doc__, argv)
     t0 = time.perf_counter()
     df = run_experiment(configs)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "fpanalysis_real.csv", index=False)
     pd.set_option("display.width", 220)
     pd.set_option("display.max_columns", 30)

@@ -28,9 +28,7 @@ rule's misses with diagnostics), and writes ``pruning_real.csv`` and the figure
 """
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,38 +36,16 @@ import numpy as np
 import pandas as pd
 import torch
 
-import gradstats
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import CONFIGS, layer_tensors, log_shape, parse_args  # noqa: E402
+
 from gradstats.pruning import hard_prune, stochastic_prune, threshold
 from gradstats.pruning.operator import _histogram
-from gradstats.stats import lognormal_moments, tensor_stats
+from gradstats.stats import tensor_stats
 
 TARGETS = (0.5, 0.7, 0.8, 0.85, 0.9, 0.95)
 RULES = ("lognormal", "histogram", "histogram4", "naive_lognormal", "normal", "laplace", "exact",
          "exact_stochastic")
-
-#: (registry name, training steps, keyword arguments for prepare / run)
-CONFIGS = {
-    "cnn": dict(steps=120, prepare={}, run={}),
-    "mlp": dict(steps=300, prepare={}, run={}),
-    "transformer": dict(steps=80, prepare={"d_model": 128, "n_layers": 4}, run={"batch_size": 16}),
-}
-
-
-def trace_model(name: str, steps: int, path: Path, *, prepare_kw: dict | None = None,
-                run_kw: dict | None = None, sample_steps: list[int] | None = None,
-                seed: int = 0) -> gradstats.run.Run:
-    """Train a built-in model for ``steps`` steps, keeping whole gradient tensors of every
-    layer at ``sample_steps`` (default: the middle and the last step); return the run."""
-    from gradstats.training import prepare
-
-    task = prepare(name, seed=seed, **(prepare_kw or {}))
-    sample_steps = sample_steps or sorted({steps // 2, steps - 1})
-    with gradstats.trace(task.model, path, every=sample_steps, sample_every=sample_steps,
-                         samples=None) as tracer:
-        task.run(steps, callback=lambda step, loss: tracer.step(), progress=False,
-                 **(run_kw or {}))
-    return gradstats.open_run(path)
-
 
 class SortedMagnitudes:
     """``|g|`` sorted (float64) with prefix sums: the operators' expected zero fraction at any
@@ -118,39 +94,17 @@ def evaluate_tensor(g: torch.Tensor, targets=TARGETS, *, generator: torch.Genera
     return rows
 
 
-def describe(g: torch.Tensor) -> dict:
-    """Shape statistics of a gradient tensor: n, p0, mu, sigma, skewness and excess kurtosis
-    of ln|g| over the non-zero entries."""
-    st = tensor_stats(g)
-    mu, sigma = lognormal_moments(st)
-    lg = g[g != 0].abs().double().log()
-    z = (lg - mu) / sigma if sigma > 0 else lg * 0
-    return {"n": st["n"], "p0": st["n_zero"] / st["n"], "mu": mu, "sigma": sigma,
-            "skew": float(z.pow(3).mean()), "kurt": float(z.pow(4).mean() - 3)}
-
-
 def run_experiment(configs: dict = CONFIGS, *, workdir: str | Path | None = None,
                    targets=TARGETS, seed: int = 0, verbose: bool = True) -> pd.DataFrame:
     """Trace each configured model and evaluate every rule on every layer tensor."""
-    workdir = Path(workdir or tempfile.mkdtemp(prefix="pruning_real_"))
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    for name, cfg in configs.items():
-        t0 = time.perf_counter()
-        run = trace_model(name, cfg["steps"], workdir / name, prepare_kw=cfg.get("prepare"),
-                          run_kw=cfg.get("run"), sample_steps=cfg.get("sample_steps"), seed=seed)
-        idx = run.sample_index()
-        idx = idx[idx["kind"] == "grad"][["layer", "step"]].drop_duplicates()
-        for layer, step in idx.itertuples(index=False):
-            g = run.samples(layer, int(step))
-            if int((g != 0).sum()) < 2:
-                continue
-            info = describe(g)
-            for r in evaluate_tensor(g, targets, generator=gen):
-                rows.append({"model": name, "layer": layer, "step": int(step), **info, **r})
-        if verbose:
-            print(f"# {name}: {cfg['steps']} steps, {len(idx)} layer tensors, "
-                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+    for name, layer, step, g in layer_tensors(configs, workdir, prefix="pruning_real_", min_nonzero=2,
+                                              default_sample_steps=lambda n: sorted({n // 2, n - 1}),
+                                              seed=seed, verbose=verbose):
+        info = log_shape(g)
+        rows += [{"model": name, "layer": layer, "step": step, **info, **r}
+                 for r in evaluate_tensor(g, targets, generator=gen)]
     df = pd.DataFrame(rows)
     df["error"] = df["achieved"] - df["target"]
     # the exact zeros alone reach the target: every rule returns 0 and prunes nothing
@@ -193,17 +147,9 @@ def misses(df: pd.DataFrame, rule: str = "lognormal", tol: float = 0.01) -> pd.D
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="experiments/out", help="directory for the CSV and figure")
-    ap.add_argument("--quick", action="store_true", help="a few steps per model (smoke test)")
-    args = ap.parse_args(argv)
-    configs = CONFIGS
-    if args.quick:
-        configs = {k: {**v, "steps": 6} for k, v in CONFIGS.items()}
+    args, configs, out = parse_args(__doc__, argv)
     t0 = time.perf_counter()
     df = run_experiment(configs)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "pruning_real.csv", index=False)
     pd.set_option("display.width", 200)
     pd.set_option("display.max_columns", 20)
