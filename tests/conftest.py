@@ -23,3 +23,15 @@ def pytest_collection_modifyitems(config, items):  # noqa: D103
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_intraop_thread():
+    """For modules of many mid-sized tensor ops: on a shared, busy machine OpenMP threads that are
+    not scheduled stall each op, so the module runs single-threaded (the quantiser's CPU path is
+    single-threaded per op anyway) and the setting is restored afterwards. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_intraop_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

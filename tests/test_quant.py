@@ -22,15 +22,8 @@ ORACLE = ["float8_e3m4", "float8_e4m3", "float8_e4m3fn", "float8_e4m3fnuz", "flo
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intraop_thread():
-    """These checks run many mid-sized tensor ops; on a shared, busy machine OpenMP threads that are
-    not scheduled stall each op, so the module runs single-threaded (the quantiser's CPU path is
-    single-threaded per op anyway) and restores the setting afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# many mid-sized tensor ops: run single-threaded (see conftest.one_intraop_thread)
+pytestmark = pytest.mark.usefixtures("one_intraop_thread")
 
 # ------------------------------------------------------------------------------------------ helpers
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
