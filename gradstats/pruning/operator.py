@@ -46,6 +46,17 @@ def _check_target(target: Any) -> float:
     return s
 
 
+def _check_threshold(threshold: Any) -> float:
+    """The threshold as a float; a finite number >= 0 or a ValueError saying so."""
+    try:
+        a = float(threshold)
+    except (TypeError, ValueError):
+        raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}") from None
+    if not (math.isfinite(a) and a >= 0):
+        raise ValueError(f"threshold must be a finite number >= 0, got {a}")
+    return a
+
+
 def _check_out(out: torch.Tensor | None, x: torch.Tensor) -> None:
     if out is None:
         return
@@ -87,12 +98,7 @@ def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Gene
     """
     _check_tensor(x)
     _check_out(out, x)
-    try:
-        a = float(threshold)
-    except (TypeError, ValueError):
-        raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}") from None
-    if not (math.isfinite(a) and a >= 0):
-        raise ValueError(f"threshold must be a finite number >= 0, got {a}")
+    a = _check_threshold(threshold)
     if uniforms is not None:
         if not isinstance(uniforms, torch.Tensor) or uniforms.shape != x.shape:
             raise ValueError(f"uniforms must be a tensor of x's shape {tuple(x.shape)}")
@@ -137,12 +143,7 @@ def hard_prune(x: torch.Tensor, threshold: float, *, out: torch.Tensor | None = 
     """
     _check_tensor(x)
     _check_out(out, x)
-    try:
-        a = float(threshold)
-    except (TypeError, ValueError):
-        raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}") from None
-    if not (math.isfinite(a) and a >= 0):
-        raise ValueError(f"threshold must be a finite number >= 0, got {a}")
+    a = _check_threshold(threshold)
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
         xc = x.detach().contiguous().reshape(-1)
         direct = out is not None and out.is_contiguous()
