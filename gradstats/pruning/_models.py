@@ -119,8 +119,8 @@ class Lognormal(Model):
         return np.maximum(up - special.ndtr(z - 2.0 * s), 0.0)
 
 
-class HalfNormal(Model):
-    name = "normal"
+class _ScaleFamily(Model):
+    """A magnitude model with one scale parameter, solved in ``x = ln(a / scale)``."""
 
     def __init__(self, scale: np.ndarray) -> None:
         self.scale = scale
@@ -131,6 +131,10 @@ class HalfNormal(Model):
 
     def from_x(self, x):
         return self.scale * np.exp(x)
+
+
+class HalfNormal(_ScaleFamily):
+    name = "normal"
 
     def hard(self, x):
         return special.erf(np.exp(x) / math.sqrt(2.0))
@@ -150,18 +154,8 @@ class HalfNormal(Model):
         return self.scale ** 2
 
 
-class Exponential(Model):
+class Exponential(_ScaleFamily):
     name = "laplace"
-
-    def __init__(self, scale: np.ndarray) -> None:
-        self.scale = scale
-
-    def to_x(self, a):
-        with np.errstate(divide="ignore"):
-            return np.log(a / self.scale)
-
-    def from_x(self, x):
-        return self.scale * np.exp(x)
 
     def hard(self, x):
         return -np.expm1(-np.exp(x))
