@@ -53,17 +53,12 @@ class CompressCounts:
 
 @functools.lru_cache(maxsize=1)
 def _native():
-    from ._native import load
+    from ._native import function
 
-    lib = load("prune_quant")
-    if lib is None:
-        return None
-    fn = lib.gs_prune_quantize_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p]
-    return fn
+    return function("prune_quant", "gs_prune_quantize_f32",
+                    [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
+                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                     ctypes.c_int, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p])
 
 
 def _native_ok(fmt: Optional[FPFormat], scale: float) -> bool:

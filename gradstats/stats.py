@@ -140,15 +140,10 @@ def _reduce(x: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=1)
 def _native_kernel():
-    from ._native import load
+    from ._native import function
 
-    lib = load("stats")
-    if lib is None:
-        return None
-    fn = lib.gs_stats_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    return fn
+    return function("stats", "gs_stats_f32",
+                    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
 
 
 def _reduce_native(fn, x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +101,15 @@ def load(name: str) -> ctypes.CDLL | None:
     except OSError as exc:
         log.warning("could not load %s (%s); using the pure-torch path", lib_path, exc)
         return None
+
+
+def function(name: str, symbol: str, argtypes: list) -> Any:
+    """The C function ``symbol`` of kernel library ``name`` with its signature set (returns
+    ``int``), or None when the library is unavailable (see :func:`load`)."""
+    lib = load(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.restype = ctypes.c_int
+    fn.argtypes = argtypes
+    return fn
