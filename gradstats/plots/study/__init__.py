@@ -26,13 +26,14 @@ from typing import Any, Iterable, Mapping
 from ._data import (KIND_LABELS, MAX_GRID_LAYERS, SPARSITY_RULES, SPARSITY_TARGETS, _open, error_check,
                     goodness_of_fit, layer_fit, layer_fits, layer_values, moments_over_steps, sampled_steps,
                     sparsity_check)
-from .distributions import plot_goodness_of_fit, plot_layer_histograms, plot_moments_over_steps, plot_qq
+from .distributions import (plot_goodness_of_fit, plot_ks_by_model, plot_layer_histograms, plot_moments_over_steps,
+                            plot_qq)
 from .recommended import (plot_cosine_check, plot_error_vs_bits_for_layers, plot_format_map,
                           plot_layer_format_ranges, plot_sparsity_check)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["plot_layer_histograms", "plot_qq", "plot_goodness_of_fit", "plot_moments_over_steps", "plot_format_map",
+__all__ = ["plot_layer_histograms", "plot_ks_by_model", "plot_qq", "plot_goodness_of_fit", "plot_moments_over_steps", "plot_format_map",
            "plot_layer_format_ranges", "plot_error_vs_bits_for_layers", "plot_sparsity_check", "plot_cosine_check",
            "write_figures", "FIGURES", "sampled_steps", "layer_values", "layer_fit", "layer_fits", "goodness_of_fit",
            "moments_over_steps", "sparsity_check", "error_check", "KIND_LABELS", "MAX_GRID_LAYERS",

@@ -307,3 +307,43 @@ def plot_moments_over_steps(run: Any, *, kind: str = "grad", layers: str | Seque
     fig.suptitle(f"{KIND_LABELS.get(kind, kind).capitalize()} statistics over training", fontsize="large")
     fig.tight_layout()
     return fig
+
+
+def plot_ks_by_model(fits: Any, *, path: Any = None) -> Any:
+    """KS distance of each family per model, one panel per kind (neural gradients, activations,
+    weights): one box per model and family over every sampled (layer, step), log axis. ``fits`` is
+    :func:`gradstats.fit_run` output with a ``model`` column (several runs concatenated).
+
+    Example:
+        >>> import pandas as pd
+        >>> f = pd.DataFrame({"model": ["a"] * 3, "kind": ["grad"] * 3, "status": ["ok"] * 3,
+        ...                   "family": ["lognormal", "normal", "laplace"], "ks": [0.01, 0.2, 0.1]})
+        >>> [ax.get_title() for ax in plot_ks_by_model(f).axes]
+        ['neural gradient g']
+    """
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    from ..style import savefig
+
+    use_style()
+    ok = fits[fits["status"] == "ok"]
+    kinds = [k for k in ("grad", "act", "weight", "wgrad") if k in set(ok["kind"])]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds) + 0.6, 4.0), sharey=True, squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        d = ok[ok["kind"] == kind]
+        sns.boxplot(data=d, x="model", y="ks", hue="family", hue_order=list(FAMILY_COLORS), palette=FAMILY_COLORS,
+                    ax=ax, fliersize=2, linewidth=0.8, log_scale=True)
+        ax.set_title(KIND_LABELS.get(kind, kind))
+        ax.set_xlabel("")
+        ax.set_ylabel("KS distance (log scale)")
+        if ax is not axes[0][0] and ax.get_legend() is not None:
+            ax.get_legend().remove()
+    leg = axes[0][0].get_legend()
+    if leg is not None:
+        leg.set_title("family")
+    fig.suptitle("goodness of fit per model: KS distance over every sampled layer and step")
+    fig.tight_layout()
+    if path is not None:
+        savefig(fig, path)
+    return fig

@@ -1,0 +1,245 @@
+"""What the accuracy experiments share: a training job under a plan, a calibration trace, worker
+processes, and a results file that survives interruption.
+
+A *job* trains one built-in model from scratch (one seed) with a :class:`gradstats.Plan` applied
+to its neural gradients (or none: the baseline) and reports the final test accuracy beside what
+the plan achieved (sparsity, underflow, saturation). Jobs run in worker processes with one torch
+thread each; every finished job is appended to a JSON-lines file at once, so an interrupted
+experiment resumes where it stopped and the baseline is trained once for every experiment that
+needs it. :func:`aggregate` turns the job rows into a table of mean and standard deviation over
+seeds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+#: the full experiments: model -> training steps (cosine schedule, batch 128, SGD lr 0.05)
+STEPS = {"cnn": 400, "resnet20": 300}
+SEEDS = (0, 1, 2)
+#: the quick version (tests): tiny data, a few steps
+QUICK_PREPARE = {"source": "subset", "subset": 256, "test_subset": 200}
+QUICK_STEPS = 6
+#: steps of the plain model traced to calibrate global scales and recommendations
+CALIBRATION_STEPS = 50
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run: ``experiment``/``label`` name it, ``plan`` is a ``Plan.to_dict()`` (None:
+    the plain baseline), ``info`` holds the table's keys (sparsity, format, scale mode...)."""
+
+    experiment: str
+    label: str
+    model: str
+    seed: int
+    steps: int
+    plan: dict | None = None
+    info: dict = field(default_factory=dict)
+    prepare: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        data = "quick" if self.prepare else "full"
+        # the baseline is shared by every experiment
+        exp = "baseline" if self.plan is None else self.experiment
+        return f"{exp}/{self.model}/{self.label}/seed{self.seed}/steps{self.steps}/{data}"
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Train ``job.model`` for ``job.steps`` steps with the job's plan; the result row."""
+    import torch
+
+    import gradstats
+    from gradstats.training import prepare
+
+    torch.set_num_threads(1)
+    task = prepare(job.model, seed=job.seed, **job.prepare)
+    t0 = time.perf_counter()
+    applied = None
+    if job.plan is not None:
+        applied = gradstats.apply(task.model, gradstats.Plan.from_dict(job.plan), seed=job.seed)
+    try:
+        res = task.run(job.steps, schedule="cosine", progress=False)
+    finally:
+        if applied is not None:
+            applied.remove()
+    row: dict[str, Any] = {"key": job.key, "experiment": job.experiment, "label": job.label,
+                           "model": job.model, "seed": job.seed, "steps": job.steps, **job.info,
+                           "test_accuracy": res.test_accuracy, "test_loss": res.test_loss,
+                           "final_train_loss": float(pd.Series(res.losses[-20:]).mean()) if res.losses else math.nan,
+                           "diverged": bool(res.diverged), "steps_done": res.steps,
+                           "wall_s": round(time.perf_counter() - t0, 2)}
+    if applied is not None:
+        df = applied.to_dataframe()
+        n = df["n"].astype(float)
+        w = n.sum()
+        for col in ("achieved_sparsity", "underflow_fraction", "overflow_fraction"):
+            row[col] = float((df[col] * n).sum() / w) if w else math.nan
+        row["planned_layers"] = len(applied.rules)
+    else:
+        row.update(achieved_sparsity=math.nan, underflow_fraction=0.0, overflow_fraction=0.0, planned_layers=0)
+    return row
+
+
+def _init_worker() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def load_rows(path: Path) -> dict[str, dict]:
+    """The finished jobs of a results file, by key (a torn last line is ignored)."""
+    rows: dict[str, dict] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows[r["key"]] = r
+    return rows
+
+
+def run_jobs(jobs: Iterable[Job], path: Path, *, workers: int = 2, desc: str = "jobs") -> pd.DataFrame:
+    """Run every job whose key is not yet in ``path`` (JSON lines), appending each result as it
+    finishes; return the rows of all ``jobs``, in their order."""
+    from tqdm.auto import tqdm
+
+    jobs = list(jobs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = load_rows(path)
+    todo = list({j.key: j for j in jobs if j.key not in done}.values())
+    if todo:
+        ctx = mp.get_context("spawn")
+        with open(path, "a") as fh, ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))),
+                                                         mp_context=ctx, initializer=_init_worker) as pool:
+            futures = [pool.submit(run_job, j) for j in todo]
+            for fut in tqdm(as_completed(futures), total=len(futures), desc=desc):
+                row = fut.result()
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+                done[row["key"]] = row
+    out = []
+    for j in jobs:
+        r = dict(done[j.key])
+        r.update(experiment=j.experiment, label=j.label, **j.info)   # the shared baseline, relabelled
+        out.append(r)
+    return pd.DataFrame(out)
+
+
+def aggregate(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Mean and standard deviation over seeds of the accuracy (in %) and the achieved numbers."""
+    g = df.assign(acc=100 * df["test_accuracy"]).groupby(keys, sort=False, dropna=False)
+    out = g.agg(seeds=("seed", "nunique"), acc_mean=("acc", "mean"), acc_std=("acc", "std"),
+                acc_min=("acc", "min"), achieved_sparsity=("achieved_sparsity", "mean"),
+                underflow=("underflow_fraction", "mean"), overflow=("overflow_fraction", "mean"),
+                diverged=("diverged", "sum"), wall_s=("wall_s", "mean")).reset_index()
+    return out
+
+
+def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0) -> "Any":
+    """Trace the plain model for ``steps`` steps (statistics every step): the run that global scales
+    and recommendations are derived from."""
+    import gradstats
+    from gradstats.training import prepare
+
+    task = prepare(model, seed=seed, **prepare_kw)
+    path = Path(tempfile.mkdtemp(prefix=f"gradstats-calib-{model}-"))
+    with gradstats.trace(task.model, path, every=1, sample_every=[], seed=seed) as tracer:
+        task.run(steps, schedule="cosine", progress=False, callback=lambda s, loss: tracer.step())
+    return gradstats.open_run(path)
+
+
+def layer_moments(run: Any, layers: list[str]) -> tuple[list[float], list[float]]:
+    """Per layer, mu and sigma of ln|g| over every step of a run (statistics merged exactly)."""
+    from gradstats.stats import lognormal_moments, merge_stats
+
+    st = run.stats(kinds=["grad"])
+    mus, sigmas = [], []
+    for layer in layers:
+        mu, sigma = lognormal_moments(merge_stats(st[st["layer"] == layer].to_dict("records")))
+        mus.append(mu)
+        sigmas.append(sigma)
+    return mus, sigmas
+
+
+def global_scale(fmt: Any, run: Any, layers: list[str]) -> float:
+    """The one power-of-two scale for every layer that minimises the mean over layers of each
+    layer's predicted relative error (each layer's MSE over its own E[g^2]), from the layers' mu and
+    sigma over the calibration run. (The optimum for the pooled gradients would serve the layer
+    with the largest gradients alone: its E[g^2] dominates the pooled MSE.)"""
+    import numpy as np
+
+    from gradstats.fpanalysis import expected_error
+
+    mus, sigmas = (np.asarray(v, float) for v in layer_moments(run, layers))
+    best = (math.inf, 1.0)
+    for k in range(-40, 100):
+        err = float(np.mean(expected_error(fmt, mu=mus, sigma=sigmas, scale=2.0 ** k).total))
+        best = min(best, (err, 2.0 ** k))
+    return best[1]
+
+
+def parse_args(doc: str, argv: list[str] | None) -> argparse.Namespace:
+    """``--quick`` (tiny data and steps, one seed: the tests), ``--out`` (results directory),
+    ``--workers`` (processes, one torch thread each)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny data, a few steps, one seed (smoke test)")
+    ap.add_argument("--out", default=str(RESULTS), help="directory of the JSON results and figures")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each)")
+    args = ap.parse_args(argv)
+    args.out = Path(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.seeds = (0,) if args.quick else SEEDS
+    args.prepare = QUICK_PREPARE if args.quick else {}
+    args.steps = (lambda m: QUICK_STEPS) if args.quick else (lambda m: STEPS[m])
+    args.calibration_steps = 3 if args.quick else CALIBRATION_STEPS
+    return args
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Write ``payload`` (tables as lists of records) atomically."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=_jsonable))
+    os.replace(tmp, path)
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "item"):
+        return v.item()
+    if isinstance(v, (set, tuple)):
+        return list(v)
+    return str(v)
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine, for the results' provenance."""
+    import platform
+
+    import torch
+
+    import gradstats
+    return {"gradstats": gradstats.__version__, "torch": torch.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": os.cpu_count()}
+
+
+def job_rows(df: pd.DataFrame) -> list[dict]:
+    """The raw per-job rows for the JSON."""
+    return df.to_dict("records")
+
+
+__all__ = ["Job", "run_job", "run_jobs", "aggregate", "calibrate", "layer_moments", "global_scale", "parse_args",
+           "write_json", "environment", "job_rows", "asdict"]
