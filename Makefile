@@ -34,6 +34,13 @@ bench: venv
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	for b in bench/[a-z]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+# the study's experiments (hours on a CPU; not part of `make test`): raw results in
+# experiments/results/, tables in docs/RESULTS.md
+experiments: venv
+	for e in distributions pruning_accuracy lowprec_accuracy push pruning_real fpanalysis_real; do \
+		echo "== experiments/$$e.py"; $(PY) experiments/$$e.py || exit 1; done
+	$(PY) experiments/report.py
+
 # the committed sample run (data/sample-run) and the figure gallery (figures/) made from it
 sample-run: venv
 	$(PY) tools/make_sample_run.py --out data/sample-run

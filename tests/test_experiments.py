@@ -101,3 +101,15 @@ def test_distributions_quick(out):
     payload = json.loads((out / "distributions.json").read_text())
     assert payload["layer_verdicts"] and payload["timing"]["cnn"]["steps"] == 4
     assert (out / "distributions_ks.png").stat().st_size > 10_000
+
+
+def test_results_document_is_current(tmp_path):
+    """docs/RESULTS.md is exactly what experiments/report.py renders from the committed results."""
+    mod = _load("report")
+    root = EXPERIMENTS.parent
+    text = mod.main(["--results", str(EXPERIMENTS / "results"), "--out", str(tmp_path / "RESULTS.md")])
+    assert (root / "docs" / "RESULTS.md").read_text() == text
+    for section in ("## 1. Distributions", "## 2. Accuracy under stochastic pruning",
+                    "## 3. Accuracy with low-precision", "## 4. Past the study"):
+        assert section in text
+    assert "No results yet" not in text
