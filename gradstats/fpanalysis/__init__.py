@@ -9,7 +9,10 @@ format's cells. Public verbs, all vectorised over layers (``mu``, ``sigma`` arra
   (MX E8M0, NVFP4-style E4M3) scales;
 - :func:`optimal_scale`: the per-tensor (power-of-two) scale that minimises it;
 - :func:`best_format`: the exponent/mantissa splits of a bit width ranked, each at its best scale;
-- :func:`crossover_table`: the sigma (std of log2|g|) at which one more exponent bit pays.
+- :func:`crossover_table`: the sigma (std of log2|g|) at which one more exponent bit pays;
+- :func:`best_format_from_stats`, :func:`expected_error_from_stats`: the same for one tensor from
+  its binade histogram and maximum (what a run stores), without the lognormal assumption: the
+  most accurate predictor on real gradients (:mod:`.histogram`).
 
 ``relative=True`` errors are ``MSE / E[g**2]`` (inverse SNR); ``criterion="elementwise"`` is the
 mean of ``((Q(g) - g)/g)**2``. By the identity ``MSE/E[x**2]`` under ``LN(mu, s)`` == mean relative
@@ -31,7 +34,9 @@ from .error import ErrorResult, expected_error
 from .empirical import PredictionCheck, check_prediction, energy_moments, measured_error
 from .choice import BestFormat, FormatChoice, best_format, candidate_formats
 from .scale import ScaleResult, optimal_scale
+from .histogram import HistogramChoice, HistogramLaw, best_format_from_stats, expected_error_from_stats
 
 __all__ = ["expected_error", "optimal_scale", "best_format", "crossover_table", "candidate_formats",
            "ErrorResult", "ScaleResult", "BestFormat", "FormatChoice", "CrossoverTable", "AUTHORS_TABLE",
-           "measured_error", "check_prediction", "energy_moments", "PredictionCheck", "PARTS", "FRACTIONS"]
+           "measured_error", "check_prediction", "energy_moments", "PredictionCheck", "PARTS", "FRACTIONS",
+           "best_format_from_stats", "expected_error_from_stats", "HistogramLaw", "HistogramChoice"]

@@ -150,6 +150,15 @@ def energy_moments(x: torch.Tensor) -> tuple[float, float]:
     return m, float((w * (lg - m) ** 2).sum().sqrt())
 
 
+class _HistogramPick:
+    """A :class:`~gradstats.fpanalysis.histogram.HistogramChoice` seen as a ``BestFormat`` of one
+    layer (the attributes :func:`check_prediction` reads)."""
+
+    def __init__(self, c: Any) -> None:
+        self.candidates, self.scales = c.candidates, np.exp2(c.log2_scales)
+        self.format, self.scale, self.error = c.format, c.scale, c.error
+
+
 def check_prediction(
     x: torch.Tensor,
     bits: int,
@@ -172,6 +181,9 @@ def check_prediction(
     it predicts with ``criterion="elementwise"`` on that fit. For exactly lognormal data the two
     fits agree (``mu + 2 sigma**2``, ``sigma``); for near-lognormal gradients with a short upper tail
     the energy fit describes the values that matter.
+    ``"histogram"``: no lognormal at all: the tensor's binade histogram and maximum read as a
+    piecewise log-uniform law (:func:`~gradstats.fpanalysis.best_format_from_stats`: what a run's
+    statistics give without samples; ``use_amax`` does not apply).
     ``use_amax``: predict the error of this tensor given its largest magnitude (``"mle"``: one entry
     there, the others lognormal truncated there; ``"energy"``: truncated there); ``False``: the
     population optimum from the fitted parameters alone.
@@ -192,7 +204,7 @@ def check_prediction(
         raise ValueError("x must be a floating-point torch.Tensor")
     x = x.detach().reshape(-1).float()
     x = x[torch.isfinite(x)]
-    P.check_choice("fit", fit, ("mle", "energy"))
+    P.check_choice("fit", fit, ("mle", "energy", "histogram"))
     if fit == "energy" and criterion != "mse":
         raise ValueError("fit='energy' (the g**2-weighted lognormal) predicts the MSE; use criterion='mse'")
     st = tensor_stats(x)
@@ -201,7 +213,12 @@ def check_prediction(
         raise ValueError("x needs at least two distinct non-zero finite magnitudes to fit a lognormal")
     p0 = float(st["n_zero"]) / max(int(st["n"]), 1)
     amax = float(st["max_abs"]) if use_amax else None
-    if fit == "energy":
+    if fit == "histogram":
+        from .histogram import best_format_from_stats
+
+        bf = _HistogramPick(best_format_from_stats(bits, st, candidates=candidates, rounding=rounding,
+                                                   criterion=criterion))
+    elif fit == "energy":
         mu, sigma = energy_moments(x)
         bf = best_format(bits, mu=mu, sigma=sigma, candidates=candidates, rounding=rounding,
                          criterion="elementwise", amax=amax)
