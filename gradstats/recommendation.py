@@ -236,7 +236,7 @@ def _fmt(x: float) -> float | None:
 def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None = None,
               granularity: str | int = "tensor", rounding: str = "nearest", step: Step = None,
               threshold_rule: str = "lognormal", candidates: Iterable[Any] | None = None,
-              layers: str | Sequence[str] | None = None) -> Union[Plan, dict[int, Plan]]:
+              layers: str | Sequence[str] | None = None, model: str = "lognormal") -> Union[Plan, dict[int, Plan]]:
     """Recommend a per-layer plan from a traced run's statistics.
 
     Args:
@@ -259,6 +259,11 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
             bits, ``fn`` otherwise; ``"ieee"``; ``"fnuz"``), or a list of formats (each width
             chooses among those of its own width).
         layers: None for every traced convolution and linear layer, or names/globs of traced layers.
+        model: how formats are chosen (per-tensor scales): ``"lognormal"`` (the closed forms in each
+            layer's mu and sigma, given its maximum) or ``"histogram"`` (each layer's binade histogram
+            and maximum, :func:`gradstats.fpanalysis.best_format_from_stats`: no lognormal assumption,
+            the more accurate pick on real gradients, see ``docs/fpanalysis.md``). Block-scaled plans
+            use the lognormal model.
 
     Returns a :class:`~gradstats.plan.Plan` whose defaults hold the shared settings (scale rule,
     rounding, blocks, sparsity, threshold rule) and whose entries, one per layer by exact name,
@@ -287,7 +292,12 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
             raise ValueError(f"sparsity must be a number in [0, 1) or None, got {sparsity!r}")
         sparsity = float(sparsity)
     Rule(threshold_rule=threshold_rule)  # validates the rule name
+    if model not in ("lognormal", "histogram"):
+        raise ValueError(f"model must be 'lognormal' or 'histogram', got {model!r}")
     block_size, scale_format = _granularity(granularity)
+    if model == "histogram" and block_size is not None:
+        raise ValueError("model='histogram' chooses per-tensor formats and scales; block-scaled plans "
+                         "(granularity='mx', 'nvfp4' or a block size) use model='lognormal'")
     r = _open(run)
     mom = _moments(r, step=step, layers=layers, kind="grad")
     thr, pred_sp = _pruning(mom, sparsity, threshold_rule)
@@ -297,7 +307,7 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
     plans: dict[int, Plan] = {}
     for b in widths:
         fmts, scales, errors = _choose(fpanalysis, b, mom, rounding=rounding, block_size=block_size,
-                                       scale_format=scale_format, candidates=cands)
+                                       scale_format=scale_format, candidates=cands, model=model)
         entries = []
         for i, name in enumerate(mom.layers):
             pred = Prediction(error=_fmt(errors[i]), sparsity=_fmt(pred_sp[i]), mu=float(mom.mu[i]),
@@ -306,16 +316,18 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
                               threshold=_fmt(thr[i]), amax=_fmt(mom.amax[i]))
             entries.append(PlanEntry(name, format=fmts[i], predicted=pred))
         gen = (f"recommend(bits={b}, sparsity={sparsity!r}, granularity={granularity!r}, "
-               f"rounding={rounding!r}, step={step!r}, threshold_rule={threshold_rule!r})")
+               f"rounding={rounding!r}, step={step!r}, threshold_rule={threshold_rule!r}"
+               + (f", model={model!r})" if model != "lognormal" else ")"))
         prov = Provenance.now(source=str(r.path), generator=gen, steps=mom.steps)
         plans[b] = Plan(entries, defaults, prov)
     return plans[widths[0]] if single else plans
 
 
 def _choose(fpanalysis, bits: int, mom: _Moments, *, rounding: str, block_size: int | None,
-            scale_format: str | None, candidates: Any):
+            scale_format: str | None, candidates: Any, model: str = "lognormal"):
     """Per layer: the best format of ``bits`` bits, its scale (NaN under block scaling) and its
-    predicted error, from :func:`gradstats.fpanalysis.best_format`."""
+    predicted error, from :func:`gradstats.fpanalysis.best_format` (or, with
+    ``model="histogram"``, :func:`~gradstats.fpanalysis.best_format_from_stats` per layer)."""
     if isinstance(candidates, list):
         from .formats import FPFormat
 
@@ -323,6 +335,11 @@ def _choose(fpanalysis, bits: int, mom: _Moments, *, rounding: str, block_size: 
         if not mine:
             raise ValueError(f"candidates hold no {bits}-bit format (given: {[str(FPFormat.parse(c)) for c in candidates]})")
         candidates = mine
+    if model == "histogram":
+        picks = [fpanalysis.best_format_from_stats(bits, row, candidates=candidates, rounding=rounding)
+                 for row in mom.rows]
+        return ([c.format for c in picks], np.array([c.scale for c in picks]),
+                np.array([c.error for c in picks]))
     # per-tensor scales are chosen for each tensor given its observed maximum: the lognormal's
     # tail beyond amax does not exist in the data, and without this condition the MSE-optimal
     # scale of a wide layer chases it and flushes every real value to zero

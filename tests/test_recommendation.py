@@ -123,6 +123,28 @@ def test_recommend_picks_the_best_format_and_scale_per_layer(cnn_run):
             assert float(c.error) >= p.error
 
 
+def test_recommend_from_the_histograms(cnn_run):
+    """model="histogram": each layer's format and scale come from its own binade histogram and
+    maximum (the run's statistics), and the predicted error matches the measured one of that format
+    at that scale on the very gradient the statistics describe."""
+    model, run, grads, names = cnn_run
+    plan = recommend(run, bits=6, model="histogram")
+    assert "model='histogram'" in plan.provenance.generator
+    st = run.stats(kinds=["grad"])
+    last = st[st["step"] == STEPS - 1]
+    for name, rule in plan.resolve(model).items():
+        row = gradstats.stats.merge_stats(last[last["layer"] == name].to_dict("records"))
+        pick = fpanalysis.best_format_from_stats(6, row)
+        assert rule.format == pick.format and rule.predicted.scale == pick.scale
+        g = grads[STEPS - 1][name]
+        measured = _measured(g, rule, rule.predicted.scale)
+        assert rule.predicted.error == pytest.approx(measured, rel=0.25), name
+    with pytest.raises(ValueError, match="block-scaled"):
+        recommend(run, bits=4, granularity="mx", model="histogram")
+    with pytest.raises(ValueError, match="model must be"):
+        recommend(run, bits=4, model="empirical")
+
+
 def _measured(g: torch.Tensor, rule, scale: float) -> float:
     q = gradstats.quantize(g, scale=scale, **rule.quantize_kwargs())
     return float(((q.double() - g.double()) ** 2).sum() / (g.double() ** 2).sum())

@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "layer's latest step)")
     p.add_argument("--layers", default=None,
                    help="comma list of layer names/globs (default: every traced conv and linear layer)")
+    p.add_argument("--model", default="lognormal", choices=["lognormal", "histogram"],
+                   help="choose formats from each layer's lognormal fit or from its binade histogram "
+                        "(more accurate on real gradients; per-tensor scales only)")
     p.add_argument("-o", "--out", default=None, help="write the plan (JSON) here")
     p.set_defaults(func=run)
 
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     result = recommend(args.run, bits=args.bits if len(args.bits) > 1 else args.bits[0],
                        sparsity=args.sparsity, granularity=args.granularity,
                        rounding=args.rounding, step=args.step, threshold_rule=args.threshold_rule,
-                       layers=layers)
+                       layers=layers, model=args.model)
     plans = result if isinstance(result, dict) else {args.bits[0]: result}
     for b, plan in plans.items():
         print(f"== {b}-bit plan for {args.run}")
