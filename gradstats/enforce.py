@@ -165,9 +165,15 @@ class Applied:
                     kw = {"scale": st.rms, "p0": kw["p0"]}
                 elif rule.threshold_rule == "laplace":
                     kw = {"scale": st.mean_abs, "p0": kw["p0"]}
-                st.threshold = float(pruning.threshold(rule.sparsity, model=rule.threshold_rule, **kw))
+                # conditioned on the running maximum and mean |g|: no threshold above the data
+                cond = ({"amax": st.amax, "mean_abs": st.mean_abs}
+                        if st.amax > 0 and math.isfinite(st.amax) and st.mean_abs <= st.amax else {})
+                st.threshold = float(pruning.threshold(rule.sparsity, model=rule.threshold_rule, **kw, **cond))
                 model = "lognormal" if rule.threshold_rule == "naive_lognormal" else rule.threshold_rule
-                st.predicted_sparsity = float(pruning.expected_sparsity(st.threshold, model=model, **kw))
+                if cond and st.threshold >= st.amax:   # every entry below: exact on the tensor
+                    st.predicted_sparsity = 1.0 - st.mean_abs / st.threshold
+                else:
+                    st.predicted_sparsity = float(pruning.expected_sparsity(st.threshold, model=model, **kw))
         if rule.quantizes and rule.block_size is None and not math.isnan(st.mu):
             if rule.scale == "amax" or (refresh and rule.scale == "lognormal") or rule.scale == "fixed":
                 st.scale = rule.scale_for(mu=st.mu, sigma=max(st.sigma, 1e-6), amax=st.amax)

@@ -597,3 +597,62 @@ def test_real_gradient_table_small(tmp_path):
     lg = feas[feas["rule"] == "lognormal"]
     assert (lg["achieved_draw"] - lg["achieved"]).abs().max() < 0.05
     assert len(pr.per_model(df)) == len(pr.RULES)
+
+
+# ----------------------------------------------------------------------------- conditioning on amax
+import gradstats  # noqa: E402
+
+
+def test_threshold_conditioned_on_the_tensor_maximum():
+    """A tensor whose top is cut off (a classifier's logits gradient: two clusters, nothing above
+    1/B): the lognormal's threshold lies far above its maximum and overshoots the target; given amax
+    and mean |g| the threshold is exact there (every entry below it), and otherwise capped at amax."""
+    g = torch.Generator().manual_seed(0)
+    B, C = 128, 10
+    p = torch.softmax(torch.randn(B, C, generator=g), dim=1)
+    grad = (p - torch.nn.functional.one_hot(torch.randint(0, C, (B,), generator=g), C)) / B
+    x = grad.reshape(-1).double()
+    st = gradstats.tensor_stats(x)
+    mu, sigma = gradstats.stats.lognormal_moments(st)
+    amax, mean_abs = float(x.abs().max()), float(x.abs().mean())
+
+    def achieved(a: float) -> float:        # the stochastic operator's expected zero fraction on x
+        return float((1 - torch.clamp(x.abs() / a, max=1.0)).mean())
+
+    for target in (0.9, 0.95):
+        free = threshold(target, mu=mu, sigma=sigma)
+        cond = threshold(target, mu=mu, sigma=sigma, amax=amax, mean_abs=mean_abs)
+        assert free > amax                                             # the model's tail is fiction
+        if target == 0.9:
+            assert abs(achieved(free) - target) > 0.003                # and misses the target
+        assert cond == pytest.approx(mean_abs / (1 - target), rel=1e-12)
+        assert achieved(cond) == pytest.approx(target, abs=1e-9)       # exact on the tensor
+    # below the point where every entry is under the threshold, the model's threshold is capped
+    low = 1 - mean_abs / amax - 0.05
+    a = threshold(low, mu=mu, sigma=sigma, amax=amax, mean_abs=mean_abs)
+    assert a == pytest.approx(min(threshold(low, mu=mu, sigma=sigma), amax))
+    # vectorised over layers, and the hard operator is capped only
+    v = threshold(np.array([0.9, 0.95]), mu=mu, sigma=sigma, amax=amax, mean_abs=mean_abs)
+    assert v.shape == (2,) and v[0] < v[1]
+    assert threshold(0.999, mu=mu, sigma=sigma, stochastic=False, amax=amax) == amax
+    with pytest.raises(ValueError, match="mean_abs"):
+        threshold(0.9, mu=mu, sigma=sigma, amax=amax)
+    with pytest.raises(ValueError, match="amax must be positive"):
+        threshold(0.9, mu=mu, sigma=sigma, amax=0.0, mean_abs=0.0)
+
+
+def test_apply_keeps_the_logits_layer_on_target():
+    """apply() at 90% sparsity on a classifier: the logits gradient's threshold never exceeds what
+    its data need (the case that stalled training when the lognormal tail set it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    x, y = torch.randn(128, 20), torch.randint(0, 10, (128,))
+    with gradstats.apply(model, gradstats.Plan.uniform(sparsity=0.9, layers=["2"])) as ap:
+        for _ in range(5):
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+    df = ap.to_dataframe()
+    above = df[df["threshold"] > df["amax"]]
+    # above the maximum the threshold is the exact one for the target, mean |g| / (1 - S)
+    assert len(above) and ((above["predicted_sparsity"] - 0.9).abs() < 1e-9).all()
+    assert (df["achieved_sparsity"] - 0.9).abs().mean() < 0.03

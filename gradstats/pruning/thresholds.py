@@ -252,7 +252,8 @@ def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike
 
 def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
               sigma: ArrayLike | None = None, model: str = "lognormal", stochastic: bool = True,
-              p0: ArrayLike | None = None, scale: ArrayLike | None = None) -> Any:
+              p0: ArrayLike | None = None, scale: ArrayLike | None = None,
+              amax: ArrayLike | None = None, mean_abs: ArrayLike | None = None) -> Any:
     """The threshold ``a`` whose expected sparsity is ``target``.
 
     ``model``: ``"lognormal"`` (the analytic rule), ``"naive_lognormal"`` (the lognormal
@@ -267,6 +268,16 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
     sparsity is ``p0``, not ``target``). Solved in ``ln a`` by a bracketed safeguarded Newton
     iteration in float64 to ``|expected_sparsity(threshold(S)) - S| <= 1e-9``.
 
+    ``amax`` (the tensor's largest ``|g|``) and ``mean_abs`` (its mean ``|g|`` over all entries,
+    zeros included) condition the rule on the tensor at hand. A model's tail beyond ``amax`` does not
+    exist in the data, and a threshold above ``amax`` (which a model reaches for a tensor whose top is
+    cut off, such as a classifier's logits gradient) overshoots the target and amplifies every kept
+    value. Above ``amax`` no model is needed: every entry lies below the threshold, the stochastic
+    operator's expected sparsity on the tensor is exactly ``1 - mean_abs / a``, so when
+    ``target >= 1 - mean_abs / amax`` the threshold is ``mean_abs / (1 - target)``, and otherwise the
+    model's threshold is capped at ``amax``. The hard operator's threshold is capped at ``amax``
+    (``mean_abs`` is not needed there). The model-free ``histogram`` rule ignores them.
+
     Example:
         >>> a = threshold(0.9, mu=-10.0, sigma=2.0)
         >>> abs(expected_sparsity(a, mu=-10.0, sigma=2.0) - 0.9) < 1e-12
@@ -275,6 +286,12 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
         True
         >>> threshold(0.2, mu=-10.0, sigma=2.0, p0=0.3)
         0.0
+        >>> a > 1e-3     # for a tensor whose largest |g| is 1e-4, the model's tail is fiction:
+        True
+        >>> threshold(0.9, mu=-10.0, sigma=2.0, amax=1e-4, mean_abs=2e-5)   # exact: mean_abs / 0.1
+        0.00020000000000000006
+        >>> threshold(0.9, mu=-10.0, sigma=2.0, amax=1e-4, mean_abs=2e-6)   # capped at amax
+        0.0001
     """
     if model == "naive_lognormal":
         model, stochastic = "lognormal", False
@@ -301,7 +318,29 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
     if pos.any():
         sub = _subset(m, pos)
         a[pos] = sub.from_x(solve_sparsity(sub, q[pos], stochastic=stochastic))
+    if amax is not None:
+        a = _condition_on_amax(a, sf, amax, mean_abs, stochastic, shape)
     return _wrap(a.reshape(shape), (target, mu, sigma, p0, scale))
+
+
+def _condition_on_amax(a: np.ndarray, s: np.ndarray, amax: ArrayLike, mean_abs: ArrayLike | None,
+                       stochastic: bool, shape: tuple) -> np.ndarray:
+    """Cap thresholds at the tensor's maximum; above it, the exact stochastic threshold (see
+    :func:`threshold`). Flat arrays in, flat array out."""
+    am = np.broadcast_to(_as_array(amax), shape).ravel()
+    if np.any(~(am > 0)) or np.any(~np.isfinite(am)):
+        raise ValueError(f"amax must be positive and finite (the largest |g| of the tensor), got {am[~(am > 0)][:5]}")
+    out = np.minimum(a, am)
+    if stochastic:
+        if mean_abs is None:
+            raise ValueError("conditioning the stochastic operator's threshold on amax needs mean_abs= too "
+                             "(the mean |g| over all entries, zeros included)")
+        ma = np.broadcast_to(_as_array(mean_abs), shape).ravel()
+        if np.any(~(ma >= 0)) or np.any(ma > am):
+            raise ValueError("mean_abs must lie in [0, amax] (the mean |g| over all entries, zeros included)")
+        above = (a > 0) & (s >= 1.0 - ma / am)
+        out = np.where(above, ma / (1.0 - s), out)
+    return out
 
 
 def predicted_cosine(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
