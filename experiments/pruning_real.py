@@ -5,7 +5,10 @@ Fashion-MNIST, the character-level transformer on Shakespeare -- keeping whole g
 tensors of every layer at a few steps. For every (model, layer, step) tensor and every target
 sparsity, each threshold rule sets a threshold from that tensor:
 
-  lognormal        analytic rule from (mu, sigma, p0) of the tensor (ours)
+  lognormal        analytic rule from (mu, sigma, p0) of the tensor, conditioned on its maximum
+                   and mean |g| (ours; exact when the threshold lies above every entry)
+  lognormal_free   the same from (mu, sigma, p0) alone (the model's tail beyond amax taken at
+                   face value)
   histogram        model-free rule from the binade histogram of log2|g| in the tensor's
                    statistics row (what a traced run stores; ours)
   histogram4       the same at four bins per binade (what prune(method="histogram") uses)
@@ -41,11 +44,11 @@ from _common import CONFIGS, layer_tensors, log_shape, parse_args  # noqa: E402
 
 from gradstats.pruning import hard_prune, stochastic_prune, threshold
 from gradstats.pruning.operator import _histogram
-from gradstats.stats import tensor_stats
+from gradstats.stats import lognormal_moments, tensor_stats
 
 TARGETS = (0.5, 0.7, 0.8, 0.85, 0.9, 0.95)
-RULES = ("lognormal", "histogram", "histogram4", "naive_lognormal", "normal", "laplace", "exact",
-         "exact_stochastic")
+RULES = ("lognormal", "lognormal_free", "histogram", "histogram4", "naive_lognormal", "normal", "laplace",
+         "exact", "exact_stochastic")
 
 class SortedMagnitudes:
     """``|g|`` sorted (float64) with prefix sums: the operators' expected zero fraction at any
@@ -71,6 +74,7 @@ class SortedMagnitudes:
 def evaluate_tensor(g: torch.Tensor, targets=TARGETS, *, generator: torch.Generator) -> list[dict]:
     """Rows (rule, target, threshold, achieved, achieved_draw) for one gradient tensor."""
     st = tensor_stats(g)
+    mu, sigma = lognormal_moments(st)
     sm = SortedMagnitudes(g)
     h4 = _histogram(g)
     rows = []
@@ -82,6 +86,8 @@ def evaluate_tensor(g: torch.Tensor, targets=TARGETS, *, generator: torch.Genera
                 a = a_exact
             elif rule == "histogram4":
                 a = h4.threshold(S)
+            elif rule == "lognormal_free":
+                a = float(threshold(S, model="lognormal", mu=mu, sigma=sigma, p0=st["n_zero"] / st["n"]))
             else:
                 a = float(threshold(S, st, model=rule))
             sto = rule != "exact"

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .compress import prune_quantize
-from .stats import SCALAR_FIELDS, tensor_stats_vector
+from .stats import SCALAR_FIELDS, tensor_stats_vector, vector_to_stats
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class _LayerState:
     mean_abs: float = math.nan      # running E|g| (Laplace-model thresholds)
     threshold: float = 0.0
     predicted_sparsity: float = math.nan
+    row: Optional[dict] = None      # the latest statistics row (threshold_rule="histogram")
     scale: float = 1.0
 
     @property
@@ -151,14 +152,20 @@ class Applied:
         rule, st = self.rules[name], self.state[name]
         need_stats = refresh or (rule.quantizes and rule.scale == "amax" and rule.block_size is None)
         if need_stats:
-            v = tensor_stats_vector(g, histogram=False)
+            hist = refresh and rule.prunes and rule.threshold_rule == "histogram"
+            v = tensor_stats_vector(g, histogram=hist)
             if self.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
                 v = _all_reduce_stats(v)
             _stats_update(st, v, self.ema)
+            if hist:
+                st.row = vector_to_stats(v)
         if refresh and rule.prunes and not math.isnan(st.mu):
             if rule.threshold_rule == "exact":
                 st.threshold = float(pruning.exact_threshold(g, rule.sparsity, stochastic=True))
                 st.predicted_sparsity = rule.sparsity
+            elif rule.threshold_rule == "histogram":     # model-free, from the binade histogram
+                st.threshold = float(pruning.threshold(rule.sparsity, st.row, model="histogram"))
+                st.predicted_sparsity = float(pruning.expected_sparsity(st.threshold, st.row, model="histogram"))
             else:
                 kw = {"mu": st.mu, "sigma": max(st.sigma, 1e-6), "p0": min(st.p0, 1 - 1e-9)}
                 if rule.threshold_rule == "normal":

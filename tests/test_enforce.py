@@ -260,3 +260,17 @@ def test_torch_compile_runs_the_plan():
         compiled(torch.randn(32, 8)).sum().backward()
     df = h.to_dataframe()
     assert len(df) == 6 and set(df["layer"]) == {"0", "2"}
+
+
+def test_histogram_threshold_rule_hits_the_target():
+    """threshold_rule="histogram": model-free thresholds from the refresh pass's binade histogram;
+    the predicted sparsity is the target and the achieved one is close to it on every call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 4))
+    with gradstats.apply(model, gradstats.Plan.uniform(sparsity=0.8, threshold_rule="histogram")) as ap:
+        for _ in range(3):
+            model(torch.randn(512, 16)).exp().mean().backward()
+    df = ap.to_dataframe()
+    assert len(df) == 6 and (df["threshold"] > 0).all()
+    assert ((df["predicted_sparsity"] - 0.8).abs() < 1e-6).all()
+    assert (df["achieved_sparsity"] - 0.8).abs().max() < 0.03

@@ -18,9 +18,10 @@ import numpy as np
 from .style import FAMILY_COLORS, savefig, use_style
 
 #: one colour per threshold rule (the families keep the shared colours)
-RULE_COLORS = {**FAMILY_COLORS, "histogram": "#762a83", "histogram4": "#c2a5cf",
+RULE_COLORS = {**FAMILY_COLORS, "lognormal_free": "#a6dba0", "histogram": "#762a83", "histogram4": "#c2a5cf",
                "naive_lognormal": "#7fbf7b", "exact": "#444444", "exact_stochastic": "#999999"}
-RULE_LABELS = {"lognormal": "lognormal (analytic)", "histogram": "log2 histogram (binade)",
+RULE_LABELS = {"lognormal": "lognormal (analytic, given amax)",
+               "lognormal_free": "lognormal from (mu, sigma) alone", "histogram": "log2 histogram (binade)",
                "histogram4": "log2 histogram (1/4 binade)",
                "naive_lognormal": "naive lognormal quantile",
                "normal": "normal (half-normal)", "laplace": "Laplace (exponential)",

@@ -50,6 +50,10 @@ def _stats_params(row: Mapping[str, Any]) -> dict[str, float]:
         out["scale_normal"] = math.sqrt(float(row["sum_sq"]) / m)
     if "sum_abs" in row:
         out["scale_laplace"] = float(row["sum_abs"]) / m
+        amax = float(row.get("max_abs", math.nan))
+        if amax > 0 and math.isfinite(amax):       # the tensor's own maximum and mean |g|
+            out["amax"] = amax
+            out["mean_abs"] = float(row["sum_abs"]) / (n - int(row.get("n_nonfinite", 0)))
     return out
 
 
@@ -276,7 +280,9 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
     operator's expected sparsity on the tensor is exactly ``1 - mean_abs / a``, so when
     ``target >= 1 - mean_abs / amax`` the threshold is ``mean_abs / (1 - target)``, and otherwise the
     model's threshold is capped at ``amax``. The hard operator's threshold is capped at ``amax``
-    (``mean_abs`` is not needed there). The model-free ``histogram`` rule ignores them.
+    (``mean_abs`` is not needed there). A statistics row as ``source`` supplies both (its
+    ``max_abs`` and ``sum_abs / n``) unless they are given. The model-free ``histogram`` rule
+    ignores them.
 
     Example:
         >>> a = threshold(0.9, mu=-10.0, sigma=2.0)
@@ -318,6 +324,10 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
     if pos.any():
         sub = _subset(m, pos)
         a[pos] = sub.from_x(solve_sparsity(sub, q[pos], stochastic=stochastic))
+    if amax is None and source is not None:
+        params, _ = _source_params(source)
+        if "amax" in params and np.all(np.isfinite(params["amax"])):
+            amax, mean_abs = params["amax"], params["mean_abs"]
     if amax is not None:
         a = _condition_on_amax(a, sf, amax, mean_abs, stochastic, shape)
     return _wrap(a.reshape(shape), (target, mu, sigma, p0, scale))
