@@ -4,7 +4,8 @@ The CNN with BatchNorm is trained on Fashion-MNIST from scratch (400 SGD steps a
 cosine schedule; three seeds) with every convolution and linear layer's neural gradient pruned
 stochastically (unbiased: small values become 0 or the threshold) at sparsity 0, 0.5, 0.7, 0.8,
 0.85, 0.9 and 0.95, the threshold from the lognormal model of the running mu and sigma of
-ln|g|. At 0.85 and 0.9 the lognormal threshold is set beside the exact quantile of each tensor
+ln|g| (conditioned on the running maximum and mean |g|). At 0.85 and 0.9 the lognormal threshold
+is set beside the model-free histogram rule, the exact quantile of each tensor
 (``threshold_rule="exact"``) and the normal-model threshold.
 
     python experiments/pruning_accuracy.py [--quick] [--out DIR] [--workers N]
@@ -26,7 +27,7 @@ import gradstats  # noqa: E402
 
 SPARSITIES = (0.0, 0.5, 0.7, 0.8, 0.85, 0.9, 0.95)
 RULE_SPARSITIES = (0.85, 0.9)
-RULES = ("lognormal", "exact", "normal")
+RULES = ("lognormal", "histogram", "exact", "normal")
 
 
 def jobs(model: str, steps: int, seeds, prepare: dict, *, sparsities=SPARSITIES,
