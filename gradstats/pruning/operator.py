@@ -16,7 +16,8 @@ import torch
 
 from ..kernels import prune as kprune
 from ..kernels import use_triton
-from ..stats import tensor_stats
+from ..stats import SCALAR_FIELDS, tensor_stats, tensor_stats_vector
+from ..stats import _native_kernel as _native_stats
 from . import _cpu
 from .thresholds import RULES, threshold as _threshold
 
@@ -224,6 +225,14 @@ def _histogram(x: torch.Tensor):
 def _estimate(x: torch.Tensor, method: str) -> dict[str, Any]:
     """Statistics of ``x`` needed by ``method`` (n, n_zero, sums), in one sweep."""
     logs = method in ("lognormal", "naive_lognormal")
+    if x.device.type == "cpu" and x.dtype == torch.float32 and _native_stats() is not None:
+        # the fused one-pass C kernel: every sum, the zero count and the maximum at once
+        v = tensor_stats_vector(x.detach(), histogram=False).tolist()
+        st = dict(zip(SCALAR_FIELDS, v))
+        if st["n_nonfinite"] == 0:
+            for k in ("n", "n_zero", "n_nonfinite"):
+                st[k] = int(st[k])
+            return st
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
         st = _cpu.moments(x.detach().contiguous().reshape(-1).numpy(), logs=logs, sums=not logs)
         if st.pop("finite"):
