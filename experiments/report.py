@@ -168,6 +168,10 @@ def section_push(p: dict) -> str:
            md_table(t, {"label": "configuration", "format": "format(s)", "accuracy": "test accuracy %",
                         "acc_delta": "Δ vs baseline", "achieved_sparsity": "achieved sparsity",
                         "underflow": "underflow", "holds": "holds"}, {"achieved_sparsity": 3, "underflow": 3})]
+    alloc = t[t["label"].str.startswith("allocated")].drop_duplicates("sparsity")
+    if len(alloc):
+        out.append("\nPer-layer targets of the allocated budgets (layers in model order: "
+                   + "; ".join(f"{r['sparsity']:g}: {r['layer_targets']}" for _, r in alloc.iterrows()) + ").\n")
     held = t[t["holds"] & (t["label"] != "baseline")]["label"].tolist()
     failed = t[~t["holds"]]["label"].tolist()
     out.append(f"\nFindings: holds: {', '.join(held) or 'none'}. Does not hold: {', '.join(failed) or 'none'}.\n")

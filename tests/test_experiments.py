@@ -79,10 +79,14 @@ def test_lowprec_accuracy_quick(out):
 def test_push_quick(out):
     mod = _load("push")
     table = mod.main(["--quick", "--out", str(out)])
-    assert len(table) == 4 + len(mod.CONFIGS)            # baseline, 3 pruning-only, the combinations
+    assert len(table) == 4 + len(mod.CONFIGS) + len(mod.ALLOCATED)   # baseline, 3 pruning-only, the rest
     combo = table[(table["sparsity"] == 0.9) & (table["bits"] == 5)].iloc[0]
     assert combo["rounding"] == "stochastic" and combo["sparsity"] == 0.9
     assert table["holds"].dtype == bool
+    # the allocated budgets: one target per planned layer, element-weighted to the budget
+    alloc = table[table["label"].str.startswith("allocated")]
+    assert len(alloc) == len(mod.ALLOCATED)
+    assert all(len(t.split("/")) == 4 for t in alloc["layer_targets"])
     # the pruning-only rows are the pruning experiment's jobs (shared results)
     keys = [json.loads(line)["key"] for line in (out / "jobs.jsonl").read_text().splitlines()]
     assert len(keys) == len(set(keys))
