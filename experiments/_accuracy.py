@@ -74,6 +74,13 @@ def run_job(job: Job) -> dict[str, Any]:
         applied = gradstats.apply(task.model, gradstats.Plan.from_dict(job.plan), seed=job.seed)
     try:
         res = task.run(job.steps, schedule="cosine", progress=False)
+    except Exception as exc:  # a failure is a result: recorded with its message, the others go on
+        return {"key": job.key, "experiment": job.experiment, "label": job.label, "model": job.model,
+                "seed": job.seed, "steps": job.steps, **job.info, "test_accuracy": math.nan,
+                "test_loss": math.nan, "final_train_loss": math.nan, "diverged": False, "steps_done": 0,
+                "wall_s": round(time.perf_counter() - t0, 2), "achieved_sparsity": math.nan,
+                "underflow_fraction": math.nan, "overflow_fraction": math.nan, "planned_layers": 0,
+                "error": f"{type(exc).__name__}: {exc}"}
     finally:
         if applied is not None:
             applied.remove()
@@ -146,7 +153,9 @@ def aggregate(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     out = g.agg(seeds=("seed", "nunique"), acc_mean=("acc", "mean"), acc_std=("acc", "std"),
                 acc_min=("acc", "min"), achieved_sparsity=("achieved_sparsity", "mean"),
                 underflow=("underflow_fraction", "mean"), overflow=("overflow_fraction", "mean"),
-                diverged=("diverged", "sum"), wall_s=("wall_s", "mean")).reset_index()
+                diverged=("diverged", "sum"), wall_s=("wall_s", "mean"),
+                failed=("error", lambda e: int(e.notna().sum())) if "error" in df else ("seed", lambda s: 0),
+                ).reset_index()
     return out
 
 

@@ -429,3 +429,14 @@ def test_export_torchao():
     assert clean.export("torchao.float8", model, strict=True)["skipped"] == {}
     with pytest.raises(ValueError, match="needs each layer's module type"):
         clean.export("torchao")
+
+
+def test_lognormal_scale_outside_float32_falls_back_to_the_amax_scale():
+    """A very wide layer's population optimum lies below 2**-126; with the tensor's maximum known
+    the rule takes the amax scale (the floor that governs anyway) instead of failing mid-training."""
+    from gradstats.plan import Rule, amax_scale
+
+    r = Rule(format="e2m3fn")
+    with pytest.raises(ValueError, match="outside"):
+        r.scale_for(mu=-5.0, sigma=9.0)
+    assert r.scale_for(mu=-5.0, sigma=9.0, amax=3e-2) == amax_scale(r.format, 3e-2) == 128.0

@@ -277,8 +277,16 @@ class Rule:
         from .. import fpanalysis
 
         rounding = self.rounding if self.rounding in ("nearest", "stochastic") else "nearest"
-        s = float(fpanalysis.optimal_scale(self.format, mu=mu, sigma=sigma, rounding=rounding).scale)
-        if amax is not None and math.isfinite(float(amax)) and float(amax) > 0:
+        has_amax = amax is not None and math.isfinite(float(amax)) and float(amax) > 0
+        try:
+            s = float(fpanalysis.optimal_scale(self.format, mu=mu, sigma=sigma, rounding=rounding).scale)
+        except ValueError:
+            # the population optimum lies outside float32's powers of two (a very wide layer's tail
+            # drags it below 2**-126, or a tiny one above 2**127); the tensor's own maximum decides
+            if not has_amax:
+                raise
+            return amax_scale(self.format, amax)
+        if has_amax:
             s = max(s, amax_scale(self.format, amax))
         return s
 
