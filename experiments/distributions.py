@@ -2,9 +2,9 @@
 
 Four built-in models are traced across a short training from scratch: the CNN with BatchNorm,
 the ResNet-20-style CNN and the MLP on Fashion-MNIST, and the character-level transformer on
-Shakespeare. Statistics of every layer are taken every 10 steps; raw samples (up to 65,536
-values) of the neural gradients, the weights and the activations of every layer at five steps
-spread over training. Every sampled (layer, step, kind) is fitted with the lognormal, half-normal
+Shakespeare. Statistics of every layer are taken every 10 steps; raw samples (up to 32,768
+values) of the neural gradients, the weights and the activations of every layer at the first,
+middle and last step. Every sampled (layer, step, kind) is fitted with the lognormal, half-normal
 and exponential models of |x| (``gradstats.fit_run``: exact KS, Vuong test). Per model and kind:
 
 * how often lognormal has the higher likelihood than normal, and than Laplace, and how often it is
@@ -50,7 +50,7 @@ def trace(name: str, steps: int, prepare_kw: dict, run_kw: dict, path: Path, *, 
     from gradstats.training import prepare
 
     task = prepare(name, seed=seed, **prepare_kw)
-    sample_steps = sorted({int(round(f * (steps - 1))) for f in np.linspace(0, 1, 5)})
+    sample_steps = sorted({int(round(f * (steps - 1))) for f in np.linspace(0, 1, 3)})
     every = sorted(set(range(0, steps, 10)) | set(sample_steps))
     with gradstats.trace(task.model, path, kinds=KINDS, every=every, sample_every=sample_steps,
                          samples=samples, seed=seed) as tracer:
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None):
     if args.quick:
         models = {"cnn": (4, dict(args.prepare), {}), "mlp": (4, dict(args.prepare), {})}
     t0 = time.perf_counter()
-    summary, fits, stats, timing = run(models, samples=4096 if args.quick else 65536, verbose=not args.quick)
+    summary, fits, stats, timing = run(models, samples=4096 if args.quick else 32768, verbose=not args.quick)
     print(summary.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     verdicts = pd.concat([gradstats.fitting.layer_verdicts(g).assign(model=m)
                           for m, g in fits[fits["source"] == "samples"].groupby("model", sort=False)])

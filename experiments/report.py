@@ -63,7 +63,7 @@ def section_distributions(p: dict) -> str:
     steps = ", ".join(f"{m} {t['steps']} steps ({t['wall_s']:.0f} s)" for m, t in p["timing"].items())
     out = ["## 1. Distributions across model families\n",
            "Each model is trained from scratch with the tracer attached (statistics every 10 steps, "
-           "up to 65,536 raw values per layer and kind at five steps spread over training); every "
+           "up to 32,768 raw values per layer and kind at the first, middle and last step); every "
            "sampled (layer, step) is fitted with the three models of |x| (`gradstats.fit_run`: exact "
            "KS, Vuong test). Columns: how often lognormal has the higher likelihood than normal "
            "(half-normal |x|) and than Laplace (exponential |x|), how often it is the best of the three "
