@@ -36,10 +36,10 @@ import gradstats  # noqa: E402
 
 #: model -> (steps, prepare keywords, run keywords)
 MODELS = {
-    "cnn": (400, {}, {}),
-    "resnet20": (200, {}, {}),
-    "mlp": (400, {}, {}),
-    "transformer": (200, {"d_model": 128, "n_layers": 4}, {"batch_size": 16}),
+    "cnn": (300, {}, {}),
+    "resnet20": (120, {}, {}),
+    "mlp": (300, {}, {}),
+    "transformer": (150, {"d_model": 128, "n_layers": 4}, {"batch_size": 16}),
 }
 KINDS = ("grad", "act", "weight")
 FAMILIES = ("lognormal", "normal", "laplace")
