@@ -159,6 +159,27 @@ def aggregate(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return out
 
 
+def compare_to_baseline(table: pd.DataFrame, is_base: pd.Series, column: str = "within_1std") -> pd.DataFrame:
+    """Add ``acc_delta`` (mean accuracy minus the baseline's) and ``column``: whether the mean lies
+    within one standard deviation (over seeds) of the baseline's mean."""
+    base = table[is_base].iloc[0]
+    std = 0.0 if base["acc_std"] != base["acc_std"] else float(base["acc_std"])
+    table["acc_delta"] = table["acc_mean"] - base["acc_mean"]
+    table[column] = table["acc_mean"] >= base["acc_mean"] - std
+    return table
+
+
+def save_results(args: argparse.Namespace, name: str, table: pd.DataFrame, jobs: pd.DataFrame, wall: float,
+                 **extra: Any) -> None:
+    """``{out}/{name}.json``: the command, data, seeds, steps, settings, wall time, environment, the
+    table and every job's row."""
+    write_json(args.out / f"{name}.json", {
+        "command": f"python experiments/{name}.py" + (" --quick" if args.quick else ""),
+        "data": "Fashion-MNIST " + ("committed subset" if args.quick else "full (60k train, 10k test)"),
+        "seeds": list(args.seeds), "steps": args.steps("cnn"), **extra, "wall_s": round(wall, 1),
+        "environment": environment(), "table": table.to_dict("records"), "jobs": jobs.to_dict("records")})
+
+
 def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0) -> "Any":
     """Trace the plain model for ``steps`` steps (statistics every step): the run that global scales
     and recommendations are derived from."""
@@ -250,5 +271,5 @@ def job_rows(df: pd.DataFrame) -> list[dict]:
     return df.to_dict("records")
 
 
-__all__ = ["Job", "run_job", "run_jobs", "aggregate", "calibrate", "layer_moments", "global_scale", "parse_args",
+__all__ = ["Job", "run_job", "run_jobs", "aggregate", "compare_to_baseline", "save_results", "calibrate", "layer_moments", "global_scale", "parse_args",
            "write_json", "environment", "job_rows", "asdict"]

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _accuracy import (Job, aggregate, calibrate, environment, global_scale, parse_args,  # noqa: E402
-                       run_jobs, write_json)
+from _accuracy import (Job, aggregate, calibrate, compare_to_baseline, global_scale,  # noqa: E402
+                       parse_args, run_jobs, save_results)
 
 import gradstats  # noqa: E402
 from gradstats.models import build_model  # noqa: E402
@@ -96,23 +96,14 @@ def run(args, model: str = "cnn"):
     df = run_jobs(jobs(model, args.steps(model), args.seeds, args.prepare, calib), args.out / "jobs.jsonl",
                   workers=args.workers, desc=f"low precision {model}")
     table = aggregate(df, ["model", "label", "bits", "format", "rounding", "scaling"])
-    base = table[table["label"] == "baseline"].iloc[0]
-    table["acc_delta"] = table["acc_mean"] - base["acc_mean"]
-    std = 0.0 if base["acc_std"] != base["acc_std"] else float(base["acc_std"])
-    table["within_1std"] = table["acc_mean"] >= base["acc_mean"] - std
-    return df, table, time.perf_counter() - t0
+    return df, compare_to_baseline(table, table["label"] == "baseline"), time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None):
     args = parse_args(__doc__, argv)
     df, table, wall = run(args)
     print(table.drop(columns=["model"]).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    write_json(args.out / "lowprec_accuracy.json", {
-        "command": "python experiments/lowprec_accuracy.py" + (" --quick" if args.quick else ""),
-        "data": "Fashion-MNIST " + ("committed subset" if args.quick else "full (60k train, 10k test)"),
-        "seeds": list(args.seeds), "steps": args.steps("cnn"), "calibration_steps": args.calibration_steps,
-        "wall_s": round(wall, 1), "environment": environment(), "table": table.to_dict("records"),
-        "jobs": df.to_dict("records")})
+    save_results(args, "lowprec_accuracy", table, df, wall, calibration_steps=args.calibration_steps)
     from gradstats.plots.accuracy import plot_accuracy_by_format
 
     plot_accuracy_by_format(table, path=args.out / "lowprec_accuracy.png")

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _accuracy import Job, aggregate, environment, parse_args, run_jobs, write_json  # noqa: E402
+from _accuracy import Job, aggregate, compare_to_baseline, parse_args, run_jobs, save_results  # noqa: E402
 
 import gradstats  # noqa: E402
 
@@ -49,25 +49,14 @@ def run(args, model: str = "cnn", **kw):
     df = run_jobs(jobs(model, args.steps(model), args.seeds, args.prepare, **kw), args.out / "jobs.jsonl",
                   workers=args.workers, desc=f"pruning {model}")
     table = aggregate(df, ["model", "target_sparsity", "threshold_rule"])
-    base = table[table["target_sparsity"] == 0].iloc[0]
-    table["acc_delta"] = table["acc_mean"] - base["acc_mean"]
-    table["within_1std"] = table["acc_mean"] >= base["acc_mean"] - _nan0(base["acc_std"])
-    return df, table, time.perf_counter() - t0
-
-
-def _nan0(v: float) -> float:
-    return 0.0 if v != v else float(v)
+    return df, compare_to_baseline(table, table["target_sparsity"] == 0), time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None):
     args = parse_args(__doc__, argv)
     df, table, wall = run(args)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    write_json(args.out / "pruning_accuracy.json", {
-        "command": "python experiments/pruning_accuracy.py" + (" --quick" if args.quick else ""),
-        "data": "Fashion-MNIST " + ("committed subset" if args.quick else "full (60k train, 10k test)"),
-        "seeds": list(args.seeds), "steps": args.steps("cnn"), "wall_s": round(wall, 1),
-        "environment": environment(), "table": table.to_dict("records"), "jobs": df.to_dict("records")})
+    save_results(args, "pruning_accuracy", table, df, wall)
     from gradstats.plots.accuracy import plot_accuracy_vs_sparsity
 
     plot_accuracy_vs_sparsity(table, path=args.out / "pruning_accuracy.png")

@@ -24,7 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _accuracy import Job, aggregate, calibrate, environment, parse_args, run_jobs, write_json  # noqa: E402
+from _accuracy import (Job, aggregate, calibrate, compare_to_baseline, parse_args, run_jobs,  # noqa: E402
+                       save_results)
 
 import gradstats  # noqa: E402
 from pruning_accuracy import jobs as pruning_jobs  # noqa: E402
@@ -89,23 +90,14 @@ def run(args, model: str = "cnn"):
     if "layer_targets" not in df:
         df["layer_targets"] = None
     table = aggregate(df, ["model", "label", "sparsity", "bits", "format", "rounding", "granularity", "layer_targets"])
-    base = table[table["label"] == "baseline"].iloc[0]
-    std = 0.0 if base["acc_std"] != base["acc_std"] else float(base["acc_std"])
-    table["acc_delta"] = table["acc_mean"] - base["acc_mean"]
-    table["holds"] = table["acc_mean"] >= base["acc_mean"] - std
-    return df, table, time.perf_counter() - t0
+    return df, compare_to_baseline(table, table["label"] == "baseline", "holds"), time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None):
     args = parse_args(__doc__, argv)
     df, table, wall = run(args)
     print(table.drop(columns=["model"]).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    write_json(args.out / "push.json", {
-        "command": "python experiments/push.py" + (" --quick" if args.quick else ""),
-        "data": "Fashion-MNIST " + ("committed subset" if args.quick else "full (60k train, 10k test)"),
-        "seeds": list(args.seeds), "steps": args.steps("cnn"), "calibration_steps": args.calibration_steps,
-        "wall_s": round(wall, 1), "environment": environment(), "table": table.to_dict("records"),
-        "jobs": df.to_dict("records")})
+    save_results(args, "push", table, df, wall, calibration_steps=args.calibration_steps)
     return table
 
 
