@@ -19,7 +19,7 @@ import os
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -72,24 +72,21 @@ def run_job(job: Job) -> dict[str, Any]:
     applied = None
     if job.plan is not None:
         applied = gradstats.apply(task.model, gradstats.Plan.from_dict(job.plan), seed=job.seed)
+    row: dict[str, Any] = {"key": job.key, "experiment": job.experiment, "label": job.label,
+                           "model": job.model, "seed": job.seed, "steps": job.steps, **job.info}
     try:
         res = task.run(job.steps, schedule="cosine", progress=False)
     except Exception as exc:  # a failure is a result: recorded with its message, the others go on
-        return {"key": job.key, "experiment": job.experiment, "label": job.label, "model": job.model,
-                "seed": job.seed, "steps": job.steps, **job.info, "test_accuracy": math.nan,
-                "test_loss": math.nan, "final_train_loss": math.nan, "diverged": False, "steps_done": 0,
-                "wall_s": round(time.perf_counter() - t0, 2), "achieved_sparsity": math.nan,
-                "underflow_fraction": math.nan, "overflow_fraction": math.nan, "planned_layers": 0,
-                "error": f"{type(exc).__name__}: {exc}"}
+        return {**row, "test_accuracy": math.nan, "test_loss": math.nan, "final_train_loss": math.nan,
+                "diverged": False, "steps_done": 0, "wall_s": round(time.perf_counter() - t0, 2),
+                "achieved_sparsity": math.nan, "underflow_fraction": math.nan, "overflow_fraction": math.nan,
+                "planned_layers": 0, "error": f"{type(exc).__name__}: {exc}"}
     finally:
         if applied is not None:
             applied.remove()
-    row: dict[str, Any] = {"key": job.key, "experiment": job.experiment, "label": job.label,
-                           "model": job.model, "seed": job.seed, "steps": job.steps, **job.info,
-                           "test_accuracy": res.test_accuracy, "test_loss": res.test_loss,
-                           "final_train_loss": float(pd.Series(res.losses[-20:]).mean()) if res.losses else math.nan,
-                           "diverged": bool(res.diverged), "steps_done": res.steps,
-                           "wall_s": round(time.perf_counter() - t0, 2)}
+    row.update(test_accuracy=res.test_accuracy, test_loss=res.test_loss,
+               final_train_loss=float(pd.Series(res.losses[-20:]).mean()) if res.losses else math.nan,
+               diverged=bool(res.diverged), steps_done=res.steps, wall_s=round(time.perf_counter() - t0, 2))
     if applied is not None:
         df = applied.to_dataframe()
         n = df["n"].astype(float)
@@ -193,19 +190,6 @@ def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0) -> "An
     return gradstats.open_run(path)
 
 
-def layer_moments(run: Any, layers: list[str]) -> tuple[list[float], list[float]]:
-    """Per layer, mu and sigma of ln|g| over every step of a run (statistics merged exactly)."""
-    from gradstats.stats import lognormal_moments, merge_stats
-
-    st = run.stats(kinds=["grad"])
-    mus, sigmas = [], []
-    for layer in layers:
-        mu, sigma = lognormal_moments(merge_stats(st[st["layer"] == layer].to_dict("records")))
-        mus.append(mu)
-        sigmas.append(sigma)
-    return mus, sigmas
-
-
 def global_scale(fmt: Any, run: Any, layers: list[str]) -> float:
     """The one power-of-two scale for every layer that minimises the mean over layers of each
     layer's predicted relative error (each layer's MSE over its own E[g^2]), from the layers' mu and
@@ -214,8 +198,10 @@ def global_scale(fmt: Any, run: Any, layers: list[str]) -> float:
     import numpy as np
 
     from gradstats.fpanalysis import expected_error
+    from gradstats.recommendation import layer_moments
 
-    mus, sigmas = (np.asarray(v, float) for v in layer_moments(run, layers))
+    mom = layer_moments(run, step=(int(run.steps[0]), int(run.steps[-1])), layers=list(layers))
+    mus, sigmas = mom["mu"].to_numpy(float), mom["sigma"].to_numpy(float)
     best = (math.inf, 1.0)
     for k in range(-40, 100):
         err = float(np.mean(expected_error(fmt, mu=mus, sigma=sigmas, scale=2.0 ** k).total))
@@ -266,10 +252,5 @@ def environment() -> dict[str, Any]:
             "machine": platform.machine(), "cpus": os.cpu_count()}
 
 
-def job_rows(df: pd.DataFrame) -> list[dict]:
-    """The raw per-job rows for the JSON."""
-    return df.to_dict("records")
-
-
-__all__ = ["Job", "run_job", "run_jobs", "aggregate", "compare_to_baseline", "save_results", "calibrate", "layer_moments", "global_scale", "parse_args",
-           "write_json", "environment", "job_rows", "asdict"]
+__all__ = ["Job", "run_job", "run_jobs", "aggregate", "compare_to_baseline", "save_results", "calibrate", "global_scale", "parse_args",
+           "write_json", "environment"]

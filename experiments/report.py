@@ -95,10 +95,6 @@ def section_distributions(p: dict) -> str:
     return "\n".join(out)
 
 
-def _holds(t: pd.DataFrame, col: str) -> pd.Series:
-    return t[col] if col in t else t["within_1std"]
-
-
 def section_pruning(p: dict) -> str:
     t = pd.DataFrame(p["table"])
     t["accuracy"] = _acc(t)
@@ -106,8 +102,8 @@ def section_pruning(p: dict) -> str:
            f"The CNN with BatchNorm on Fashion-MNIST, {p['steps']} SGD steps at batch 128 (cosine "
            "schedule), every convolution and linear layer's neural gradient pruned stochastically "
            "(unbiased) at the target sparsity, the threshold from the running lognormal fit "
-           "(`Plan.uniform(sparsity=S)`), and at 0.85 and 0.9 from the exact quantile of each tensor "
-           "and from the normal model. Accuracy in % (mean ± std over seeds); achieved sparsity is the "
+           "(`Plan.uniform(sparsity=S)`), and at 0.85 and 0.9 from the model-free histogram rule, the "
+           "exact quantile of each tensor and the normal model. Accuracy in % (mean ± std over seeds); achieved sparsity is the "
            "fraction of zeros after pruning, averaged over every call and weighted by size.\n",
            _provenance(p) + "\n",
            md_table(t, {"target_sparsity": "target", "threshold_rule": "threshold rule", "accuracy": "test accuracy %",
