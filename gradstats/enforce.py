@@ -152,12 +152,11 @@ class Applied:
         rule, st = self.rules[name], self.state[name]
         need_stats = refresh or (rule.quantizes and rule.scale == "amax" and rule.block_size is None)
         if need_stats:
-            hist = refresh and rule.prunes and rule.threshold_rule == "histogram"
-            v = tensor_stats_vector(g, histogram=hist)
+            v = tensor_stats_vector(g)
             if self.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
                 v = _all_reduce_stats(v)
             _stats_update(st, v, self.ema)
-            if hist:
+            if refresh and rule.prunes and rule.threshold_rule == "histogram":
                 st.row = vector_to_stats(v)
         if refresh and rule.prunes and not math.isnan(st.mu):
             if rule.threshold_rule == "exact":

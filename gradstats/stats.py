@@ -146,36 +146,28 @@ def _native_kernel():
                     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
 
 
-def _reduce_native(fn, x: torch.Tensor, histogram: bool = True) -> torch.Tensor:
-    """The fused one-pass C kernel (CPU, contiguous float32); same layout as :func:`_reduce`
-    (without the histogram part when ``histogram`` is False)."""
-    k = len(SCALAR_FIELDS)
-    out = torch.empty(k + HIST_BINS if histogram else k, dtype=torch.float64)
-    hist = torch.empty(HIST_BINS, dtype=torch.int64) if histogram else None
-    fn(x.data_ptr(), x.numel(), out.data_ptr() + 8, None if hist is None else hist.data_ptr(),
-       torch.get_num_threads())
+def _reduce_native(fn, x: torch.Tensor) -> torch.Tensor:
+    """The fused one-pass C kernel (CPU, contiguous float32); same layout as :func:`_reduce`."""
+    out = torch.empty(len(SCALAR_FIELDS) + HIST_BINS, dtype=torch.float64)
+    hist = torch.empty(HIST_BINS, dtype=torch.int64)
+    fn(x.data_ptr(), x.numel(), out.data_ptr() + 8, hist.data_ptr(), torch.get_num_threads())
     out[0] = float(x.numel())
-    if hist is not None:
-        out[k:] = hist
+    out[len(SCALAR_FIELDS):] = hist
     return out
 
 
-def tensor_stats_vector(g: torch.Tensor, *, histogram: bool = True) -> torch.Tensor:
+def tensor_stats_vector(g: torch.Tensor) -> torch.Tensor:
     """Statistics of ``g`` as one float64 vector on ``g``'s device (no host synchronisation
-    on CUDA). Layout: ``SCALAR_FIELDS`` then the ``HIST_BINS`` histogram counts;
-    ``histogram=False`` skips the histogram (a cheaper pass on the CPU) and returns the
-    ``SCALAR_FIELDS`` part alone.
+    on CUDA). Layout: ``SCALAR_FIELDS`` then the ``HIST_BINS`` histogram counts.
 
-    Use :func:`vector_to_stats` to turn a full vector into a dict. The tracer keeps vectors on
-    the device and converts them in one batch when it flushes.
+    Use :func:`vector_to_stats` to turn it into a dict. The tracer keeps vectors on the
+    device and converts them in one batch when it flushes.
 
     Example:
         >>> import torch
         >>> v = tensor_stats_vector(torch.ones(3))
         >>> v.shape[0] == len(SCALAR_FIELDS) + HIST_BINS, float(v[0])
         (True, 3.0)
-        >>> torch.equal(tensor_stats_vector(torch.ones(3), histogram=False), v[:len(SCALAR_FIELDS)])
-        True
     """
     x = g.detach()
     if x.dtype != torch.float32:
@@ -184,9 +176,8 @@ def tensor_stats_vector(g: torch.Tensor, *, histogram: bool = True) -> torch.Ten
     if x.device.type == "cpu" and x.numel() > 0:
         fn = _native_kernel()
         if fn is not None:
-            return _reduce_native(fn, x.contiguous(), histogram)
-    v = _reduce(x)
-    return v if histogram else v[: len(SCALAR_FIELDS)]
+            return _reduce_native(fn, x.contiguous())
+    return _reduce(x)
 
 
 def vector_to_stats(v: torch.Tensor | np.ndarray) -> dict[str, Any]:

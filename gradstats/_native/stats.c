@@ -6,8 +6,7 @@
  *   out[5] sum ln|x|, out[6] sum ln^2|x|                   (non-zero finite entries)
  *   out[7] min |x|, out[8] max |x|                         (non-zero finite; NaN if none)
  *   hist[0..277): counts of floor(log2|x|) from 2^-149 to 2^127 (non-zero finite entries);
- *                 hist may be NULL: the counts are not copied out. (They are still taken: a variant
- *                 of the loop without the bin store measured 1.6-2.7x slower, not faster.)
+ *                 (a variant of the loop without the bin store measured 1.6-2.7x slower, not faster)
  *
  * Classification is done on the integer bit pattern, so the result does not depend on
  * floating-point compiler flags. ln|x| is computed as e*ln2 + ln(m), m in [sqrt(1/2), sqrt(2)),
@@ -130,7 +129,6 @@ int gs_stats_f32(const float *x, int64_t n, double *out, int64_t *hist, int nthr
     out[5] = total.sum_ln; out[6] = total.sum_ln_sq;
     out[7] = nnz > 0 ? (double)bits_to_float(total.minb) : NAN;
     out[8] = nnz > 0 ? (double)bits_to_float(total.maxb) : NAN;
-    if (hist)
-        for (int b = 0; b < HIST_BINS; b++) hist[b] = total.hist[0][b];
+    for (int b = 0; b < HIST_BINS; b++) hist[b] = total.hist[0][b];
     return 0;
 }

@@ -227,8 +227,7 @@ def _estimate(x: torch.Tensor, method: str) -> dict[str, Any]:
     logs = method in ("lognormal", "naive_lognormal")
     if x.device.type == "cpu" and x.dtype == torch.float32 and _native_stats() is not None:
         # the fused one-pass C kernel: every sum, the zero count and the maximum at once
-        v = tensor_stats_vector(x.detach(), histogram=False).tolist()
-        st = dict(zip(SCALAR_FIELDS, v))
+        st = dict(zip(SCALAR_FIELDS, tensor_stats_vector(x.detach()).tolist()))
         if st["n_nonfinite"] == 0:
             for k in ("n", "n_zero", "n_nonfinite"):
                 st[k] = int(st[k])
