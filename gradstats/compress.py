@@ -20,8 +20,6 @@ Example:
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 from dataclasses import asdict, dataclass
 from typing import Optional, Union
 
@@ -51,14 +49,11 @@ class CompressCounts:
         return {**asdict(self), "sparsity": self.sparsity}
 
 
-@functools.lru_cache(maxsize=1)
 def _native():
-    from ._native import function
+    """The fused C kernel (:func:`gradstats._native.prune_quant`), or None without a compiler."""
+    from ._native import prune_quant
 
-    return function("prune_quant", "gs_prune_quantize_f32",
-                    [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
-                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-                     ctypes.c_int, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p])
+    return prune_quant()
 
 
 def _native_ok(fmt: Optional[FPFormat], scale: float) -> bool:

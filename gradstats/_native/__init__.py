@@ -128,3 +128,19 @@ def function(name: str, symbol: str, argtypes: list) -> Any:
     fn.restype = ctypes.c_int
     fn.argtypes = argtypes
     return fn
+
+
+@functools.lru_cache(maxsize=1)
+def prune_quant() -> Any:
+    """``gs_prune_quantize_f32`` of ``prune_quant.c`` with its signature set, or None (see
+    :func:`load`): stochastic pruning and rounding of a float32 array in one pass, the CPU path
+    of both :func:`gradstats.compress.prune_quantize` and, with rounding off (``quant=0``),
+    :func:`gradstats.pruning.stochastic_prune`. Arguments: ``x``, ``out`` (addresses; ``out``
+    may be ``x``), ``n``, threshold ``a`` (0 = no pruning), ``scale``, ``quant``,
+    ``man_bits``, ``emin``, ``maxv``, ``subnormals``, ``rounding`` (0 nearest, 1 stochastic,
+    2 toward zero), ``neg_zero``, ``seed``, ``nthreads``, ``counts`` (address of 4 int64);
+    returns 0, or a negative code for arguments it rejects."""
+    return function("prune_quant", "gs_prune_quantize_f32",
+                    [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
+                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                     ctypes.c_int, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p])
