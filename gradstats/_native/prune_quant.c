@@ -23,7 +23,10 @@
  *
  * The uniforms come from a counter-based hash of (seed, index): reproducible and independent
  * of the thread count; 24-bit uniforms for pruning and subnormal rounding, 23-M random bits
- * for stochastic rounding in the normal range.
+ * for stochastic rounding in the normal range. The index enters modulo 2^32.
+ *
+ * With quant = 0 this is also the CPU float32 path of gradstats.pruning.stochastic_prune
+ * (gradstats/pruning/_cpu.py: native_uniforms reproduces the pruning uniforms there).
  */
 #include <stdint.h>
 #include <string.h>

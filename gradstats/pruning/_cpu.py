@@ -1,17 +1,27 @@
-"""The CPU engine: cache-blocked sweeps over a flat float32/float64 array.
+"""The CPU engine: the native stochastic prune and cache-blocked numpy sweeps over a flat
+float32/float64 array.
 
-Whole-tensor torch ops on the CPU each stream the full tensor through memory, and torch's
-generator fills uniforms on one thread; a stochastic prune written that way makes about eight
-passes over the data. Here the tensor is cut into blocks that stay in the L2 cache; each block
-goes through a short sequence of numpy ufuncs (which release the GIL) on per-thread scratch
-buffers, and blocks are spread over a small thread pool. Memory sees one read of ``x`` per sweep
-and one write of the output.
+Stochastic pruning of float32 arrays goes through the C kernel of
+``gradstats/_native/prune_quant.c`` in its prune-only mode (:func:`native_stochastic_prune`),
+the same kernel that prunes and quantises in the apply module's backward pass: one read of
+``x``, one write, the uniform made in registers from a counter-based hash of
+``(seed, index)`` (:func:`native_uniforms` reproduces it), blocks spread over OpenMP threads.
+The result depends on the seed alone, not on the number of threads.
 
-Random numbers: one PCG64 stream per call, its 128-bit state and increment given by the caller
-(drawn from a torch generator). Block ``k`` jumps to its own place in the stream
-(``advance``), so the uniforms do not depend on the block size or the number of threads: they
-are exactly ``numpy.random.Generator(bitgen).random(n, dtype)`` for that stream
-(:func:`uniforms`).
+Without a C compiler (or with ``GRADSTATS_NATIVE=0``), for float64, for explicit uniforms,
+and for the statistics and histogram sweeps, the numpy engine below is used. Whole-tensor
+torch ops on the CPU each stream the full tensor through memory, and torch's generator fills
+uniforms on one thread; a stochastic prune written that way makes about eight passes over the
+data. Here the tensor is cut into blocks that stay in the L2 cache; each block goes through a
+short sequence of numpy ufuncs (which release the GIL) on per-thread scratch buffers, and
+blocks are spread over a small thread pool. Memory sees one read of ``x`` per sweep and one
+write of the output.
+
+Random numbers of the numpy engine: one PCG64 stream per call, its 128-bit state and
+increment given by the caller (drawn from a torch generator). Block ``k`` jumps to its own
+place in the stream (``advance``), so the uniforms do not depend on the block size or the
+number of threads: they are exactly ``numpy.random.Generator(bitgen).random(n, dtype)`` for
+that stream (:func:`uniforms`).
 """
 from __future__ import annotations
 
@@ -173,7 +183,8 @@ def stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, *,
                      key: tuple[int, int, int, int] | None = None,
                      uniforms: np.ndarray | None = None) -> None:
     """``out = T_a(x)``: ``x`` where ``|x| >= a``, else ``sign(x) * a`` when ``u * a < |x|``
-    and 0 otherwise, with ``u`` the uniforms given or drawn from the PCG64 stream of ``key``.
+    and 0 otherwise, with ``u`` the uniforms given or drawn from the PCG64 stream of ``key``
+    (the numpy engine; :func:`native_stochastic_prune` is the float32 path when compiled).
 
     Every block reads its part of ``x`` before writing its part of ``out``, so ``out`` may be
     ``x`` itself. Pruned entries are zeros of either sign; NaN stays NaN, inf stays inf.
@@ -249,3 +260,63 @@ def uniforms(key: tuple[int, int, int, int], n: int, dtype: np.dtype) -> np.ndar
     bg = np.random.PCG64(0)
     bg.state = pcg_state(key)
     return np.random.Generator(bg).random(n, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- native kernel
+def native_kernel() -> Any:
+    """The C prune/quantise kernel (:func:`gradstats._native.prune_quant`), or None when it
+    is unavailable (no C compiler, or ``GRADSTATS_NATIVE=0``)."""
+    from .._native import prune_quant
+
+    return prune_quant()
+
+
+def native_stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, seed: int) -> None:
+    """``out = T_a(x)`` for a flat float32 ``x`` by the C kernel (prune only, no rounding):
+    ``x`` where ``|x| >= a``, else ``sign(x) * a`` when ``u * a < |x|`` (``u * a`` rounded to
+    float32) and 0 otherwise, with ``u = native_uniforms(seed, n)``; ``a`` must be a float32
+    value > 0. Pruned entries are zeros of ``x``'s sign; NaN stays NaN, inf stays inf. ``out``
+    may be ``x``. Spread over ``torch.get_num_threads()`` OpenMP threads; the result does not
+    depend on their number. Raises RuntimeError when the kernel is unavailable (check
+    :func:`native_kernel` first)."""
+    fn = native_kernel()
+    if fn is None:
+        raise RuntimeError("the native prune kernel is not available (no C compiler or GRADSTATS_NATIVE=0)")
+    if x.dtype != np.float32 or out.dtype != np.float32 or x.shape != out.shape or x.ndim != 1:
+        raise ValueError("native_stochastic_prune expects flat float32 arrays of one length")
+    counts = np.zeros(4, np.int64)
+    rc = fn(x.ctypes.data, out.ctypes.data, x.shape[0], float(a), 1.0, 0, 0, 0, 0.0, 1, 0, 1,
+            int(seed) % 2 ** 64, _workers(), counts.ctypes.data)
+    if rc != 0:  # pragma: no cover - the prune-only mode accepts every argument it is given here
+        raise RuntimeError(f"the native prune kernel rejected its arguments (code {rc})")
+
+
+def _mix32(h: np.ndarray) -> np.ndarray:
+    """The 32-bit finaliser of the kernel's hash (MurmurHash3's fmix32), in place, wrapping."""
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> np.uint32(16)
+    return h
+
+
+def native_uniforms(seed: int, n: int) -> np.ndarray:
+    """The float32 uniforms :func:`native_stochastic_prune` uses for ``seed`` at indices
+    ``0..n-1`` (for tests and reproduction): ``h = fmix32(2 i + seed_lo) ^ seed_hi``, then
+    ``u = (fmix32(h) >> 8) * 2^-24``, with ``seed_lo``/``seed_hi`` the low and high 32 bits of
+    ``seed`` and the index taken modulo 2^32.
+
+    Example:
+        >>> u = native_uniforms(7, 5)
+        >>> u.dtype, bool(((u >= 0) & (u < 1)).all())
+        (dtype('float32'), True)
+    """
+    seed = int(seed) % 2 ** 64
+    h = np.arange(n, dtype=np.uint64).astype(np.uint32)  # index modulo 2^32
+    h *= np.uint32(2)
+    h += np.uint32(seed & 0xFFFFFFFF)
+    _mix32(h)
+    h ^= np.uint32(seed >> 32)
+    _mix32(h)
+    return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)

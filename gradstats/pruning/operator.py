@@ -1,10 +1,14 @@
 """The pruning operators on tensors: unbiased stochastic pruning, estimate-and-prune, and the
 exact (sort/selection based) thresholds the analytic rules are compared against.
 
-Devices: on the CPU, float32/float64 tensors go through the cache-blocked engine of
-:mod:`gradstats.pruning._cpu` (uniforms from a PCG64 stream seeded from the torch generator);
-on CUDA through the Triton kernel of :mod:`gradstats.kernels.prune` when Triton is installed;
-everything else (other dtypes, other devices) through the plain torch reference path.
+Devices: on the CPU, float32 tensors are pruned by the C kernel that the apply module's
+fused prune/quantise also runs (``gradstats/_native/prune_quant.c``, prune-only; uniforms from
+a counter-based hash of ``(seed, index)``, the seed drawn from the torch generator); float64
+tensors, explicit ``uniforms=``, and machines without a C compiler (or with
+``GRADSTATS_NATIVE=0``) use the cache-blocked numpy engine of :mod:`gradstats.pruning._cpu`
+(uniforms from a PCG64 stream seeded from the torch generator). On CUDA the Triton kernel of
+:mod:`gradstats.kernels.prune` runs when Triton is installed; everything else (other dtypes,
+other devices) goes through the plain torch reference path.
 """
 from __future__ import annotations
 
@@ -69,6 +73,11 @@ def _check_out(out: torch.Tensor | None, x: torch.Tensor) -> None:
                          f"device {x.device}; got {got}")
 
 
+def _check_generator(generator: Any) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
 def _draw(generator: torch.Generator | None, k: int = 1) -> list[int]:
     """``k`` 62-bit integers drawn from ``generator`` (or torch's default generator)."""
     dev = generator.device if generator is not None else torch.device("cpu")
@@ -87,6 +96,13 @@ def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Gene
     ``u * a < |x|``. The threshold is first rounded to ``x``'s dtype. Pruned entries are zeros
     (of either sign); inf is kept, NaN stays NaN. Half-precision tensors are computed in float32.
 
+    Random draws: float32 CPU tensors take one seed from the generator and hash it with each
+    entry's index in the C kernel shared with :func:`gradstats.compress.prune_quantize` (so
+    ``prune_quantize(x, a, None, generator=g)`` gives the same values); the result does not
+    depend on ``torch.get_num_threads()``. Without a C compiler, and for float64, a PCG64
+    stream keyed by four draws from the generator is used instead (equal in distribution, not
+    bit for bit). CUDA tensors use the Triton kernel's hash (:mod:`gradstats.kernels.prune`).
+
     Example:
         >>> import torch
         >>> g = torch.Generator().manual_seed(0)
@@ -99,6 +115,7 @@ def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Gene
     """
     _check_tensor(x)
     _check_out(out, x)
+    _check_generator(generator)
     a = _check_threshold(threshold)
     if uniforms is not None:
         if not isinstance(uniforms, torch.Tensor) or uniforms.shape != x.shape:
@@ -118,11 +135,14 @@ def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Gene
         xc = x.detach().contiguous().reshape(-1)
         direct = out is not None and out.is_contiguous()
         res = out if direct else torch.empty_like(xc)
-        u = None
-        if uniforms is not None:
-            u = uniforms.detach().to(x.dtype).contiguous().reshape(-1).numpy()
-        _cpu.stochastic_prune(xc.numpy(), a, res.reshape(-1).numpy(),
-                              key=None if u is not None else tuple(_draw(generator, 4)), uniforms=u)
+        if uniforms is None and x.dtype == torch.float32 and _cpu.native_kernel() is not None:
+            _cpu.native_stochastic_prune(xc.numpy(), a, res.reshape(-1).numpy(), _draw(generator)[0])
+        else:
+            u = None
+            if uniforms is not None:
+                u = uniforms.detach().to(x.dtype).contiguous().reshape(-1).numpy()
+            _cpu.stochastic_prune(xc.numpy(), a, res.reshape(-1).numpy(),
+                                  key=None if u is not None else tuple(_draw(generator, 4)), uniforms=u)
         if direct:
             return out  # type: ignore[return-value]
         res = res.reshape(x.shape)
@@ -280,6 +300,7 @@ def prune(x: torch.Tensor, target: float, *, method: str = "lognormal", stochast
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     _check_out(out, x)
+    _check_generator(generator)
     if method == "exact":
         a = exact_threshold(x, s, stochastic=stochastic)
     elif method == "histogram":
