@@ -178,6 +178,8 @@ class Applied:
                 model = "lognormal" if rule.threshold_rule == "naive_lognormal" else rule.threshold_rule
                 if cond and st.threshold >= st.amax:   # every entry below: exact on the tensor
                     st.predicted_sparsity = 1.0 - st.mean_abs / st.threshold
+                elif st.threshold > 0 and model == rule.threshold_rule:
+                    st.predicted_sparsity = rule.sparsity  # the threshold solves the model for it (1e-9)
                 else:
                     st.predicted_sparsity = float(pruning.expected_sparsity(st.threshold, model=model, **kw))
         if rule.quantizes and rule.block_size is None and not math.isnan(st.mu):

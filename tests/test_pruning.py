@@ -92,6 +92,22 @@ def test_threshold_inverts_expected_sparsity(target, mu, sigma, p0, model, stoch
         assert abs(s - target) <= 1e-9
 
 
+@settings(max_examples=80, deadline=None)
+@given(target=st.floats(0.0, 0.9999), mu=st.floats(-30, 10), sigma=st.floats(0.05, 6.0),
+       p0=st.floats(0.0, 0.5), model=st.sampled_from(["lognormal", "normal", "laplace"]),
+       stochastic=st.booleans(), top=st.floats(-3.0, 6.0), mean_frac=st.floats(0.0, 1.0))
+def test_one_layer_in_floats_equals_the_array_path(target, mu, sigma, p0, model, stochastic, top, mean_frac):
+    """threshold() of plain numbers (a fast path for one layer) returns exactly the array path's value,
+    conditioned or not."""
+    kw = dict(mu=mu, sigma=sigma) if model == "lognormal" else dict(scale=math.exp(mu))
+    amax = math.exp(mu + top)
+    cond = dict(amax=amax, mean_abs=mean_frac * amax)
+    for extra in ({}, cond):
+        one = threshold(target, model=model, stochastic=stochastic, p0=p0, **kw, **extra)
+        arr = threshold(np.array([target]), model=model, stochastic=stochastic, p0=p0, **kw, **extra)
+        assert isinstance(one, float) and one == arr[0]
+
+
 def test_vectorised_over_layers_and_types():
     mu = np.array([-12.0, -8.0, -3.0])
     sg = np.array([0.7, 2.0, 3.5])

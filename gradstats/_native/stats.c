@@ -13,6 +13,8 @@
  * with ln(m) = 2 atanh(t), t = (m-1)/(m+1), by its odd series to t^11 (|t| <= 0.1716, so the
  * truncation error is below 1e-10): within a few float32 ulps of logf, and vectorisable.
  * Sums are accumulated in float32 over blocks of BLOCK elements and in double across blocks.
+ * Where the CPU has fused multiply-add, the series and the squares use it (fewer instructions
+ * in an instruction-bound loop, and one rounding instead of two).
  */
 #include <stdint.h>
 #include <string.h>
@@ -24,6 +26,11 @@
 #define HIST_MIN_EXP (-149)
 #define HIST_BINS 277
 #define BLOCK 2048
+#if defined(__FMA__) || defined(__aarch64__)
+#define FMA(a, b, c) fmaf(a, b, c)
+#else
+#define FMA(a, b, c) ((a) * (b) + (c))
+#endif
 
 typedef struct {
     double n_zero, n_nonfinite, sum, sum_abs, sum_sq, sum_ln, sum_ln_sq;
@@ -51,7 +58,7 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
         nnonfin += !fin;
         float v = fin ? x[i] : 0.f;
         float a = fin ? bits_to_float(b) : 0.f;
-        s += v; sa += a; ss += v * v;
+        s += v; sa += a; ss = FMA(v, v, ss);
         /* subnormals: scale by 2^23 exactly, correct the exponent afterwards */
         float as = sub ? a * 8388608.f : a;
         uint32_t bs; memcpy(&bs, &as, 4);
@@ -62,14 +69,14 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
         float t = (mant - 1.f) / (mant + 1.f);
         float t2 = t * t;
         float p = 1.f / 11.f;
-        p = p * t2 + 1.f / 9.f;
-        p = p * t2 + 1.f / 7.f;
-        p = p * t2 + 1.f / 5.f;
-        p = p * t2 + 1.f / 3.f;
-        p = p * t2 + 1.f;
-        float ln = 2.f * t * p + (float)(e + big) * LN2;
+        p = FMA(p, t2, 1.f / 9.f);
+        p = FMA(p, t2, 1.f / 7.f);
+        p = FMA(p, t2, 1.f / 5.f);
+        p = FMA(p, t2, 1.f / 3.f);
+        p = FMA(p, t2, 1.f);
+        float ln = FMA((float)(e + big), LN2, 2.f * t * p);
         ln = nz ? ln : 0.f;
-        sl += ln; sl2 += ln * ln;
+        sl += ln; sl2 = FMA(ln, ln, sl2);
         uint32_t bmin = nz ? b : 0x7fffffffu;
         uint32_t bmax = fin ? b : 0u;
         minb = bmin < minb ? bmin : minb;

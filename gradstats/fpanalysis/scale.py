@@ -92,7 +92,12 @@ def _search(obj: _Objective, anchor: np.ndarray, power_of_two: bool, tie_rtol: f
     j = grid[allrows, pick]
     ej = e[allrows, pick]
     nbr = np.empty((n, 2))  # errors at j - 1 and j + 1
-    active = allrows
+    # an interior pick is the grid's minimum (up to the tie tolerance): its neighbours are known and
+    # no step from it goes downhill, so only picks on the grid's edge walk on
+    inner = (pick > 0) & (pick < offs.size - 1)
+    nbr[inner, 0] = e[allrows[inner], pick[inner] - 1]
+    nbr[inner, 1] = e[allrows[inner], pick[inner] + 1]
+    active = allrows[~inner]
     for _ in range(400):  # walk downhill (rarely more than a few steps)
         if active.size == 0:
             break

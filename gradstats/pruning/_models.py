@@ -236,6 +236,40 @@ def solve_sparsity(model: Model, target: np.ndarray, *, stochastic: bool = True)
     return bracket_solve(fg, xh, hi)
 
 
+def solve_sparsity_scalar(model: Model, target: float, *, stochastic: bool = True) -> float:
+    """:func:`solve_sparsity` for one layer (parameters of size 1), in Python floats: the same
+    bracket and safeguarded Newton iteration without the array bookkeeping, which dominates the
+    cost for a single layer (the apply module solves one layer per refresh)."""
+    xh = float(model.hard_quantile(np.float64(target)))
+    if not stochastic:
+        return xh
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+        step = float(np.ravel(model.step())[0])
+        hi = xh + step
+        for _ in range(64):
+            if not float(model.stochastic(np.float64(hi))) < target:
+                break
+            step *= 2.0
+            hi += step
+        lo, x = xh, 0.5 * (xh + hi)
+        for _ in range(200):
+            xa = np.float64(x)
+            u = float(model.up(xa))
+            f = float(model.hard(xa)) - u - target
+            if abs(f) <= 1e-13:
+                break
+            if f < 0:
+                lo = x
+            else:
+                hi = x
+            mid = 0.5 * (lo + hi)
+            nx = x - f / u if u != 0 else math.nan
+            x = nx if (math.isfinite(nx) and lo < nx < hi) else mid
+            if mid <= lo or mid >= hi:  # the bracket is two adjacent floats
+                break
+    return x
+
+
 def solve_ratio(model: Model, ratio: np.ndarray) -> np.ndarray:
     """``x`` with ``et2_ratio(x) = ratio`` (``ratio > 1``; the ratio grows from 1 with ``x``)."""
     shape = ratio.shape
