@@ -24,8 +24,9 @@ picks a scale one binade off. ``top=`` (or a statistics row's :data:`TOP_FIELD`)
 tensor's ``k`` largest magnitudes as exact point masses, each in its known quantisation cell
 (nearest rounding with ties to even, or stochastic rounding's exact variance); the binades keep
 the other entries and end at the smallest of them. With every entry given the prediction is
-``quantize``'s measured error; on the real gradients of ``experiments/fpanalysis_real.py`` the
-top 32 make every predicted choice the brute-force best or within 0.2% of it at FP4, FP6 and FP8.
+``quantize``'s measured error; on the real (sampled) gradients of ``experiments/fpanalysis_real.py``
+the top 32 make every predicted choice the brute-force best or within 0.2% of it at FP4, FP6 and
+FP8 (``docs/fpanalysis.md``).
 
 Example:
     >>> import torch
