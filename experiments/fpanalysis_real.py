@@ -11,13 +11,13 @@ and every power-of-two scale around the predicted one (:func:`~gradstats.fpanaly
 
 Prediction variants (rows ``variant``):
 
-  mse|histogram    relative MSE, from the tensor's binade histogram and maximum (the statistics a
-                   run stores) read as a piecewise law with log-linear binades, no lognormal
+  mse|histogram    relative MSE, from the statistics a run stores: the tensor's binade histogram,
+                   maximum and 64 largest |g| (``top_abs``), read as a piecewise law with
+                   log-linear binades and the top values as exact point masses, no lognormal
                    (:func:`gradstats.fpanalysis.best_format_from_stats`)
-  mse|histogram+topK  the same with the K largest |g| of the tensor as exact point masses
-                   (``top=``; the binades keep the other entries), K = 8, 32: what a statistics
-                   row with a top-k field gives. The histogram and the top values both describe
-                   the sampled tensor the brute force measures.
+  mse|histogram+topK  the same with the K largest |g| instead, K = 0 (the histogram and maximum
+                   alone), 8, 32. The histogram and the top values all describe the sampled
+                   tensor the brute force measures.
 
 and from a lognormal fit of the tensor:
 
@@ -61,6 +61,7 @@ SAMPLES = 1 << 16
 #: variant -> check_prediction keywords (the population variant searches a narrow window around its
 #: own choice; the measured best is taken over everything measured on the tensor)
 VARIANTS = {"mse|histogram": dict(criterion="mse", fit="histogram"),
+            "mse|histogram+top0": dict(criterion="mse", fit="histogram", top_k=0),
             "mse|histogram+top8": dict(criterion="mse", fit="histogram", top_k=8),
             "mse|histogram+top32": dict(criterion="mse", fit="histogram", top_k=32),
             "mse|energy+amax": dict(criterion="mse", fit="energy", use_amax=True),
@@ -70,7 +71,7 @@ VARIANTS = {"mse|histogram": dict(criterion="mse", fit="histogram"),
 
 #: the variant whose per-model agreement is printed, and those whose misses are listed
 HEADLINE = "mse|histogram"
-LISTED = ("mse|histogram", "mse|histogram+top8", "mse|histogram+top32")
+LISTED = ("mse|histogram", "mse|histogram+top0", "mse|histogram+top8", "mse|histogram+top32")
 
 
 def shape_of(g: torch.Tensor) -> dict:

@@ -241,15 +241,22 @@ class Applied:
 
 
 def _all_reduce_stats(v: torch.Tensor) -> torch.Tensor:
-    """Combine one statistics vector over the ranks: sums add, the max is a max."""
+    """Combine one statistics vector over the ranks: sums add, the max is a max and the min a
+    min, the top magnitudes are the largest of all ranks'."""
     import torch.distributed as dist
 
+    from .stats import TOP_K, merge_top
+
     v = v.clone()
-    imax = _F["max_abs"]
-    mx = v[imax: imax + 1].clone()
+    imax, imin = _F["max_abs"], _F["min_abs"]
+    mx, mn = v[imax: imax + 1].clone(), v[imin: imin + 1].clone()
+    tops = [torch.empty_like(v[-TOP_K:]) for _ in range(dist.get_world_size())]
+    dist.all_gather(tops, v[-TOP_K:].contiguous())
     dist.all_reduce(v)
     dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-    v[imax] = mx[0]
+    dist.all_reduce(mn, op=dist.ReduceOp.MIN)
+    v[imax], v[imin] = mx[0], mn[0]
+    v[-TOP_K:] = torch.as_tensor(merge_top([t.cpu().numpy() for t in tops]), dtype=v.dtype).to(v.device)
     return v
 
 

@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .stats import COUNT_FIELDS, HIST_BINS, SCALAR_FIELDS, merge_stats
+from .stats import COUNT_FIELDS, HIST_BINS, SCALAR_FIELDS, TOP_K, merge_stats
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,9 @@ def rows_to_table(rows: Sequence[dict[str, Any]]):
     hist = np.stack([np.asarray(r["hist"], dtype=np.int64) for r in rows]) if rows else \
         np.zeros((0, HIST_BINS), np.int64)
     cols["hist"] = pa.FixedSizeListArray.from_arrays(pa.array(hist.reshape(-1)), HIST_BINS)
+    if rows and all("top_abs" in r for r in rows):
+        top = np.stack([np.asarray(r["top_abs"], dtype=np.float32) for r in rows])
+        cols["top_abs"] = pa.FixedSizeListArray.from_arrays(pa.array(top.reshape(-1)), TOP_K)
     return pa.table(cols)
 
 
@@ -332,8 +335,9 @@ class Run:
               on_error: str = "warn") -> pd.DataFrame:
         """Statistics as a DataFrame, one row per step, rank, layer, kind and call.
 
-        Columns: ``step, rank, layer, kind, call``, the fields of :mod:`gradstats.stats`
-        and ``hist`` (an int64 array of binade counts per row). With ``merge_ranks=True`` the
+        Columns: ``step, rank, layer, kind, call``, the fields of :mod:`gradstats.stats`,
+        ``hist`` (an int64 array of binade counts per row) and ``top_abs`` (the largest
+        magnitudes; NaN in rows of runs written before it was recorded). With ``merge_ranks=True`` the
         ranks of a distributed run are combined exactly (rank becomes -1). A damaged file is
         skipped with a warning naming it (``on_error="warn"``) or raises ``RunCorruptError``
         (``on_error="raise"``).
@@ -354,7 +358,7 @@ class Run:
                         if on_error == "raise":
                             raise
                         self._problem(f"{exc}; the rest of the run is read without it")
-            cols = [*KEY_COLUMNS, *SCALAR_FIELDS, "hist"]
+            cols = [*KEY_COLUMNS, *SCALAR_FIELDS, "hist", "top_abs"]
             df = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=cols)
             df = df.sort_values(list(KEY_COLUMNS), kind="stable").reset_index(drop=True)
             self._stats_cache = df

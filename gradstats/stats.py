@@ -17,6 +17,9 @@ whatever its dtype):
                           float32 binade from ``HIST_MIN_EXP`` (-149, subnormals) to
                           ``HIST_MAX_EXP`` (127): ``hist[i]`` counts values in
                           ``[2**(HIST_MIN_EXP + i), 2**(HIST_MIN_EXP + i + 1))``
+``top_abs``               the ``TOP_K`` (64) largest non-zero finite ``|g|``, descending, NaN where
+                          the tensor has fewer (``top_abs[0] == max_abs``): the few entries that
+                          decide saturation and the error of a low-precision format
 ========================  =================================================================
 
 On the CPU a fused one-pass C kernel (:mod:`gradstats._native`) computes them when a C
@@ -55,8 +58,12 @@ HIST_BINS = HIST_MAX_EXP - HIST_MIN_EXP + 1
 COUNT_FIELDS = ("n", "n_zero", "n_nonfinite")
 #: float-valued sums (mergeable by addition)
 SUM_FIELDS = ("sum", "sum_abs", "sum_sq", "sum_ln_abs", "sum_ln_abs_sq")
-#: every scalar statistic, in schema order (``hist`` follows them)
+#: every scalar statistic, in schema order (``hist`` and ``top_abs`` follow them)
 SCALAR_FIELDS = COUNT_FIELDS + SUM_FIELDS + ("min_abs", "max_abs")
+#: how many of the largest magnitudes ``top_abs`` keeps
+TOP_K = 64
+#: length of a statistics vector (:func:`tensor_stats_vector`)
+VECTOR_LEN = len(SCALAR_FIELDS) + HIST_BINS + TOP_K
 
 _SUBNORMAL_FIELD = 0
 _NONFINITE_FIELD = 255
@@ -81,7 +88,7 @@ def _histogram(a: torch.Tensor, field: torch.Tensor, counts: torch.Tensor,
 def _reduce(x: torch.Tensor) -> torch.Tensor:
     """All statistics of a flat float32 tensor as one float64 vector (on ``x``'s device).
 
-    Layout: ``SCALAR_FIELDS`` then ``HIST_BINS`` counts. Sums are computed in float32 and
+    Layout: ``SCALAR_FIELDS``, ``HIST_BINS`` counts, then ``TOP_K`` top magnitudes. Sums are computed in float32 and
     only the results are widened; counts are exact. On the CPU, tensors without inf/NaN take
     a path of plain arithmetic passes (boolean masks and ``log(0)`` are slow there).
     """
@@ -89,7 +96,8 @@ def _reduce(x: torch.Tensor) -> torch.Tensor:
     f64 = torch.float64
     if n == 0:
         scalars = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, math.nan, math.nan], dtype=f64)
-        return torch.cat([scalars, torch.zeros(HIST_BINS, dtype=f64)]).to(x.device)
+        return torch.cat([scalars, torch.zeros(HIST_BINS, dtype=f64),
+                          torch.full((TOP_K,), math.nan, dtype=f64)]).to(x.device)
     a = x.abs()
     bits = a.view(torch.int32)
     # the biased exponent field of |x|: 0 for zeros and subnormals, 255 for inf/NaN
@@ -135,7 +143,10 @@ def _reduce(x: torch.Tensor) -> torch.Tensor:
         torch.where(has_nz, amin.to(f64), nan),
         torch.where(has_nz, as_.max().to(f64), nan),
     ])
-    return torch.cat([scalars, hist.to(f64)])
+    top = torch.full((TOP_K,), math.nan, dtype=f64, device=x.device)
+    vals = as_.topk(min(TOP_K, n)).values.to(f64)   # zeros (and non-finite, set to 0) sort last
+    top[: vals.numel()] = torch.where(vals > 0, vals, nan)
+    return torch.cat([scalars, hist.to(f64), top])
 
 
 @functools.lru_cache(maxsize=1)
@@ -143,22 +154,26 @@ def _native_kernel():
     from ._native import function
 
     return function("stats", "gs_stats_f32",
-                    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+                    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                     ctypes.c_int, ctypes.c_int])
 
 
 def _reduce_native(fn, x: torch.Tensor) -> torch.Tensor:
     """The fused one-pass C kernel (CPU, contiguous float32); same layout as :func:`_reduce`."""
-    out = torch.empty(len(SCALAR_FIELDS) + HIST_BINS, dtype=torch.float64)
+    out = torch.empty(VECTOR_LEN, dtype=torch.float64)
     hist = torch.empty(HIST_BINS, dtype=torch.int64)
-    fn(x.data_ptr(), x.numel(), out.data_ptr() + 8, hist.data_ptr(), torch.get_num_threads())
+    k = len(SCALAR_FIELDS)
+    fn(x.data_ptr(), x.numel(), out.data_ptr() + 8, hist.data_ptr(), out.data_ptr() + 8 * (k + HIST_BINS),
+       TOP_K, torch.get_num_threads())
     out[0] = float(x.numel())
-    out[len(SCALAR_FIELDS):] = hist
+    out[k:k + HIST_BINS] = hist
     return out
 
 
 def tensor_stats_vector(g: torch.Tensor) -> torch.Tensor:
     """Statistics of ``g`` as one float64 vector on ``g``'s device (no host synchronisation
-    on CUDA). Layout: ``SCALAR_FIELDS`` then the ``HIST_BINS`` histogram counts.
+    on CUDA). Layout: ``SCALAR_FIELDS``, the ``HIST_BINS`` histogram counts, then the ``TOP_K``
+    largest magnitudes.
 
     Use :func:`vector_to_stats` to turn it into a dict. The tracer keeps vectors on the
     device and converts them in one batch when it flushes.
@@ -166,7 +181,7 @@ def tensor_stats_vector(g: torch.Tensor) -> torch.Tensor:
     Example:
         >>> import torch
         >>> v = tensor_stats_vector(torch.ones(3))
-        >>> v.shape[0] == len(SCALAR_FIELDS) + HIST_BINS, float(v[0])
+        >>> v.shape[0] == VECTOR_LEN == len(SCALAR_FIELDS) + HIST_BINS + TOP_K, float(v[0])
         (True, 3.0)
     """
     x = g.detach()
@@ -188,6 +203,7 @@ def vector_to_stats(v: torch.Tensor | np.ndarray) -> dict[str, Any]:
     for i, name in enumerate(SCALAR_FIELDS):
         out[name] = int(arr[i]) if name in COUNT_FIELDS else float(arr[i])
     out["hist"] = arr[k:k + HIST_BINS].astype(np.int64)
+    out["top_abs"] = arr[k + HIST_BINS:k + HIST_BINS + TOP_K].astype(np.float32)
     return out
 
 
@@ -214,7 +230,9 @@ def n_nonzero(stats: Mapping[str, Any]) -> int:
 
 def merge_stats(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Combine statistics of disjoint pieces of data (batches, calls, ranks) exactly:
-    counts and sums add, minima and maxima combine, histograms add.
+    counts and sums add, minima and maxima combine, histograms add, and the largest magnitudes
+    are the ``TOP_K`` largest of all rows' (rows without ``top_abs``, from runs written before
+    it existed, make the merged row go without it too).
 
     Example:
         >>> import torch
@@ -236,6 +254,28 @@ def merge_stats(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     out["min_abs"] = min(mins) if mins else math.nan
     out["max_abs"] = max(maxs) if maxs else math.nan
     out["hist"] = np.sum([np.asarray(r["hist"], dtype=np.int64) for r in rows], axis=0)
+    if all(_has_top(r) for r in rows):
+        out["top_abs"] = merge_top([r["top_abs"] for r in rows])
+    return out
+
+
+def _has_top(row: Mapping[str, Any]) -> bool:
+    v = row.get("top_abs") if hasattr(row, "get") else None
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def merge_top(tops: Iterable[Any], k: int = TOP_K) -> np.ndarray:
+    """The ``k`` largest of several ``top_abs`` arrays (NaN padding ignored), descending and
+    padded with NaN: the top magnitudes of the union of the pieces, exactly.
+
+    Example:
+        >>> merge_top([np.array([4.0, 1.0, np.nan]), np.array([3.0, 2.0, np.nan])], k=3).tolist()
+        [4.0, 3.0, 2.0]
+    """
+    vals = np.concatenate([np.asarray(t, dtype=np.float32).reshape(-1) for t in tops])
+    vals = np.sort(vals[np.isfinite(vals)])[::-1][:k]
+    out = np.full(k, np.nan, dtype=np.float32)
+    out[: vals.size] = vals
     return out
 
 

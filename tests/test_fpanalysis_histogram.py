@@ -39,7 +39,7 @@ def test_partial_moments_integrate_the_law(shape):
     """Mass 1, and the moments equal a numerical integral of the piecewise density; the slopes
     are finite and bounded."""
     x = torch.exp(-8 + 1.7 * torch.randn(200_000, generator=torch.Generator().manual_seed(3)))
-    h = HistogramLaw.from_stats(tensor_stats(x), shape=shape)
+    h = HistogramLaw.from_stats(tensor_stats(x), shape=shape, top=())
     assert np.all(np.abs(h.slopes) <= 6) and h.weights.sum() == pytest.approx(1.0)
     ln_s = np.array([0.0, 3.0])
     assert np.allclose(h.partial_moments(np.array([np.inf]), 0, ln_s), 1.0)
@@ -179,7 +179,7 @@ def test_top_with_binades_predicts_measured(k):
         s = 2.0 ** j
         m = fa.measured_error(x, fmt, scale=s)
         p = fa.expected_error_from_stats(fmt, st, scale=s, top=top, shape="flat")
-        p0 = fa.expected_error_from_stats(fmt, st, scale=s, shape="flat")
+        p0 = fa.expected_error_from_stats(fmt, st, scale=s, shape="flat", top=())
         assert p["total"] == pytest.approx(m, rel=0.01)
         assert abs(p0["total"] / m - 1) > 0.05
 
@@ -207,16 +207,20 @@ def test_no_top_is_the_histogram_alone():
     zero/NaN padding) all give the histogram-only law, bit for bit; a row's top field is read."""
     x = torch.exp(-9 + 2.0 * torch.randn(20_000, generator=torch.Generator().manual_seed(9)))
     st = tensor_stats(x)
-    ref = fa.best_format_from_stats(8, st)
-    for kw, row in [({"top": ()}, st), ({}, {**st, "top_abs": np.array([])}),
-                    ({"top": [0.0, float("nan")]}, st)]:
+    bare = {k: v for k, v in st.items() if k != "top_abs"}
+    ref = fa.best_format_from_stats(8, st, top=())
+    for kw, row in [({}, bare), ({"top": ()}, st), ({}, {**st, "top_abs": np.array([])}),
+                    ({}, {**st, "top_abs": np.full(64, np.nan)}), ({"top": [0.0, float("nan")]}, st)]:
         c = fa.best_format_from_stats(8, row, **kw)
         assert np.array_equal(c.errors, ref.errors) and np.array_equal(c.log2_scales, ref.log2_scales)
         assert all(np.array_equal(c.scan[f][1], ref.scan[f][1]) for f in c.scan)
     top = torch.topk(x, 16).values
     a = fa.expected_error_from_stats("e3m4fn", {**st, "top_abs": top.numpy()}, scale=2.0 ** 10)
     b = fa.expected_error_from_stats("e3m4fn", st, scale=2.0 ** 10, top=top)
-    assert a == b and a != fa.expected_error_from_stats("e3m4fn", st, scale=2.0 ** 10)
+    assert a == b and a != fa.expected_error_from_stats("e3m4fn", st, scale=2.0 ** 10, top=())
+    # the statistics carry their own top (gradstats.stats.TOP_K of them), read by default
+    own = fa.expected_error_from_stats("e3m4fn", st, scale=2.0 ** 10)
+    assert own == fa.expected_error_from_stats("e3m4fn", st, scale=2.0 ** 10, top=torch.topk(x, 64).values)
 
 
 def test_top_bad_input():

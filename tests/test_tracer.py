@@ -192,6 +192,27 @@ def test_sample_is_uniform_subset(tmp_path):
     assert abs(s.mean().item() - 9999.5) < 4 * 5774 / np.sqrt(5000)  # uniform: mean of 0..19999
 
 
+def test_sample_indices_uniform_without_replacement():
+    """The cheap sampler for k << n: distinct indices, every index equally likely, and positions
+    in the sample carry no order (the law of randperm(n)[:k])."""
+    from scipy import stats as sps
+
+    from gradstats.tracer import sample_indices
+
+    n, k, reps = 100_000, 2_000, 200
+    g = torch.Generator().manual_seed(1)
+    counts = torch.zeros(20)
+    first = torch.zeros(20)
+    for _ in range(reps):
+        idx = sample_indices(n, k, g, torch.device("cpu"))
+        assert idx.numel() == k and idx.unique().numel() == k
+        assert 0 <= int(idx.min()) and int(idx.max()) < n
+        counts += torch.bincount(idx * 20 // n, minlength=20)
+        first += torch.bincount(idx[:50] * 20 // n, minlength=20)
+    assert sps.chisquare(counts.numpy()).pvalue > 1e-3      # uniform over the index range
+    assert sps.chisquare(first.numpy()).pvalue > 1e-3       # and in random order
+
+
 def test_messy_inputs(tmp_path):
     """dict outputs, no-grad eval passes, in-place ops after the module, non-contiguous
     outputs, outputs that do not require grad, and autocast."""

@@ -6,8 +6,12 @@
  *   out[5] sum ln|x|, out[6] sum ln^2|x|                   (non-zero finite entries)
  *   out[7] min |x|, out[8] max |x|                         (non-zero finite; NaN if none)
  *   hist[0..277): counts of floor(log2|x|) from 2^-149 to 2^127 (non-zero finite entries);
+ *   top[0..k): the k largest non-zero finite |x|, descending (NaN where there are fewer);
  *                 (a variant of the loop without the bin store measured 1.6-2.7x slower, not faster)
  *
+ * The top k are kept in a min-heap of bit patterns per thread (non-negative floats order like
+ * their bits); a block is scanned for candidates only when its maximum beats the heap's least,
+ * which after the first blocks is rare (about k ln(n/k) insertions in all for data in random order).
  * Classification is done on the integer bit pattern, so the result does not depend on
  * floating-point compiler flags. ln|x| is computed as e*ln2 + ln(m), m in [sqrt(1/2), sqrt(2)),
  * with ln(m) = 2 atanh(t), t = (m-1)/(m+1), by its odd series to t^11 (|t| <= 0.1716, so the
@@ -17,6 +21,7 @@
  * in an instruction-bound loop, and one rounding instead of two).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #ifdef _OPENMP
@@ -32,11 +37,46 @@
 #define FMA(a, b, c) ((a) * (b) + (c))
 #endif
 
+#define MAX_TOP 256
+
 typedef struct {
     double n_zero, n_nonfinite, sum, sum_abs, sum_sq, sum_ln, sum_ln_sq;
     uint32_t minb, maxb;
     int64_t hist[4][HIST_BINS + 1];
+    int k, ntop;                 /* heap capacity and size */
+    uint32_t top[MAX_TOP];       /* min-heap of the largest |x| bit patterns seen */
 } acc_t;
+
+static void heap_push(acc_t *acc, uint32_t b) {
+    uint32_t *h = acc->top;
+    int i;
+    if (acc->ntop < acc->k) {          /* sift up */
+        i = acc->ntop++;
+        while (i > 0 && h[(i - 1) / 2] > b) { h[i] = h[(i - 1) / 2]; i = (i - 1) / 2; }
+        h[i] = b;
+        return;
+    }
+    if (b <= h[0]) return;
+    i = 0;                             /* replace the least, sift down */
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= acc->k) break;
+        if (c + 1 < acc->k && h[c + 1] < h[c]) c++;
+        if (h[c] >= b) break;
+        h[i] = h[c]; i = c;
+    }
+    h[i] = b;
+}
+
+/* candidates of one block for the top k: non-zero finite bit patterns above the heap's least */
+static void block_top(const float *restrict x, int64_t m, acc_t *acc) {
+    for (int64_t i = 0; i < m; i++) {
+        uint32_t raw; memcpy(&raw, &x[i], 4);
+        uint32_t b = raw & 0x7fffffffu;
+        uint32_t thr = acc->ntop < acc->k ? 0u : acc->top[0];
+        if (b > thr && b < 0x7f800000u) heap_push(acc, b);
+    }
+}
 
 static inline float bits_to_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
 
@@ -87,6 +127,7 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
     acc->sum += s; acc->sum_abs += sa; acc->sum_sq += ss; acc->sum_ln += sl; acc->sum_ln_sq += sl2;
     if (minb < acc->minb) acc->minb = minb;
     if (maxb > acc->maxb) acc->maxb = maxb;
+    if (acc->k > 0 && maxb != 0u && (acc->ntop < acc->k || maxb > acc->top[0])) block_top(x, m, acc);
     int64_t i = 0;
     for (; i + 4 <= m; i += 4) {
         acc->hist[0][bins[i]]++; acc->hist[1][bins[i + 1]]++;
@@ -96,10 +137,17 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
 }
 
 
-int gs_stats_f32(const float *x, int64_t n, double *out, int64_t *hist, int nthreads) {
+static int cmp_desc(const void *a, const void *b) {
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? 1 : (x > y ? -1 : 0);
+}
+
+int gs_stats_f32(const float *x, int64_t n, double *out, int64_t *hist, double *top, int k, int nthreads) {
+    if (k < 0 || k > MAX_TOP) return 1;
     acc_t total;
     memset(&total, 0, sizeof total);
     total.minb = 0x7fffffffu;
+    total.k = k;
     int64_t nblocks = (n + BLOCK - 1) / BLOCK;
     if (nthreads < 1) nthreads = 1;
 #ifdef _OPENMP
@@ -110,6 +158,7 @@ int gs_stats_f32(const float *x, int64_t n, double *out, int64_t *hist, int nthr
         acc_t acc;
         memset(&acc, 0, sizeof acc);
         acc.minb = 0x7fffffffu;
+        acc.k = k;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -128,6 +177,7 @@ int gs_stats_f32(const float *x, int64_t n, double *out, int64_t *hist, int nthr
             if (acc.maxb > total.maxb) total.maxb = acc.maxb;
             for (int j = 0; j < 4; j++)
                 for (int b = 0; b < HIST_BINS; b++) total.hist[0][b] += acc.hist[j][b];
+            for (int j = 0; j < acc.ntop; j++) heap_push(&total, acc.top[j]);
         }
     }
     double nnz = (double)n - total.n_zero - total.n_nonfinite;
@@ -137,5 +187,7 @@ int gs_stats_f32(const float *x, int64_t n, double *out, int64_t *hist, int nthr
     out[7] = nnz > 0 ? (double)bits_to_float(total.minb) : NAN;
     out[8] = nnz > 0 ? (double)bits_to_float(total.maxb) : NAN;
     for (int b = 0; b < HIST_BINS; b++) hist[b] = total.hist[0][b];
+    qsort(total.top, (size_t)total.ntop, sizeof(uint32_t), cmp_desc);
+    for (int j = 0; j < k; j++) top[j] = j < total.ntop ? (double)bits_to_float(total.top[j]) : NAN;
     return 0;
 }

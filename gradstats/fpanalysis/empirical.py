@@ -171,7 +171,7 @@ def check_prediction(
     fit: str = "mle",
     generator: Optional[torch.Generator] = None,
     measured: Optional[dict] = None,
-    top_k: int = 0,
+    top_k: Optional[int] = None,
 ) -> PredictionCheck:
     """Fit, predict, and brute-force one tensor (see the module doc).
 
@@ -184,9 +184,10 @@ def check_prediction(
     the energy fit describes the values that matter.
     ``"histogram"``: no lognormal at all: the tensor's binade histogram and maximum read as a
     piecewise log-uniform law (:func:`~gradstats.fpanalysis.best_format_from_stats`: what a run's
-    statistics give without samples; ``use_amax`` does not apply); ``top_k``: with it, the ``top_k``
+    statistics give without samples; ``use_amax`` does not apply); ``top_k``: the ``top_k``
     largest ``|g|`` of ``x`` as point masses (the ``top`` of
-    :func:`~gradstats.fpanalysis.best_format_from_stats`), ``0``: the histogram alone.
+    :func:`~gradstats.fpanalysis.best_format_from_stats`); ``None``: those the statistics carry
+    (``top_abs``, :data:`gradstats.stats.TOP_K` of them); ``0``: the histogram alone.
     ``use_amax``: predict the error of this tensor given its largest magnitude (``"mle"``: one entry
     there, the others lognormal truncated there; ``"energy"``: truncated there); ``False``: the
     population optimum from the fitted parameters alone.
@@ -208,8 +209,9 @@ def check_prediction(
     x = x.detach().reshape(-1).float()
     x = x[torch.isfinite(x)]
     P.check_choice("fit", fit, ("mle", "energy", "histogram"))
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise ValueError(f"top_k must be a non-negative int (0: the histogram alone), got {top_k!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0):
+        raise ValueError(f"top_k must be None (what the statistics carry) or a non-negative int "
+                         f"(0: the histogram alone), got {top_k!r}")
     if top_k and fit != "histogram":
         raise ValueError("top_k applies to fit='histogram' (the largest |g| as point masses of the histogram law)")
     if fit == "energy" and criterion != "mse":
@@ -223,7 +225,8 @@ def check_prediction(
     if fit == "histogram":
         from .histogram import best_format_from_stats
 
-        top = torch.topk(x.abs(), min(int(top_k), x.numel())).values if top_k else ()
+        top = (None if top_k is None else
+               torch.topk(x.abs(), min(int(top_k), x.numel())).values if top_k else ())
         bf = _HistogramPick(best_format_from_stats(bits, st, candidates=candidates, rounding=rounding,
                                                    criterion=criterion, top=top))
     elif fit == "energy":
