@@ -36,11 +36,33 @@ def test_layout_and_reader(tmp_path):
     assert [layer["output_shape"] for layer in m["layers"]] == [[6, 7], [6, 3]]
     df = run.stats()
     assert list(df.columns[:5]) == ["step", "rank", "layer", "kind", "call"]
-    assert len(df) == 8 and df["hist"].iloc[0].shape == (277,)
+    assert len(df) == 8 and df["hist"].iloc[0].shape == (277,) and df["top_abs"].iloc[0].shape == (64,)
+    r = df.iloc[0]                                      # at most 42 non-zero values, then NaN
+    top, k = r["top_abs"], int(r["n"] - r["n_zero"] - r["n_nonfinite"])
+    assert 0 < k <= 42 and np.isfinite(top[:k]).all() and np.isnan(top[k:]).all()
+    assert top[0] == r["max_abs"] and np.all(np.diff(top[:k]) <= 0)
     assert run.verify() == []
     # the statistics are a plain Parquet dataset that pandas reads without gradstats
     plain = pd.read_parquet(tmp_path / "stats")
     assert len(plain) == 8
+
+
+def test_runs_without_top_magnitudes_still_read(tmp_path):
+    """Runs written before rows carried top_abs: a flush without the column reads, its rows show
+    NaN there, and merging ranks goes on without the field."""
+    from gradstats.run import rows_to_table
+    from gradstats.stats import tensor_stats
+
+    row = {"step": 0, "rank": 0, "layer": "a", "kind": "grad", "call": 0, **tensor_stats(torch.randn(50))}
+    old = rows_to_table([{k: v for k, v in row.items() if k != "top_abs"}])
+    assert "top_abs" not in old.column_names and "top_abs" in rows_to_table([row]).column_names
+    import pyarrow as pa
+
+    both = pa.concat_tables([old, rows_to_table([{**row, "step": 1}])], promote_options="default")
+    df = both.to_pandas()
+    assert isinstance(df["top_abs"].iloc[1], np.ndarray) and df["top_abs"].iloc[0] is None
+    m = gradstats.stats.merge_stats(df.to_dict("records"))
+    assert "top_abs" not in m and m["n"] == 100
 
 
 def test_corrupt_files_are_named_and_rest_stays_readable(tmp_path):

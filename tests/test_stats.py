@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gradstats.stats as stats_mod
-from gradstats.stats import (HIST_BINS, HIST_MIN_EXP, lognormal_moments, merge_stats,
+from gradstats.stats import (HIST_BINS, HIST_MIN_EXP, TOP_K, lognormal_moments, merge_stats,
                              tensor_stats, tensor_stats_vector, vector_to_stats)
 
 
@@ -35,9 +35,16 @@ def reference(x: np.ndarray) -> dict:
             "sum": x[fin].sum(), "sum_abs": a.sum(), "sum_sq": (a ** 2).sum(),
             "sum_ln_abs": np.log(nz).sum(), "sum_ln_abs_sq": (np.log(nz) ** 2).sum(),
             "min_abs": nz.min() if nz.size else math.nan, "max_abs": nz.max() if nz.size else math.nan,
-            "hist": hist, "scale_sum": a.sum(), "scale_sum_abs": a.sum(),
+            "hist": hist, "top_abs": _top(nz), "scale_sum": a.sum(), "scale_sum_abs": a.sum(),
             "scale_sum_sq": (a ** 2).sum(), "scale_sum_ln_abs": np.abs(np.log(nz)).sum(),
             "scale_sum_ln_abs_sq": (np.log(nz) ** 2).sum()}
+
+
+def _top(nz: np.ndarray) -> np.ndarray:
+    out = np.full(TOP_K, np.nan, np.float32)
+    v = np.sort(nz)[::-1][:TOP_K]
+    out[: v.size] = v
+    return out
 
 
 def check(got: dict, ref: dict) -> None:
@@ -53,6 +60,7 @@ def check(got: dict, ref: dict) -> None:
         else:
             assert got[k] == pytest.approx(ref[k], rel=0, abs=0), k
     np.testing.assert_array_equal(got["hist"], ref["hist"])
+    np.testing.assert_array_equal(got["top_abs"], ref["top_abs"])       # exact, NaN-padded
 
 
 def lognormal(n: int, sigma: float = 2.0, seed: int = 0) -> torch.Tensor:
@@ -103,6 +111,22 @@ def test_merge_equals_whole():
     for k in ("sum", "sum_abs", "sum_sq", "sum_ln_abs", "sum_ln_abs_sq"):
         assert m[k] == pytest.approx(whole[k], rel=1e-5)
     np.testing.assert_array_equal(m["hist"], whole["hist"])
+    np.testing.assert_array_equal(m["top_abs"], whole["top_abs"])
+    assert "top_abs" not in merge_stats([{k: v for k, v in p.items() if k != "top_abs"} for p in parts])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_top_magnitudes_ties_order_and_threads(threads, monkeypatch):
+    """The 64 largest non-zero finite |g|, whatever their positions (ascending data puts every block
+    ahead of the heap), with ties and across threads; a tensor with fewer is NaN-padded."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    for x in [torch.arange(1, 300_001, dtype=torch.float32), torch.arange(300_000, 0, -1).float(),
+              torch.ones(200_000).index_fill_(0, torch.tensor([5, 150_000]), 2.0),
+              lognormal(500_000, sigma=4.0)]:
+        got = tensor_stats(x)["top_abs"]
+        want = torch.topk(x.abs(), TOP_K).values.numpy()
+        np.testing.assert_array_equal(got, want)
+        assert got[0] == tensor_stats(x)["max_abs"]
 
 
 def test_lognormal_moments_mle():
