@@ -143,9 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                               float_format=lambda v: f"{v:.3g}"))
     from gradstats.plots.fpanalysis import plot_predicted_vs_measured
 
-    both = df[df["variant"].isin(["mse|energy+amax", "mse|mle"]) & (df["bits"] == 8)]
-    both = both.assign(fit=both["variant"].map({"mse|energy+amax": "(energy fit, given amax)",
-                                                "mse|mle": "(mu, sigma only)"}))
+    names = {"mse|histogram": "(run statistics)", "mse|energy+amax": "(lognormal energy fit, amax)",
+             "mse|mle": "(lognormal, mu and sigma only)"}
+    both = df[df["variant"].isin(list(names)) & (df["bits"] == 8)]
+    both = both.assign(fit=both["variant"].map(names))
     plot_predicted_vs_measured(both, style="fit", title="Relative MSE at the predicted FP8 format and scale,\n"
                                "per layer (CNN, MLP on Fashion-MNIST; transformer on Shakespeare)",
                                path=out / "fpanalysis_predicted_vs_measured.png")

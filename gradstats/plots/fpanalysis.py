@@ -237,15 +237,16 @@ def plot_predicted_vs_measured(table: Any, *, hue: str = "model", style: Optiona
                 continue
             label = " ".join(str(v) for v in (g, st) if v is not None) or None
             ax.scatter(m[sel], p[sel], s=18, alpha=0.8, color=pal[i], marker=markers[k % len(markers)],
-                       lw=0.3 if k else 0, edgecolors="black" if k else "none", label=label)
+                       lw=0.3 if k else 0, edgecolors="black" if k else "none", label=label,
+                       zorder=3 + len(styles) - k)   # the first style on top
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_xlabel("measured relative MSE (quantize on the layer's gradient)")
-    ax.set_ylabel("predicted relative MSE (lognormal model)")
+    ax.set_ylabel("predicted relative MSE")
     ax.set_title(title or "Predicted vs measured quantisation error per layer", fontsize="medium")
-    ax.legend(fontsize="small", loc="upper left")
+    ax.legend(fontsize="x-small" if len(groups) * len(styles) > 6 else "small", loc="upper left")
     return _finish(fig, path)
 
 
