@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .stats import COUNT_FIELDS, HIST_BINS, SCALAR_FIELDS, TOP_K, merge_stats
+from .stats import COUNT_FIELDS, HIST_BINS, SCALAR_FIELDS, TOP_K, merge_stats, vector_to_stats
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,10 @@ class Flush:
     seq: int
     steps: list[int]
     rows: list[dict[str, Any]] = field(default_factory=list)
+    #: statistics still as vectors (:func:`gradstats.stats.tensor_stats_vector`, stacked) with their
+    #: keys ``(step, rank, layer, kind, call)``: turned into rows on the writer thread
+    keys: list[tuple[int, int, str, str, int]] = field(default_factory=list)
+    vectors: torch.Tensor | None = None
     samples: dict[str, torch.Tensor] = field(default_factory=dict)
     sample_totals: dict[str, int] = field(default_factory=dict)
     #: further tables by name (e.g. "applied": what gradstats.apply did), rows of plain values
@@ -200,6 +204,9 @@ class RunWriter:
 
         name = f"r{fl.rank}-{fl.seq:06d}"
         files: dict[str, dict[str, Any]] = {}
+        if fl.keys:
+            fl.rows = fl.rows + [{"step": k[0], "rank": k[1], "layer": k[2], "kind": k[3], "call": k[4],
+                                  **vector_to_stats(v)} for k, v in zip(fl.keys, fl.vectors.numpy())]
         if fl.rows:
             rel = f"stats/part-{name}.parquet"
             tmp = self.path / "stats" / f".part-{name}.parquet.tmp"

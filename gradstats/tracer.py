@@ -37,7 +37,7 @@ from torch import nn
 
 from ._version import __version__
 from .run import FORMAT_VERSION, RunWriter, _sample_key, atomic_write_json
-from .stats import tensor_stats_vector, vector_to_stats
+from .stats import tensor_stats_vector
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class Tracer:
                  layers: LayerSelect = None, every: Schedule = 1, sample_every: Schedule = 100,
                  samples: int | None = 65536, kinds: Iterable[str] = ("grad",),
                  optimizer: torch.optim.Optimizer | None = None,
-                 max_bytes: int | None = None, seed: int = 0) -> None:
+                 max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"trace() needs a torch.nn.Module as model, got {type(model).__name__}")
         self.kinds = tuple(kinds)
@@ -187,6 +187,9 @@ class Tracer:
                              f"(keep whole tensors), got {samples!r}")
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive number of bytes or None, got {max_bytes}")
+        if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not flush_secs >= 0:
+            raise ValueError(f"flush_secs must be a number of seconds >= 0 (0 = commit every step), "
+                             f"got {flush_secs!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.model = model
@@ -196,11 +199,14 @@ class Tracer:
         self.config = {"every": every if isinstance(every, (int, type(None))) else list(every),
                        "sample_every": sample_every if isinstance(sample_every, (int, type(None)))
                        else list(sample_every),
-                       "samples": samples, "kinds": list(self.kinds), "max_bytes": max_bytes}
+                       "samples": samples, "kinds": list(self.kinds), "max_bytes": max_bytes,
+                       "flush_secs": flush_secs}
         self.samples_per_capture = samples
         self.max_bytes = max_bytes
         self.optimizer = optimizer
         self.seed = seed
+        self.flush_secs = float(flush_secs)
+        self._last_commit = time.monotonic()
         select = _selector(layers)
         root = _unwrap(model)
         self.modules: dict[str, nn.Module] = {n: m for n, m in root.named_modules() if select(n, m)}
@@ -287,8 +293,9 @@ class Tracer:
         self._calls.clear()
 
     def flush(self) -> None:
-        """Block until every closed step is committed to disk."""
+        """Commit every closed step now and block until it is on disk."""
         if self._writer is not None:
+            self._flush(self.current_step, force=True)
             self._writer.wait()
 
     def log_rows(self, table: str, rows: Iterable[dict[str, Any]]) -> None:
@@ -370,7 +377,14 @@ class Tracer:
                     self._record(step, name, "wgrad", 0, torch.cat(grads), do_stats, do_samples)
 
     # -- writing
+    #: pending statistics rows beyond which a step commits whatever the time
+    MAX_PENDING_ROWS = 4096
+
     def _flush(self, step: int, *, force: bool = False) -> None:
+        if not (force or self._pending_samples or len(self._pending) >= self.MAX_PENDING_ROWS
+                or time.monotonic() - self._last_commit >= self.flush_secs):
+            return              # batch closed steps into one commit (see flush_secs)
+        self._last_commit = time.monotonic()
         with self._lock:
             pending, self._pending = self._pending, []
             samples, self._pending_samples = self._pending_samples, {}
@@ -385,11 +399,9 @@ class Tracer:
                        | {int(r["step"]) for rows in tables.values() for r in rows})
         fl = self._writer.new_flush(steps)
         fl.tables = tables
-        if pending:
-            vecs = torch.stack([p[4].to("cpu", non_blocking=False) for p in pending])
-            for (s, layer, kind, call, _), v in zip(pending, vecs):
-                fl.rows.append({"step": s, "rank": self.rank, "layer": layer, "kind": kind,
-                                "call": call, **vector_to_stats(v)})
+        if pending:   # rows are built on the writer thread (Flush.vectors)
+            fl.keys = [(s, self.rank, layer, kind, call) for s, layer, kind, call, _ in pending]
+            fl.vectors = torch.stack([p[4].to("cpu", non_blocking=False) for p in pending])
         if samples:
             total = sum(v.numel() * 4 for v, _ in samples.values())
             if self.max_bytes is not None and self._writer.bytes_written + total > self.max_bytes:
@@ -402,7 +414,7 @@ class Tracer:
                 for key, (v, n_total) in samples.items():
                     fl.samples[key] = v.cpu()
                     fl.sample_totals[key] = [int(v.numel()), int(n_total)]
-        if not fl.rows and not fl.samples and not fl.tables:
+        if not fl.keys and not fl.samples and not fl.tables:
             return
         self._writer.submit(fl)
         if new_shapes:
@@ -439,7 +451,7 @@ class Tracer:
 def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect = None,
           every: Schedule = 1, sample_every: Schedule = 100, samples: int | None = 65536,
           kinds: Iterable[str] = ("grad",), optimizer: torch.optim.Optimizer | None = None,
-          max_bytes: int | None = None, seed: int = 0) -> Tracer:
+          max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0) -> Tracer:
     """Trace the neural gradients of ``model`` into the run directory ``path``.
 
     Args:
@@ -458,6 +470,11 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
         optimizer: advance the step on each ``optimizer.step()`` instead of ``tracer.step()``.
         max_bytes: byte budget of the run's files; sampling stops with a warning beyond it.
         seed: seed of the tracer's own random generator (the global RNG is never touched).
+        flush_secs: closed steps are committed to disk together once this many seconds have
+            passed since the last commit (and at once on sampled steps, on :meth:`Tracer.flush`
+            and when the tracer detaches); 0 commits every step. A run read while training goes
+            on, or after the process is killed, shows every step committed until then: at most
+            ``flush_secs`` of training behind. Fewer, larger files and less work per step.
 
     Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
 
@@ -471,4 +488,5 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
         ['0']
     """
     return Tracer(model, path, layers=layers, every=every, sample_every=sample_every,
-                  samples=samples, kinds=kinds, optimizer=optimizer, max_bytes=max_bytes, seed=seed)
+                  samples=samples, kinds=kinds, optimizer=optimizer, max_bytes=max_bytes, seed=seed,
+                  flush_secs=flush_secs)

@@ -102,7 +102,10 @@ CRASH_SCRIPT = textwrap.dedent("""
     import gradstats
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
-    tracer = gradstats.trace(model, sys.argv[1], sample_every=2, samples=1000).attach()
+    if sys.argv[2] == "samples":
+        tracer = gradstats.trace(model, sys.argv[1], sample_every=2, samples=1000).attach()
+    else:   # statistics only, committed in batches every 0.2 s
+        tracer = gradstats.trace(model, sys.argv[1], sample_every=None, flush_secs=0.2).attach()
     print("ready", flush=True)
     step = 0
     while True:
@@ -112,9 +115,10 @@ CRASH_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.4, 1.3])
-def test_sigkill_leaves_a_readable_run(tmp_path, delay):
-    proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(tmp_path)],
+@pytest.mark.parametrize("delay, mode", [(0.0, "samples"), (0.4, "samples"), (1.3, "samples"),
+                                         (0.0, "batched"), (0.7, "batched")])
+def test_sigkill_leaves_a_readable_run(tmp_path, delay, mode):
+    proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(tmp_path), mode],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     deadline = time.time() + 60

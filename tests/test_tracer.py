@@ -287,7 +287,34 @@ def test_run_readable_while_in_progress(tmp_path):
     assert gradstats.open_run(tmp_path).manifest["layers"][0]["output_shape"] == [2, 3]
 
 
+def test_closed_steps_are_committed_in_batches(tmp_path):
+    """flush_secs: closed steps wait for the next commit (by time, a sampled step, flush() or
+    detach); 0 commits every step."""
+    def steps_on_disk(path):
+        return gradstats.open_run(path).steps
+
+    model = nn.Sequential(nn.Linear(3, 3))
+    tr = gradstats.trace(model, tmp_path / "a", sample_every=None, flush_secs=3600).attach()
+    for _ in range(3):
+        model(torch.randn(2, 3)).sum().backward()
+        tr.step()
+    tr._writer.wait()
+    assert steps_on_disk(tmp_path / "a") == []                 # within the hour: nothing yet
+    tr.flush()
+    assert steps_on_disk(tmp_path / "a") == [0, 1, 2]
+    tr.detach()
+    tr = gradstats.trace(model, tmp_path / "b", sample_every=None, flush_secs=0).attach()
+    for i in range(3):
+        model(torch.randn(2, 3)).sum().backward()
+        tr.step()
+        tr._writer.wait()
+        assert steps_on_disk(tmp_path / "b") == list(range(i + 1))
+    tr.detach()
+    assert len(list((tmp_path / "b" / "stats").glob("*.parquet"))) == 3
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    ({"flush_secs": -1}, "flush_secs must be"),
     ({"every": 0}, "every must be a positive"),
     ({"sample_every": -2}, "sample_every must be a positive"),
     ({"layers": "nothing*"}, "matches no module"),
