@@ -68,13 +68,26 @@ static void heap_push(acc_t *acc, uint32_t b) {
     h[i] = b;
 }
 
-/* candidates of one block for the top k: non-zero finite bit patterns above the heap's least */
+/* candidates of one block for the top k: non-zero finite bit patterns above the heap's least;
+ * chunks of 32 whose (vectorised) maximum does not beat it are skipped without a scalar look */
 static void block_top(const float *restrict x, int64_t m, acc_t *acc) {
-    for (int64_t i = 0; i < m; i++) {
-        uint32_t raw; memcpy(&raw, &x[i], 4);
-        uint32_t b = raw & 0x7fffffffu;
-        uint32_t thr = acc->ntop < acc->k ? 0u : acc->top[0];
-        if (b > thr && b < 0x7f800000u) heap_push(acc, b);
+    for (int64_t c = 0; c < m; c += 32) {
+        int64_t e = c + 32 < m ? c + 32 : m;
+        uint32_t mx = 0u;
+#pragma omp simd reduction(max:mx)
+        for (int64_t i = c; i < e; i++) {
+            uint32_t raw; memcpy(&raw, &x[i], 4);
+            uint32_t b = raw & 0x7fffffffu;
+            b = b < 0x7f800000u ? b : 0u;
+            mx = b > mx ? b : mx;
+        }
+        if (acc->ntop == acc->k && mx <= acc->top[0]) continue;
+        for (int64_t i = c; i < e; i++) {
+            uint32_t raw; memcpy(&raw, &x[i], 4);
+            uint32_t b = raw & 0x7fffffffu;
+            uint32_t thr = acc->ntop < acc->k ? 0u : acc->top[0];
+            if (b > thr && b < 0x7f800000u) heap_push(acc, b);
+        }
     }
 }
 
