@@ -6,8 +6,10 @@
  *   out[5] sum ln|x|, out[6] sum ln^2|x|                   (non-zero finite entries)
  *   out[7] min |x|, out[8] max |x|                         (non-zero finite; NaN if none)
  *   hist[0..277): counts of floor(log2|x|) from 2^-149 to 2^127 (non-zero finite entries);
+ *                 (a variant of the loop without the bin store measured 1.6-2.7x slower, not faster;
+ *                 eight interleaved copies of the counts keep runs of one bin, such as the zeros
+ *                 of a ReLU layer, from queueing on one counter)
  *   top[0..k): the k largest non-zero finite |x|, descending (NaN where there are fewer);
- *                 (a variant of the loop without the bin store measured 1.6-2.7x slower, not faster)
  *
  * The top k are kept in a min-heap of bit patterns per thread (non-negative floats order like
  * their bits); a block is scanned for candidates only when its maximum beats the heap's least,
@@ -42,7 +44,7 @@
 typedef struct {
     double n_zero, n_nonfinite, sum, sum_abs, sum_sq, sum_ln, sum_ln_sq;
     uint32_t minb, maxb;
-    int64_t hist[4][HIST_BINS + 1];
+    int64_t hist[8][HIST_BINS + 1];
     int k, ntop;                 /* heap capacity and size */
     uint32_t top[MAX_TOP];       /* min-heap of the largest |x| bit patterns seen */
 } acc_t;
@@ -142,9 +144,11 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
     if (maxb > acc->maxb) acc->maxb = maxb;
     if (acc->k > 0 && maxb != 0u && (acc->ntop < acc->k || maxb > acc->top[0])) block_top(x, m, acc);
     int64_t i = 0;
-    for (; i + 4 <= m; i += 4) {
+    for (; i + 8 <= m; i += 8) {
         acc->hist[0][bins[i]]++; acc->hist[1][bins[i + 1]]++;
         acc->hist[2][bins[i + 2]]++; acc->hist[3][bins[i + 3]]++;
+        acc->hist[4][bins[i + 4]]++; acc->hist[5][bins[i + 5]]++;
+        acc->hist[6][bins[i + 6]]++; acc->hist[7][bins[i + 7]]++;
     }
     for (; i < m; i++) acc->hist[0][bins[i]]++;
 }
@@ -188,7 +192,7 @@ int gs_stats_f32(const float *x, int64_t n, double *out, int64_t *hist, double *
             total.sum_ln += acc.sum_ln; total.sum_ln_sq += acc.sum_ln_sq;
             if (acc.minb < total.minb) total.minb = acc.minb;
             if (acc.maxb > total.maxb) total.maxb = acc.maxb;
-            for (int j = 0; j < 4; j++)
+            for (int j = 0; j < 8; j++)
                 for (int b = 0; b < HIST_BINS; b++) total.hist[0][b] += acc.hist[j][b];
             for (int j = 0; j < acc.ntop; j++) heap_push(&total, acc.top[j]);
         }
