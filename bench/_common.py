@@ -51,11 +51,30 @@ def interleaved(configs: dict[str, Callable[[], float]], rounds: int) -> dict[st
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def print_table(rows: list[tuple[str, str, float, float]], header: str) -> None:
+def interleaved_ratios(configs: dict[str, Callable[[], float]], rounds: int,
+                       reference: str = "plain") -> dict[str, tuple[float, float, float, float]]:
+    """Like :func:`interleaved`, but each round's time is also divided by the reference's time of
+    the same round: on a shared machine whose speed drifts, paired ratios are steadier than a
+    ratio of medians. Returns ``{label: (median seconds, median ratio, ratio q1, ratio q3)}``."""
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    for _ in range(rounds):
+        for label, run in configs.items():
+            times[label].append(run())
+    out = {}
+    for k, v in times.items():
+        ratios = sorted(a / b for a, b in zip(v, times[reference]))
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        out[k] = (statistics.median(v), statistics.median(ratios), q[0], q[2])
+    return out
+
+
+def print_table(rows: list[tuple], header: str) -> None:
+    """Rows ``(model, configuration, seconds, ratio)`` or with the ratio's quartiles appended."""
     print(header)
-    print(f"{'model':<10} {'configuration':<34} {'ms/step':>9} {'ratio':>7}")
-    for model, label, t, ratio in rows:
-        print(f"{model:<10} {label:<34} {t * 1e3:9.1f} {ratio:7.3f}")
+    iqr = any(len(r) > 4 for r in rows)
+    print(f"{'model':<10} {'configuration':<34} {'ms/step':>9} {'ratio':>7}" + ("   ratio q1-q3" if iqr else ""))
+    for model, label, t, ratio, *q in rows:
+        print(f"{model:<10} {label:<34} {t * 1e3:9.1f} {ratio:7.3f}" + (f"   {q[0]:.3f}-{q[1]:.3f}" if q else ""))
 
 
 def describe() -> dict[str, Any]:

@@ -4,7 +4,8 @@ The plan (the issue's reference setting): FP6 (e3m2fn) neural gradients with log
 per-layer scales, plus 85% stochastic pruning with the lognormal threshold, on every
 convolution and linear layer; refreshed every step. Also: pruning only, quantisation only, and
 the same plan refreshed every 10th gradient. Small CNN and ResNet-20 on Fashion-MNIST,
-batch 128; interleaved blocks, medians.
+batch 128; interleaved blocks: ms/step is the median block, ratio the median over rounds of a
+block's time over the plain block of the same round (quartiles beside it).
 
     python bench/apply_overhead.py [--models cnn resnet20] [--rounds 5] [--block 10]
 """
@@ -14,7 +15,7 @@ import argparse
 
 import torch
 
-from _common import describe, fixed_batches, interleaved, print_table, time_block
+from _common import describe, fixed_batches, interleaved_ratios, print_table, time_block
 
 import gradstats  # noqa: E402
 from gradstats.models import build_model  # noqa: E402
@@ -39,7 +40,7 @@ def bench_model(name: str, rounds: int, block: int, batch: int, scale: str) -> d
     time_block(model, opt, batches[:2])
     configs = {"plain": lambda: time_block(model, opt, batches)}
     configs.update({label: (lambda p=p, r=r: applied(p, r)) for label, (p, r) in plans.items()})
-    return interleaved(configs, rounds)
+    return interleaved_ratios(configs, rounds)
 
 
 def main() -> None:
@@ -53,7 +54,7 @@ def main() -> None:
     rows = []
     for name in args.models:
         res = bench_model(name, args.rounds, args.block, args.batch, args.scale)
-        rows += [(name, label, t, t / res["plain"]) for label, t in res.items()]
+        rows += [(name, label, *r) for label, r in res.items()]
     print_table(rows, f"apply overhead: {describe()}, batch {args.batch}, scale rule {args.scale}, "
                       f"{args.rounds} rounds x {args.block} steps (medians)")
 

@@ -10,8 +10,11 @@ Per model (small CNN with BatchNorm and ResNet-20 on Fashion-MNIST, batch 128):
   same statistics there (the way one would write it by hand), every step.
 
 One tracer per configuration is re-attached for each block, so its step counter runs on and
-over all rounds the schedules are those of one long run; a block's time includes the tracer's
-final flush. Configurations run interleaved, several rounds; medians of the blocks.
+over all rounds the schedules are those of one long run; a block's time includes committing its
+steps to disk (``tracer.flush()``: about one commit per second of training, as the default
+``flush_secs`` gives), not attaching and detaching, which a training run does once.
+Configurations run interleaved, several rounds; ms/step is the median block, ratio the median
+over rounds of a block's time over the plain block of the same round (quartiles beside it).
 
     python bench/trace_overhead.py [--models cnn resnet20] [--rounds 5] [--block 20]
 """
@@ -25,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from _common import describe, fixed_batches, interleaved, print_table, time_block
+from _common import describe, fixed_batches, interleaved_ratios, print_table, time_block
 
 import gradstats  # noqa: E402
 from gradstats.models import build_model  # noqa: E402
@@ -71,15 +74,17 @@ def bench_model(name: str, rounds: int, block: int, batch: int) -> dict[str, flo
     tenth = gradstats.Tracer(model, tmp / "tenth", every=10, sample_every=100)
 
     def traced(tr):
-        tr.attach()
-        return time_block(model, opt, batches, tr.step, tr.detach)
+        tr.attach()                    # once per training in real use: not timed
+        t = time_block(model, opt, batches, tr.step, tr.flush)    # the block's commit is timed
+        tr.detach()
+        return t
 
     def naive():
         hooks = NaiveHooks(model)
         return time_block(model, opt, batches, None, hooks.detach)
 
     time_block(model, opt, batches[:2])                                    # warm up
-    return interleaved({"plain": lambda: time_block(model, opt, batches),
+    return interleaved_ratios({"plain": lambda: time_block(model, opt, batches),
                         "stats every step": lambda: traced(every),
                         "stats /10, samples /100": lambda: traced(tenth),
                         "naive numpy hooks": naive}, rounds)
@@ -95,7 +100,7 @@ def main() -> None:
     rows = []
     for name in args.models:
         res = bench_model(name, args.rounds, args.block, args.batch)
-        rows += [(name, label, t, t / res["plain"]) for label, t in res.items()]
+        rows += [(name, label, *r) for label, r in res.items()]
     print_table(rows, f"trace overhead: {describe()}, batch {args.batch}, {args.rounds} rounds x "
                       f"{args.block} steps per configuration (medians)")
 
