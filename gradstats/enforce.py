@@ -151,8 +151,8 @@ class Applied:
 
         rule, st = self.rules[name], self.state[name]
         need_stats = refresh or (rule.quantizes and rule.scale == "amax" and rule.block_size is None)
-        if need_stats:
-            v = tensor_stats_vector(g)
+        if need_stats:   # the histogram rule reads the binade counts; the others the moments alone
+            v = tensor_stats_vector(g, full=rule.prunes and rule.threshold_rule == "histogram")
             if self.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
                 v = _all_reduce_stats(v)
             _stats_update(st, v, self.ema)

@@ -158,22 +158,28 @@ def _native_kernel():
                      ctypes.c_int, ctypes.c_int])
 
 
-def _reduce_native(fn, x: torch.Tensor) -> torch.Tensor:
+def _reduce_native(fn, x: torch.Tensor, full: bool = True) -> torch.Tensor:
     """The fused one-pass C kernel (CPU, contiguous float32); same layout as :func:`_reduce`."""
     out = torch.empty(VECTOR_LEN, dtype=torch.float64)
-    hist = torch.empty(HIST_BINS, dtype=torch.int64)
     k = len(SCALAR_FIELDS)
-    fn(x.data_ptr(), x.numel(), out.data_ptr() + 8, hist.data_ptr(), out.data_ptr() + 8 * (k + HIST_BINS),
-       TOP_K, torch.get_num_threads())
+    if full:
+        hist = torch.empty(HIST_BINS, dtype=torch.int64)
+        fn(x.data_ptr(), x.numel(), out.data_ptr() + 8, hist.data_ptr(), out.data_ptr() + 8 * (k + HIST_BINS),
+           TOP_K, torch.get_num_threads())
+        out[k:k + HIST_BINS] = hist
+    else:
+        fn(x.data_ptr(), x.numel(), out.data_ptr() + 8, None, None, 0, torch.get_num_threads())
+        out[k:] = math.nan
     out[0] = float(x.numel())
-    out[k:k + HIST_BINS] = hist
     return out
 
 
-def tensor_stats_vector(g: torch.Tensor) -> torch.Tensor:
+def tensor_stats_vector(g: torch.Tensor, *, full: bool = True) -> torch.Tensor:
     """Statistics of ``g`` as one float64 vector on ``g``'s device (no host synchronisation
     on CUDA). Layout: ``SCALAR_FIELDS``, the ``HIST_BINS`` histogram counts, then the ``TOP_K``
-    largest magnitudes.
+    largest magnitudes. ``full=False``: the scalar statistics only (the histogram and top parts
+    are NaN), which the CPU kernel computes faster (what a refresh of the lognormal and bell
+    models needs: :func:`gradstats.apply`).
 
     Use :func:`vector_to_stats` to turn it into a dict. The tracer keeps vectors on the
     device and converts them in one batch when it flushes.
@@ -183,6 +189,8 @@ def tensor_stats_vector(g: torch.Tensor) -> torch.Tensor:
         >>> v = tensor_stats_vector(torch.ones(3))
         >>> v.shape[0] == VECTOR_LEN == len(SCALAR_FIELDS) + HIST_BINS + TOP_K, float(v[0])
         (True, 3.0)
+        >>> bool(tensor_stats_vector(torch.ones(3), full=False)[len(SCALAR_FIELDS):].isnan().all())
+        True
     """
     x = g.detach()
     if x.dtype != torch.float32:
@@ -191,8 +199,11 @@ def tensor_stats_vector(g: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu" and x.numel() > 0:
         fn = _native_kernel()
         if fn is not None:
-            return _reduce_native(fn, x.contiguous())
-    return _reduce(x)
+            return _reduce_native(fn, x.contiguous(), full)
+    v = _reduce(x)
+    if not full:
+        v[len(SCALAR_FIELDS):] = math.nan
+    return v
 
 
 def vector_to_stats(v: torch.Tensor | np.ndarray) -> dict[str, Any]:

@@ -129,6 +129,15 @@ def test_top_magnitudes_ties_order_and_threads(threads, monkeypatch):
         assert got[0] == tensor_stats(x)["max_abs"]
 
 
+def test_scalar_statistics_alone_equal_the_full_ones():
+    """full=False (the refresh of apply): the same scalar statistics, bit for bit; the histogram and
+    top parts NaN."""
+    x = torch.relu(lognormal(300_001, seed=5)); x[7] = float("inf")
+    k = len(stats_mod.SCALAR_FIELDS)
+    a, b = tensor_stats_vector(x), tensor_stats_vector(x, full=False)
+    assert torch.equal(a[:k], b[:k]) and b[k:].isnan().all()
+
+
 def test_lognormal_moments_mle():
     x = lognormal(200_000, sigma=1.5)
     mu, sigma = lognormal_moments(tensor_stats(x))
