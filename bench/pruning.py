@@ -8,6 +8,8 @@ Rows (each timed end to end from the raw tensor to the pruned tensor, allocating
   ours, hard            one statistics sweep, lognormal quantile, hard threshold
   ours, histogram       one counting sweep (quarter-binade bins), model-free threshold,
                         stochastic prune
+  ours, numpy engine    (CPU) "ours" with the C prune kernel switched off: the numpy
+                        (PCG64) engine used without a C compiler (GRADSTATS_NATIVE=0)
   kthvalue + hard       exact quantile by torch.kthvalue, hard threshold (the baseline)
   topk + hard           exact quantile by torch.topk, hard threshold
   kthvalue + stochastic the exact quantile fed to the stochastic operator (undershoots)
@@ -29,7 +31,7 @@ from typing import Callable
 import torch
 
 from gradstats.kernels.prune import stochastic_prune_torch
-from gradstats.pruning import exact_threshold, hard_prune, prune, stochastic_prune, threshold
+from gradstats.pruning import _cpu, exact_threshold, hard_prune, prune, stochastic_prune, threshold
 from gradstats.stats import tensor_stats
 
 
@@ -48,12 +50,28 @@ def topk_threshold(x: torch.Tensor, target: float) -> float:
     return float(torch.topk(x.abs().reshape(-1), keep, sorted=False).values.min())
 
 
+def without_native_prune(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``fn`` run with the C prune kernel reported unavailable (the no-compiler fallback)."""
+    def run() -> torch.Tensor:
+        saved = _cpu.native_kernel
+        _cpu.native_kernel = lambda: None
+        try:
+            return fn()
+        finally:
+            _cpu.native_kernel = saved
+    return run
+
+
 def methods(x: torch.Tensor, S: float, device: str) -> dict[str, Callable[[], torch.Tensor]]:
     g = torch.Generator(device=device).manual_seed(1)
     m = {
         "ours": lambda: prune(x, S, generator=g),
         "ours, hard": lambda: prune(x, S, stochastic=False),
         "ours, histogram": lambda: prune(x, S, method="histogram", generator=g),
+    }
+    if device == "cpu":
+        m["ours, numpy engine"] = without_native_prune(lambda: prune(x, S, generator=g))
+    m |= {
         "kthvalue + hard": lambda: hard_prune(x, exact_threshold(x, S)),
         "topk + hard": lambda: hard_prune(x, topk_threshold(x, S)),
         "kthvalue + stochastic": lambda: stochastic_prune(x, exact_threshold(x, S), generator=g),
