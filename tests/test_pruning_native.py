@@ -226,14 +226,8 @@ def test_bad_input_gives_clear_errors_on_both_paths(path):
             fn()
 
 
-def test_large_outputs_are_ordinary_tensors():
-    for shape in [(3,), (3_000_000,), (1500, 2001)]:
-        x = torch.ones(shape)
-        y = _cpu.empty_like(x)
-        assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous()
-        y.fill_(2.0)
-        assert float(y.sum()) == 2.0 * x.numel()
-    x = lognormal(3_000_001, 0.0, 2.0, seed=8)  # 12 MB: the output takes the huge-page advice
+def test_new_and_given_outputs_agree():
+    x = lognormal(3_000_001, 0.0, 2.0, seed=8)
     g = torch.Generator().manual_seed(3)
     y = stochastic_prune(x, 1.0, generator=g)
     assert torch.equal(y, stochastic_prune(x, 1.0, generator=torch.Generator().manual_seed(3),

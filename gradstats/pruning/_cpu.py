@@ -25,10 +25,7 @@ that stream (:func:`uniforms`).
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -90,44 +87,6 @@ def pcg_state(key: tuple[int, int, int, int]) -> dict[str, Any]:
     return {"bit_generator": "PCG64",
             "state": {"state": (k0 << 66 | k1) % 2 ** 128, "inc": ((k2 << 66 | k3) * 2 + 1) % 2 ** 128},
             "has_uint32": 0, "uinteger": 0}
-
-
-# --------------------------------------------------------------------------- output buffers
-#: outputs from this many bytes up are backed by transparent huge pages where the OS offers them
-HUGE_BYTES = 8 << 20
-_HUGE = 1 << 21
-_MADV_HUGEPAGE = 14
-
-
-@functools.lru_cache(maxsize=1)
-def _madvise() -> Any:
-    """libc's ``madvise`` on Linux, else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):  # pragma: no cover - libc without madvise
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def empty_like(x: torch.Tensor) -> torch.Tensor:
-    """A new contiguous tensor like ``x``. A large one is advised onto transparent huge pages
-    (``madvise(MADV_HUGEPAGE)`` over its 2 MiB-aligned interior): writing a fresh output then
-    takes one page fault per 2 MiB instead of one per 4 KiB, which on Linux more than halves
-    the cost of first touching it (the same advice torch gives with ``THP_MEM_ALLOC_ENABLE``).
-    Only a hint: where it is refused nothing changes."""
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    nbytes = y.numel() * y.element_size()
-    fn = _madvise() if y.device.type == "cpu" and nbytes >= HUGE_BYTES else None
-    if fn is not None:
-        p = y.data_ptr()
-        lo, hi = (p + _HUGE - 1) & ~(_HUGE - 1), (p + nbytes) & ~(_HUGE - 1)
-        if hi > lo:
-            fn(lo, hi - lo, _MADV_HUGEPAGE)
-    return y
 
 
 # --------------------------------------------------------------------------- statistics sweep

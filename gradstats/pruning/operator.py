@@ -134,7 +134,7 @@ def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Gene
     if dev == "cpu" and x.dtype in (torch.float32, torch.float64) and not use_triton("cpu"):
         xc = x.detach().contiguous().reshape(-1)
         direct = out is not None and out.is_contiguous()
-        res = out if direct else _cpu.empty_like(xc)
+        res = out if direct else torch.empty_like(xc)
         if uniforms is None and x.dtype == torch.float32 and _cpu.native_kernel() is not None:
             _cpu.native_stochastic_prune(xc.numpy(), a, res.reshape(-1).numpy(), _draw(generator)[0])
         else:
@@ -168,7 +168,7 @@ def hard_prune(x: torch.Tensor, threshold: float, *, out: torch.Tensor | None = 
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
         xc = x.detach().contiguous().reshape(-1)
         direct = out is not None and out.is_contiguous()
-        res = out if direct else _cpu.empty_like(xc)
+        res = out if direct else torch.empty_like(xc)
         _cpu.hard_prune(xc.numpy(), a, res.reshape(-1).numpy())
         if direct:
             return out  # type: ignore[return-value]
