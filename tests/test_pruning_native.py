@@ -232,3 +232,23 @@ def test_new_and_given_outputs_agree():
     y = stochastic_prune(x, 1.0, generator=g)
     assert torch.equal(y, stochastic_prune(x, 1.0, generator=torch.Generator().manual_seed(3),
                                            out=torch.empty_like(x)))
+
+@pytest.mark.parametrize("threads_n", [1, 2])
+def test_native_log2_histogram_equals_the_numpy_sweep(native, threads, threads_n):
+    """The C counting kernel of the histogram rule: the same counts as the numpy sweep, specials
+    (zeros, subnormals, inf, NaN) included, whatever the thread count; prune(method="histogram")
+    hits its targets with it."""
+    from gradstats.pruning import operator
+
+    torch.set_num_threads(threads_n)
+    x = lognormal(300_001, -9.0, 2.5, seed=11)
+    x[::13] = 0.0
+    x[: len(SPECIAL)] = torch.tensor(SPECIAL)
+    fn = operator._native_log2_hist()
+    for mbits in (0, 2, 5):
+        counts = np.zeros(256 << mbits, dtype=np.int64)
+        assert fn(x.data_ptr(), x.numel(), mbits, counts.ctypes.data, threads_n) == 0
+        np.testing.assert_array_equal(counts, _cpu.log2_histogram(x.numpy(), mbits))
+    assert fn(x.data_ptr(), x.numel(), 7, counts.ctypes.data, 1) != 0       # out of range: refused
+    y = prune(x[len(SPECIAL):], 0.85, method="histogram", generator=torch.Generator().manual_seed(1))
+    assert float((y == 0).double().mean()) == pytest.approx(0.85, abs=0.002)

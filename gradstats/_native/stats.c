@@ -214,3 +214,51 @@ int gs_stats_f32(const float *x, int64_t n, double *out, int64_t *hist, double *
     for (int j = 0; j < k; j++) top[j] = j < total.ntop ? (double)bits_to_float(total.top[j]) : NAN;
     return 0;
 }
+
+
+/* Counts of the float32 bit patterns of |x| shifted right by 23 - mbits: 2^mbits bins per binade
+ * over all 256 exponent fields (counts[(256 << mbits)], zeros in bin 0, inf/NaN in the top
+ * binade's bins), for the model-free threshold rule. Eight interleaved copies of 32-bit counts
+ * per thread (an L1-sized table at mbits = 2), as above. mbits in 0..6; n below 2^34 (returns 2
+ * beyond, where a copy's count could wrap). */
+int gs_log2_hist_f32(const float *x, int64_t n, int mbits, int64_t *counts, int nthreads) {
+    if (mbits < 0 || mbits > 6) return 1;
+    if (n >= ((int64_t)1 << 34)) return 2;
+    const int size = 256 << mbits, shift = 23 - mbits;
+    memset(counts, 0, sizeof(int64_t) * (size_t)size);
+    if (nthreads < 1) nthreads = 1;
+#ifdef _OPENMP
+    if (n < 65536) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+#endif
+    {
+        uint32_t *c = calloc((size_t)8 * size, sizeof(uint32_t));
+        if (c != NULL) {
+            int64_t nb = (n + BLOCK - 1) / BLOCK;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (int64_t k = 0; k < nb; k++) {
+                int64_t lo = k * BLOCK, m = n - lo < BLOCK ? n - lo : BLOCK;
+                const float *xb = x + lo;
+                uint32_t key[BLOCK];
+#pragma omp simd
+                for (int64_t i = 0; i < m; i++) {
+                    uint32_t raw; memcpy(&raw, &xb[i], 4);
+                    key[i] = (raw & 0x7fffffffu) >> shift;
+                }
+                int64_t i = 0;
+                for (; i + 8 <= m; i += 8)
+                    for (int j = 0; j < 8; j++) c[(size_t)j * size + key[i + j]]++;
+                for (; i < m; i++) c[key[i]]++;
+            }
+#ifdef _OPENMP
+#pragma omp critical
+#endif
+            for (int j = 0; j < 8; j++)
+                for (int b = 0; b < size; b++) counts[b] += c[(size_t)j * size + b];
+            free(c);
+        }
+    }
+    return 0;
+}

@@ -12,10 +12,13 @@ other devices) goes through the plain torch reference path.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..kernels import prune as kprune
@@ -228,10 +231,24 @@ def exact_threshold(x: torch.Tensor, target: float, *, stochastic: bool = False)
 HIST_MBITS = 2
 
 
+@functools.lru_cache(maxsize=1)
+def _native_log2_hist():
+    from .._native import function
+
+    return function("stats", "gs_log2_hist_f32",
+                    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int])
+
+
 def _histogram(x: torch.Tensor):
     """The LogHistogram of ``x`` at ``2**HIST_MBITS`` bins per binade, in one sweep."""
     from .histogram import LogHistogram
 
+    fn = _native_log2_hist() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    if fn is not None:   # the C counting kernel (one sweep, threads as torch's)
+        xc = x.detach().contiguous().reshape(-1)
+        counts = np.zeros(256 << HIST_MBITS, dtype=np.int64)
+        if fn(xc.data_ptr(), xc.numel(), HIST_MBITS, counts.ctypes.data, torch.get_num_threads()) == 0:
+            return LogHistogram.from_counts(counts, mbits=HIST_MBITS, float64=False, n=x.numel())
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
         counts = _cpu.log2_histogram(x.detach().contiguous().reshape(-1).numpy(), HIST_MBITS)
         return LogHistogram.from_counts(counts, mbits=HIST_MBITS, float64=x.dtype == torch.float64,
