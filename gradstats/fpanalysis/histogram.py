@@ -25,8 +25,8 @@ tensor's ``k`` largest magnitudes as exact point masses, each in its known quant
 (nearest rounding with ties to even, or stochastic rounding's exact variance); the binades keep
 the other entries and end at the smallest of them. With every entry given the prediction is
 ``quantize``'s measured error; on the real (sampled) gradients of ``experiments/fpanalysis_real.py``
-the top 32 make every predicted choice the brute-force best or within 0.2% of it at FP4, FP6 and
-FP8 (``docs/fpanalysis.md``).
+the 64 a statistics row carries (``top_abs``, read by default) make every predicted choice the
+brute-force best at FP4, FP6 and FP8 (``docs/fpanalysis.md``).
 
 Example:
     >>> import torch
@@ -387,8 +387,9 @@ def best_format_from_stats(bits: int, stats: Mapping[str, Any], *,
     the scale that puts ``amax`` at the top of the format).
 
     ``candidates`` as in :func:`gradstats.fpanalysis.best_format`. Per-tensor scales only.
-    ``top``: the tensor's ``k`` largest magnitudes (``k`` about 8 to 32), exact point masses that
-    place the entries deciding saturation (see :func:`expected_error_from_stats`).
+    ``top``: the tensor's largest magnitudes, exact point masses that place the entries deciding
+    saturation (see :func:`expected_error_from_stats`); by default the row's ``top_abs`` (the 64
+    largest, :data:`gradstats.stats.TOP_K`), ``()`` for the histogram alone.
 
     Example:
         >>> import torch
