@@ -150,6 +150,8 @@ class RunWriter:
         self.rank = rank
         self.max_bytes = max_bytes
         self.bytes_written = 0
+        self._bytes_queued = 0        # sample bytes submitted but not yet written
+        self._bytes_lock = threading.Lock()
         for sub in ("stats", "samples", "commits"):
             (self.path / sub).mkdir(parents=True, exist_ok=True)
         self._seq = self._next_seq()
@@ -168,8 +170,21 @@ class RunWriter:
         self._seq += 1
         return fl
 
+    @staticmethod
+    def _sample_bytes(flush: Flush) -> int:
+        return sum(v.numel() * v.element_size() for v in flush.samples.values())
+
+    @property
+    def bytes_committed_or_queued(self) -> int:
+        """Bytes written so far plus the sample bytes of flushes still queued: what a byte
+        budget has to count while the writer thread lags behind the training."""
+        with self._bytes_lock:
+            return self.bytes_written + self._bytes_queued
+
     def submit(self, flush: Flush) -> None:
         self._raise()
+        with self._bytes_lock:
+            self._bytes_queued += self._sample_bytes(flush)
         self._queue.put(flush)
 
     def wait(self) -> None:
@@ -229,7 +244,9 @@ class RunWriter:
             pd.DataFrame(trows).to_parquet(tmp, index=False)
             os.replace(tmp, self.path / rel)
             files[rel] = {"bytes": (self.path / rel).stat().st_size, "sha256": _sha256(self.path / rel)}
-        self.bytes_written += sum(f["bytes"] for f in files.values())
+        with self._bytes_lock:
+            self.bytes_written += sum(f["bytes"] for f in files.values())
+            self._bytes_queued -= self._sample_bytes(fl)
         record = {"rank": fl.rank, "seq": fl.seq, "steps": sorted(set(fl.steps)), "files": files,
                   "sample_totals": samples_meta}
         atomic_write_json(self.path / "commits" / f"{name}.json", record)

@@ -404,7 +404,7 @@ class Tracer:
             fl.vectors = torch.stack([p[4].to("cpu", non_blocking=False) for p in pending])
         if samples:
             total = sum(v.numel() * 4 for v, _ in samples.values())
-            if self.max_bytes is not None and self._writer.bytes_written + total > self.max_bytes:
+            if self.max_bytes is not None and self._writer.bytes_committed_or_queued + total > self.max_bytes:
                 self._sampling_stopped = True
                 msg = (f"gradstats: the run at {self.path} reached its byte budget max_bytes="
                        f"{self.max_bytes}; sampling stops here (statistics go on)")

@@ -275,6 +275,26 @@ def test_max_bytes_stops_sampling_with_warning(tmp_path):
     assert len(run.sample_index()) < 10
 
 
+def test_byte_budget_counts_what_the_writer_has_not_written_yet(tmp_path, monkeypatch):
+    """A writer thread that lags behind the training (a slow disk, a busy machine) must not let
+    the samples overrun the budget: queued sample bytes count."""
+    import time
+
+    from gradstats.run import RunWriter
+
+    write = RunWriter._write
+    monkeypatch.setattr(RunWriter, "_write", lambda self, fl: (time.sleep(0.05), write(self, fl))[1])
+    model = nn.Sequential(nn.Linear(100, 1000))
+    with pytest.warns(UserWarning, match="byte budget"):
+        with gradstats.trace(model, tmp_path, samples=None, sample_every=1, max_bytes=40_000) as tr:
+            for _ in range(10):
+                model(torch.randn(4, 100)).sum().backward()
+                tr.step()
+    run = gradstats.open_run(tmp_path)
+    assert run.steps == list(range(10))
+    assert 1 <= len(run.sample_index()) <= 2                   # 16 kB each: two fit in 40 kB
+
+
 def test_run_readable_while_in_progress(tmp_path):
     model = nn.Sequential(nn.Linear(3, 3))
     tr = gradstats.trace(model, tmp_path).attach()
