@@ -42,13 +42,18 @@ def time_block(model: nn.Module, opt: torch.optim.Optimizer, batches, after_step
     return (time.perf_counter() - t0) / len(batches)
 
 
-def interleaved(configs: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Run each configuration's block once per round, in turn; median seconds per step."""
+def _rounds(configs: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each configuration's block once per round, in turn: the seconds of every block."""
     times: dict[str, list[float]] = {k: [] for k in configs}
     for _ in range(rounds):
         for label, run in configs.items():
             times[label].append(run())
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def interleaved(configs: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Run each configuration's block once per round, in turn; median seconds per step."""
+    return {k: statistics.median(v) for k, v in _rounds(configs, rounds).items()}
 
 
 def interleaved_ratios(configs: dict[str, Callable[[], float]], rounds: int,
@@ -56,10 +61,7 @@ def interleaved_ratios(configs: dict[str, Callable[[], float]], rounds: int,
     """Like :func:`interleaved`, but each round's time is also divided by the reference's time of
     the same round: on a shared machine whose speed drifts, paired ratios are steadier than a
     ratio of medians. Returns ``{label: (median seconds, median ratio, ratio q1, ratio q3)}``."""
-    times: dict[str, list[float]] = {k: [] for k in configs}
-    for _ in range(rounds):
-        for label, run in configs.items():
-            times[label].append(run())
+    times = _rounds(configs, rounds)
     out = {}
     for k, v in times.items():
         ratios = sorted(a / b for a, b in zip(v, times[reference]))
