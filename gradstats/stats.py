@@ -149,13 +149,15 @@ def _reduce(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([scalars, hist.to(f64), top])
 
 
-@functools.lru_cache(maxsize=1)
-def _native_kernel():
+@functools.lru_cache(maxsize=2)
+def _native_kernel(portable: bool = False):
+    """``gs_stats_f32`` of the C kernel (None without a compiler); ``portable``: the build
+    without its AVX-512 block loop (what CPUs without AVX-512 run)."""
     from ._native import function
 
     return function("stats", "gs_stats_f32",
                     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                     ctypes.c_int, ctypes.c_int])
+                     ctypes.c_int, ctypes.c_int], defines=("GS_PORTABLE",) if portable else ())
 
 
 def _reduce_native(fn, x: torch.Tensor, full: bool = True) -> torch.Tensor:

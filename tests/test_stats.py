@@ -12,13 +12,17 @@ from gradstats.stats import (HIST_BINS, HIST_MIN_EXP, TOP_K, lognormal_moments, 
                              tensor_stats, tensor_stats_vector, vector_to_stats)
 
 
-@pytest.fixture(params=["native", "torch"], autouse=True)
+@pytest.fixture(params=["native", "native-portable", "torch"], autouse=True)
 def kernel_path(request, monkeypatch):
-    """Every test runs on the fused C kernel and on the pure-torch path."""
+    """Every test runs on the fused C kernel (as built for this CPU, and its portable loop, which
+    CPUs without AVX-512 run) and on the pure-torch path."""
     if request.param == "torch":
         monkeypatch.setattr(stats_mod, "_native_kernel", lambda: None)
     elif stats_mod._native_kernel() is None:
         pytest.skip("no C compiler here: the torch path is tested instead")
+    elif request.param == "native-portable":
+        portable = stats_mod._native_kernel(portable=True)
+        monkeypatch.setattr(stats_mod, "_native_kernel", lambda: portable)
     return request.param
 
 
@@ -48,12 +52,17 @@ def _top(nz: np.ndarray) -> np.ndarray:
 
 
 def check(got: dict, ref: dict) -> None:
-    for k in ("n", "n_zero", "n_nonfinite"):
-        assert got[k] == ref[k], k
+    check_exact(got, ref)
     # float32 sums: error relative to the sum of the magnitudes of the terms
     for k in ("sum", "sum_abs", "sum_sq", "sum_ln_abs", "sum_ln_abs_sq"):
         tol = 1e-5 * ref["scale_" + k] + 1e-30
         assert abs(got[k] - ref[k]) <= tol, (k, got[k], ref[k])
+
+
+def check_exact(got: dict, ref: dict) -> None:
+    """The counts, extremes, binade counts and top magnitudes: exact."""
+    for k in ("n", "n_zero", "n_nonfinite"):
+        assert got[k] == ref[k], k
     for k in ("min_abs", "max_abs"):
         if math.isnan(ref[k]):
             assert math.isnan(got[k])
@@ -68,10 +77,12 @@ def lognormal(n: int, sigma: float = 2.0, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, generator=g).sign() * torch.exp(torch.randn(n, generator=g) * sigma - 8)
 
 
-@pytest.mark.parametrize("case", ["clean", "zeros", "nonfinite", "subnormal", "all_zero", "empty"])
+@pytest.mark.parametrize("case", ["clean", "zeros", "nonfinite", "subnormal", "all_zero", "empty", "runs"])
 def test_against_reference(case):
     x = lognormal(50_000)
-    if case == "zeros":
+    if case == "runs":              # long runs of one binade (what a counter per bin must survive)
+        x = torch.full((50_000,), 0.75); x[::7] = -3.0; x[20_000:30_000] = 1e-3
+    elif case == "zeros":
         x = torch.relu(x)
     elif case == "nonfinite":
         x[::97] = float("inf"); x[5::101] = float("-inf"); x[7::103] = float("nan"); x[::11] = 0
@@ -82,6 +93,31 @@ def test_against_reference(case):
     elif case == "empty":
         x = torch.zeros(0)
     check(tensor_stats(x), reference(x.numpy()))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_binade_counts_exact_across_scales_and_tails(seed):
+    """Segments whose scales jump by up to 2^80 (so that a block's largest |x| moves any window of
+    binades placed from the blocks before it), magnitudes at both ends of float32 (subnormals,
+    2^127), lengths that are not multiples of any vector or block size, every thread count. (The
+    float32 sums of squares overflow at such magnitudes, as specified: the exact fields here.)"""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for _ in range(rng.integers(1, 12)):
+        m = int(rng.integers(1, 9000))
+        scale = float(2.0 ** rng.integers(-140, 120))
+        v = np.exp(rng.normal(0, rng.uniform(0.1, 6), m)) * scale * rng.choice([-1, 1], m)
+        v[rng.random(m) < rng.uniform(0, 0.5)] = 0.0
+        parts.append(v)
+    x = np.concatenate(parts).astype(np.float32)             # overflows to inf, underflows to 0
+    if seed % 2:
+        x[rng.integers(0, x.size, 5)] = np.float32(3.4e38)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            check_exact(tensor_stats(torch.from_numpy(x)), reference(x))
+        finally:
+            torch.set_num_threads(2)
 
 
 def test_large_tensor_counts_are_exact():

@@ -66,8 +66,8 @@ def _flags() -> tuple[str, ...]:
     return tuple(flags)
 
 
-def _compile(src: Path, out: Path, cc: str, openmp: bool) -> bool:
-    flags = list(_flags())
+def _compile(src: Path, out: Path, cc: str, openmp: bool, defines: tuple[str, ...] = ()) -> bool:
+    flags = list(_flags()) + [f"-D{d}" for d in defines]
     if openmp:
         flags.append("-fopenmp")
     else:
@@ -88,8 +88,12 @@ def _compile(src: Path, out: Path, cc: str, openmp: bool) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled kernel library ``name`` (from ``name.c`` beside this module), or None."""
+def load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled kernel library ``name`` (from ``name.c`` beside this module), or None.
+
+    ``defines``: preprocessor symbols to compile it with (a separate library each), such as
+    ``("GS_PORTABLE",)``, which makes ``stats.c`` use its portable loop instead of its AVX-512
+    one (for testing that the two agree)."""
     if os.environ.get("GRADSTATS_NATIVE", "1") == "0":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -97,7 +101,7 @@ def load(name: str) -> ctypes.CDLL | None:
         log.info("no C compiler found: gradstats uses its pure-torch CPU kernels")
         return None
     src = _HERE / f"{name}.c"
-    key = hashlib.sha256(src.read_bytes() + cc.encode() + " ".join(_flags()).encode()
+    key = hashlib.sha256(src.read_bytes() + cc.encode() + " ".join(_flags() + defines).encode()
                          + _cpu_tag().encode()).hexdigest()[:16]
     cache = _cache_dir()
     try:
@@ -108,7 +112,7 @@ def load(name: str) -> ctypes.CDLL | None:
     lib_path = cache / f"{name}-{key}.so"
     if not lib_path.exists():
         log.info("compiling the native %s kernel (once) into %s", name, lib_path)
-        if not (_compile(src, lib_path, cc, openmp=True) or _compile(src, lib_path, cc, openmp=False)):
+        if not (_compile(src, lib_path, cc, True, defines) or _compile(src, lib_path, cc, False, defines)):
             log.warning("could not compile the native %s kernel; using the pure-torch path", name)
             return None
     try:
@@ -118,10 +122,10 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
 
 
-def function(name: str, symbol: str, argtypes: list) -> Any:
-    """The C function ``symbol`` of kernel library ``name`` with its signature set (returns
-    ``int``), or None when the library is unavailable (see :func:`load`)."""
-    lib = load(name)
+def function(name: str, symbol: str, argtypes: list, defines: tuple[str, ...] = ()) -> Any:
+    """The C function ``symbol`` of kernel library ``name`` (compiled with ``defines``) with its
+    signature set (returns ``int``), or None when the library is unavailable (see :func:`load`)."""
+    lib = load(name, tuple(defines))
     if lib is None:
         return None
     fn = getattr(lib, symbol)
