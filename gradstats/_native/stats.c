@@ -223,27 +223,51 @@ static void subnormal_lanes(const uint32_t *bits, __mmask16 k, acc_t *acc, doubl
     }
 }
 
-static void block_stats_avx512(const float *restrict x, int64_t m, acc_t *acc, vacc_t *va) {
+/* ahead: how many entries of this thread's part follow the block (their cache lines are requested
+ * early: those of the next block during pass 2, which works from L1, those of the block after
+ * it into L2 during pass 1; a gradient fresh from the backward pass is mostly beyond L2) */
+static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead, acc_t *acc, vacc_t *va) {
     const __m512i ABS = _mm512_set1_epi32(0x7fffffff), INF = _mm512_set1_epi32(0x7f800000);
     const __m512i MINNORM = _mm512_set1_epi32(0x00800000), ONE = _mm512_set1_epi32(1);
     const __m512i MANT = _mm512_set1_epi32(0x007fffff), ONEF = _mm512_set1_epi32(0x3f800000);
     const __m512 SQRT2 = _mm512_set1_ps(1.41421356f), HALF = _mm512_set1_ps(0.5f);
     const __m512 LN2 = _mm512_set1_ps(0.693147180559945309f), BIAS = _mm512_set1_ps(127.f);
-    int64_t nvec = (m + 15) / 16;
+    uint32_t nzb[BLOCK + 16] __attribute__((aligned(64)));   /* the non-zero finite |x| bits */
+    int64_t nvec = (m + 15) / 16, pos = 0;
+    int64_t next1 = ahead < BLOCK ? ahead : BLOCK, next2 = ahead < 2 * BLOCK ? ahead - BLOCK : BLOCK;
     __mmask16 tail = (m % 16) ? (__mmask16)((1u << (m % 16)) - 1u) : (__mmask16)0xffff;
-    /* pre-pass: the block's largest finite |x| (for the window and the top k) */
-    __m512i vmax = _mm512_setzero_si512();
+
+    /* pass 1 over x: counts, plain sums, extremes; the non-zero finite |x| compacted into nzb */
+    __m512 s = _mm512_setzero_ps(), sa = s, ss = s;
+    __m512i cz = _mm512_setzero_si512(), cnf = cz, vmax = cz, minb = _mm512_set1_epi32(0x7fffffff);
     for (int64_t v = 0; v < nvec; v++) {
         __mmask16 ok = v == nvec - 1 ? tail : 0xffff;
-        __m512i b = _mm512_and_si512(_mm512_maskz_loadu_epi32(ok, x + 16 * v), ABS);
-        __mmask16 fin = _mm512_cmplt_epu32_mask(b, INF);
+        __m512 xv = _mm512_maskz_loadu_ps(ok, x + 16 * v);
+        if (16 * v < next2) _mm_prefetch((const char *)(x + m + BLOCK + 16 * v), _MM_HINT_T1);
+        __m512i b = _mm512_and_si512(_mm512_castps_si512(xv), ABS);
+        __mmask16 fin = _mm512_mask_cmplt_epu32_mask(ok, b, INF);
+        __mmask16 nz = _mm512_mask_test_epi32_mask(fin, b, b);
+        cnf = _mm512_mask_add_epi32(cnf, ok & ~fin, cnf, ONE);
+        cz = _mm512_mask_add_epi32(cz, fin & ~nz, cz, ONE);
+        s = _mm512_mask_add_ps(s, fin, s, xv);
+        sa = _mm512_mask_add_ps(sa, fin, sa, _mm512_castsi512_ps(b));
+        ss = _mm512_mask3_fmadd_ps(xv, xv, ss, fin);
         vmax = _mm512_mask_max_epu32(vmax, fin, vmax, b);
+        minb = _mm512_mask_min_epu32(minb, nz, minb, b);
+        _mm512_storeu_si512(nzb + pos, _mm512_maskz_compress_epi32(nz, b));
+        pos += __builtin_popcount((unsigned)nz);
     }
     uint32_t maxb = (uint32_t)_mm512_reduce_max_epu32(vmax);
-    int count_hist = acc->count_hist;
+    for (int64_t i = 16 * ((pos + 15) / 16); i < next1; i += 16)    /* what pass 2 will not request */
+        _mm_prefetch((const char *)(x + m + i), _MM_HINT_T0);
+    int has_sub = pos > 0 && (uint32_t)_mm512_reduce_min_epu32(minb) < 0x00800000u;
+
+    /* the window of binades for this block (kept while the blocks' maxima stay near its top) */
+    int count_hist = acc->count_hist && pos > 0;
     int base = va->base;
-    if (count_hist && maxb >= 0x00800000u) {
+    if (count_hist) {
         int top = (int)(maxb >> 23);
+        if (top < 1) top = 1;
         if (base == 0 || top > base + 31 || top < base + 24 || va->blocks_in_window > (1 << 20)) {
             window_flush(va, acc);
             base = top - 29;
@@ -253,31 +277,27 @@ static void block_stats_avx512(const float *restrict x, int64_t m, acc_t *acc, v
         }
         va->blocks_in_window++;
     }
-    const __m512i BASE = _mm512_set1_epi32(base);
-    __m512 s = _mm512_setzero_ps(), sa = s, ss = s, sl = s, sl2 = s;
-    __m512i cz = _mm512_setzero_si512(), cnf = cz, minb = va->minb;
-    __m512i nib[4], B[8];
-    for (int j = 0; j < 4; j++) nib[j] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; j++) B[j] = _mm512_setzero_si512();
+
+    /* pass 2 over the non-zero entries (in L1): ln|x|, its square, the binade counts */
+    const __m512i BASE = _mm512_set1_epi32(base), SEVEN = _mm512_set1_epi32(7);
+    const __m512i TWO = _mm512_set1_epi32(2), THREE = _mm512_set1_epi32(3), ZERO = _mm512_setzero_si512();
+    __m512 sl = _mm512_setzero_ps(), sl2 = sl;
+    __m512i nib0 = ZERO, nib1 = ZERO, nib2 = ZERO, nib3 = ZERO, B[8];
+    for (int j = 0; j < 8; j++) B[j] = ZERO;
     double dsl = 0., dsl2 = 0.;
     int since_flush = 0;
-    for (int64_t v = 0; v < nvec; v++) {
-        __mmask16 ok = v == nvec - 1 ? tail : 0xffff;
-        __m512 xv = _mm512_maskz_loadu_ps(ok, x + 16 * v);
-        __m512i b = _mm512_and_si512(_mm512_castps_si512(xv), ABS);
-        __mmask16 fin = _mm512_mask_cmplt_epu32_mask(ok, b, INF);
-        __mmask16 nz = _mm512_mask_test_epi32_mask(fin, b, b);
-        cnf = _mm512_mask_add_epi32(cnf, ok & ~fin, cnf, ONE);
-        cz = _mm512_mask_add_epi32(cz, fin & ~nz, cz, ONE);
-        s = _mm512_mask_add_ps(s, fin, s, xv);
-        sa = _mm512_mask_add_ps(sa, fin, sa, _mm512_castsi512_ps(b));
-        ss = _mm512_mask3_fmadd_ps(xv, xv, ss, fin);
-        minb = _mm512_mask_min_epu32(minb, nz, minb, b);
-        __mmask16 nrm = _mm512_mask_cmpge_epu32_mask(nz, b, MINNORM);
-        if (__builtin_expect(nrm != nz, 0)) {
-            uint32_t bits[16];
-            _mm512_storeu_si512(bits, b);
-            subnormal_lanes(bits, nz & ~nrm, acc, &dsl, &dsl2);
+    int64_t npv = (pos + 15) / 16;
+    __mmask16 ptail = (pos % 16) ? (__mmask16)((1u << (pos % 16)) - 1u) : (__mmask16)0xffff;
+    for (int64_t v = 0; v < npv; v++) {
+        __mmask16 nrm = v == npv - 1 ? ptail : 0xffff;
+        __m512i b = _mm512_load_si512(nzb + 16 * v);
+        if (16 * v < next1) _mm_prefetch((const char *)(x + m + 16 * v), _MM_HINT_T0);
+        if (__builtin_expect(has_sub, 0)) {
+            __mmask16 sub = _mm512_mask_cmplt_epu32_mask(nrm, b, MINNORM);
+            if (sub) {
+                subnormal_lanes(nzb + 16 * v, sub, acc, &dsl, &dsl2);
+                nrm &= ~sub;
+            }
         }
         __m512i e = _mm512_srli_epi32(b, 23);
         __m512 mant = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(b, MANT, ONEF, 0xea)); /* (b & M) | O */
@@ -301,40 +321,44 @@ static void block_stats_avx512(const float *restrict x, int64_t m, acc_t *acc, v
         if (count_hist) {
             __m512i idx = _mm512_sub_epi32(e, BASE);
             __m512i g = _mm512_srli_epi32(idx, 3);
-            __m512i sh = _mm512_slli_epi32(_mm512_and_si512(idx, _mm512_set1_epi32(7)), 2);
-            __m512i hot = _mm512_sllv_epi32(ONE, sh);
-            __mmask16 k0 = _mm512_mask_cmpeq_epi32_mask(nrm, g, _mm512_setzero_si512());
+            __m512i hot = _mm512_sllv_epi32(ONE, _mm512_slli_epi32(_mm512_and_si512(idx, SEVEN), 2));
+            __mmask16 k0 = _mm512_mask_cmpeq_epi32_mask(nrm, g, ZERO);
             __mmask16 k1 = _mm512_mask_cmpeq_epi32_mask(nrm, g, ONE);
-            __mmask16 k2 = _mm512_mask_cmpeq_epi32_mask(nrm, g, _mm512_set1_epi32(2));
-            __mmask16 k3 = _mm512_mask_cmpeq_epi32_mask(nrm, g, _mm512_set1_epi32(3));
-            nib[0] = _mm512_mask_add_epi32(nib[0], k0, nib[0], hot);
-            nib[1] = _mm512_mask_add_epi32(nib[1], k1, nib[1], hot);
-            nib[2] = _mm512_mask_add_epi32(nib[2], k2, nib[2], hot);
-            nib[3] = _mm512_mask_add_epi32(nib[3], k3, nib[3], hot);
-            __mmask16 out = nrm & ~(k0 | k1 | k2 | k3);
+            __mmask16 k2 = _mm512_mask_cmpeq_epi32_mask(nrm, g, TWO);
+            __mmask16 k3 = _mm512_mask_cmpeq_epi32_mask(nrm, g, THREE);
+            nib0 = _mm512_mask_add_epi32(nib0, k0, nib0, hot);
+            nib1 = _mm512_mask_add_epi32(nib1, k1, nib1, hot);
+            nib2 = _mm512_mask_add_epi32(nib2, k2, nib2, hot);
+            nib3 = _mm512_mask_add_epi32(nib3, k3, nib3, hot);
+            __mmask16 out = _mm512_mask_cmpgt_epu32_mask(nrm, g, THREE);
             if (__builtin_expect(out != 0, 0)) {
                 uint32_t ev[16];
                 _mm512_storeu_si512(ev, e);
                 while (out) { int j = __builtin_ctz(out); out &= out - 1; acc->hist[0][ev[j] + 22]++; }
             }
-            if (++since_flush == 15) {
+            if (++since_flush == 15) {      /* nibbles to bytes before a nibble can wrap */
                 const __m512i NIB = _mm512_set1_epi32(0x0f0f0f0f);
-                for (int j = 0; j < 4; j++) {
-                    B[2 * j] = _mm512_add_epi32(B[2 * j], _mm512_and_si512(nib[j], NIB));
-                    B[2 * j + 1] = _mm512_add_epi32(B[2 * j + 1], _mm512_and_si512(_mm512_srli_epi32(nib[j], 4), NIB));
-                    nib[j] = _mm512_setzero_si512();
-                }
+                B[0] = _mm512_add_epi32(B[0], _mm512_and_si512(nib0, NIB));
+                B[1] = _mm512_add_epi32(B[1], _mm512_and_si512(_mm512_srli_epi32(nib0, 4), NIB));
+                B[2] = _mm512_add_epi32(B[2], _mm512_and_si512(nib1, NIB));
+                B[3] = _mm512_add_epi32(B[3], _mm512_and_si512(_mm512_srli_epi32(nib1, 4), NIB));
+                B[4] = _mm512_add_epi32(B[4], _mm512_and_si512(nib2, NIB));
+                B[5] = _mm512_add_epi32(B[5], _mm512_and_si512(_mm512_srli_epi32(nib2, 4), NIB));
+                B[6] = _mm512_add_epi32(B[6], _mm512_and_si512(nib3, NIB));
+                B[7] = _mm512_add_epi32(B[7], _mm512_and_si512(_mm512_srli_epi32(nib3, 4), NIB));
+                nib0 = nib1 = nib2 = nib3 = ZERO;
                 since_flush = 0;
             }
         }
     }
     if (count_hist) {
         const __m512i NIB = _mm512_set1_epi32(0x0f0f0f0f), BYTE = _mm512_set1_epi32(0xff);
+        __m512i nib[4] = {nib0, nib1, nib2, nib3};
         for (int j = 0; j < 4; j++) {
             B[2 * j] = _mm512_add_epi32(B[2 * j], _mm512_and_si512(nib[j], NIB));
             B[2 * j + 1] = _mm512_add_epi32(B[2 * j + 1], _mm512_and_si512(_mm512_srli_epi32(nib[j], 4), NIB));
         }
-        /* B[2j + h], byte q of each lane: binade base + 8j + 2q + h */
+        /* B[2j + h], byte q of each lane (at most 128 per block): binade base + 8j + 2q + h */
         for (int j = 0; j < 4; j++)
             for (int h = 0; h < 2; h++)
                 for (int q = 0; q < 4; q++) {
@@ -347,7 +371,7 @@ static void block_stats_avx512(const float *restrict x, int64_t m, acc_t *acc, v
     va->ss = _mm512_add_pd(va->ss, _mm512_add_pd(cvt_lo(ss), cvt_hi(ss)));
     va->sl = _mm512_add_pd(va->sl, _mm512_add_pd(cvt_lo(sl), cvt_hi(sl)));
     va->sl2 = _mm512_add_pd(va->sl2, _mm512_add_pd(cvt_lo(sl2), cvt_hi(sl2)));
-    va->minb = minb;
+    va->minb = _mm512_min_epu32(va->minb, minb);
     acc->sum_ln += dsl; acc->sum_ln_sq += dsl2;
     acc->n_zero += _mm512_reduce_add_epi32(cz);
     acc->n_nonfinite += _mm512_reduce_add_epi32(cnf);
@@ -386,13 +410,19 @@ int gs_stats_f32(const float *x, int64_t n, double *out, int64_t *hist, double *
         memset(&va, 0, sizeof va);
         va.minb = _mm512_set1_epi32(0x7fffffff);
 #endif
+        /* each thread takes one contiguous run of blocks (and requests its next blocks early) */
+        int64_t kbeg = 0, kend = nblocks;
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+        {
+            int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            kbeg = nblocks * t / nt; kend = nblocks * (t + 1) / nt;
+        }
 #endif
-        for (int64_t k = 0; k < nblocks; k++) {
+        int64_t part_end = kend * BLOCK < n ? kend * BLOCK : n;
+        for (int64_t k = kbeg; k < kend; k++) {
             int64_t lo = k * BLOCK, m = n - lo < BLOCK ? n - lo : BLOCK;
 #if GS_AVX512
-            block_stats_avx512(x + lo, m, &acc, &va);
+            block_stats_avx512(x + lo, m, part_end - lo - m, &acc, &va);
 #else
             block_stats(x + lo, m, &acc);
 #endif
