@@ -120,6 +120,22 @@ def test_binade_counts_exact_across_scales_and_tails(seed):
             torch.set_num_threads(2)
 
 
+def test_ln_within_two_ulps():
+    """ln|x| of single entries against float64, in float32 ulps of the result: across the whole
+    range, near |x| = 1 (where a table-based logarithm could lose its relative accuracy), at the
+    edges of the mantissa pieces and for subnormals."""
+    rng = np.random.default_rng(1)
+    one = np.float32(1)
+    xs = np.concatenate([np.exp(rng.uniform(-85, 85, 800)), rng.uniform(0.97, 1.04, 400),
+                         rng.uniform(0.7, 1.42, 400), [3e-39, 1e-45, 3.4e38, 0.70710677, 1.4142135],
+                         [np.nextafter(one, 2 * one), np.nextafter(one, 0 * one)]]).astype(np.float32)
+    for x in xs:
+        got = tensor_stats(torch.tensor([x]))["sum_ln_abs"]
+        want = math.log(float(x))
+        assert abs(got - want) <= 2 * float(np.spacing(np.float32(abs(want)))), (float(x), got, want)
+    assert tensor_stats(torch.tensor([1.0, -1.0]))["sum_ln_abs"] == 0.0
+
+
 def test_large_tensor_counts_are_exact():
     x = torch.relu(lognormal(1 << 25, seed=3))  # past the float32 integer range
     s = tensor_stats(x)
