@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .stats import COUNT_FIELDS, HIST_BINS, SCALAR_FIELDS, TOP_K, merge_stats, vector_to_stats
+from .stats import COUNT_FIELDS, HIST_BINS, SCALAR_FIELDS, TOP_K, merge_stats
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +102,8 @@ class Flush:
     rank: int
     seq: int
     steps: list[int]
-    rows: list[dict[str, Any]] = field(default_factory=list)
     #: statistics still as vectors (:func:`gradstats.stats.tensor_stats_vector`, stacked) with their
-    #: keys ``(step, rank, layer, kind, call)``: turned into rows on the writer thread
+    #: keys ``(step, rank, layer, kind, call)``: turned into a table on the writer thread
     keys: list[tuple[int, int, str, str, int]] = field(default_factory=list)
     vectors: torch.Tensor | None = None
     samples: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -113,28 +112,50 @@ class Flush:
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
-def rows_to_table(rows: Sequence[dict[str, Any]]):
-    """Statistics rows (dicts with the key columns, the scalar fields and ``hist``) as an
-    Arrow table with the run's schema."""
+def _stats_table(keys: Sequence[tuple[int, int, str, str, int]], scalars: np.ndarray, hist: np.ndarray,
+                 top: np.ndarray | None):
+    """The one home of the statistics table's schema: key columns ``(step, rank, layer, kind,
+    call)`` per row, the ``SCALAR_FIELDS`` (an ``R x len(SCALAR_FIELDS)`` array), ``hist``
+    (``R x HIST_BINS``) and, unless None, ``top_abs`` (``R x TOP_K``), as an Arrow table."""
     import pyarrow as pa
 
+    step, rank, layer, kind, call = (list(c) for c in zip(*keys)) if len(keys) else ([],) * 5
     cols: dict[str, Any] = {
-        "step": pa.array([int(r["step"]) for r in rows], pa.int64()),
-        "rank": pa.array([int(r["rank"]) for r in rows], pa.int32()),
-        "layer": pa.array([str(r["layer"]) for r in rows], pa.string()),
-        "kind": pa.array([str(r["kind"]) for r in rows], pa.string()),
-        "call": pa.array([int(r["call"]) for r in rows], pa.int32()),
+        "step": pa.array(step, pa.int64()), "rank": pa.array(rank, pa.int32()),
+        "layer": pa.array(layer, pa.string()), "kind": pa.array(kind, pa.string()),
+        "call": pa.array(call, pa.int32()),
     }
-    for f in SCALAR_FIELDS:
-        typ = pa.int64() if f in COUNT_FIELDS else pa.float64()
-        cols[f] = pa.array([r[f] for r in rows], typ)
-    hist = np.stack([np.asarray(r["hist"], dtype=np.int64) for r in rows]) if rows else \
-        np.zeros((0, HIST_BINS), np.int64)
+    scalars = np.asarray(scalars, dtype=np.float64).reshape(len(keys), len(SCALAR_FIELDS))
+    for i, f in enumerate(SCALAR_FIELDS):
+        col = scalars[:, i]
+        cols[f] = pa.array(col.astype(np.int64) if f in COUNT_FIELDS else col)
+    hist = np.asarray(hist).reshape(len(keys), HIST_BINS).astype(np.int64)
     cols["hist"] = pa.FixedSizeListArray.from_arrays(pa.array(hist.reshape(-1)), HIST_BINS)
-    if rows and all("top_abs" in r for r in rows):
-        top = np.stack([np.asarray(r["top_abs"], dtype=np.float32) for r in rows])
+    if top is not None:
+        top = np.asarray(top).reshape(len(keys), TOP_K).astype(np.float32)
         cols["top_abs"] = pa.FixedSizeListArray.from_arrays(pa.array(top.reshape(-1)), TOP_K)
     return pa.table(cols)
+
+
+def rows_to_table(rows: Sequence[dict[str, Any]]):
+    """Statistics rows (dicts with the key columns, the scalar fields, ``hist`` and, when every
+    row has it, ``top_abs``) as an Arrow table with the run's schema."""
+    keys = [(int(r["step"]), int(r["rank"]), str(r["layer"]), str(r["kind"]), int(r["call"])) for r in rows]
+    scalars = np.array([[r[f] for f in SCALAR_FIELDS] for r in rows], dtype=np.float64)
+    hist = np.stack([np.asarray(r["hist"], dtype=np.int64) for r in rows]) if rows else \
+        np.zeros((0, HIST_BINS), np.int64)
+    top = np.stack([np.asarray(r["top_abs"], dtype=np.float32) for r in rows]) \
+        if rows and all("top_abs" in r for r in rows) else None
+    return _stats_table(keys, scalars, hist, top)
+
+
+def vectors_to_table(keys: Sequence[tuple[int, int, str, str, int]], vectors: np.ndarray):
+    """Statistics vectors (rows of :func:`gradstats.stats.tensor_stats_vector`, stacked) with
+    their keys ``(step, rank, layer, kind, call)`` as an Arrow table with the run's schema:
+    columns sliced from the matrix, no Python object per row (the writer thread builds every
+    commit this way, holding the interpreter as briefly as it can)."""
+    k, h = len(SCALAR_FIELDS), len(SCALAR_FIELDS) + HIST_BINS
+    return _stats_table(keys, vectors[:, :k], vectors[:, k:h], vectors[:, h:h + TOP_K])
 
 
 class RunWriter:
@@ -220,12 +241,9 @@ class RunWriter:
         name = f"r{fl.rank}-{fl.seq:06d}"
         files: dict[str, dict[str, Any]] = {}
         if fl.keys:
-            fl.rows = fl.rows + [{"step": k[0], "rank": k[1], "layer": k[2], "kind": k[3], "call": k[4],
-                                  **vector_to_stats(v)} for k, v in zip(fl.keys, fl.vectors.numpy())]
-        if fl.rows:
             rel = f"stats/part-{name}.parquet"
             tmp = self.path / "stats" / f".part-{name}.parquet.tmp"
-            pq.write_table(rows_to_table(fl.rows), tmp, compression="zstd")
+            pq.write_table(vectors_to_table(fl.keys, fl.vectors.numpy()), tmp, compression="zstd")
             os.replace(tmp, self.path / rel)
             files[rel] = {"bytes": (self.path / rel).stat().st_size, "sha256": _sha256(self.path / rel)}
         samples_meta: dict[str, int] = {}

@@ -65,6 +65,26 @@ def test_runs_without_top_magnitudes_still_read(tmp_path):
     assert "top_abs" not in m and m["n"] == 100
 
 
+def test_table_from_vectors_equals_table_from_rows():
+    """The writer builds its table from the stacked statistics vectors, column by column: the
+    same table as from one dict per row."""
+    from gradstats.run import rows_to_table, vectors_to_table
+    from gradstats.stats import tensor_stats_vector, vector_to_stats
+
+    xs = [torch.randn(300), torch.relu(torch.randn(70)), torch.zeros(5), torch.tensor([float("nan"), 2.0])]
+    vecs = torch.stack([tensor_stats_vector(x) for x in xs]).numpy()
+    keys = [(s, 0, f"l{s}", "grad", s % 2) for s in range(len(xs))]
+    rows = [{"step": k[0], "rank": k[1], "layer": k[2], "kind": k[3], "call": k[4], **vector_to_stats(v)}
+            for k, v in zip(keys, vecs)]
+    a, b = vectors_to_table(keys, vecs), rows_to_table(rows)
+    assert a.schema == b.schema
+    for name in a.column_names:                    # NaN-aware: assert_array_equal treats NaN as equal
+        ca, cb = a[name].combine_chunks(), b[name].combine_chunks()
+        if name in ("hist", "top_abs"):
+            ca, cb = ca.flatten(), cb.flatten()
+        np.testing.assert_array_equal(ca.to_numpy(zero_copy_only=False), cb.to_numpy(zero_copy_only=False))
+
+
 def test_corrupt_files_are_named_and_rest_stays_readable(tmp_path):
     run = small_run(tmp_path)
     stats_files = sorted((tmp_path / "stats").glob("*.parquet"))
