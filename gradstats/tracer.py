@@ -344,15 +344,15 @@ class Tracer:
     @torch.compiler.disable
     def _record(self, step: int, layer: str, kind: str, call: int, t: torch.Tensor,
                 do_stats: bool, do_samples: bool) -> None:
-        with torch.no_grad():
-            vec = tensor_stats_vector(t) if do_stats else None
-            sample = None
-            if do_samples:
-                flat = t.detach().reshape(-1)
-                k = self.samples_per_capture
-                if k is not None and flat.numel() > k:
-                    flat = flat[sample_indices(flat.numel(), k, self._generator(flat.device), flat.device)]
-                sample = (flat.to(torch.float32).clone(), t.numel())
+        # every tensor read here is detached first: no graph is recorded, with or without grad mode
+        vec = tensor_stats_vector(t) if do_stats else None
+        sample = None
+        if do_samples:
+            flat = t.detach().reshape(-1)
+            k = self.samples_per_capture
+            if k is not None and flat.numel() > k:
+                flat = flat[sample_indices(flat.numel(), k, self._generator(flat.device), flat.device)]
+            sample = (flat.to(torch.float32).clone(), t.numel())
         with self._lock:
             if vec is not None:
                 self._pending.append((step, layer, kind, call, vec))

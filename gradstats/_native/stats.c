@@ -256,6 +256,8 @@ static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead
     /* pass 1 over x: the non-finite count, the extremes; the non-zero finite entries compacted
      * into nzb (the zeros are the rest: m - pos - non-finite) */
     __m512i vmax = _mm512_setzero_si512(), minb = _mm512_set1_epi32(0x7fffffff);
+    /* entries above thr go to the heap of the top k (thr: its least once full; all ones when k = 0) */
+    __m512i thr = _mm512_set1_epi32((int)(acc->k == 0 ? 0xffffffffu : acc->ntop < acc->k ? 0u : acc->top[0]));
     int64_t nonfin = 0;
     for (int64_t v = 0; v < nvec; v++) {
         __mmask16 ok = v == nvec - 1 ? tail : 0xffff;
@@ -267,6 +269,13 @@ static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead
         if (__builtin_expect(fin != ok, 0)) nonfin += __builtin_popcount((unsigned)(ok & ~fin));
         vmax = _mm512_mask_max_epu32(vmax, fin, vmax, b);
         minb = _mm512_mask_min_epu32(minb, nz, minb, b);
+        __mmask16 cand = _mm512_mask_cmpgt_epu32_mask(fin, b, thr);    /* top k: beats the heap? */
+        if (__builtin_expect(cand != 0, 0)) {
+            uint32_t bits[16];
+            _mm512_storeu_si512(bits, b);
+            while (cand) { int j = __builtin_ctz(cand); cand &= cand - 1; heap_push(acc, bits[j]); }
+            thr = _mm512_set1_epi32((int)(acc->ntop < acc->k ? 0u : acc->top[0]));
+        }
         _mm512_storeu_si512(nzb + pos, _mm512_maskz_compress_epi32(nz, raw));
         pos += __builtin_popcount((unsigned)nz);
     }
@@ -396,7 +405,6 @@ static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead
     acc->n_zero += (double)(m - pos - nonfin);
     acc->n_nonfinite += (double)nonfin;
     if (maxb > acc->maxb) acc->maxb = maxb;
-    if (acc->k > 0 && maxb != 0u && (acc->ntop < acc->k || maxb > acc->top[0])) block_top(x, m, acc);
 }
 #endif
 
