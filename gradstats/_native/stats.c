@@ -94,29 +94,6 @@ static void heap_push(acc_t *acc, uint32_t b) {
     h[i] = b;
 }
 
-/* candidates of one block for the top k: non-zero finite bit patterns above the heap's least;
- * chunks of 32 whose (vectorised) maximum does not beat it are skipped without a scalar look */
-static void block_top(const float *restrict x, int64_t m, acc_t *acc) {
-    for (int64_t c = 0; c < m; c += 32) {
-        int64_t e = c + 32 < m ? c + 32 : m;
-        uint32_t mx = 0u;
-#pragma omp simd reduction(max:mx)
-        for (int64_t i = c; i < e; i++) {
-            uint32_t raw; memcpy(&raw, &x[i], 4);
-            uint32_t b = raw & 0x7fffffffu;
-            b = b < 0x7f800000u ? b : 0u;
-            mx = b > mx ? b : mx;
-        }
-        if (acc->ntop == acc->k && mx <= acc->top[0]) continue;
-        for (int64_t i = c; i < e; i++) {
-            uint32_t raw; memcpy(&raw, &x[i], 4);
-            uint32_t b = raw & 0x7fffffffu;
-            uint32_t thr = acc->ntop < acc->k ? 0u : acc->top[0];
-            if (b > thr && b < 0x7f800000u) heap_push(acc, b);
-        }
-    }
-}
-
 static inline float bits_to_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
 
 /* ln(1 + f) = f - f^2/2 + f^3 P(f) on f in [sqrt(1/2) - 1, sqrt(2) - 1]: P of degree 7, fitted to
@@ -140,6 +117,30 @@ static inline float ln_from_parts(uint32_t bs, int32_t e) {
     p = FMA(p, fm, C6); p = FMA(p, fm, C5); p = FMA(p, fm, C4); p = FMA(p, fm, C3);
     p = FMA(p, fm, C2); p = FMA(p, fm, C1); p = FMA(p, fm, C0);
     return FMA((float)(e + big), 0.693147180559945309f, FMA(f2 * fm, p, FMA(-0.5f, f2, fm)));
+}
+
+#if !GS_AVX512    /* the portable block loop */
+/* candidates of one block for the top k: non-zero finite bit patterns above the heap's least;
+ * chunks of 32 whose (vectorised) maximum does not beat it are skipped without a scalar look */
+static void block_top(const float *restrict x, int64_t m, acc_t *acc) {
+    for (int64_t c = 0; c < m; c += 32) {
+        int64_t e = c + 32 < m ? c + 32 : m;
+        uint32_t mx = 0u;
+#pragma omp simd reduction(max:mx)
+        for (int64_t i = c; i < e; i++) {
+            uint32_t raw; memcpy(&raw, &x[i], 4);
+            uint32_t b = raw & 0x7fffffffu;
+            b = b < 0x7f800000u ? b : 0u;
+            mx = b > mx ? b : mx;
+        }
+        if (acc->ntop == acc->k && mx <= acc->top[0]) continue;
+        for (int64_t i = c; i < e; i++) {
+            uint32_t raw; memcpy(&raw, &x[i], 4);
+            uint32_t b = raw & 0x7fffffffu;
+            uint32_t thr = acc->ntop < acc->k ? 0u : acc->top[0];
+            if (b > thr && b < 0x7f800000u) heap_push(acc, b);
+        }
+    }
 }
 
 static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
@@ -188,6 +189,7 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
     }
     for (; i < m; i++) acc->hist[0][bins[i]]++;
 }
+#endif
 
 
 #if GS_AVX512
@@ -206,15 +208,30 @@ typedef struct {
  * |x| = 1), and ln c = -ln(1/c) */
 #define LN_OFF 0x3f3504f3u
 static const float INV_CENTRE[16] = {
-    1.383639216e+00f, 1.326292038e+00f, 1.273509383e+00f, 1.224767089e+00f, 1.179618359e+00f, 1.137680054e+00f, 1.098621249e+00f, 1.062155485e+00f,
-    1.028032660e+00f, 1.000000000e+00f, 9.341747165e-01f, 8.826409578e-01f, 8.364956379e-01f, 7.949355841e-01f, 7.573097944e-01f, 7.230848670e-01f};
+    1.383639216e+00f, 1.326292038e+00f, 1.273509383e+00f, 1.224767089e+00f,
+    1.179618359e+00f, 1.137680054e+00f, 1.098621249e+00f, 1.062155485e+00f,
+    1.028032660e+00f, 1.000000000e+00f, 9.341747165e-01f, 8.826409578e-01f,
+    8.364956379e-01f, 7.949355841e-01f, 7.573097944e-01f, 7.230848670e-01f};
 static const float LN_CENTRE[16] = {
-    -3.247171414e-01f, -2.823871073e-01f, -2.417763835e-01f, -2.027506944e-01f, -1.651909613e-01f, -1.289911483e-01f, -9.405598381e-02f, -6.030031997e-02f,
-    -2.764693743e-02f, -0.000000000e+00f, 6.809179564e-02f, 1.248367773e-01f, 1.785339733e-01f, 2.294941939e-01f, 2.779828696e-01f, 3.242286820e-01f};
+    -3.247171414e-01f, -2.823871073e-01f, -2.417763835e-01f, -2.027506944e-01f,
+    -1.651909613e-01f, -1.289911483e-01f, -9.405598381e-02f, -6.030031997e-02f,
+    -2.764693743e-02f, 0.0f, 6.809179564e-02f, 1.248367773e-01f,
+    1.785339733e-01f, 2.294941939e-01f, 2.779828696e-01f, 3.242286820e-01f};
 
 static inline __m512d cvt_lo(__m512 v) { return _mm512_cvtps_pd(_mm512_castps512_ps256(v)); }
 static inline __m512d cvt_hi(__m512 v) {
     return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* the counts of group j's eight binades, a nibble each per lane, added to bytes: B[2j] gets the
+ * even binades of the group (bytes 0..3 = binades 0, 2, 4, 6), B[2j + 1] the odd ones */
+static inline void widen_nibbles(__m512i *B, __m512i n0, __m512i n1, __m512i n2, __m512i n3) {
+    const __m512i NIB = _mm512_set1_epi32(0x0f0f0f0f);
+    __m512i nib[4] = {n0, n1, n2, n3};
+    for (int j = 0; j < 4; j++) {
+        B[2 * j] = _mm512_add_epi32(B[2 * j], _mm512_and_si512(nib[j], NIB));
+        B[2 * j + 1] = _mm512_add_epi32(B[2 * j + 1], _mm512_and_si512(_mm512_srli_epi32(nib[j], 4), NIB));
+    }
 }
 
 static void window_flush(vacc_t *va, acc_t *acc) {
@@ -338,7 +355,8 @@ static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead
         __m512i ix = _mm512_sub_epi32(b, _mm512_set1_epi32((int)LN_OFF));
         __m512i j = _mm512_srli_epi32(ix, 19);                /* the permutes read its low 4 bits */
         __m512 ef = _mm512_cvtepi32_ps(_mm512_srai_epi32(ix, 23));
-        __m512 mant = _mm512_castsi512_ps(_mm512_sub_epi32(b, _mm512_and_si512(ix, _mm512_set1_epi32((int)0xff800000u))));
+        __m512i kbits = _mm512_and_si512(ix, _mm512_set1_epi32((int)0xff800000u));   /* k << 23 */
+        __m512 mant = _mm512_castsi512_ps(_mm512_sub_epi32(b, kbits));
         __m512 r = _mm512_fmsub_ps(mant, _mm512_permutexvar_ps(j, INVC), _mm512_set1_ps(1.f));
         __m512 q = _mm512_fmadd_ps(r, _mm512_set1_ps(0.2f), _mm512_set1_ps(-0.25f));
         q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f / 3.f));
@@ -366,33 +384,22 @@ static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead
                 while (out) { int j = __builtin_ctz(out); out &= out - 1; acc->hist[0][ev[j] + 22]++; }
             }
             if (++since_flush == 15) {      /* nibbles to bytes before a nibble can wrap */
-                const __m512i NIB = _mm512_set1_epi32(0x0f0f0f0f);
-                B[0] = _mm512_add_epi32(B[0], _mm512_and_si512(nib0, NIB));
-                B[1] = _mm512_add_epi32(B[1], _mm512_and_si512(_mm512_srli_epi32(nib0, 4), NIB));
-                B[2] = _mm512_add_epi32(B[2], _mm512_and_si512(nib1, NIB));
-                B[3] = _mm512_add_epi32(B[3], _mm512_and_si512(_mm512_srli_epi32(nib1, 4), NIB));
-                B[4] = _mm512_add_epi32(B[4], _mm512_and_si512(nib2, NIB));
-                B[5] = _mm512_add_epi32(B[5], _mm512_and_si512(_mm512_srli_epi32(nib2, 4), NIB));
-                B[6] = _mm512_add_epi32(B[6], _mm512_and_si512(nib3, NIB));
-                B[7] = _mm512_add_epi32(B[7], _mm512_and_si512(_mm512_srli_epi32(nib3, 4), NIB));
+                widen_nibbles(B, nib0, nib1, nib2, nib3);
                 nib0 = nib1 = nib2 = nib3 = ZERO;
                 since_flush = 0;
             }
         }
     }
     if (count_hist) {
-        const __m512i NIB = _mm512_set1_epi32(0x0f0f0f0f), BYTE = _mm512_set1_epi32(0xff);
-        __m512i nib[4] = {nib0, nib1, nib2, nib3};
-        for (int j = 0; j < 4; j++) {
-            B[2 * j] = _mm512_add_epi32(B[2 * j], _mm512_and_si512(nib[j], NIB));
-            B[2 * j + 1] = _mm512_add_epi32(B[2 * j + 1], _mm512_and_si512(_mm512_srli_epi32(nib[j], 4), NIB));
-        }
+        const __m512i BYTE = _mm512_set1_epi32(0xff);
+        widen_nibbles(B, nib0, nib1, nib2, nib3);
         /* B[2j + h], byte q of each lane (at most 128 per block): binade base + 8j + 2q + h */
         for (int j = 0; j < 4; j++)
             for (int h = 0; h < 2; h++)
                 for (int q = 0; q < 4; q++) {
                     int w = 8 * j + 2 * q + h;
-                    va->W[w] = _mm512_add_epi32(va->W[w], _mm512_and_si512(_mm512_srli_epi32(B[2 * j + h], 8 * q), BYTE));
+                    __m512i count = _mm512_and_si512(_mm512_srli_epi32(B[2 * j + h], 8 * q), BYTE);
+                    va->W[w] = _mm512_add_epi32(va->W[w], count);
                 }
     }
     va->s = _mm512_add_pd(va->s, _mm512_add_pd(cvt_lo(s), cvt_hi(s)));
@@ -446,10 +453,10 @@ int gs_stats_f32(const float *x, int64_t n, double *out, int64_t *hist, double *
             kbeg = nblocks * t / nt; kend = nblocks * (t + 1) / nt;
         }
 #endif
-        int64_t part_end = kend * BLOCK < n ? kend * BLOCK : n;
         for (int64_t k = kbeg; k < kend; k++) {
             int64_t lo = k * BLOCK, m = n - lo < BLOCK ? n - lo : BLOCK;
 #if GS_AVX512
+            int64_t part_end = kend * BLOCK < n ? kend * BLOCK : n;
             block_stats_avx512(x + lo, m, part_end - lo - m, &acc, &va);
 #else
             block_stats(x + lo, m, &acc);
