@@ -199,7 +199,7 @@ typedef struct {
     __m512i minb;
     __m512i W[32];                      /* per-lane counts of the window's 32 binades */
     int base;                           /* exponent field of the window's first binade; 0: none */
-    int64_t blocks_in_window;
+    int64_t blocks_in_window;           /* flushed before 2^18: a bin's total stays below 2^31 */
 } vacc_t;
 
 /* The sixteen pieces of [sqrt(1/2), sqrt(2)) that the top four mantissa bits of b - LN_OFF select
@@ -308,7 +308,7 @@ static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead
     if (count_hist) {
         int top = (int)(maxb >> 23);
         if (top < 1) top = 1;
-        if (base == 0 || top > base + 31 || top < base + 24 || va->blocks_in_window > (1 << 20)) {
+        if (base == 0 || top > base + 31 || top < base + 24 || va->blocks_in_window >= (1 << 18)) {
             window_flush(va, acc);
             base = top - 29;
             if (base < 1) base = 1;
