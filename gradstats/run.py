@@ -192,8 +192,9 @@ class RunWriter:
         return fl
 
     @staticmethod
-    def _sample_bytes(flush: Flush) -> int:
-        return sum(v.numel() * v.element_size() for v in flush.samples.values())
+    def sample_bytes(samples: Iterable[torch.Tensor]) -> int:
+        """Bytes the sample tensors take in a run."""
+        return sum(v.numel() * v.element_size() for v in samples)
 
     @property
     def bytes_committed_or_queued(self) -> int:
@@ -205,7 +206,7 @@ class RunWriter:
     def submit(self, flush: Flush) -> None:
         self._raise()
         with self._bytes_lock:
-            self._bytes_queued += self._sample_bytes(flush)
+            self._bytes_queued += self.sample_bytes(flush.samples.values())
         self._queue.put(flush)
 
     def wait(self) -> None:
@@ -264,7 +265,7 @@ class RunWriter:
             files[rel] = {"bytes": (self.path / rel).stat().st_size, "sha256": _sha256(self.path / rel)}
         with self._bytes_lock:
             self.bytes_written += sum(f["bytes"] for f in files.values())
-            self._bytes_queued -= self._sample_bytes(fl)
+            self._bytes_queued -= self.sample_bytes(fl.samples.values())
         record = {"rank": fl.rank, "seq": fl.seq, "steps": sorted(set(fl.steps)), "files": files,
                   "sample_totals": samples_meta}
         atomic_write_json(self.path / "commits" / f"{name}.json", record)

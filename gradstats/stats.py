@@ -167,11 +167,9 @@ def _reduce_native(fn, x: torch.Tensor, full: bool = True) -> torch.Tensor:
     """The fused one-pass C kernel (CPU, contiguous float32); same layout as :func:`_reduce`."""
     out = torch.empty(VECTOR_LEN, dtype=torch.float64)
     k = len(SCALAR_FIELDS)
-    if full:
-        hist = torch.empty(HIST_BINS, dtype=torch.int64)
-        fn(x.data_ptr(), x.numel(), out.data_ptr() + 8, hist.data_ptr(), out.data_ptr() + 8 * (k + HIST_BINS),
+    if full:      # the kernel writes the counts and the top magnitudes into the vector in place
+        fn(x.data_ptr(), x.numel(), out.data_ptr() + 8, out.data_ptr() + 8 * k, out.data_ptr() + 8 * (k + HIST_BINS),
            TOP_K, torch.get_num_threads())
-        out[k:k + HIST_BINS] = hist
     else:
         fn(x.data_ptr(), x.numel(), out.data_ptr() + 8, None, None, 0, torch.get_num_threads())
         out[k:] = math.nan

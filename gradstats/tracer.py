@@ -399,11 +399,11 @@ class Tracer:
                        | {int(r["step"]) for rows in tables.values() for r in rows})
         fl = self._writer.new_flush(steps)
         fl.tables = tables
-        if pending:   # rows are built on the writer thread (Flush.vectors)
+        if pending:   # the table is built on the writer thread (Flush.vectors)
             fl.keys = [(s, self.rank, layer, kind, call) for s, layer, kind, call, _ in pending]
             fl.vectors = torch.stack([p[4].to("cpu", non_blocking=False) for p in pending])
         if samples:
-            total = sum(v.numel() * 4 for v, _ in samples.values())
+            total = RunWriter.sample_bytes(v for v, _ in samples.values())
             if self.max_bytes is not None and self._writer.bytes_committed_or_queued + total > self.max_bytes:
                 self._sampling_stopped = True
                 msg = (f"gradstats: the run at {self.path} reached its byte budget max_bytes="

@@ -5,8 +5,9 @@
  *   out[2] sum x, out[3] sum |x|, out[4] sum x^2           (finite entries)
  *   out[5] sum ln|x|, out[6] sum ln^2|x|                   (non-zero finite entries)
  *   out[7] min |x|, out[8] max |x|                         (non-zero finite; NaN if none)
- *   hist[0..277): counts of floor(log2|x|) from 2^-149 to 2^127 (non-zero finite entries;
- *                 hist == NULL skips them);
+ *   hist[0..277): counts of floor(log2|x|) from 2^-149 to 2^127 (non-zero finite entries), as
+ *                 doubles (exact below 2^53), so that the caller's vector takes them in place;
+ *                 hist == NULL skips them;
  *   top[0..k): the k largest non-zero finite |x|, descending (NaN where there are fewer).
  *
  * Two implementations of one block (BLOCK elements) give the same counts, extremes and top k
@@ -421,7 +422,7 @@ static int cmp_desc(const void *a, const void *b) {
     return x < y ? 1 : (x > y ? -1 : 0);
 }
 
-int gs_stats_f32(const float *x, int64_t n, double *out, int64_t *hist, double *top, int k, int nthreads) {
+int gs_stats_f32(const float *x, int64_t n, double *out, double *hist, double *top, int k, int nthreads) {
     if (k < 0 || k > MAX_TOP) return 1;
     acc_t total;
     memset(&total, 0, sizeof total);
@@ -493,7 +494,7 @@ int gs_stats_f32(const float *x, int64_t n, double *out, int64_t *hist, double *
     out[7] = nnz > 0 ? (double)bits_to_float(total.minb) : NAN;
     out[8] = nnz > 0 ? (double)bits_to_float(total.maxb) : NAN;
     if (hist != NULL)
-        for (int b = 0; b < HIST_BINS; b++) hist[b] = total.hist[0][b];
+        for (int b = 0; b < HIST_BINS; b++) hist[b] = (double)total.hist[0][b];
     qsort(total.top, (size_t)total.ntop, sizeof(uint32_t), cmp_desc);
     for (int j = 0; j < k; j++) top[j] = j < total.ntop ? (double)bits_to_float(total.top[j]) : NAN;
     return 0;
