@@ -244,7 +244,10 @@ class RunWriter:
         if fl.keys:
             rel = f"stats/part-{name}.parquet"
             tmp = self.path / "stats" / f".part-{name}.parquet.tmp"
-            pq.write_table(vectors_to_table(fl.keys, fl.vectors.numpy()), tmp, compression="zstd")
+            # dictionary encoding only where values repeat (layer and kind names): on the
+            # statistics' floats and counts it costs most of the write and saves nothing
+            pq.write_table(vectors_to_table(fl.keys, fl.vectors.numpy()), tmp, compression="zstd",
+                           use_dictionary=["layer", "kind"])
             os.replace(tmp, self.path / rel)
             files[rel] = {"bytes": (self.path / rel).stat().st_size, "sha256": _sha256(self.path / rel)}
         samples_meta: dict[str, int] = {}

@@ -174,7 +174,13 @@ def test_top_magnitudes_ties_order_and_threads(threads, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     for x in [torch.arange(1, 300_001, dtype=torch.float32), torch.arange(300_000, 0, -1).float(),
               torch.ones(200_000).index_fill_(0, torch.tensor([5, 150_000]), 2.0),
-              lognormal(500_000, sigma=4.0)]:
+              lognormal(500_000, sigma=4.0),
+              # ties across the 64th place among thousands of candidates (the selection's pivots)
+              torch.randint(1, 4, (250_000,), generator=torch.Generator().manual_seed(3)).float()
+              * torch.where(torch.rand(250_000, generator=torch.Generator().manual_seed(4)) < 0.5, -1.0, 1.0),
+              torch.zeros(100_000).index_fill_(0, torch.randperm(100_000, generator=torch.Generator()
+                                                                 .manual_seed(5))[:1000], 4.0)
+              .index_fill_(0, torch.arange(60) * 997, -5.0)]:
         got = tensor_stats(x)["top_abs"]
         want = torch.topk(x.abs(), TOP_K).values.numpy()
         np.testing.assert_array_equal(got, want)
