@@ -102,10 +102,11 @@ class Flush:
     rank: int
     seq: int
     steps: list[int]
-    #: statistics still as vectors (:func:`gradstats.stats.tensor_stats_vector`, stacked) with their
-    #: keys ``(step, rank, layer, kind, call)``: turned into a table on the writer thread
+    #: statistics still as vectors (rows of :func:`gradstats.stats.tensor_stats_vector`, an
+    #: ``(rows, VECTOR_LEN)`` array) with their keys ``(step, rank, layer, kind, call)``: turned
+    #: into a table on the writer thread
     keys: list[tuple[int, int, str, str, int]] = field(default_factory=list)
-    vectors: torch.Tensor | None = None
+    vectors: np.ndarray | None = None
     samples: dict[str, torch.Tensor] = field(default_factory=dict)
     sample_totals: dict[str, int] = field(default_factory=dict)
     #: further tables by name (e.g. "applied": what gradstats.apply did), rows of plain values
@@ -246,7 +247,7 @@ class RunWriter:
             tmp = self.path / "stats" / f".part-{name}.parquet.tmp"
             # dictionary encoding only where values repeat (layer and kind names): on the
             # statistics' floats and counts it costs most of the write and saves nothing
-            pq.write_table(vectors_to_table(fl.keys, fl.vectors.numpy()), tmp, compression="zstd",
+            pq.write_table(vectors_to_table(fl.keys, np.asarray(fl.vectors)), tmp, compression="zstd",
                            use_dictionary=["layer", "kind"])
             os.replace(tmp, self.path / rel)
             files[rel] = {"bytes": (self.path / rel).stat().st_size, "sha256": _sha256(self.path / rel)}

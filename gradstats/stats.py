@@ -163,18 +163,81 @@ def _native_kernel(portable: bool = False):
                      ctypes.c_int, ctypes.c_int], defines=("GS_PORTABLE",) if portable else ())
 
 
-def _reduce_native(fn, x: torch.Tensor, full: bool = True) -> torch.Tensor:
-    """The fused one-pass C kernel (CPU, contiguous float32); same layout as :func:`_reduce`."""
-    out = torch.empty(VECTOR_LEN, dtype=torch.float64)
+def has_native_kernel() -> bool:
+    """Whether the fused C kernel is available here (a C compiler was found and it compiled)."""
+    return _native_kernel() is not None
+
+
+def kernel_applies(x: torch.Tensor) -> bool:
+    """Whether :func:`write_stats` can take ``x`` as it is: a non-empty contiguous float32 CPU
+    tensor, and the C kernel available. (What a tracer checks before claiming a row.)"""
+    return (x.is_cpu and x.dtype is torch.float32 and x.is_contiguous() and x.numel() > 0
+            and _native_kernel() is not None)
+
+
+def write_stats(x: torch.Tensor, address: int, *, full: bool = True) -> None:
+    """Write the statistics vector of ``x`` (see :func:`tensor_stats_vector`) at ``address``:
+    ``VECTOR_LEN`` float64 values that the caller owns, such as a row of :class:`VectorRows`.
+    The C kernel writes every field in place: no allocation, no tensor operation, the least a
+    capture in a training step can cost. ``x`` must satisfy :func:`kernel_applies`.
+    ``full=False``: the scalar fields only (the rest is left as it was).
+
+    Example:
+        >>> rows = VectorRows()
+        >>> x = torch.tensor([0.0, 1.0, -2.0])
+        >>> if kernel_applies(x):
+        ...     write_stats(x, rows.claim())
+        ...     assert rows.take()[0, :3].tolist() == [3.0, 1.0, 0.0]
+    """
+    if not kernel_applies(x):
+        raise ValueError("write_stats needs a non-empty contiguous float32 CPU tensor and the C "
+                         "kernel (see kernel_applies); use tensor_stats_vector for anything else")
     k = len(SCALAR_FIELDS)
-    if full:      # the kernel writes the counts and the top magnitudes into the vector in place
-        fn(x.data_ptr(), x.numel(), out.data_ptr() + 8, out.data_ptr() + 8 * k, out.data_ptr() + 8 * (k + HIST_BINS),
-           TOP_K, torch.get_num_threads())
+    if full:
+        _native_kernel()(x.data_ptr(), x.numel(), address, address + 8 * k, address + 8 * (k + HIST_BINS),
+                         TOP_K, torch.get_num_threads())
     else:
-        fn(x.data_ptr(), x.numel(), out.data_ptr() + 8, None, None, 0, torch.get_num_threads())
-        out[k:] = math.nan
-    out[0] = float(x.numel())
-    return out
+        _native_kernel()(x.data_ptr(), x.numel(), address, None, None, 0, torch.get_num_threads())
+
+
+class VectorRows:
+    """Statistics vectors to be written in place (:func:`write_stats`), gathered into one
+    array: rows of ``VECTOR_LEN`` float64 in pages that never move once made, so a row claimed
+    stays valid while later rows are claimed.
+
+    Example:
+        >>> rows = VectorRows()
+        >>> address = rows.claim()           # the first row's address
+        >>> len(rows), rows.take().shape, len(rows)
+        (1, (1, 351), 0)
+    """
+
+    PAGE = 64
+
+    def __init__(self) -> None:
+        self._pages: list[np.ndarray] = []
+        self._addresses: list[int] = []
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def claim(self) -> int:
+        """The address of a new row (its contents are undefined until written)."""
+        page, i = divmod(self._n, self.PAGE)
+        if page == len(self._pages):
+            self._pages.append(np.empty((self.PAGE, VECTOR_LEN)))
+            self._addresses.append(self._pages[-1].ctypes.data)
+        self._n += 1
+        return self._addresses[page] + i * VECTOR_LEN * 8
+
+    def take(self) -> np.ndarray:
+        """The rows claimed so far as one ``(n, VECTOR_LEN)`` array; the store is empty after."""
+        n, pages = self._n, self._pages
+        self._pages, self._addresses, self._n = [], [], 0
+        if not pages:
+            return np.empty((0, VECTOR_LEN))
+        return np.concatenate(pages)[:n] if len(pages) > 1 else pages[0][:n]
 
 
 def tensor_stats_vector(g: torch.Tensor, *, full: bool = True) -> torch.Tensor:
@@ -199,10 +262,13 @@ def tensor_stats_vector(g: torch.Tensor, *, full: bool = True) -> torch.Tensor:
     if x.dtype != torch.float32:
         x = x.float()
     x = x.reshape(-1)
-    if x.device.type == "cpu" and x.numel() > 0:
-        fn = _native_kernel()
-        if fn is not None:
-            return _reduce_native(fn, x.contiguous(), full)
+    x = x.contiguous() if x.is_cpu else x
+    if kernel_applies(x):
+        out = torch.empty(VECTOR_LEN, dtype=torch.float64)
+        write_stats(x, out.data_ptr(), full=full)
+        if not full:
+            out[len(SCALAR_FIELDS):] = math.nan
+        return out
     v = _reduce(x)
     if not full:
         v[len(SCALAR_FIELDS):] = math.nan

@@ -32,12 +32,13 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, Union
 
+import numpy as np
 import torch
 from torch import nn
 
 from ._version import __version__
 from .run import FORMAT_VERSION, RunWriter, _sample_key, atomic_write_json
-from .stats import tensor_stats_vector
+from .stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,13 @@ class Tracer:
         self.current_step = 0
         self._handles: list[Any] = []
         self._lock = threading.Lock()
+        # statistics of the step(s) not yet committed: CPU float32 tensors are written by the C
+        # kernel straight into rows (no allocation per capture), others kept as device vectors
+        self._rows = VectorRows()
+        self._row_keys: list[tuple[int, str, str, int]] = []
         self._pending: list[tuple[int, str, str, int, torch.Tensor]] = []
+        self._active_step: int | None = None
+        self._active_now = (False, False)
         self._pending_samples: dict[str, tuple[torch.Tensor, int]] = {}
         self._pending_tables: dict[str, list[dict[str, Any]]] = {}
         self._calls: dict[str, int] = {}
@@ -308,7 +315,13 @@ class Tracer:
 
     # -- hooks
     def _active(self, step: int) -> tuple[bool, bool]:
-        return self._take_stats(step), self._take_samples(step) and not self._sampling_stopped
+        """(statistics, samples) taken on ``step``: worked out once per step (every module's
+        forward hook asks)."""
+        if step != self._active_step:
+            self._active_now = (self._take_stats(step),
+                                self._take_samples(step) and not self._sampling_stopped)
+            self._active_step = step
+        return self._active_now
 
     def _make_forward_hook(self, name: str) -> Callable[..., None]:
         def forward_hook(module: nn.Module, inputs: Any, output: Any) -> None:
@@ -344,8 +357,17 @@ class Tracer:
     @torch.compiler.disable
     def _record(self, step: int, layer: str, kind: str, call: int, t: torch.Tensor,
                 do_stats: bool, do_samples: bool) -> None:
-        # every tensor read here is detached first: no graph is recorded, with or without grad mode
-        vec = tensor_stats_vector(t) if do_stats else None
+        # every tensor read here is detached first (or only its memory is): no graph is recorded,
+        # with or without grad mode
+        vec = None
+        if do_stats:
+            if kernel_applies(t):     # the common case on the CPU: the kernel writes a row in place
+                with self._lock:
+                    address = self._rows.claim()
+                    self._row_keys.append((step, layer, kind, call))
+                write_stats(t, address)
+            else:
+                vec = tensor_stats_vector(t)
         sample = None
         if do_samples:
             flat = t.detach().reshape(-1)
@@ -381,31 +403,38 @@ class Tracer:
     MAX_PENDING_ROWS = 4096
 
     def _flush(self, step: int, *, force: bool = False) -> None:
-        if not (force or self._pending_samples or len(self._pending) >= self.MAX_PENDING_ROWS
+        if not (force or self._pending_samples
+                or len(self._pending) + len(self._rows) >= self.MAX_PENDING_ROWS
                 or time.monotonic() - self._last_commit >= self.flush_secs):
             return              # batch closed steps into one commit (see flush_secs)
         self._last_commit = time.monotonic()
         with self._lock:
+            rows, row_keys, self._row_keys = self._rows.take(), self._row_keys, []
             pending, self._pending = self._pending, []
             samples, self._pending_samples = self._pending_samples, {}
             tables, self._pending_tables = self._pending_tables, {}
         new_shapes = bool(set(self._shapes) - set(self._written_shapes))
-        if not pending and not samples and not tables:
+        if not row_keys and not pending and not samples and not tables:
             if new_shapes:
                 self._write_manifest()
             return
         assert self._writer is not None
-        steps = sorted({p[0] for p in pending} | {int(k.split("|", 1)[0]) for k in samples}
+        keys = row_keys + [p[:4] for p in pending]
+        steps = sorted({k[0] for k in keys} | {int(k.split("|", 1)[0]) for k in samples}
                        | {int(r["step"]) for rows in tables.values() for r in rows})
         fl = self._writer.new_flush(steps)
         fl.tables = tables
-        if pending:   # the table is built on the writer thread (Flush.vectors)
-            fl.keys = [(s, self.rank, layer, kind, call) for s, layer, kind, call, _ in pending]
-            fl.vectors = torch.stack([p[4].to("cpu", non_blocking=False) for p in pending])
+        if keys:   # the table is built on the writer thread (Flush.vectors)
+            fl.keys = [(s, self.rank, layer, kind, call) for s, layer, kind, call in keys]
+            if pending:
+                on_device = torch.stack([p[4].to("cpu", non_blocking=False) for p in pending])
+                rows = np.concatenate([rows, on_device.numpy()])
+            fl.vectors = rows
         if samples:
             total = RunWriter.sample_bytes(v for v, _ in samples.values())
             if self.max_bytes is not None and self._writer.bytes_committed_or_queued + total > self.max_bytes:
                 self._sampling_stopped = True
+                self._active_step = None
                 msg = (f"gradstats: the run at {self.path} reached its byte budget max_bytes="
                        f"{self.max_bytes}; sampling stops here (statistics go on)")
                 log.warning(msg)

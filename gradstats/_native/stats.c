@@ -1,10 +1,12 @@
 /* Fused streaming statistics of a float32 array: one pass, no allocation.
  *
  * Computes, over x[0..n):
- *   out[0] n_zero, out[1] n_nonfinite                      (as doubles, exact below 2^53)
- *   out[2] sum x, out[3] sum |x|, out[4] sum x^2           (finite entries)
- *   out[5] sum ln|x|, out[6] sum ln^2|x|                   (non-zero finite entries)
- *   out[7] min |x|, out[8] max |x|                         (non-zero finite; NaN if none)
+ *   out[0] n, out[1] n_zero, out[2] n_nonfinite            (as doubles, exact below 2^53)
+ *   out[3] sum x, out[4] sum |x|, out[5] sum x^2           (finite entries)
+ *   out[6] sum ln|x|, out[7] sum ln^2|x|                   (non-zero finite entries)
+ *   out[8] min |x|, out[9] max |x|                         (non-zero finite; NaN if none)
+ *   (the scalar fields of a statistics vector in their order: the caller's vector takes them
+ *   in place, as it takes hist and top)
  *   hist[0..277): counts of floor(log2|x|) from 2^-149 to 2^127 (non-zero finite entries), as
  *                 doubles (exact below 2^53), so that the caller's vector takes them in place;
  *                 hist == NULL skips them;
@@ -560,11 +562,11 @@ int gs_stats_f32(const float *x, int64_t n, double *out, double *hist, double *t
         }
     }
     double nnz = (double)n - total.n_zero - total.n_nonfinite;
-    out[0] = total.n_zero; out[1] = total.n_nonfinite;
-    out[2] = total.sum; out[3] = total.sum_abs; out[4] = total.sum_sq;
-    out[5] = total.sum_ln; out[6] = total.sum_ln_sq;
-    out[7] = nnz > 0 ? (double)bits_to_float(total.minb) : NAN;
-    out[8] = nnz > 0 ? (double)bits_to_float(total.maxb) : NAN;
+    out[0] = (double)n; out[1] = total.n_zero; out[2] = total.n_nonfinite;
+    out[3] = total.sum; out[4] = total.sum_abs; out[5] = total.sum_sq;
+    out[6] = total.sum_ln; out[7] = total.sum_ln_sq;
+    out[8] = nnz > 0 ? (double)bits_to_float(total.minb) : NAN;
+    out[9] = nnz > 0 ? (double)bits_to_float(total.maxb) : NAN;
     if (hist != NULL)
         for (int b = 0; b < HIST_BINS; b++) hist[b] = (double)total.hist[0][b];
     qsort(total.top, (size_t)total.ntop, sizeof(uint32_t), cmp_desc);

@@ -23,8 +23,7 @@ import torch
 
 from ..kernels import prune as kprune
 from ..kernels import use_triton
-from ..stats import SCALAR_FIELDS, tensor_stats, tensor_stats_vector
-from ..stats import _native_kernel as _native_stats
+from ..stats import SCALAR_FIELDS, has_native_kernel, tensor_stats, tensor_stats_vector
 from . import _cpu
 from .thresholds import RULES, threshold as _threshold
 
@@ -262,7 +261,7 @@ def _histogram(x: torch.Tensor):
 def _estimate(x: torch.Tensor, method: str) -> dict[str, Any]:
     """Statistics of ``x`` needed by ``method`` (n, n_zero, sums), in one sweep."""
     logs = method in ("lognormal", "naive_lognormal")
-    if x.device.type == "cpu" and x.dtype == torch.float32 and _native_stats() is not None:
+    if x.device.type == "cpu" and x.dtype == torch.float32 and has_native_kernel():
         # the fused one-pass C kernel: every sum, the zero count and the maximum at once
         st = dict(zip(SCALAR_FIELDS, tensor_stats_vector(x.detach()).tolist()))
         if st["n_nonfinite"] == 0:
