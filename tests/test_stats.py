@@ -86,6 +86,10 @@ def test_against_reference(case):
         x = torch.relu(x)
     elif case == "nonfinite":
         x[::97] = float("inf"); x[5::101] = float("-inf"); x[7::103] = float("nan"); x[::11] = 0
+        # a NaN with a payload; a run with no non-finite entry (the kernel tells inf and NaN
+        # apart from the rest per block)
+        x[9] = torch.tensor(0x7fc00123, dtype=torch.int32).view(torch.float32)
+        x[40_000:45_000] = lognormal(5_000, seed=9)
     elif case == "subnormal":
         x[::13] = torch.tensor(3e-42); x[1::17] = -1.4e-45; x[::19] = 0.0
     elif case == "all_zero":
@@ -93,6 +97,20 @@ def test_against_reference(case):
     elif case == "empty":
         x = torch.zeros(0)
     check(tensor_stats(x), reference(x.numpy()))
+
+
+def test_largest_finite_beside_inf_and_nan():
+    """The largest finite magnitude is finite and non-zero (binade 127, the maximum, the top 64),
+    inf and NaN beside it are counted apart, in blocks with and without them."""
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([big, -big, float("inf"), float("nan"), 1.0, 0.0]).repeat(3000)
+    x[9000:] = torch.tensor([big, -big, 1.0, 0.0, 0.5, 0.25]).repeat(1500)
+    s = tensor_stats(x)
+    n_big = int((x.abs() == big).sum())
+    assert (s["n"], s["n_nonfinite"], s["n_zero"]) == (18_000, 3000, int((x == 0).sum()))
+    assert s["max_abs"] == big and s["hist"][127 - HIST_MIN_EXP] == n_big
+    assert s["hist"].sum() == 18_000 - 3000 - s["n_zero"]
+    np.testing.assert_array_equal(s["top_abs"], np.full(TOP_K, big, np.float32))
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -18,9 +18,10 @@
  *   and counted afterwards in eight interleaved copies of the counts (runs of one bin, such as
  *   the zeros of a ReLU layer, would otherwise queue on one counter);
  * - AVX-512 intrinsics (x86-64 with AVX-512 F/BW/DQ, unless GS_PORTABLE is defined), two passes
- *   per block: the first counts the non-finite entries, finds the extremes and compacts the
- *   non-zero finite entries (vpcompressd; the zeros, n less those, need no further work: most of
- *   a ReLU layer's gradient); the second, over the compacted entries in L1, sums them, takes
+ *   per block: the first finds the extremes and compacts the non-zero finite entries (one
+ *   compare, b - 1 < bits(inf) - 1, and vpcompressd; the zeros, n less those, need no further
+ *   work: most of a ReLU layer's gradient; a block whose maximum is inf or NaN is gone over
+ *   again to count those); the second, over the compacted entries in L1, sums them, takes
  *   ln|x| and counts the binades in registers: the block's largest |x| places a window of 32
  *   binades ending two above it (kept while the blocks' maxima stay near its top); 4-bit
  *   counters, eight binades per 32-bit lane, are added as one-hot nibbles (1 << 4 (binade mod 8),
@@ -330,6 +331,7 @@ static void subnormal_lanes(const uint32_t *bits, __mmask16 k, acc_t *acc, doubl
 static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead, acc_t *acc, vacc_t *va) {
     const __m512i ABS = _mm512_set1_epi32(0x7fffffff), INF = _mm512_set1_epi32(0x7f800000);
     const __m512i MINNORM = _mm512_set1_epi32(0x00800000), ONE = _mm512_set1_epi32(1);
+    const __m512i FINLIM = _mm512_set1_epi32(0x7f7fffff);
     const __m512 LN2 = _mm512_set1_ps(0.693147180559945309f);
     const __m512 INVC = _mm512_loadu_ps(INV_CENTRE), LNC = _mm512_loadu_ps(LN_CENTRE);
     uint32_t nzb[BLOCK + 16] __attribute__((aligned(64)));   /* the non-zero finite x (bits) */
@@ -337,24 +339,23 @@ static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead
     int64_t next1 = ahead < BLOCK ? ahead : BLOCK, next2 = ahead < 2 * BLOCK ? ahead - BLOCK : BLOCK;
     __mmask16 tail = (m % 16) ? (__mmask16)((1u << (m % 16)) - 1u) : (__mmask16)0xffff;
 
-    /* pass 1 over x: the non-finite count, the extremes; the non-zero finite entries compacted
-     * into nzb (the zeros are the rest: m - pos - non-finite) */
+    /* pass 1 over x: the extremes; the non-zero finite entries compacted into nzb (zeros and
+     * non-finite entries are the rest, m - pos: told apart afterwards, see below); entries above
+     * thr are candidates for the top k (thr: the least of the top k once there are k; all ones
+     * when k = 0), gathered in va->cand and selected from when it fills */
     __m512i vmax = _mm512_setzero_si512(), minb = _mm512_set1_epi32(0x7fffffff);
-    /* entries above thr are candidates for the top k (thr: the least of the top k once there are
-     * k; all ones when k = 0), gathered in va->cand and selected from when it fills */
     __m512i thr = _mm512_set1_epi32((int)(acc->k == 0 ? 0xffffffffu : acc->ntop < acc->k ? 0u : acc->top[0]));
     uint32_t *cand = va->cand;
     int ncand = va->ncand;
-    int64_t nonfin = 0;
+    int64_t nfull = m / 16;
     for (int64_t v = 0; v < nvec; v++) {
-        __mmask16 ok = v == nvec - 1 ? tail : 0xffff;
-        __m512i raw = _mm512_maskz_loadu_epi32(ok, x + 16 * v);
+        /* the last vector's lanes past m load as +0: they count as zeros, which m - pos - ... undoes */
+        __m512i raw = v < nfull ? _mm512_loadu_si512(x + 16 * v) : _mm512_maskz_loadu_epi32(tail, x + 16 * v);
         if (16 * v < next2) _mm_prefetch((const char *)(x + m + BLOCK + 16 * v), _MM_HINT_T1);
         __m512i b = _mm512_and_si512(raw, ABS);
-        __mmask16 fin = _mm512_mask_cmplt_epu32_mask(ok, b, INF);
-        __mmask16 nz = _mm512_mask_test_epi32_mask(fin, b, b);
-        if (__builtin_expect(fin != ok, 0)) nonfin += __builtin_popcount((unsigned)(ok & ~fin));
-        vmax = _mm512_mask_max_epu32(vmax, fin, vmax, b);
+        /* non-zero and finite in one compare: b - 1 below the bits of inf, less one */
+        __mmask16 nz = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(b, ONE), FINLIM);
+        vmax = _mm512_max_epu32(vmax, b);                /* non-finite ones too: see below */
         minb = _mm512_mask_min_epu32(minb, nz, minb, b);
         __mmask16 cnd = _mm512_mask_cmpgt_epu32_mask(nz, b, thr);
         if (__builtin_expect(cnd != 0, 0)) {
@@ -368,6 +369,18 @@ static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead
         }
         _mm512_storeu_si512(nzb + pos, _mm512_maskz_compress_epi32(nz, raw));
         pos += __builtin_popcount((unsigned)nz);
+    }
+    int64_t nonfin = 0;
+    if (__builtin_expect((uint32_t)_mm512_reduce_max_epu32(vmax) >= 0x7f800000u, 0)) {
+        /* the block holds inf or NaN (rare): count them, and take the maximum again without them */
+        vmax = _mm512_setzero_si512();
+        for (int64_t v = 0; v < nvec; v++) {
+            __mmask16 ok = v < nfull ? (__mmask16)0xffff : tail;
+            __m512i b = _mm512_and_si512(_mm512_maskz_loadu_epi32(ok, x + 16 * v), ABS);
+            __mmask16 fin = _mm512_mask_cmplt_epu32_mask(ok, b, INF);
+            nonfin += __builtin_popcount((unsigned)(ok & ~fin));
+            vmax = _mm512_mask_max_epu32(vmax, fin, vmax, b);
+        }
     }
     va->ncand = ncand;
     _mm512_storeu_si512(nzb + pos, _mm512_setzero_si512());     /* +0 pads the last vector */
