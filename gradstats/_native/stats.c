@@ -325,15 +325,105 @@ static void subnormal_lanes(const uint32_t *bits, __mmask16 k, acc_t *acc, doubl
     }
 }
 
+/* pass 2's running state: per-lane float sums over the block, the nibble counters of the four
+ * groups of eight binades, their byte-wide totals, the subnormals' log sums */
+typedef struct {
+    __m512 s, sa, ss, sl, sl2;
+    __m512i nib0, nib1, nib2, nib3, B[8];
+    double dsl, dsl2;
+    int since_flush;
+} p2_t;
+
+/* One vector of pass 2 (16 compacted entries at p). nrm: the lanes that hold entries; masked,
+ * subs, hist: whether nrm may lack lanes, subnormals may occur, binades are counted. Always
+ * inlined, so that each loop gets the variant it needs with the flags folded away.
+ * ln|x| = k ln2 + ln c + ln(1 + r): |x| = 2^k m, m in [sqrt(1/2), sqrt(2)) (from b - OFF: its
+ * exponent field is k, its top four mantissa bits pick the piece of that range that holds m,
+ * whose c comes from a register), r = m/c - 1, |r| < 0.039, and ln(1 + r) to r^5 (truncation
+ * below 6e-10 absolute, 2e-8 relative). */
+static inline __attribute__((always_inline)) void pass2_vec(
+        const uint32_t *p, __mmask16 nrm, const int masked, const int subs, const int hist, __m512i BASE,
+        p2_t *st, acc_t *acc, int64_t v, int64_t next1, const float *pf) {
+    const __m512i ABS = _mm512_set1_epi32(0x7fffffff), ONE = _mm512_set1_epi32(1);
+    const __m512 LN2 = _mm512_set1_ps(0.693147180559945309f);
+    __m512i raw = _mm512_load_si512(p);
+    __m512 xv = _mm512_castsi512_ps(raw);
+    __m512i b = _mm512_and_si512(raw, ABS);
+    st->s = _mm512_add_ps(st->s, xv);
+    st->sa = _mm512_add_ps(st->sa, _mm512_castsi512_ps(b));
+    st->ss = _mm512_fmadd_ps(xv, xv, st->ss);
+    if (16 * v < next1) _mm_prefetch((const char *)(pf + 16 * v), _MM_HINT_T0);
+    int lanes_out = masked;
+    if (subs) {
+        __mmask16 sub = _mm512_mask_cmplt_epu32_mask(nrm, b, _mm512_set1_epi32(0x00800000));
+        if (sub) {
+            subnormal_lanes(p, sub, acc, &st->dsl, &st->dsl2);   /* signed bits */
+            nrm &= ~sub;
+        }
+        lanes_out = 1;
+    }
+    __m512i ix = _mm512_sub_epi32(b, _mm512_set1_epi32((int)LN_OFF));
+    __m512i j = _mm512_srli_epi32(ix, 19);                /* the permutes read its low 4 bits */
+    __m512 ef = _mm512_cvtepi32_ps(_mm512_srai_epi32(ix, 23));
+    __m512i kbits = _mm512_and_si512(ix, _mm512_set1_epi32((int)0xff800000u));   /* k << 23 */
+    __m512 mant = _mm512_castsi512_ps(_mm512_sub_epi32(b, kbits));
+    __m512 r = _mm512_fmsub_ps(mant, _mm512_permutexvar_ps(j, _mm512_loadu_ps(INV_CENTRE)), _mm512_set1_ps(1.f));
+    __m512 q = _mm512_fmadd_ps(r, _mm512_set1_ps(0.2f), _mm512_set1_ps(-0.25f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f / 3.f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(-0.5f));
+    __m512 l1r = _mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r);
+    __m512 ln = _mm512_fmadd_ps(ef, LN2, _mm512_add_ps(_mm512_permutexvar_ps(j, _mm512_loadu_ps(LN_CENTRE)), l1r));
+    if (lanes_out) {
+        st->sl = _mm512_mask_add_ps(st->sl, nrm, st->sl, ln);
+        st->sl2 = _mm512_mask3_fmadd_ps(ln, ln, st->sl2, nrm);
+    } else {
+        st->sl = _mm512_add_ps(st->sl, ln);
+        st->sl2 = _mm512_fmadd_ps(ln, ln, st->sl2);
+    }
+    if (hist) {
+        const __m512i HOT = _mm512_set_epi32(1 << 28, 1 << 24, 1 << 20, 1 << 16, 1 << 12, 1 << 8, 1 << 4, 1,
+                                             1 << 28, 1 << 24, 1 << 20, 1 << 16, 1 << 12, 1 << 8, 1 << 4, 1);
+        __m512i e = _mm512_srli_epi32(b, 23);
+        __m512i idx = _mm512_sub_epi32(e, BASE);
+        __m512i g = _mm512_srli_epi32(idx, 3);
+        __m512i hot = _mm512_permutexvar_epi32(idx, HOT);     /* 1 << 4 (idx mod 8) */
+        __mmask16 k0, k1, k2, k3, out;
+        if (lanes_out) {
+            k0 = _mm512_mask_cmpeq_epi32_mask(nrm, g, _mm512_setzero_si512());
+            k1 = _mm512_mask_cmpeq_epi32_mask(nrm, g, ONE);
+            k2 = _mm512_mask_cmpeq_epi32_mask(nrm, g, _mm512_set1_epi32(2));
+            k3 = _mm512_mask_cmpeq_epi32_mask(nrm, g, _mm512_set1_epi32(3));
+            out = _mm512_mask_cmpgt_epu32_mask(nrm, g, _mm512_set1_epi32(3));
+        } else {
+            k0 = _mm512_cmpeq_epi32_mask(g, _mm512_setzero_si512());
+            k1 = _mm512_cmpeq_epi32_mask(g, ONE);
+            k2 = _mm512_cmpeq_epi32_mask(g, _mm512_set1_epi32(2));
+            k3 = _mm512_cmpeq_epi32_mask(g, _mm512_set1_epi32(3));
+            out = _mm512_cmpgt_epu32_mask(g, _mm512_set1_epi32(3));
+        }
+        st->nib0 = _mm512_mask_add_epi32(st->nib0, k0, st->nib0, hot);
+        st->nib1 = _mm512_mask_add_epi32(st->nib1, k1, st->nib1, hot);
+        st->nib2 = _mm512_mask_add_epi32(st->nib2, k2, st->nib2, hot);
+        st->nib3 = _mm512_mask_add_epi32(st->nib3, k3, st->nib3, hot);
+        if (__builtin_expect(out != 0, 0)) {
+            uint32_t ev[16];
+            _mm512_storeu_si512(ev, e);
+            while (out) { int i = __builtin_ctz(out); out &= out - 1; acc->hist[0][ev[i] + 22]++; }
+        }
+        if (++st->since_flush == 15) {      /* nibbles to bytes before a nibble can wrap */
+            widen_nibbles(st->B, st->nib0, st->nib1, st->nib2, st->nib3);
+            st->nib0 = st->nib1 = st->nib2 = st->nib3 = _mm512_setzero_si512();
+            st->since_flush = 0;
+        }
+    }
+}
+
 /* ahead: how many entries of this thread's part follow the block (their cache lines are requested
  * early: those of the next block during pass 2, which works from L1, those of the block after
  * it into L2 during pass 1; a gradient fresh from the backward pass is mostly beyond L2) */
 static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead, acc_t *acc, vacc_t *va) {
     const __m512i ABS = _mm512_set1_epi32(0x7fffffff), INF = _mm512_set1_epi32(0x7f800000);
-    const __m512i MINNORM = _mm512_set1_epi32(0x00800000), ONE = _mm512_set1_epi32(1);
-    const __m512i FINLIM = _mm512_set1_epi32(0x7f7fffff);
-    const __m512 LN2 = _mm512_set1_ps(0.693147180559945309f);
-    const __m512 INVC = _mm512_loadu_ps(INV_CENTRE), LNC = _mm512_loadu_ps(LN_CENTRE);
+    const __m512i ONE = _mm512_set1_epi32(1), FINLIM = _mm512_set1_epi32(0x7f7fffff);
     uint32_t nzb[BLOCK + 16] __attribute__((aligned(64)));   /* the non-zero finite x (bits) */
     int64_t nvec = (m + 15) / 16, pos = 0;
     int64_t next1 = ahead < BLOCK ? ahead : BLOCK, next2 = ahead < 2 * BLOCK ? ahead - BLOCK : BLOCK;
@@ -405,81 +495,34 @@ static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead
         va->blocks_in_window++;
     }
 
-    /* pass 2 over the non-zero finite entries (in L1; the padding zeros add nothing to the sums,
-     * and the last vector's mask keeps them out of the rest): sums, ln|x|, the binade counts */
+    /* pass 2 over the non-zero finite entries (in L1): sums, ln|x|, the binade counts; the full
+     * vectors of a block without subnormals (nearly all) in a loop with no masks at all */
+    p2_t st;
+    st.s = st.sa = st.ss = st.sl = st.sl2 = _mm512_setzero_ps();
+    st.nib0 = st.nib1 = st.nib2 = st.nib3 = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j++) st.B[j] = _mm512_setzero_si512();
+    st.dsl = st.dsl2 = 0.;
+    st.since_flush = 0;
     const __m512i BASE = _mm512_set1_epi32(base);
-    const __m512i HOT = _mm512_set_epi32(1 << 28, 1 << 24, 1 << 20, 1 << 16, 1 << 12, 1 << 8, 1 << 4, 1,
-                                         1 << 28, 1 << 24, 1 << 20, 1 << 16, 1 << 12, 1 << 8, 1 << 4, 1);
-    const __m512i TWO = _mm512_set1_epi32(2), THREE = _mm512_set1_epi32(3), ZERO = _mm512_setzero_si512();
-    __m512 s = _mm512_setzero_ps(), sa = s, ss = s, sl = s, sl2 = s;
-    __m512i nib0 = ZERO, nib1 = ZERO, nib2 = ZERO, nib3 = ZERO, B[8];
-    for (int j = 0; j < 8; j++) B[j] = ZERO;
-    double dsl = 0., dsl2 = 0.;
-    int since_flush = 0;
-    int64_t npv = (pos + 15) / 16;
-    __mmask16 ptail = (pos % 16) ? (__mmask16)((1u << (pos % 16)) - 1u) : (__mmask16)0xffff;
-    for (int64_t v = 0; v < npv; v++) {
-        __mmask16 nrm = v == npv - 1 ? ptail : 0xffff;
-        __m512i raw = _mm512_load_si512(nzb + 16 * v);
-        __m512 xv = _mm512_castsi512_ps(raw);
-        __m512i b = _mm512_and_si512(raw, ABS);
-        s = _mm512_add_ps(s, xv);
-        sa = _mm512_add_ps(sa, _mm512_castsi512_ps(b));
-        ss = _mm512_fmadd_ps(xv, xv, ss);
-        if (16 * v < next1) _mm_prefetch((const char *)(x + m + 16 * v), _MM_HINT_T0);
-        if (__builtin_expect(has_sub, 0)) {
-            __mmask16 sub = _mm512_mask_cmplt_epu32_mask(nrm, b, MINNORM);
-            if (sub) {
-                subnormal_lanes(nzb + 16 * v, sub, acc, &dsl, &dsl2);   /* signed bits */
-                nrm &= ~sub;
-            }
-        }
-        __m512i e = _mm512_srli_epi32(b, 23);
-        /* ln|x| = k ln2 + ln c + ln(1 + r): |x| = 2^k m, m in [sqrt(1/2), sqrt(2)) (from b - OFF:
-         * its exponent field is k, its top four mantissa bits pick the piece of that range that
-         * holds m, whose c comes from a register), r = m/c - 1, |r| < 0.039, and
-         * ln(1 + r) to r^5 (truncation below 6e-10 absolute, 2e-8 relative) */
-        __m512i ix = _mm512_sub_epi32(b, _mm512_set1_epi32((int)LN_OFF));
-        __m512i j = _mm512_srli_epi32(ix, 19);                /* the permutes read its low 4 bits */
-        __m512 ef = _mm512_cvtepi32_ps(_mm512_srai_epi32(ix, 23));
-        __m512i kbits = _mm512_and_si512(ix, _mm512_set1_epi32((int)0xff800000u));   /* k << 23 */
-        __m512 mant = _mm512_castsi512_ps(_mm512_sub_epi32(b, kbits));
-        __m512 r = _mm512_fmsub_ps(mant, _mm512_permutexvar_ps(j, INVC), _mm512_set1_ps(1.f));
-        __m512 q = _mm512_fmadd_ps(r, _mm512_set1_ps(0.2f), _mm512_set1_ps(-0.25f));
-        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f / 3.f));
-        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(-0.5f));
-        __m512 l1r = _mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r);
-        __m512 ln = _mm512_fmadd_ps(ef, LN2, _mm512_add_ps(_mm512_permutexvar_ps(j, LNC), l1r));
-        sl = _mm512_mask_add_ps(sl, nrm, sl, ln);
-        sl2 = _mm512_mask3_fmadd_ps(ln, ln, sl2, nrm);
-        if (count_hist) {
-            __m512i idx = _mm512_sub_epi32(e, BASE);
-            __m512i g = _mm512_srli_epi32(idx, 3);
-            __m512i hot = _mm512_permutexvar_epi32(idx, HOT);     /* 1 << 4 (idx mod 8) */
-            __mmask16 k0 = _mm512_mask_cmpeq_epi32_mask(nrm, g, ZERO);
-            __mmask16 k1 = _mm512_mask_cmpeq_epi32_mask(nrm, g, ONE);
-            __mmask16 k2 = _mm512_mask_cmpeq_epi32_mask(nrm, g, TWO);
-            __mmask16 k3 = _mm512_mask_cmpeq_epi32_mask(nrm, g, THREE);
-            nib0 = _mm512_mask_add_epi32(nib0, k0, nib0, hot);
-            nib1 = _mm512_mask_add_epi32(nib1, k1, nib1, hot);
-            nib2 = _mm512_mask_add_epi32(nib2, k2, nib2, hot);
-            nib3 = _mm512_mask_add_epi32(nib3, k3, nib3, hot);
-            __mmask16 out = _mm512_mask_cmpgt_epu32_mask(nrm, g, THREE);
-            if (__builtin_expect(out != 0, 0)) {
-                uint32_t ev[16];
-                _mm512_storeu_si512(ev, e);
-                while (out) { int j = __builtin_ctz(out); out &= out - 1; acc->hist[0][ev[j] + 22]++; }
-            }
-            if (++since_flush == 15) {      /* nibbles to bytes before a nibble can wrap */
-                widen_nibbles(B, nib0, nib1, nib2, nib3);
-                nib0 = nib1 = nib2 = nib3 = ZERO;
-                since_flush = 0;
-            }
-        }
-    }
+    int64_t nfv = pos / 16;
+    const float *pf = x + m;                 /* the next block: its lines requested from here */
+    if (!has_sub && count_hist)
+        for (int64_t v = 0; v < nfv; v++) pass2_vec(nzb + 16 * v, 0xffff, 0, 0, 1, BASE, &st, acc, v, next1, pf);
+    else if (!has_sub)
+        for (int64_t v = 0; v < nfv; v++) pass2_vec(nzb + 16 * v, 0xffff, 0, 0, 0, BASE, &st, acc, v, next1, pf);
+    else
+        for (int64_t v = 0; v < nfv; v++)
+            pass2_vec(nzb + 16 * v, 0xffff, 0, 1, count_hist, BASE, &st, acc, v, next1, pf);
+    if (pos % 16)      /* the last vector: the padding zeros add nothing to the sums, its mask
+                        * keeps them out of the rest */
+        pass2_vec(nzb + 16 * nfv, (__mmask16)((1u << (pos % 16)) - 1u), 1, has_sub, count_hist, BASE, &st,
+                  acc, nfv, next1, pf);
+    __m512 s = st.s, sa = st.sa, ss = st.ss, sl = st.sl, sl2 = st.sl2;
+    __m512i *B = st.B;
+    double dsl = st.dsl, dsl2 = st.dsl2;
     if (count_hist) {
         const __m512i BYTE = _mm512_set1_epi32(0xff);
-        widen_nibbles(B, nib0, nib1, nib2, nib3);
+        widen_nibbles(B, st.nib0, st.nib1, st.nib2, st.nib3);
         /* B[2j + h], byte q of each lane (at most 128 per block): binade base + 8j + 2q + h */
         for (int j = 0; j < 4; j++)
             for (int h = 0; h < 2; h++)
