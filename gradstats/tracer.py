@@ -327,11 +327,13 @@ class Tracer:
         def forward_hook(module: nn.Module, inputs: Any, output: Any) -> None:
             if not torch.is_grad_enabled():
                 return
+            step = self.current_step
+            do_stats, do_samples = self._active(step)
+            if not (do_stats or do_samples) and name in self._shapes:
+                return              # nothing taken on this step (calls are counted on taken steps)
             out = _first_grad_tensor(output)
             if out is None:
                 return
-            step = self.current_step
-            do_stats, do_samples = self._active(step)
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
             if name not in self._shapes:
@@ -342,7 +344,10 @@ class Tracer:
                 self._record(step, name, "act", call, out.detach(), do_stats, do_samples)
             if "grad" in self.kinds:
                 def tensor_hook(grad: torch.Tensor) -> None:
-                    self._record(step, name, "grad", call, grad, do_stats, do_samples)
+                    if torch.compiler.is_compiling():    # traced (compiled autograd): kept out
+                        self._record(step, name, "grad", call, grad, do_stats, do_samples)
+                    else:                                # eager, the common case: no wrapper
+                        self._record_now(step, name, "grad", call, grad, do_stats, do_samples)
                 out.register_hook(tensor_hook)
         return forward_hook
 
@@ -357,6 +362,12 @@ class Tracer:
     @torch.compiler.disable
     def _record(self, step: int, layer: str, kind: str, call: int, t: torch.Tensor,
                 do_stats: bool, do_samples: bool) -> None:
+        """:meth:`_record_now`, never traced by the compiler (a hook inside a compiled region
+        runs it eagerly)."""
+        self._record_now(step, layer, kind, call, t, do_stats, do_samples)
+
+    def _record_now(self, step: int, layer: str, kind: str, call: int, t: torch.Tensor,
+                    do_stats: bool, do_samples: bool) -> None:
         # every tensor read here is detached first (or only its memory is): no graph is recorded,
         # with or without grad mode
         vec = None

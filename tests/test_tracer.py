@@ -126,6 +126,30 @@ def test_capture_equals_autograd_exactly(case, tmp_path):
         assert sorted(stats[stats.layer == "shared"]["call"]) == [0, 1]
 
 
+def test_compiled_model_is_traced(tmp_path):
+    """A model run through torch.compile is traced like the eager one: the hooks registered in
+    the compiled forward fire in the backward and record the same gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(32, 8)
+    ref = retained_grads(model, x, ["0", "2"])
+    compiled = torch.compile(model)
+    with gradstats.trace(model, tmp_path, samples=None, sample_every=1) as tr:
+        for _ in range(2):
+            compiled(x).square().mean().backward()
+            tr.step()
+    run = gradstats.open_run(tmp_path)
+    stats = run.stats()
+    assert run.steps == [0, 1] and len(stats) == 4
+    for (name, call), g in ref.items():
+        for step in (0, 1):
+            torch.testing.assert_close(run.samples(name, step, call=call), g.reshape(-1))
+            row = stats[(stats.layer == name) & (stats.step == step)].iloc[0]
+            exp = tensor_stats(g)
+            assert row["n"] == exp["n"] and row["n_zero"] == exp["n_zero"]
+            assert row["sum_abs"] == pytest.approx(exp["sum_abs"], rel=1e-5)
+
+
 def test_default_selection_is_modules_with_parameters(tmp_path):
     model = ResCNN()
     tr = gradstats.Tracer(model, tmp_path)
