@@ -159,6 +159,11 @@ def test_large_tensor_counts_are_exact():
     s = tensor_stats(x)
     assert s["n_zero"] == int((x == 0).sum())
     assert int(s["hist"].sum()) == x.numel() - s["n_zero"]
+    # every bin exact: counts of millions in one bin and window (the kernel's counts carry
+    # through several levels of bit-sliced counters)
+    a = x.numpy()
+    _, e = np.frexp(a[a != 0])
+    np.testing.assert_array_equal(s["hist"], np.bincount(e - 1 - HIST_MIN_EXP, minlength=HIST_BINS))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
@@ -230,3 +235,28 @@ def test_vector_roundtrip_and_errors():
         tensor_stats(torch.arange(3))
     with pytest.raises(ValueError, match="torch.Tensor"):
         tensor_stats([1.0, 2.0])
+
+
+def test_rows_written_in_place_equal_vectors():
+    """write_stats into VectorRows (several pages) gives the vectors of tensor_stats_vector;
+    tensors the kernel cannot take as they are are refused with a clear error."""
+    xs = [lognormal(1000 + 37 * i, seed=i) for i in range(150)]
+    odd = [torch.randn(8, 8).t(), torch.randn(10).half(), torch.zeros(0)]
+    if not stats_mod.has_native_kernel():
+        assert not any(stats_mod.kernel_applies(x) for x in xs + odd)
+        with pytest.raises(ValueError, match="contiguous float32 CPU tensor"):
+            stats_mod.write_stats(xs[0], 0)
+        return
+    rows = stats_mod.VectorRows()
+    for x in xs:
+        assert stats_mod.kernel_applies(x)
+        stats_mod.write_stats(x, rows.claim())
+    assert len(rows) == 150
+    got = rows.take()
+    assert got.shape == (150, stats_mod.VECTOR_LEN) and len(rows) == 0
+    want = torch.stack([tensor_stats_vector(x) for x in xs]).numpy()
+    np.testing.assert_array_equal(got, want)
+    for x in odd:
+        assert not stats_mod.kernel_applies(x)
+        with pytest.raises(ValueError, match="contiguous float32 CPU tensor"):
+            stats_mod.write_stats(x, rows.claim())

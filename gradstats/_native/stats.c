@@ -22,12 +22,14 @@
  *   compare, b - 1 < bits(inf) - 1, and vpcompressd; the zeros, n less those, need no further
  *   work: most of a ReLU layer's gradient; a block whose maximum is inf or NaN is gone over
  *   again to count those); the second, over the compacted entries in L1, sums them, takes
- *   ln|x| and counts the binades in registers: the block's largest |x| places a window of 32
- *   binades ending two above it (kept while the blocks' maxima stay near its top); 4-bit
- *   counters, eight binades per 32-bit lane, are added as one-hot nibbles (1 << 4 (binade mod 8),
- *   from a permute) under a mask per group of eight, widened to bytes every 15 vectors and to
- *   32-bit per-lane counts per block; entries outside the window (rare) and subnormals are
- *   counted one by one. The cache lines of the next blocks are requested while a block computes.
+ *   ln|x| and counts the binades: the block's largest |x| places a window of 32 binades
+ *   ending two above it (kept while the blocks' maxima stay near its top), so that an entry's
+ *   binade is one bit of its lane (one variable shift); these one-hot vectors are counted
+ *   bit-sliced, each bit position on its own: carry-save adders sum 16 vectors at a time into
+ *   bit planes of weight 1..8 (Harley-Seal: two instructions a vector), their carries 16 at a
+ *   time into planes of weight 16..128, whose carries (256 each) are counted out at once; the
+ *   planes are counted out (popcounts) when the window closes. Entries outside the window
+ *   (rare) and subnormals are counted one by one. The cache lines of the next blocks are requested while a block computes.
  *
  * The top k are kept as bit patterns per thread (non-negative floats order like their bits). The
  * portable loop keeps a min-heap and scans a block for candidates only when its maximum beats the
@@ -205,9 +207,12 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
 typedef struct {
     __m512d s, sa, ss, sl, sl2;        /* per-lane sums in double, across blocks */
     __m512i minb;
-    __m512i W[32];                      /* per-lane counts of the window's 32 binades */
+    /* the binade counts of the window (its 32 binades: the 32 bits of a lane), bit-sliced: ring
+     * holds the one-hot vectors of pass 2 not yet summed, c1 the counts' bits of weight 1, 2, 4, 8
+     * per lane and binade, ring2 the carries (16s) not yet summed, c2 the bits of weight 16..128 */
+    __m512i ring[16], ring2[16], c1[4], c2[4];
+    int nring, nring2;
     int base;                           /* exponent field of the window's first binade; 0: none */
-    int64_t blocks_in_window;           /* flushed before 2^18: a bin's total stays below 2^31 */
     int ncand;                          /* candidates for the top k since the last selection */
     uint32_t cand[CAND_CAP + MAX_TOP + 16];
 } vacc_t;
@@ -291,25 +296,72 @@ static inline __m512d cvt_hi(__m512 v) {
     return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
-/* the counts of group j's eight binades, a nibble each per lane, added to bytes: B[2j] gets the
- * even binades of the group (bytes 0..3 = binades 0, 2, 4, 6), B[2j + 1] the odd ones */
-static inline void widen_nibbles(__m512i *B, __m512i n0, __m512i n1, __m512i n2, __m512i n3) {
-    const __m512i NIB = _mm512_set1_epi32(0x0f0f0f0f);
-    __m512i nib[4] = {n0, n1, n2, n3};
-    for (int j = 0; j < 4; j++) {
-        B[2 * j] = _mm512_add_epi32(B[2 * j], _mm512_and_si512(nib[j], NIB));
-        B[2 * j + 1] = _mm512_add_epi32(B[2 * j + 1], _mm512_and_si512(_mm512_srli_epi32(nib[j], 4), NIB));
+/* a carry-save adder: h, l the high and low bits of a + b + c, bit by bit */
+static inline void csa(__m512i *h, __m512i *l, __m512i a, __m512i b, __m512i c) {
+    *h = _mm512_ternarylogic_epi32(a, b, c, 0xe8);
+    *l = _mm512_ternarylogic_epi32(a, b, c, 0x96);
+}
+
+/* Harley-Seal: adds the 16 bit vectors d, bit position by bit position, into the bit-sliced
+ * counts c[0..4) (weights 1, 2, 4, 8); returns the carry out, of weight 16 (15 adders, two
+ * instructions each, for 16 vectors) */
+static inline __m512i harley_seal16(__m512i *c, const __m512i *d) {
+    __m512i ones = c[0], twos = c[1], fours = c[2], eights = c[3];
+    __m512i twosA, twosB, foursA, foursB, eightsA, eightsB, sixteens;
+    csa(&twosA, &ones, ones, d[0], d[1]);
+    csa(&twosB, &ones, ones, d[2], d[3]);
+    csa(&foursA, &twos, twos, twosA, twosB);
+    csa(&twosA, &ones, ones, d[4], d[5]);
+    csa(&twosB, &ones, ones, d[6], d[7]);
+    csa(&foursB, &twos, twos, twosA, twosB);
+    csa(&eightsA, &fours, fours, foursA, foursB);
+    csa(&twosA, &ones, ones, d[8], d[9]);
+    csa(&twosB, &ones, ones, d[10], d[11]);
+    csa(&foursA, &twos, twos, twosA, twosB);
+    csa(&twosA, &ones, ones, d[12], d[13]);
+    csa(&twosB, &ones, ones, d[14], d[15]);
+    csa(&foursB, &twos, twos, twosA, twosB);
+    csa(&eightsB, &fours, fours, foursA, foursB);
+    csa(&sixteens, &eights, eights, eightsA, eightsB);
+    c[0] = ones; c[1] = twos; c[2] = fours; c[3] = eights;
+    return sixteens;
+}
+
+/* the counts that bit plane p (bit j of each lane: binade base + j) stands for, w each */
+static void add_plane(acc_t *acc, int base, __m512i p, int64_t w) {
+    if (!_mm512_test_epi32_mask(p, p)) return;
+    for (int j = 0; j < 32; j++)
+        acc->hist[0][base + j + 22] += w * __builtin_popcount((unsigned)_mm512_test_epi32_mask(p, _mm512_set1_epi32((int)(1u << j))));
+}
+
+/* a full ring of one-hot vectors summed into c1; its carry into ring2, summed into c2 when full */
+static void ring_full(vacc_t *va, acc_t *acc) {
+    va->ring2[va->nring2++] = harley_seal16(va->c1, va->ring);
+    va->nring = 0;
+    if (va->nring2 == 16) {
+        add_plane(acc, va->base, harley_seal16(va->c2, va->ring2), 256);
+        va->nring2 = 0;
     }
 }
 
+/* the window's counts into acc->hist; the window closed */
 static void window_flush(vacc_t *va, acc_t *acc) {
     if (va->base == 0) return;
-    for (int j = 0; j < 32; j++) {
-        acc->hist[0][va->base + j + 22] += _mm512_reduce_add_epi32(va->W[j]);
-        va->W[j] = _mm512_setzero_si512();
+    if (va->nring > 0) {
+        while (va->nring < 16) va->ring[va->nring++] = _mm512_setzero_si512();
+        ring_full(va, acc);
+    }
+    if (va->nring2 > 0) {
+        while (va->nring2 < 16) va->ring2[va->nring2++] = _mm512_setzero_si512();
+        add_plane(acc, va->base, harley_seal16(va->c2, va->ring2), 256);
+        va->nring2 = 0;
+    }
+    for (int j = 0; j < 4; j++) {
+        add_plane(acc, va->base, va->c1[j], (int64_t)1 << j);
+        add_plane(acc, va->base, va->c2[j], (int64_t)16 << j);
+        va->c1[j] = va->c2[j] = _mm512_setzero_si512();
     }
     va->base = 0;
-    va->blocks_in_window = 0;
 }
 
 /* scalar handling of subnormal lanes: ln|x| and the binade */
@@ -325,13 +377,11 @@ static void subnormal_lanes(const uint32_t *bits, __mmask16 k, acc_t *acc, doubl
     }
 }
 
-/* pass 2's running state: per-lane float sums over the block, the nibble counters of the four
- * groups of eight binades, their byte-wide totals, the subnormals' log sums */
+/* pass 2's running state: per-lane float sums over the block, the subnormals' log sums */
 typedef struct {
     __m512 s, sa, ss, sl, sl2;
-    __m512i nib0, nib1, nib2, nib3, B[8];
     double dsl, dsl2;
-    int since_flush;
+    int nring;                          /* va->nring while the block runs */
 } p2_t;
 
 /* One vector of pass 2 (16 compacted entries at p). nrm: the lanes that hold entries; masked,
@@ -343,7 +393,7 @@ typedef struct {
  * below 6e-10 absolute, 2e-8 relative). */
 static inline __attribute__((always_inline)) void pass2_vec(
         const uint32_t *p, __mmask16 nrm, const int masked, const int subs, const int hist, __m512i BASE,
-        p2_t *st, acc_t *acc, int64_t v, int64_t next1, const float *pf) {
+        p2_t *st, acc_t *acc, vacc_t *va, int64_t v, int64_t next1, const float *pf) {
     const __m512i ABS = _mm512_set1_epi32(0x7fffffff), ONE = _mm512_set1_epi32(1);
     const __m512 LN2 = _mm512_set1_ps(0.693147180559945309f);
     __m512i raw = _mm512_load_si512(p);
@@ -381,39 +431,23 @@ static inline __attribute__((always_inline)) void pass2_vec(
         st->sl2 = _mm512_fmadd_ps(ln, ln, st->sl2);
     }
     if (hist) {
-        const __m512i HOT = _mm512_set_epi32(1 << 28, 1 << 24, 1 << 20, 1 << 16, 1 << 12, 1 << 8, 1 << 4, 1,
-                                             1 << 28, 1 << 24, 1 << 20, 1 << 16, 1 << 12, 1 << 8, 1 << 4, 1);
         __m512i e = _mm512_srli_epi32(b, 23);
         __m512i idx = _mm512_sub_epi32(e, BASE);
-        __m512i g = _mm512_srli_epi32(idx, 3);
-        __m512i hot = _mm512_permutexvar_epi32(idx, HOT);     /* 1 << 4 (idx mod 8) */
-        __mmask16 k0, k1, k2, k3, out;
-        if (lanes_out) {
-            k0 = _mm512_mask_cmpeq_epi32_mask(nrm, g, _mm512_setzero_si512());
-            k1 = _mm512_mask_cmpeq_epi32_mask(nrm, g, ONE);
-            k2 = _mm512_mask_cmpeq_epi32_mask(nrm, g, _mm512_set1_epi32(2));
-            k3 = _mm512_mask_cmpeq_epi32_mask(nrm, g, _mm512_set1_epi32(3));
-            out = _mm512_mask_cmpgt_epu32_mask(nrm, g, _mm512_set1_epi32(3));
-        } else {
-            k0 = _mm512_cmpeq_epi32_mask(g, _mm512_setzero_si512());
-            k1 = _mm512_cmpeq_epi32_mask(g, ONE);
-            k2 = _mm512_cmpeq_epi32_mask(g, _mm512_set1_epi32(2));
-            k3 = _mm512_cmpeq_epi32_mask(g, _mm512_set1_epi32(3));
-            out = _mm512_cmpgt_epu32_mask(g, _mm512_set1_epi32(3));
-        }
-        st->nib0 = _mm512_mask_add_epi32(st->nib0, k0, st->nib0, hot);
-        st->nib1 = _mm512_mask_add_epi32(st->nib1, k1, st->nib1, hot);
-        st->nib2 = _mm512_mask_add_epi32(st->nib2, k2, st->nib2, hot);
-        st->nib3 = _mm512_mask_add_epi32(st->nib3, k3, st->nib3, hot);
+        /* the binade as one bit of the lane (a shift by 32 or more, or by a negative count, is 0:
+         * below or above the window, the padding, subnormals) */
+        __m512i hot = lanes_out ? _mm512_maskz_sllv_epi32(nrm, ONE, idx) : _mm512_sllv_epi32(ONE, idx);
+        __mmask16 out = lanes_out ? _mm512_mask_cmpgt_epu32_mask(nrm, idx, _mm512_set1_epi32(31))
+                                  : _mm512_cmpgt_epu32_mask(idx, _mm512_set1_epi32(31));
         if (__builtin_expect(out != 0, 0)) {
             uint32_t ev[16];
             _mm512_storeu_si512(ev, e);
             while (out) { int i = __builtin_ctz(out); out &= out - 1; acc->hist[0][ev[i] + 22]++; }
         }
-        if (++st->since_flush == 15) {      /* nibbles to bytes before a nibble can wrap */
-            widen_nibbles(st->B, st->nib0, st->nib1, st->nib2, st->nib3);
-            st->nib0 = st->nib1 = st->nib2 = st->nib3 = _mm512_setzero_si512();
-            st->since_flush = 0;
+        va->ring[st->nring] = hot;
+        if (++st->nring == 16) {
+            va->nring = 16;
+            ring_full(va, acc);
+            st->nring = 0;
         }
     }
 }
@@ -485,53 +519,38 @@ static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead
     if (count_hist) {
         int top = (int)(maxb >> 23);
         if (top < 1) top = 1;
-        if (base == 0 || top > base + 31 || top < base + 24 || va->blocks_in_window >= (1 << 18)) {
+        if (base == 0 || top > base + 31 || top < base + 24) {
             window_flush(va, acc);
             base = top - 29;
             if (base < 1) base = 1;
             if (base > 223) base = 223;
             va->base = base;
         }
-        va->blocks_in_window++;
     }
 
     /* pass 2 over the non-zero finite entries (in L1): sums, ln|x|, the binade counts; the full
      * vectors of a block without subnormals (nearly all) in a loop with no masks at all */
     p2_t st;
     st.s = st.sa = st.ss = st.sl = st.sl2 = _mm512_setzero_ps();
-    st.nib0 = st.nib1 = st.nib2 = st.nib3 = _mm512_setzero_si512();
-    for (int j = 0; j < 8; j++) st.B[j] = _mm512_setzero_si512();
     st.dsl = st.dsl2 = 0.;
-    st.since_flush = 0;
+    st.nring = va->nring;
     const __m512i BASE = _mm512_set1_epi32(base);
     int64_t nfv = pos / 16;
     const float *pf = x + m;                 /* the next block: its lines requested from here */
     if (!has_sub && count_hist)
-        for (int64_t v = 0; v < nfv; v++) pass2_vec(nzb + 16 * v, 0xffff, 0, 0, 1, BASE, &st, acc, v, next1, pf);
+        for (int64_t v = 0; v < nfv; v++) pass2_vec(nzb + 16 * v, 0xffff, 0, 0, 1, BASE, &st, acc, va, v, next1, pf);
     else if (!has_sub)
-        for (int64_t v = 0; v < nfv; v++) pass2_vec(nzb + 16 * v, 0xffff, 0, 0, 0, BASE, &st, acc, v, next1, pf);
+        for (int64_t v = 0; v < nfv; v++) pass2_vec(nzb + 16 * v, 0xffff, 0, 0, 0, BASE, &st, acc, va, v, next1, pf);
     else
         for (int64_t v = 0; v < nfv; v++)
-            pass2_vec(nzb + 16 * v, 0xffff, 0, 1, count_hist, BASE, &st, acc, v, next1, pf);
+            pass2_vec(nzb + 16 * v, 0xffff, 0, 1, count_hist, BASE, &st, acc, va, v, next1, pf);
     if (pos % 16)      /* the last vector: the padding zeros add nothing to the sums, its mask
                         * keeps them out of the rest */
         pass2_vec(nzb + 16 * nfv, (__mmask16)((1u << (pos % 16)) - 1u), 1, has_sub, count_hist, BASE, &st,
-                  acc, nfv, next1, pf);
+                  acc, va, nfv, next1, pf);
     __m512 s = st.s, sa = st.sa, ss = st.ss, sl = st.sl, sl2 = st.sl2;
-    __m512i *B = st.B;
     double dsl = st.dsl, dsl2 = st.dsl2;
-    if (count_hist) {
-        const __m512i BYTE = _mm512_set1_epi32(0xff);
-        widen_nibbles(B, st.nib0, st.nib1, st.nib2, st.nib3);
-        /* B[2j + h], byte q of each lane (at most 128 per block): binade base + 8j + 2q + h */
-        for (int j = 0; j < 4; j++)
-            for (int h = 0; h < 2; h++)
-                for (int q = 0; q < 4; q++) {
-                    int w = 8 * j + 2 * q + h;
-                    __m512i count = _mm512_and_si512(_mm512_srli_epi32(B[2 * j + h], 8 * q), BYTE);
-                    va->W[w] = _mm512_add_epi32(va->W[w], count);
-                }
-    }
+    va->nring = st.nring;
     va->s = _mm512_add_pd(va->s, _mm512_add_pd(cvt_lo(s), cvt_hi(s)));
     va->sa = _mm512_add_pd(va->sa, _mm512_add_pd(cvt_lo(sa), cvt_hi(sa)));
     va->ss = _mm512_add_pd(va->ss, _mm512_add_pd(cvt_lo(ss), cvt_hi(ss)));
