@@ -50,6 +50,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stddef.h>
 #include <math.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -70,14 +71,16 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && !defined(GS_PORTABLE)
 #define GS_AVX512 1
 #include <immintrin.h>
+#define HIST_COPIES 1    /* binade counts: one copy (the AVX-512 loop counts in registers) */
 #else
 #define GS_AVX512 0
+#define HIST_COPIES 8    /* eight interleaved copies (see the portable loop) */
 #endif
 
 typedef struct {
     double n_zero, n_nonfinite, sum, sum_abs, sum_sq, sum_ln, sum_ln_sq;
     uint32_t minb, maxb;
-    int64_t hist[8][HIST_BINS + 1];
+    int64_t hist[HIST_COPIES][HIST_BINS + 1];
     int count_hist;              /* 0: skip the binade counts (hist == NULL) */
     int k, ntop;                 /* heap capacity and size */
     uint32_t top[MAX_TOP];       /* min-heap of the largest |x| bit patterns seen */
@@ -210,10 +213,12 @@ typedef struct {
     /* the binade counts of the window (its 32 binades: the 32 bits of a lane), bit-sliced: ring
      * holds the one-hot vectors of pass 2 not yet summed, c1 the counts' bits of weight 1, 2, 4, 8
      * per lane and binade, ring2 the carries (16s) not yet summed, c2 the bits of weight 16..128 */
-    __m512i ring[16], ring2[16], c1[4], c2[4];
+    __m512i c1[4], c2[4];
     int nring, nring2;
     int base;                           /* exponent field of the window's first binade; 0: none */
     int ncand;                          /* candidates for the top k since the last selection */
+    /* buffers last (gs_stats_f32 zeroes what precedes ring) */
+    __m512i ring[16], ring2[16];
     uint32_t cand[CAND_CAP + MAX_TOP + 16];
 } vacc_t;
 
@@ -590,8 +595,8 @@ int gs_stats_f32(const float *x, int64_t n, double *out, double *hist, double *t
         acc.k = k;
         acc.count_hist = hist != NULL;
 #if GS_AVX512
-        vacc_t va;
-        memset(&va, 0, sizeof va);
+        vacc_t va;      /* everything but the buffers (ring, ring2, cand: written before read) */
+        memset(&va, 0, offsetof(vacc_t, ring));
         va.minb = _mm512_set1_epi32(0x7fffffff);
 #endif
         /* each thread takes one contiguous run of blocks (and requests its next blocks early) */
@@ -631,7 +636,7 @@ int gs_stats_f32(const float *x, int64_t n, double *out, double *hist, double *t
             total.sum_ln += acc.sum_ln; total.sum_ln_sq += acc.sum_ln_sq;
             if (acc.minb < total.minb) total.minb = acc.minb;
             if (acc.maxb > total.maxb) total.maxb = acc.maxb;
-            for (int j = 0; j < 8; j++)
+            for (int j = 0; j < HIST_COPIES; j++)
                 for (int b = 0; b < HIST_BINS; b++) total.hist[0][b] += acc.hist[j][b];
             for (int j = 0; j < acc.ntop; j++) heap_push(&total, acc.top[j]);
         }
