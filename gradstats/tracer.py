@@ -386,6 +386,8 @@ class Tracer:
             if k is not None and flat.numel() > k:
                 flat = flat[sample_indices(flat.numel(), k, self._generator(flat.device), flat.device)]
             sample = (flat.to(torch.float32).clone(), t.numel())
+        if vec is None and sample is None:
+            return
         with self._lock:
             if vec is not None:
                 self._pending.append((step, layer, kind, call, vec))
