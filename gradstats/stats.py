@@ -247,8 +247,9 @@ def tensor_stats_vector(g: torch.Tensor, *, full: bool = True) -> torch.Tensor:
     are NaN), which the CPU kernel computes faster (what a refresh of the lognormal and bell
     models needs: :func:`gradstats.apply`).
 
-    Use :func:`vector_to_stats` to turn it into a dict. The tracer keeps vectors on the
-    device and converts them in one batch when it flushes.
+    Use :func:`vector_to_stats` to turn it into a dict. The tracer keeps the vectors of device
+    tensors on the device and converts them in one batch when it flushes; those of CPU tensors
+    the kernel writes in place into rows (:func:`write_stats`, :class:`VectorRows`).
 
     Example:
         >>> import torch
