@@ -307,26 +307,26 @@ static inline void csa(__m512i *h, __m512i *l, __m512i a, __m512i b, __m512i c) 
     *l = _mm512_ternarylogic_epi32(a, b, c, 0x96);
 }
 
+/* eight bit vectors d added into the bit-sliced counts ones, twos, fours; returns the carry
+ * of weight 8 */
+static inline __m512i csa8(__m512i *ones, __m512i *twos, __m512i *fours, const __m512i *d) {
+    __m512i twosA, twosB, foursA, foursB, eights;
+    csa(&twosA, ones, *ones, d[0], d[1]);
+    csa(&twosB, ones, *ones, d[2], d[3]);
+    csa(&foursA, twos, *twos, twosA, twosB);
+    csa(&twosA, ones, *ones, d[4], d[5]);
+    csa(&twosB, ones, *ones, d[6], d[7]);
+    csa(&foursB, twos, *twos, twosA, twosB);
+    csa(&eights, fours, *fours, foursA, foursB);
+    return eights;
+}
+
 /* Harley-Seal: adds the 16 bit vectors d, bit position by bit position, into the bit-sliced
  * counts c[0..4) (weights 1, 2, 4, 8); returns the carry out, of weight 16 (15 adders, two
  * instructions each, for 16 vectors) */
 static inline __m512i harley_seal16(__m512i *c, const __m512i *d) {
-    __m512i ones = c[0], twos = c[1], fours = c[2], eights = c[3];
-    __m512i twosA, twosB, foursA, foursB, eightsA, eightsB, sixteens;
-    csa(&twosA, &ones, ones, d[0], d[1]);
-    csa(&twosB, &ones, ones, d[2], d[3]);
-    csa(&foursA, &twos, twos, twosA, twosB);
-    csa(&twosA, &ones, ones, d[4], d[5]);
-    csa(&twosB, &ones, ones, d[6], d[7]);
-    csa(&foursB, &twos, twos, twosA, twosB);
-    csa(&eightsA, &fours, fours, foursA, foursB);
-    csa(&twosA, &ones, ones, d[8], d[9]);
-    csa(&twosB, &ones, ones, d[10], d[11]);
-    csa(&foursA, &twos, twos, twosA, twosB);
-    csa(&twosA, &ones, ones, d[12], d[13]);
-    csa(&twosB, &ones, ones, d[14], d[15]);
-    csa(&foursB, &twos, twos, twosA, twosB);
-    csa(&eightsB, &fours, fours, foursA, foursB);
+    __m512i ones = c[0], twos = c[1], fours = c[2], eights = c[3], sixteens;   /* in registers */
+    __m512i eightsA = csa8(&ones, &twos, &fours, d), eightsB = csa8(&ones, &twos, &fours, d + 8);
     csa(&sixteens, &eights, eights, eightsA, eightsB);
     c[0] = ones; c[1] = twos; c[2] = fours; c[3] = eights;
     return sixteens;
