@@ -376,10 +376,9 @@ class Tracer:
         vec = None
         if do_stats:
             if kernel_applies(t):     # the common case on the CPU: the kernel writes a row in place
-                with self._lock:
-                    address = self._rows.claim()
+                with self._lock:      # (held while it writes: a flush never takes a half-written row)
+                    write_stats(t, self._rows.claim())
                     self._row_keys.append((step, layer, kind, call))
-                write_stats(t, address)
             else:
                 vec = tensor_stats_vector(t)
         sample = None
