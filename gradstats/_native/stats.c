@@ -339,10 +339,10 @@ static void add_plane(acc_t *acc, int base, __m512i p, int64_t w) {
         acc->hist[0][base + j + 22] += w * __builtin_popcount((unsigned)_mm512_test_epi32_mask(p, _mm512_set1_epi32((int)(1u << j))));
 }
 
-/* a full ring of one-hot vectors summed into c1; its carry into ring2, summed into c2 when full */
+/* a full ring of one-hot vectors summed into c1 (the caller empties the ring); its carry into
+ * ring2, summed into c2 when full */
 static void ring_full(vacc_t *va, acc_t *acc) {
     va->ring2[va->nring2++] = harley_seal16(va->c1, va->ring);
-    va->nring = 0;
     if (va->nring2 == 16) {
         add_plane(acc, va->base, harley_seal16(va->c2, va->ring2), 256);
         va->nring2 = 0;
@@ -355,6 +355,7 @@ static void window_flush(vacc_t *va, acc_t *acc) {
     if (va->nring > 0) {
         while (va->nring < 16) va->ring[va->nring++] = _mm512_setzero_si512();
         ring_full(va, acc);
+        va->nring = 0;
     }
     if (va->nring2 > 0) {
         while (va->nring2 < 16) va->ring2[va->nring2++] = _mm512_setzero_si512();
@@ -450,7 +451,6 @@ static inline __attribute__((always_inline)) void pass2_vec(
         }
         va->ring[st->nring] = hot;
         if (++st->nring == 16) {
-            va->nring = 16;
             ring_full(va, acc);
             st->nring = 0;
         }
