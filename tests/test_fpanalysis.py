@@ -413,13 +413,15 @@ def test_bad_input(call, match):
 # ----------------------------------------------------------------------------- real gradients (small)
 @pytest.fixture(scope="module")
 def cnn_gradients(tmp_path_factory):
-    """Every layer's neural gradient (2**15 sampled entries) of a BatchNorm CNN after 10 steps on the
-    committed Fashion-MNIST subset: the three-model experiment (experiments/fpanalysis_real.py) in small."""
+    """Every layer's whole neural gradient (1,280 to 3.2M entries) of a BatchNorm CNN after 10 steps
+    on the committed Fashion-MNIST subset: the three-model experiment (experiments/fpanalysis_real.py)
+    in small. Whole tensors, not samples: a brute-force verdict at 8 bits rests on the few largest
+    entries, so on a 2**15 sample it depends on which sample it is."""
     from gradstats.training import prepare
 
     path = tmp_path_factory.mktemp("fpa") / "run"
     task = prepare("cnn", source="subset", subset=512, test_subset=100)
-    with gradstats.trace(task.model, path, every=[9], sample_every=[9], samples=1 << 15) as tr:
+    with gradstats.trace(task.model, path, every=[9], sample_every=[9], samples=None) as tr:
         task.run(10, progress=False, test=None, callback=lambda step, loss: tr.step())
     run = gradstats.open_run(path)
     return {layer: run.samples(layer, 9) for layer in run.layers}
@@ -447,22 +449,25 @@ def test_prediction_matches_brute_force_on_lognormal_twins(cnn_gradients):
 
 def test_real_gradients_small(cnn_gradients):
     """Real gradients deviate from the lognormal (skewed ln|g|), so the agreement is weaker than on
-    the twins (the three-model numbers: docs/fpanalysis.md). What holds on this CNN: at 4 bits the
-    issue's criterion (the energy-weighted fit, given the tensor's maximum, picks the brute-force best
-    split and scale in >= 90% of layers, else within 10%); at 8 bits the pick costs at most twice the
-    best; the predicted error is within a factor 10 of the measured one, and biased low (the model
-    misses the real lower tail); and it never does worse than the prediction from (mu, sigma) alone,
-    which is off by orders of magnitude."""
+    the twins (the three-model numbers: docs/fpanalysis.md). What holds on this CNN's whole tensors:
+    at 4 bits the issue's criterion (the energy-weighted fit, given the tensor's maximum, picks the
+    brute-force best split and scale in >= 90% of layers, else within 10%), and the pick is never
+    worse than the prediction from (mu, sigma) alone, which is off by orders of magnitude; at 4 and
+    8 bits the predicted error is within a factor 10 of the measured one. At 8 bits the lognormal's
+    pick can cost several times the best (conv2: 5.5x): the real lower tail is longer than the
+    lognormal's, and at 8 bits the format reaches it. The histogram predictor, which sees that
+    tail, is never worse than the energy fit and matches the brute force (next test)."""
     four = []
     for layer, x in cnn_gradients.items():
         for bits in (4, 8):
             cache: dict = {}
             e = fa.check_prediction(x, bits, fit="energy", measured=cache, window=4)
-            p = fa.check_prediction(x, bits, use_amax=False, measured=cache, window=2)
+            h = fa.check_prediction(x, bits, fit="histogram", measured=cache, window=4)
             assert 0.1 < e.predicted_error / e.measured_at_predicted < 2, (layer, bits, e)
-            assert e.excess < 1.0, (layer, bits, e)
-            assert e.measured_at_predicted <= p.measured_at_predicted * (1 + 1e-9), (layer, bits, e, p)
+            assert h.measured_at_predicted <= e.measured_at_predicted * (1 + 1e-9), (layer, bits, e, h)
             if bits == 4:
+                p = fa.check_prediction(x, bits, use_amax=False, measured=cache, window=2)
+                assert e.measured_at_predicted <= p.measured_at_predicted * (1 + 1e-9), (layer, bits, e, p)
                 four.append(e)
     assert np.mean([c.match or c.tie for c in four]) >= 0.9 and max(c.excess for c in four) <= 0.10
 
