@@ -23,7 +23,9 @@
  *
  * The uniforms come from a counter-based hash of (seed, index): reproducible and independent
  * of the thread count; 24-bit uniforms for pruning and subnormal rounding, 23-M random bits
- * for stochastic rounding in the normal range. The index enters modulo 2^32.
+ * for stochastic rounding in the normal range. The index enters as 2 i + seed_lo in 32-bit
+ * arithmetic, so the stream repeats every 2^31 entries (entries i and i + 2^31 of a larger tensor
+ * draw the same uniforms: each is still unbiased, the pair is not independent).
  *
  * With quant = 0 this is also the CPU float32 path of gradstats.pruning.stochastic_prune
  * (gradstats/pruning/_cpu.py: native_uniforms reproduces the pruning uniforms there).

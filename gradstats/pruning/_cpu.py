@@ -305,7 +305,7 @@ def native_uniforms(seed: int, n: int) -> np.ndarray:
     """The float32 uniforms :func:`native_stochastic_prune` uses for ``seed`` at indices
     ``0..n-1`` (for tests and reproduction): ``h = fmix32(2 i + seed_lo) ^ seed_hi``, then
     ``u = (fmix32(h) >> 8) * 2^-24``, with ``seed_lo``/``seed_hi`` the low and high 32 bits of
-    ``seed`` and the index taken modulo 2^32.
+    ``seed``, in 32-bit arithmetic (so the stream repeats every 2^31 indices).
 
     Example:
         >>> u = native_uniforms(7, 5)
