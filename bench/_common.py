@@ -56,27 +56,60 @@ def interleaved(configs: dict[str, Callable[[], float]], rounds: int) -> dict[st
     return {k: statistics.median(v) for k, v in _rounds(configs, rounds).items()}
 
 
+def median_ci(values: list[float], level: float = 0.90) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median of ``values`` (independent rounds):
+    the order statistics ``j < k`` with ``P(X_(j) <= median <= X_(k)) >= level`` under the binomial
+    law of how many values fall below the median. Too few values for ``level``: their range."""
+    from scipy.stats import binom
+
+    xs, n = sorted(values), len(values)
+    best = (xs[0], xs[-1])
+    for j in range(n // 2, 0, -1):           # j-th smallest and j-th largest, 1-based, widening
+        if binom.cdf(n - j, n, 0.5) - binom.cdf(j - 1, n, 0.5) >= level:
+            return xs[j - 1], xs[n - j]
+    return best
+
+
 def interleaved_ratios(configs: dict[str, Callable[[], float]], rounds: int,
-                       reference: str = "plain") -> dict[str, tuple[float, float, float, float]]:
+                       reference: str = "plain") -> dict[str, tuple[float, ...]]:
     """Like :func:`interleaved`, but each round's time is also divided by the reference's time of
     the same round: on a shared machine whose speed drifts, paired ratios are steadier than a
-    ratio of medians. Returns ``{label: (median seconds, median ratio, ratio q1, ratio q3)}``."""
+    ratio of medians. Returns ``{label: (median seconds, median ratio, ratio q1, ratio q3, 90%
+    confidence interval of the median ratio: low, high)}``."""
     times = _rounds(configs, rounds)
     out = {}
     for k, v in times.items():
         ratios = sorted(a / b for a, b in zip(v, times[reference]))
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-        out[k] = (statistics.median(v), statistics.median(ratios), q[0], q[2])
+        out[k] = (statistics.median(v), statistics.median(ratios), q[0], q[2], *median_ci(ratios))
     return out
 
 
-def print_table(rows: list[tuple], header: str) -> None:
-    """Rows ``(model, configuration, seconds, ratio)`` or with the ratio's quartiles appended."""
+def verdict(ratio_ci: tuple[float, float], target: float) -> str:
+    """Whether a median ratio meets ``target`` (at most), given its confidence interval:
+    ``met`` (the interval lies at or below it), ``not met`` (above it) or ``within noise``."""
+    lo, hi = ratio_ci
+    return "met" if hi <= target else "not met" if lo > target else "within noise"
+
+
+def print_table(rows: list[tuple], header: str, targets: dict[str, float] | None = None) -> None:
+    """Rows ``(model, configuration, seconds, ratio)``, optionally followed by the ratio's quartiles
+    and the 90% confidence interval of its median; ``targets``: configuration -> the most its
+    ratio may be, shown with a verdict (see :func:`verdict`)."""
     print(header)
     iqr = any(len(r) > 4 for r in rows)
-    print(f"{'model':<10} {'configuration':<34} {'ms/step':>9} {'ratio':>7}" + ("   ratio q1-q3" if iqr else ""))
+    ci = any(len(r) > 6 for r in rows)
+    print(f"{'model':<10} {'configuration':<34} {'ms/step':>9} {'ratio':>7}" + ("   ratio q1-q3" if iqr else "")
+          + ("   90% CI of median" if ci else "") + ("   target" if targets else ""))
     for model, label, t, ratio, *q in rows:
-        print(f"{model:<10} {label:<34} {t * 1e3:9.1f} {ratio:7.3f}" + (f"   {q[0]:.3f}-{q[1]:.3f}" if q else ""))
+        line = f"{model:<10} {label:<34} {t * 1e3:9.1f} {ratio:7.3f}"
+        if q:
+            line += f"   {q[0]:.3f}-{q[1]:.3f}"
+        if len(q) > 2:
+            line += f"   {q[2]:.3f}-{q[3]:.3f}       "
+        if targets and label in targets:
+            line += f"   <= {targets[label]:.2f}: " + (verdict((q[2], q[3]), targets[label]) if len(q) > 2 else "")
+        print(line)
 
 
 def describe() -> dict[str, Any]:
