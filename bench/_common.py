@@ -1,6 +1,7 @@
 """Shared pieces of the training-step benchmarks: fixed batches, timed blocks, interleaving."""
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -110,6 +111,28 @@ def print_table(rows: list[tuple], header: str, targets: dict[str, float] | None
         if targets and label in targets:
             line += f"   <= {targets[label]:.2f}: " + (verdict((q[2], q[3]), targets[label]) if len(q) > 2 else "")
         print(line)
+
+
+def step_benchmark_main(doc: str, title: str, bench_model: Callable[[str, argparse.Namespace], dict],
+                        *, models: list[str], rounds: int, block: int, targets: dict[str, float] | None = None,
+                        add_args: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+    """The command line of a training-step benchmark: ``--models``, ``--rounds``, ``--block``,
+    ``--batch`` (and what ``add_args`` adds); ``bench_model(name, args)`` gives one model's
+    :func:`interleaved_ratios`; one table is printed, headed by ``title`` (formatted with the
+    arguments) and the set-up."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=models)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--block", type=int, default=block)
+    ap.add_argument("--batch", type=int, default=128)
+    if add_args is not None:
+        add_args(ap)
+    args = ap.parse_args()
+    rows = []
+    for name in args.models:
+        rows += [(name, label, *r) for label, r in bench_model(name, args).items()]
+    print_table(rows, f"{title.format(**vars(args))}: {describe()}, batch {args.batch}, {args.rounds} rounds x "
+                      f"{args.block} steps per configuration (medians)", targets)
 
 
 def describe() -> dict[str, Any]:

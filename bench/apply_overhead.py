@@ -11,11 +11,10 @@ block's time over the plain block of the same round (quartiles beside it).
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
-from _common import describe, fixed_batches, interleaved_ratios, print_table, time_block
+from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time_block
 
 import gradstats  # noqa: E402
 from gradstats.models import build_model  # noqa: E402
@@ -48,20 +47,11 @@ def bench_model(name: str, rounds: int, block: int, batch: int, scale: str) -> d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["cnn", "resnet20"])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--block", type=int, default=10)
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--scale", default="lognormal", choices=["lognormal", "amax"])
-    args = ap.parse_args()
-    rows = []
-    for name in args.models:
-        res = bench_model(name, args.rounds, args.block, args.batch, args.scale)
-        rows += [(name, label, *r) for label, r in res.items()]
-    print_table(rows, f"apply overhead: {describe()}, batch {args.batch}, scale rule {args.scale}, "
-                      f"{args.rounds} rounds x {args.block} steps (medians)", targets=TARGETS)
-
+    step_benchmark_main(__doc__, "apply overhead (scale rule {scale})",
+                        lambda name, a: bench_model(name, a.rounds, a.block, a.batch, a.scale),
+                        models=["cnn", "resnet20"], rounds=5, block=10, targets=TARGETS,
+                        add_args=lambda ap: ap.add_argument("--scale", default="lognormal",
+                                                            choices=["lognormal", "amax"]))
 
 if __name__ == "__main__":
     main()

@@ -17,14 +17,13 @@ block of the same round (quartiles beside it).
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import tempfile
 from pathlib import Path
 
 import torch
 
-from _common import describe, fixed_batches, interleaved_ratios, print_table, time_block
+from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time_block
 
 import gradstats  # noqa: E402
 import gradstats.tracer as tracer_module  # noqa: E402
@@ -80,19 +79,8 @@ def bench_model(name: str, rounds: int, block: int, batch: int) -> dict[str, tup
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["resnet20"])
-    ap.add_argument("--rounds", type=int, default=31)
-    ap.add_argument("--block", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=128)
-    args = ap.parse_args()
-    rows = []
-    for name in args.models:
-        res = bench_model(name, args.rounds, args.block, args.batch)
-        rows += [(name, label, *r) for label, r in res.items()]
-    print_table(rows, f"tracer ablation: {describe()}, batch {args.batch}, {args.rounds} rounds x "
-                      f"{args.block} steps per configuration (medians)")
-
+    step_benchmark_main(__doc__, "tracer ablation", lambda name, a: bench_model(name, a.rounds, a.block, a.batch),
+                        models=["resnet20"], rounds=31, block=5)
 
 if __name__ == "__main__":
     main()

@@ -22,7 +22,6 @@ interval lies at or below it, "not met" above it, "within noise" when it straddl
 """
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from _common import describe, fixed_batches, interleaved_ratios, print_table, time_block
+from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time_block
 
 import gradstats  # noqa: E402
 from gradstats.models import build_model  # noqa: E402
@@ -97,19 +96,8 @@ def bench_model(name: str, rounds: int, block: int, batch: int) -> dict[str, flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["cnn", "resnet20"])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--block", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=128)
-    args = ap.parse_args()
-    rows = []
-    for name in args.models:
-        res = bench_model(name, args.rounds, args.block, args.batch)
-        rows += [(name, label, *r) for label, r in res.items()]
-    print_table(rows, f"trace overhead: {describe()}, batch {args.batch}, {args.rounds} rounds x "
-                      f"{args.block} steps per configuration (medians)", targets=TARGETS)
-
+    step_benchmark_main(__doc__, "trace overhead", lambda name, a: bench_model(name, a.rounds, a.block, a.batch),
+                        models=["cnn", "resnet20"], rounds=5, block=20, targets=TARGETS)
 
 if __name__ == "__main__":
     main()
