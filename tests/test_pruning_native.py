@@ -85,6 +85,29 @@ def test_native_uniforms_are_uniform():
     assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 5 / math.sqrt(u.size)
 
 
+def test_native_uniforms_beyond_2_31_entries(native):
+    """Entries 2^31 apart draw different uniforms (the hash is keyed with i >> 31 from 2^31 on),
+    and the kernel's own uniforms (its test entry point, made of the same hash functions as its
+    loop) are the mirror's on both sides of 2^31 and 2^32 (below 2^31 the kernel's pruning equals
+    the mirror's uniforms: the test above)."""
+    import ctypes
+
+    from gradstats._native import function
+
+    draw = function("prune_quant", "gs_prune_uniforms",
+                    [ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
+    draw.restype = None
+    seed = _seed_of(3)
+    for start in (0, 2 ** 31 - 8, 2 ** 32 - 8, 5 * 2 ** 31 + 4093):
+        got = np.empty(4096, np.float32)
+        draw(seed, start, got.size, got.ctypes.data)
+        np.testing.assert_array_equal(got, _cpu.native_uniforms(seed, got.size, start=start))
+    low = _cpu.native_uniforms(seed, 4096)
+    for k in (1, 2, 3):
+        far = _cpu.native_uniforms(seed, 4096, start=k * 2 ** 31)
+        assert np.mean(far == low) < 0.01, k      # not the stream of entries 0..4095 again
+
+
 def test_native_result_does_not_depend_on_the_thread_count(native, threads):
     x = lognormal(1_000_003, -3.0, 2.5, seed=1)
     a = float(threshold(0.85, mu=-3.0, sigma=2.5))

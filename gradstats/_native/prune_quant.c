@@ -24,8 +24,8 @@
  * The uniforms come from a counter-based hash of (seed, index): reproducible and independent
  * of the thread count; 24-bit uniforms for pruning and subnormal rounding, 23-M random bits
  * for stochastic rounding in the normal range. The index enters as 2 i + seed_lo in 32-bit
- * arithmetic, so the stream repeats every 2^31 entries (entries i and i + 2^31 of a larger tensor
- * draw the same uniforms: each is still unbiased, the pair is not independent).
+ * arithmetic, and from 2^31 on also as a key of i >> 31 xored into seed_hi (high_key; 0 below
+ * 2^31, whose uniforms are as they always were), so no two entries of a tensor share a hash input.
  *
  * With quant = 0 this is also the CPU float32 path of gradstats.pruning.stochastic_prune
  * (gradstats/pruning/_cpu.py: native_uniforms reproduces the pruning uniforms there).
@@ -41,6 +41,22 @@
 static inline uint32_t mix32(uint32_t h) {
     h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
     return h;
+}
+
+/* The key of entries i >= 2^31, from i >> 31 (0 below). Constant over a block: BLOCK divides 2^31. */
+static inline uint32_t high_key(int64_t i, uint32_t seed_hi) {
+    uint32_t hi = (uint32_t)(i >> 31);
+    return hi ? mix32(hi * 0x9e3779b9u + seed_hi) : 0u;
+}
+
+/* The hash of entry i from which its pruning uniform and its rounding bits derive. */
+static inline uint32_t entry_hash(int64_t i, uint32_t seed_lo, uint32_t keyed_hi) {
+    return mix32((uint32_t)i * 2u + seed_lo) ^ keyed_hi;
+}
+
+/* The 24-bit pruning uniform in [0, 1) of an entry's hash. */
+static inline float prune_uniform(uint32_t base) {
+    return (float)(mix32(base) >> 8) * (1.0f / 16777216.0f);
 }
 
 static inline float f_of(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
@@ -72,16 +88,16 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
     const float inv_step = 1.0f / step;
     const float magic = f_of((uint32_t)(p->emin - p->man_bits + 23 + 127) << 23);
     const uint32_t zero_sign = p->neg_zero ? 0x80000000u : 0u;
-    const uint32_t seed_lo = p->seed_lo, seed_hi = p->seed_hi;
+    const uint32_t seed_lo = p->seed_lo, keyed_hi = p->seed_hi ^ high_key(lo, p->seed_hi);
     for (int64_t j = 0; j < m; j++) {
-        uint32_t base = mix32((uint32_t)(lo + j) * 2u + seed_lo) ^ seed_hi;
+        uint32_t base = entry_hash(lo + j, seed_lo, keyed_hi);
         float v = x[j];
         uint32_t vb = u_of(v);
         uint32_t sign = vb & 0x80000000u;
         float w = f_of(vb & 0x7fffffffu);
         int isnan_ = v != v;
         if (PRUNE) {
-            float u = (float)(mix32(base) >> 8) * (1.0f / 16777216.0f);
+            float u = prune_uniform(base);
             int small = w < a;
             int up = u * a < w;
             npruned += small & !up & (w != 0.f);
@@ -182,4 +198,14 @@ int gs_prune_quantize_f32(const float *x, float *out, int64_t n, float a, float 
     }
     for (int j = 0; j < 4; j++) counts[j] = total[j];
     return 0;
+}
+
+/* The pruning uniforms of entries start .. start + n - 1 for `seed` (what the kernel draws for
+ * them, whatever the tensor's length): for tests and reproduction. */
+void gs_prune_uniforms(uint64_t seed, int64_t start, int64_t n, float *out) {
+    uint32_t seed_lo = (uint32_t)seed, seed_hi = (uint32_t)(seed >> 32);
+    for (int64_t j = 0; j < n; j++) {
+        int64_t i = start + j;
+        out[j] = prune_uniform(entry_hash(i, seed_lo, seed_hi ^ high_key(i, seed_hi)));
+    }
 }

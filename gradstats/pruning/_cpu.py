@@ -301,11 +301,12 @@ def _mix32(h: np.ndarray) -> np.ndarray:
     return h
 
 
-def native_uniforms(seed: int, n: int) -> np.ndarray:
+def native_uniforms(seed: int, n: int, start: int = 0) -> np.ndarray:
     """The float32 uniforms :func:`native_stochastic_prune` uses for ``seed`` at indices
-    ``0..n-1`` (for tests and reproduction): ``h = fmix32(2 i + seed_lo) ^ seed_hi``, then
-    ``u = (fmix32(h) >> 8) * 2^-24``, with ``seed_lo``/``seed_hi`` the low and high 32 bits of
-    ``seed``, in 32-bit arithmetic (so the stream repeats every 2^31 indices).
+    ``start..start+n-1`` (for tests and reproduction): ``h = fmix32(2 i + seed_lo) ^ seed_hi ^
+    k(i)``, then ``u = (fmix32(h) >> 8) * 2^-24``, in 32-bit arithmetic, with ``seed_lo``/``seed_hi``
+    the low and high 32 bits of ``seed`` and ``k(i) = fmix32((i >> 31) * 0x9E3779B9 + seed_hi)``
+    from index 2^31 on, 0 below (so no two indices of a tensor share a hash input).
 
     Example:
         >>> u = native_uniforms(7, 5)
@@ -313,10 +314,17 @@ def native_uniforms(seed: int, n: int) -> np.ndarray:
         (dtype('float32'), True)
     """
     seed = int(seed) % 2 ** 64
-    h = np.arange(n, dtype=np.uint64).astype(np.uint32)  # index modulo 2^32
+    seed_hi = np.uint32(seed >> 32)
+    idx = np.arange(start, start + n, dtype=np.int64)
+    h = (idx & 0xFFFFFFFF).astype(np.uint32)
     h *= np.uint32(2)
     h += np.uint32(seed & 0xFFFFFFFF)
     _mix32(h)
-    h ^= np.uint32(seed >> 32)
+    h ^= seed_hi
+    hi = (idx >> 31).astype(np.uint32)
+    if hi.any():
+        key = hi * np.uint32(0x9E3779B9) + seed_hi
+        _mix32(key)
+        h ^= np.where(hi > 0, key, np.uint32(0))
     _mix32(h)
     return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)
