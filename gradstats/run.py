@@ -247,7 +247,7 @@ class RunWriter:
             tmp = self.path / "stats" / f".part-{name}.parquet.tmp"
             # dictionary encoding only where values repeat (layer and kind names): on the
             # statistics' floats and counts it costs most of the write and saves nothing
-            pq.write_table(vectors_to_table(fl.keys, np.asarray(fl.vectors)), tmp, compression="zstd",
+            pq.write_table(vectors_to_table(fl.keys, fl.vectors), tmp, compression="zstd",
                            use_dictionary=["layer", "kind"])
             os.replace(tmp, self.path / rel)
             files[rel] = {"bytes": (self.path / rel).stat().st_size, "sha256": _sha256(self.path / rel)}

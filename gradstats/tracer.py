@@ -436,7 +436,7 @@ class Tracer:
         assert self._writer is not None
         keys = row_keys + [p[:4] for p in pending]
         steps = sorted({k[0] for k in keys} | {int(k.split("|", 1)[0]) for k in samples}
-                       | {int(r["step"]) for rows in tables.values() for r in rows})
+                       | {int(r["step"]) for trows in tables.values() for r in trows})
         fl = self._writer.new_flush(steps)
         fl.tables = tables
         if keys:   # the table is built on the writer thread (Flush.vectors)
