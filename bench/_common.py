@@ -44,10 +44,13 @@ def time_block(model: nn.Module, opt: torch.optim.Optimizer, batches, after_step
 
 
 def _rounds(configs: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Each configuration's block once per round, in turn: the seconds of every block."""
+    """Each configuration's block once per round, in turn, the order reversed every other round
+    (no configuration always runs after the same one, whose traces in the caches and the
+    allocator it would inherit): the seconds of every block."""
     times: dict[str, list[float]] = {k: [] for k in configs}
-    for _ in range(rounds):
-        for label, run in configs.items():
+    order = list(configs.items())
+    for r in range(rounds):
+        for label, run in (order if r % 2 == 0 else order[::-1]):
             times[label].append(run())
     return times
 
