@@ -195,6 +195,30 @@ def test_refresh_every_and_ema():
     assert fc1[0] == fc1[1] == fc1[2] and fc1[3] != fc1[2]
 
 
+@pytest.mark.parametrize("tracer_first", [True, False])
+def test_tracer_records_what_comes_before_it(tmp_path, tracer_first):
+    """Gradient hooks run in the order they were registered: a tracer attached before apply
+    records the raw gradient, one attached after records what the plan lets through."""
+    model, plan = Net(), Plan.uniform(sparsity=0.5)
+    tr = gradstats.Tracer(model, tmp_path, every=1, sample_every=None)
+    if tracer_first:
+        tr.attach()
+    applied = gradstats.apply(model, plan)
+    if not tracer_first:
+        tr.attach()
+    for x, y in batches(2):
+        nn.functional.cross_entropy(model(x), y).backward()
+        tr.step()
+    tr.detach()
+    applied.remove()
+    logits = gradstats.open_run(tmp_path).stats().query("layer == 'fc2'")
+    zero_fraction = logits["n_zero"] / logits["n"]
+    if tracer_first:
+        assert (zero_fraction == 0).all()                   # softmax minus one-hot: no zeros
+    else:
+        assert (zero_fraction >= 0.4).all()
+
+
 @pytest.mark.parametrize("kwargs, match", [({"refresh_every": 0}, "refresh_every"), ({"ema": 1.0}, "ema"),
                                            ({"log_to": "run"}, "log_to")])
 def test_bad_arguments(kwargs, match):
