@@ -67,11 +67,10 @@ def median_ci(values: list[float], level: float = 0.90) -> tuple[float, float]:
     from scipy.stats import binom
 
     xs, n = sorted(values), len(values)
-    best = (xs[0], xs[-1])
     for j in range(n // 2, 0, -1):           # j-th smallest and j-th largest, 1-based, widening
         if binom.cdf(n - j, n, 0.5) - binom.cdf(j - 1, n, 0.5) >= level:
             return xs[j - 1], xs[n - j]
-    return best
+    return xs[0], xs[-1]
 
 
 def interleaved_ratios(configs: dict[str, Callable[[], float]], rounds: int,

@@ -11,7 +11,6 @@ block's time over the plain block of the same round (quartiles beside it).
 """
 from __future__ import annotations
 
-
 import torch
 
 from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time_block
@@ -52,6 +51,7 @@ def main() -> None:
                         models=["cnn", "resnet20"], rounds=5, block=10, targets=TARGETS,
                         add_args=lambda ap: ap.add_argument("--scale", default="lognormal",
                                                             choices=["lognormal", "amax"]))
+
 
 if __name__ == "__main__":
     main()

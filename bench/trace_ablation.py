@@ -82,5 +82,6 @@ def main() -> None:
     step_benchmark_main(__doc__, "tracer ablation", lambda name, a: bench_model(name, a.rounds, a.block, a.batch),
                         models=["resnet20"], rounds=31, block=5)
 
+
 if __name__ == "__main__":
     main()

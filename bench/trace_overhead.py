@@ -99,5 +99,6 @@ def main() -> None:
     step_benchmark_main(__doc__, "trace overhead", lambda name, a: bench_model(name, a.rounds, a.block, a.batch),
                         models=["cnn", "resnet20"], rounds=5, block=20, targets=TARGETS)
 
+
 if __name__ == "__main__":
     main()
