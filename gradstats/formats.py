@@ -1,8 +1,8 @@
 """Low-precision floating-point formats as values: :class:`FPFormat`, :func:`parse`, :data:`REGISTRY`.
 
-A format has a sign bit, ``exp_bits`` exponent bits and ``man_bits`` mantissa bits, an exponent
-``bias`` (default ``2**(exp_bits-1) - 1``; one larger for ``fnuz``), and a convention for its
-special values (``special``):
+A format has a sign bit (all but ``fnu``), ``exp_bits`` exponent bits and ``man_bits`` mantissa
+bits, an exponent ``bias`` (default ``2**(exp_bits-1) - 1``; one larger for ``fnuz``), and a
+convention for its special values (``special``):
 
 ``"ieee"``
     the all-ones exponent is reserved for inf and NaN (``e5m2``; ml_dtypes ``float8_e4m3``, max 240).
@@ -12,8 +12,11 @@ special values (``special``):
 ``"fnuz"``
     finite, no negative zero: the code of -0 is the only NaN; bias one larger by default.
 ``"fnu"``
-    finite, unsigned, no zero, mantissa-free: the E8M0 scale type of the OCP MX formats
-    (``float8_e8m0fnu``: the powers of two ``2**-127 .. 2**127``, all ones is NaN).
+    finite and unsigned (no sign bit, so ``exp_bits + man_bits`` bits); the all-ones code is the only
+    NaN. With ``man_bits == 0`` exponent code 0 is a normal value and there is no zero: the E8M0
+    scale type of the OCP MX formats (``float8_e8m0fnu``: the powers of two ``2**-127 .. 2**127``).
+    With ``man_bits > 0`` exponent code 0 holds zero and the subnormals, as in the signed formats
+    (``float8_e5m3fnu``: bias 15, smallest subnormal ``2**-17``, max ``1.75 * 2**16 = 114688``).
 
 Every format must fit in float32 (the quantiser works on float32 bit patterns): at most 8 exponent
 and 23 mantissa bits, smallest normal ``>= 2**-126``, largest value ``< 2**128``.
@@ -25,6 +28,9 @@ Example:
     (FPFormat('e4m3fn'), 448.0, 0.001953125)
     >>> str(FPFormat(3, 2, special="fn")), FPFormat.parse("1-5-2") == FPFormat(5, 2)
     ('e3m2fn', True)
+    >>> u = FPFormat.parse("float8_e5m3fnu")
+    >>> u.bits, u.max, u.min_subnormal == 2.0 ** -17, u.has_zero, u.signed
+    (8, 114688.0, True, True, False)
 """
 from __future__ import annotations
 
@@ -53,7 +59,8 @@ class FPFormat:
         bias: exponent bias; ``None`` gives ``2**(E-1) - 1`` (``2**(E-1)`` for ``"fnuz"``).
         special: ``"ieee"``, ``"fn"``, ``"fnuz"`` or ``"fnu"`` (see the module doc).
         subnormals: whether the zero exponent code holds subnormals (``False``: only zero,
-            values below the smallest normal round to 0 or to it).
+            values below the smallest normal round to 0 or to it). Always ``False`` for a
+            mantissa-free ``"fnu"`` format, whose exponent code 0 is a normal value.
 
     Attributes are plain values, so formats compare, hash and print canonically.
 
@@ -84,25 +91,28 @@ class FPFormat:
             raise ValueError(f"FPFormat: e{e}m{m} is wider than float32 can hold (allowed: exp_bits <= 8, man_bits <= 23)")
         if self.special == "ieee" and e < 2:
             raise ValueError("FPFormat: an 'ieee' format needs exp_bits >= 2 (the all-ones exponent is reserved)")
-        if self.special == "fnu":
-            if m != 0:
-                raise ValueError("FPFormat: special='fnu' (unsigned, no zero) is defined for man_bits=0 only, e.g. e8m0fnu")
-            object.__setattr__(self, "subnormals", False)
         if not isinstance(self.subnormals, bool):
             raise ValueError(f"FPFormat: subnormals must be a bool, got {self.subnormals!r}")
+        if self._code0_normal:
+            object.__setattr__(self, "subnormals", False)  # exponent code 0 is a normal value
         if self.bias is None:
             object.__setattr__(self, "bias", self.default_bias)
         elif isinstance(self.bias, bool) or not isinstance(self.bias, int):
             raise ValueError(f"FPFormat: bias must be an int or None, got {self.bias!r}")
         if self._max_code_value() is None:
             raise ValueError(f"FPFormat: {self} has no positive finite value")
-        lo = -127 if self.special == "fnu" else -126
+        lo = -127 if self._code0_normal else -126
         if self.emin < lo or self.emax > 127:
             raise ValueError(
                 f"FPFormat: {self} has exponents {self.emin}..{self.emax}, wider than float32 can hold "
                 f"(allowed: smallest normal exponent >= {lo}, largest <= 127; adjust bias={self.bias})")
 
     # ------------------------------------------------------------------ derived constants
+    @property
+    def _code0_normal(self) -> bool:
+        """Whether exponent code 0 holds a normal value (mantissa-free ``fnu``: no zero, no subnormals)."""
+        return self.special == "fnu" and self.man_bits == 0
+
     @property
     def default_bias(self) -> int:
         """The bias used when ``bias=None``: ``2**(E-1) - 1``, or ``2**(E-1)`` for ``fnuz``."""
@@ -135,13 +145,13 @@ class FPFormat:
 
     @property
     def has_zero(self) -> bool:
-        """Whether 0 is a value (all but ``fnu``)."""
-        return self.special != "fnu"
+        """Whether 0 is a value (all but the mantissa-free ``fnu`` formats such as ``e8m0fnu``)."""
+        return not self._code0_normal
 
     @property
     def emin(self) -> int:
-        """Exponent of the smallest normal value (``1 - bias``; ``-bias`` for ``fnu``)."""
-        return -self.bias if self.special == "fnu" else 1 - self.bias
+        """Exponent of the smallest normal value (``1 - bias``; ``-bias`` for mantissa-free ``fnu``)."""
+        return -self.bias if self._code0_normal else 1 - self.bias
 
     def _max_code_value(self) -> tuple[int, int] | None:
         """(exponent code, mantissa code) of the largest finite value, or None if none is finite."""
@@ -149,13 +159,16 @@ class FPFormat:
         mtop = 2 ** self.man_bits - 1
         if self.special == "ieee":
             code = (top - 1, mtop)
-        elif self.special == "fnu":
-            code = (top - 1, 0)
-        elif self.special == "fn" and self.has_nan:
+        elif self._nan_is_all_ones:
             code = (top, mtop - 1) if self.man_bits > 0 else (top - 1, 0)
         else:
             code = (top, mtop)
-        return code if code[0] >= (0 if self.special == "fnu" else 1) else None
+        return code if code[0] >= (0 if self._code0_normal else 1) else None
+
+    @property
+    def _nan_is_all_ones(self) -> bool:
+        """Whether the all-ones code is the (only) NaN: ``fnu``, and ``fn`` of 8 bits or more."""
+        return self.special == "fnu" or (self.special == "fn" and self.has_nan)
 
     @property
     def emax(self) -> int:
@@ -205,11 +218,13 @@ class FPFormat:
     def values(self) -> torch.Tensor:
         """All finite representable values, sorted ascending, as a float64 tensor (formats up to 16 bits).
 
-        Zero appears once (``-0 == 0``).
+        Zero appears once (``-0 == 0``); unsigned (``fnu``) formats have no negative values.
 
         Example:
             >>> FPFormat(2, 1, special="fn").values().tolist()
             [-6.0, -4.0, -3.0, -2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+            >>> FPFormat(2, 1, special="fnu").values().tolist()  # unsigned; all ones (6.0 in e2m1fn) is NaN
+            [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0]
         """
         if self.bits > 16:
             raise ValueError(f"values(): {self} has {self.bits} bits; enumeration is for formats up to 16 bits")
@@ -217,7 +232,7 @@ class FPFormat:
         m_codes = torch.arange(2 ** self.man_bits, dtype=torch.float64).repeat(2 ** self.exp_bits)
         frac = m_codes / 2 ** self.man_bits
         top, mtop = 2 ** self.exp_bits - 1, 2 ** self.man_bits - 1
-        if self.special == "fnu":
+        if self._code0_normal:
             pos = torch.ldexp(torch.ones_like(e_codes), (e_codes - self.bias).to(torch.int64))
             keep = e_codes < top
             return pos[keep].sort().values
@@ -229,9 +244,11 @@ class FPFormat:
             keep &= ~((e_codes == 0) & (m_codes > 0))
         if self.special == "ieee":
             keep &= e_codes < top
-        elif self.special == "fn" and self.has_nan:
+        elif self._nan_is_all_ones:
             keep &= ~((e_codes == top) & (m_codes == mtop))
         pos = pos[keep]
+        if not self.signed:
+            return pos.sort().values
         return torch.cat([-pos[pos > 0], pos]).sort().values
 
     # ------------------------------------------------------------------ names
@@ -240,7 +257,7 @@ class FPFormat:
         if self.bias != self.default_bias:
             s += f"b{self.bias}"
         s += _SUFFIX[self.special]
-        if not self.subnormals and self.man_bits > 0 and self.special != "fnu":
+        if not self.subnormals and self.man_bits > 0:
             s += "_nosub"
         return s
 
@@ -335,6 +352,7 @@ def _build_registry() -> Mapping[str, FPFormat]:
         "float8_e4m3b11fnuz": FPFormat(4, 3, bias=11, special="fnuz"),
         "float8_e5m2": FPFormat(5, 2),
         "float8_e5m2fnuz": FPFormat(5, 2, special="fnuz"),
+        "float8_e5m3fnu": FPFormat(5, 3, special="fnu"),
         "float8_e8m0fnu": FPFormat(8, 0, special="fnu"),
         "float6_e2m3fn": FPFormat(2, 3, special="fn"),
         "float6_e3m2fn": FPFormat(3, 2, special="fn"),

@@ -12,9 +12,11 @@ search over values. Nearest-even adds a per-element power of two ``C = 2**(max(e
 format's spacing, subnormal range included, then subtracts it. Stochastic rounding adds uniform random
 bits below the kept mantissa bits of the int32 pattern and truncates (below the smallest normal the
 value is first offset by ``2**emin`` so the spacing is fixed). Rare cases (toward-zero, formats without
-subnormals, ``e8m0fnu``, 23 mantissa bits, E8 formats) take an exact integer path. On CUDA (and on the
-CPU under ``TRITON_INTERPRET=1``) a Triton kernel (:mod:`gradstats.kernels.quantize`) does the same in
-one pass. The CPU path works on cache-sized chunks with reused buffers and in-place operations.
+subnormals, ``e8m0fnu``, 23 mantissa bits, E8 formats) take an exact integer path. The unsigned ``fnu``
+formats give NaN for negative inputs (they have no code for them). On CUDA (and on the CPU under
+``TRITON_INTERPRET=1``) a Triton kernel (:mod:`gradstats.kernels.quantize`) does the same in one pass
+(every format but the ``fnu`` ones, which take the torch path). The CPU path works on cache-sized
+chunks with reused buffers and in-place operations.
 
 Example:
     >>> import torch
@@ -103,7 +105,7 @@ def _consts(fmt: FPFormat) -> _Consts:
     g32 = float(torch.tensor(g, dtype=torch.float32))
     ok_g = (math.isfinite(g32) and g32 > 0 and math.isfinite(float(torch.tensor(maxv) * g32))
             and math.isinf(float(torch.tensor(nxt) * g32)))
-    fast = (fmt.special != "fnu" and M <= 22 and (fmt.subnormals or M == 0) and e0f >= 1
+    fast = (fmt.has_zero and M <= 22 and (fmt.subnormals or M == 0) and e0f >= 1
             and (not fmt.has_inf or fmt.emax >= 0) and (fmt.has_inf or not fmt.has_nan or ok_g))
     near_hi = min(fmt.emax + 1 + 127, 254 - (23 - M)) << 23
     return _Consts(fmt, M, Msub, e0f, max(e0f, 0) << 23, maxbits, maxv, ovf, fast,
@@ -141,7 +143,8 @@ def quantize(
         overflow: ``"saturate"`` (to +-max; +-inf too) or ``"nonfinite"`` (the format's own rule:
             ieee -> +-inf; 8-bit fn, fnuz and fnu -> NaN; 6/4-bit fn have neither and saturate).
             NaN in gives NaN out (also for formats that have no NaN code: see ``docs/formats.md``);
-            fnuz maps -0 to +0; fnu maps x <= 0 to NaN.
+            fnuz maps -0 to +0. The unsigned fnu formats map x < 0 to NaN (there is no code for
+            it, even when it would round to 0) and +-0 to +0, or to NaN in ``e8m0fnu``, which has no zero.
         generator: random source of stochastic rounding (default: torch's global generator).
         block_size: shared-scale blocks of this many consecutive elements along ``block_dim``
             (OCP MX uses 32, NVFP4 16); the last block may be partial.
@@ -231,6 +234,10 @@ def block_scales(
 # ---------------------------------------------------------------------------------------------
 # validation
 # ---------------------------------------------------------------------------------------------
+#: the range of a scale that float32 holds together with its reciprocal (the E8M0 range)
+_SCALE_MIN, _SCALE_MAX = 2.0 ** -127, 2.0 ** 127
+
+
 def _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format):
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
@@ -255,13 +262,23 @@ def _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, 
                 shape = None
             if shape != x.shape:
                 raise ValueError(f"quantize: scale of shape {tuple(scale.shape)} does not broadcast to x's {tuple(x.shape)}")
+            if scale.device.type == "cpu" and scale.numel():     # checked as given, before float32
+                if not bool(((scale > 0) & scale.isfinite()).all()):
+                    raise ValueError("quantize: scale must be positive and finite")
+                if not bool(((scale >= _SCALE_MIN) & (scale <= _SCALE_MAX)).all()):
+                    raise ValueError(f"quantize: every scale must lie in [2**-127, 2**127] (got values from "
+                                     f"{float(scale.min()):.3g} to {float(scale.max()):.3g}): x * scale and its "
+                                     "division by scale are computed in float32 and would overflow or flush "
+                                     "to zero; choose a power of two near fmt.max / amax(x)")
             scale = scale.to(device=x.device, dtype=torch.float32)
-            if scale.device.type == "cpu" and scale.numel() and not bool(((scale > 0) & scale.isfinite()).all()):
-                raise ValueError("quantize: scale must be positive and finite")
         elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
             scale = float(scale)
             if not (math.isfinite(scale) and scale > 0):
                 raise ValueError(f"quantize: scale must be positive and finite, got {scale}")
+            if not (_SCALE_MIN <= scale <= _SCALE_MAX):
+                raise ValueError(f"quantize: scale={scale:.3g} is outside [2**-127, 2**127]: x * scale and "
+                                 "its division by scale are computed in float32 and would overflow or "
+                                 "flush to zero; choose a power of two near fmt.max / amax(x)")
             if scale == 1.0:
                 scale = None
         else:
@@ -404,7 +421,10 @@ def _fast_chunks(start, stop, v, out, c, s, nearest, sat, rbits, key, chunk, fix
             _overflow_fast(y, tt, c)
         if has_nan:
             y.masked_fill_(torch.isnan(xs), float("nan"))
-        torch.copysign(y, xs, out=y)
+        if fmt.signed:
+            torch.copysign(y, xs, out=y)
+        else:  # unsigned (fnu with a zero): negative values have no code; y is >= 0 here
+            y.masked_fill_(xs < 0, float("nan"))
         if s is not None:
             y.div_(s)
         if fmt.special == "fnuz":
@@ -445,8 +465,9 @@ def _round_generic(v, c, s, rounding, overflow, generator, rbits, *, key=None, l
             key = _random_key(generator, a.device) if key is None else key
             _hash_bits(lo, key, _iota(a.numel(), a.device), rbits, torch.empty_like(rbits), 23)
         R = rbits.to(torch.int64)
-    if fmt.special == "fnu":
-        # powers of two 2**emin .. 2**emax; x <= 0 has no code (NaN); below 2**emin -> 2**emin
+    if not fmt.has_zero:
+        # mantissa-free fnu (e8m0fnu): powers of two 2**emin .. 2**emax; x <= 0 has no code (NaN);
+        # below 2**emin -> 2**emin
         frac = sig & 0x7FFFFF
         e = eff - 127
         # float32 subnormals: renormalise in float64 (exact)
@@ -489,12 +510,14 @@ def _round_generic(v, c, s, rounding, overflow, generator, rbits, *, key=None, l
                 q = q0
         val = torch.ldexp(q.to(torch.float64), spacing)
         ovf = (val > c.maxv) | isinf
-        bad = isnan
+        # unsigned formats with a zero (e5m3fnu): x < 0 has no code (NaN), -0 is +0
+        bad = isnan if fmt.signed else isnan | (neg & (a != 0))
     if overflow == "saturate" or not (fmt.has_inf or fmt.has_nan):
         val = torch.where(ovf, c.maxv, val)
     else:
         val = torch.where(ovf, math.inf if fmt.has_inf else math.nan, val)
-    val = torch.where(neg, -val, val)
+    if fmt.signed:
+        val = torch.where(neg, -val, val)
     val = torch.where(bad, math.nan, val)
     y = val.float()
     if s is not None:

@@ -18,7 +18,8 @@ from gradstats.formats import REGISTRY, FPFormat, parse
 from gradstats.quant import block_scales, mx_shared_exponent, quantize
 
 ORACLE = ["float8_e3m4", "float8_e4m3", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz",
-          "float8_e5m2", "float8_e5m2fnuz", "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn", "bfloat16"]
+          "float8_e5m2", "float8_e5m2fnuz", "float8_e5m3fnu", "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn",
+          "bfloat16"]
 
 
 
@@ -40,6 +41,14 @@ def assert_same(a, b, x, what=""):
         pytest.fail(f"{what}: {int((~ok).sum())} mismatches, e.g. "
                     + ", ".join(f"x={x.flatten()[j].item()!r} got={a.flatten()[j].item()!r} want={b.flatten()[j].item()!r}"
                                 for j in i.tolist()))
+
+
+def ml_type(name: str) -> type:
+    """The ml_dtypes type ``name``; the test is skipped when the installed ml_dtypes predates it."""
+    t = getattr(ml_dtypes, name, None)
+    if t is None:
+        pytest.skip(f"ml_dtypes {ml_dtypes.__version__} has no {name} (added in a later release)")
+    return t
 
 
 def f32(a) -> torch.Tensor:
@@ -94,8 +103,8 @@ def ref_quantize(x: torch.Tensor, fmt: FPFormat, rounding="nearest", overflow="s
     if not fmt.has_negative_zero:
         r = r + 0.0
     r = np.where(np.isnan(xd), np.nan, r)
-    if not fmt.signed:
-        r = np.where(np.signbit(xd) | (xd == 0), np.nan, r)
+    if not fmt.signed:  # no code for x < 0; +-0 is 0 where the format has a zero, else NaN
+        r = np.where((np.signbit(xd) & (xd != 0)) | ((xd == 0) & (not fmt.has_zero)), np.nan, np.abs(r))
     return torch.from_numpy(r.astype(np.float32))
 
 
@@ -118,9 +127,10 @@ def test_bit_exact_against_ml_dtypes(name, path):
     """Every code, ties and one ulp either side, subnormals, overflow, +-inf, NaN, +-0, and a
     million random float32 bit patterns (100k for the generic integer path)."""
     fmt = REGISTRY[name]
+    t = ml_type(name)
     x = probe_points(fmt, 1_000_000 if path == "default" else 100_000)
     with np.errstate(invalid="ignore", over="ignore"):
-        want = f32(x.numpy().astype(getattr(ml_dtypes, name)).astype(np.float32))
+        want = f32(x.numpy().astype(t).astype(np.float32))
     if path == "default":
         got = quantize(x, fmt, overflow="nonfinite")
     else:
@@ -201,7 +211,9 @@ ARBITRARY = [FPFormat(6, 1), FPFormat(3, 3), FPFormat(2, 2), FPFormat(2, 2, spec
              FPFormat(4, 3, bias=12, special="fn"), FPFormat(5, 2, bias=10), FPFormat(3, 3, subnormals=False),
              FPFormat(5, 2, special="fnuz", subnormals=False), FPFormat(2, 1, special="fn", subnormals=False),
              FPFormat(4, 0), FPFormat(3, 0, special="fn"), FPFormat(1, 6, special="fn"), FPFormat(7, 0, special="fn"),
-             FPFormat(8, 3), FPFormat(5, 10), FPFormat(8, 7), FPFormat(4, 6, special="fnuz"), FPFormat(8, 0, special="fnu")]
+             FPFormat(8, 3), FPFormat(5, 10), FPFormat(8, 7), FPFormat(4, 6, special="fnuz"), FPFormat(8, 0, special="fnu"),
+             FPFormat(5, 3, special="fnu"), FPFormat(3, 2, special="fnu"), FPFormat(4, 3, bias=3, special="fnu"),
+             FPFormat(4, 2, special="fnu", subnormals=False), FPFormat(1, 2, special="fnu"), FPFormat(4, 0, special="fnu")]
 
 
 @pytest.mark.parametrize("fmt", ARBITRARY, ids=str)
@@ -305,6 +317,7 @@ SR_CASES = [
     ("e3m3", [0.24, 0.26, 14.9, 0.01]),
     ("e3m3_nosub", [0.1, 0.2, 0.26]),
     ("e8m7", [1.0e-39, 3.0e38, 1.234]),
+    ("e5m3fnu", [1.1, 3.3e-6, 6.0e-5, 1e-7, 110000.0]),
 ]
 
 
@@ -375,7 +388,7 @@ def test_stochastic_reproducible_and_device_path_independent(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", [parse("e5m2"), parse("e2m1fn"), FPFormat(3, 3), FPFormat(4, 0), parse("e8m7"),
-                                 parse("e4m3fnuz")], ids=str)
+                                 parse("e4m3fnuz"), parse("e5m3fnu")], ids=str)
 def test_stochastic_fast_and_generic_paths_agree_bitwise(fmt):
     x = probe_points(fmt, 20_000, seed=9)
     R = torch.randint(0, 1 << 23, x.shape, dtype=torch.int32, generator=torch.Generator().manual_seed(2))
@@ -578,6 +591,37 @@ def test_specials_per_convention():
     assert_same(q("e2m1fn", "nonfinite"), f32([np.nan, 6, -6, -0.0, 0.0, 6, -6]), x)
     assert_same(q("e8m0fnu", "nonfinite"), f32([np.nan, np.nan, np.nan, np.nan, np.nan, 2.0 ** 100, np.nan]), x)
     assert_same(q("e8m0fnu", "saturate"), f32([np.nan, 2.0 ** 127, np.nan, np.nan, np.nan, 2.0 ** 100, np.nan]), x)
+    assert_same(q("e5m3fnu", "nonfinite"), f32([np.nan, np.nan, np.nan, 0.0, 0.0, np.nan, np.nan]), x)
+    assert_same(q("e5m3fnu", "saturate"), f32([np.nan, 114688, np.nan, 0.0, 0.0, 114688, np.nan]), x)
+
+
+@pytest.mark.parametrize("path", ["default", "generic", "tensor_scale", "blocks"])
+def test_unsigned_format_with_zero_negative_inputs(path):
+    """e5m3fnu (unsigned, with a zero): x < 0 has no code and gives NaN, also when it would round to
+    0 (as ml_dtypes does); -0 gives +0; non-negative values round as in the signed formats."""
+    x = torch.tensor([-1.0, -1e-30, -0.0, 0.0, 1e-30, 3.0, 1.0625, 3e-6, 2e5, -2e5])
+    fmt = parse("e5m3fnu")
+    # 1.0625 ties to the even 1.0; 3e-6 is below half the smallest subnormal 2**-17; 2e5 saturates
+    want = f32([np.nan, np.nan, 0.0, 0.0, 0.0, 3.0, 1.0, 0.0, 114688.0, np.nan])
+    if path == "default":
+        got = quantize(x, fmt)
+    elif path == "generic":
+        got = Q._round_generic(x, Q._consts(fmt), None, "nearest", "saturate", None, None)
+    elif path == "tensor_scale":  # quantize(2x) / 2: 6e-6 rounds up to 2**-17
+        got = quantize(x, fmt, scale=torch.full_like(x, 2.0))
+        want = f32([np.nan, np.nan, 0.0, 0.0, 0.0, 3.0, 1.0, 2.0 ** -18, 57344.0, np.nan])
+    else:
+        got = quantize(x.view(2, 5), fmt, block_size=5).flatten()
+        want = None
+    if want is not None:
+        assert_same(got, want, x, path)
+    assert bool(torch.isnan(got[x < 0]).all()) and not bool(torch.isnan(got[x >= 0]).any())
+    assert not bool(torch.signbit(got[x >= 0]).any())
+    t = getattr(ml_dtypes, "float8_e5m3fnu", None)
+    if t is not None:  # what ml_dtypes does with the same inputs
+        with np.errstate(invalid="ignore", over="ignore"):
+            ml = f32(x.numpy().astype(t).astype(np.float32))
+        assert bool(torch.isnan(ml[x < 0]).all()) and not bool(torch.signbit(ml[x >= 0]).any())
 
 
 def test_public_names():
@@ -616,3 +660,15 @@ def test_public_names():
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("scale", [1e300, 1e-300, 2.0 ** 128, 2.0 ** -128])
+def test_scale_outside_float32_is_an_error_not_nan(scale):
+    x = torch.randn(100)
+    with pytest.raises(ValueError, match=r"outside \[2\*\*-127, 2\*\*127\]"):
+        gradstats.quantize(x, "e4m3fn", scale=scale)
+    with pytest.raises(ValueError, match=r"must lie in \[2\*\*-127, 2\*\*127\]"):
+        gradstats.quantize(x, "e4m3fn", scale=torch.tensor([scale], dtype=torch.float64))
+    # the edges of the allowed range still quantise to finite values
+    for ok in (2.0 ** 127, 2.0 ** -127):
+        assert torch.isfinite(gradstats.quantize(torch.tensor([1e-30, 1.0]), "e4m3fn", scale=ok)).all()

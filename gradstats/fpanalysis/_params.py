@@ -36,7 +36,7 @@ def as_array(name: str, v: Any) -> np.ndarray:
 def check_format(fmt: Any) -> FPFormat:
     fmt = parse(fmt)
     if not fmt.signed or not fmt.has_zero:
-        raise ValueError(f"format {fmt} is unsigned and has no zero (a scale type); it cannot hold "
+        raise ValueError(f"format {fmt} is unsigned (a scale type: no sign bit); it cannot hold "
                          "signed gradients: pick a signed format such as 'e4m3fn'")
     if fmt.bits > 16:
         raise ValueError(f"format {fmt} has {fmt.bits} bits; the analysis enumerates quantisation "

@@ -42,7 +42,7 @@ _ROUNDING = {"nearest": 0, "stochastic": 1, "toward_zero": 2}
 
 
 def supports(fmt: FPFormat) -> bool:
-    """Whether the kernel handles ``fmt`` (all formats but the unsigned ``fnu`` scale type)."""
+    """Whether the kernel handles ``fmt`` (all formats but the unsigned ``fnu`` ones, which take the torch path)."""
     return fmt.special != "fnu" and triton_available()
 
 
