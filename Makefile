@@ -1,28 +1,55 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
-# Both create .venv once, install torch==2.13.0 (CPU wheel) first, then gradstats with its dev extra.
+# Both create .venv once, install torch==2.13.0 (CPU wheel) first, then gradstats with its dev extra,
+# every other package at the exact version pinned in constraints.txt (so a fresh clone tests what
+# was tested). `make test-latest` runs the same tests in .venv-latest with whatever the registry
+# serves today; `make constraints` rewrites constraints.txt from such an install.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gradstats-installed
 TORCH  := torch==2.13.0
+LATEST := .venv-latest
+PYTEST_DEFAULT := -m pytest -q -m "not slow and not gpu" -n 2
 
-.PHONY: venv demo test test-slow test-all bench sample-run figures experiments clean
+.PHONY: venv demo test test-latest constraints test-slow test-all bench sample-run figures experiments clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "constraints.txt pins versions that need Python >= 3.11 (numpy, scipy, pandas, ...): use PYTHON=python3.11 (remove .venv first), or make test-latest")'
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt $(TORCH)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: venv
 	$(VENV)/bin/gradstats demo
 
-# The default test run (CI): everything except checks marked slow.
+# The default test run (CI): everything except checks marked slow, on the pinned versions.
 test: venv
-	$(PY) -m pytest -q -m "not slow and not gpu" -n 2
+	$(PY) $(PYTEST_DEFAULT)
+
+# The same tests on the newest versions the registry serves (no constraints; torch stays 2.13.0):
+# tells whether the next `make constraints` is safe.
+test-latest:
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager $(TORCH) -e '.[dev]'
+	$(LATEST)/bin/python $(PYTEST_DEFAULT)
+
+# Rewrite constraints.txt (its comment header kept) from a fresh venv holding the newest versions.
+constraints:
+	rm -rf $(VENV)-constraints
+	$(PYTHON) -m venv $(VENV)-constraints
+	$(VENV)-constraints/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)-constraints/bin/python -m pip install --quiet $(TORCH)
+	$(VENV)-constraints/bin/python -m pip install --quiet -e '.[dev]'
+	grep '^#' constraints.txt > constraints.txt.new || true
+	$(VENV)-constraints/bin/python -m pip freeze --all --exclude-editable \
+		| grep -v -i -E '^(pip|torch|gradstats)==' >> constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf $(VENV)-constraints
 
 test-slow: venv
 	$(PY) -m pytest -q -m "slow"
@@ -49,4 +76,4 @@ figures: venv
 	$(VENV)/bin/gradstats figures data/sample-run -o figures
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) $(LATEST) build dist *.egg-info .pytest_cache
