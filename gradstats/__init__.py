@@ -44,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "open_run": "gradstats.run",
     "Run": "gradstats.run",
     "RunCorruptError": "gradstats.run",
+    "RunDamageWarning": "gradstats.run",
     # fitting
     "fit": "gradstats.fitting",
     "fit_stats": "gradstats.fitting",
@@ -60,7 +61,7 @@ _EXPORTS: dict[str, str] = {
 }
 # stage modules exposed as attributes (``gradstats.pruning.threshold(...)``)
 _SUBMODULES = {"pruning", "fpanalysis", "models", "data", "training", "plots", "formats", "quant", "stats",
-               "run", "tracer", "plan", "report", "compress", "enforce", "fitting"}
+               "run", "tracer", "plan", "report", "compress", "enforce", "fitting", "wrappers"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 

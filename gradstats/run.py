@@ -111,6 +111,10 @@ class Flush:
     sample_totals: dict[str, int] = field(default_factory=dict)
     #: further tables by name (e.g. "applied": what gradstats.apply did), rows of plain values
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    #: the tracing session that wrote it and the step that session started at: a later session
+    #: of the same rank that starts at step k supersedes this one's steps >= k (a resumed run)
+    session: str | None = None
+    start_step: int | None = None
 
 
 def _stats_table(keys: Sequence[tuple[int, int, str, str, int]], scalars: np.ndarray, hist: np.ndarray,
@@ -167,16 +171,23 @@ class RunWriter:
     at the next ``submit``/``wait``.
     """
 
-    def __init__(self, path: Path, rank: int, *, max_bytes: int | None = None) -> None:
+    def __init__(self, path: Path, rank: int, *, max_bytes: int | None = None,
+                 session: str | None = None, start_step: int | None = None) -> None:
         self.path = Path(path)
         self.rank = rank
         self.max_bytes = max_bytes
+        #: written into every commit record (see :class:`Flush`); the tracer sets them
+        self.session = session
+        self.start_step = start_step
         self.bytes_written = 0
         self._bytes_queued = 0        # sample bytes submitted but not yet written
         self._bytes_lock = threading.Lock()
         for sub in ("stats", "samples", "commits"):
             (self.path / sub).mkdir(parents=True, exist_ok=True)
         self._seq = self._next_seq()
+        # a resumed run's byte budget counts what its earlier sessions wrote
+        self.bytes_written = sum(int(f.get("bytes", 0)) for c in read_commits(self.path)
+                                 if int(c["rank"]) == rank for f in c["files"].values())
         self._queue: Queue[Flush | None] = Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, name="gradstats-writer", daemon=True)
@@ -188,7 +199,8 @@ class RunWriter:
         return max(seqs, default=-1) + 1
 
     def new_flush(self, steps: list[int]) -> Flush:
-        fl = Flush(rank=self.rank, seq=self._seq, steps=steps)
+        fl = Flush(rank=self.rank, seq=self._seq, steps=steps, session=self.session,
+                   start_step=self.start_step)
         self._seq += 1
         return fl
 
@@ -272,10 +284,76 @@ class RunWriter:
             self._bytes_queued -= self.sample_bytes(fl.samples.values())
         record = {"rank": fl.rank, "seq": fl.seq, "steps": sorted(set(fl.steps)), "files": files,
                   "sample_totals": samples_meta}
+        if fl.session is not None:
+            record["session"], record["start_step"] = fl.session, fl.start_step
         atomic_write_json(self.path / "commits" / f"{name}.json", record)
 
 
 # --------------------------------------------------------------------------- reader
+
+
+#: kinds whose tensor is the same on every rank of a data-parallel run (after the all-reduce)
+REPLICA_KINDS = ("weight", "wgrad")
+
+
+class RunDamageWarning(UserWarning):
+    """A file of a run was found damaged; the rest of the run is read without it."""
+
+
+def read_commits(path: Path, problem: Any = None) -> list[dict[str, Any]]:
+    """The commit records of a run directory, in name order (rank, then sequence), each with
+    ``_limit``: the step from which a later tracing session of the same rank supersedes it (a
+    resumed run; ``None`` when nothing does). ``problem(msg)`` is told of damaged records."""
+    commits: list[dict[str, Any]] = []
+    cdir = Path(path) / "commits"
+    for p in sorted(cdir.iterdir()) if cdir.is_dir() else []:
+        if not _PART.match(p.name):
+            continue
+        try:
+            rec = json.loads(p.read_text())
+            if not isinstance(rec, dict) or not isinstance(rec["files"], dict):
+                raise KeyError("files")
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as exc:
+            if problem is not None:
+                problem(f"commit record {p} is damaged ({exc!r}); its flush is skipped")
+            continue
+        commits.append(rec)
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for c in commits:
+        by_rank.setdefault(int(c["rank"]), []).append(c)
+    for recs in by_rank.values():
+        cut: float = math.inf
+        later: tuple[Any, Any] = (None, None)      # (session, start step) of the commit after
+        for c in sorted(recs, key=lambda c: int(c["seq"]), reverse=True):
+            if later[0] is not None and c.get("session") != later[0] and later[1] is not None:
+                cut = min(cut, int(later[1]))      # a later session restarted at that step
+            c["_limit"] = None if math.isinf(cut) else int(cut)
+            later = (c.get("session"), c.get("start_step"))
+    return commits
+
+
+def _live_steps(c: dict[str, Any]) -> list[int]:
+    """The steps of a commit record that no later session superseded."""
+    limit = c.get("_limit")
+    return [int(s) for s in c["steps"] if limit is None or int(s) < limit]
+
+
+def last_committed_step(path: str | os.PathLike[str]) -> int | None:
+    """The last step any commit record of the run at ``path`` holds (``None`` for a run with
+    none): where :func:`gradstats.trace` with ``resume=True`` continues. Reads the commit
+    records only (no file is checked).
+
+    Example:
+        >>> import tempfile
+        >>> last_committed_step(tempfile.mkdtemp()) is None
+        True
+    """
+    steps = [s for c in read_commits(Path(path)) for s in _live_steps(c)]
+    return max(steps) if steps else None
+
+
+def _strip_keys(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k not in KEY_COLUMNS}
 
 
 class Run:
@@ -285,8 +363,10 @@ class Run:
         path: the directory.
         manifest: the parsed ``manifest.json``.
         layers: names of the traced layers, in model order.
-        steps: committed steps (sorted).
+        steps: committed steps, sorted, less those whose statistics file is damaged (the
+            steps that :meth:`stats` returns, plus steps of flushes that hold no statistics).
         ranks: ranks that committed data.
+        problems: what was found damaged so far, one message each (also warned once).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -299,9 +379,13 @@ class Run:
             raise RunCorruptError(f"{mpath} is missing: {self.path} is not a gradstats run "
                                   "(or its tracer never started)")
         try:
-            self.manifest: dict[str, Any] = json.loads(mpath.read_text())
+            manifest = json.loads(mpath.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RunCorruptError(f"{mpath} is not valid JSON ({exc}); the run's manifest is damaged") from exc
+        if not isinstance(manifest, dict):
+            raise RunCorruptError(f"{mpath} holds a JSON {type(manifest).__name__}, not an object: "
+                                  "the run's manifest is damaged or not a gradstats manifest")
+        self.manifest: dict[str, Any] = manifest
         version = self.manifest.get("format_version")
         if version != FORMAT_VERSION:
             raise RunCorruptError(f"{mpath} has format_version {version!r}; this gradstats reads "
@@ -313,26 +397,19 @@ class Run:
     def refresh(self) -> "Run":
         """Re-read the commit records (a run still being written grows)."""
         self.problems = []
-        self._commits: list[dict[str, Any]] = []
-        cdir = self.path / "commits"
-        for p in sorted(cdir.iterdir()) if cdir.is_dir() else []:
-            if not _PART.match(p.name):
-                continue
-            try:
-                rec = json.loads(p.read_text())
-                rec["files"]  # noqa: B018 - schema check
-            except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as exc:
-                self._problem(f"commit record {p} is damaged ({exc}); its flush is skipped")
-                continue
-            self._commits.append(rec)
+        self._commits: list[dict[str, Any]] = read_commits(self.path, self._problem)
         self._stats_cache: pd.DataFrame | None = None
         self._verified: set[str] = set()
+        #: damaged files found so far: relative path -> the error (kept for on_error="raise")
+        self._damaged: dict[str, RunCorruptError] = {}
+        self._steps: list[int] | None = None
         return self
 
     def _problem(self, msg: str) -> None:
+        if msg in self.problems:
+            return
         self.problems.append(msg)
-        log.warning(msg)
-        warnings.warn(msg, stacklevel=3)
+        warnings.warn(msg, RunDamageWarning, stacklevel=3)
 
     @property
     def layers(self) -> list[str]:
@@ -340,7 +417,17 @@ class Run:
 
     @property
     def steps(self) -> list[int]:
-        return sorted({int(s) for c in self._commits for s in c["steps"]})
+        if self._steps is None:
+            steps: set[int] = set()
+            for c in self._commits:
+                files = c["files"]
+                stats_files = [r for r in files if r.startswith("stats/")]
+                # a flush whose statistics file is damaged has lost its steps (its samples, if
+                # sound, still read through samples()): steps agree with stats()
+                if not stats_files or all([self._sound(r, files[r]) for r in stats_files]):
+                    steps.update(_live_steps(c))
+            self._steps = sorted(steps)
+        return self._steps
 
     @property
     def ranks(self) -> list[int]:
@@ -355,16 +442,31 @@ class Run:
         p = self.path / rel
         if rel in self._verified:
             return p
-        if not p.exists():
-            raise RunCorruptError(f"{p} is missing (listed in a commit record of the run)")
-        size = p.stat().st_size
-        if size != meta["bytes"]:
-            raise RunCorruptError(f"{p} is truncated or damaged: {size} bytes on disk, "
-                                  f"{meta['bytes']} recorded")
-        if _sha256(p) != meta["sha256"]:
-            raise RunCorruptError(f"{p} does not match its recorded sha256 checksum: the file is damaged")
+        if rel in self._damaged:
+            raise self._damaged[rel]
+        try:
+            if not p.exists():
+                raise RunCorruptError(f"{p} is missing (listed in a commit record of the run)")
+            size = p.stat().st_size
+            if size != meta["bytes"]:
+                raise RunCorruptError(f"{p} is truncated or damaged: {size} bytes on disk, "
+                                      f"{meta['bytes']} recorded")
+            if _sha256(p) != meta["sha256"]:
+                raise RunCorruptError(f"{p} does not match its recorded sha256 checksum: the file is damaged")
+        except RunCorruptError as exc:
+            self._damaged[rel] = exc
+            raise
         self._verified.add(rel)
         return p
+
+    def _sound(self, rel: str, meta: dict[str, Any]) -> bool:
+        """Whether a file checks out; a damaged one is reported once (``problems``)."""
+        try:
+            self._check(rel, meta)
+            return True
+        except RunCorruptError as exc:
+            self._problem(f"{exc}; the rest of the run is read without it")
+            return False
 
     def verify(self) -> list[str]:
         """Check every file's size and checksum; returns the list of problems (empty when sound)."""
@@ -377,6 +479,27 @@ class Run:
                     bad.append(str(exc))
         return bad
 
+    def _read_parquet(self, c: dict[str, Any], prefix: str, on_error: str) -> list[pd.DataFrame]:
+        """The tables of one commit whose path starts with ``prefix``, limited to its live steps."""
+        import pyarrow.parquet as pq
+
+        frames = []
+        for rel, meta in c["files"].items():
+            if not rel.startswith(prefix):
+                continue
+            try:
+                df = pq.read_table(self._check(rel, meta)).to_pandas()
+            except RunCorruptError as exc:
+                if on_error == "raise":
+                    raise
+                self._problem(f"{exc}; the rest of the run is read without it")
+                continue
+            limit = c.get("_limit")
+            if limit is not None and "step" in df.columns:
+                df = df[df["step"] < limit]
+            frames.append(df)
+        return frames
+
     # -- statistics
     def stats(self, *, kinds: Iterable[str] | None = None, merge_ranks: bool = False,
               on_error: str = "warn") -> pd.DataFrame:
@@ -385,37 +508,35 @@ class Run:
         Columns: ``step, rank, layer, kind, call``, the fields of :mod:`gradstats.stats`,
         ``hist`` (an int64 array of binade counts per row) and ``top_abs`` (the largest
         magnitudes; NaN in rows of runs written before it was recorded). With ``merge_ranks=True`` the
-        ranks of a distributed run are combined exactly (rank becomes -1). A damaged file is
-        skipped with a warning naming it (``on_error="warn"``) or raises ``RunCorruptError``
-        (``on_error="raise"``).
+        ranks of a distributed run are combined exactly (rank becomes -1): neural gradients
+        and activations are shards of the global batch and add up; weights and weight
+        gradients (``REPLICA_KINDS``) are the same tensor on every rank after the all-reduce,
+        so the lowest rank's row stands for all. A damaged file is skipped with a warning
+        naming it (``on_error="warn"``) or raises ``RunCorruptError`` (``on_error="raise"``),
+        also when an earlier read already found it.
         """
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
         if self._stats_cache is None:
-            import pyarrow.parquet as pq
-
-            tables = []
-            for c in self._commits:
-                for rel, meta in c["files"].items():
-                    if not rel.startswith("stats/"):
-                        continue
-                    try:
-                        tables.append(pq.read_table(self._check(rel, meta)).to_pandas())
-                    except RunCorruptError as exc:
-                        if on_error == "raise":
-                            raise
-                        self._problem(f"{exc}; the rest of the run is read without it")
+            tables = [t for c in self._commits for t in self._read_parquet(c, "stats/", on_error)]
             cols = [*KEY_COLUMNS, *SCALAR_FIELDS, "hist", "top_abs"]
             df = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=cols)
             df = df.sort_values(list(KEY_COLUMNS), kind="stable").reset_index(drop=True)
             self._stats_cache = df
+        elif on_error == "raise":
+            for c in self._commits:
+                for rel in c["files"]:
+                    if rel.startswith("stats/") and rel in self._damaged:
+                        raise self._damaged[rel]
         df = self._stats_cache
         if kinds is not None:
             df = df[df["kind"].isin(list(kinds))].reset_index(drop=True)
         if merge_ranks and len(df):
             rows = []
             for key, g in df.groupby(["step", "layer", "kind", "call"], sort=True):
-                m = merge_stats(g.to_dict("records"))
+                recs = g.to_dict("records")
+                m = (_strip_keys(min(recs, key=lambda r: r["rank"])) if key[2] in REPLICA_KINDS
+                     else merge_stats(recs))
                 rows.append({"step": key[0], "rank": -1, "layer": key[1], "kind": key[2],
                              "call": key[3], **m})
             df = pd.DataFrame(rows)
@@ -424,20 +545,11 @@ class Run:
     def table(self, name: str, *, on_error: str = "warn") -> pd.DataFrame:
         """A further table of the run by name, e.g. ``"applied"`` (what :func:`gradstats.apply`
         did per layer and step when given ``log_to=``). Empty when the run has none."""
-        import pyarrow.parquet as pq
-
         if name in ("stats", "samples", "commits") or not name.isidentifier():
             raise ValueError(f"{name!r} is not a table name; use stats(), samples() for those")
-        frames = []
-        for c in self._commits:
-            for rel, meta in c["files"].items():
-                if rel.startswith(f"{name}/"):
-                    try:
-                        frames.append(pq.read_table(self._check(rel, meta)).to_pandas())
-                    except RunCorruptError as exc:
-                        if on_error == "raise":
-                            raise
-                        self._problem(f"{exc}; the rest of the run is read without it")
+        if on_error not in ("warn", "raise"):
+            raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
+        frames = [t for c in self._commits for t in self._read_parquet(c, f"{name}/", on_error)]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
     # -- samples
@@ -446,43 +558,69 @@ class Run:
         rows = []
         for c in self._commits:
             totals = c.get("sample_totals", {})
+            limit = c.get("_limit")
             for rel in c["files"]:
                 if not rel.startswith("samples/"):
                     continue
                 for key, (n_samp, n_tot) in totals.items():
                     step, kind, call, layer = _parse_sample_key(key)
+                    if limit is not None and step >= limit:
+                        continue
                     rows.append({"step": step, "rank": c["rank"], "layer": layer, "kind": kind,
                                  "call": call, "n_samples": n_samp, "n_total": n_tot, "file": rel})
         cols = [*KEY_COLUMNS, "n_samples", "n_total", "file"]
         return pd.DataFrame(rows, columns=cols).sort_values(list(KEY_COLUMNS)).reset_index(drop=True)
 
-    def samples(self, layer: str, step: int, *, kind: str = "grad", call: int = 0,
+    def samples(self, layer: str, step: int, *, kind: str = "grad", call: int | None = 0,
                 rank: int | None = None) -> torch.Tensor:
         """Raw sampled values (signed, float32, 1-D) of one layer at one step.
 
-        With ``rank=None`` the samples of all ranks are concatenated in rank order.
+        ``call``: which call of the layer in that step (a module called twice per step records
+        calls 0 and 1), or ``None`` for all of them concatenated in call order. With
+        ``rank=None`` the samples of all ranks are concatenated in rank order (weights and
+        weight gradients, the same on every rank, are taken from the lowest rank only).
+
+        Example:
+            >>> import gradstats, tempfile, torch
+            >>> m = torch.nn.Linear(3, 3)
+            >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
+            ...     for _ in range(2):
+            ...         m(m(torch.randn(4, 3))).sum().backward(); t.step()
+            >>> run = gradstats.open_run(t.path)
+            >>> [run.samples("(root)", 1, call=c).numel() for c in (0, 1, None)]
+            [12, 12, 24]
         """
         from safetensors import safe_open
 
-        key = _sample_key(step, layer, kind, call)
-        parts = []
-        for c in sorted(self._commits, key=lambda c: (c["rank"], c["seq"])):
-            if rank is not None and c["rank"] != rank:
-                continue
-            if key not in c.get("sample_totals", {}):
-                continue
-            rel = next(r for r in c["files"] if r.startswith("samples/"))
-            p = self._check(rel, c["files"][rel])
-            with safe_open(str(p), framework="pt") as f:
-                parts.append(f.get_tensor(key))
-        if not parts:
-            have = self.sample_index()
-            have = have[(have.layer == layer) & (have.kind == kind)]["step"].unique().tolist()
+        if call is not None and (isinstance(call, bool) or not isinstance(call, int) or call < 0):
+            raise ValueError(f"call must be a call number >= 0 or None (all calls), got {call!r}")
+        idx = self.sample_index()
+        sel = idx[(idx.layer == layer) & (idx.kind == kind) & (idx.step == step)]
+        if call is not None:
+            sel = sel[sel.call == call]
+        if rank is not None:
+            sel = sel[sel["rank"] == rank]
+        elif kind in REPLICA_KINDS and len(sel):
+            sel = sel[sel["rank"] == sel["rank"].min()]
+        if not len(sel):
             if layer not in self.layers:
                 raise ValueError(f"layer {layer!r} is not in this run; its layers are {self.layers}")
-            raise ValueError(f"no {kind!r} samples of layer {layer!r} at step {step} (call {call}"
-                             f"{'' if rank is None else f', rank {rank}'}); samples of that layer "
-                             f"exist at steps {have}")
+            have = idx[(idx.layer == layer) & (idx.kind == kind)]
+            calls = {int(s): sorted(set(g.call.tolist())) for s, g in have.groupby("step", sort=True)}
+            where = f"steps {list(calls)}"
+            if any(c != [0] for c in calls.values()):
+                where += " with calls " + ", ".join(f"{c} at step {s}" for s, c in calls.items())
+            what = f"call {call}" if call is not None else "any call"
+            raise ValueError(f"no {kind!r} samples of layer {layer!r} at step {step} ({what}"
+                             f"{'' if rank is None else f', rank {rank}'}); {kind!r} samples of that "
+                             f"layer exist at {where}")
+        by_file = {(c["rank"], rel): c["files"][rel] for c in self._commits for rel in c["files"]
+                   if rel.startswith("samples/")}
+        parts = []
+        for r in sel.sort_values(["rank", "call"]).itertuples():
+            p = self._check(r.file, by_file[(r.rank, r.file)])
+            with safe_open(str(p), framework="pt") as f:
+                parts.append(f.get_tensor(_sample_key(int(r.step), layer, kind, int(r.call))))
         return torch.cat(parts).to(torch.float32)
 
     def summary(self, *, kind: str = "grad") -> pd.DataFrame:

@@ -37,8 +37,9 @@ import torch
 from torch import nn
 
 from ._version import __version__
-from .run import FORMAT_VERSION, RunWriter, _sample_key, atomic_write_json
+from .run import FORMAT_VERSION, RunWriter, _sample_key, atomic_write_json, last_committed_step
 from .stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
+from .wrappers import named_layers, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -115,15 +116,6 @@ def _first_grad_tensor(out: Any) -> torch.Tensor | None:
     return None
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside DistributedDataParallel-style wrappers (names stay the user's)."""
-    inner = getattr(model, "module", None)
-    if isinstance(inner, nn.Module) and type(model).__name__ in (
-            "DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"):
-        return inner
-    return model
-
-
 def _dist_info() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -179,7 +171,8 @@ class Tracer:
                  layers: LayerSelect = None, every: Schedule = 1, sample_every: Schedule = 100,
                  samples: int | None = 65536, kinds: Iterable[str] = ("grad",),
                  optimizer: torch.optim.Optimizer | None = None,
-                 max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0) -> None:
+                 max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
+                 resume: bool = False, start_step: int | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"trace() needs a torch.nn.Module as model, got {type(model).__name__}")
         self.kinds = tuple(kinds)
@@ -196,6 +189,11 @@ class Tracer:
                              f"got {flush_secs!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(resume, bool):
+            raise ValueError(f"resume must be True or False, got {resume!r}")
+        if start_step is not None and (isinstance(start_step, bool) or not isinstance(start_step, int)
+                                       or start_step < 0):
+            raise ValueError(f"start_step must be a step number >= 0 or None, got {start_step!r}")
         self.model = model
         self.path = Path(path)
         self._take_stats = _schedule(every, "every")
@@ -212,14 +210,21 @@ class Tracer:
         self.flush_secs = float(flush_secs)
         self._last_commit = time.monotonic()
         select = _selector(layers)
-        root = _unwrap(model)
-        self.modules: dict[str, nn.Module] = {n: m for n, m in root.named_modules() if select(n, m)}
+        root = unwrap(model)
+        self._default_layers = layers is None
+        self.modules: dict[str, nn.Module] = {n: m for n, m in named_layers(model) if select(n, m)}
         if not self.modules:
-            names = [n for n, _ in root.named_modules()][:12]
+            names = [n for n, _ in named_layers(model)][:12]
             raise ValueError(f"layers={layers!r} matches no module of {type(root).__name__}; "
                              f"module names look like {names}")
         self.rank, self.world_size = _dist_info()
-        self.current_step = 0
+        self.resume = resume
+        self.start_step = start_step
+        self.current_step = 0 if start_step is None else start_step
+        #: this tracing session (commit records carry it: a later session that starts at an
+        #: earlier step supersedes what an earlier one wrote from there on)
+        self._session = f"{time.time_ns():x}-{os.getpid()}-{self.rank}"
+        self._reported_uncalled = False
         self._handles: list[Any] = []
         self._lock = threading.Lock()
         # statistics of the step(s) not yet committed: CPU float32 tensors are written by the C
@@ -253,7 +258,18 @@ class Tracer:
         except OSError as exc:
             raise ValueError(f"cannot write a run to {self.path}: {exc.strerror or exc}; "
                              "pass a writable directory") from None
-        self._writer = RunWriter(self.path, self.rank, max_bytes=self.max_bytes)
+        last = last_committed_step(self.path)
+        if last is not None and self.start_step is None:
+            if not self.resume:
+                raise ValueError(
+                    f"{self.path} already holds a run (steps up to {last}); pass resume=True to "
+                    f"continue it after step {last} (CLI: --resume), start_step=N to continue from "
+                    "a checkpoint taken at step N (what was written from step N on is superseded), "
+                    "or a new directory")
+            self.current_step = last + 1
+        self._previous = self._read_previous_manifest() if last is not None else None
+        self._writer = RunWriter(self.path, self.rank, max_bytes=self.max_bytes,
+                                 session=self._session, start_step=self.current_step)
         self._write_manifest()
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_hook(self._make_forward_hook(name)))
@@ -299,8 +315,74 @@ class Tracer:
 
     def _advance(self) -> None:
         self._flush(self.current_step)
+        if not self._reported_uncalled and self._shapes:
+            self._report_uncalled()
         self.current_step += 1
         self._calls.clear()
+
+    def _report_uncalled(self) -> None:
+        """Say once which selected modules the first traced step never called (an attention
+        block's ``out_proj`` used functionally, a branch not taken): they are left out of the
+        run's layers until they are called."""
+        self._reported_uncalled = True
+        missing = [n for n in self.modules if n not in self._shapes]
+        if missing:
+            level = logging.INFO if self._default_layers else logging.WARNING
+            log.log(level, "gradstats: %d selected module(s) produced no gradient in step %d and are "
+                    "not traced until they do (not called, or their output needs no grad): %s",
+                    len(missing), self.current_step, ", ".join(missing))
+            self._write_manifest()
+
+    # -- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to resume this tracer exactly: the step, the sampling
+        generators' states and whether the byte budget stopped sampling.
+
+        Save it beside the model and optimizer; restore with :meth:`load_state_dict` on a tracer
+        of the same run. Example:
+            >>> import tempfile, torch, gradstats
+            >>> m, path = torch.nn.Linear(2, 2), tempfile.mkdtemp()
+            >>> with gradstats.trace(m, path) as t:
+            ...     m(torch.randn(3, 2)).sum().backward(); t.step()
+            ...     ckpt = t.state_dict()
+            >>> with gradstats.trace(m, path, resume=True) as t2:
+            ...     t2.load_state_dict(ckpt)
+            ...     m(torch.randn(3, 2)).sum().backward(); t2.step()
+            >>> ckpt["step"], gradstats.open_run(path).steps
+            (1, [0, 1])
+        """
+        return {"step": int(self.current_step), "seed": int(self.seed),
+                "sampling_stopped": bool(self._sampling_stopped),
+                "generators": {str(d): g.get_state() for d, g in self._generators.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`: the next step recorded is ``state["step"]``, and
+        sampling draws what the checkpointed tracer would have drawn. Whatever this run holds
+        from that step on (written after the checkpoint, by a training that then crashed) is
+        superseded by what is recorded now. Call it before the first step of the resumed
+        training (on an attached tracer, or before attaching: then no ``resume=`` is needed)."""
+        need = {"step", "seed", "sampling_stopped", "generators"}
+        if not isinstance(state, dict) or not need <= set(state):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"load_state_dict expects a dict from Tracer.state_dict() with keys "
+                             f"{sorted(need)}, got {got}")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"the state's step must be an int >= 0, got {step!r}")
+        if int(state["seed"]) != self.seed:
+            log.warning("gradstats: the tracer state was saved with seed=%s, this tracer has seed=%s; "
+                        "the saved generator states are used", state["seed"], self.seed)
+        if self._attached:
+            self._flush(self.current_step, force=True)   # what was recorded so far, under the old count
+        self.current_step = self.start_step = step
+        self._session = f"{time.time_ns():x}-{os.getpid()}-{self.rank}"
+        if self._writer is not None:
+            self._writer.session, self._writer.start_step = self._session, step
+        self._calls.clear()
+        self._active_step = None
+        self._sampling_stopped = bool(state["sampling_stopped"])
+        for dev, gstate in state["generators"].items():
+            self._generator(torch.device(dev)).set_state(torch.as_tensor(gstate, dtype=torch.uint8))
 
     def flush(self) -> None:
         """Commit every closed step now and block until it is on disk."""
@@ -403,7 +485,7 @@ class Tracer:
             return
         for name, module in self.modules.items():
             params = list(module.parameters(recurse=False))
-            if not params:
+            if not params or name not in self._shapes:      # a module not called has no gradient
                 continue
             if "weight" in self.kinds:
                 w = torch.cat([p.detach().reshape(-1).float() for p in params])
@@ -464,20 +546,33 @@ class Tracer:
         if new_shapes:
             self._write_manifest()
 
+    def _read_previous_manifest(self) -> dict[str, Any] | None:
+        try:
+            m = json.loads((self.path / "manifest.json").read_text())
+            return m if isinstance(m, dict) else None
+        except (OSError, ValueError):
+            return None
+
     def _write_manifest(self) -> None:
         if self.rank != 0:
             return
-        root = _unwrap(self.model)
+        root = unwrap(self.model)
         layers = []
         for name, module in self.modules.items():
+            if name not in self._shapes and self._reported_uncalled:
+                continue                # selected but not called: nothing of it is in the run
             layers.append({"name": name, "type": type(module).__name__,
                            "output_shape": self._shapes.get(name),
                            "params": sum(p.numel() for p in module.parameters(recurse=False))})
+        prev = getattr(self, "_previous", None)
+        if prev:                        # a resumed run keeps the layers its earlier sessions traced
+            ours = {e["name"] for e in layers}
+            layers = [e for e in prev.get("layers", []) if e.get("name") not in ours] + layers
         manifest = {
             "format_version": FORMAT_VERSION,
             "gradstats_version": __version__,
             "torch_version": torch.__version__,
-            "created": self._created,
+            "created": prev.get("created", self._created) if prev else self._created,
             "model_class": type(root).__name__,
             "model_params": sum(p.numel() for p in root.parameters()),
             "world_size": self.world_size,
@@ -495,15 +590,20 @@ class Tracer:
 def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect = None,
           every: Schedule = 1, sample_every: Schedule = 100, samples: int | None = 65536,
           kinds: Iterable[str] = ("grad",), optimizer: torch.optim.Optimizer | None = None,
-          max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0) -> Tracer:
+          max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
+          resume: bool = False, start_step: int | None = None) -> Tracer:
     """Trace the neural gradients of ``model`` into the run directory ``path``.
 
     Args:
-        model: any ``nn.Module`` (a DDP-wrapped model is traced through its ``.module``).
-        path: run directory (created; a run there is appended to).
+        model: any ``nn.Module``; DDP, DataParallel, FSDP and ``torch.compile`` wrappers are
+            seen through (:func:`gradstats.wrappers.unwrap`): layer names are the user's.
+        path: run directory (created). A directory that already holds a run is an error unless
+            ``resume=True`` or ``start_step=`` says how to continue it.
         layers: which modules: ``None`` for those that own parameters (Linear, Conv, norms,
-            Embedding, ...), a glob or list of globs on module names (``"re:..."`` for a
-            regex), a compiled regex, or a callable ``(name, module) -> bool``.
+            Embedding, ...; modules that are never called, such as an attention block's
+            ``out_proj`` used functionally, are left out with one log line), a glob or list of
+            globs on module names (``"re:..."`` for a regex), a compiled regex, or a callable
+            ``(name, module) -> bool``. The model itself, when it owns parameters, is ``"(root)"``.
         every: steps on which statistics are taken: a period (1 = every step) or a list.
         sample_every: steps on which raw samples are kept: a period, a list, or ``None``.
         samples: values kept per capture (an unbiased uniform sample without replacement),
@@ -519,6 +619,10 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
             and when the tracer detaches); 0 commits every step. A run read while training goes
             on, or after the process is killed, shows every step committed until then: at most
             ``flush_secs`` of training behind. Fewer, larger files and less work per step.
+        resume: continue a run at ``path`` after its last committed step.
+        start_step: number the first step recorded (a trainer restored from a checkpoint taken
+            at step N passes N; whatever the run holds from step N on is superseded). For an
+            exact resume of the sampling too, restore :meth:`Tracer.load_state_dict`.
 
     Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
 
@@ -533,4 +637,4 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
     """
     return Tracer(model, path, layers=layers, every=every, sample_every=sample_every,
                   samples=samples, kinds=kinds, optimizer=optimizer, max_bytes=max_bytes, seed=seed,
-                  flush_secs=flush_secs)
+                  flush_secs=flush_secs, resume=resume, start_step=start_step)

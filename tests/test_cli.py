@@ -35,3 +35,31 @@ def test_help_lists_commands():
     assert res.returncode == 0
     for cmd in ("demo", "trace", "info"):
         assert cmd in res.stdout
+
+
+def test_trace_into_an_existing_run_resumes_or_refuses(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["trace", "--model", "mlp", "--data", "digits", "--steps", "3", "--sample-every", "none",
+            "--batch-size", "16", "--out", str(out)]
+    assert main(args) == 0
+    assert main(args) == 2                                   # refused, with the way out named
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--resume" in err and "start_step" in err
+    assert main(args + ["--resume"]) == 0
+    run = gradstats.open_run(out)
+    assert run.steps == [0, 1, 2, 3, 4, 5]
+    assert not run.stats().duplicated(["step", "rank", "layer", "kind", "call"]).any()
+
+
+def test_trace_rejects_bad_values_before_loading_data(tmp_path, monkeypatch, capsys):
+    import gradstats.cli.trace as cli_trace
+
+    def no_loading(*a, **k):
+        raise AssertionError("the data was loaded before the arguments were checked")
+
+    monkeypatch.setattr(cli_trace, "load_data", no_loading)
+    for bad, said in ((["--steps", "-3"], "--steps must be a positive"),
+                      (["--every", "0"], "--every must be"), (["--kinds", "grad,grads"], "--kinds"),
+                      (["--start-step", "-1"], "--start-step")):
+        assert main(["trace", "--model", "mlp", "--out", str(tmp_path / "r"), *bad]) == 2
+        assert said in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Runs on disk: crash safety, integrity, distributed merge, the reader's API."""
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
@@ -173,7 +174,8 @@ DDP_SCRIPT = textwrap.dedent("""
 
     def train(m, path, shard, lr):
         opt = torch.optim.SGD(m.parameters(), lr=lr)
-        with gradstats.trace(m, path, optimizer=opt, sample_every=None) as tr:
+        with gradstats.trace(m, path, optimizer=opt, sample_every=None,
+                             kinds=("grad", "wgrad", "weight")) as tr:
             for x, y in data():
                 x, y = x[shard], y[shard]
                 opt.zero_grad()
@@ -205,8 +207,8 @@ def test_ddp_two_ranks_merge_exactly(tmp_path):
     ddp, one = gradstats.open_run(tmp_path / "ddp"), gradstats.open_run(tmp_path / "one")
     assert ddp.ranks == [0, 1] and ddp.manifest["world_size"] == 2
     assert sorted(os.listdir(tmp_path / "ddp" / "stats"))[0].startswith("part-r0-")
-    merged = ddp.stats(merge_ranks=True)
-    single = one.stats()
+    merged = ddp.stats(merge_ranks=True, kinds=["grad"])
+    single = one.stats(kinds=["grad"])
     assert len(merged) == len(single) == 6
     for (_, a), (_, b) in zip(merged.iterrows(), single.iterrows()):
         assert (a.step, a.layer, a.n, a.n_zero) == (b.step, b.layer, b.n, b.n_zero)
@@ -218,3 +220,165 @@ def test_ddp_two_ranks_merge_exactly(tmp_path):
             assert abs(a[f] - b[f]) <= 1e-4 * scale, (f, a.step, a.layer)
         # a value within a few ulps of a power of two may change binade
         assert np.abs(a["hist"] - b["hist"]).sum() <= 2
+    # weights and weight gradients are replicas (the same tensor on every rank after the
+    # all-reduce): merged, they count once, not world_size times
+    for kind, factor in (("weight", 1.0), ("wgrad", 0.5)):   # DDP averages: half the global wgrad
+        rows = ddp.stats(kinds=[kind])
+        assert sorted(rows["rank"].unique()) == [0, 1]
+        m, s1 = ddp.stats(merge_ranks=True, kinds=[kind]), one.stats(kinds=[kind])
+        assert len(m) == len(s1) == 6 and (m["rank"] == -1).all()
+        assert (m["n"].to_numpy() == s1["n"].to_numpy()).all(), kind
+        np.testing.assert_allclose(m["sum_abs"].to_numpy(), factor * s1["sum_abs"].to_numpy(), rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- resuming a run
+
+def _train_lin(model, path, steps, scale=1.0, **kw):
+    with gradstats.trace(model, path, sample_every=1, samples=None, **kw) as tr:
+        for _ in range(steps):
+            (scale * model(torch.randn(6, 5))).square().mean().backward()
+            tr.step()
+    return tr
+
+
+def _lin():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def test_existing_run_needs_resume_or_start_step(tmp_path):
+    model = _lin()
+    _train_lin(model, tmp_path, 3)
+    with pytest.raises(ValueError, match=r"already holds a run \(steps up to 2\).*resume=True.*start_step="):
+        _train_lin(model, tmp_path, 1)
+    assert gradstats.open_run(tmp_path).steps == [0, 1, 2]          # nothing was written
+    tr = _train_lin(model, tmp_path, 2, resume=True)
+    run = gradstats.open_run(tmp_path)
+    assert tr.current_step == 5 and run.steps == [0, 1, 2, 3, 4]
+    stats = run.stats()
+    assert not stats.duplicated(["step", "rank", "layer", "kind", "call"]).any()
+    assert len(stats) == 5 * 2 and run.layers == ["0", "2"]
+    # an empty directory, or one with no commits yet, needs neither
+    _train_lin(_lin(), tmp_path / "fresh", 1)
+    assert gradstats.open_run(tmp_path / "fresh").steps == [0]
+
+
+def test_start_step_supersedes_what_followed_the_checkpoint(tmp_path):
+    model = _lin()
+    _train_lin(model, tmp_path, 5)                                    # steps 0..4
+    before = gradstats.open_run(tmp_path).stats()
+    _train_lin(model, tmp_path, 2, scale=1000.0, start_step=2)        # restored at step 2
+    run = gradstats.open_run(tmp_path)
+    assert run.steps == [0, 1, 2, 3]                                 # step 4 was superseded
+    stats = run.stats()
+    assert not stats.duplicated(["step", "rank", "layer", "kind", "call"]).any()
+    old = before[before.step < 2].reset_index(drop=True)
+    pd.testing.assert_frame_equal(stats[stats.step < 2].reset_index(drop=True)[["n", "sum_abs"]],
+                                  old[["n", "sum_abs"]])
+    new = stats[stats.step >= 2]
+    assert (new["max_abs"].to_numpy() > 100 * before[before.step >= 2]["max_abs"].max()).all()
+    idx = run.sample_index()
+    assert sorted(idx.step.unique()) == [0, 1, 2, 3] and not idx.duplicated(
+        ["step", "rank", "layer", "kind", "call"]).any()
+    assert run.samples("0", 3).abs().max() > 100 * before["max_abs"].max()
+
+
+def test_tracer_state_dict_resumes_sampling_exactly(tmp_path):
+    """Checkpoint after 2 steps, crash, restore: the run equals an uninterrupted one."""
+    def batches():
+        g = torch.Generator().manual_seed(5)
+        return [torch.randn(64, 5, generator=g) for _ in range(4)]
+
+    def step(model, opt, x):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    model = _lin()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradstats.trace(model, tmp_path / "whole", optimizer=opt, sample_every=1, samples=50, seed=3):
+        for x in batches():
+            step(model, opt, x)
+
+    model = _lin()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = gradstats.trace(model, tmp_path / "resumed", optimizer=opt, sample_every=1, samples=50, seed=3)
+    with tr:
+        for x in batches()[:2]:
+            step(model, opt, x)
+        ckpt = copy.deepcopy({"tracer": tr.state_dict(), "model": model.state_dict(),
+                              "opt": opt.state_dict()})
+        step(model, opt, batches()[2])            # trained on after the checkpoint, then crashed
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    model = _lin()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.load_state_dict(ckpt["model"]); opt.load_state_dict(ckpt["opt"])
+    tr = gradstats.trace(model, tmp_path / "resumed", optimizer=opt, sample_every=1, samples=50, seed=3)
+    tr.load_state_dict(ckpt["tracer"])            # before attaching: no resume= needed
+    with tr:
+        for x in batches()[2:]:
+            step(model, opt, x)
+    whole, resumed = gradstats.open_run(tmp_path / "whole"), gradstats.open_run(tmp_path / "resumed")
+    assert whole.steps == resumed.steps == [0, 1, 2, 3]
+    a, b = whole.stats(), resumed.stats()
+    pd.testing.assert_frame_equal(a.drop(columns=["hist", "top_abs"]), b.drop(columns=["hist", "top_abs"]))
+    for s in whole.steps:
+        for layer in whole.layers:
+            assert torch.equal(whole.samples(layer, s), resumed.samples(layer, s)), (s, layer)
+    with pytest.raises(ValueError, match="Tracer.state_dict"):
+        tr.load_state_dict({"step": 1})
+
+
+def test_stats_raise_after_a_warned_read(tmp_path):
+    small_run(tmp_path)
+    victim = sorted((tmp_path / "stats").glob("*.parquet"))[1]
+    victim.write_bytes(victim.read_bytes()[:-20])
+    run = gradstats.open_run(tmp_path)
+    with pytest.warns(gradstats.RunDamageWarning, match=victim.name):
+        run.stats()
+    with pytest.raises(RunCorruptError, match="truncated"):
+        run.stats(on_error="raise")                          # the cached read still raises
+    # the lost step is gone from steps too, and each problem is listed once
+    assert run.steps == [0, 2, 3]
+    run.stats(); run.verify()
+    assert len([p for p in run.problems if victim.name in p]) == 1
+
+
+def test_manifest_that_is_not_an_object(tmp_path):
+    small_run(tmp_path)
+    (tmp_path / "manifest.json").write_text("[1, 2, 3]")
+    with pytest.raises(RunCorruptError, match="JSON list, not an object"):
+        gradstats.open_run(tmp_path)
+
+
+def test_samples_of_every_call_and_a_message_that_agrees(tmp_path):
+    shared = nn.Linear(4, 4)
+    with gradstats.trace(shared, tmp_path, sample_every=[0, 3], samples=None) as tr:
+        for _ in range(4):
+            shared(torch.tanh(shared(torch.randn(3, 4)))).sum().backward()
+            tr.step()
+    run = gradstats.open_run(tmp_path)
+    assert run.layers == ["(root)"]
+    both = run.samples("(root)", 3, call=None)
+    assert torch.equal(both, torch.cat([run.samples("(root)", 3, call=0), run.samples("(root)", 3, call=1)]))
+    with pytest.raises(ValueError, match=r"at step 1 \(any call\).*exist at steps \[0, 3\] with calls"):
+        run.samples("(root)", 1, call=None)
+    with pytest.raises(ValueError, match="call must be"):
+        run.samples("(root)", 3, call=-1)
+
+
+def test_damaged_stats_and_info_agree(tmp_path, capsys):
+    from gradstats.cli import main
+
+    small_run(tmp_path)
+    victim = sorted((tmp_path / "stats").glob("*.parquet"))[2]
+    victim.write_bytes(b"not parquet" + victim.read_bytes()[11:])
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["info", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "steps 0..3 (3 captured)" in out
+    assert (out + err).count(victim.name) == 1               # named once, not three times
+    assert gradstats.open_run(tmp_path).summary()["steps"].tolist() == [3, 3]

@@ -376,3 +376,79 @@ def test_optimizer_and_manual_step_conflict(tmp_path):
     with gradstats.trace(model, tmp_path, optimizer=opt) as tr:
         with pytest.raises(ValueError, match="advances on optimizer.step"):
             tr.step()
+
+
+# ----------------------------------------------------------------------------- names and selection
+
+class FunctionalAttention(nn.Module):
+    """nn.MultiheadAttention calls its out_proj functionally: the module is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+def test_modules_never_called_are_left_out_once(tmp_path, caplog):
+    model = FunctionalAttention()
+    with caplog.at_level("INFO", logger="gradstats.tracer"):
+        with gradstats.trace(model, tmp_path, sample_every=1, kinds=("grad", "wgrad")) as tr:
+            for _ in range(3):
+                model(torch.randn(8, 6, 8)).square().mean().backward()
+                tr.step()
+    run = gradstats.open_run(tmp_path)
+    assert "attn.out_proj" in tr.modules and run.layers == ["attn", "head"]
+    assert set(run.stats()["layer"]) == {"attn", "head"}
+    said = [r for r in caplog.records if "attn.out_proj" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "INFO"
+    # asked for by name, the same is a warning
+    caplog.clear()
+    with caplog.at_level("INFO", logger="gradstats.tracer"):
+        with gradstats.trace(model, tmp_path / "named", layers="attn*") as tr:
+            model(torch.randn(2, 4, 8)).sum().backward()
+            tr.step()
+    assert [r.levelname for r in caplog.records if "attn.out_proj" in r.getMessage()] == ["WARNING"]
+    from gradstats.report import report    # the report of such a run works
+    report(run, tmp_path / "report")
+
+
+class OwnWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x @ self.w)
+
+
+def test_root_module_with_parameters_is_named(tmp_path):
+    model = OwnWeight()
+    with gradstats.trace(model, tmp_path) as tr:
+        model(torch.randn(3, 4)).sum().backward()
+        tr.step()
+    run = gradstats.open_run(tmp_path)
+    assert run.layers == ["(root)", "fc"] and "" not in set(run.stats()["layer"])
+    plan = gradstats.Plan.uniform(sparsity=0.5, layers="*")
+    assert list(plan.resolve(model)) == ["(root)", "fc"]
+    with gradstats.apply(model, plan) as applied:                 # apply hooks the root too
+        model(torch.randn(64, 4)).square().mean().backward()
+    assert set(applied.to_dataframe()["layer"]) == {"(root)", "fc"}
+
+
+def test_wrapped_models_keep_the_users_names(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    for i, wrapped in enumerate([torch.compile(model, backend="eager"), nn.DataParallel(model),
+                                 torch.compile(nn.DataParallel(model), backend="eager")]):
+        with gradstats.trace(wrapped, tmp_path / str(i)) as tr:
+            wrapped(torch.randn(4, 8)).sum().backward()
+            tr.step()
+        assert gradstats.open_run(tmp_path / str(i)).layers == ["0", "2"]
+        # a plan made from the eager run resolves on the wrapped model, and the other way round
+        plan = gradstats.Plan.uniform(sparsity=0.5)
+        assert list(plan.resolve(wrapped)) == list(plan.resolve(model)) == ["0", "2"]
+        assert list(plan.resolve(gradstats.open_run(tmp_path / str(i)))) == ["0", "2"]

@@ -16,7 +16,19 @@ def _size(path) -> int:
 
 
 def print_info(r, kind: str = "grad") -> None:
-    """Print the summary of an opened run."""
+    """Print the summary of an opened run; damage found on the way is printed once, at the end."""
+    import warnings
+
+    from gradstats.run import RunDamageWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RunDamageWarning)     # listed below, once each
+        _print_info(r, kind)
+    for p in r.problems:
+        print(f"warning: {p}")
+
+
+def _print_info(r, kind: str) -> None:
     import pandas as pd
 
     m = r.manifest
@@ -33,8 +45,6 @@ def print_info(r, kind: str = "grad") -> None:
         print(s.drop(columns=["last_mean_log2", "last_std_log2"]).to_string(index=False))
     print("zero_fraction, mean_log2, std_log2: medians over steps of the zero fraction and of the mean "
           f"and std of log2|{kind}| over non-zero entries")
-    for p in r.problems:
-        print(f"warning: {p}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,6 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", default=None, help="glob on module names (default: modules with parameters)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="run directory to write")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run at --out after its last committed step")
+    p.add_argument("--start-step", type=int, default=None,
+                   help="number of the first step recorded (continuing from a checkpoint)")
     p.set_defaults(func=run)
 
 
@@ -61,11 +65,35 @@ def load_data(name: str, model: str):
     return data.load_images(name, split="train", **kw), data.load_images(name, split="test", **kw)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Reject bad values before any data is loaded or model built."""
+    for name in ("steps", "batch_size", "samples"):
+        v = getattr(args, name)
+        if v is None or v <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
+    if args.lr is not None and not args.lr > 0:
+        raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    if args.start_step is not None and args.start_step < 0:
+        raise ValueError(f"--start-step must be a step number >= 0, got {args.start_step}")
+    for name in ("every", "sample_every"):
+        v = getattr(args, name)
+        bad = (isinstance(v, int) and v <= 0) or (isinstance(v, list) and any(s < 0 for s in v))
+        if bad:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive period, a comma list of "
+                             f"steps >= 0, or none; got {v}")
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    from gradstats.tracer import KINDS
+
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise ValueError(f"--kinds must be a comma list of {', '.join(KINDS)}; got {args.kinds!r}")
+
+
 def run(args: argparse.Namespace) -> int:
     import gradstats
     from gradstats.models import build_model
     from gradstats.training import make_optimizer, train
 
+    check_args(args)
     train_set, test_set = load_data(args.data, args.model)
     log.info("data: %r", train_set)
     kw = {"vocab_size": train_set.vocab_size} if args.model == "transformer" else {}
@@ -74,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     with gradstats.trace(model, args.out, layers=args.layers, every=args.every,
                          sample_every=args.sample_every, samples=args.samples, kinds=kinds,
-                         optimizer=opt, seed=args.seed):
+                         optimizer=opt, seed=args.seed, resume=args.resume, start_step=args.start_step):
         result = train(model, train_set, test=test_set, steps=args.steps, batch_size=args.batch_size,
                        optimizer=opt, seed=args.seed)
     acc = "" if result.test_accuracy is None else f", test accuracy {result.test_accuracy:.3f}"

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -14,7 +13,6 @@ from ..formats import FPFormat
 from ._rules import (INHERIT, RULE_FIELDS, Prediction, PlanEntry, Provenance, Rule, _check_keys, _err,
                      _fields_to_json, _DEFAULT_RULE)
 
-log = logging.getLogger("gradstats.plan")
 
 #: value of the ``"schema"`` key of a plan file
 SCHEMA = "gradstats.plan"
@@ -31,10 +29,9 @@ def _modules_of(target: Any) -> list[tuple[str, tuple[str, ...] | None]]:
     import torch.nn as nn
 
     if isinstance(target, nn.Module):
-        from ..tracer import _unwrap
+        from ..wrappers import named_layers
 
-        return [(n, tuple(c.__name__ for c in type(m).__mro__))
-                for n, m in _unwrap(target).named_modules() if n != ""]
+        return [(n, tuple(c.__name__ for c in type(m).__mro__)) for n, m in named_layers(target)]
     from ..run import Run
 
     if isinstance(target, Run):
@@ -209,8 +206,7 @@ class Plan:
                 + " matches no module" for e in missing) + f" (modules: {shown or 'none'})"
             if strict:
                 raise ValueError(msg)
-            log.warning(msg)
-            warnings.warn(msg, stacklevel=3)
+            warnings.warn(msg, stacklevel=3)      # once: the user's plan needs a look
         return out
 
     # -- views

@@ -284,7 +284,9 @@ def sparsity_check(run: Any, *, targets: Sequence[float] = SPARSITY_TARGETS, rul
                     else:
                         a = float(pruning.threshold(S, st, model=rule))
                     y = pruning.stochastic_prune(x, a, generator=gen) if a > 0 else x
-                    cos = float((x.double() * y.double()).sum()) / (norm * float(y.double().square().sum().sqrt()))
+                    ynorm = float(y.double().square().sum().sqrt())
+                    # every value pruned away (a small layer at a high target): no direction left
+                    cos = float((x.double() * y.double()).sum()) / (norm * ynorm) if ynorm > 0 else math.nan
                     rows.append({"layer": name, "step": int(s), "rule": rule, "target": float(S), "threshold": a,
                                  "achieved": float((y == 0).double().mean()), "cosine": cos,
                                  "predicted_cosine": float(pruning.predicted_cosine(a, mu=mu, sigma=sigma)),
