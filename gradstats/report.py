@@ -5,7 +5,11 @@ samples, else on the streamed statistics), derives the pruning thresholds for th
 sparsities (85% and 90% by default) and the recommended FP8, FP6 and FP4 formats per layer
 (:func:`gradstats.recommend`, one plan per width and sparsity), and checks the predicted
 quantisation error against the error measured on the run's raw samples
-(:func:`gradstats.fpanalysis.measured_error`). :meth:`Analysis.write` (or :func:`report`) writes
+(:func:`gradstats.fpanalysis.measured_error`). It works on the run of any model: a layer without
+neural-gradient statistics (a module whose weights are used functionally, such as the
+``out_proj`` of ``nn.MultiheadAttention``) is skipped with a note, and a group that cannot be
+fitted (an identically zero gradient, a damaged sample file) is reported with the reason in the
+table, the text and ``report.md``, never fatal. :meth:`Analysis.write` (or :func:`report`) writes
 ``plan.json``, the per-width plans, ``report.md`` with the figures embedded, the figures
 (:func:`gradstats.plots.study.write_figures`) and the tables.
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -70,6 +75,11 @@ class Analysis:
             (empty for a run without raw samples).
         sparsities, bits: the targets and widths analysed.
         fit_steps: the steps fitted; plan_step: the statistics step the plans were made from.
+        context: ``{label: text}`` lines shown at the top of the report.
+        skipped: ``{layer: reason}`` of the selected layers left out of the analysis (no
+            neural-gradient statistics in the run).
+        failures: the groups that could not be fitted (:func:`gradstats.fitting.failed_groups`:
+            layer, kind, source, status, steps, n_steps); empty when every group was fitted.
     """
 
     run: Any
@@ -83,14 +93,19 @@ class Analysis:
     fit_steps: list[int]
     plan_step: int
     context: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    failures: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(
+        columns=["layer", "kind", "source", "status", "steps", "n_steps"]))
 
     def plan(self, bits: int | None = None, sparsity: float | None = None) -> Any:
         """The plan of one width and target (default: the first of each, FP8 at 85%)."""
         s = self.sparsities[0] if sparsity is None else sparsity
         b = self.bits[0] if bits is None else bits
         if s not in self.plans or b not in self.plans[s]:
+            why = "" if any(self.plans.values()) else (" (no layer was planned: none of the analysed layers is a "
+                                                       "convolution or linear layer with statistics)")
             raise ValueError(f"no plan for bits={b}, sparsity={s}; analysed bits {list(self.bits)} and "
-                             f"sparsities {list(self.sparsities)}")
+                             f"sparsities {list(self.sparsities)}{why}")
         return self.plans[s][b]
 
     def to_dataframe(self) -> pd.DataFrame:
@@ -98,11 +113,13 @@ class Analysis:
         return self.table.copy()
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: the run, the settings, the per-layer table and the plans."""
+        """Plain data: the run, the settings, the per-layer table, the plans, the skipped layers
+        and the groups that were not fitted."""
         return {"run": str(self.run.path), "sparsities": list(self.sparsities), "bits": list(self.bits),
                 "fit_steps": list(self.fit_steps), "plan_step": self.plan_step, "context": dict(self.context),
                 "layers": _records(self.table),
-                "plans": {_pct(s): {str(b): p.to_dict() for b, p in ps.items()} for s, ps in self.plans.items()}}
+                "plans": {_pct(s): {str(b): p.to_dict() for b, p in ps.items()} for s, ps in self.plans.items()},
+                "skipped": dict(self.skipped), "failures": _records(self.failures)}
 
     def summary(self) -> str:
         """The per-layer summary as a text table (what ``gradstats report`` and the demo print)."""
@@ -120,7 +137,9 @@ def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
     out = []
     for rec in df.to_dict("records"):
         out.append({k: (None if isinstance(v, float) and not math.isfinite(v) else
-                        v.item() if isinstance(v, np.generic) else v) for k, v in rec.items()})
+                        v.item() if isinstance(v, np.generic) else
+                        [x.item() if isinstance(x, np.generic) else x for x in v]
+                        if isinstance(v, (list, tuple, np.ndarray)) else v) for k, v in rec.items()})
     return out
 
 
@@ -136,13 +155,17 @@ def _fit_steps(run: Any) -> tuple[list[int], bool]:
     return steps, False
 
 
-def _plan_step(run: Any, sampled: list[int], has_samples: bool) -> int:
-    """The step the plans are made from: the latest step with raw samples (so predicted and
-    measured errors refer to the same gradients), else the latest step."""
+def _plan_step(run: Any, sampled: list[int], has_samples: bool, layers: Sequence[str],
+               damaged: set[int]) -> int:
+    """The step the plans are made from: the latest step with intact raw samples (so predicted
+    and measured errors refer to the same gradients), else the latest step; statistics of the
+    analysed ``layers`` only."""
     st = run.stats(kinds=["grad"])
+    if len(st):
+        st = st[st["layer"].isin(list(layers))]
     have = set(int(s) for s in st["step"].unique()) if len(st) else set()
     if has_samples:
-        both = [s for s in sampled if s in have]
+        both = [s for s in sampled if s in have and s not in damaged]
         if both:
             return both[-1]
     if not have:
@@ -150,8 +173,48 @@ def _plan_step(run: Any, sampled: list[int], has_samples: bool) -> int:
     return max(have)
 
 
+def _no_statistics(run: Any, names: Sequence[str]) -> dict[str, str]:
+    """``{layer: reason}`` of the layers of ``names`` without neural-gradient statistics."""
+    st = run.stats(kinds=["grad"])
+    have = set(st["layer"].unique()) if len(st) else set()
+    return {n: ("no 'grad' statistics in the run: the module was never called as a module (its weights "
+                "used functionally, e.g. the out_proj of nn.MultiheadAttention) or its output needed no "
+                "gradient") for n in names if n not in have}
+
+
+def _measured_errors(run: Any, plans: Mapping[int, Any], step: int) -> pd.DataFrame:
+    """Predicted against measured quantisation error of each planned layer at ``step`` (the
+    recommended format at its scale applied to the step's raw samples), as
+    :func:`gradstats.plots.study.error_check` computes it, for the plans of the analysis (the
+    formats do not depend on the target sparsity). Layers without samples there are left out."""
+    from .fpanalysis import measured_error
+    from .plots.study import layer_values
+    from .run import RunCorruptError
+
+    rows = []
+    for b, plan in plans.items():
+        for e in plan.entries:
+            pr = e.predicted
+            if pr is None or pr.scale is None:
+                continue
+            try:
+                x = layer_values(run, e.layer, int(step), "grad")
+                if x is None:
+                    continue
+                meas = measured_error(x, e.format, scale=pr.scale)
+            except (RunCorruptError, ValueError) as exc:
+                log.info("no measured error for %s at step %s: %s", e.layer, step, exc)
+                continue
+            rows.append({"layer": e.layer, "step": int(step), "bits": int(b), "format": str(e.format),
+                         "log2_scale": math.log2(pr.scale), "sigma_log2": pr.sigma / _LN2,
+                         "predicted": pr.error, "measured": meas})
+    return pd.DataFrame(rows, columns=["layer", "step", "bits", "format", "log2_scale", "sigma_log2",
+                                       "predicted", "measured"])
+
+
 def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterable[int] = BITS,
-            progress: bool = False, context: Mapping[str, str] | None = None) -> Analysis:
+            progress: bool = False, context: Mapping[str, str] | None = None,
+            layers: str | re.Pattern | Sequence[str] | None = None) -> Analysis:
     """Fit every layer of a run, derive thresholds and recommended formats, check the predictions.
 
     Args:
@@ -160,11 +223,22 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
         bits: bit widths of the recommended formats.
         progress: progress bars.
         context: ``{label: text}`` lines shown at the top of the report (e.g. the data used).
+        layers: which traced layers: None (all), or the tracer's patterns (:func:`gradstats.trace`'s
+            ``layers=``): a name or glob, ``"re:PATTERN"`` (a regex matched in full), a compiled
+            regex, or a list of those.
 
     The fits use the steps with raw samples (exact KS and Vuong's test), or every step's streamed
     statistics for a run without samples. The plans are made from the statistics of the latest
-    sampled step (else the latest step), so that the predicted error can be measured on the same
-    gradients. Only convolution and linear layers are planned (the study's choice).
+    sampled step whose samples are intact (else the latest step), so that the predicted error can
+    be measured on the same gradients. Only convolution and linear layers are planned (the
+    study's choice).
+
+    Nothing a model's layers can do is fatal: selected layers without neural-gradient statistics
+    are skipped (``Analysis.skipped``, logged, noted in the text); groups that cannot be fitted
+    (identically zero gradients, damaged sample files) are rows with NaN numbers and a ``status``
+    (``Analysis.failures``; ``fit_status``, ``failed_steps`` and ``fit_error`` in the table).
+    Raises ValueError for bad arguments, a pattern that matches no layer, or a run without any
+    neural-gradient statistics.
 
     Example:
         >>> import gradstats
@@ -174,9 +248,9 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     """
     from tqdm.auto import tqdm
 
-    from .fitting import layer_verdicts
-    from .fitting import fit_run
-    from .plots.study import error_check
+    from .fitting import failed_groups, fit_run, layer_verdicts
+    from .fitting._run import select_layers
+    from .plan import CONV_LINEAR_TYPES
     from .recommendation import recommend
 
     run = _open(run)
@@ -187,39 +261,64 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     for s in sps:
         if not 0.0 <= s < 1.0:
             raise ValueError(f"target sparsities must lie in [0, 1), got {s}")
+    selected = select_layers(list(run.layers), layers)
+    skipped = _no_statistics(run, selected)
+    for name, why in skipped.items():
+        log.warning("layer %s is left out of the report: %s", name, why)
+    names = [n for n in selected if n not in skipped]
+    if not names:
+        raise ValueError(f"none of the selected layers {selected} has neural-gradient ('grad') statistics in "
+                         f"the run at {run.path}; the layers that have them: "
+                         f"{[n for n in run.layers if n not in _no_statistics(run, run.layers)]}")
     bar = tqdm(total=4, desc="analyse", unit="stage", disable=not progress, leave=False)
     fit_steps, has_samples = _fit_steps(run)
     bar.set_postfix_str("fit")
-    fits = fit_run(run, steps=fit_steps, kinds=("grad",), use_samples=has_samples, progress=progress)
+    fits = fit_run(run, layers=names, steps=fit_steps, kinds=("grad",), use_samples=has_samples,
+                   progress=progress)
     verdicts = layer_verdicts(fits)
+    failures = failed_groups(fits)
+    damaged = {int(step) for r in failures.to_dict("records") if str(r["status"]).startswith("damaged")
+               for step in r["steps"]}
     bar.update()
     bar.set_postfix_str("recommend")
-    plan_step = _plan_step(run, fit_steps, has_samples)
-    plans = {s: recommend(run, bits=list(bts), sparsity=s, step=plan_step) for s in sps}
+    plan_step = _plan_step(run, fit_steps, has_samples, names, damaged)
+    st = run.stats(kinds=["grad"])
+    at_step = set(st[st["step"] == plan_step]["layer"]) if len(st) else set()
+    info = run.layer_info()
+    types = dict(zip(info["name"], info["type"])) if len(info) else {}
+    planned = [n for n in names if types.get(n) in CONV_LINEAR_TYPES and n in at_step]
+    if planned:
+        plans = {s: recommend(run, bits=list(bts), sparsity=s, step=plan_step, layers=planned) for s in sps}
+    else:
+        log.warning("no plans: none of the analysed layers %s is a convolution or linear layer with statistics "
+                    "at step %d", names, plan_step)
+        plans = {s: {} for s in sps}
     bar.update()
     bar.set_postfix_str("errors")
-    errors = error_check(run, steps=[plan_step] if has_samples else [], bits=bts)
+    measure = has_samples and plan_step not in damaged  # the samples of the plans' own step
+    errors = _measured_errors(run, plans[sps[0]] if measure else {}, plan_step)
     bar.update()
-    table = _layer_table(run, verdicts, plans, plan_step, sps, bts)
+    table = _layer_table(run, names, verdicts, plans, plan_step, sps, bts, at_step)
     bar.update()
     bar.close()
     return Analysis(run=run, table=table, fits=fits, verdicts=verdicts, plans=plans, errors=errors,
                     sparsities=sps, bits=bts, fit_steps=fit_steps, plan_step=plan_step,
-                    context=dict(context or {}))
+                    context=dict(context or {}), skipped=skipped, failures=failures)
 
 
-def _layer_table(run: Any, verdicts: pd.DataFrame, plans: Mapping[float, Mapping[int, Any]], plan_step: int,
-                 sps: Sequence[float], bts: Sequence[int]) -> pd.DataFrame:
+def _layer_table(run: Any, names: Sequence[str], verdicts: pd.DataFrame, plans: Mapping[float, Mapping[int, Any]],
+                 plan_step: int, sps: Sequence[float], bts: Sequence[int], at_step: set[str]) -> pd.DataFrame:
     from .recommendation import layer_moments
 
     info = run.layer_info()
     types = dict(zip(info["name"], info["type"])) if len(info) else {}
-    mom = layer_moments(run, step=plan_step, layers=list(run.layers))
+    with_stats = [n for n in names if n in at_step]
+    mom = layer_moments(run, step=plan_step, layers=with_stats) if with_stats else pd.DataFrame()
     mom = {r["layer"]: r for r in mom.to_dict("records")}
     ver = {r["layer"]: r for r in verdicts.to_dict("records")} if len(verdicts) else {}
-    entries = {(s, b): {e.layer: e for e in p.entries} for s, ps in plans.items() for b, p in ps.items()}
+    entries = {(s, b): {e.layer: e for e in ps[b].entries} if b in ps else {} for s, ps in plans.items() for b in bts}
     rows = []
-    for name in run.layers:
+    for name in names:
         m, v = mom.get(name, {}), ver.get(name, {})
         mu, sigma = m.get("mu", math.nan), m.get("sigma", math.nan)
         row: dict[str, Any] = {
@@ -240,6 +339,11 @@ def _layer_table(run: Any, verdicts: pd.DataFrame, plans: Mapping[float, Mapping
             row[f"fp{b}"] = str(e.format) if e is not None else None
             row[f"fp{b}_log2_scale"] = math.log2(e.predicted.scale) if e is not None and e.predicted.scale else math.nan
             row[f"fp{b}_error"] = e.predicted.error if e is not None else math.nan
+        n_ok, n_bad = int(v.get("groups", 0)), int(v.get("failed", 0))
+        row["fit_status"] = "ok" if n_ok and not n_bad else "partial" if n_ok else "failed" if n_bad else "none"
+        row["failed_steps"] = n_bad
+        fail = v.get("failure")
+        row["fit_error"] = fail if isinstance(fail, str) else None
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -258,14 +362,18 @@ def _summary_rows(a: Analysis) -> tuple[list[str], list[list[str]]]:
     head += [f"thr {_pct(s)}%" for s in a.sparsities]
     head += [f"FP{b}" for b in a.bits]
     rows = []
+    num = lambda v, f: f"{v:{f}}" if isinstance(v, (int, float)) and math.isfinite(v) else "-"  # noqa: E731
     for r in a.table.to_dict("records"):
         verdict = "-"
         if isinstance(r["verdict"], str):
             n, wins = int(r["fitted_steps"]), int(r["wins_lognormal"])
             verdict = f"lognormal {wins}/{n}" if r["verdict"] == "lognormal" else \
                 f"{r['verdict']} (lognormal {wins}/{n})"
-        row = [r["layer"], f"{r['std_log2']:.2f}", f"{r['zero_fraction']:.0%}", verdict,
-               "-" if not math.isfinite(r["ks_lognormal"]) else f"{r['ks_lognormal']:.3f}"]
+        bad = int(r.get("failed_steps", 0) or 0)
+        if bad:
+            verdict = "failed" if verdict == "-" else f"{verdict}, {bad} failed"
+        row = [r["layer"], num(r["std_log2"], ".2f"), num(r["zero_fraction"], ".0%"), verdict,
+               num(r["ks_lognormal"], ".3f")]
         row += [_fmt_thr(r[f"threshold_{_pct(s)}"], r["zero_fraction"], s) for s in a.sparsities]
         for b in a.bits:
             f = r[f"fp{b}"]
@@ -286,7 +394,27 @@ def _text_table(a: Analysis) -> str:
                f"pruning, lognormal rule; formats: best ExMy (saturating, OCP 'fn') at its power-of-two scale "
                f"2^k (gradients are multiplied by 2^k before the cast); '-': layer not planned (the plans "
                f"cover convolution and linear layers)")
+    out += _notes(a)
     return "\n".join(out)
+
+
+def _notes(a: Analysis) -> list[str]:
+    """Text lines on what was not analysed: skipped layers, groups not fitted, missing plans."""
+    from .fitting._run import failure_lines
+
+    out = []
+    if len(a.failures):
+        n = int(a.failures["n_steps"].sum())
+        out.append(f"not fitted: {n} (layer, step) group(s); their rows in the fits have NaN numbers and a "
+                   f"status saying why:")
+        out += failure_lines(a.failures, kind=False, source=False)
+    if a.skipped:
+        out.append(f"skipped layers ({len(a.skipped)}), not in the table:")
+        out += [f"  {name}: {why}" for name, why in a.skipped.items()]
+    if not any(a.plans.values()):
+        out.append("no plans: none of the analysed layers is a convolution or linear layer with statistics at "
+                   f"step {a.plan_step}")
+    return out
 
 
 def _md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -334,7 +462,8 @@ class Report:
 
 def report(run: Any, out_dir: str | os.PathLike[str], *, sparsities: Iterable[float] = SPARSITIES,
            bits: Iterable[int] = BITS, figures: bool = True, progress: bool = False,
-           context: Mapping[str, str] | None = None) -> Report:
+           context: Mapping[str, str] | None = None,
+           layers: str | re.Pattern | Sequence[str] | None = None) -> Report:
     """Analyse a run (:func:`analyse`) and write the report into ``out_dir``:
 
     - ``plan.json``: the plan of the first width and target (FP8 at 85% by default), ready for
@@ -343,6 +472,11 @@ def report(run: Any, out_dir: str | os.PathLike[str], *, sparsities: Iterable[fl
       against measured quantisation error);
     - ``figures/*.png`` (:func:`gradstats.plots.study.write_figures`) and ``report.md`` embedding them.
 
+    ``layers`` selects traced layers with the tracer's patterns (see :func:`analyse`); the
+    tables, fits and plans cover those, the per-layer figures draw the run's layers. Layers
+    without statistics and groups that cannot be fitted are noted, never fatal (see
+    :func:`analyse`); without a convolution or linear layer no plan files are written.
+
     Example:
         >>> import tempfile, gradstats
         >>> rep = report(gradstats.data.data_dir() / "sample-run", tempfile.mkdtemp(), bits=[8],
@@ -350,8 +484,8 @@ def report(run: Any, out_dir: str | os.PathLike[str], *, sparsities: Iterable[fl
         >>> gradstats.Plan.load(rep.files["plan"]).entries[0].layer
         'conv1'
     """
-    return analyse(run, sparsities=sparsities, bits=bits, progress=progress, context=context).write(
-        out_dir, figures=figures, progress=progress)
+    return analyse(run, sparsities=sparsities, bits=bits, progress=progress, context=context,
+                   layers=layers).write(out_dir, figures=figures, progress=progress)
 
 
 def _write(a: Analysis, out: Path, *, figures: bool, progress: bool) -> Report:
@@ -359,10 +493,10 @@ def _write(a: Analysis, out: Path, *, figures: bool, progress: bool) -> Report:
 
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}
-    main = a.plan()
-    main.save(out / "plan.json")
-    files["plan"] = out / "plan.json"
-    (out / "plans").mkdir(exist_ok=True)
+    if any(a.plans.values()):
+        a.plan().save(out / "plan.json")
+        files["plan"] = out / "plan.json"
+        (out / "plans").mkdir(exist_ok=True)
     for s, ps in a.plans.items():
         for b, p in ps.items():
             path = out / "plans" / f"fp{b}-s{_pct(s)}.json"
@@ -376,7 +510,7 @@ def _write(a: Analysis, out: Path, *, figures: bool, progress: bool) -> Report:
     files["errors"] = out / "errors.csv"
     figs: dict[str, Path] = {}
     if figures:
-        figs = write_figures(a.run, out / "figures", plans=a.plans[a.sparsities[0]], errors=a.errors,
+        figs = write_figures(a.run, out / "figures", plans=a.plans[a.sparsities[0]] or None, errors=a.errors,
                              progress=progress)
     md = _markdown(a, out, files, figs, {k: v[1] for k, v in FIGURES.items()})
     (out / "report.md").write_text(md)
@@ -404,6 +538,18 @@ def _markdown(a: Analysis, out: Path, files: Mapping[str, Path], figs: Mapping[s
     lines += ["## Per layer", ""]
     head, rows = _summary_rows(a)
     lines += [_md_table(head, rows), ""]
+    if len(a.failures):
+        lines += ["## Groups not fitted", "",
+                  "These (layer, step) groups have rows with NaN numbers in the fits; the status says why "
+                  "(`error`: no family fits the values, e.g. an identically zero gradient; `damaged`: the "
+                  "run's file of those samples is damaged on disk). The rest of the run is analysed.", "",
+                  _md_table(["layer", "steps", "source", "status"],
+                            [[r["layer"], ", ".join(str(x) for x in r["steps"]), r["source"], r["status"]]
+                             for r in a.failures.to_dict("records")]), ""]
+    if a.skipped:
+        lines += ["Skipped layers (not in the table):", ""]
+        lines += [f"- `{name}`: {why}" for name, why in a.skipped.items()]
+        lines += [""]
     nl = int((a.table["verdict"] == "lognormal").sum())
     exact = a.fits[(a.fits["status"] == "ok") & a.fits["ks_method"].isin(["exact", "subsample"])]
     ks = {f: exact[exact["family"] == f]["ks"].median() for f in ("lognormal", "normal", "laplace")}
@@ -455,14 +601,18 @@ def _markdown(a: Analysis, out: Path, files: Mapping[str, Path], figs: Mapping[s
         for name, p in figs.items():
             cap = captions.get(name, name)
             lines += [f"### {cap[:1].upper() + cap[1:]}", "", f"![{name}]({rel(p)})", ""]
-    lines += ["## Plans", "",
-              f"- `{rel(files['plan'])}`: FP{a.bits[0]} with {_pct(a.sparsities[0])}% sparsity (the default plan)"]
-    lines += [f"- `{rel(p)}`" for k, p in files.items() if k.startswith("plan_")]
-    lines += ["", "Apply one during training (the schema is documented in `docs/plan-format.md`):", "",
-              "```python", "import gradstats", "",
-              f"plan = gradstats.Plan.load(\"{rel(files['plan'])}\")",
-              "with gradstats.apply(model, plan) as applied:", "    ...  # train as usual",
-              "print(applied.summary())", "```", "",
-              f"Tables: `{rel(files['layers'])}` (this table, all columns), `{rel(files['fits'])}` (every fit), "
+    lines += ["## Plans", ""]
+    if "plan" in files:
+        lines += [f"- `{rel(files['plan'])}`: FP{a.bits[0]} with {_pct(a.sparsities[0])}% sparsity (the default plan)"]
+        lines += [f"- `{rel(p)}`" for k, p in files.items() if k.startswith("plan_")]
+        lines += ["", "Apply one during training (the schema is documented in `docs/plan-format.md`):", "",
+                  "```python", "import gradstats", "",
+                  f"plan = gradstats.Plan.load(\"{rel(files['plan'])}\")",
+                  "with gradstats.apply(model, plan) as applied:", "    ...  # train as usual",
+                  "print(applied.summary())", "```"]
+    else:
+        lines += [f"No plan: none of the analysed layers is a convolution or linear layer with statistics at "
+                  f"step {a.plan_step}."]
+    lines += ["", f"Tables: `{rel(files['layers'])}` (this table, all columns), `{rel(files['fits'])}` (every fit), "
               f"`{rel(files['errors'])}` (predicted vs measured error).", ""]
     return "\n".join(lines)

@@ -1,6 +1,8 @@
 """Tests of ``gradstats fit``."""
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import pytest
 import torch
@@ -79,3 +81,47 @@ def test_fit_command_errors(run_path, capsys):
     assert main(["fit", str(run_path), "--layers", "nope*", "--no-progress"]) == 2
     assert "no layer matches" in capsys.readouterr().err
     assert main(["fit", str(run_path.parent / "missing"), "--no-progress"]) == 2
+
+
+class _DeadLayer(torch.nn.Module):
+    """``dead``'s output is multiplied by 0: its neural gradient is identically zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.dead, self.fc2 = torch.nn.Linear(8, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        return self.fc2(h + self.dead(h) * 0)
+
+
+@pytest.fixture(scope="module")
+def dead_run(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("runs") / "dead"
+    model = _DeadLayer()
+    with gradstats.trace(model, path, sample_every=2) as tracer:
+        for _ in range(3):
+            model(torch.randn(64, 8)).square().mean().backward()
+            tracer.step()
+    return path
+
+
+def test_fit_command_reports_a_layer_that_cannot_be_fitted(dead_run, tmp_path, capsys):
+    out = tmp_path / "fits.parquet"
+    assert main(["fit", str(dead_run), "-o", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    df = pd.read_parquet(out)
+    dead, alive = df[df.layer == "dead"], df[df.layer != "dead"]
+    assert len(dead) == 3 * 3 and dead["status"].str.startswith("error: ").all()
+    assert dead[["mu", "sigma", "ks", "loglik"]].isna().all().all() and not dead["best"].any()
+    assert (alive.status == "ok").all()
+    assert "3 group(s) could not be fitted" in text
+    assert re.search(r"dead \(grad\), steps 0, 1, 2 .*: error: .*no non-zero finite value", text)
+    assert "fc1" in text and "fc2" in text and "lognormal wins" in text
+
+
+def test_fit_command_when_nothing_fits(dead_run, capsys):
+    assert main(["fit", str(dead_run), "--layers", "re:d.*", "--no-progress"]) == 1
+    text = capsys.readouterr().out
+    assert "no group could be fitted" in text and "no non-zero finite value" in text

@@ -474,3 +474,108 @@ def test_memory_stays_near_one_copy_of_the_input():
     # one copy of the magnitudes plus buffers: measured 1.1-1.6x (heap fragmentation varies with
     # thread timing); the issue's budget is about 3x the input in all, i.e. 2x beyond it
     assert extra <= 2.0, d
+
+
+@pytest.mark.parametrize("ks", ["exact", "hist", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [[math.nan], [math.inf], [-math.inf], [math.nan, math.inf, -math.inf, math.nan]])
+def test_nonfinite_values_are_counted_and_excluded(bad, dtype, ks):
+    """One NaN among real values (no inf to sort after it) used to reach the fit as a magnitude."""
+    x = signed_sample("lognormal", 3000, seed=11).to(dtype)
+    x[::50] = 0.0
+    pos = torch.arange(len(bad)) * 313 + 1
+    y = x.clone()
+    y[pos] = torch.tensor(bad, dtype=dtype)
+    keep = torch.ones(len(x), dtype=torch.bool)
+    keep[pos] = False
+    r, ref = fit(y, ks=ks), fit(y[keep], ks=ks)
+    assert (r.n, r.n_nonfinite, r.n_zero, r.n_nonzero) == (3000, len(bad), ref.n_zero, ref.n_nonzero)
+    assert r.nonfinite_fraction == len(bad) / 3000
+    assert r.zero_fraction == ref.n_zero / (3000 - len(bad))
+    for f in ("lognormal", "normal", "laplace"):
+        for k, v in ref.params[f].items():
+            assert r.params[f][k] == pytest.approx(v, rel=1e-9, abs=1e-15), (f, k)
+    assert r.ks == pytest.approx(ref.ks, rel=1e-9) and r.best == ref.best
+    assert all(math.isfinite(v) for v in r.loglik.values())
+    d = r.to_dict()
+    assert d["n_nonfinite"] == len(bad) and d["nonfinite_fraction"] == r.nonfinite_fraction
+    json.dumps(d, allow_nan=False)
+    df = r.to_dataframe()
+    assert (df["n_nonfinite"] == len(bad)).all() and (df["nonfinite_fraction"] == r.nonfinite_fraction).all()
+    assert "non-finite=" + str(len(bad)) in r.summary()
+
+
+@pytest.mark.parametrize("values,zeros,nonfinite", [
+    ([math.nan] * 50, 0, 50),
+    ([math.inf, -math.inf, math.nan] * 10, 0, 30),
+    ([0.0, math.nan, 0.0, math.inf] * 10, 20, 20),
+])
+def test_no_nonzero_finite_value_is_a_clear_error(values, zeros, nonfinite):
+    """The error names the problem and the counts (all-NaN input was counted as zeros)."""
+    x = torch.tensor(values)
+    want = rf"\(n={len(values)}: {zeros} zeros, {nonfinite} non-finite\): there is no non-zero finite value"
+    with pytest.raises(ValueError, match=want):
+        fit(x)
+    with pytest.raises(ValueError, match=want):
+        fit_stats(tensor_stats(x))
+
+
+def test_fit_run_failed_groups_are_rows_of_nan_and_verdicts_report_them():
+    """A group that cannot be fitted gives full rows (NaN numbers, ``best`` False) and
+    ``layer_verdicts`` counts it instead of failing on the mixed ``best`` column."""
+    from gradstats.fitting import failed_groups, layer_verdicts
+
+    run = FakeRun()
+    df = fit_run(run, progress=False)
+    dead = df[df.layer == "dead"]
+    assert df["best"].dtype == bool and not dead["best"].any()
+    assert dead[["n", "mu", "sigma", "scale", "loglik", "aic", "ks", "vuong_z"]].isna().all().all()
+    assert list(dead["family"]) == ["lognormal", "normal", "laplace"] * 4
+    assert (dead["model"].notna()).all() and set(dead["source"]) == {"samples", "stats"}
+    from gradstats.fitting._result import ROW_COLUMNS
+
+    assert tuple(fit(run._data[("a.conv", 0, 0)]).rows()[0]) == ROW_COLUMNS  # failed rows have these too
+    v = layer_verdicts(df).set_index("layer")
+    assert list(v.index) == ["a.conv", "b.fc", "dead"]
+    assert v.loc["dead", "groups"] == 0 and v.loc["dead", "failed"] == 4 and pd.isna(v.loc["dead", "winner"])
+    assert "at least 10 non-zero" in v.loc["dead", "failure"] and math.isnan(v.loc["dead", "sigma"])
+    assert v.loc["a.conv", "failed"] == 0 and pd.isna(v.loc["a.conv", "failure"])
+    assert v.loc["a.conv", "winner"] == "lognormal" and v.loc["a.conv", "groups"] == 4
+    fg = failed_groups(df)
+    assert set(fg["layer"]) == {"dead"} and sorted(s for steps in fg["steps"] for s in steps) == [0, 1, 2, 3]
+    assert fg["status"].str.startswith("error: ").all()
+    assert failed_groups(df[df.layer != "dead"]).empty
+    # a run none of whose groups fits still gives the table
+    only = fit_run(run, layers="dead", progress=False)
+    assert (only.status != "ok").all() and layer_verdicts(only)["groups"].tolist() == [0]
+
+
+def _traced_mlp(path, steps=3):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    with gradstats.trace(model, path, sample_every=1) as tracer:
+        for _ in range(steps):
+            model(torch.randn(64, 8)).square().mean().backward()
+            tracer.step()
+    return path
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_fit_run_reports_a_damaged_sample_file_and_fits_the_rest(tmp_path, damage):
+    path = _traced_mlp(tmp_path / "run")
+    idx = gradstats.open_run(path).sample_index()
+    rel = idx[idx.step == 1]["file"].iloc[0]
+    assert set(idx[idx.file == rel]["step"]) == {1}
+    p = path / rel
+    data = bytearray(p.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data = data[: len(data) // 3]
+    p.write_bytes(bytes(data))
+    df = fit_run(gradstats.open_run(path), progress=False)
+    bad, good = df[df.step == 1], df[df.step != 1]
+    assert len(bad) == 2 * 3 and bad["status"].str.startswith("damaged: ").all()
+    assert bad["status"].str.contains(rel).all()
+    assert bad["status"].str.contains("sha256" if damage == "flip" else "truncated").all()
+    assert bad[["mu", "sigma", "ks"]].isna().all().all() and not bad["best"].any()
+    assert (good.status == "ok").all() and set(good.step) == {0, 2} and (good.source == "samples").all()

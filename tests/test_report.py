@@ -3,12 +3,15 @@ demo end to end on a tiny setting."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
+import torch
 
 import gradstats
 from gradstats.cli import main
@@ -138,3 +141,147 @@ def test_demo_end_to_end_tiny(tmp_path, capsys):
     images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", md)
     assert len(images) >= 8 and all((out / p).is_file() and (out / p).stat().st_size > 5000 for p in images)
     assert "data: Fashion-MNIST, committed subset" in md
+
+
+# ----------------------------------------------------------------------------- runs of any model
+class _DeadLayer(torch.nn.Module):
+    """``dead``'s output is multiplied by 0: its neural gradient is identically zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.dead, self.fc2 = torch.nn.Linear(8, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        return self.fc2(h + self.dead(h) * 0)
+
+
+class _Attention(torch.nn.Module):
+    """``nn.MultiheadAttention`` uses its ``out_proj`` weights functionally: that module is never
+    called, so it has no statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.att = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h, _ = self.att(h, h, h)
+        return self.head(torch.tanh(h)).mean(1)
+
+
+def _trace(model: torch.nn.Module, path, shape: tuple[int, ...], steps: int = 3):
+    torch.manual_seed(0)
+    with gradstats.trace(model, path, sample_every=1) as tracer:
+        for _ in range(steps):
+            model(torch.randn(*shape)).square().mean().backward()
+            tracer.step()
+    return path
+
+
+@pytest.fixture(scope="module")
+def dead_run(tmp_path_factory):
+    return _trace(_DeadLayer(), tmp_path_factory.mktemp("runs") / "dead", (64, 8))
+
+
+@pytest.fixture(scope="module")
+def attention_run(tmp_path_factory):
+    return _trace(_Attention(), tmp_path_factory.mktemp("runs") / "attention", (16, 5, 8))
+
+
+def test_report_says_which_groups_failed_and_why(dead_run, tmp_path):
+    rep = report(dead_run, tmp_path, bits=[8], sparsities=[0.85], figures=False)
+    a = rep.analysis
+    t = a.table.set_index("layer")
+    assert list(t.index) == ["fc1", "dead", "fc2"]
+    assert t.loc["dead", "fit_status"] == "failed" and t.loc["dead", "failed_steps"] == 3
+    assert "no non-zero finite value" in t.loc["dead", "fit_error"]
+    assert (t.loc[["fc1", "fc2"], "fit_status"] == "ok").all() and (t.loc[["fc1", "fc2"], "failed_steps"] == 0).all()
+    assert not t.loc["dead", "planned"] and t.loc[["fc1", "fc2"], "planned"].all()
+    assert list(a.failures["layer"]) == ["dead"] and a.failures["steps"].iloc[0] == [0, 1, 2]
+    text = a.summary()
+    assert re.search(r"^dead .* failed", text, re.M)
+    assert "not fitted" in text and re.search(r"dead, steps 0, 1, 2: error: .*no non-zero finite value", text)
+    md = rep.markdown.read_text()
+    assert "## Groups not fitted" in md and "no non-zero finite value" in md
+    fits = pd.read_parquet(rep.files["fits"])
+    assert fits[fits.layer == "dead"]["status"].str.startswith("error: ").all()
+    layers = pd.read_csv(rep.files["layers"])
+    assert {"fit_status", "failed_steps", "fit_error"} <= set(layers.columns)
+    json.dumps(a.to_dict(), allow_nan=False)
+    assert a.to_dict()["failures"][0]["layer"] == "dead"
+
+
+def test_report_skips_layers_without_gradient_statistics(attention_run, tmp_path, caplog):
+    run = gradstats.open_run(attention_run)
+    with caplog.at_level(logging.WARNING, logger="gradstats.report"):
+        rep = report(attention_run, tmp_path, bits=[8], sparsities=[0.85], figures=False)
+    a = rep.analysis
+    assert "att.out_proj" not in list(a.table["layer"]) and {"inp", "att", "head"} <= set(a.table["layer"])
+    assert sorted(e.layer for e in a.plan().entries) == ["head", "inp"]
+    if "att.out_proj" in run.layers:  # a tracer that selects modules never called lists it
+        assert "no 'grad' statistics" in a.skipped["att.out_proj"]
+        assert re.search(r"skipped.*att\.out_proj.*no 'grad' statistics", a.summary(), re.S)
+        assert "att.out_proj" in rep.markdown.read_text()
+        assert any("att.out_proj" in r.getMessage() for r in caplog.records)
+
+
+def test_report_skips_a_listed_layer_that_has_no_statistics(dead_run, tmp_path, caplog):
+    """A run whose manifest lists a layer that never recorded anything (older tracers selected
+    modules that are never called)."""
+    import shutil
+
+    path = tmp_path / "run"
+    shutil.copytree(dead_run, path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["layers"].insert(1, {"name": "ghost", "type": "Linear", "output_shape": None, "params": 10})
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="gradstats.report"):
+        a = analyse(path, bits=[8], sparsities=[0.85])
+    assert "ghost" not in list(a.table["layer"]) and "no 'grad' statistics" in a.skipped["ghost"]
+    assert "ghost" in a.summary() and any("ghost" in r.getMessage() for r in caplog.records)
+    assert main(["report", str(path), "-o", str(tmp_path / "r"), "--bits", "8", "--sparsity", "0.85",
+                 "--no-figures", "--no-progress"]) == 0
+    assert "ghost" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_report_layers_selects_with_the_tracer_patterns(attention_run, tmp_path, capsys):
+    a = analyse(attention_run, bits=[8], sparsities=[0.85], layers=["inp", "re:h.a+d"])
+    assert list(a.table["layer"]) == ["inp", "head"] and set(a.fits["layer"]) == {"inp", "head"}
+    assert sorted(e.layer for e in a.plan().entries) == ["head", "inp"]
+    assert set(a.errors["layer"]) <= {"inp", "head"} and len(a.errors)
+    assert list(analyse(attention_run, bits=[8], sparsities=[0.85], layers="at*").table["layer"]) == ["att"]
+    with pytest.raises(ValueError, match="no layer matches"):
+        analyse(attention_run, layers="nope*")
+    with pytest.raises(ValueError, match="callable"):
+        analyse(attention_run, layers=lambda name, module: True)
+    assert main(["report", str(attention_run), "-o", str(tmp_path / "r"), "--layers", "inp", "re:he.*",
+                 "--bits", "8", "--sparsity", "0.85", "--no-figures", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^inp ", out, re.M) and re.search(r"^head ", out, re.M) and not re.search(r"^att ", out, re.M)
+    assert main(["report", str(attention_run), "-o", str(tmp_path / "x"), "--layers", "nope*", "--no-progress"]) == 2
+    assert "no layer matches" in capsys.readouterr().err
+
+
+def test_report_with_a_damaged_sample_file(dead_run, tmp_path):
+    """The damaged step is reported; the plans and the measured errors use an intact one."""
+    import shutil
+
+    path = tmp_path / "run"
+    shutil.copytree(dead_run, path)
+    idx = gradstats.open_run(path).sample_index()
+    rel = idx[idx.step == 2]["file"].iloc[0]
+    data = bytearray((path / rel).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / rel).write_bytes(bytes(data))
+    rep = report(path, tmp_path / "out", bits=[8], sparsities=[0.85], figures=False)
+    a = rep.analysis
+    dam = a.failures[a.failures["status"].str.startswith("damaged: ")]
+    assert set(dam["layer"]) == {"fc1", "dead", "fc2"} and all(s == [2] for s in dam["steps"])
+    assert a.plan_step == 1 and set(a.errors["step"]) == {1}
+    t = a.table.set_index("layer")
+    assert t.loc["fc1", "fit_status"] == "partial" and t.loc["fc1", "failed_steps"] == 1
+    assert "damaged" in t.loc["fc1", "fit_error"] and rel in a.summary()
+    assert "damaged" in rep.markdown.read_text()

@@ -1,5 +1,6 @@
 """``gradstats fit RUN``: fit every layer and step of a run; print which family wins per layer
-and by how much, and the median KS per family; write all rows to Parquet."""
+and by how much, the median KS per family and the groups that could not be fitted (and why);
+write all rows to Parquet."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "(raw samples where the run has them, streamed statistics otherwise) "
                                    "and compare lognormal, half-normal (normal) and exponential (Laplace).")
     p.add_argument("run", help="run directory written by gradstats trace")
-    p.add_argument("--layers", nargs="+", metavar="GLOB", help="layer names or globs (default: all)")
+    p.add_argument("--layers", nargs="+", metavar="PATTERN",
+                   help="layer names, globs or 're:REGEX' (the tracer's layers= patterns; default: all)")
     p.add_argument("--steps", nargs="+", metavar="STEP",
                    help="steps: integers and ranges START:STOP[:STEP] (STOP excluded; default: all)")
     p.add_argument("--kinds", nargs="+", default=["grad"], help="captured kinds to fit (default: grad)")
@@ -53,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from gradstats import open_run
-    from gradstats.fitting import fit_run, layer_verdicts
+    from gradstats.fitting import failed_groups, fit_run, layer_verdicts
+    from gradstats.fitting._run import failure_lines
 
     r = open_run(args.run)
     steps = parse_steps(args.steps, r.steps)
@@ -61,9 +64,14 @@ def run(args: argparse.Namespace) -> int:
                  max_samples=args.max_samples, progress=not args.no_progress)
     if args.output:
         df.to_parquet(args.output, index=False)
+    failed = failed_groups(df)
+    n_failed = int(failed["n_steps"].sum()) if len(failed) else 0
     v = layer_verdicts(df)
+    v = v[v["groups"] > 0]
     if v.empty:
-        print("no group could be fitted; see the status column" + (f" in {args.output}" if args.output else ""))
+        print("no group could be fitted" + (f" (all rows are in {args.output}, see the status column)"
+                                            if args.output else "") + ":")
+        print("\n".join(failure_lines(failed)))
         return 1
     ks_cols = [c for c in ("ks_lognormal", "ks_normal", "ks_laplace") if c in v]
     with pd.option_context("display.width", 200, "display.max_rows", 1000, "display.float_format", "{:.4g}".format):
@@ -71,22 +79,22 @@ def run(args: argparse.Namespace) -> int:
                  "margin_loglik", "vuong_effect", *ks_cols, "ks_from", "sigma"]].to_string(index=False))
     n_layers = len(v)
     n_ln = int((v["winner"] == "lognormal").sum())
-    src = df.drop_duplicates(["layer", "step", "kind"])["source"].value_counts().to_dict()
     ok = df[df.status == "ok"]
+    src = ok.drop_duplicates(["layer", "step", "kind"])["source"].value_counts().to_dict()
     parts = []
     for label, sel in (("exact KS (samples)", ok["ks_method"].isin(["exact", "subsample"])),
                        ("KS bound midpoints (statistics)", ok["ks_method"] == "hist")):
         if sel.any():
             meds = ", ".join(f"{c[3:]} {ok[sel & (ok.family == c[3:])]['ks'].median():.4g}" for c in ks_cols)
             parts.append(f"{label}: {meds}")
-    print(f"lognormal wins {n_ln} of {n_layers} layer(s) (majority over steps); median KS per family, "
+    print(f"lognormal wins {n_ln} of {n_layers} fitted layer(s) (majority over steps); median KS per family, "
           + "; ".join(parts))
     print(f"groups fitted from samples: {src.get('samples', 0)}, from statistics: {src.get('stats', 0)}; "
           "margin_loglik = median (best - runner-up) mean log-likelihood per value; vuong_effect = median z/sqrt(n) "
           "(samples only); KS from statistics is the midpoint of its proven bounds")
-    bad = int((df.drop_duplicates(["layer", "step", "kind"])["status"] != "ok").sum())
-    if bad:
-        print(f"{bad} group(s) could not be fitted (status column)")
+    if n_failed:
+        print(f"{n_failed} group(s) could not be fitted (their rows have NaN numbers and this status):")
+        print("\n".join(failure_lines(failed)))
     if args.output:
         print(f"wrote {len(df)} rows to {args.output}")
     return 0

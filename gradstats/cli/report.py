@@ -1,5 +1,7 @@
-"""``gradstats report RUN -o DIR``: fit every layer, thresholds, recommended formats, plans,
-figures and ``report.md`` for any run (:func:`gradstats.report.report`)."""
+"""``gradstats report RUN -o DIR [--layers PATTERN ...]``: fit every layer, thresholds,
+recommended formats, plans, figures and ``report.md`` for any run
+(:func:`gradstats.report.report`); layers without statistics and groups that cannot be fitted
+are noted in the output, never fatal."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="target sparsities, comma list (default 0.85,0.9; the first goes into plan.json)")
     p.add_argument("--bits", type=_ints, default=[8, 6, 4],
                    help="format widths, comma list (default 8,6,4; the first goes into plan.json)")
+    p.add_argument("--layers", nargs="+", metavar="PATTERN",
+                   help="traced layers to analyse: names, globs or 're:REGEX' (the tracer's layers= patterns; "
+                        "default: all)")
     p.add_argument("--no-figures", action="store_true", help="skip the figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -40,6 +45,6 @@ def run(args: argparse.Namespace) -> int:
     from gradstats.report import report
 
     rep = report(args.run, args.output, sparsities=args.sparsity, bits=args.bits, figures=not args.no_figures,
-                 progress=not args.no_progress)
+                 progress=not args.no_progress, layers=args.layers)
     print(rep.summary())
     return 0

@@ -9,7 +9,9 @@ mass reported as ``zero_fraction``; inf/NaN are counted and excluded.
   ``scipy.stats.kstest``), Anderson-Darling of ``ln|g|``, Vuong's test, skewness and
   kurtosis of ``ln|g|``, signed normal and Laplace fits;
 - :func:`fit_stats` from streamed sufficient statistics alone (KS with a proven bound);
-- :func:`fit_run` on a whole run: one row per layer, step, kind and family.
+- :func:`fit_run` on a whole run: one row per layer, step, kind and family; groups that
+  cannot be fitted (all zeros, damaged sample files) are rows with a ``status`` saying why
+  (:func:`failed_groups`), never an error.
 
 Formulas, error bounds and where families cannot be told apart: ``docs/fitting.md``.
 
@@ -24,8 +26,9 @@ from __future__ import annotations
 from ._exact import SUBSAMPLE_CONFIDENCE, fit
 from ._families import FAMILIES, MAGNITUDE_MODEL, MIN_NONZERO, VUONG_ALPHA
 from ._result import FitResult
-from ._run import fit_run, layer_verdicts
+from ._run import failed_groups, fit_run, layer_verdicts
 from ._stats import fit_many_stats, fit_stats, hist_ks_bounds
 
-__all__ = ["fit", "fit_stats", "fit_run", "layer_verdicts", "FitResult", "FAMILIES", "MAGNITUDE_MODEL", "MIN_NONZERO",
-           "VUONG_ALPHA", "SUBSAMPLE_CONFIDENCE", "fit_many_stats", "hist_ks_bounds"]
+__all__ = ["fit", "fit_stats", "fit_run", "layer_verdicts", "failed_groups", "FitResult", "FAMILIES",
+           "MAGNITUDE_MODEL", "MIN_NONZERO", "VUONG_ALPHA", "SUBSAMPLE_CONFIDENCE", "fit_many_stats",
+           "hist_ks_bounds"]

@@ -5,7 +5,8 @@ How the work is laid out (n values, m of them non-zero and finite):
 1. signed fits on the finite values (mean/std; median and mean absolute deviation);
 2. magnitudes ``a = |x|`` (one copy), sorted once in place (numpy's vectorised sort on the CPU,
    ``torch.sort`` elsewhere). Zeros sort first and inf/NaN last, so the non-zero finite
-   magnitudes are one contiguous slice, counted by two binary searches;
+   magnitudes are one contiguous slice, found by two binary searches (the first non-finite
+   value by ``isfinite``: comparisons with NaN are false, so ``searchsorted`` cannot find it);
 3. pass 1 over cache-sized chunks: shifted sums of ``ln a`` and ``(ln a)^2`` and scaled
    sums of ``a`` and ``a^2`` (float64 accumulation) -> the MLE parameters;
 4. pass 2 over the same chunks: ``u = (ln a - mu)/sigma``; the three model CDFs against the
@@ -25,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ._families import FAMILIES, MIN_NONZERO, check_families
+from ._families import FAMILIES, MIN_NONZERO, check_families, too_few_message
 from ._parallel import CHUNK, _chunks, _map, default_workers, torch_single_thread
 from ._result import FitResult, assemble
 from ._signed import _signed
@@ -71,6 +72,25 @@ def _sort_(a: torch.Tensor) -> None:
         a.numpy().sort()  # in place, vectorised; NaN last
     else:
         a.copy_(torch.sort(a).values)
+
+
+def _finite_end(a: torch.Tensor) -> int:
+    """Number of finite values of the sorted magnitudes ``a`` (inf, then NaN, sort last).
+
+    A binary search on ``isfinite`` of single elements: ``searchsorted`` for inf cannot be
+    used, its comparisons with NaN are false, so with NaN but no inf it counts the NaN as
+    finite. Costs nothing when the last value is finite (the usual case)."""
+    n = a.numel()
+    if n == 0 or math.isfinite(float(a[-1])):
+        return n
+    lo, hi = 0, n - 1  # a[hi] is not finite; every index below lo is
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if math.isfinite(float(a[mid])):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def _pass1(a: torch.Tensor, lo: int, hi: int, shift: float, scale: float) -> dict[str, Any]:
@@ -310,15 +330,14 @@ def _fit(xf: torch.Tensor, fams: tuple[str, ...], ks: str, max_samples: int | No
     # and NaN last: the non-zero finite magnitudes are one slice) and needs no further copy,
     # so it is done in every mode; it also gives the plot's histogram and quantiles.
     _sort_(a)
-    n_zero = int(torch.searchsorted(a, torch.zeros(1, dtype=a.dtype, device=a.device), right=True))
-    n_fin = int(torch.searchsorted(a, torch.full((1,), math.inf, dtype=a.dtype, device=a.device)))
+    n_fin = _finite_end(a)
+    n_zero = int(torch.searchsorted(a[:n_fin], torch.zeros(1, dtype=a.dtype, device=a.device), right=True))
     mags = a[n_zero:n_fin]
     signed, n_finite = signed_job.result() if signed_job is not None else _signed(xf)
     m = mags.numel()
     n_nonfinite = n - n_finite
     if m < MIN_NONZERO:
-        raise ValueError(f"fit needs at least {MIN_NONZERO} non-zero finite values, got {m} "
-                         f"(n={n}: {n_zero} zeros, {n_nonfinite} non-finite)")
+        raise ValueError(too_few_message(m, n, n_zero, n_nonfinite))
     amin, amax = float(mags[0]), float(mags[-1])
     if amin == amax:
         raise ValueError(f"all {m} non-zero magnitudes equal {amin:g}: sigma = 0, so no continuous "

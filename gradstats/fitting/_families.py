@@ -37,6 +37,19 @@ _HALF_LN_2PI = 0.5 * math.log(2.0 * math.pi)
 _HALF_LN_2_OVER_PI = 0.5 * math.log(2.0 / math.pi)
 
 
+def too_few_message(m: int, n: int, n_zero: int, n_nonfinite: int) -> str:
+    """The error of a fit with fewer than ``MIN_NONZERO`` non-zero finite values, naming the
+    counts; with none at all it says so (an all-zero or all-non-finite tensor has no magnitude
+    distribution to fit)."""
+    msg = (f"fit needs at least {MIN_NONZERO} non-zero finite values, got {m} "
+           f"(n={n}: {n_zero} zeros, {n_nonfinite} non-finite)")
+    if m == 0:
+        what = "zero" if n_nonfinite == 0 else "non-finite (inf/NaN)" if n_zero == 0 else "zero or non-finite"
+        msg += (f": there is no non-zero finite value, every value is {what}, so there is no magnitude "
+                "distribution to fit (a layer whose gradient is identically zero, or an overflow)")
+    return msg
+
+
 def check_families(families: object) -> tuple[str, ...]:
     """Validate a ``families`` argument: a non-empty sequence of distinct names of FAMILIES."""
     if isinstance(families, str):

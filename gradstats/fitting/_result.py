@@ -19,6 +19,8 @@ class FitResult:
     Attributes:
         n, n_nonzero, n_zero, n_nonfinite: counts (``n_nonzero`` magnitudes are compared).
         zero_fraction: ``n_zero / (n - n_nonfinite)``, the point mass at zero.
+        nonfinite_fraction: ``n_nonfinite / n``, the share of inf/NaN values (counted and
+            excluded from every fit, as the tracer's statistics count them).
         families: the families reported.
         params: ``params[family]``: lognormal ``mu``, ``sigma`` (of ``ln|g|``); normal
             ``scale`` (half-normal on ``|g|``), signed ``loc``, ``std``; laplace ``scale``
@@ -78,6 +80,10 @@ class FitResult:
         finite = self.n - self.n_nonfinite
         return self.n_zero / finite if finite else 0.0
 
+    @property
+    def nonfinite_fraction(self) -> float:
+        return self.n_nonfinite / self.n if self.n else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         """Scalar results as plain Python types (Vuong pairs keyed ``"a/b"``; the plotting
         arrays are left out)."""
@@ -85,6 +91,7 @@ class FitResult:
                 "best", "runner_up", "separated", "ln_skew", "ln_exkurt", "source")
         d: dict[str, Any] = {k: getattr(self, k) for k in keys}
         d["zero_fraction"] = self.zero_fraction
+        d["nonfinite_fraction"] = self.nonfinite_fraction
         d["families"] = list(self.families)
         for k in ("params", "loglik", "aic", "bic", "ks", "ks_error"):
             d[k] = {f: (dict(v) if isinstance(v, Mapping) else v) for f, v in getattr(self, k).items()}
@@ -112,7 +119,7 @@ class FitResult:
             out.append({
                 "family": f, "model": MAGNITUDE_MODEL[f], "source": self.source,
                 "n": self.n, "n_nonzero": self.n_nonzero, "zero_fraction": self.zero_fraction,
-                "n_nonfinite": self.n_nonfinite,
+                "n_nonfinite": self.n_nonfinite, "nonfinite_fraction": self.nonfinite_fraction,
                 "mu": self.params.get("lognormal", {}).get("mu", nan),
                 "sigma": self.params.get("lognormal", {}).get("sigma", nan),
                 "scale": math.exp(p["mu"]) if f == "lognormal" else p["scale"],
@@ -177,6 +184,24 @@ class FitResult:
         from ..plots.fit import plot_fit
 
         return plot_fit(self, **kwargs)
+
+
+#: the columns of :meth:`FitResult.rows`, in order
+ROW_COLUMNS = ("family", "model", "source", "n", "n_nonzero", "zero_fraction", "n_nonfinite",
+               "nonfinite_fraction", "mu", "sigma", "scale", "loc", "signed_scale", "loglik", "delta_loglik",
+               "aic", "bic", "ks", "ks_error", "ks_method", "vuong_z", "vuong_effect", "vuong_p", "best",
+               "separated", "ad", "ln_skew", "ln_exkurt")
+
+
+def failed_rows(families: Sequence[str], source: str) -> list[dict[str, Any]]:
+    """Rows shaped as :meth:`FitResult.rows` for a group that was not fitted: every number NaN,
+    ``best`` False, ``separated`` and ``ks_method`` None (the caller says why, e.g. a ``status``)."""
+    out = []
+    for f in families:
+        row: dict[str, Any] = dict.fromkeys(ROW_COLUMNS, math.nan)
+        row.update(family=f, model=MAGNITUDE_MODEL[f], source=source, ks_method=None, best=False, separated=None)
+        out.append(row)
+    return out
 
 
 def assemble(fams: Sequence[str], *, source: str, n: int, n_zero: int, n_nonfinite: int, m: int,

@@ -1,20 +1,21 @@
 """``fit_run``: every layer, step and kind of a run, one row per family."""
 from __future__ import annotations
 
-import fnmatch
 import logging
 import math
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
 import pandas as pd
 import torch
 
+from ..run import RunCorruptError
 from ..stats import merge_stats
 from ._exact import fit
 from ._parallel import default_workers, torch_single_thread
 from ._families import FAMILIES, check_families
-from ._result import FitResult
+from ._result import FitResult, failed_rows
 from ._stats import fit_many_stats
 
 log = logging.getLogger(__name__)
@@ -22,14 +23,47 @@ log = logging.getLogger(__name__)
 KEY_COLUMNS = ("layer", "step", "kind", "family")
 
 
-def select_layers(names: Sequence[str], layers: str | Iterable[str] | None) -> list[str]:
-    """Layers of ``names`` matching ``layers``: None (all), a glob, or a list of names/globs."""
+def layer_matcher(layers: str | re.Pattern | Iterable[str] | None):
+    """A predicate ``name -> bool`` for the layer patterns of the tracer's ``layers=``
+    (:func:`gradstats.trace`): None (every name), a glob, ``"re:PATTERN"`` (a regex matched in
+    full), a compiled regex, or a list of those; an exact name always matches itself. A
+    callable on modules selects what the tracer records and has no meaning on a run's names."""
+    from ..tracer import _selector
+
+    if layers is None:
+        return lambda name: True
+    if callable(layers) and not isinstance(layers, (str, re.Pattern)):
+        raise ValueError("layers= of a run takes names, globs ('re:PATTERN' for a regex) or a compiled "
+                         "regex; a callable (name, module) -> bool only selects modules when tracing")
+    if isinstance(layers, (str, re.Pattern)):
+        pats: list[Any] = [layers]
+    else:
+        try:
+            pats = list(layers)
+        except TypeError:
+            raise ValueError(f"layers= must be None, a glob, 're:PATTERN', a compiled regex or a list of "
+                             f"names/globs; got {type(layers).__name__}") from None
+    if not pats or not all(isinstance(p, (str, re.Pattern)) for p in pats):
+        raise ValueError(f"layers= must be None, a glob, 're:PATTERN', a compiled regex or a non-empty list "
+                         f"of names/globs; got {layers!r}")
+    exact = {p for p in pats if isinstance(p, str)}
+    preds = [_selector(p) for p in pats if isinstance(p, re.Pattern)]
+    if exact:
+        preds.append(_selector(sorted(exact)))
+    return lambda name: name in exact or any(pr(name, None) for pr in preds)
+
+
+def select_layers(names: Sequence[str], layers: str | re.Pattern | Iterable[str] | None) -> list[str]:
+    """Layers of ``names`` matching ``layers`` (see :func:`layer_matcher`: None for all, globs,
+    ``"re:PATTERN"``, a compiled regex, or a list of them), in the order of ``names``."""
     if layers is None:
         return list(names)
-    pats = [layers] if isinstance(layers, str) else list(layers)
-    out = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in pats)]
+    match = layer_matcher(layers)
+    out = [n for n in names if match(n)]
     if not out:
-        raise ValueError(f"no layer matches {pats}; the run's layers are {list(names)}")
+        shown = [layers] if isinstance(layers, (str, re.Pattern)) else list(layers)
+        raise ValueError(f"no layer matches {shown}; the run's layers are {list(names)} (globs, "
+                         "'re:PATTERN' for a regex)")
     return out
 
 
@@ -54,9 +88,10 @@ def select_steps(all_steps: Sequence[int], steps: int | slice | Iterable[int] | 
     return out
 
 
-def _error_rows(key: tuple[str, int, str], fams: Sequence[str], source: str, exc: Exception) -> list[dict]:
-    return [{"layer": key[0], "step": key[1], "kind": key[2], "family": f, "source": source,
-             "status": f"error: {exc}"} for f in fams]
+def _error_rows(key: tuple[str, int, str], fams: Sequence[str], source: str, status: str) -> list[dict]:
+    """Rows of a group that was not fitted: the columns of a fitted group, numbers NaN."""
+    return [{"layer": key[0], "step": key[1], "kind": key[2], **r, "status": status}
+            for r in failed_rows(fams, source)]
 
 
 def _rows(key: tuple[str, int, str], res: FitResult) -> list[dict[str, Any]]:
@@ -74,13 +109,18 @@ def fit_run(run: Any, *, layers: str | Iterable[str] | None = None,
     :func:`fit` (``source="samples"``: all ranks and calls of the layer concatenated);
     otherwise the streamed statistics of all ranks and calls are merged and fitted with
     :func:`fit_stats` (``source="stats"``, KS with a proven bound, no Vuong test). A group
-    that cannot be fitted (all zeros, constant magnitudes, ...) gives rows whose ``status``
-    says why; fitted rows have ``status == "ok"``.
+    that cannot be fitted gives rows whose numbers are NaN and whose ``status`` says why, and
+    the rest of the run is fitted: ``"error: ..."`` for values no family fits (all zeros,
+    all non-finite, fewer than 10 non-zero finite values, constant magnitudes) and
+    ``"damaged: ..."`` for raw samples whose file is damaged on disk (the
+    :class:`~gradstats.run.RunCorruptError` naming the file). Fitted rows have
+    ``status == "ok"``; :func:`failed_groups` lists the others.
 
     Args:
         run: a :class:`gradstats.Run` (or anything with ``layers``, ``steps``, ``stats()``,
             ``sample_index()`` and ``samples(layer, step, kind=, call=, rank=)``).
-        layers: None (all), a glob (``"conv*"``) or a list of names or globs.
+        layers: None (all), a glob (``"conv*"``), ``"re:PATTERN"``, a compiled regex, or a
+            list of names and patterns (the tracer's pattern language).
         steps: None (all), an int, a slice/range, or a list of steps.
         kinds: which captured kinds (``"grad"``, ``"act"``, ...).
         families, ks, max_samples: passed to :func:`fit` for sampled steps.
@@ -135,16 +175,20 @@ def fit_run(run: Any, *, layers: str | Iterable[str] | None = None,
     results: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     merged = [merge_stats(groups[k]) if len(groups[k]) > 1 else groups[k][0] for k in stat_keys]
     for k, res in zip(stat_keys, fit_many_stats(merged, fams)):
-        results[k] = _error_rows(k, fams, "stats", res) if isinstance(res, ValueError) else _rows(k, res)
+        results[k] = _error_rows(k, fams, "stats", f"error: {res}") if isinstance(res, ValueError) \
+            else _rows(k, res)
     bar.update(len(stat_keys))
 
     def one(k: tuple[str, int, str]) -> list[dict[str, Any]]:
-        parts = [run.samples(k[0], k[1], kind=k[2], call=c, rank=r) for r, c in sorted(set(sampled[k]))]
+        try:
+            parts = [run.samples(k[0], k[1], kind=k[2], call=c, rank=r) for r, c in sorted(set(sampled[k]))]
+        except RunCorruptError as exc:  # the file of these samples is damaged: report it, fit the rest
+            return _error_rows(k, fams, "samples", f"damaged: {exc}")
         vals = parts[0] if len(parts) == 1 else torch.cat([torch.as_tensor(p) for p in parts])
         try:
             return _rows(k, fit(vals, families=fams, ks=ks, max_samples=max_samples, workers=1))
         except ValueError as exc:
-            return _error_rows(k, fams, "samples", exc)
+            return _error_rows(k, fams, "samples", f"error: {exc}")
 
     if workers is None:
         workers = default_workers()
@@ -163,34 +207,99 @@ def fit_run(run: Any, *, layers: str | Iterable[str] | None = None,
     df = pd.DataFrame(rows)
     front = ["layer", "step", "kind", "family", "source", "status"]
     df = df[front + [c for c in df.columns if c not in front]]
-    n_err = int((df["status"] != "ok").sum()) // len(fams)
-    if n_err:
-        log.warning("%d of %d groups could not be fitted (see the status column)", n_err, len(keys))
+    bad = [k for k in keys if results[k][0]["status"] != "ok"]
+    if bad:
+        n_dam = sum(results[k][0]["status"].startswith("damaged") for k in bad)
+        log.warning("%d of %d groups could not be fitted%s (see the status column); first: %s %s step %d: %s",
+                    len(bad), len(keys), f", {n_dam} of them from damaged sample files" if n_dam else "",
+                    bad[0][0], bad[0][2], bad[0][1], results[bad[0]][0]["status"])
     return df
+
+
+def failed_groups(df: Any) -> pd.DataFrame:
+    """The groups of a :func:`fit_run` table that were not fitted, one row per layer, kind and
+    status (the reason) with the ``steps`` (a list) it applies to, their number ``n_steps`` and
+    the ``source`` of those fits (``"samples"``, ``"stats"`` or both, comma-separated); empty
+    when every group was fitted.
+
+    Example:
+        >>> import pandas as pd
+        >>> df = pd.DataFrame({"layer": ["a", "a", "b"], "step": [0, 1, 0], "kind": "grad",
+        ...                    "family": "lognormal", "source": "stats",
+        ...                    "status": ["ok", "error: all zeros", "error: all zeros"]})
+        >>> failed_groups(df)[["layer", "steps", "status"]].values.tolist()
+        [['a', [1], 'error: all zeros'], ['b', [0], 'error: all zeros']]
+    """
+    cols = ["layer", "kind", "source", "status", "steps", "n_steps"]
+    bad = df[df["status"] != "ok"].drop_duplicates(["layer", "step", "kind"])
+    rows = []
+    for (layer, kind, status), g in bad.groupby(["layer", "kind", "status"], sort=False):
+        steps = sorted(int(s) for s in g["step"])
+        rows.append({"layer": layer, "kind": kind, "source": ", ".join(sorted(set(g["source"]))),
+                     "status": status, "steps": steps, "n_steps": len(steps)})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def steps_text(steps: Sequence[int], limit: int = 8) -> str:
+    """``"step 3"``, ``"steps 0, 2, 4"``, or ``"12 steps 0..110"`` beyond ``limit`` steps."""
+    steps = list(steps)
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    if len(steps) > limit:
+        return f"{len(steps)} steps {steps[0]}..{steps[-1]}"
+    return "steps " + ", ".join(str(s) for s in steps)
+
+
+def failure_lines(failed: Any, *, kind: bool = True, source: bool = True) -> list[str]:
+    """One indented text line per row of :func:`failed_groups`: layer (and kind), steps (and
+    the source of the fits), and the status saying why."""
+    out = []
+    for r in failed.to_dict("records"):
+        what = r["layer"] + (f" ({r['kind']})" if kind else "")
+        src = f" [{r['source']}]" if source else ""
+        out.append(f"  {what}, {steps_text(r['steps'])}{src}: {r['status']}")
+    return out
 
 
 def layer_verdicts(df: Any) -> Any:
     """Per layer and kind: wins per family over steps, the winner, its margin over the runner-up
-    (median difference in mean log-likelihood per value and median Vuong effect size) and the
-    median KS of each family."""
-    ok = df[df["status"] == "ok"]
+    (median difference in mean log-likelihood per value and median Vuong effect size), the
+    median KS of each family, and how many groups were not fitted and why.
+
+    Columns: ``layer, kind, groups`` (steps fitted), ``winner`` (None when no step was fitted),
+    ``wins_{family}``, ``margin_loglik``, ``vuong_effect``, ``ks_from``, ``ks_{family}``,
+    ``sigma`` (NaN when nothing was fitted), ``failed`` (steps not fitted) and ``failure`` (their
+    distinct ``status`` texts joined by ``"; "``, None when all were fitted). Layers none of
+    whose steps fitted are rows too, so every layer of the table is accounted for."""
+    fams = [f for f in FAMILIES if f in set(df["family"])] if len(df) else []
     rows = []
-    for (layer, kind), g in ok.groupby(["layer", "kind"], sort=False):
-        best = g[g["best"]]
-        wins = best["family"].value_counts()
-        winner = wins.index[0]
-        margin = g[~g["best"]].groupby("step")["delta_loglik"].max()  # runner-up vs best, per step
-        row: dict[str, Any] = {"layer": layer, "kind": kind, "groups": int(best.shape[0]), "winner": winner}
-        for fam in ("lognormal", "normal", "laplace"):
-            row[f"wins_{fam}"] = int(wins.get(fam, 0))
-        row["margin_loglik"] = float(-margin.median()) if len(margin) else math.nan
-        row["vuong_effect"] = float(best["vuong_effect"].median())
-        # exact KS where the layer has raw samples; otherwise midpoints of the histogram bounds
-        exact = g[g["ks_method"].isin(["exact", "subsample"])]
-        src = exact if len(exact) else g
-        row["ks_from"] = "samples" if len(exact) else "stats (bounds)"
-        for fam, fg in src.groupby("family"):
-            row[f"ks_{fam}"] = float(fg["ks"].median())
-        row["sigma"] = float(g["sigma"].median())
+    for (layer, kind), g in df.groupby(["layer", "kind"], sort=False):
+        ok = g[g["status"] == "ok"]
+        bad = g[g["status"] != "ok"].drop_duplicates(["step"])
+        row: dict[str, Any] = {"layer": layer, "kind": kind, "groups": 0, "winner": None}
+        row.update({f"wins_{fam}": 0 for fam in ("lognormal", "normal", "laplace")})
+        row.update({"margin_loglik": math.nan, "vuong_effect": math.nan, "ks_from": None})
+        row.update({f"ks_{fam}": math.nan for fam in fams})
+        row["sigma"] = math.nan
+        if len(ok):
+            is_best = ok["best"].fillna(False).astype(bool)
+            best = ok[is_best]
+            wins = best["family"].value_counts()
+            row["groups"] = int(best.shape[0])
+            row["winner"] = wins.index[0] if len(wins) else None
+            for fam in ("lognormal", "normal", "laplace"):
+                row[f"wins_{fam}"] = int(wins.get(fam, 0))
+            margin = ok[~is_best].groupby("step")["delta_loglik"].max()  # runner-up vs best, per step
+            row["margin_loglik"] = float(-margin.median()) if len(margin) else math.nan
+            row["vuong_effect"] = float(best["vuong_effect"].median())
+            # exact KS where the layer has raw samples; otherwise midpoints of the histogram bounds
+            exact = ok[ok["ks_method"].isin(["exact", "subsample"])]
+            src = exact if len(exact) else ok
+            row["ks_from"] = "samples" if len(exact) else "stats (bounds)"
+            for fam, fg in src.groupby("family"):
+                row[f"ks_{fam}"] = float(fg["ks"].median())
+            row["sigma"] = float(ok["sigma"].median())
+        row["failed"] = int(bad.shape[0])
+        row["failure"] = "; ".join(dict.fromkeys(bad["status"])) if len(bad) else None
         rows.append(row)
     return pd.DataFrame(rows)

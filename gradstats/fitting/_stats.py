@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..stats import COUNT_FIELDS, HIST_BINS, HIST_MIN_EXP, SUM_FIELDS, lognormal_moments, merge_stats
-from ._families import FAMILIES, MIN_NONZERO, cdf64, check_families
+from ._families import FAMILIES, MIN_NONZERO, cdf64, check_families, too_few_message
 from ._result import FitResult, assemble
 
 _REQUIRED = (*COUNT_FIELDS, *SUM_FIELDS, "min_abs", "max_abs", "hist")
@@ -105,8 +105,7 @@ def _check(st: Mapping[str, Any]) -> tuple[int, np.ndarray]:
     if n == 0:
         raise ValueError("statistics of an empty tensor (n = 0): nothing to fit")
     if m < MIN_NONZERO:
-        raise ValueError(f"fit needs at least {MIN_NONZERO} non-zero finite values, got {m} "
-                         f"(n={n}: {nz} zeros, {nnf} non-finite)")
+        raise ValueError(too_few_message(m, n, nz, nnf))
     if hist.shape != (HIST_BINS,) or int(hist.sum()) != m:
         raise ValueError(f"statistics histogram must have {HIST_BINS} bins summing to n - n_zero - "
                          f"n_nonfinite = {m}; got shape {hist.shape}, sum {int(hist.sum())}")
