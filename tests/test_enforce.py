@@ -298,3 +298,204 @@ def test_histogram_threshold_rule_hits_the_target():
     assert len(df) == 6 and (df["threshold"] > 0).all()
     assert ((df["predicted_sparsity"] - 0.8).abs() < 1e-6).all()
     assert (df["achieved_sparsity"] - 0.8).abs().max() < 0.03
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def train_steps(model, opt, data):
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def test_state_dict_resumes_training_exactly(tmp_path):
+    """N steps, checkpoint (model, optimizer, applied), M more steps; a fresh model, optimizer
+    and apply() loaded from the checkpoint repeat the M steps bit for bit. Stochastic pruning
+    and rounding, a refresh cycle cut in the middle and EMA statistics: all of the state."""
+    plan = Plan.uniform(format="e3m2fn", sparsity=0.8, rounding="stochastic")
+    kw = {"refresh_every": 3, "ema": 0.5}
+    data = batches(9, seed=4)
+    torch.manual_seed(5)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    applied = gradstats.apply(model, plan, seed=11, **kw)
+    train_steps(model, opt, data[:4])
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "applied": applied.state_dict()},
+               tmp_path / "ckpt.pt")
+    train_steps(model, opt, data[4:])
+    applied.remove()
+
+    def resume(load_applied):
+        ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+        torch.manual_seed(99)                               # another initialisation, another seed
+        fresh = Net()
+        fresh.load_state_dict(ckpt["model"])
+        fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+        fopt.load_state_dict(ckpt["opt"])
+        h = gradstats.apply(fresh, plan, seed=12, **kw)
+        if load_applied:
+            h.load_state_dict(ckpt["applied"])
+        train_steps(fresh, fopt, data[4:])
+        h.remove()
+        return fresh, h
+
+    resumed, h = resume(True)
+    assert same_weights(model, resumed)
+    df, ref = h.to_dataframe(), applied.to_dataframe()
+    assert df["seq"].min() == 4                              # the call counters continue
+    pd_cols = ["layer", "seq", "threshold", "scale", "achieved_sparsity"]
+    assert df[pd_cols].reset_index(drop=True).equals(ref[ref.seq >= 4][pd_cols].reset_index(drop=True))
+    assert not same_weights(model, resume(False)[0])        # without the applied state: another run
+
+
+def test_state_dict_is_plain_data_and_checks_layers(tmp_path, caplog):
+    model = Net()
+    a = gradstats.apply(model, Plan.uniform(format="e4m3fn", sparsity=0.5))
+    for x, y in batches(2):
+        nn.functional.cross_entropy(model(x), y).backward()
+    sd = a.state_dict()
+    assert set(sd["layers"]) == {"conv", "fc1", "fc2"} and sd["layers"]["fc1"]["seq"] == 2
+    torch.save(sd, tmp_path / "a.pt")
+    loaded = torch.load(tmp_path / "a.pt", weights_only=True)
+    b = gradstats.apply(Net(), Plan.uniform(format="e4m3fn", sparsity=0.5))
+    b.load_state_dict(loaded)
+    assert b.state_dict()["layers"] == sd["layers"]
+    assert torch.equal(b.generator.get_state(), a.generator.get_state())
+    only_fc = gradstats.apply(Net(), Plan([PlanEntry("fc*", sparsity=0.5)]))
+    with pytest.raises(ValueError, match=r"missing from it: \[\]; .*\['conv'\]"):
+        only_fc.load_state_dict(sd)
+    with pytest.raises(ValueError, match="state_dict"):
+        b.load_state_dict({"conv": 1})
+    other = gradstats.apply(Net(), Plan.uniform(format="e4m3fn", sparsity=0.5), refresh_every=2)
+    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+        other.load_state_dict(sd)
+    assert "refresh_every=1" in caplog.text
+
+
+# --------------------------------------------------------------------------- alerts
+
+def alerts_logged(caplog):
+    """(layer, kind) of every alert record of the gradstats.enforce logger."""
+    out = []
+    for r in caplog.records:
+        if r.name == "gradstats.enforce" and r.levelname == "WARNING":
+            msg = r.getMessage()
+            kind = ("underflow" if "flushed to zero" in msg else "sparsity" if "achieved sparsity" in msg
+                    else "zero_gradient" if "all zeros" in msg else "other")
+            out.append((r.args[0], kind))
+    return out
+
+
+def run_steps(model, plan, n=6, **kw):
+    h = gradstats.apply(model, plan, **kw)
+    for x, y in batches(n):
+        nn.functional.cross_entropy(model(x), y).backward()
+    return h
+
+
+def test_alerts_fire_once_per_layer_on_a_flushing_format(caplog):
+    """e3m2fn at a scale far too small for fc2's gradient (as BERT's attention outputs at 2^13):
+    everything the pruning keeps is flushed. Underflow and sparsity fire at the first call, the
+    all-zero gradient at the third; each once over six calls, and in summary()."""
+    plan = Plan([PlanEntry("fc2", format="e3m2fn", scale="fixed", scale_value=2.0 ** -2, sparsity=0.5)])
+    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+        h = run_steps(Net(), plan)
+    logged = alerts_logged(caplog)
+    assert sorted(logged) == [("fc2", "sparsity"), ("fc2", "underflow"), ("fc2", "zero_gradient")]
+    assert "2^-2" in h.alerts["fc2"]["underflow"] and "3 calls in a row" in h.alerts["fc2"]["zero_gradient"]
+    s = h.summary()
+    assert s.set_index("layer").loc["fc2", "alerts"] == "sparsity, underflow, zero_gradient"
+    assert s["achieved_sparsity"].iloc[0] == 1.0
+
+
+def test_each_alert_on_its_own(caplog):
+    # the sparsity check alone (the underflow one off): the format's flushing still shows as excess
+    plan = Plan([PlanEntry("fc1", format="e3m2fn", scale="fixed", scale_value=2.0 ** 2, sparsity=0.3)])
+    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+        h = run_steps(Net(), plan, underflow_bound=None, zero_calls=None)
+    assert alerts_logged(caplog) == [("fc1", "sparsity")] and "format flushed" in h.alerts["fc1"]["sparsity"]
+    # a looser margin keeps it quiet
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+        run_steps(Net(), plan, sparsity_margin=0.99, underflow_bound=None, zero_calls=None)
+    assert alerts_logged(caplog) == []
+
+    # a layer whose incoming gradient is zero: only the all-zero alert, at the ZERO_CALLS-th call
+    class Dead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.b(self.a(x) * 0.0 + x)
+
+    model = Dead()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+        h = gradstats.apply(model, Plan.uniform(format="e4m3fn", scale="amax"))
+        for i in range(5):
+            model(torch.randn(4, 6)).sum().backward()
+            assert ("a" in h.alerts) == (i + 1 >= gradstats.enforce.ZERO_CALLS)
+    assert alerts_logged(caplog) == [("a", "zero_gradient")]
+    assert h.summary().set_index("layer")["alerts"].to_dict() == {"a": "zero_gradient", "b": ""}
+
+
+@pytest.mark.parametrize("plan", [Plan.uniform(format="e4m3fn", scale="amax"), Plan.uniform(format="e4m3fn"),
+                                  Plan.uniform(sparsity=0.85), Plan.uniform(format="e3m2fn", sparsity=0.85)],
+                         ids=["e4m3fn-amax", "e4m3fn-lognormal", "prune-0.85", "e3m2fn-0.85"])
+def test_no_alert_on_a_healthy_plan(caplog, plan):
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10))
+    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+        h = run_steps(Net(), plan)
+        h2 = gradstats.apply(mlp, plan)
+        for _ in range(6):
+            nn.functional.cross_entropy(mlp(torch.randn(64, 16)), torch.randint(0, 10, (64,))).backward()
+    assert alerts_logged(caplog) == [] and h.alerts == {} and h2.alerts == {}
+    assert (h.summary()["alerts"] == "").all()
+
+
+@pytest.mark.parametrize("kwargs, match", [({"sparsity_margin": -0.1}, "sparsity_margin"),
+                                           ({"underflow_bound": 1.5}, "underflow_bound"),
+                                           ({"zero_calls": 0}, "zero_calls")])
+def test_bad_alert_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gradstats.apply(Net(), Plan.uniform(sparsity=0.5), **kwargs)
+
+
+# --------------------------------------------------------------------------- wrappers
+
+def test_wrapped_model_hooks_the_users_modules():
+    """DataParallel (on the CPU it calls the module directly) is looked through: the layer names
+    are the user's and the wrapped forward runs the plan."""
+    torch.manual_seed(0)
+    base = Net()
+    dp = nn.DataParallel(copy.deepcopy(base))
+    h = gradstats.apply(dp, Plan.uniform(format="e4m3fn", sparsity=0.5, scale="amax"), seed=3)
+    assert list(h.rules) == ["conv", "fc1", "fc2"]
+    for x, y in batches(2):
+        nn.functional.cross_entropy(dp(x), y).backward()
+    assert sorted(set(h.to_dataframe()["layer"])) == ["conv", "fc1", "fc2"] and len(h.history) == 6
+    plain = copy.deepcopy(base)
+    h2 = gradstats.apply(plain, Plan.uniform(format="e4m3fn", sparsity=0.5, scale="amax"), seed=3)
+    for x, y in batches(2):
+        nn.functional.cross_entropy(plain(x), y).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(dp.module.parameters(), plain.parameters()))
+
+
+def test_apply_on_a_compiled_model():
+    """apply(torch.compile(model)): the plan resolves to the user's names ('0', not '_orig_mod.0')
+    and the compiled forward still calls the hooks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    compiled = torch.compile(model)
+    plan = Plan.uniform(format="e4m3fn", sparsity=0.5, scale="amax")
+    assert list(plan.resolve(compiled)) == ["0", "2"]
+    h = gradstats.apply(compiled, plan)
+    assert list(h.rules) == ["0", "2"]
+    for _ in range(2):
+        compiled(torch.randn(32, 8)).sum().backward()
+    df = h.to_dataframe()
+    assert len(df) == 4 and set(df["layer"]) == {"0", "2"}
+    assert (df["achieved_sparsity"] > 0.3).all()

@@ -431,6 +431,21 @@ def test_export_torchao():
         clean.export("torchao")
 
 
+
+def test_lossy_export_says_so_once(caplog, recwarn):
+    """What an export drops is one UserWarning, not also a log record (seen twice otherwise)."""
+    import logging
+
+    model = nn.Sequential()
+    model.add_module("a", nn.Linear(2, 2))
+    plan = Plan([PlanEntry("a", format="e4m3fn", rounding="stochastic", sparsity=0.5)])
+    with caplog.at_level(logging.DEBUG):
+        doc = plan.export("torchao", model)
+    assert doc["dropped"]["a"]
+    shown = [w for w in recwarn.list if "not expressible" in str(w.message)]
+    assert len(shown) == 1 and shown[0].category is UserWarning and shown[0].filename == __file__
+    assert [r for r in caplog.records if "not expressible" in r.getMessage()] == []
+
 def test_lognormal_scale_outside_float32_falls_back_to_the_amax_scale():
     """A very wide layer's population optimum lies below 2**-126; with the tensor's maximum known
     the rule takes the amax scale (the floor that governs anyway) instead of failing mid-training."""

@@ -7,11 +7,15 @@ a scale any code can use, rounding, blocks and pruning: plain data with no grads
 ``nn.Linear`` layer with the casts of ``grad_output`` (the neural gradient) for the two
 backward GEMMs. Only what torchao can express is mapped; the rest is reported (see
 ``docs/plan-format.md`` for the mapping and how to build the torchao objects from it).
+
+What a target cannot express is reported once, as a ``UserWarning`` (``warnings.warn``): a
+lossy export the caller asked for, which they may have to make up for in their own code
+(``strict=True`` makes it a ``ValueError``). It is not logged as well, so it shows once with
+logging configured too (``logging.captureWarnings(True)`` routes it into logging).
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
 import warnings
 from pathlib import Path
@@ -21,8 +25,6 @@ from ._rules import Rule, amax_scale
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._plan import Plan
-
-log = logging.getLogger("gradstats.plan")
 
 #: targets of :meth:`gradstats.plan.Plan.export`
 EXPORT_TARGETS = ("json", "torchao")
@@ -161,8 +163,7 @@ def export(plan: "Plan", target: str, model: Any = None, *, path: str | os.PathL
         msg = f"export to {doc['target']}: not expressible there:\n  " + "\n  ".join(lines)
         if strict:
             raise ValueError(msg)
-        log.warning(msg)
-        warnings.warn(msg, stacklevel=3)
+        warnings.warn(msg, stacklevel=3)        # once: not also through logging
     if path is not None:
         from ..run import atomic_write_bytes
 
