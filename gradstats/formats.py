@@ -43,7 +43,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["FPFormat", "parse", "REGISTRY", "SPECIALS"]
+__all__ = ["FPFormat", "parse", "REGISTRY", "SPECIALS", "amax_scale"]
 
 SPECIALS = ("ieee", "fn", "fnuz", "fnu")
 _SUFFIX = {"ieee": "", "fn": "fn", "fnuz": "fnuz", "fnu": "fnu"}
@@ -288,6 +288,24 @@ class FPFormat:
             28.0
         """
         return parse(name)
+
+
+def amax_scale(fmt: "FPFormat | str", amax: float) -> float:
+    """The largest power of two ``s`` with ``amax * s <= fmt.max`` (1 when ``amax`` is 0 or not
+    finite): the scale that maps a tensor's largest magnitude into the format's top binade.
+
+    Example:
+        >>> amax_scale("e4m3fn", 3.0)
+        128.0
+    """
+    fmt = parse(fmt)
+    a = float(amax)
+    if not (math.isfinite(a) and a > 0):
+        return 1.0
+    k = math.floor(math.log2(fmt.max / a))
+    if math.ldexp(a, k) > fmt.max:  # guard the rounding of log2
+        k -= 1
+    return math.ldexp(1.0, max(min(k, 127), -126))
 
 
 _CORE = re.compile(r"^e(\d+)m(\d+)(?:b(\d+))?(fnuz|fnu|fn)?(_nosub)?$")

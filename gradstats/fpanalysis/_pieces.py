@@ -216,3 +216,71 @@ def point(pc: Pieces, y: np.ndarray) -> np.ndarray:
         if sel.any():
             out[sel, pc.out[t]] += coef[t] * y[sel] ** pc.k[t]
     return out
+
+
+# --------------------------------------------------------------------------- first moments
+#: signed first-moment quantities of :func:`build_bias`, in column order: the magnitude bias
+#: ``Q(y) - y`` (non-finite outcomes excluded) and the magnitude a value loses to zero
+BIAS_COLUMNS = ("bias", "flushed_mass")
+
+
+@functools.lru_cache(maxsize=512)
+def build_bias(fmt: FPFormat, rounding: str, overflow: str) -> tuple[np.ndarray, np.ndarray]:
+    """The cells of ``fmt`` with, per cell, the polynomials (degree <= 2 in ``y``) of
+    :data:`BIAS_COLUMNS`: ``(bounds (P + 1,), coefficients (P, 2, 3))``.
+
+    Nearest rounding: ``q - y`` on the cell of ``q``, and ``y`` lost on the cell of 0. Stochastic:
+    no bias inside the range (``E[Q(y)] = y``), ``y (1 - y / q1)`` lost to zero below the smallest
+    value ``q1``. Saturation: ``max - y``. Values that become inf/NaN count in neither.
+    """
+    v = fmt.values().numpy()
+    v = v[v >= 0]
+    vmax = fmt.max
+    nonfinite = nonfinite_applies(fmt, overflow)
+    nxt = _overflow_threshold(fmt)
+    cells: list[tuple[float, float, tuple[float, ...], tuple[float, ...]]] = []   # lo, hi, bias, lost
+    zero3 = (0.0, 0.0, 0.0)
+    if rounding == "nearest":
+        mids = (v[:-1] + v[1:]) / 2
+        for q, lo, hi in zip(v, np.concatenate([[0.0], mids]), np.concatenate([mids, [vmax]])):
+            cells.append((lo, hi, (q, -1.0, 0.0), (0.0, 1.0, 0.0) if q == 0 else zero3))
+        if nonfinite:
+            thr = (vmax + nxt) / 2
+            cells += [(vmax, thr, (vmax, -1.0, 0.0), zero3), (thr, math.inf, zero3, zero3)]
+        else:
+            cells.append((vmax, math.inf, (vmax, -1.0, 0.0), zero3))
+    else:
+        for q0, q1 in zip(v[:-1], v[1:]):
+            cells.append((q0, q1, zero3, (0.0, 1.0, -1.0 / q1) if q0 == 0 else zero3))
+        if nonfinite:
+            d = nxt - vmax
+            cells += [(vmax, nxt, (nxt * vmax / d, -(nxt + vmax) / d, 1.0 / d), zero3),
+                      (nxt, math.inf, zero3, zero3)]
+        else:
+            cells.append((vmax, math.inf, (vmax, -1.0, 0.0), zero3))
+    bounds = np.array([c[0] for c in cells] + [cells[-1][1]], dtype=np.float64)
+    coef = np.array([[c[2], c[3]] for c in cells], dtype=np.float64)
+    return bounds, coef
+
+
+def first_moments(bounds: np.ndarray, coef: np.ndarray, m: np.ndarray, s: np.ndarray,
+                  upper: np.ndarray | None = None) -> np.ndarray:
+    """``E[p(y) 1{y < upper}]`` of each column's piecewise polynomial ``p`` for ``ln y ~ N(m, s**2)``
+    (flat arrays of one length ``N``): ``(N, columns)``, in units of ``y``."""
+    b = bounds[None, :]
+    if upper is not None:
+        b = np.minimum(b, upper[:, None])
+    with np.errstate(divide="ignore"):
+        z0 = (np.log(b) - m[:, None]) / s[:, None]
+    out = np.zeros((m.size, coef.shape[1]))
+    for k in range(coef.shape[2]):
+        dphi = _delta_phi(z0 - k * s[:, None])
+        out += (dphi @ coef[:, :, k]) * np.exp(k * m + 0.5 * k * k * s * s)[:, None]
+    return out
+
+
+def first_moments_at(bounds: np.ndarray, coef: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The polynomials of :func:`first_moments` at single values ``y``: ``(N, columns)``."""
+    idx = np.clip(np.searchsorted(bounds, y, side="right") - 1, 0, bounds.size - 2)
+    c = coef[idx]                                            # (N, columns, 3)
+    return c[:, :, 0] + c[:, :, 1] * y[:, None] + c[:, :, 2] * (y * y)[:, None]

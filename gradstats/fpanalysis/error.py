@@ -29,7 +29,8 @@ from scipy.special import log_ndtr, ndtr, ndtri
 
 from ..formats import FPFormat
 from . import _params as P
-from ._pieces import FRACTIONS, PARTS, Pieces, build, integrate, point
+from ._pieces import (FRACTIONS, PARTS, Pieces, build, build_bias, first_moments, first_moments_at,
+                      integrate, point)
 
 __all__ = ["expected_error", "ErrorResult"]
 
@@ -50,6 +51,12 @@ class ErrorResult:
             rounds to zero (stochastic rounding: ``[0, min_subnormal)``).
         flushed, saturated, nonfinite: fractions of all entries (exact zeros ``p0`` included in
             the denominator) that a non-zero value turns into 0, clips to +-max, or into inf/NaN.
+        bias: the signed magnitude bias ``E[|Q(g)| - |g|] / E[|g|]`` (per-tensor scales; NaN
+            under block scaling): what rounding to zero and saturation take from every weight
+            gradient the tensor feeds, systematically (SGD averages noise away, not bias).
+            Negative: shrinkage. Stochastic rounding has none inside the range.
+        flushed_mass: the fraction of ``E[|g|]`` carried by values that become zero (with
+            stochastic rounding compensated by the values rounded up to the smallest one).
         format, rounding, overflow_mode, relative, criterion, block_size, scale_format: the setting.
         mu, sigma, p0, scale: the inputs (``scale`` is NaN under block scaling).
 
@@ -80,7 +87,10 @@ class ErrorResult:
     criterion: str = "mse"
     block_size: Optional[int] = None
     scale_format: Optional[str] = None
-    _fields: tuple = field(default=("total", *PARTS, *FRACTIONS, "mu", "sigma", "p0", "scale"), repr=False)
+    bias: Any = math.nan
+    flushed_mass: Any = math.nan
+    _fields: tuple = field(default=("total", *PARTS, *FRACTIONS, "bias", "flushed_mass", "mu", "sigma", "p0",
+                                    "scale"), repr=False)
 
     @property
     def parts(self) -> dict[str, Any]:
@@ -212,6 +222,30 @@ def _conditioned(pc: Pieces, mu, sigma, log_scale, mode, amax, n_nonzero) -> np.
     return res
 
 
+def magnitude_bias(fmt: FPFormat, mu, sigma, log_scale, *, rounding: str, overflow: str,
+                   amax=None, n_nonzero=None) -> np.ndarray:
+    """``(N, 2)``: the magnitude bias and the magnitude flushed to zero (:data:`._pieces.BIAS_COLUMNS`)
+    per non-zero entry, relative to ``E[|g|]``, for per-tensor scales ``exp(log_scale)``.
+
+    With ``amax`` conditioned as :func:`integrals` (one entry at ``amax``, the others from the
+    lognormal truncated there), so that a wide layer's lognormal tail beyond the tensor's maximum
+    does not count as saturation that never happens."""
+    bounds, coef = build_bias(fmt, rounding, overflow)
+    m = mu + log_scale
+    ln_ey = m + 0.5 * sigma * sigma                  # ln E[y]
+    if amax is None:
+        return first_moments(bounds, coef, m, sigma) / np.exp(ln_ey)[:, None]
+    ya = amax * np.exp(log_scale)
+    za = (np.log(ya) - m) / sigma
+    mass = np.maximum(ndtr(za), 1e-300)
+    fm = first_moments(bounds, coef, m, sigma, upper=ya) / mass[:, None]
+    ey = np.exp(ln_ey) * ndtr(za - sigma) / mass
+    if n_nonzero is None:
+        return fm / ey[:, None]
+    k = np.maximum(n_nonzero, 1.0) - 1
+    return (first_moments_at(bounds, coef, ya) + k[:, None] * fm) / (ya + k * ey)[:, None]
+
+
 def default_tensor_amax(mu, sigma, p0, numel) -> np.ndarray:
     """Median of the largest magnitude among ``numel`` entries (``p0`` of them zero)."""
     n = np.maximum((1 - p0) * numel, 1.0)
@@ -328,6 +362,11 @@ def expected_error(
     res = integrals(fmt, mu_, s_, p0_, np.log(sc), rounding=rounding, overflow=overflow, mode=mode,
                     block_size=block_size, scale_format=scale_format, tensor_amax=tamax, amax=am,
                     n_nonzero=None if (am is None or nn is None) else (1 - p0_) * nn)
+    if block_size is None:
+        bias = magnitude_bias(fmt, mu_, s_, np.log(sc), rounding=rounding, overflow=overflow, amax=am,
+                              n_nonzero=None if (am is None or nn is None) else (1 - p0_) * nn)
+    else:
+        bias = np.full((mu_.size, 2), np.nan)
     parts = res[:, :4].copy()
     if mode == "absolute":
         parts *= (1 - p0_)[:, None]
@@ -339,7 +378,7 @@ def expected_error(
         nonfinite=o(fr[:, 2]), mu=o(mu_), sigma=o(s_), p0=o(p0_),
         scale=o(np.full_like(sc, np.nan) if block_size else sc), rounding=rounding, overflow_mode=overflow,
         relative=relative, criterion=criterion, block_size=block_size,
-        scale_format=scale_format if block_size else None)
+        scale_format=scale_format if block_size else None, bias=o(bias[:, 0]), flushed_mass=o(bias[:, 1]))
 
 
 def as_float(v: Any) -> float:
