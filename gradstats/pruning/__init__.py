@@ -2,9 +2,10 @@
 
 Public verbs (see ``docs/pruning.md``):
 
-- :func:`expected_sparsity`, :func:`threshold`: the model's sparsity at a threshold and its
-  inverse (lognormal, naive lognormal, normal, Laplace, and the model-free log2-histogram
-  rule of :class:`LogHistogram`), vectorised over layers;
+- :func:`expected_sparsity`, :func:`threshold`: the sparsity at a threshold and its inverse,
+  by the model-free log2-histogram rule of :class:`LogHistogram` (:data:`DEFAULT_RULE`, where a
+  histogram is at hand: a statistics row or the tensor) or a model (lognormal, the study's
+  closed form; naive lognormal, normal, Laplace), vectorised over layers;
 - :func:`predicted_cosine`, :func:`added_variance`: what pruning at a threshold costs;
 - :func:`stochastic_prune`, :func:`hard_prune`, :func:`prune`, :func:`exact_threshold`: the
   operators on tensors, and the sort/selection baseline;
@@ -19,12 +20,12 @@ Example:
 from __future__ import annotations
 
 from .operator import METHODS, exact_threshold, hard_prune, prune, stochastic_prune
-from .thresholds import (MODELS, RULES, added_variance, expected_sparsity, predicted_cosine,
-                         threshold)
+from .thresholds import (DEFAULT_RULE, MODELS, RULES, added_variance, expected_sparsity,
+                         predicted_cosine, threshold)
 
 __all__ = ["expected_sparsity", "threshold", "predicted_cosine", "added_variance",
            "stochastic_prune", "hard_prune", "prune", "exact_threshold",
-           "MODELS", "RULES", "METHODS"]
+           "MODELS", "RULES", "METHODS", "DEFAULT_RULE"]
 from .allocation import Allocation, allocate  # noqa: E402
 
 from .histogram import LogHistogram  # noqa: E402

@@ -7,10 +7,24 @@ The stochastic operator's expected zero fraction is a functional of the empirica
 so it needs no distribution family at all: the counts of ``|g|`` per log2 bin are enough. The
 cumulative fraction ``F`` is known exactly at the bin edges; between them it is interpolated in
 ``l = ln|g|`` by a monotone cubic (PCHIP), and ``integral F(x) dx = integral F(e^l) e^l dl`` is
-taken in closed form on each cubic piece. One bin per binade -- the histogram every statistics
-row of :mod:`gradstats.stats` carries, so a traced run needs no raw samples -- lands within
-about 5e-4 of the target on average on real gradients; :func:`gradstats.pruning.prune` bins a
-tensor at four bins per binade (about 4e-5).
+taken in closed form on each cubic piece. Values known one by one (``atoms``: a statistics
+row's 64 largest magnitudes, ``top_abs``) enter exactly, each a step of ``1/n`` in ``F``.
+
+Two sources, one rule (the default of :func:`gradstats.pruning.threshold` and
+:func:`gradstats.pruning.prune`):
+
+- a statistics row of :mod:`gradstats.stats` (:meth:`LogHistogram.from_stats`): its binade
+  counts (``hist``, one bin per binade), less its ``top_abs`` values, which become atoms; the
+  highest remaining bin ends at the smallest of them (or at ``max_abs``) and the lowest starts
+  at ``min_abs``. What a traced run stores, so no raw samples are needed;
+- a tensor at hand (:func:`gradstats.pruning.prune`): four bins per binade counted in one
+  sweep (:meth:`LogHistogram.from_counts`).
+
+On the real gradients of ``experiments/pruning_real.py`` (``docs/pruning.md``) the first lands
+within about 6e-4 of the target on average and the second within about 1e-4, where the
+lognormal rule misses by 3e-2. (:class:`gradstats.fpanalysis.histogram.HistogramLaw` reads the
+same row for the format analysis as log-linear densities within binades; as a threshold rule it
+is less accurate than the monotone cubic of ``F`` here, so the two stay separate.)
 
 Exact zeros are a separate count (and from tensors, subnormals join them: they are pruned as
 zeros); inf and NaN count in ``n`` and are never pruned.
@@ -19,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,14 +44,15 @@ from ..stats import HIST_MIN_EXP
 @dataclass(frozen=True, eq=False)
 class LogHistogram:
     """Counts of the non-zero finite ``|g|`` in contiguous bins ``[lower, upper)``, plus the
-    zero count and the total number of entries.
+    zero count, the total number of entries and ``atoms``: non-zero finite magnitudes known
+    exactly (ascending, one entry each; they are not in ``counts``).
 
     Example:
         >>> import torch
         >>> from gradstats.stats import tensor_stats
-        >>> h = LogHistogram.from_stats(tensor_stats(torch.tensor([0.0, 1.0, 1.5, 3.0])))
-        >>> h.n, h.n_zero, float(h.counts.sum())
-        (4, 1, 3.0)
+        >>> h = LogHistogram.from_stats(tensor_stats(torch.tensor([0.0, 1.0, 1.5, 3.0])), top=())
+        >>> h.n, h.n_zero, float(h.counts.sum()), h.atoms.size
+        (4, 1, 3.0, 0)
         >>> round(h.threshold(0.5), 6) > 1.0
         True
     """
@@ -47,21 +62,61 @@ class LogHistogram:
     upper: np.ndarray
     n: int
     n_zero: int
+    atoms: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @classmethod
-    def from_stats(cls, row: Mapping[str, Any]) -> "LogHistogram":
-        """From a statistics row (one bin per binade, its ``hist`` field)."""
+    def from_stats(cls, row: Mapping[str, Any], *, top: Any = None) -> "LogHistogram":
+        """From a statistics row: its binade counts (``hist``), with the row's largest
+        magnitudes (``top``; ``None`` reads ``top_abs``, ``()`` uses none) as exact atoms taken
+        out of their binades, and the end bins cut to the data's range: the highest remaining
+        bin ends at the smallest atom (without atoms at ``max_abs``), the lowest starts at
+        ``min_abs``. NaN padding in ``top`` (a tensor with fewer non-zero entries, or
+        statistics reduced over ranks) is ignored.
+
+        Example:
+            >>> import torch
+            >>> from gradstats.stats import tensor_stats
+            >>> h = LogHistogram.from_stats(tensor_stats(torch.tensor([0.0, 1.0, 1.5, 3.0])))
+            >>> h.atoms.tolist(), h.counts.size     # three values: all of them known exactly
+            ([1.0, 1.5, 3.0], 0)
+            >>> round(h.threshold(0.5), 12)         # (1 + (1 - 1/a) + (1 - 1.5/a)) / 4 = 0.5
+            2.5
+        """
         if "hist" not in row:
             raise ValueError("the histogram rule needs the statistics row's 'hist' field (binade "
                              "counts of log2|g|); this row has none")
-        h = np.asarray(row["hist"], dtype=np.float64)
+        h = np.asarray(row["hist"], dtype=np.float64).copy()
+        n, n_zero = int(row["n"]), int(row["n_zero"])
+        t = np.zeros(0)
+        if top is None:
+            top = row["top_abs"] if "top_abs" in row else ()
+        if top is not None and not (isinstance(top, float) and math.isnan(top)):
+            t = np.abs(np.asarray(top, dtype=np.float64).reshape(-1))
+            t = np.sort(t[np.isfinite(t) & (t > 0)])
+        if t.size:
+            _, ex = np.frexp(t)
+            j = ex.astype(np.int64) - 1 - HIST_MIN_EXP
+            if j.min() < 0 or j.max() >= h.size:
+                raise ValueError(f"top_abs values {t[-3:]} lie outside the histogram's binades")
+            np.subtract.at(h, j, 1.0)
+            if (h < 0).any() or h[j.min() + 1:].any():
+                raise ValueError(f"top_abs ({t.size} values) is not the {t.size} largest |g| of the "
+                                 "tensor the row's 'hist' counts (more values in a binade than it "
+                                 "holds, or a larger value missing)")
         e = np.arange(h.size) + HIST_MIN_EXP
         keep = h > 0
-        if keep.any():  # trim empty ends (keeps the bins contiguous)
-            i, j = np.flatnonzero(keep)[[0, -1]]
-            h, e = h[i:j + 1], e[i:j + 1]
-        return cls(h, np.exp2(e.astype(np.float64)), np.exp2(e + 1.0), int(row["n"]),
-                   int(row["n_zero"]))
+        if not keep.any():
+            return cls(np.zeros(0), np.zeros(0), np.zeros(0), n, n_zero, t)
+        i, j = np.flatnonzero(keep)[[0, -1]]   # trim empty ends (keeps the bins contiguous)
+        h, e = h[i:j + 1], e[i:j + 1]
+        lower, upper = np.exp2(e.astype(np.float64)), np.exp2(e + 1.0)
+        top_edge = float(t[0]) if t.size else float(row.get("max_abs", math.nan))
+        if top_edge > 0 and math.isfinite(top_edge):   # a sliver, where the bin is one value
+            upper[-1] = max(min(upper[-1], top_edge), lower[-1] * (1 + 2.0 ** -30))
+        low_edge = float(row.get("min_abs", math.nan))
+        if low_edge > 0 and math.isfinite(low_edge):
+            lower[0] = min(max(lower[0], low_edge), upper[0] * (1 - 2.0 ** -30))
+        return cls(h, lower, upper, n, n_zero, t)
 
     @classmethod
     def from_counts(cls, counts: np.ndarray, *, mbits: int, float64: bool, n: int) -> "LogHistogram":
@@ -86,8 +141,8 @@ class LogHistogram:
 
     # -- the interpolated distribution
     def _pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Log edges ``l``, cumulative fractions ``F`` there (zeros included), the PCHIP
-        coefficients (4, m) in ``t = l - l_k``, and ``J_k = integral_0^{x_k} F(x) dx``."""
+        """Log edges ``l``, cumulative fractions ``F`` there (zeros included, atoms not), the
+        PCHIP coefficients (4, m) in ``t = l - l_k``, and ``J_k = integral_0^{x_k} F(x) dx``."""
         cached = self.__dict__.get("_cache")
         if cached is not None:
             return cached
@@ -106,8 +161,29 @@ class LogHistogram:
         self.__dict__["_cache"] = (l, F, c, J)
         return l, F, c, J
 
-    def _at(self, la: float, stochastic: bool) -> float:
-        """Sparsity at ``a = e^la``."""
+    def _atom_sums(self) -> tuple[np.ndarray, np.ndarray]:
+        """The atoms (ascending) and their prefix sums (length ``len(atoms) + 1``)."""
+        cached = self.__dict__.get("_atom_cache")
+        if cached is None:
+            t = np.sort(np.asarray(self.atoms, dtype=np.float64).reshape(-1))
+            cached = (t, np.concatenate([[0.0], np.cumsum(t)]))
+            self.__dict__["_atom_cache"] = cached
+        return cached
+
+    def _atoms_at(self, a: np.ndarray, stochastic: bool) -> np.ndarray:
+        """The atoms' part of the sparsity at thresholds ``a > 0``: ``#{t < a} / n`` (hard) or
+        ``sum_{t<a} (1 - t/a) / n``."""
+        t, cs = self._atom_sums()
+        a = np.asarray(a, dtype=np.float64)
+        if t.size == 0:
+            return np.zeros(a.shape)
+        k = np.searchsorted(t, a, side="left")
+        return (k if not stochastic else k - cs[k] / a) / self.n
+
+    def _continuous_at(self, la: float, stochastic: bool) -> float:
+        """The binned part's sparsity at ``a = e^la`` (zeros included)."""
+        if self.counts.size == 0:
+            return self.n_zero / self.n
         l, F, c, J = self._pieces()
         if la <= l[0]:
             return float(F[0])
@@ -124,6 +200,18 @@ class LogHistogram:
         part = _piece_integral(c, l, np.array([k]), np.array([t]))[0]
         return float((J[k] + part) / math.exp(la))
 
+    def _at(self, la: float, stochastic: bool) -> float:
+        """Sparsity at ``a = e^la``."""
+        s = self._continuous_at(la, stochastic)
+        if self.atoms.size:
+            s += float(self._atoms_at(np.array([math.exp(la)]), stochastic)[0])
+        return s
+
+    @property
+    def finite_fraction(self) -> float:
+        """Fraction of entries that are zero or finite: the sparsity of an infinite threshold."""
+        return (self.n_zero + float(self.counts.sum()) + self.atoms.size) / self.n
+
     # -- the sparsity and its inverse
     def expected_sparsity(self, a: Any, *, stochastic: bool = True) -> np.ndarray:
         """Expected zero fraction at threshold(s) ``a`` (hard fraction with ``stochastic=False``).
@@ -136,10 +224,10 @@ class LogHistogram:
         a = np.atleast_1d(np.asarray(a, dtype=np.float64))
         out = np.empty_like(a)
         for i, ai in enumerate(a):
-            if not ai > 0 or self.counts.size == 0:
+            if not ai > 0 or (self.counts.size == 0 and self.atoms.size == 0):
                 out[i] = self.n_zero / self.n
             elif math.isinf(ai):
-                out[i] = (self.n_zero + self.counts.sum()) / self.n
+                out[i] = self.finite_fraction
             else:
                 out[i] = self._at(math.log(ai), stochastic)
         return out
@@ -147,26 +235,67 @@ class LogHistogram:
     def threshold(self, target: float, *, stochastic: bool = True) -> float:
         """The threshold whose expected sparsity is ``target`` (0 when the zeros reach it,
         ``inf`` when non-finite entries make it unreachable)."""
-        if target * self.n <= self.n_zero or self.counts.size == 0:
+        if target * self.n <= self.n_zero or (self.counts.size == 0 and self.atoms.size == 0):
+            return 0.0
+        if target >= self.finite_fraction:
+            return math.inf
+        # the sparsity at the breakpoints: the bin edges, then the atoms
+        t, cs = self._atom_sums()
+        if self.counts.size:
+            l, F, c, J = self._pieces()
+            x = np.exp(l)
+            s_edges = (J / x if stochastic else F) + self._atoms_at(x, stochastic)
+        else:
+            l, x, s_edges = np.zeros(0), np.zeros(0), np.zeros(0)
+        if t.size:
+            s_atoms = np.array([self._continuous_at(math.log(v), stochastic) for v in t])
+            s_atoms += self._atoms_at(t, stochastic)
+            b = np.concatenate([x, t])
+            order = np.argsort(b, kind="stable")
+            b, s_b = b[order], np.concatenate([s_edges, s_atoms])[order]
+        else:
+            b, s_b = x, s_edges
+        if s_b[-1] < target:   # beyond every breakpoint
+            if not stochastic:  # just above the largest value (a margin the dtype's rounding keeps)
+                return float(b[-1] * (1 + 2.0 ** -20))
+            f = self.finite_fraction           # S = f - M/a exactly
+            m = float(cs[-1]) / self.n
+            if self.counts.size:
+                m += float(x[-1] * F[-1] - J[-1])   # the binned entries' sum |g| / n
+            return float(m / (f - target))
+        k = max(int(np.searchsorted(s_b, target, side="left")), 1)
+        if not stochastic and (x.size == 0 or b[k - 1] >= x[-1]):
+            # between two atoms the hard fraction is a step: every a in (b[k-1], b[k]] gives it;
+            # the larger value, as exact_threshold does (no rounding moves it onto b[k-1])
+            return float(b[k])
+        # safeguarded Newton in ln a within the bracket (the sparsity is increasing and smooth
+        # between breakpoints): dS/d(ln a) = F(a) - S(a) for the stochastic operator, F'(a) hard
+        lo, hi = math.log(b[k - 1]), math.log(b[k])
+        x = 0.5 * (lo + hi)
+        for _ in range(200):
+            sx = self._at(x, stochastic)
+            f = sx - target
+            if f < 0:
+                lo = x
+            else:
+                hi = x
+            if abs(f) <= 1e-15 or hi - lo < 4e-16 * max(1.0, abs(x)):
+                break
+            d = self._at(x, False) - sx if stochastic else self._hard_slope(x)
+            nx = x - f / d if d > 0 else math.nan
+            x = nx if lo < nx < hi else 0.5 * (lo + hi)
+        return float(math.exp(x))
+
+    def _hard_slope(self, la: float) -> float:
+        """``dF/d(ln a)`` of the binned part at ``a = e^la`` (the atoms are steps: 0 between)."""
+        if self.counts.size == 0:
             return 0.0
         l, F, c, J = self._pieces()
-        if target >= F[-1]:
-            return math.inf
-        s_edges = J / np.exp(l) if stochastic else F
-        if s_edges[-1] <= target:  # beyond the last edge (stochastic only): closed form
-            x_m = math.exp(l[-1])
-            return float((J[-1] - F[-1] * x_m) / (target - F[-1]))
-        k = max(int(np.searchsorted(s_edges, target, side="left")), 1)
-        lo, hi = float(l[k - 1]), float(l[k])
-        for _ in range(200):  # bisection in ln a: the sparsity is increasing
-            mid = 0.5 * (lo + hi)
-            if self._at(mid, stochastic) < target:
-                lo = mid
-            else:
-                hi = mid
-            if hi - lo < 4e-16 * max(1.0, abs(mid)):
-                break
-        return float(math.exp(hi))
+        if not l[0] < la < l[-1]:
+            return 0.0
+        k = int(np.searchsorted(l, la, side="right")) - 1
+        t = la - l[k]
+        return float((3 * c[0, k] * t + 2 * c[1, k]) * t + c[2, k])
 
 
 def _piece_integral(c: np.ndarray, l: np.ndarray, k: np.ndarray, T: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ from ..kernels import prune as kprune
 from ..kernels import use_triton
 from ..stats import SCALAR_FIELDS, has_native_kernel, tensor_stats, tensor_stats_vector
 from . import _cpu
-from .thresholds import RULES, threshold as _threshold
+from .thresholds import DEFAULT_RULE, RULES, threshold as _threshold
 
 log = logging.getLogger(__name__)
 
@@ -287,16 +287,17 @@ def _estimate(x: torch.Tensor, method: str) -> dict[str, Any]:
     return dict(tensor_stats(x))
 
 
-def prune(x: torch.Tensor, target: float, *, method: str = "lognormal", stochastic: bool = True,
+def prune(x: torch.Tensor, target: float, *, method: str = DEFAULT_RULE, stochastic: bool = True,
           generator: torch.Generator | None = None, out: torch.Tensor | None = None,
           return_threshold: bool = False) -> Any:
     """Estimate the threshold for ``target`` sparsity from ``x`` itself and apply it.
 
-    ``method``: a rule of :func:`gradstats.pruning.threshold` (``"lognormal"``,
+    ``method``: ``"histogram"`` (the default, model-free: one sweep counting ``|x|`` in
+    quarter-binade bins, see :mod:`gradstats.pruning.histogram`; the most accurate sort-free
+    rule on real gradients, within about 1e-4 of the target on average), a model rule of
+    :func:`gradstats.pruning.threshold` (``"lognormal"``, the study's closed form,
     ``"naive_lognormal"``, ``"normal"``, ``"laplace"``; the parameters come from one sweep
     over ``x``: zero count and the sums of ``ln|x|``, ``ln^2|x|``, ``|x|``, ``x^2``),
-    ``"histogram"`` (model-free: one sweep counting ``|x|`` in quarter-binade bins, see
-    :mod:`gradstats.pruning.histogram`; the most accurate sort-free rule on real gradients),
     or ``"exact"`` (``torch.kthvalue`` for the hard operator, the sort-based oracle of
     :func:`exact_threshold` for the stochastic one). ``stochastic=True`` applies
     :func:`stochastic_prune` with the threshold solved for that operator;

@@ -32,6 +32,10 @@ MODELS = ("lognormal", "normal", "laplace")
 #: threshold rules: the models, the lognormal quantile that ignores the rounding up, and the
 #: model-free histogram rule (:mod:`gradstats.pruning.histogram`)
 RULES = ("lognormal", "naive_lognormal", "normal", "laplace", "histogram")
+#: the default threshold rule: the model-free histogram rule, the most accurate sort-free rule on
+#: real gradients (``docs/pruning.md``); :func:`threshold` and :func:`expected_sparsity` use it
+#: where the source carries a histogram, the lognormal closed form where only its parameters exist
+DEFAULT_RULE = "histogram"
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -208,9 +212,37 @@ def _histograms(source: Any) -> tuple[list[Any], bool]:
     return out, single
 
 
+def _has_histogram(source: Any) -> bool:
+    """Whether every item of ``source`` carries a histogram (a statistics row with ``hist``, a
+    DataFrame with a ``hist`` column, a LogHistogram, or a non-empty list of those)."""
+    import pandas as pd
+
+    from .histogram import LogHistogram
+
+    if isinstance(source, LogHistogram):
+        return True
+    if isinstance(source, pd.DataFrame):
+        return "hist" in source.columns and len(source) > 0
+    if isinstance(source, (list, tuple)):
+        return len(source) > 0 and all(_has_histogram(it) for it in source)
+    if isinstance(source, Mapping) or hasattr(source, "index") and hasattr(source, "get"):
+        return "hist" in source.keys()
+    return False
+
+
+def _rule(model: str | None, source: Any, *explicit: Any) -> str:
+    """The rule a call asks for: ``model``, or by default :data:`DEFAULT_RULE` where the source
+    carries a histogram and no model parameter is given explicitly, the lognormal otherwise."""
+    if model is not None:
+        return model
+    if source is not None and all(v is None for v in explicit) and _has_histogram(source):
+        return DEFAULT_RULE
+    return "lognormal"
+
+
 # ----------------------------------------------------------------------------- public verbs
 def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
-                      sigma: ArrayLike | None = None, model: str = "lognormal",
+                      sigma: ArrayLike | None = None, model: str | None = None,
                       stochastic: bool = True, p0: ArrayLike | None = None,
                       scale: ArrayLike | None = None) -> Any:
     """Expected fraction of zeros after pruning at ``threshold``.
@@ -218,6 +250,8 @@ def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike
     Stochastic operator (default): ``S = p0 + (1 - p0) * (P(|g| < a) - E[|g| 1{|g|<a}] / a)``;
     for the lognormal model ``S(a) = Phi(z) - exp(mu + sigma^2/2) / a * Phi(z - sigma)`` with
     ``z = (ln a - mu) / sigma``. ``stochastic=False``: the hard threshold, ``P(|g| < a)``.
+    ``model`` as for :func:`threshold` (by default the histogram rule where ``source`` carries
+    a histogram and none of ``mu``, ``sigma``, ``p0``, ``scale`` is given, else the lognormal).
 
     Example:
         >>> import math
@@ -228,6 +262,7 @@ def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike
         >>> expected_sparsity(1.0, mu=0.0, sigma=1.0, stochastic=False)
         0.5
     """
+    model = _rule(model, source, mu, sigma, p0, scale)
     if model == "histogram":
         hs, single = _histograms(source)
         a = _as_array(threshold)
@@ -255,17 +290,22 @@ def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike
 
 
 def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
-              sigma: ArrayLike | None = None, model: str = "lognormal", stochastic: bool = True,
+              sigma: ArrayLike | None = None, model: str | None = None, stochastic: bool = True,
               p0: ArrayLike | None = None, scale: ArrayLike | None = None,
               amax: ArrayLike | None = None, mean_abs: ArrayLike | None = None) -> Any:
     """The threshold ``a`` whose expected sparsity is ``target``.
 
-    ``model``: ``"lognormal"`` (the analytic rule), ``"naive_lognormal"`` (the lognormal
+    ``model``: ``"histogram"`` (model-free, from the binade histogram, the largest magnitudes
+    and the extremes of a statistics row: see :mod:`gradstats.pruning.histogram`; needs
+    ``source``; the most accurate sort-free rule on real gradients), ``"lognormal"`` (the
+    study's analytic rule, with closed forms), ``"naive_lognormal"`` (the lognormal
     quantile ``exp(mu + sigma * Phi^-1(S))``, which ignores the values rounded up and so
     undershoots the target under the stochastic operator), ``"normal"`` (half-normal,
-    ``scale^2 = E g^2``), ``"laplace"`` (exponential, ``scale = E|g|``), or ``"histogram"``
-    (model-free, from the binade histogram of a statistics row: see
-    :mod:`gradstats.pruning.histogram`; needs ``source``). ``stochastic=False``
+    ``scale^2 = E g^2``) or ``"laplace"`` (exponential, ``scale = E|g|``). By default
+    (``None``) :data:`DEFAULT_RULE`, the histogram rule, where ``source`` carries histograms
+    (statistics rows with ``hist``, or LogHistograms) and none of ``mu``, ``sigma``, ``p0``,
+    ``scale`` is given; otherwise the lognormal, the only rule that (mu, sigma) alone can
+    set (explicit parameters are the lognormal's). ``stochastic=False``
     gives the hard-threshold quantile of the model. With exact zeros at fraction ``p0`` the
     non-zero part is aimed at ``(target - p0) / (1 - p0)``; when ``target <= p0`` the zeros
     already meet the target and the threshold is 0 (nothing is pruned, and the expected
@@ -281,11 +321,16 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
     ``target >= 1 - mean_abs / amax`` the threshold is ``mean_abs / (1 - target)``, and otherwise the
     model's threshold is capped at ``amax``. The hard operator's threshold is capped at ``amax``
     (``mean_abs`` is not needed there). A statistics row as ``source`` supplies both (its
-    ``max_abs`` and ``sum_abs / n``) unless they are given. The model-free ``histogram`` rule
-    ignores them.
+    ``max_abs`` and ``sum_abs / n``) unless they are given. The ``histogram`` rule ignores these
+    arguments: it reads the row's own extremes and largest magnitudes (``top_abs``).
 
     Example:
-        >>> a = threshold(0.9, mu=-10.0, sigma=2.0)
+        >>> import torch
+        >>> from gradstats.stats import tensor_stats
+        >>> row = tensor_stats(torch.tensor([0.0, 1.0, -1.5, 3.0]))
+        >>> round(threshold(0.5, row), 12)    # the histogram rule: (1 + (1 - 1/a) + (1 - 1.5/a)) / 4
+        2.5
+        >>> a = threshold(0.9, mu=-10.0, sigma=2.0)          # the lognormal closed form
         >>> abs(expected_sparsity(a, mu=-10.0, sigma=2.0) - 0.9) < 1e-12
         True
         >>> threshold(0.9, mu=-10.0, sigma=2.0, model="naive_lognormal") < a
@@ -299,6 +344,7 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
         >>> threshold(0.9, mu=-10.0, sigma=2.0, amax=1e-4, mean_abs=2e-6)   # capped at amax
         0.0001
     """
+    model = _rule(model, source, mu, sigma, p0, scale)
     if model == "naive_lognormal":
         model, stochastic = "lognormal", False
     elif model == "histogram":
