@@ -179,7 +179,8 @@ def plot_cosine_vs_sparsity(sigmas: Sequence[float] = (0.5, 1.0, 2.0, 3.0, 4.0),
 
 def plot_allocation(allocation: Any, path: str | os.PathLike[str] | None = None) -> Any:
     """Per-layer targets of a heterogeneous allocation (bars, width-agnostic) with the global
-    budget, and the predicted cosine similarity of each layer (points, right axis).
+    budget and the per-layer cap, layers left unpruned (the output layer, ``exclude``) hatched,
+    and the predicted cosine similarity of each layer (points, right axis).
 
     Example:
         >>> from gradstats.pruning import allocate
@@ -194,9 +195,23 @@ def plot_allocation(allocation: Any, path: str | os.PathLike[str] | None = None)
     L = len(allocation.layers)
     fig, ax = plt.subplots(figsize=(max(5.0, 0.45 * L + 2.5), 4.2))
     x = np.arange(L)
-    ax.bar(x, allocation.targets, color=RULE_COLORS["lognormal"], alpha=0.7, label="layer target")
+    excluded = np.asarray(getattr(allocation, "excluded", np.zeros(0, dtype=bool)), dtype=bool)
+    if excluded.shape != (L,):
+        excluded = np.zeros(L, dtype=bool)
+    targets = np.asarray(allocation.targets)
+    ax.bar(x[~excluded], targets[~excluded], color=RULE_COLORS["lognormal"], alpha=0.7, label="layer target")
+    if excluded.any():
+        ax.bar(x[excluded], np.maximum(targets[excluded], 0.02), color="none", edgecolor="#777777",
+               hatch="//", label="unpruned (output layer, excluded)")
     ax.axhline(allocation.budget, color="black", ls="--", lw=0.8,
                label=f"global budget {allocation.budget:g}")
+    caps = np.asarray(getattr(allocation, "caps", np.zeros(0)), dtype=float)
+    if caps.shape == (L,) and (caps[~excluded] < 1).any():
+        c = caps[~excluded]
+        if np.all(c == c[0]):
+            ax.axhline(c[0], color="#b2182b", ls=":", lw=1.0, label=f"cap {c[0]:g}")
+        else:
+            ax.plot(x[~excluded], c, "_", color="#b2182b", ms=12, mew=1.5, label="cap")
     ax.set_xticks(x)
     ax.set_xticklabels(allocation.layers, rotation=60, ha="right", fontsize="small")
     ax.set_ylabel("sparsity")
@@ -214,5 +229,5 @@ def plot_allocation(allocation: Any, path: str | os.PathLike[str] | None = None)
     ax.legend(h1 + h2, l1 + l2, fontsize="small", loc="lower center", ncol=2,
               bbox_to_anchor=(0.5, 1.0), frameon=False)
     ax.set_title(f"Heterogeneous sparsity allocation (achieved {allocation.achieved:.3f})",
-                 pad=44)
+                 pad=58 if len(h1 + h2) > 4 else 44)
     return _finish(fig, path)
