@@ -60,7 +60,7 @@ def jobs(model: str, steps: int, seeds, prepare: dict, calib) -> list[Job]:
                             "rounding": "-", "granularity": "-"}) for j in out]
     for sparsity, bits, gran, rounding in CONFIGS:
         plan = gradstats.recommend(calib, bits=bits, step=(0, last), rounding=rounding, sparsity=sparsity,
-                                   granularity=gran)
+                                   granularity=gran, candidates="any")
         fmts = sorted({str(r.format) for r in plan.resolve(calib).values() if r.format is not None})
         label = (f"sparsity {sparsity:g} + " if sparsity else "") + f"FP{bits} {gran} {rounding}"
         info = {"sparsity": sparsity or 0.0, "bits": bits, "format": "/".join(fmts), "rounding": rounding,
@@ -71,7 +71,8 @@ def jobs(model: str, steps: int, seeds, prepare: dict, calib) -> list[Job]:
         if bits is None:
             plan, fmts = gradstats.Plan.uniform(layers=layers).with_entries(*entries), []
         else:
-            plan = gradstats.recommend(calib, bits=bits, step=(0, last), rounding=rounding, granularity=gran)
+            plan = gradstats.recommend(calib, bits=bits, step=(0, last), rounding=rounding, granularity=gran,
+                                       candidates="any")
             fmts = sorted({str(r.format) for r in plan.resolve(calib).values() if r.format is not None})
             plan = plan.with_entries(*entries)
         label = f"allocated {budget:g}" + (f" + FP{bits} {gran} {rounding}" if bits else "")

@@ -328,6 +328,100 @@ def test_best_format_candidates_and_blocks():
     assert fa.candidate_formats(8, "ieee")[0] == FPFormat(2, 5)
 
 
+# ----------------------------------------------------------------------------- candidate presets
+def _names(fmts):
+    return sorted(str(f) for f in fmts)
+
+
+def test_candidate_presets_hold_the_formats_that_exist():
+    """The presets name what users target: the OCP formats, torchao's and Transformer Engine's
+    gradient recipes (per tensor, MX blocks, NVFP4 blocks); 'any' is every split (research)."""
+    assert set(fa.CANDIDATE_PRESETS) == {"ocp", "torchao", "te"}
+    ocp = fa.preset_formats("ocp")
+    assert _names(ocp) == ["e2m1fn", "e2m3fn", "e3m2fn", "e4m3fn", "e5m2"]
+    # e5m2 is the ieee convention with inf (torch.float8_e5m2, OCP); the others are finite (fn)
+    e5m2 = [f for f in ocp if f.exp_bits == 5][0]
+    assert e5m2.special == "ieee" and e5m2.has_inf and e5m2.max == 57344.0
+    assert {f.special for f in ocp if f.exp_bits != 5} == {"fn"}
+    assert [f.max for f in fa.preset_formats("ocp", 8) if f.exp_bits == 4] == [448.0]
+    assert {str(f): f.max for f in fa.preset_formats("ocp", 6)} == {"e2m3fn": 7.5, "e3m2fn": 28.0}
+    assert [(str(f), f.max) for f in fa.preset_formats("ocp", 4)] == [("e2m1fn", 6.0)]
+    for g in ("tensor", "mx", "nvfp4", None, 64):   # the OCP formats, whatever the scaling
+        assert _names(fa.preset_formats("ocp", granularity=g)) == _names(ocp)
+    # every preset's format has a torch dtype or is an OCP MX element type of ml_dtypes
+    for name in fa.CANDIDATE_PRESETS:
+        assert all(f.standard_name for f in fa.preset_formats(name)), name
+    # torchao: float8 per tensor; MX (MXFP8, MXFP6, MXFP4); NVFP4
+    assert _names(fa.preset_formats("torchao", granularity="tensor")) == ["e4m3fn", "e5m2"]
+    assert _names(fa.preset_formats("torchao", granularity="mx")) == _names(ocp)
+    assert _names(fa.preset_formats("torchao", granularity="nvfp4")) == ["e2m1fn"]
+    assert _names(fa.preset_formats("torchao")) == _names(ocp)            # every granularity
+    assert _names(fa.preset_formats("torchao", 6, granularity="mx")) == ["e2m3fn", "e3m2fn"]
+    # Transformer Engine: FP8 e4m3 (fn, max 448) and e5m2 per tensor, MXFP8, NVFP4
+    assert _names(fa.preset_formats("te", granularity="tensor")) == ["e4m3fn", "e5m2"]
+    assert _names(fa.preset_formats("te", granularity="mx")) == ["e4m3fn", "e5m2"]
+    assert _names(fa.preset_formats("te", granularity="nvfp4")) == ["e2m1fn"]
+    assert _names(fa.preset_formats("te")) == ["e2m1fn", "e4m3fn", "e5m2"]
+    # 'any' and the conventions: every split, as candidate_formats
+    assert fa.preset_formats("any", 8) == fa.candidate_formats(8, "fn")
+    for conv in ("fn", "ieee", "fnuz", "hardware"):
+        assert fa.preset_formats(conv, 6) == fa.candidate_formats(6, conv)
+    assert fa.DEFAULT_CANDIDATES == "ocp"
+    assert set(fa.CANDIDATE_NAMES) == {"ocp", "torchao", "te", "any", "hardware", "fn", "ieee", "fnuz"}
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: fa.preset_formats("ocp", 5), r"candidates='ocp' has no 5-bit format.*4, 6, 8.*candidates='any'"),
+    (lambda: fa.preset_formats("ocp", 7), r"no 7-bit format.*candidates='any'"),
+    (lambda: fa.preset_formats("torchao", 6, granularity="tensor"), r"no 6-bit format per tensor.*granularity='mx'"),
+    (lambda: fa.preset_formats("te", 4, granularity="mx"), r"no 4-bit format in MX blocks.*granularity='nvfp4'"),
+    (lambda: fa.preset_formats("nvidia", 8), r"unknown candidates 'nvidia'.*'ocp', 'torchao', 'te', 'any'"),
+    (lambda: fa.preset_formats("any"), "needs bits"),
+    (lambda: fa.preset_formats("ocp", 8, granularity="channel"), "granularity"),
+])
+def test_candidate_preset_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_best_format_with_presets():
+    """best_format's own default stays every split (the analysis primitive: the crossover figures);
+    a preset restricts the ranking to real formats, at the granularity of the block rule."""
+    sig = np.array([0.6, 1.0, 2.5, 5.0]) * LN2
+    every = fa.best_format(8, mu=-9.0, sigma=sig)
+    assert len(every.candidates) == 6 and str(every.format[0]) == "e2m5fn"
+    ocp = fa.best_format(8, mu=-9.0, sigma=sig, candidates="ocp")
+    assert _names(ocp.candidates) == ["e4m3fn", "e5m2"]
+    assert [str(f) for f in ocp.format] == ["e4m3fn", "e4m3fn", "e4m3fn", "e5m2"]
+    assert _names(fa.best_format(6, mu=-9.0, sigma=sig, candidates="ocp").candidates) == ["e2m3fn", "e3m2fn"]
+    assert str(fa.best_format(4, mu=-9.0, sigma=1.0, candidates="ocp").format) == "e2m1fn"
+    # the block rule picks the granularity: torchao's FP6 is MX only
+    with pytest.raises(ValueError, match="granularity='mx'"):
+        fa.best_format(6, mu=-9.0, sigma=1.0, candidates="torchao")
+    mx = fa.best_format(6, mu=-9.0, sigma=1.0, candidates="torchao", block_size=32)
+    assert _names(mx.candidates) == ["e2m3fn", "e3m2fn"]
+    nv = fa.best_format(4, mu=-9.0, sigma=1.0, candidates="te", block_size=16, scale_format="e4m3")
+    assert _names(nv.candidates) == ["e2m1fn"]
+    with pytest.raises(ValueError, match="candidates='any'"):
+        fa.best_format(5, mu=-9.0, sigma=1.0, candidates="ocp")
+    assert len(fa.best_format(5, mu=-9.0, sigma=1.0, candidates="any").candidates) == 3
+
+
+def test_best_format_from_stats_with_presets():
+    from gradstats.stats import tensor_stats
+
+    g = torch.exp(-9 + 0.4 * torch.randn(50_000, generator=torch.Generator().manual_seed(0)))
+    st = tensor_stats(g)
+    assert str(fa.best_format_from_stats(8, st).format) == "e2m5fn"      # default: every split
+    c = fa.best_format_from_stats(8, st, candidates="ocp")
+    assert _names(c.candidates) == ["e4m3fn", "e5m2"] and str(c.format) == "e4m3fn"
+    assert _names(fa.best_format_from_stats(8, st, candidates="torchao").candidates) == ["e4m3fn", "e5m2"]
+    with pytest.raises(ValueError, match="per tensor"):   # per-tensor scales only: torchao's FP4 is blocks
+        fa.best_format_from_stats(4, st, candidates="torchao")
+    with pytest.raises(ValueError, match="candidates='any'"):
+        fa.best_format_from_stats(7, st, candidates="ocp")
+
+
 def test_best_format_is_fast_for_a_plan():
     rng = np.random.default_rng(0)
     mu, sig = rng.uniform(-20, -5, 100), rng.uniform(0.7, 3.5, 100)

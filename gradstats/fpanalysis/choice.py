@@ -3,12 +3,18 @@
 Every split ``E = 1..bits-2``, ``M = bits-1-E``, each at its own best scale
 (:func:`~gradstats.fpanalysis.optimal_scale`) or under a block-scaling rule, ranked per layer by
 predicted error. Vectorised over layers: 100 layers at bit widths 4..8 take a fraction of a second.
+
+Which formats compete is ``candidates=``: the formats that exist, as presets named after what
+users target (:data:`CANDIDATE_PRESETS`: ``"ocp"``, ``"torchao"``, ``"te"``), every split of the
+width (``"any"``, research), a convention of :func:`candidate_formats`, or a list of formats;
+:func:`preset_formats` resolves a name for one width and granularity.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -17,7 +23,130 @@ from . import _params as P
 from .error import default_tensor_amax, integrals
 from .scale import _mode, _optimal
 
-__all__ = ["best_format", "BestFormat", "FormatChoice", "candidate_formats"]
+__all__ = ["best_format", "BestFormat", "FormatChoice", "candidate_formats", "preset_formats",
+           "CANDIDATE_PRESETS", "CANDIDATE_NAMES", "DEFAULT_CANDIDATES"]
+
+#: the OCP formats: FP8 ``e4m3fn`` (max 448) and ``e5m2`` (the ieee convention, with inf, as
+#: ``torch.float8_e5m2``), FP6 ``e2m3fn`` (max 7.5) and ``e3m2fn`` (max 28), FP4 ``e2m1fn`` (max 6);
+#: also the MX element types (and NVFP4's element)
+_OCP = ("e4m3fn", "e5m2", "e2m3fn", "e3m2fn", "e2m1fn")
+_FP8 = ("e4m3fn", "e5m2")
+_FP4 = ("e2m1fn",)
+
+#: Candidate presets, named after what users target: preset -> granularity -> format names.
+#: Granularities: ``"tensor"`` (one scale per tensor), ``"mx"`` (blocks of 32, E8M0 scales),
+#: ``"nvfp4"`` (blocks of 16, E4M3 scales); other block sizes take the preset's formats of every
+#: granularity.
+#:
+#: - ``"ocp"``: the OCP formats (FP8 e4m3fn and e5m2, FP6 e2m3fn and e3m2fn, FP4 e2m1fn), whatever
+#:   the scaling;
+#: - ``"torchao"``: torchao's training recipes for gradients: ``torchao.float8`` per tensor
+#:   (``float8_e4m3fn``, ``float8_e5m2``), its MX formats (MXFP8 e4m3fn/e5m2, MXFP6 e2m3fn/e3m2fn,
+#:   MXFP4 e2m1fn) and NVFP4 (e2m1fn);
+#: - ``"te"``: Transformer Engine's recipes: FP8 e4m3 (the ``fn`` convention, max 448) and e5m2 per
+#:   tensor (delayed or current scaling), MXFP8 (e4m3, or e5m2 for gradients in its hybrid
+#:   format), NVFP4 (e2m1fn).
+CANDIDATE_PRESETS: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyType({
+    "ocp": MappingProxyType({"tensor": _OCP, "mx": _OCP, "nvfp4": _OCP}),
+    "torchao": MappingProxyType({"tensor": _FP8, "mx": _OCP, "nvfp4": _FP4}),
+    "te": MappingProxyType({"tensor": _FP8, "mx": _FP8, "nvfp4": _FP4}),
+})
+#: the convention names of :func:`candidate_formats` (every split of the width)
+_CONVENTIONS = ("hardware", "fn", "ieee", "fnuz")
+#: every name ``candidates=`` accepts: the presets, ``"any"`` (every split of the width as an ``fn``
+#: format: research splits such as e2m5fn that no hardware or library implements), the conventions
+CANDIDATE_NAMES = (*CANDIDATE_PRESETS, "any", *_CONVENTIONS)
+#: what :func:`gradstats.recommend` chooses from unless told otherwise: formats that exist
+DEFAULT_CANDIDATES = "ocp"
+_GRANULARITY_TEXT = {"tensor": "per tensor", "mx": "in MX blocks", "nvfp4": "in NVFP4 blocks"}
+
+
+def _granularity_key(granularity: Any) -> Optional[str]:
+    """``"tensor"``, ``"mx"``, ``"nvfp4"``, or None (every granularity: None or another block size)."""
+    if granularity is None or granularity in _GRANULARITY_TEXT:
+        return granularity
+    if isinstance(granularity, (int, np.integer)) and not isinstance(granularity, bool) and granularity > 0:
+        return "mx" if int(granularity) == 32 else None     # an int: blocks with E8M0 scales
+    raise ValueError(f"granularity must be 'tensor', 'mx', 'nvfp4', a block size (int) or None, "
+                     f"got {granularity!r}")
+
+
+def _block_granularity(block_size: Optional[int], scale_format: Optional[str]) -> Optional[str]:
+    """The preset granularity of a block rule: ``"tensor"`` without blocks, ``"mx"`` for blocks of 32
+    with E8M0 scales, ``"nvfp4"`` for blocks of 16 with E4M3 scales, None for any other block."""
+    if block_size is None:
+        return "tensor"
+    if (int(block_size), scale_format) == (32, "e8m0"):
+        return "mx"
+    if (int(block_size), scale_format) == (16, "e4m3"):
+        return "nvfp4"
+    return None
+
+
+def _names_text(names: Sequence[str]) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+def preset_formats(preset: str, bits: Optional[int] = None, *, granularity: Any = None) -> list[FPFormat]:
+    """The formats a ``candidates=`` name stands for, of ``bits`` bits (every width when None) at
+    a ``granularity`` (``"tensor"``, ``"mx"``, ``"nvfp4"``; None or another block size: every
+    granularity).
+
+    ``preset``: a key of :data:`CANDIDATE_PRESETS` (``"ocp"``, ``"torchao"``, ``"te"``), ``"any"``
+    (every exponent/mantissa split of the width, ``fn``: research), or a convention of
+    :func:`candidate_formats` (``"hardware"``, ``"fn"``, ``"ieee"``, ``"fnuz"``; every split too).
+    A width the preset has no format of is a ``ValueError`` naming the widths it has.
+
+    Example:
+        >>> [str(f) for f in preset_formats("ocp", 8)]
+        ['e4m3fn', 'e5m2']
+        >>> [str(f) for f in preset_formats("torchao", 6, granularity="mx")]
+        ['e2m3fn', 'e3m2fn']
+        >>> [str(f) for f in preset_formats("any", 6)]
+        ['e1m4fn', 'e2m3fn', 'e3m2fn', 'e4m1fn']
+    """
+    if not isinstance(preset, str) or preset not in CANDIDATE_NAMES:
+        raise ValueError(f"unknown candidates {preset!r}: expected one of {_names_text(CANDIDATE_NAMES)} or a "
+                         "list of formats")
+    key = _granularity_key(granularity)
+    if preset not in CANDIDATE_PRESETS:
+        if bits is None:
+            raise ValueError(f"candidates={preset!r} is every split of a width: it needs bits")
+        return candidate_formats(bits, "fn" if preset == "any" else preset)
+    table = CANDIDATE_PRESETS[preset]
+    names = table[key] if key is not None else tuple(dict.fromkeys(n for v in table.values() for n in v))
+    fmts = [parse(n) for n in names]
+    if bits is None:
+        return fmts
+    bits = P.check_bits(bits)
+    mine = [f for f in fmts if f.bits == bits]
+    if not mine:
+        widths = ", ".join(str(b) for b in sorted({f.bits for f in fmts}))
+        elsewhere = [g for g, v in table.items() if g != key and any(parse(n).bits == bits for n in v)]
+        where, hint = "", ""
+        if key is not None and elsewhere:   # the width exists at another granularity
+            where = f" {_GRANULARITY_TEXT[key]}"
+            hint = (f"; its {bits}-bit formats are {' or '.join(_GRANULARITY_TEXT[g] for g in elsewhere)} "
+                    f"(granularity={' or '.join(repr(g) for g in elsewhere)})")
+        raise ValueError(f"candidates={preset!r} has no {bits}-bit format{where}: its formats "
+                         f"({', '.join(names)}) have {widths} bits{hint}; pass candidates='any' for every "
+                         f"exponent/mantissa split of {bits} bits (research formats that no hardware or "
+                         "library implements)")
+    return mine
+
+
+def _resolve(candidates: Any, bits: int, granularity: Any) -> list[FPFormat]:
+    """The candidate formats of ``bits`` bits: None is every split (``fn``), a name as
+    :func:`preset_formats`, a list of formats of that width."""
+    if candidates is None or isinstance(candidates, str):
+        return preset_formats(candidates or "any", bits, granularity=granularity)
+    cands = [P.check_format(parse(c)) for c in candidates]
+    if not cands:
+        raise ValueError("candidates is empty")
+    wrong = [str(c) for c in cands if c.bits != bits]
+    if wrong:
+        raise ValueError(f"candidates {wrong} do not have {bits} bits")
+    return cands
 
 
 def candidate_formats(bits: int, special: str = "fn", *, subnormals: bool = True) -> list[FPFormat]:
@@ -201,9 +330,11 @@ def best_format(
     Args:
         bits: total width, 3..16.
         mu, sigma, p0: the layers' lognormal parameters (``ln|g|``) and zero fractions.
-        candidates: ``None`` (every split as an ``fn`` saturating format with subnormals: the OCP
-            convention), a convention name (see :func:`candidate_formats`), or a list of formats of
-            ``bits`` bits.
+        candidates: ``None`` (default: every split as an ``fn`` saturating format with subnormals,
+            the OCP convention; the analysis primitive, as the crossover table), a preset of formats
+            that exist (``"ocp"``, ``"torchao"``, ``"te"``: :data:`CANDIDATE_PRESETS`, at the
+            granularity of the block rule), ``"any"`` (every split), a convention name (see
+            :func:`candidate_formats`), or a list of formats of ``bits`` bits.
         block_size: rank under block scaling (MX ``scale_format="e8m0"``, NVFP4 ``"e4m3"``, with
             ``numel`` entries per tensor, default 2**20) instead of a per-tensor scale.
         rounding, criterion, power_of_two: as in :func:`optimal_scale`.
@@ -220,15 +351,7 @@ def best_format(
     P.check_choice("rounding", rounding, P.ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
     block_size = P.check_block(block_size, scale_format)
-    if candidates is None or isinstance(candidates, str):
-        cands = candidate_formats(bits, candidates or "fn")
-    else:
-        cands = [P.check_format(parse(c)) for c in candidates]
-        if not cands:
-            raise ValueError("candidates is empty")
-        wrong = [str(c) for c in cands if c.bits != bits]
-        if wrong:
-            raise ValueError(f"candidates {wrong} do not have {bits} bits")
+    cands = _resolve(candidates, bits, _block_granularity(block_size, scale_format))
     for c in cands:
         P.check_format(c)
     if amax is not None and block_size is not None:

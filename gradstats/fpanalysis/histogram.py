@@ -386,7 +386,8 @@ def best_format_from_stats(bits: int, stats: Mapping[str, Any], *,
     maximum), each at its best power-of-two scale (searched over ``window`` binades either side of
     the scale that puts ``amax`` at the top of the format).
 
-    ``candidates`` as in :func:`gradstats.fpanalysis.best_format`. Per-tensor scales only.
+    ``candidates`` as in :func:`gradstats.fpanalysis.best_format` (default: every split; a preset
+    such as ``"ocp"`` gives its per-tensor formats). Per-tensor scales only.
     ``top``: the tensor's largest magnitudes, exact point masses that place the entries deciding
     saturation (see :func:`expected_error_from_stats`); by default the row's ``top_abs`` (the 64
     largest, :data:`gradstats.stats.TOP_K`), ``()`` for the histogram alone.
@@ -404,13 +405,13 @@ def best_format_from_stats(bits: int, stats: Mapping[str, Any], *,
         >>> str(t.format), t.log2_scale, round(t.error / measured_error(x, t.format, scale=t.scale), 2)
         ('e3m4fn', 1.0, 0.99)
     """
-    from .choice import candidate_formats
+    from .choice import preset_formats
 
     bits = P.check_bits(bits)
     P.check_choice("rounding", rounding, P.ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
-    if candidates is None or isinstance(candidates, str):
-        cands = candidate_formats(bits, candidates or "fn")
+    if candidates is None or isinstance(candidates, str):   # a preset: its per-tensor formats
+        cands = preset_formats(candidates or "any", bits, granularity="tensor")
     else:
         cands = [P.check_format(parse(c)) for c in candidates]
         wrong = [str(c) for c in cands if c.bits != bits]

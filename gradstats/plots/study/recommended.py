@@ -147,9 +147,12 @@ def plot_layer_format_ranges(plans: Mapping[int, Any]) -> Any:
     fig, axes = plt.subplots(len(plans), 1, figsize=(8.0, len(plans) * (1.2 + 0.3 * len(names)) + 0.4),
                              squeeze=False, sharex=True)
     for ax, b in zip(axes[:, 0], plans):
-        # the dots: each layer's choice given its observed maximum, as recommend makes it; the
-        # bands: the sigma ranges where each split is best for an unbounded lognormal
-        plot_layer_formats(best_format(int(b), mu=mu, sigma=sigma, p0=p0, names=names, **cond), ax=ax)
+        # the dots: each layer's choice given its observed maximum, as recommend makes it (ranked
+        # among the formats the plan's layers hold: its candidates, e.g. only formats that exist);
+        # the bands: the sigma ranges where each split is best for an unbounded lognormal
+        plot_layer_formats(best_format(int(b), mu=mu, sigma=sigma, p0=p0, names=names, **cond, candidates=sorted(
+            {e.format for e in plans[b].entries if e.format is not None},
+            key=lambda f: (f.special != "fn", str(f)))), ax=ax)
         if ax is not axes[-1, 0]:
             ax.set_xlabel("")
     fig.tight_layout()
