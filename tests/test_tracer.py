@@ -449,6 +449,8 @@ def test_wrapped_models_keep_the_users_names(tmp_path):
             tr.step()
         assert gradstats.open_run(tmp_path / str(i)).layers == ["0", "2"]
         # a plan made from the eager run resolves on the wrapped model, and the other way round
-        plan = gradstats.Plan.uniform(sparsity=0.5)
+        plan = gradstats.Plan.uniform(sparsity=0.5, output_layer=False)
         assert list(plan.resolve(wrapped)) == list(plan.resolve(model)) == ["0", "2"]
         assert list(plan.resolve(gradstats.open_run(tmp_path / str(i)))) == ["0", "2"]
+        # the output layer found through the wrapper too
+        assert list(gradstats.Plan.uniform(sparsity=0.5).resolve(wrapped)) == ["0"]

@@ -37,6 +37,24 @@ def _granularity(text: str):
     return int(text) if text.isdigit() else text
 
 
+def _candidates(text: str):
+    """A preset or convention name ('ocp', 'any', ...) as it is; otherwise a comma list of format names."""
+    from gradstats.fpanalysis import CANDIDATE_NAMES
+    from gradstats.formats import parse
+
+    if text in CANDIDATE_NAMES:
+        return text
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    try:
+        fmts = [parse(n) for n in names]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; or one of {', '.join(CANDIDATE_NAMES)}") from None
+    if not fmts:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(CANDIDATE_NAMES)} or a comma list of "
+                                         f"formats, got {text!r}")
+    return [str(f) for f in fmts]
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "recommend", help="recommend a per-layer plan (format, scale, pruning) from a run",
@@ -49,9 +67,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sparsity", type=float, default=None, help="target gradient sparsity in [0, 1)")
     p.add_argument("--granularity", type=_granularity, default="tensor",
                    help="tensor, mx, nvfp4 or a block size (default tensor)")
-    p.add_argument("--rounding", default="nearest", choices=["nearest", "stochastic"])
-    p.add_argument("--threshold-rule", default="lognormal",
-                   choices=["lognormal", "naive_lognormal", "normal", "laplace", "exact"])
+    p.add_argument("--rounding", default=None, choices=["nearest", "stochastic"],
+                   help="force one rounding (default: per layer, what the objective chooses)")
+    p.add_argument("--threshold-rule", default=None,
+                   choices=["histogram", "lognormal", "naive_lognormal", "normal", "laplace", "exact"],
+                   help="pruning threshold rule (default histogram: model-free, the most accurate)")
+    p.add_argument("--objective", default="training", choices=["training", "mse"],
+                   help="training (default): least noise within a bound on the magnitude bias; "
+                        "mse: least relative mean squared error")
+    p.add_argument("--all-layers", action="store_true",
+                   help="plan the output layer (the logits) too; by default it stays in full precision")
     p.add_argument("--step", type=_step, default=None,
                    help="statistics of step N, of steps FIRST:LAST merged, or 'last' (default: each "
                         "layer's latest step)")
@@ -60,6 +85,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="lognormal", choices=["lognormal", "histogram"],
                    help="choose formats from each layer's lognormal fit or from its binade histogram "
                         "(more accurate on real gradients; per-tensor scales only)")
+    p.add_argument("--candidates", type=_candidates, default="ocp", metavar="PRESET|LIST",
+                   help="formats to choose from: ocp (default: the formats hardware has, FP8 e4m3fn/e5m2, "
+                        "FP6 e2m3fn/e3m2fn, FP4 e2m1fn), torchao or te (what torchao's or Transformer "
+                        "Engine's recipes use at this granularity: per tensor FP8 only; mx, nvfp4 their "
+                        "block formats), any (every exponent/mantissa split: research formats such as "
+                        "e2m5fn), hardware, fn, ieee, fnuz (every split in that convention), or a comma "
+                        "list of format names (e.g. e4m3fn,e5m2)")
     p.add_argument("-o", "--out", default=None, help="write the plan (JSON) here")
     p.set_defaults(func=run)
 
@@ -72,12 +104,14 @@ def format_table(plan) -> str:
     from gradstats.plan import amax_scale
 
     df = plan.to_dataframe()
-    fmts = [plan._complete([e], "").format for e in plan.entries]
+    rules = [plan._complete([e], "") for e in plan.entries]
+    fmts = [r.format for r in rules]
     amax = [e.predicted.amax if e.predicted is not None else None for e in plan.entries]
     ln2 = math.log(2.0)
     out = pd.DataFrame({
         "layer": df["layer"],
         "format": df["format"].fillna("-"),
+        "rounding": [r.rounding for r in rules],
         "mu_log2": df["mu"] / ln2,
         "sigma_log2": df["sigma"] / ln2,
         "p0": df["p0"],
@@ -85,6 +119,8 @@ def format_table(plan) -> str:
         "log2_floor": [_log2(amax_scale(f, a)) if isinstance(f, FPFormat) and _ok(a) and _ok(s) else float("nan")
                        for f, a, s in zip(fmts, amax, df["predicted_scale"])],
         "pred_error": df["predicted_error"],
+        "pred_bias": [e.predicted.bias if e.predicted is not None and e.predicted.bias is not None
+                      else float("nan") for e in plan.entries],
         "snr_db": [-10 * math.log10(e) if e == e and e is not None and e > 0 else float("nan")
                    for e in df["predicted_error"]],
     })
@@ -98,9 +134,10 @@ def format_table(plan) -> str:
             + (f" (blocks of {d.block_size}, {d.scale_format} scales)" if d.block_size else "")
             + f", rounding {d.rounding}"
             + (f", sparsity {d.sparsity} ({d.threshold_rule} threshold)" if d.sparsity is not None else ""))
-    foot = ("mu_log2, sigma_log2: mean and std of log2|g| (non-zero entries); log2_scale: the lognormal "
-            "optimum, at which pred_error = E[(Q(g)-g)^2]/E[g^2] is predicted (snr_db = -10 log10 of it); "
-            "log2_floor: the amax scale that floors it when applied")
+    foot = ("mu_log2, sigma_log2: mean and std of log2|g| (non-zero entries); log2_scale: the scale at "
+            "which pred_error = E[(Q(g)-g)^2]/E[g^2] (snr_db = -10 log10 of it) and pred_bias = "
+            "E[|Q(g)|-|g|]/E|g| are predicted; log2_floor: the amax scale (scale rule amax: the plan's "
+            "scale is log2_scale - log2_floor binades from it at every step)")
     return f"{head}\n{text}\n{foot}"
 
 
@@ -113,11 +150,15 @@ def run(args: argparse.Namespace) -> int:
     result = recommend(args.run, bits=args.bits if len(args.bits) > 1 else args.bits[0],
                        sparsity=args.sparsity, granularity=args.granularity,
                        rounding=args.rounding, step=args.step, threshold_rule=args.threshold_rule,
-                       layers=layers, model=args.model)
+                       layers=layers, model=args.model, candidates=args.candidates,
+                       objective=args.objective, output_layer=False if args.all_layers else None)
     plans = result if isinstance(result, dict) else {args.bits[0]: result}
     for b, plan in plans.items():
         print(f"== {b}-bit plan for {args.run}")
         print(format_table(plan))
+        if plan.output_layer:
+            print(f"output layer {plan.output_layer} left in full precision and unpruned "
+                  "(--all-layers plans it too)")
         if args.out:
             path = args.out.replace("{bits}", str(b))
             plan.save(path)

@@ -8,8 +8,12 @@ format's cells. Public verbs, all vectorised over layers (``mu``, ``sigma`` arra
   fractions flushed, saturated, non-finite; nearest or stochastic rounding; per-tensor or block
   (MX E8M0, NVFP4-style E4M3) scales;
 - :func:`optimal_scale`: the per-tensor (power-of-two) scale that minimises it;
-- :func:`best_format`: the exponent/mantissa splits of a bit width ranked, each at its best scale;
+- :func:`best_format`: the exponent/mantissa splits of a bit width ranked, each at its best scale
+  (or only the formats that exist: ``candidates="ocp"``, ``"torchao"``, ``"te"``,
+  :data:`CANDIDATE_PRESETS`, :func:`preset_formats`);
 - :func:`crossover_table`: the sigma (std of log2|g|) at which one more exponent bit pays;
+- :func:`choose_for_training`: the format, rounding and amax-relative scale with the least noise
+  whose predicted magnitude bias (:attr:`ErrorResult.bias`) is bounded: what ``recommend`` uses;
 - :func:`best_format_from_stats`, :func:`expected_error_from_stats`: the same for one tensor from
   its binade histogram and maximum (what a run stores), without the lognormal assumption: the
   most accurate predictor on real gradients (:mod:`.histogram`).
@@ -32,11 +36,15 @@ from ._pieces import FRACTIONS, PARTS
 from .crossover import AUTHORS_TABLE, CrossoverTable, crossover_table
 from .error import ErrorResult, expected_error
 from .empirical import PredictionCheck, check_prediction, energy_moments, measured_error
-from .choice import BestFormat, FormatChoice, best_format, candidate_formats
+from .choice import (CANDIDATE_NAMES, CANDIDATE_PRESETS, DEFAULT_CANDIDATES, BestFormat, FormatChoice,
+                     best_format, candidate_formats, preset_formats)
 from .scale import ScaleResult, optimal_scale
 from .histogram import HistogramChoice, HistogramLaw, best_format_from_stats, expected_error_from_stats
+from .training import BIAS_BOUND, OBJECTIVES, TrainingChoice, choose_for_training
 
 __all__ = ["expected_error", "optimal_scale", "best_format", "crossover_table", "candidate_formats",
+           "preset_formats", "CANDIDATE_PRESETS", "CANDIDATE_NAMES", "DEFAULT_CANDIDATES",
            "ErrorResult", "ScaleResult", "BestFormat", "FormatChoice", "CrossoverTable", "AUTHORS_TABLE",
            "measured_error", "check_prediction", "energy_moments", "PredictionCheck", "PARTS", "FRACTIONS",
-           "best_format_from_stats", "expected_error_from_stats", "HistogramLaw", "HistogramChoice"]
+           "best_format_from_stats", "expected_error_from_stats", "HistogramLaw", "HistogramChoice",
+           "choose_for_training", "TrainingChoice", "BIAS_BOUND", "OBJECTIVES"]

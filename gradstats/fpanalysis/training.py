@@ -102,10 +102,10 @@ class TrainingChoice:
 
 
 def _candidates(bits: int, candidates: Any) -> list[FPFormat]:
-    from .choice import candidate_formats
+    from .choice import DEFAULT_CANDIDATES, preset_formats
 
     if candidates is None or isinstance(candidates, str):
-        fmts = candidate_formats(bits, candidates or "hardware")
+        fmts = preset_formats(candidates or DEFAULT_CANDIDATES, bits, granularity="tensor")
     else:
         fmts = [parse(c) for c in candidates]
         fmts = [f for f in fmts if f.bits == bits]
@@ -129,8 +129,8 @@ def choose_for_training(bits: int, *, mu: P.ArrayLike, sigma: P.ArrayLike, amax:
         mu, sigma: mean and std of ``ln|g|`` (natural log) per layer; ``p0``: zero fraction.
         amax: each tensor's largest magnitude (the scale is chosen relative to it, and the
             prediction conditioned on it); ``numel``: entries per tensor.
-        candidates: formats to choose among: a list, or a convention or preset name accepted by
-            :func:`candidate_formats` (default ``"hardware"``).
+        candidates: formats to choose among: a list, or a name of
+            :func:`~gradstats.fpanalysis.preset_formats` (default ``"ocp"``: the formats hardware has).
         roundings: the roundings allowed (``"nearest"``, ``"stochastic"``).
         bias_bound: the largest ``|bias|`` accepted (default :data:`BIAS_BOUND`).
         shifts: the scale shifts (binades) searched.
@@ -170,6 +170,9 @@ def choose_for_training(bits: int, *, mu: P.ArrayLike, sigma: P.ArrayLike, amax:
     vals = {k: np.full(n, np.nan) for k in ("scale_shift", "scale", "error", "bias", "flushed",
                                             "flushed_mass", "saturated")}
     feasible = np.zeros(n, dtype=bool)
+    # ties (a small tensor whose values all stay normal at several shifts) go to the shift closest
+    # to the amax scale, then to nearest rounding, then to the first candidate
+    shifts = sorted(set(shifts), key=lambda k: (abs(k), k))
     for fmt in fmts:
         base = np.array([amax_scale(fmt, a) for a in am])
         for rounding in roundings:
@@ -186,8 +189,8 @@ def choose_for_training(bits: int, *, mu: P.ArrayLike, sigma: P.ArrayLike, amax:
                 fits = ok & (np.abs(bias) <= bias_bound)
                 # a feasible choice beats any infeasible one; among feasible, the smaller error;
                 # among infeasible (none found yet), the smaller |bias|
-                better = (fits & (~feasible | (err < best["obj"]))) | (
-                    ok & ~fits & ~feasible & (np.abs(bias) < best["absb"]))
+                better = (fits & (~feasible | (err < best["obj"] * (1 - 1e-9)))) | (
+                    ok & ~fits & ~feasible & (np.abs(bias) < best["absb"] * (1 - 1e-9)))
                 for i in np.nonzero(better)[0]:
                     pick["format"][i], pick["rounding"][i] = fmt, rounding
                     vals["scale_shift"][i], vals["scale"][i] = k, sc[i]

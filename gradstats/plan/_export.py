@@ -54,6 +54,8 @@ def _resolved(plan: "Plan", model: Any, need_types: bool) -> list[tuple[str, Rul
 
 
 def _plain_scale(r: Rule) -> float | None:
+    if r.scale == "amax" and r.block_size is None and r.predicted is not None and r.predicted.amax:
+        return float(r.scale_for(amax=r.predicted.amax))      # at the statistics it was planned on
     if r.scale == "fixed":
         return r.scale_value
     if r.scale == "lognormal" and r.predicted is not None and r.predicted.scale is not None:
@@ -78,6 +80,7 @@ def _json_layer(r: Rule) -> dict[str, Any]:
         "format_spec": spec,
         "torch_dtype": None if td is None else str(td).removeprefix("torch."),
         "scale_rule": r.scale if f is not None else None,
+        "scale_shift": r.scale_shift if f is not None and r.scale == "amax" else None,
         "scale": _plain_scale(r) if f is not None else None,
         "rounding": r.rounding if f is not None else None,
         "block_size": r.block_size,
@@ -118,6 +121,9 @@ def _torchao_layer(name: str, r: Rule, types: tuple[str, ...] | None,
         if r.scale != "amax":
             notes.append(f"scale rule {r.scale!r}: torchao scales dynamically by the step's amax "
                          "(rounded to a power of two)")
+        elif r.scale_shift:
+            notes.append(f"scale_shift {r.scale_shift}: torchao maps the step's amax to the format's "
+                         "maximum (no shift)")
         if r.rounding != "nearest":
             notes.append(f"rounding {r.rounding!r}: torchao casts round to nearest")
     if r.prunes:

@@ -70,6 +70,13 @@ class Plan:
         entries: :class:`PlanEntry` objects (or dicts with their fields), in order.
         defaults: the :class:`Rule` every planned module starts from (or a dict of its fields).
         provenance: where the plan came from; default: this version, now, no source.
+        output_layer: a layer the plan leaves untouched whatever its entries say: a module name,
+            ``"auto"`` (the model's output layer, the one whose output reaches the loss: the last
+            ``Linear`` in model order, :func:`gradstats.pruning.allocation.output_layer`), or None
+            (no exception; the default of a plan built from entries). ``Plan.uniform`` and
+            ``recommend`` use ``"auto"``: the study kept the classifier in full precision and
+            unpruned, and pruning the logits' gradient is what cost accuracy on our CNN. Pattern
+            entries skip it; an entry naming it exactly still plans it.
 
     Example:
         >>> import tempfile, os
@@ -86,8 +93,11 @@ class Plan:
     entries: tuple[PlanEntry, ...] = ()
     defaults: Rule = field(default_factory=Rule)
     provenance: Provenance | None = field(default_factory=Provenance.now)
+    output_layer: str | None = None
 
     def __post_init__(self) -> None:
+        if self.output_layer is not None and (not isinstance(self.output_layer, str) or not self.output_layer):
+            raise ValueError(f"output_layer must be a layer name, 'auto' or None, got {self.output_layer!r}")
         if isinstance(self.entries, (str, bytes, Mapping, PlanEntry)) or not isinstance(self.entries, Iterable):
             raise ValueError(f"entries must be a list of PlanEntry (or dicts), got {type(self.entries).__name__}")
         entries = []
@@ -113,29 +123,46 @@ class Plan:
     # -- construction
     @classmethod
     def uniform(cls, *, format: FPFormat | str | None = None, sparsity: float | None = None,
-                rounding: str = "nearest", scale: str = "lognormal",
+                rounding: str | None = None, scale: str | None = None,
                 layers: Sequence[str] | str | None = None, scale_value: float | None = None,
-                threshold_rule: str = "lognormal", block_size: int | None = None,
-                scale_format: str | None = None, source: str | os.PathLike[str] | None = None) -> "Plan":
+                threshold_rule: str | None = None, block_size: int | None = None,
+                scale_format: str | None = None, source: str | os.PathLike[str] | None = None,
+                output_layer: str | bool | None = None) -> "Plan":
         """The same rule on every selected layer.
 
         ``layers``: names or globs (``"re:..."`` for a regex); ``None`` selects every convolution and
-        linear layer (:data:`CONV_LINEAR_TYPES`, the study's choice). The rule goes into the plan's
-        ``defaults``; each entry names layers only.
+        linear layer (:data:`CONV_LINEAR_TYPES`, the study's choice) but the model's output layer.
+        ``output_layer``: ``"auto"`` leaves the model's output layer (the logits: the last
+        ``Linear``) in full precision and unpruned, as the study did; a name leaves that layer;
+        ``False`` plans it like the others; None (default): ``"auto"`` with the default selection,
+        ``False`` when ``layers`` names the layers. The defaults follow what trains: ``rounding`` stochastic for formats of
+        6 bits or fewer (round-to-nearest flushes most small values of a wide layer to zero, a
+        bias SGD does not average away; ``docs/fpanalysis.md``), nearest otherwise; ``scale``
+        ``"amax"`` with stochastic rounding (unbiased to the smallest value; the tensor's maximum
+        lands in the top binade), ``"lognormal"`` with nearest; ``threshold_rule`` the
+        :class:`Rule` default (``"histogram"``). The rule goes into the plan's ``defaults``; each
+        entry names layers only.
 
         Example:
             >>> import torch
             >>> m = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Flatten(),
             ...                         torch.nn.LazyLinear(3))
             >>> plan = Plan.uniform(format="float6_e3m2fn", sparsity=0.85)
-            >>> sorted(plan.resolve(m)), str(plan.defaults.format)
-            (['0', '3'], 'e3m2fn')
+            >>> sorted(plan.resolve(m)), str(plan.defaults.format), plan.defaults.rounding
+            (['0'], 'e3m2fn', 'stochastic')
+            >>> sorted(Plan.uniform(sparsity=0.85, output_layer=False).resolve(m))
+            ['0', '3']
             >>> list(Plan.uniform(layers=["0"]).resolve(m))
             ['0']
         """
-        defaults = Rule(format=format, sparsity=sparsity, rounding=rounding, scale=scale,
-                        scale_value=scale_value, threshold_rule=threshold_rule, block_size=block_size,
-                        scale_format=scale_format)
+        fmt = None if format is None else FPFormat.parse(format)
+        if rounding is None:
+            rounding = "stochastic" if fmt is not None and fmt.bits <= 6 else "nearest"
+        if scale is None:
+            scale = "amax" if (rounding == "stochastic" or block_size is not None) else "lognormal"
+        kw = {} if threshold_rule is None else {"threshold_rule": threshold_rule}
+        defaults = Rule(format=fmt, sparsity=sparsity, rounding=rounding, scale=scale,
+                        scale_value=scale_value, block_size=block_size, scale_format=scale_format, **kw)
         if layers is None:
             entries = [PlanEntry("*", types=CONV_LINEAR_TYPES)]
         else:
@@ -144,10 +171,16 @@ class Plan:
             entries = [PlanEntry(p) for p in layers]
             if not entries:
                 raise ValueError("layers is empty: pass names or globs, or None for every conv and linear layer")
+        if output_layer is None:
+            output_layer = "auto" if layers is None else False
+        if output_layer is False:
+            output_layer = None
+        elif output_layer is True:
+            output_layer = "auto"
         gen = (f"Plan.uniform(format={None if format is None else str(defaults.format)!r}, "
                f"sparsity={sparsity!r}, rounding={rounding!r}, scale={scale!r})")
         prov = Provenance.now(source=None if source is None else os.fspath(source), generator=gen)
-        return cls(entries, defaults, prov)
+        return cls(entries, defaults, prov, output_layer=output_layer)
 
     def with_entries(self, *entries: PlanEntry | Mapping[str, Any]) -> "Plan":
         """A copy with ``entries`` appended (they take precedence over earlier ones of their kind)."""
@@ -179,8 +212,25 @@ class Plan:
         """
         return {name: rule for name, rule, _ in self._resolve(target, strict=strict)}
 
+    def output_layer_of(self, target: Any) -> str | None:
+        """The layer of ``target`` this plan leaves untouched (see ``output_layer``), or None.
+
+        Example:
+            >>> Plan.uniform(sparsity=0.5).output_layer_of({"conv": "Conv2d", "fc": "Linear"})
+            'fc'
+        """
+        if self.output_layer is None:
+            return None
+        if self.output_layer != "auto":
+            return self.output_layer
+        from ..pruning.allocation import output_layer
+
+        return output_layer({n: (t[0] if t else None) for n, t in _modules_of(target)}) \
+            if not isinstance(target, (list, tuple)) else None
+
     def _resolve(self, target: Any, *, strict: bool) -> list[tuple[str, Rule, list[int]]]:
         modules = _modules_of(target)
+        skip = self.output_layer_of(target)
         hits = [0] * len(self.entries)
         exact: dict[str, list[int]] = {}
         patterns: list[int] = []
@@ -194,6 +244,8 @@ class Plan:
                 continue
             for i in idx:
                 hits[i] += 1
+            if name == skip and all(self.entries[i].is_pattern for i in idx):
+                continue            # the output layer: only an entry naming it exactly plans it
             rule = self._complete([self.entries[i] for i in idx],
                                   f"module {name!r} (entries {[self.entries[i].layer for i in idx]})")
             out.append((name, rule, idx))
@@ -241,7 +293,8 @@ class Plan:
                 "provenance": None if self.provenance is None else self.provenance.to_dict(),
                 "defaults": _fields_to_json({k: getattr(self.defaults, k) for k in RULE_FIELDS
                                              if k != "predicted"}),
-                "layers": [e.to_dict() for e in self.entries]}
+                "layers": [e.to_dict() for e in self.entries],
+                **({"output_layer": self.output_layer} if self.output_layer is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Any) -> "Plan":
@@ -257,14 +310,15 @@ class Plan:
         if v > SCHEMA_VERSION:
             raise ValueError(f"plan schema version {v} is newer than this gradstats reads "
                              f"(version {SCHEMA_VERSION}); upgrade gradstats")
-        _check_keys(d, ("schema", "version", "provenance", "defaults", "layers"), "plan")
+        _check_keys(d, ("schema", "version", "provenance", "defaults", "layers", "output_layer"), "plan")
         layers = d.get("layers", [])
         if not isinstance(layers, list):
             raise ValueError(f"plan: 'layers' must be a list of entries, got {type(layers).__name__}")
         prov = d.get("provenance")
         return cls(entries=[PlanEntry.from_dict(e, f"layers[{i}]") for i, e in enumerate(layers)],
                    defaults=_defaults_from_dict(d.get("defaults", {})),
-                   provenance=None if prov is None else Provenance.from_dict(prov))
+                   provenance=None if prov is None else Provenance.from_dict(prov),
+                   output_layer=d.get("output_layer"))
 
     def to_json(self) -> str:
         """The plan document as indented JSON text."""

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Mapping, Sequence
 
-from ..formats import FPFormat
+
+from ..formats import FPFormat, amax_scale as _amax_scale
 from ..pruning import METHODS as _METHODS
 from ..quant import ROUNDINGS as _ROUNDINGS, SCALE_FORMATS as _SCALE_FORMATS
 
@@ -89,19 +90,14 @@ def _format(v: Any, where: str) -> FPFormat | None:
 
 
 def amax_scale(fmt: FPFormat, amax: float) -> float:
-    """The largest power of two ``s`` with ``amax * s <= fmt.max`` (1 when ``amax`` is 0 or not finite).
+    """The largest power of two ``s`` with ``amax * s <= fmt.max`` (1 when ``amax`` is 0 or not finite);
+    :func:`gradstats.formats.amax_scale`.
 
     Example:
         >>> amax_scale(FPFormat.parse("e4m3fn"), 3.0)
         128.0
     """
-    a = float(amax)
-    if not (math.isfinite(a) and a > 0):
-        return 1.0
-    k = math.floor(math.log2(fmt.max / a))
-    if math.ldexp(a, k) > fmt.max:  # guard the rounding of log2
-        k -= 1
-    return math.ldexp(1.0, max(min(k, 127), -126))
+    return _amax_scale(fmt, amax)
 
 
 # --------------------------------------------------------------------------- value classes
@@ -118,6 +114,9 @@ class Prediction:
             lognormal optimum, before the amax floor of :meth:`Rule.scale_for`).
         threshold: the pruning threshold the rule gave at recommendation time.
         amax: the largest ``|g|`` seen in the statistics used.
+        bias: predicted relative magnitude bias ``E[|Q(g)| - |g|] / E|g|`` of the quantisation
+            (negative: shrinkage; :attr:`gradstats.fpanalysis.ErrorResult.bias`).
+        flushed: predicted fraction of the entries a non-zero value of which becomes zero.
 
     Example:
         >>> Prediction(error=1e-3, sigma=2.0).to_dict()
@@ -132,13 +131,16 @@ class Prediction:
     scale: float | None = None
     threshold: float | None = None
     amax: float | None = None
+    bias: float | None = None
+    flushed: float | None = None
 
     def __post_init__(self) -> None:
         w = "predicted"
         for name, lo, hi, lo_open in (("error", 0.0, None, False), ("sparsity", 0.0, 1.0, False),
                                       ("mu", None, None, False), ("sigma", 0.0, None, False),
                                       ("p0", 0.0, 1.0, False), ("scale", 0.0, None, True),
-                                      ("threshold", 0.0, None, False), ("amax", 0.0, None, False)):
+                                      ("threshold", 0.0, None, False), ("amax", 0.0, None, False),
+                                      ("bias", None, None, False), ("flushed", 0.0, 1.0, False)):
             object.__setattr__(self, name, _opt_float(getattr(self, name), name, w, lo=lo, hi=hi,
                                                       lo_open=lo_open))
 
@@ -159,7 +161,7 @@ class Prediction:
             raise _err(where, str(exc).removeprefix("predicted: ")) from None
 
 
-_RULE_NAMES = ("format", "scale", "scale_value", "rounding", "block_size", "scale_format", "sparsity",
+_RULE_NAMES = ("format", "scale", "scale_value", "scale_shift", "rounding", "block_size", "scale_format", "sparsity",
                "threshold_rule", "predicted")
 
 
@@ -175,6 +177,10 @@ class Rule:
             two for the running mu and sigma, :func:`gradstats.fpanalysis.optimal_scale`). The
             gradient is stored as ``quantize(g * s) / s``.
         scale_value: the multiplier of ``scale="fixed"`` (positive); None for the other rules.
+        scale_shift: with ``scale="amax"``, binades of the scale relative to the amax scale
+            (``s = amax_scale * 2**scale_shift``; negative leaves headroom, positive lets the largest
+            values saturate): how a training-aware recommendation states its scale, relative to each
+            step's running maximum, so that what was predicted is what is applied. 0 otherwise.
         rounding: ``"nearest"`` (ties to even), ``"stochastic"`` or ``"toward_zero"``.
         block_size: elements per shared-scale block (MX 32, NVFP4 16) or None (one scale per
             tensor). Block scales come from each block's amax, so it needs ``scale="amax"``.
@@ -182,7 +188,10 @@ class Rule:
             ``"e4m3"`` (NVFP4); None without blocks.
         sparsity: target fraction of zeros in ``[0, 1)`` after stochastic pruning, or None.
         threshold_rule: how the pruning threshold is set from the gradient's statistics:
-            ``"lognormal"``, ``"naive_lognormal"``, ``"normal"``, ``"laplace"`` or ``"exact"``.
+            ``"histogram"`` (the default: model-free, from the histogram of each refresh's
+            statistics; the most accurate sort-free rule on real gradients, see
+            ``docs/pruning.md``), ``"lognormal"`` (the study's closed form),
+            ``"naive_lognormal"``, ``"normal"``, ``"laplace"`` or ``"exact"``.
         predicted: informational :class:`Prediction` (recommendations fill it), or None.
 
     Example:
@@ -196,11 +205,12 @@ class Rule:
     format: FPFormat | None = None
     scale: str = "lognormal"
     scale_value: float | None = None
+    scale_shift: int = 0
     rounding: str = "nearest"
     block_size: int | None = None
     scale_format: str | None = None
     sparsity: float | None = None
-    threshold_rule: str = "lognormal"
+    threshold_rule: str = "histogram"
     predicted: Prediction | None = None
 
     def __post_init__(self) -> None:
@@ -271,7 +281,11 @@ class Rule:
         if self.scale == "amax":
             if amax is None:
                 raise ValueError("scale='amax' needs amax= (the largest |g| of the step)")
-            return amax_scale(self.format, amax)
+            s = amax_scale(self.format, amax)
+            if self.scale_shift:
+                s = math.ldexp(s, self.scale_shift)
+                s = min(max(s, 2.0 ** -127), 2.0 ** 127)    # the range quantize accepts
+            return s
         if mu is None or sigma is None:
             raise ValueError("scale='lognormal' needs mu= and sigma= (mean and std of ln|g|)")
         from .. import fpanalysis
@@ -315,6 +329,10 @@ def _check_fields(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             out[k] = _choice(v, "scale rule", SCALE_RULES, where)
         elif k == "scale_value":
             out[k] = _opt_float(v, "scale_value", where, lo=0.0, lo_open=True)
+        elif k == "scale_shift":
+            if isinstance(v, bool) or not isinstance(v, int) or not -64 <= v <= 64:
+                raise _err(where, f"scale_shift must be an int number of binades in -64..64, got {v!r}")
+            out[k] = v
         elif k == "rounding":
             out[k] = _choice(v, "rounding", ROUNDINGS, where)
         elif k == "block_size":
@@ -343,6 +361,9 @@ def _check_combination(r: Rule, where: str) -> None:
     if r.scale != "fixed" and r.scale_value is not None:
         raise _err(where, f"scale_value is used by scale 'fixed' only; scale {r.scale!r} computes "
                           "its own (remove scale_value, or set scale to 'fixed')")
+    if r.scale_shift != 0 and (r.scale != "amax" or r.block_size is not None):
+        raise _err(where, f"scale_shift {r.scale_shift} shifts the per-tensor amax scale: set scale to "
+                          "'amax' without block_size, or remove scale_shift")
     if r.block_size is not None and r.scale != "amax":
         raise _err(where, f"block_size {r.block_size} takes each block's scale from its amax: set "
                           f"scale to 'amax' (got {r.scale!r})")
@@ -387,8 +408,8 @@ class PlanEntry:
             :func:`gradstats.trace`); narrow them with ``types``.
         types: optional module class names; the entry matches only modules that are instances
             of one of them (any class in the module's MRO; e.g. ``"Linear"`` matches ``LazyLinear``).
-        format, scale, scale_value, rounding, block_size, scale_format, sparsity, threshold_rule,
-            predicted: the fields of :class:`Rule`; those not passed are :data:`INHERIT`.
+        format, scale, scale_value, scale_shift, rounding, block_size, scale_format, sparsity,
+            threshold_rule, predicted: the fields of :class:`Rule`; those not passed are :data:`INHERIT`.
 
     Example:
         >>> e = PlanEntry("layer*.conv*", format="e3m2fn", sparsity=None)
@@ -401,6 +422,7 @@ class PlanEntry:
     format: Any = INHERIT
     scale: Any = INHERIT
     scale_value: Any = INHERIT
+    scale_shift: Any = INHERIT
     rounding: Any = INHERIT
     block_size: Any = INHERIT
     scale_format: Any = INHERIT

@@ -310,6 +310,7 @@ def error_check(run: Any, *, steps: Sequence[int] | None = None, bits: Sequence[
         'e4m3fn'
     """
     import pandas as pd
+    import torch
 
     from ...fpanalysis import measured_error
     from ...recommendation import recommend
@@ -328,13 +329,15 @@ def error_check(run: Any, *, steps: Sequence[int] | None = None, bits: Sequence[
             log.info("no recommendation at step %s: %s", s, exc)
             continue
         for b, plan in plans.items():
+            rules = plan.resolve([e.layer for e in plan.entries])
             for e in plan.entries:
                 x = layer_values(run, e.layer, int(s), "grad")
                 pr = e.predicted
                 if x is None or pr is None or pr.scale is None:
                     continue
-                try:
-                    meas = measured_error(x, e.format, scale=pr.scale)
+                try:   # with the plan's own rounding (the prediction is for it)
+                    meas = measured_error(x, e.format, scale=pr.scale, rounding=rules[e.layer].rounding,
+                                          generator=torch.Generator().manual_seed(0))
                 except ValueError as exc:
                     log.info("no measured error for %s at step %s: %s", e.layer, s, exc)
                     continue
