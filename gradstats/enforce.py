@@ -13,14 +13,24 @@ It also watches for a plan that silently destroys a layer's gradient and warns o
 and kind (logger ``gradstats.enforce``, level WARNING; listed in ``Applied.summary()["alerts"]``):
 achieved sparsity above the target by more than :data:`SPARSITY_MARGIN`, more than
 :data:`UNDERFLOW_BOUND` of the non-zero values flushed to zero by the format, and a gradient
-that is all zeros for :data:`ZERO_CALLS` calls in a row. ``Applied.state_dict()`` and
-``load_state_dict()`` checkpoint everything that decides the next output, so a training resumed
-from a checkpoint repeats the uninterrupted one bit for bit.
+that is all zeros for :data:`ZERO_CALLS` calls in a row. Beside each call's achieved sparsity,
+underflow, saturation (and, when measured, error) it records what the lognormal model predicts
+for them at the running statistics; with ``fallback=`` (opt-in, a :class:`Fallback`) a layer
+whose gradient drifts past a bound has its rule changed a step at a time (stochastic rounding,
+then the next wider format of its family, then full precision), logged and recorded.
+``Applied.state_dict()`` and ``load_state_dict()`` checkpoint everything that decides the next
+output, the changed rules included, so a training resumed from a checkpoint repeats the
+uninterrupted one bit for bit.
+
+The per-layer solvers of a refresh (threshold, predicted sparsity, scale, predictions) run on
+the scalar fast paths of :mod:`gradstats._scalar`, which repeat the vectorised reference solvers
+of :mod:`gradstats.pruning` and :mod:`gradstats.fpanalysis` on Python floats; inputs outside
+their domain go to the reference.
 
 Example:
     >>> import torch, gradstats
     >>> model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    >>> plan = gradstats.Plan.uniform(format="e3m2fn", sparsity=0.8)
+    >>> plan = gradstats.Plan.uniform(format="e3m2fn", sparsity=0.8, layers=["0", "2"])
     >>> with gradstats.apply(model, plan) as applied:
     ...     model(torch.randn(32, 16)).square().mean().backward()
     >>> sorted(applied.to_dataframe()["layer"])
@@ -34,12 +44,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
 
+from . import _scalar
 from .compress import CompressCounts, prune_quantize
-from .stats import SCALAR_FIELDS, tensor_stats_vector, vector_to_stats
+from .formats import FPFormat
+from .stats import HIST_BINS, HIST_MIN_EXP, SCALAR_FIELDS, VECTOR_LEN, tensor_stats_vector, vector_to_stats
 from .wrappers import named_layers, unwrap
 
 log = logging.getLogger(__name__)
@@ -61,11 +74,124 @@ UNDERFLOW_BOUND = 0.5
 ZERO_CALLS = 3
 #: the kinds of alert, in the order ``Applied.summary()`` lists them
 ALERT_KINDS = ("sparsity", "underflow", "zero_gradient")
-#: version of the layout of :meth:`Applied.state_dict`
-STATE_VERSION = 1
-#: the _LayerState fields a state dict carries (``row`` is only read on the refresh that sets it)
+#: version of the layout of :meth:`Applied.state_dict` (version 1, without the predictions and
+#: the fallback state, still loads)
+STATE_VERSION = 2
+#: the _LayerState fields a state dict carries (``hist`` is only read on the refresh that sets it)
 _STATE_FIELDS = ("seq", "mu", "m2", "p0", "amax", "rms", "mean_abs", "threshold",
                  "predicted_sparsity", "scale", "zero_run")
+#: fields added in state dict version 2 (defaults when loading version 1)
+_STATE_FIELDS_V2 = ("predicted_underflow", "predicted_overflow", "predicted_error", "fallback_run")
+#: the actions a :class:`Fallback` can take, in the order of the default ladder
+FALLBACK_ACTIONS = ("stochastic", "widen", "full", "dense")
+#: ``fallback=`` names: shorthands for a :class:`Fallback` with these actions
+FALLBACK_PRESETS = {"widen": ("stochastic", "widen", "full"), "stochastic": ("stochastic",), "full": ("full",)}
+#: the next width of a format's family, where the generic rule (one more exponent and one more
+#: mantissa bit, same special values) does not give the format that hardware has
+_WIDER = {"e2m3fn": "e4m3fn"}
+
+
+def widen(fmt: FPFormat) -> Optional[FPFormat]:
+    """The next wider format of ``fmt``'s family, up to 8 bits (None at 8 bits and above): one
+    more exponent and one more mantissa bit with the same special values (``e2m1fn -> e3m2fn ->
+    e4m3fn``, ``e3m2 -> e4m3``), and ``e2m3fn -> e4m3fn`` (the OCP FP6 formats both widen to the
+    FP8 format with the range gradients need).
+
+    Example:
+        >>> str(widen(FPFormat.parse("e3m2fn"))), widen(FPFormat.parse("e4m3fn"))
+        ('e4m3fn', None)
+    """
+    if fmt.bits >= 8 or not fmt.signed:
+        return None
+    name = str(fmt)
+    if name in _WIDER:
+        return FPFormat.parse(_WIDER[name])
+    try:
+        return FPFormat(fmt.exp_bits + 1, fmt.man_bits + 1, special=fmt.special, subnormals=fmt.subnormals)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """When and how :func:`apply` changes a layer's rule whose gradient drifts from what its rule
+    should give (opt-in: ``apply(..., fallback=Fallback(...))``, or a name of
+    :data:`FALLBACK_PRESETS`).
+
+    A call *drifts* when one of the bounds is exceeded (None switches a bound off):
+
+    Attributes:
+        underflow: more than this fraction of the non-zero values that reach the rounding are
+            flushed to zero by the format (the systematic shrinkage that training feels; the
+            lognormal model's prediction is recorded beside it).
+        saturation: more than this fraction of them saturate at the format's max.
+        sparsity: the achieved sparsity exceeds the predicted one (the threshold model at the
+            running statistics, or the zeros the gradient arrived with, if more) by more than
+            this, beyond sampling noise (``1.5 / sqrt(n)``).
+        error: the relative error of the layer's output, ``|out - g|^2 / |g|^2``, exceeds this
+            many times the predicted one (pruning and rounding together, the lognormal model at
+            the running statistics, threshold and scale). Measuring it is one more pass over
+            the gradient per call, so it is off (None) unless set.
+        patience: act after this many drifting calls in a row.
+        actions: the ladder, each used at most once, in order: ``"stochastic"`` (rounding to
+            stochastic: unbiased, also in the subnormal range), ``"widen"`` (the next wider
+            format of the family, :func:`widen`: ``e3m2fn -> e4m3fn``; repeat it to widen
+            twice), ``"full"`` (no quantisation), ``"dense"`` (no pruning). The format actions
+            answer drift that involves the format (underflow, saturation, an excess of zeros
+            that the flushing accounts for, the error of a quantising rule); ``"dense"`` answers
+            an excess of zeros that it does not (the threshold model misses the layer). Actions
+            that would not change the rule (stochastic rounding already, no wider format) are
+            passed over.
+
+    Each change is logged (logger ``gradstats.enforce``, WARNING), listed in
+    ``Applied.fallbacks`` and ``summary()["fallbacks"]``, marked in the call's record
+    (``fallback`` column), logged to the tracer's run as the table ``"applied_fallbacks"``
+    with ``log_to=``, and kept in ``Applied.state_dict()``. The new rule's scale is set from the
+    running statistics at once; it takes effect from the layer's next gradient.
+
+    Example:
+        >>> Fallback().actions, Fallback(underflow=0.2, actions=["widen"]).actions
+        (('stochastic', 'widen', 'full'), ('widen',))
+    """
+
+    underflow: Optional[float] = 0.5
+    saturation: Optional[float] = 0.01
+    sparsity: Optional[float] = 0.05
+    error: Optional[float] = None
+    patience: int = 2
+    actions: tuple[str, ...] = FALLBACK_PRESETS["widen"]
+
+    def __post_init__(self) -> None:
+        for k in ("underflow", "saturation", "sparsity"):
+            v = getattr(self, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0):
+                raise ValueError(f"Fallback {k} must be None (no bound) or a fraction in [0, 1), got {v!r}")
+        if self.error is not None and (isinstance(self.error, bool) or not isinstance(self.error, (int, float))
+                                       or not self.error > 1.0):
+            raise ValueError(f"Fallback error must be None (not measured) or a factor above 1 (achieved over "
+                             f"predicted relative error), got {self.error!r}")
+        if not isinstance(self.patience, int) or isinstance(self.patience, bool) or self.patience < 1:
+            raise ValueError(f"Fallback patience must be a positive int (drifting calls in a row), got "
+                             f"{self.patience!r}")
+        acts = (self.actions,) if isinstance(self.actions, str) else self.actions
+        if not isinstance(acts, (list, tuple)) or not acts or any(a not in FALLBACK_ACTIONS for a in acts):
+            raise ValueError(f"Fallback actions must be a non-empty list of {list(FALLBACK_ACTIONS)}, got "
+                             f"{self.actions!r}")
+        object.__setattr__(self, "actions", tuple(acts))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (the actions as a list)."""
+        return {"underflow": self.underflow, "saturation": self.saturation, "sparsity": self.sparsity,
+                "error": self.error, "patience": self.patience, "actions": list(self.actions)}
+
+
+def _as_fallback(fallback: Any) -> Optional[Fallback]:
+    if fallback is None or isinstance(fallback, Fallback):
+        return fallback
+    if isinstance(fallback, str) and fallback in FALLBACK_PRESETS:
+        return Fallback(actions=FALLBACK_PRESETS[fallback])
+    raise ValueError(f"fallback must be None (off), a gradstats.enforce.Fallback or one of "
+                     f"{sorted(FALLBACK_PRESETS)}, got {fallback!r}")
 
 
 @dataclass
@@ -81,14 +207,56 @@ class _LayerState:
     mean_abs: float = math.nan      # running E|g| (Laplace-model thresholds)
     threshold: float = 0.0
     predicted_sparsity: float = math.nan
-    row: Optional[dict] = None      # the latest statistics row (threshold_rule="histogram")
+    hist: Optional[_scalar.Histogram] = None   # the latest refresh's histogram (threshold_rule="histogram")
     scale: float = 1.0
     zero_run: int = 0               # consecutive calls whose output was all zeros
     alerts: dict[str, str] = field(default_factory=dict)   # kind -> message of each alert fired
+    predicted_underflow: float = math.nan   # the lognormal model's fractions of the entries
+    predicted_overflow: float = math.nan    # flushed and saturated, and the relative error
+    predicted_error: float = math.nan       # of the output, at the running statistics
+    fallback_run: int = 0           # consecutive drifting calls
+    fallback_done: list[int] = field(default_factory=list)   # indices of the Fallback actions taken
 
     @property
     def sigma(self) -> float:
         return math.sqrt(max(self.m2 - self.mu * self.mu, 0.0))
+
+
+def _stats_vector(g: torch.Tensor, full: bool) -> torch.Tensor:
+    """:func:`gradstats.stats.tensor_stats_vector` of ``g`` (``full``: with the binade counts and
+    the top magnitudes, which the histogram rule reads): on the CPU the C kernel writes into the
+    vector directly."""
+    from .stats import TOP_K, _native_kernel, kernel_applies
+
+    x = g.detach()
+    if x.dtype != torch.float32:
+        x = x.float()
+    x = x.reshape(-1)
+    x = x.contiguous() if x.is_cpu else x
+    if not kernel_applies(x):
+        return tensor_stats_vector(x, full=full)
+    out = torch.full((VECTOR_LEN,), math.nan, dtype=torch.float64)
+    addr, k = out.data_ptr(), len(SCALAR_FIELDS)
+    if full:
+        _native_kernel()(x.data_ptr(), x.numel(), addr, addr + 8 * k, addr + 8 * (k + HIST_BINS), TOP_K,
+                         torch.get_num_threads())
+    else:
+        _native_kernel()(x.data_ptr(), x.numel(), addr, None, None, 0, torch.get_num_threads())
+    return out
+
+
+def _histogram(v: torch.Tensor) -> _scalar.Histogram:
+    """The histogram rule's distribution of a statistics vector: :meth:`LogHistogram.from_stats`
+    of its row, in floats (the binade counts, the top magnitudes as atoms, the data's range)."""
+    k = len(SCALAR_FIELDS)
+    a = v.cpu().numpy()
+    h = a[k: k + HIST_BINS]
+    nz = np.flatnonzero(h > 0)
+    i = int(nz[0]) if nz.size else 0
+    j = int(nz[-1]) + 1 if nz.size else 0
+    return _scalar.Histogram.from_stats(h[i:j].tolist(), HIST_MIN_EXP + i, int(a[_F["n"]]), int(a[_F["n_zero"]]),
+                                        a[k + HIST_BINS:].astype(np.float32).tolist(), float(a[_F["min_abs"]]),
+                                        float(a[_F["max_abs"]]))
 
 
 def _stats_update(st: _LayerState, v: torch.Tensor, ema: Optional[float]) -> None:
@@ -110,15 +278,96 @@ def _stats_update(st: _LayerState, v: torch.Tensor, ema: Optional[float]) -> Non
             setattr(st, k, ema * old + (1 - ema) * val)
 
 
+def _fast(fast: Callable[[], Any], reference: Callable[[], Any]) -> Any:
+    """``fast()``, or ``reference()`` where the fast path declines (inputs outside its domain, or
+    arithmetic it does not repeat): the reference then computes the value or raises its error."""
+    try:
+        out = fast()
+    except (ArithmeticError, ValueError):
+        return reference()
+    return reference() if out is None else out
+
+
+def _scale_for(rule: Any, st: _LayerState) -> float:
+    """:meth:`Rule.scale_for` at the running statistics; the lognormal search on the fast path.
+
+    The rounding sees the pruned gradient, whose largest magnitude is the threshold when that
+    lies above the running ``amax`` (the values below it are rounded up to it): the ``amax``
+    scale and the lognormal scale's ``amax`` floor take the larger of the two, so that pruning
+    does not push every value it keeps into saturation."""
+    sigma = max(st.sigma, 1e-6)
+    amax = st.amax
+    if rule.prunes and math.isfinite(st.threshold) and st.threshold > amax:
+        amax = st.threshold
+    if rule.scale == "lognormal":
+        return _fast(lambda: _scalar.lognormal_scale(rule.format, rule.rounding, st.mu, sigma, amax),
+                     lambda: rule.scale_for(mu=st.mu, sigma=sigma, amax=amax))
+    return rule.scale_for(mu=st.mu, sigma=sigma, amax=amax)
+
+
+def _predict(rule: Any, st: _LayerState, numel: int) -> None:
+    """The lognormal model's fractions flushed and saturated and the output's relative error at
+    the running statistics, threshold and scale, conditioned on the running ``amax`` for a tensor
+    of ``numel`` entries (NaN where it has none: block scales, no statistics yet)."""
+    st.predicted_underflow = st.predicted_overflow = st.predicted_error = math.nan
+    if math.isnan(st.mu) or (rule.quantizes and rule.block_size is not None):
+        return
+    a = st.threshold if rule.prunes else 0.0
+    if not math.isfinite(a):
+        return
+    try:
+        st.predicted_underflow, st.predicted_overflow, st.predicted_error = _scalar.predict(
+            rule.format, rule.rounding, st.mu, max(st.sigma, 1e-6), min(st.p0, 1 - 1e-9), a,
+            st.scale if rule.quantizes else 1.0, st.amax if st.amax > 0 and math.isfinite(st.amax) else None,
+            numel)
+    except (ArithmeticError, ValueError):
+        pass
+
+
+def _relative_error(out: torch.Tensor, g: torch.Tensor) -> float:
+    """``|out - g|^2 / |g|^2`` (NaN for a zero gradient)."""
+    x = g.detach().reshape(-1).float()
+    d = out.reshape(-1).float() - x
+    den = float(torch.dot(x, x))
+    return float(torch.dot(d, d)) / den if den > 0 else math.nan
+
+
+def _rule_text(rule: Any) -> str:
+    parts = [f"format {rule.format}, {rule.rounding} rounding" if rule.quantizes else "full precision"]
+    parts.append(f"sparsity {rule.sparsity:g}" if rule.prunes else "no pruning")
+    return "; ".join(parts)
+
+
+def _fallback_rule(action: str, rule: Any, kinds: set[str]) -> Any:
+    """The rule after ``action``, or None where it does not apply (to the rule, or to drift of
+    these ``kinds``: ``"format"`` and/or ``"pruning"``)."""
+    if action == "dense":
+        return rule.replace(sparsity=None) if "pruning" in kinds and rule.prunes else None
+    if "format" not in kinds or not rule.quantizes:
+        return None
+    if action == "stochastic":
+        return rule.replace(rounding="stochastic") if rule.rounding != "stochastic" else None
+    if action == "widen":
+        wider = widen(rule.format)
+        return rule.replace(format=wider) if wider is not None else None
+    return rule.replace(format=None, block_size=None, scale_format=None)      # "full"
+
+
 class Applied:
     """The handle :func:`apply` returns: removes the hooks (``.remove()``, or use it as a
     context manager) and holds what was done (``.history``, ``.to_dataframe()``,
     ``.summary()``, ``.alerts``); ``state_dict()`` / ``load_state_dict()`` checkpoint it.
 
     Each record: ``layer``, ``seq`` (the layer's gradient count), ``n``, ``format``,
-    ``scale``, ``target_sparsity``, ``threshold``, ``predicted_sparsity`` (the threshold
-    rule's model at the running statistics), ``achieved_sparsity``, ``pruned_fraction``,
-    ``underflow_fraction``, ``overflow_fraction``, ``mu``, ``sigma``, ``p0``, ``amax``.
+    ``rounding``, ``scale``, ``target_sparsity``, ``threshold``, ``predicted_sparsity`` (the
+    threshold rule's model at the running statistics), ``achieved_sparsity``,
+    ``pruned_fraction``, ``underflow_fraction`` and ``predicted_underflow`` (fractions of the
+    entries flushed to zero by the rounding), ``overflow_fraction`` and ``predicted_overflow``
+    (saturated), ``error`` (``|out - g|^2 / |g|^2``, measured only for a :class:`Fallback` with
+    an ``error`` bound; NaN otherwise) and ``predicted_error``, ``fallback`` (the action this
+    call triggered, or ``""``), ``mu``, ``sigma``, ``p0``, ``amax``. The predictions are the
+    lognormal model's (:func:`gradstats._scalar.predict`) at the running statistics, threshold
+    and scale.
     """
 
     def __init__(self, model: nn.Module, plan: Any, *, refresh_every: int = 1,
@@ -126,7 +375,8 @@ class Applied:
                  sync_stats: bool = False, record: bool = True,
                  sparsity_margin: Optional[float] = SPARSITY_MARGIN,
                  underflow_bound: Optional[float] = UNDERFLOW_BOUND,
-                 zero_calls: Optional[int] = ZERO_CALLS) -> None:
+                 zero_calls: Optional[int] = ZERO_CALLS,
+                 fallback: Union[Fallback, str, None] = None) -> None:
         from .plan import Plan
 
         if not isinstance(model, nn.Module):
@@ -150,9 +400,14 @@ class Applied:
         if zero_calls is not None and (not isinstance(zero_calls, int) or isinstance(zero_calls, bool)
                                        or zero_calls < 1):
             raise ValueError(f"zero_calls must be None (no check) or a positive int, got {zero_calls!r}")
+        fallback = _as_fallback(fallback)
         root = unwrap(model)            # DDP, DataParallel, FSDP, torch.compile: the user's names
         self.plan = plan
         self.rules = {n: r for n, r in plan.resolve(root).items() if not r.is_identity}
+        self.plan_rules = dict(self.rules)      # as planned (self.rules: in force, after any fallback)
+        self.fallback = fallback
+        #: every rule change a fallback made: dicts of layer, seq, action, reason, from and to rule
+        self.fallbacks: list[dict[str, Any]] = []
         self.refresh_every = refresh_every
         self.ema = ema
         self.log_to = log_to
@@ -196,64 +451,100 @@ class Applied:
         from . import pruning
 
         rule, st = self.rules[name], self.state[name]
+        hist_rule = rule.prunes and rule.threshold_rule == "histogram"
         need_stats = refresh or (rule.quantizes and rule.scale == "amax" and rule.block_size is None)
+        v = None
         if need_stats:   # the histogram rule reads the binade counts; the others the moments alone
-            v = tensor_stats_vector(g, full=rule.prunes and rule.threshold_rule == "histogram")
+            v = _stats_vector(g, full=refresh and hist_rule)
             if self.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
                 v = _all_reduce_stats(v)
             _stats_update(st, v, self.ema)
-            if refresh and rule.prunes and rule.threshold_rule == "histogram":
-                st.row = vector_to_stats(v)
+            if refresh and hist_rule:
+                st.hist = _fast(lambda: _histogram(v), lambda: None)
         if refresh and rule.prunes and not math.isnan(st.mu):
             if rule.threshold_rule == "exact":
                 st.threshold = float(pruning.exact_threshold(g, rule.sparsity, stochastic=True))
                 st.predicted_sparsity = rule.sparsity
             elif rule.threshold_rule == "histogram":     # model-free, from the binade histogram
-                st.threshold = float(pruning.threshold(rule.sparsity, st.row, model="histogram"))
-                st.predicted_sparsity = float(pruning.expected_sparsity(st.threshold, st.row, model="histogram"))
+                h = st.hist
+                st.threshold = _fast(lambda: h.threshold(rule.sparsity), lambda: float(
+                    pruning.threshold(rule.sparsity, vector_to_stats(v), model="histogram")))
+                st.predicted_sparsity = _fast(lambda: h.expected_sparsity(st.threshold), lambda: float(
+                    pruning.expected_sparsity(st.threshold, vector_to_stats(v), model="histogram")))
             else:
-                kw = {"mu": st.mu, "sigma": max(st.sigma, 1e-6), "p0": min(st.p0, 1 - 1e-9)}
-                if rule.threshold_rule == "normal":
-                    kw = {"scale": st.rms, "p0": kw["p0"]}
-                elif rule.threshold_rule == "laplace":
-                    kw = {"scale": st.mean_abs, "p0": kw["p0"]}
-                # conditioned on the running maximum and mean |g|: no threshold above the data
-                cond = ({"amax": st.amax, "mean_abs": st.mean_abs}
-                        if st.amax > 0 and math.isfinite(st.amax) and st.mean_abs <= st.amax else {})
-                st.threshold = float(pruning.threshold(rule.sparsity, model=rule.threshold_rule, **kw, **cond))
-                model = "lognormal" if rule.threshold_rule == "naive_lognormal" else rule.threshold_rule
-                if cond and st.threshold >= st.amax:   # every entry below: exact on the tensor
-                    st.predicted_sparsity = 1.0 - st.mean_abs / st.threshold
-                elif st.threshold > 0 and model == rule.threshold_rule:
-                    st.predicted_sparsity = rule.sparsity  # the threshold solves the model for it (1e-9)
-                else:
-                    st.predicted_sparsity = float(pruning.expected_sparsity(st.threshold, model=model, **kw))
+                self._model_threshold(rule, st)
         if rule.quantizes and rule.block_size is None and not math.isnan(st.mu):
             if rule.scale == "amax" or (refresh and rule.scale == "lognormal") or rule.scale == "fixed":
-                st.scale = rule.scale_for(mu=st.mu, sigma=max(st.sigma, 1e-6), amax=st.amax)
+                old = st.scale
+                st.scale = _scale_for(rule, st)
+                if (self.record or self.fallback is not None) and not refresh and st.scale != old:
+                    _predict(rule, st, g.numel())
+        if refresh and (self.record or self.fallback is not None):
+            _predict(rule, st, g.numel())
+
+    @staticmethod
+    def _model_threshold(rule: Any, st: _LayerState) -> None:
+        """Threshold and predicted sparsity of the model rules (lognormal, naive_lognormal,
+        normal, laplace), on the scalar fast path (the reference for inputs outside it)."""
+        from . import pruning
+
+        kw = {"mu": st.mu, "sigma": max(st.sigma, 1e-6), "p0": min(st.p0, 1 - 1e-9)}
+        if rule.threshold_rule == "normal":
+            kw = {"scale": st.rms, "p0": kw["p0"]}
+        elif rule.threshold_rule == "laplace":
+            kw = {"scale": st.mean_abs, "p0": kw["p0"]}
+        # conditioned on the running maximum and mean |g|: no threshold above the data
+        cond = ({"amax": st.amax, "mean_abs": st.mean_abs}
+                if st.amax > 0 and math.isfinite(st.amax) and st.mean_abs <= st.amax else {})
+        st.threshold = _fast(
+            lambda: _scalar.threshold(rule.sparsity, rule.threshold_rule, **kw, **cond),
+            lambda: float(pruning.threshold(rule.sparsity, model=rule.threshold_rule, **kw, **cond)))
+        model = "lognormal" if rule.threshold_rule == "naive_lognormal" else rule.threshold_rule
+        if cond and st.threshold >= st.amax:   # every entry below: exact on the tensor
+            st.predicted_sparsity = 1.0 - st.mean_abs / st.threshold
+        elif st.threshold > 0 and model == rule.threshold_rule:
+            st.predicted_sparsity = rule.sparsity  # the threshold solves the model for it (1e-9)
+        else:
+            st.predicted_sparsity = _fast(
+                lambda: _scalar.expected_sparsity(st.threshold, model, **kw),
+                lambda: float(pruning.expected_sparsity(st.threshold, model=model, **kw)))
 
     @torch.compiler.disable
     def _compress(self, name: str, g: torch.Tensor) -> torch.Tensor:
         rule, st = self.rules[name], self.state[name]
         refresh = st.seq % self.refresh_every == 0
+        err = math.nan
         with torch.no_grad():
             self._refresh(name, g, refresh)
             out, counts = prune_quantize(
                 g, st.threshold if rule.prunes else 0.0, rule.format, scale=st.scale,
                 rounding=rule.rounding, generator=self.generator, block_size=rule.block_size)
+            if self.fallback is not None and self.fallback.error is not None and counts.n:
+                err = _relative_error(out, g)
         if counts.n:
             self._check(name, st, counts)
-        if self.record:
+        rec = None
+        if self.record:       # before a fallback changes the rule (and its scale and predictions)
             n = max(counts.n, 1)
+            q = rule.quantizes
             rec = {"layer": name, "seq": st.seq, "n": counts.n,
-                   "format": None if rule.format is None else str(rule.format),
-                   "scale": st.scale if rule.quantizes and rule.block_size is None else math.nan,
+                   "format": None if rule.format is None else str(rule.format), "rounding": rule.rounding,
+                   "scale": st.scale if q and rule.block_size is None else math.nan,
                    "target_sparsity": rule.sparsity if rule.prunes else math.nan,
                    "threshold": st.threshold if rule.prunes else math.nan,
                    "predicted_sparsity": st.predicted_sparsity if rule.prunes else math.nan,
                    "achieved_sparsity": counts.zeros / n, "pruned_fraction": counts.pruned / n,
-                   "underflow_fraction": counts.underflow / n, "overflow_fraction": counts.saturated / n,
+                   "underflow_fraction": counts.underflow / n,
+                   "predicted_underflow": st.predicted_underflow if q else 0.0,
+                   "overflow_fraction": counts.saturated / n,
+                   "predicted_overflow": st.predicted_overflow if q else 0.0,
+                   "error": err, "predicted_error": st.predicted_error, "fallback": "",
                    "mu": st.mu, "sigma": st.sigma, "p0": st.p0, "amax": st.amax}
+        if self.fallback is not None and counts.n:
+            action = self._drift(name, st, counts, err)
+            if rec is not None:
+                rec["fallback"] = action
+        if rec is not None:
             self.history.append(rec)
             if self.log_to is not None:
                 self.log_to.log_rows("applied", [rec])
@@ -298,6 +589,70 @@ class Applied:
         st.alerts[kind] = msg
         log.warning("gradstats.apply: layer %r: %s", name, msg)
 
+    def _drift(self, name: str, st: _LayerState, c: CompressCounts, err: float) -> str:
+        """Compare the call with its bounds; after ``patience`` drifting calls in a row, change the
+        layer's rule by the next applicable action. Returns the action taken, or ``""``."""
+        fb, rule = self.fallback, self.rules[name]
+        n = c.n
+        reasons: list[tuple[str, str]] = []               # (what it involves, text)
+        reaching = n - c.zeros + c.underflow               # non-zero entries that reached the rounding
+        if rule.quantizes and reaching > 0:
+            if fb.underflow is not None and c.underflow > fb.underflow * reaching:
+                reasons.append(("format", f"{c.underflow / reaching:.1%} of the non-zero values reaching the "
+                                          f"rounding flushed to zero (bound {fb.underflow:g}; {c.underflow / n:.1%} "
+                                          f"of the entries, predicted {st.predicted_underflow:.1%})"))
+            if fb.saturation is not None and c.saturated > fb.saturation * reaching:
+                reasons.append(("format", f"{c.saturated / reaching:.1%} of them saturated (bound {fb.saturation:g}; "
+                                          f"{c.saturated / n:.2%} of the entries, predicted "
+                                          f"{st.predicted_overflow:.2%})"))
+        if rule.prunes and fb.sparsity is not None and math.isfinite(st.predicted_sparsity):
+            floor = max(st.predicted_sparsity, (c.zeros - c.pruned - c.underflow) / n)
+            excess = c.zeros / n - floor
+            if excess > fb.sparsity + 1.5 / math.sqrt(n):
+                kind = "format" if rule.quantizes and 2 * c.underflow >= excess * n else "pruning"
+                reasons.append((kind, f"achieved sparsity {c.zeros / n:.3f} above the predicted "
+                                      f"{floor:.3f} by {excess:.3f} (bound {fb.sparsity:g})"))
+        if (fb.error is not None and math.isfinite(err) and math.isfinite(st.predicted_error)
+                and err > fb.error * st.predicted_error):
+            reasons.append(("format" if rule.quantizes else "pruning",
+                            f"relative error {err:.3g}, {err / max(st.predicted_error, 1e-300):.3g} times the "
+                            f"predicted {st.predicted_error:.3g} (bound {fb.error:g}x)"))
+        if not reasons:
+            st.fallback_run = 0
+            return ""
+        st.fallback_run += 1
+        if st.fallback_run < fb.patience:
+            return ""
+        kinds = {k for k, _ in reasons}
+        for i, action in enumerate(fb.actions):
+            if i in st.fallback_done:
+                continue
+            new = _fallback_rule(action, rule, kinds)
+            if new is not None:
+                break
+        else:
+            return ""                                      # the ladder is used up for this drift
+        st.fallback_done.append(i)
+        st.fallback_run = 0
+        self.rules[name] = new
+        if new.quantizes and new.block_size is None and not math.isnan(st.mu):
+            st.scale = _scale_for(new, st)
+        elif not new.quantizes:
+            st.scale = 1.0
+        _predict(new, st, n)
+        reason = "; ".join(t for _, t in reasons)
+        row = {"layer": name, "seq": st.seq, "action": action, "reason": reason,
+               "from_format": None if rule.format is None else str(rule.format), "from_rounding": rule.rounding,
+               "from_sparsity": rule.sparsity if rule.prunes else None,
+               "to_format": None if new.format is None else str(new.format), "to_rounding": new.rounding,
+               "to_sparsity": new.sparsity if new.prunes else None}
+        self.fallbacks.append(row)
+        log.warning("gradstats.apply: layer %r: fallback %r at call %d after %d drifting call(s): %s. Was %s; "
+                    "now %s", name, action, st.seq, fb.patience, reason, _rule_text(rule), _rule_text(new))
+        if self.log_to is not None:
+            self.log_to.log_rows("applied_fallbacks", [row])
+        return action
+
     @property
     def alerts(self) -> dict[str, dict[str, str]]:
         """Per layer that raised any: ``{kind: message}`` of the alerts fired (each at most once;
@@ -308,7 +663,9 @@ class Applied:
     def state_dict(self) -> dict[str, Any]:
         """Everything that decides the next output, as plain data (tensors, numbers, strings,
         lists, dicts: ``torch.load(..., weights_only=True)`` reads it back): per layer the call
-        counter, running statistics, threshold, scale and alert state, and the random generator
+        counter, running statistics, threshold, scale, predictions, alert state, the fallback
+        state and the rule in force (changed by a fallback, it replaces the plan's rule when
+        loaded), the fallbacks taken, and the random generator
         (every random draw of apply, on any device, comes from this one CPU generator). Saved
         beside the model's and optimizer's state dicts, a resumed training repeats the
         uninterrupted one bit for bit. The per-call records (``history``) are not included:
@@ -318,7 +675,7 @@ class Applied:
         Example:
             >>> import torch, gradstats
             >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8))
-            >>> plan = gradstats.Plan.uniform(format="e4m3fn", sparsity=0.5, rounding="stochastic")
+            >>> plan = gradstats.Plan.uniform(format="e4m3fn", sparsity=0.5, rounding="stochastic", layers=["0"])
             >>> a = gradstats.apply(model, plan)
             >>> model(torch.randn(4, 8)).sum().backward()
             >>> b = gradstats.apply(torch.nn.Sequential(torch.nn.Linear(8, 8)), plan)
@@ -330,8 +687,11 @@ class Applied:
             "generator": self.generator.get_state(),
             "refresh_every": self.refresh_every,
             "ema": self.ema,
-            "layers": {n: {**{k: getattr(st, k) for k in _STATE_FIELDS},
-                           "alerts": dict(st.alerts)} for n, st in self.state.items()},
+            "fallback": None if self.fallback is None else self.fallback.to_dict(),
+            "fallbacks": [dict(r) for r in self.fallbacks],
+            "layers": {n: {**{k: getattr(st, k) for k in _STATE_FIELDS + _STATE_FIELDS_V2},
+                           "alerts": dict(st.alerts), "fallback_done": list(st.fallback_done),
+                           "rule": self.rules[n].to_dict()} for n, st in self.state.items()},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -345,9 +705,9 @@ class Applied:
             raise ValueError("load_state_dict expects what Applied.state_dict() returned (a dict with "
                              f"'layers' and 'generator'), got {type(sd).__name__}"
                              + (f" with keys {sorted(sd)}" if isinstance(sd, dict) else ""))
-        if sd.get("version") != STATE_VERSION:
+        if sd.get("version") not in (1, STATE_VERSION):
             raise ValueError(f"state dict version {sd.get('version')!r} is not {STATE_VERSION}, the one this "
-                             "gradstats writes and reads")
+                             "gradstats writes (or 1, which it reads)")
         layers = sd["layers"]
         missing = [n for n in self.state if n not in layers]
         extra = [n for n in layers if n not in self.state]
@@ -355,25 +715,38 @@ class Applied:
             raise ValueError(f"the state dict is of other layers than this handle's plan: layers of the plan "
                              f"missing from it: {missing}; layers in it the plan does not enforce on this "
                              f"model: {extra}. Load it into apply() of the plan and model it was saved from")
-        for k in ("refresh_every", "ema"):
-            if sd.get(k) != getattr(self, k):
+        mine = {"refresh_every": self.refresh_every, "ema": self.ema,
+                "fallback": None if self.fallback is None else self.fallback.to_dict()}
+        for k, v in mine.items():
+            if (k in sd or k != "fallback") and sd.get(k) != v:
                 log.warning("gradstats.apply: the state dict was saved with %s=%r, this handle uses %r: the "
-                            "resumed training will not repeat the saved one", k, sd.get(k), getattr(self, k))
+                            "resumed training will not repeat the saved one", k, sd.get(k), v)
         gen = sd["generator"]
         if not isinstance(gen, torch.Tensor) or gen.dtype != torch.uint8:
             raise ValueError(f"state dict 'generator' must be a torch.uint8 tensor (Generator.get_state()), "
                              f"got {type(gen).__name__}")
-        states = {}
+        from .plan import Rule
+
+        states, rules = {}, dict(self.plan_rules)
         for n, d in layers.items():
             bad = [k for k in _STATE_FIELDS if k not in d]
             if bad:
                 raise ValueError(f"state dict entry of layer {n!r} lacks {bad}")
-            st = _LayerState(**{k: d[k] for k in _STATE_FIELDS})
-            st.seq, st.zero_run = int(st.seq), int(st.zero_run)
+            st = _LayerState(**{k: d[k] for k in _STATE_FIELDS}, **{k: d[k] for k in _STATE_FIELDS_V2 if k in d})
+            st.seq, st.zero_run, st.fallback_run = int(st.seq), int(st.zero_run), int(st.fallback_run)
             st.alerts = {str(k): str(v) for k, v in d.get("alerts", {}).items()}
+            st.fallback_done = [int(i) for i in d.get("fallback_done", [])]
+            if st.fallback_done:                 # a fallback changed this layer's rule: continue with it
+                try:
+                    rules[n] = Rule(**d["rule"])
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise ValueError(f"state dict entry of layer {n!r}: its rule (changed by a fallback) "
+                                     f"does not load: {exc}") from None
             states[n] = st
         self.generator.set_state(gen.clone())
         self.state = states
+        self.rules = rules
+        self.fallbacks = [dict(r) for r in sd.get("fallbacks", [])]
 
     # -- results
     def to_dataframe(self) -> pd.DataFrame:
@@ -381,9 +754,14 @@ class Applied:
         return pd.DataFrame(self.history)
 
     def summary(self) -> pd.DataFrame:
-        """Per layer: calls, format, mean target, predicted and achieved sparsity, mean
-        underflow and overflow fractions, last mu and sigma (of ln|g|), and ``alerts``: the
-        kinds of alert that fired for the layer (``"sparsity, underflow"``; ``""`` if none)."""
+        """Per layer: calls, format (the last call's), mean target, predicted and achieved
+        sparsity, mean underflow and overflow fractions, last mu and sigma (of ln|g|), and
+        ``alerts``: the kinds of alert that fired for the layer (``"sparsity, underflow"``; ``""``
+        if none); then predicted against achieved: the mean ``predicted_underflow``,
+        ``predicted_overflow``, ``error`` (where measured) and ``predicted_error``, the plan's own
+        ``plan_sparsity`` and ``plan_error`` (its :class:`~gradstats.plan.Prediction`, where the
+        plan carries one; NaN otherwise), the rule in force (``rounding``) and ``fallbacks``: the
+        actions a fallback took (``"stochastic, widen"``; ``""`` if none)."""
         df = self.to_dataframe()
         if df.empty:
             return df
@@ -391,16 +769,24 @@ class Applied:
             calls=("seq", "size"), format=("format", "last"), target_sparsity=("target_sparsity", "mean"),
             predicted_sparsity=("predicted_sparsity", "mean"), achieved_sparsity=("achieved_sparsity", "mean"),
             underflow_fraction=("underflow_fraction", "mean"), overflow_fraction=("overflow_fraction", "mean"),
-            mu=("mu", "last"), sigma=("sigma", "last"))
+            mu=("mu", "last"), sigma=("sigma", "last"),
+            predicted_underflow=("predicted_underflow", "mean"), predicted_overflow=("predicted_overflow", "mean"),
+            error=("error", "mean"), predicted_error=("predicted_error", "mean"), rounding=("rounding", "last"))
         order = [n for n in self.rules if n in agg.index]            # model order
         out = agg.loc[order].reset_index()
-        out["alerts"] = [", ".join(k for k in ALERT_KINDS if k in self.state[n].alerts) for n in order]
+        alerts = [", ".join(k for k in ALERT_KINDS if k in self.state[n].alerts) for n in order]
+        out.insert(out.columns.get_loc("sigma") + 1, "alerts", alerts)
+        pred = [self.plan_rules[n].predicted for n in order]
+        out["plan_sparsity"] = [math.nan if p is None or p.sparsity is None else p.sparsity for p in pred]
+        out["plan_error"] = [math.nan if p is None or p.error is None else p.error for p in pred]
+        out["fallbacks"] = [", ".join(r["action"] for r in self.fallbacks if r["layer"] == n) for n in order]
         return out
 
     def to_dict(self) -> dict[str, Any]:
         """The plan, the settings and the per-layer summary as plain data."""
         return {"plan": self.plan.to_dict(), "refresh_every": self.refresh_every, "ema": self.ema,
-                "summary": self.summary().to_dict("records")}
+                "fallback": None if self.fallback is None else self.fallback.to_dict(),
+                "fallbacks": [dict(r) for r in self.fallbacks], "summary": self.summary().to_dict("records")}
 
     def __repr__(self) -> str:
         return f"Applied(layers={list(self.rules)}, calls={len(self.history)})"
@@ -429,7 +815,8 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *, refresh_every
           sync_stats: bool = False, record: bool = True,
           sparsity_margin: Optional[float] = SPARSITY_MARGIN,
           underflow_bound: Optional[float] = UNDERFLOW_BOUND,
-          zero_calls: Optional[int] = ZERO_CALLS) -> Applied:
+          zero_calls: Optional[int] = ZERO_CALLS,
+          fallback: Union[Fallback, str, None] = None) -> Applied:
     """Enforce ``plan`` on the neural gradients of ``model`` in the backward pass.
 
     Args:
@@ -452,6 +839,12 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *, refresh_every
             the rounding are flushed to zero; None: no check.
         zero_calls: warn when a layer's enforced gradient is all zeros this many calls in a
             row; None: no check.
+        fallback: None (off, the default), a :class:`Fallback`, or a name of
+            :data:`FALLBACK_PRESETS` (``"widen"``: the default ladder, stochastic rounding, then
+            the next wider format of the family, then full precision): when a layer's gradient
+            drifts past the fallback's bounds, change its rule a step at a time (logged, in
+            ``Applied.fallbacks``, ``summary()``, the records, the run with ``log_to=``, and the
+            state dict).
 
     Each alert is logged once per layer and kind (logger ``gradstats.enforce``, WARNING) and
     listed in ``Applied.summary()["alerts"]`` and ``Applied.alerts``. To resume a training
@@ -464,11 +857,11 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *, refresh_every
     Example:
         >>> import torch, gradstats
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8))
-        >>> handle = gradstats.apply(model, gradstats.Plan.uniform(format="e4m3fn", scale="amax"))
+        >>> handle = gradstats.apply(model, gradstats.Plan.uniform(format="e4m3fn", scale="amax", layers=["0"]))
         >>> model(torch.randn(4, 8)).sum().backward()
         >>> handle.remove(); handle.summary()["format"].tolist()
         ['e4m3fn']
     """
     return Applied(model, plan, refresh_every=refresh_every, ema=ema, log_to=log_to, seed=seed,
                    sync_stats=sync_stats, record=record, sparsity_margin=sparsity_margin,
-                   underflow_bound=underflow_bound, zero_calls=zero_calls)
+                   underflow_bound=underflow_bound, zero_calls=zero_calls, fallback=fallback)

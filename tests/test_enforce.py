@@ -27,6 +27,17 @@ class Net(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+def uniform(**kw):
+    """``Plan.uniform`` as these tests were written: every convolution and linear layer, the
+    output layer included, nearest rounding and lognormal scales and thresholds unless given."""
+    for k, v in (("rounding", "nearest"), ("scale", "lognormal"), ("threshold_rule", "lognormal")):
+        kw.setdefault(k, v)
+    try:
+        return Plan.uniform(output_layer=False, **kw)
+    except TypeError:                   # a Plan.uniform that plans the output layer anyway
+        return Plan.uniform(**kw)
+
+
 def batches(n=6, bs=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(bs, 1, 8, 8, generator=g), torch.randint(0, 10, (bs,), generator=g)) for _ in range(n)]
@@ -52,7 +63,7 @@ def test_pass_through_plan_is_bit_identical():
     torch.manual_seed(0)
     base = Net()
     plain, _ = train(copy.deepcopy(base), batches())
-    passed, h = train(copy.deepcopy(base), batches(), Plan.uniform(format=None, sparsity=None))
+    passed, h = train(copy.deepcopy(base), batches(), uniform(format=None, sparsity=None))
     assert same_weights(plain, passed) and h.history == []
 
 
@@ -73,7 +84,7 @@ def outgoing_gradients(model, names):
 def test_outgoing_gradients_are_representable(fmt, scale, rounding):
     model = Net()
     kw = {"scale_value": 2.0 ** 14} if scale == "fixed" else {}
-    plan = Plan.uniform(format=fmt, sparsity=0.8, scale=scale, rounding=rounding, **kw) if not kw else \
+    plan = uniform(format=fmt, sparsity=0.8, scale=scale, rounding=rounding, **kw) if not kw else \
         Plan([PlanEntry("*", types=["Conv2d", "Linear"], format=fmt, scale="fixed", scale_value=2.0 ** 14,
                         rounding=rounding, sparsity=0.8)])
     handle = gradstats.apply(model, plan)
@@ -93,7 +104,7 @@ def test_outgoing_gradients_are_representable(fmt, scale, rounding):
 def test_weight_gradient_from_compressed_neural_gradient():
     torch.manual_seed(1)
     model = Net()
-    plan = Plan.uniform(format="e3m2fn", sparsity=0.7, scale="amax")
+    plan = uniform(format="e3m2fn", sparsity=0.7, scale="amax")
     gradstats.apply(model, plan)
     seen, _ = outgoing_gradients(model, ["fc1"])
     inputs = {}
@@ -112,7 +123,7 @@ def test_achieved_sparsity_on_real_training():
     data = load_fashion_mnist(split="train", source="subset", subset=640)
     model = build_model("cnn", seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    handle = gradstats.apply(model, Plan.uniform(sparsity=0.85))
+    handle = gradstats.apply(model, uniform(sparsity=0.85))
     g = torch.Generator().manual_seed(0)
     for _ in range(8):
         idx = torch.randint(0, len(data), (64,), generator=g)
@@ -129,7 +140,7 @@ def test_remove_restores_identical_behaviour():
     torch.manual_seed(2)
     base = Net()
     a = copy.deepcopy(base)
-    h = gradstats.apply(a, Plan.uniform(format="e2m1fn", sparsity=0.9, scale="amax"))
+    h = gradstats.apply(a, uniform(format="e2m1fn", sparsity=0.9, scale="amax"))
     h.remove()
     a, _ = train(a, batches())
     b, _ = train(copy.deepcopy(base), batches())
@@ -139,7 +150,7 @@ def test_remove_restores_identical_behaviour():
 def test_saved_plan_applies_identically(tmp_path):
     torch.manual_seed(3)
     base = Net()
-    plan = Plan.uniform(format="e4m3fn", sparsity=0.8, scale="amax", rounding="stochastic")
+    plan = uniform(format="e4m3fn", sparsity=0.8, scale="amax", rounding="stochastic")
     plan.save(tmp_path / "plan.json")
     a, _ = train(copy.deepcopy(base), batches(), plan, seed=7)
     b, _ = train(copy.deepcopy(base), batches(), tmp_path / "plan.json", seed=7)
@@ -157,7 +168,7 @@ def test_eval_no_grad_accumulation_reuse_and_autocast():
             return self.lin(torch.tanh(self.lin(x)))
 
     model = Reuse()
-    h = gradstats.apply(model, Plan.uniform(format="e3m2fn", scale="amax"))
+    h = gradstats.apply(model, uniform(format="e3m2fn", scale="amax"))
     with torch.no_grad():
         model(torch.randn(3, 6))
     model.eval()
@@ -176,7 +187,7 @@ def test_eval_no_grad_accumulation_reuse_and_autocast():
 def test_log_to_a_tracer(tmp_path):
     model = Net()
     with gradstats.trace(model, tmp_path, every=1) as tr:
-        gradstats.apply(model, Plan.uniform(format="e4m3fn", sparsity=0.5, scale="amax"), log_to=tr)
+        gradstats.apply(model, uniform(format="e4m3fn", sparsity=0.5, scale="amax"), log_to=tr)
         for x, y in batches(3):
             nn.functional.cross_entropy(model(x), y).backward()
             tr.step()
@@ -187,7 +198,7 @@ def test_log_to_a_tracer(tmp_path):
 
 def test_refresh_every_and_ema():
     model = Net()
-    h = gradstats.apply(model, Plan.uniform(sparsity=0.8), refresh_every=3, ema=0.5)
+    h = gradstats.apply(model, uniform(sparsity=0.8), refresh_every=3, ema=0.5)
     for x, y in batches(4):
         nn.functional.cross_entropy(model(x), y).backward()
     df = h.to_dataframe()
@@ -199,7 +210,7 @@ def test_refresh_every_and_ema():
 def test_tracer_records_what_comes_before_it(tmp_path, tracer_first):
     """Gradient hooks run in the order they were registered: a tracer attached before apply
     records the raw gradient, one attached after records what the plan lets through."""
-    model, plan = Net(), Plan.uniform(sparsity=0.5)
+    model, plan = Net(), uniform(sparsity=0.5)
     tr = gradstats.Tracer(model, tmp_path, every=1, sample_every=None)
     if tracer_first:
         tr.attach()
@@ -223,7 +234,7 @@ def test_tracer_records_what_comes_before_it(tmp_path, tracer_first):
                                            ({"log_to": "run"}, "log_to")])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        gradstats.apply(Net(), Plan.uniform(sparsity=0.5), **kwargs)
+        gradstats.apply(Net(), uniform(sparsity=0.5), **kwargs)
     with pytest.raises(ValueError, match="Plan"):
         gradstats.apply(Net(), {"format": "e4m3"})
     with pytest.raises(ValueError, match="match"):
@@ -278,7 +289,7 @@ def test_ddp_same_plan_on_every_rank(tmp_path, mode):
 @pytest.mark.slow
 def test_torch_compile_runs_the_plan():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    h = gradstats.apply(model, Plan.uniform(format="e4m3fn", sparsity=0.5, scale="amax"))
+    h = gradstats.apply(model, uniform(format="e4m3fn", sparsity=0.5, scale="amax"))
     compiled = torch.compile(model)
     for _ in range(3):
         compiled(torch.randn(32, 8)).sum().backward()
@@ -291,7 +302,7 @@ def test_histogram_threshold_rule_hits_the_target():
     the predicted sparsity is the target and the achieved one is close to it on every call."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 4))
-    with gradstats.apply(model, gradstats.Plan.uniform(sparsity=0.8, threshold_rule="histogram")) as ap:
+    with gradstats.apply(model, uniform(sparsity=0.8, threshold_rule="histogram")) as ap:
         for _ in range(3):
             model(torch.randn(512, 16)).exp().mean().backward()
     df = ap.to_dataframe()
@@ -313,7 +324,7 @@ def test_state_dict_resumes_training_exactly(tmp_path):
     """N steps, checkpoint (model, optimizer, applied), M more steps; a fresh model, optimizer
     and apply() loaded from the checkpoint repeat the M steps bit for bit. Stochastic pruning
     and rounding, a refresh cycle cut in the middle and EMA statistics: all of the state."""
-    plan = Plan.uniform(format="e3m2fn", sparsity=0.8, rounding="stochastic")
+    plan = uniform(format="e3m2fn", sparsity=0.8, rounding="stochastic")
     kw = {"refresh_every": 3, "ema": 0.5}
     data = batches(9, seed=4)
     torch.manual_seed(5)
@@ -351,14 +362,14 @@ def test_state_dict_resumes_training_exactly(tmp_path):
 
 def test_state_dict_is_plain_data_and_checks_layers(tmp_path, caplog):
     model = Net()
-    a = gradstats.apply(model, Plan.uniform(format="e4m3fn", sparsity=0.5))
+    a = gradstats.apply(model, uniform(format="e4m3fn", sparsity=0.5))
     for x, y in batches(2):
         nn.functional.cross_entropy(model(x), y).backward()
     sd = a.state_dict()
     assert set(sd["layers"]) == {"conv", "fc1", "fc2"} and sd["layers"]["fc1"]["seq"] == 2
     torch.save(sd, tmp_path / "a.pt")
     loaded = torch.load(tmp_path / "a.pt", weights_only=True)
-    b = gradstats.apply(Net(), Plan.uniform(format="e4m3fn", sparsity=0.5))
+    b = gradstats.apply(Net(), uniform(format="e4m3fn", sparsity=0.5))
     b.load_state_dict(loaded)
     assert b.state_dict()["layers"] == sd["layers"]
     assert torch.equal(b.generator.get_state(), a.generator.get_state())
@@ -367,7 +378,7 @@ def test_state_dict_is_plain_data_and_checks_layers(tmp_path, caplog):
         only_fc.load_state_dict(sd)
     with pytest.raises(ValueError, match="state_dict"):
         b.load_state_dict({"conv": 1})
-    other = gradstats.apply(Net(), Plan.uniform(format="e4m3fn", sparsity=0.5), refresh_every=2)
+    other = gradstats.apply(Net(), uniform(format="e4m3fn", sparsity=0.5), refresh_every=2)
     with caplog.at_level("WARNING", logger="gradstats.enforce"):
         other.load_state_dict(sd)
     assert "refresh_every=1" in caplog.text
@@ -433,7 +444,7 @@ def test_each_alert_on_its_own(caplog):
     model = Dead()
     caplog.clear()
     with caplog.at_level("WARNING", logger="gradstats.enforce"):
-        h = gradstats.apply(model, Plan.uniform(format="e4m3fn", scale="amax"))
+        h = gradstats.apply(model, uniform(format="e4m3fn", scale="amax"))
         for i in range(5):
             model(torch.randn(4, 6)).sum().backward()
             assert ("a" in h.alerts) == (i + 1 >= gradstats.enforce.ZERO_CALLS)
@@ -441,8 +452,8 @@ def test_each_alert_on_its_own(caplog):
     assert h.summary().set_index("layer")["alerts"].to_dict() == {"a": "zero_gradient", "b": ""}
 
 
-@pytest.mark.parametrize("plan", [Plan.uniform(format="e4m3fn", scale="amax"), Plan.uniform(format="e4m3fn"),
-                                  Plan.uniform(sparsity=0.85), Plan.uniform(format="e3m2fn", sparsity=0.85)],
+@pytest.mark.parametrize("plan", [uniform(format="e4m3fn", scale="amax"), uniform(format="e4m3fn"),
+                                  uniform(sparsity=0.85), uniform(format="e3m2fn", sparsity=0.85)],
                          ids=["e4m3fn-amax", "e4m3fn-lognormal", "prune-0.85", "e3m2fn-0.85"])
 def test_no_alert_on_a_healthy_plan(caplog, plan):
     torch.manual_seed(0)
@@ -461,7 +472,7 @@ def test_no_alert_on_a_healthy_plan(caplog, plan):
                                            ({"zero_calls": 0}, "zero_calls")])
 def test_bad_alert_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        gradstats.apply(Net(), Plan.uniform(sparsity=0.5), **kwargs)
+        gradstats.apply(Net(), uniform(sparsity=0.5), **kwargs)
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -472,13 +483,13 @@ def test_wrapped_model_hooks_the_users_modules():
     torch.manual_seed(0)
     base = Net()
     dp = nn.DataParallel(copy.deepcopy(base))
-    h = gradstats.apply(dp, Plan.uniform(format="e4m3fn", sparsity=0.5, scale="amax"), seed=3)
+    h = gradstats.apply(dp, uniform(format="e4m3fn", sparsity=0.5, scale="amax"), seed=3)
     assert list(h.rules) == ["conv", "fc1", "fc2"]
     for x, y in batches(2):
         nn.functional.cross_entropy(dp(x), y).backward()
     assert sorted(set(h.to_dataframe()["layer"])) == ["conv", "fc1", "fc2"] and len(h.history) == 6
     plain = copy.deepcopy(base)
-    h2 = gradstats.apply(plain, Plan.uniform(format="e4m3fn", sparsity=0.5, scale="amax"), seed=3)
+    h2 = gradstats.apply(plain, uniform(format="e4m3fn", sparsity=0.5, scale="amax"), seed=3)
     for x, y in batches(2):
         nn.functional.cross_entropy(plain(x), y).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(dp.module.parameters(), plain.parameters()))
@@ -490,7 +501,7 @@ def test_apply_on_a_compiled_model():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     compiled = torch.compile(model)
-    plan = Plan.uniform(format="e4m3fn", sparsity=0.5, scale="amax")
+    plan = uniform(format="e4m3fn", sparsity=0.5, scale="amax")
     assert list(plan.resolve(compiled)) == ["0", "2"]
     h = gradstats.apply(compiled, plan)
     assert list(h.rules) == ["0", "2"]
@@ -499,3 +510,221 @@ def test_apply_on_a_compiled_model():
     df = h.to_dataframe()
     assert len(df) == 4 and set(df["layer"]) == {"0", "2"}
     assert (df["achieved_sparsity"] > 0.3).all()
+
+
+# --------------------------------------------------------------------------- fast refresh
+
+@pytest.mark.parametrize("rule", ["lognormal", "naive_lognormal", "normal", "laplace", "histogram"])
+def test_fast_refresh_equals_the_reference_solvers(monkeypatch, rule):
+    """The refresh's thresholds, predicted sparsities and scales on the scalar fast paths are the
+    vectorised reference solvers' (the same training with the fast paths switched off)."""
+    from gradstats import enforce
+
+    plan = uniform(format="e3m2fn", sparsity=0.85, threshold_rule=rule)
+
+    def run():
+        torch.manual_seed(0)
+        model, h = train(Net(), batches(4), plan, seed=1)
+        return model, h.to_dataframe()
+
+    fast_model, fast = run()
+    monkeypatch.setattr(enforce, "_fast", lambda fast, reference: reference())
+    ref_model, ref = run()
+    assert len(fast) == len(ref) == 12
+    assert (fast["scale"] == ref["scale"]).all()
+    for col in ("threshold", "predicted_sparsity"):
+        np.testing.assert_allclose(fast[col], ref[col], rtol=1e-11, atol=0)
+    for p, q in zip(fast_model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_records_set_predicted_against_achieved():
+    """Every record carries the lognormal model's underflow, saturation and error beside the
+    achieved counts; on a healthy plan they agree in size."""
+    torch.manual_seed(0)
+    plan = uniform(format="e4m3fn", sparsity=0.5, rounding="stochastic")
+    _, h = train(Net(), batches(4), plan, fallback=gradstats.enforce.Fallback(error=4.0))
+    df = h.to_dataframe()
+    for col in ("predicted_underflow", "predicted_overflow", "predicted_error", "error", "fallback", "rounding"):
+        assert col in df
+    live = df[df["achieved_sparsity"] < 1]
+    assert live["error"].notna().all() and (live["predicted_error"] > 0).all()
+    ratio = live["error"] / live["predicted_error"]
+    assert ratio.between(0.2, 4.0).all(), ratio
+    s = h.summary()
+    assert {"predicted_underflow", "predicted_error", "plan_sparsity", "plan_error", "fallbacks"} <= set(s.columns)
+    assert (s["fallbacks"] == "").all()
+
+
+def test_summary_shows_the_plans_own_prediction():
+    from gradstats.plan import Prediction
+
+    plan = Plan([PlanEntry("fc1", format="e4m3fn", sparsity=0.5,
+                           predicted=Prediction(error=7e-4, sparsity=0.5))])
+    h = run_steps(Net(), plan, n=2)
+    row = h.summary().set_index("layer").loc["fc1"]
+    assert row["plan_error"] == 7e-4 and row["plan_sparsity"] == 0.5
+
+
+# --------------------------------------------------------------------------- fallback
+
+FLUSHING = Plan([PlanEntry("fc2", format="e3m2fn", scale="fixed", scale_value=2.0 ** -8, sparsity=0.5),
+                 PlanEntry("fc1", format="e4m3fn", scale="amax", rounding="stochastic", sparsity=0.5)])
+
+
+def fallbacks_logged(caplog):
+    return [(r.args[0], r.args[1]) for r in caplog.records
+            if r.name == "gradstats.enforce" and r.levelname == "WARNING" and "fallback" in r.msg]
+
+
+def test_fallback_changes_the_drifting_layers_rule(tmp_path, caplog):
+    """e3m2fn at a scale far too small for fc2's gradient flushes everything: after two drifting
+    calls (patience) fc2 turns to stochastic rounding, then to e4m3fn, then to full precision;
+    fc1 (healthy) keeps its rule. Each change is logged, recorded and in the run, and the
+    gradients that follow are those of the new rule."""
+    torch.manual_seed(0)
+    model = Net()
+    raw, _ = outgoing_gradients(model, ["fc2"])              # before apply: the raw gradient
+    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+        with gradstats.trace(model, tmp_path / "run", every=1, sample_every=None) as tr:
+            h = gradstats.apply(model, FLUSHING, fallback="widen", log_to=tr)
+            seen, _ = outgoing_gradients(model, ["fc2"])     # after apply: what the plan lets through
+            for x, y in batches(8):
+                nn.functional.cross_entropy(model(x), y).backward()
+                tr.step()
+    assert [(r["layer"], r["seq"], r["action"]) for r in h.fallbacks] == [
+        ("fc2", 1, "stochastic"), ("fc2", 3, "widen"), ("fc2", 5, "full")]
+    assert fallbacks_logged(caplog) == [("fc2", "stochastic"), ("fc2", "widen"), ("fc2", "full")]
+    assert "flushed to zero" in h.fallbacks[0]["reason"] and h.fallbacks[1]["to_format"] == "e4m3fn"
+    assert h.rules["fc2"].format is None and h.rules["fc1"] == h.plan_rules["fc1"]
+    df = h.to_dataframe()
+    fc2 = df[df.layer == "fc2"].set_index("seq")
+    assert fc2["fallback"].tolist() == ["", "stochastic", "", "widen", "", "full", "", ""]
+    assert fc2["format"].tolist()[:6] == ["e3m2fn"] * 4 + ["e4m3fn"] * 2 and fc2["format"].iloc[6:].isna().all()
+    assert fc2["rounding"].tolist() == ["nearest"] * 2 + ["stochastic"] * 6
+    assert (df[df.layer == "fc1"]["fallback"] == "").all()
+    # the gradients that follow each change are the new rule's
+    scale = 2.0 ** 8
+    for seq in (2, 3):
+        assert set((seen["fc2"][seq] * scale).reshape(-1).tolist()) <= set(FPFormat.parse("e3m2fn").values().tolist())
+    for seq in (4, 5):
+        assert set((seen["fc2"][seq] * scale).reshape(-1).tolist()) <= set(FPFormat.parse("e4m3fn").values().tolist())
+    for seq in (6, 7):                                       # full precision: pruning alone
+        g, out, a = raw["fc2"][seq], seen["fc2"][seq], fc2.loc[seq, "threshold"]
+        kept = g.abs() >= a
+        assert torch.equal(out[kept], g[kept])
+        assert torch.isin(out[~kept].abs(), torch.tensor([0.0, float(np.float32(a))])).all()
+    assert fc2.loc[6:, "achieved_sparsity"].max() < 0.8       # the gradient flows again
+    # in the run
+    run = gradstats.open_run(tmp_path / "run")
+    t = run.table("applied_fallbacks")
+    assert t["action"].tolist() == ["stochastic", "widen", "full"] and set(t["layer"]) == {"fc2"}
+    assert sorted(t["step"]) == [1, 3, 5]
+    assert run.table("applied").query("layer == 'fc2'")["fallback"].tolist()[5] == "full"
+    s = h.summary().set_index("layer")
+    assert s.loc["fc2", "fallbacks"] == "stochastic, widen, full" and s.loc["fc1", "fallbacks"] == ""
+
+
+def test_fallback_action_list_and_patience():
+    torch.manual_seed(0)
+    fb = gradstats.enforce.Fallback(patience=1, actions=("widen",))
+    h = run_steps(Net(), FLUSHING, n=4, fallback=fb)
+    assert [(r["seq"], r["action"], r["to_format"], r["to_rounding"]) for r in h.fallbacks] == [
+        (0, "widen", "e4m3fn", "nearest")]                    # widened at once; no further action listed
+    assert str(h.rules["fc2"].format) == "e4m3fn"
+    h = run_steps(Net(), FLUSHING, n=3, fallback="full")
+    assert [r["action"] for r in h.fallbacks] == ["full"] and h.rules["fc2"].format is None
+    assert [r["seq"] for r in h.fallbacks] == [1]
+
+
+@pytest.mark.parametrize("plan", [uniform(format="e4m3fn", scale="amax"), uniform(format="e4m3fn"),
+                                  uniform(sparsity=0.85), uniform(format="e3m2fn", sparsity=0.85),
+                                  uniform(format="e3m2fn", sparsity=0.85, rounding="stochastic",
+                                          threshold_rule="histogram"),
+                                  Plan.uniform(format="e3m2fn", sparsity=0.85)],
+                         ids=["e4m3fn-amax", "e4m3fn-lognormal", "prune-0.85", "e3m2fn-0.85", "e3m2fn-sr-histogram",
+                              "uniform-defaults"])
+def test_a_healthy_plan_never_falls_back(caplog, plan):
+    torch.manual_seed(0)
+    fb = gradstats.enforce.Fallback(patience=1, error=4.0)
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10))
+    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+        _, h = train(Net(), batches(8), plan, fallback=fb)
+        h2 = gradstats.apply(mlp, plan, fallback=fb)
+        for _ in range(8):
+            nn.functional.cross_entropy(mlp(torch.randn(64, 16)), torch.randint(0, 10, (64,))).backward()
+    assert h.fallbacks == [] and h2.fallbacks == [] and fallbacks_logged(caplog) == []
+    assert h.rules == h.plan_rules and (h.to_dataframe()["fallback"] == "").all()
+
+
+def test_state_dict_keeps_the_changed_rules(tmp_path):
+    """Checkpoint between two fallbacks of a layer; the resumed training continues with the
+    changed rule (and its fallback state: the next change comes at the same call) and repeats the
+    uninterrupted one bit for bit."""
+    data = batches(8, seed=4)
+    torch.manual_seed(5)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    applied = gradstats.apply(model, FLUSHING, seed=11, fallback="widen")
+    train_steps(model, opt, data[:4])
+    assert [r["action"] for r in applied.fallbacks] == ["stochastic", "widen"]
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "applied": applied.state_dict()},
+               tmp_path / "ckpt.pt")
+    train_steps(model, opt, data[4:])
+    applied.remove()
+
+    def resume(load_applied):
+        ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+        fresh = Net()
+        fresh.load_state_dict(ckpt["model"])
+        fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+        fopt.load_state_dict(ckpt["opt"])
+        h = gradstats.apply(fresh, FLUSHING, seed=12, fallback="widen")
+        if load_applied:
+            h.load_state_dict(ckpt["applied"])
+            assert str(h.rules["fc2"].format) == "e4m3fn" and h.rules["fc2"].rounding == "stochastic"
+            assert h.rules["fc1"] == h.plan_rules["fc1"]
+        train_steps(fresh, fopt, data[4:])
+        h.remove()
+        return fresh, h
+
+    resumed, h = resume(True)
+    assert same_weights(model, resumed)
+    assert [(r["seq"], r["action"]) for r in h.fallbacks] == [(1, "stochastic"), (3, "widen"), (5, "full")]
+    assert h.fallbacks == applied.fallbacks
+    cols = ["layer", "seq", "format", "rounding", "threshold", "scale", "achieved_sparsity", "fallback"]
+    df, ref = h.to_dataframe(), applied.to_dataframe()
+    assert df[cols].reset_index(drop=True).equals(ref[ref.seq >= 4][cols].reset_index(drop=True))
+    plain, h0 = resume(False)                                  # the plan's rules, from the start again
+    assert not same_weights(model, plain) and [r["action"] for r in h0.fallbacks][0] == "stochastic"
+
+
+def test_state_dict_of_version_1_still_loads():
+    model = Net()
+    a = run_steps(model, uniform(format="e4m3fn", sparsity=0.5), n=2)
+    sd = a.state_dict()
+    old = {"version": 1, "generator": sd["generator"], "refresh_every": 1, "ema": None,
+           "layers": {n: {k: v for k, v in d.items() if k in gradstats.enforce._STATE_FIELDS + ("alerts",)}
+                      for n, d in sd["layers"].items()}}
+    b = gradstats.apply(Net(), uniform(format="e4m3fn", sparsity=0.5))
+    b.load_state_dict(old)
+    assert b.state["fc1"].seq == 2 and b.state["fc1"].fallback_done == []
+
+
+@pytest.mark.parametrize("kwargs, match", [({"underflow": 1.5}, "underflow"), ({"error": 0.5}, "error"),
+                                           ({"patience": 0}, "patience"), ({"actions": ()}, "actions"),
+                                           ({"actions": ("bf16",)}, "actions")])
+def test_bad_fallback_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gradstats.enforce.Fallback(**kwargs)
+    with pytest.raises(ValueError, match="fallback"):
+        gradstats.apply(Net(), uniform(sparsity=0.5), fallback="bf16")
+
+
+def test_widen_ladder():
+    from gradstats.enforce import widen
+
+    names = {f: None if widen(FPFormat.parse(f)) is None else str(widen(FPFormat.parse(f)))
+             for f in ("e2m1fn", "e3m2fn", "e2m3fn", "e4m3fn", "e5m2", "e3m2")}
+    assert names == {"e2m1fn": "e3m2fn", "e3m2fn": "e4m3fn", "e2m3fn": "e4m3fn", "e4m3fn": None, "e5m2": None,
+                     "e3m2": "e4m3"}

@@ -1,0 +1,250 @@
+"""gradstats._scalar: the scalar fast paths of apply's refresh agree with the vectorised reference
+solvers of gradstats.pruning and gradstats.fpanalysis (to about 1e-12 relative)."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import integrate, special
+
+from gradstats import _scalar as S
+from gradstats import fpanalysis, pruning
+from gradstats.formats import FPFormat
+from gradstats.fpanalysis._pieces import build, integrate as pieces_integrate
+from gradstats.plan import Rule
+from gradstats.pruning.histogram import LogHistogram
+from gradstats.stats import HIST_MIN_EXP, tensor_stats
+
+RTOL = 1e-12
+
+MUS = [-14.0, -9.0, -3.0, 0.0, 1.5]
+SIGMAS = [0.2, 0.7, 1.2, 2.0, 3.0, 4.5]
+P0S = [0.0, 0.3, 0.7]
+TARGETS = [0.05, 0.3, 0.5, 0.85, 0.95, 0.99]
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b != 0 else abs(a)
+
+
+def test_normal_law_helpers():
+    xs = np.concatenate([np.linspace(-45.0, 10.0, 221), [-37.0001, -36.999, -1.0, -0.9999, 0.0]])
+    for x in xs:
+        ref = float(special.ndtr(x))     # far in the lower tail erfc and scipy differ by ~1e-14
+        assert rel(S.ndtr(float(x)), ref) <= 1e-13 or ref < 1e-300
+        assert rel(S.log_ndtr(float(x)), float(special.log_ndtr(x))) <= 1e-14
+    qs = np.concatenate([np.logspace(-15, -1, 29), np.linspace(0.02, 0.98, 25), 1 - np.logspace(-10, -2, 9)])
+    for q in qs:
+        assert rel(S.erfinv(float(q)), float(special.erfinv(q))) <= 1e-13
+        assert rel(S.ndtri(float(q)), float(special.ndtri(q))) <= 1e-13 or abs(special.ndtri(q)) < 1e-3
+    assert S.ndtri(0.0) == -math.inf and S.ndtri(1.0) == math.inf and S.erfinv(0.0) == 0.0
+
+
+def _params(model: str, mu: float, sigma: float) -> dict:
+    return {"mu": mu, "sigma": sigma} if "lognormal" in model else {"scale": math.exp(mu + sigma)}
+
+
+@pytest.mark.parametrize("model", ["lognormal", "naive_lognormal", "normal", "laplace"])
+def test_threshold_and_expected_sparsity_match_the_reference(model):
+    """Over a grid of mu, sigma, p0 and targets, without and with the conditioning on amax."""
+    worst = 0.0
+    for mu, sigma, p0, t in itertools.product(MUS, SIGMAS, P0S, TARGETS):
+        kw = _params(model, mu, sigma)
+        a, b = S.threshold(t, model, p0=p0, **kw), pruning.threshold(t, model=model, p0=p0, **kw)
+        assert (a == 0) == (b == 0), (mu, sigma, p0, t)
+        if b == 0:
+            continue
+        worst = max(worst, rel(a, b))
+        em = "lognormal" if model == "naive_lognormal" else model
+        for x in (b, 0.37 * b, 4.1 * b):
+            assert rel(S.expected_sparsity(x, em, p0=p0, **kw),
+                       pruning.expected_sparsity(x, model=em, p0=p0, **kw)) <= RTOL
+            assert rel(S.expected_sparsity(x, em, p0=p0, stochastic=False, **kw),
+                       pruning.expected_sparsity(x, model=em, p0=p0, stochastic=False, **kw)) <= RTOL
+        # a tensor whose largest |g| lies below or above the model's threshold
+        for am, frac in ((0.5 * b, 0.2), (0.5 * b, 0.02), (3.0 * b, 0.1)):
+            cond = {"amax": am, "mean_abs": frac * am}
+            ac = S.threshold(t, model, p0=p0, **kw, **cond)
+            bc = pruning.threshold(t, model=model, p0=p0, **kw, **cond)
+            assert rel(ac, bc) <= RTOL, (mu, sigma, p0, t, cond)
+    assert worst <= RTOL
+    assert S.expected_sparsity(0.0, "lognormal", mu=0.0, sigma=1.0, p0=0.25) == 0.25
+    assert S.expected_sparsity(math.inf, "lognormal", mu=0.0, sigma=1.0) == 1.0
+
+
+def test_the_brief_check_values_and_outside_inputs():
+    assert round(S.expected_sparsity(1.0, mu=0.0, sigma=1.0), 6) == 0.238422
+    assert round(S.expected_sparsity(1.0, mu=0.0, sigma=2.0), 6) == 0.331898
+    assert S.threshold(0.2, mu=-10.0, sigma=2.0, p0=0.3) == 0.0
+    for bad in ({"mu": math.nan, "sigma": 1.0}, {"mu": 0.0, "sigma": 0.0}):
+        with pytest.raises(S.Outside):
+            S.threshold(0.5, **bad)
+    with pytest.raises(S.Outside):
+        S.threshold(1.0, mu=0.0, sigma=1.0)
+    with pytest.raises(S.Outside):
+        S.threshold(0.5, "normal", scale=-1.0)
+    with pytest.raises(S.Outside):                       # amax without mean_abs: the reference's error
+        S.threshold(0.5, mu=0.0, sigma=1.0, amax=2.0)
+
+
+def _rows():
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i, (n, sigma) in enumerate(itertools.product([60, 2000, 200_000], [0.6, 1.5, 3.0])):
+        x = torch.exp(torch.randn(n, generator=g) * sigma - 8.0)
+        if i % 2:                                          # zeros (ReLU) and a second mode
+            x = x * (torch.rand(n, generator=g) > 0.4)
+            x[: n // 5] *= 300.0
+        rows.append(tensor_stats(x))
+    rows.append(tensor_stats(torch.ones(50)))              # one bin
+    rows.append(tensor_stats(torch.tensor([0.0, 0.0, 1e-3])))
+    return rows
+
+
+@pytest.mark.parametrize("row", _rows(), ids=lambda r: f"n{r['n']}")
+def test_histogram_rule_matches_log_histogram(row):
+    ref = LogHistogram.from_stats(row)
+    h = S.Histogram.from_stats(row["hist"].tolist(), HIST_MIN_EXP, row["n"], row["n_zero"], row["top_abs"].tolist(),
+                               row["min_abs"], row["max_abs"])
+    for t, stochastic in itertools.product([0.0, 0.1, 0.3, 0.5, 0.7, 0.85, 0.95, 0.99], [True, False]):
+        a, b = h.threshold(t, stochastic=stochastic), ref.threshold(t, stochastic=stochastic)
+        if b == 0 or math.isinf(b):
+            assert a == b
+            continue
+        # both solve S(a) = t to the float resolution of ln a; at the top of the distribution the
+        # sparsity is flat (dS/dln a = F - S ~ 1e-3), so the roots may differ by 1e-16 / 1e-3
+        slope = float(ref.expected_sparsity(b * 1.001, stochastic=stochastic)[0]
+                      - ref.expected_sparsity(b, stochastic=stochastic)[0]) / 1e-3
+        assert rel(a, b) <= max(RTOL, 4e-16 / max(slope, 1e-300)), (t, stochastic, a, b)
+        for x in (a, 0.3 * a, 7.0 * a, 1e6 * a):
+            assert abs(h.expected_sparsity(x, stochastic=stochastic)
+                       - float(ref.expected_sparsity(x, stochastic=stochastic)[0])) <= RTOL
+    # the same functions through the public verbs
+    a = h.threshold(0.85)
+    assert rel(a, pruning.threshold(0.85, row, model="histogram")) <= 1e-11
+    assert abs(h.expected_sparsity(a) - pruning.expected_sparsity(a, row, model="histogram")) <= RTOL
+
+
+def test_histogram_from_quarter_binade_counts():
+    """Bins that are not binades (the counts of LogHistogram.from_counts, four per binade)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.exp(torch.randn(50_000, generator=g) * 2.0 - 6.0).numpy().astype(np.float32)
+    key = (x.view(np.uint32) & 0x7FFFFFFF) >> (23 - 2)
+    counts = np.bincount(key, minlength=256 << 2)
+    ref = LogHistogram.from_counts(counts, mbits=2, float64=False, n=x.size)
+    h = S.Histogram(ref.counts.tolist(), ref.lower.tolist(), ref.upper.tolist(), ref.n, ref.n_zero)
+    for t in (0.2, 0.5, 0.85, 0.97):
+        assert rel(h.threshold(t), ref.threshold(t)) <= 1e-11
+        assert abs(h.expected_sparsity(ref.threshold(t)) - t) <= 1e-12
+
+
+FORMATS = ["e3m2fn", "e2m3fn", "e2m1fn", "e4m3fn", "e5m2", "e4m3fnuz"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_optimal_scale_matches_the_reference(fmt, rounding):
+    f = FPFormat.parse(fmt)
+    for mu, sigma in itertools.product(MUS, SIGMAS):
+        r = fpanalysis.optimal_scale(f, mu=mu, sigma=sigma, rounding=rounding)
+        j, e = S.optimal_log2_scale(f, mu, sigma, rounding)
+        assert j == r.log2_scale, (mu, sigma)               # the same power of two, ties included
+        assert rel(e, r.error) <= RTOL
+
+
+def test_optimal_scale_walks_and_ties_as_the_reference():
+    f = FPFormat.parse("e4m3fn")
+    for mu, sigma in [(-60.0, 0.05), (40.0, 0.05), (0.0, 0.01), (-2.0, 11.5)]:
+        try:
+            r = fpanalysis.optimal_scale(f, mu=mu, sigma=sigma)
+        except ValueError as exc:
+            with pytest.raises(ValueError, match="lies outside"):
+                S.optimal_log2_scale(f, mu, sigma)
+            assert "lies outside" in str(exc)
+            continue
+        assert S.optimal_log2_scale(f, mu, sigma)[0] == r.log2_scale
+    with pytest.raises(ValueError, match="lies outside"):
+        S.optimal_log2_scale(f, -150.0, 1.0)
+    with pytest.raises(S.Outside):
+        S.optimal_log2_scale(f, 0.0, 13.0)                  # sigma above the reference's range
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic", "toward_zero"])
+def test_lognormal_scale_is_rule_scale_for(rounding):
+    for fmt, mu, sigma, amax in itertools.product(["e3m2fn", "e4m3fn"], [-12.0, -4.0], [0.8, 2.5],
+                                                  [None, 1e-3, 1e-7, math.inf]):
+        rule = Rule(format=fmt, rounding=rounding)
+        got = S.lognormal_scale(rule.format, rounding, mu, sigma, amax)
+        assert got == rule.scale_for(mu=mu, sigma=sigma, amax=amax)
+    rule = Rule(format="e4m3fn")
+    assert S.lognormal_scale(rule.format, "nearest", -150.0, 1.0, 1e-60) == rule.scale_for(mu=-150.0, sigma=1.0,
+                                                                                          amax=1e-60)
+
+
+@pytest.mark.parametrize("fmt", ["e3m2fn", "e4m3fn", "e2m1fn", "e5m2"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_predict_without_pruning_is_expected_error(fmt, rounding):
+    for mu, sigma, p0, log2s in itertools.product([-10.0, -3.0], [0.7, 2.0], [0.0, 0.4], [-4, 3, 9, 14]):
+        r = fpanalysis.expected_error(fmt, mu=mu, sigma=sigma, p0=p0, scale=2.0 ** log2s, rounding=rounding)
+        uf, sat, err = S.predict(FPFormat.parse(fmt), rounding, mu, sigma, p0, 0.0, 2.0 ** log2s)
+        assert rel(err, r.total) <= 1e-12
+        assert abs(uf - r.flushed) <= 1e-14 + 1e-12 * r.flushed and abs(sat - r.saturated) <= 1e-14 + 1e-12 * r.saturated
+
+
+def _lognormal_quad(f, m, s, lo, hi):
+    """E[f(y) 1{lo <= y < hi}] for ln y ~ N(m, s^2), by quadrature in ln y."""
+    def g(l):
+        return f(math.exp(l)) * math.exp(-0.5 * ((l - m) / s) ** 2) / (s * math.sqrt(2 * math.pi))
+    a = max(math.log(lo) if lo > 0 else m - 12 * s, m - 12 * s)
+    b = min(math.log(hi) if math.isfinite(hi) else m + 12 * s, m + 12 * s)
+    return integrate.quad(g, a, b, limit=400, epsabs=0, epsrel=1e-11)[0] if b > a else 0.0
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_predict_with_pruning(rounding):
+    """Kept values over the format's cells from the threshold up (the reference engine, cut from
+    below as the difference of two cut from above), and the values rounded up to the threshold as
+    a point mass there; checked against quadrature of the operator's exact outcome."""
+    fmt = FPFormat.parse("e3m2fn")
+    values = fmt.values().numpy()
+    values = np.unique(np.abs(values[np.isfinite(values)]))
+    pc = build(fmt, rounding, "saturate")
+
+    def q_moments(y):           # E[Q(y)], E[Q(y)^2], P(Q(y) = 0) of one scaled magnitude
+        if y >= fmt.max:
+            return fmt.max, fmt.max ** 2, 0.0
+        i = np.searchsorted(values, y, side="right") - 1
+        q0, q1 = values[i], values[min(i + 1, values.size - 1)]
+        if rounding == "nearest":
+            q = q0 if (y - q0 < q1 - y or (y - q0 == q1 - y and int(np.argmax(values == q0)) % 2 == 0)) else q1
+            return q, q * q, float(q == 0)
+        p = (y - q0) / (q1 - q0) if q1 > q0 else 0.0
+        return y, q0 * q0 * (1 - p) + q1 * q1 * p, (1 - p) if q0 == 0 else 0.0
+
+    for mu, sigma, a_over, log2s in [(-9.0, 1.5, 0.2, 13), (-9.0, 1.5, 3.0, 9), (-4.0, 2.2, 1.0, 5)]:
+        s = 2.0 ** log2s
+        a = a_over * math.exp(mu)
+        uf, sat, err = S.predict(fmt, rounding, mu, sigma, 0.0, a, s)
+        m = mu + math.log(s)
+        A = a * s
+        e2 = math.exp(2 * m + 2 * sigma ** 2)
+        # kept: the reference engine, everything minus the part below A
+        full = pieces_integrate(pc, np.array([mu]), np.array([sigma]), np.array([math.log(s)]))[0]
+        below = pieces_integrate(pc, np.array([mu]), np.array([sigma]), np.array([math.log(s)]),
+                                 upper=np.array([A]))[0]
+        kept = full - below
+        eq, eq2, p_zero = q_moments(A)
+        m1 = _lognormal_quad(lambda y: y, m, sigma, 0.0, A)
+        m2 = _lognormal_quad(lambda y: y * y, m, sigma, 0.0, A)
+        err_ref = kept[:4].sum() + (eq2 * m1 / A - 2 * eq * m2 / A + m2) / e2
+        uf_ref = kept[4] + m1 / A * p_zero
+        assert rel(err, err_ref) <= 1e-9 and abs(uf - uf_ref) <= 1e-10
+        assert sat == pytest.approx(kept[5], abs=1e-14)
+        # the pruning's own error, no format: E[(T(g) - g)^2] / E[g^2] = added_variance(relative)
+        _, _, e0 = S.predict(None, rounding, mu, sigma, 0.0, a, 1.0)
+        assert rel(e0, pruning.added_variance(a, mu=mu, sigma=sigma, relative=True)) <= 1e-10
+    with pytest.raises(S.Outside):
+        S.predict(fmt, "nearest", 0.0, -1.0, 0.0, 0.0, 1.0)
