@@ -324,6 +324,20 @@ def _predict(rule: Any, st: _LayerState, numel: int) -> None:
         pass
 
 
+def _predicted_share(st: _LayerState, rule: Any, fraction: float) -> float:
+    """A predicted fraction of all entries (``predicted_underflow``, ``predicted_overflow``) as a
+    share of the entries that the same lognormal model predicts to reach the rounding (non-zero
+    after pruning at the running threshold): the denominator of the fallback's bounds and of the
+    achieved share (NaN when unknown)."""
+    try:
+        zeros = (_scalar.expected_sparsity(st.threshold, mu=st.mu, sigma=max(st.sigma, 1e-6),
+                                           p0=min(st.p0, 1 - 1e-9)) if rule.prunes else st.p0)
+    except (ArithmeticError, ValueError):
+        return math.nan
+    reach = 1.0 - zeros
+    return min(fraction / reach, 1.0) if math.isfinite(reach) and reach > 0 else math.nan
+
+
 def _relative_error(out: torch.Tensor, g: torch.Tensor) -> float:
     """``|out - g|^2 / |g|^2`` (NaN for a zero gradient)."""
     x = g.detach().reshape(-1).float()
@@ -599,12 +613,13 @@ class Applied:
         if rule.quantizes and reaching > 0:
             if fb.underflow is not None and c.underflow > fb.underflow * reaching:
                 reasons.append(("format", f"{c.underflow / reaching:.1%} of the non-zero values reaching the "
-                                          f"rounding flushed to zero (bound {fb.underflow:g}; {c.underflow / n:.1%} "
-                                          f"of the entries, predicted {st.predicted_underflow:.1%})"))
+                                          f"rounding flushed to zero, predicted "
+                                          f"{_predicted_share(st, rule, st.predicted_underflow):.1%} "
+                                          f"(bound {fb.underflow:g})"))
             if fb.saturation is not None and c.saturated > fb.saturation * reaching:
-                reasons.append(("format", f"{c.saturated / reaching:.1%} of them saturated (bound {fb.saturation:g}; "
-                                          f"{c.saturated / n:.2%} of the entries, predicted "
-                                          f"{st.predicted_overflow:.2%})"))
+                reasons.append(("format", f"{c.saturated / reaching:.2%} of them saturated, predicted "
+                                          f"{_predicted_share(st, rule, st.predicted_overflow):.2%} "
+                                          f"(bound {fb.saturation:g})"))
         if rule.prunes and fb.sparsity is not None and math.isfinite(st.predicted_sparsity):
             floor = max(st.predicted_sparsity, (c.zeros - c.pruned - c.underflow) / n)
             excess = c.zeros / n - floor

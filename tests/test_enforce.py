@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -596,6 +597,11 @@ def test_fallback_changes_the_drifting_layers_rule(tmp_path, caplog):
         ("fc2", 1, "stochastic"), ("fc2", 3, "widen"), ("fc2", 5, "full")]
     assert fallbacks_logged(caplog) == [("fc2", "stochastic"), ("fc2", "widen"), ("fc2", "full")]
     assert "flushed to zero" in h.fallbacks[0]["reason"] and h.fallbacks[1]["to_format"] == "e4m3fn"
+    # achieved and predicted are shares of the same values (those reaching the rounding): the
+    # model, too, predicts that nearly all of them flush at this scale
+    shares = re.match(r"([\d.]+)% of the non-zero values reaching the rounding flushed to zero, predicted ([\d.]+)%",
+                      h.fallbacks[0]["reason"])
+    assert shares and float(shares[1]) == 100.0 and 90.0 <= float(shares[2]) <= 100.0
     assert h.rules["fc2"].format is None and h.rules["fc1"] == h.plan_rules["fc1"]
     df = h.to_dataframe()
     fc2 = df[df.layer == "fc2"].set_index("seq")
