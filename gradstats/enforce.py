@@ -384,7 +384,8 @@ class Applied:
     and scale.
     """
 
-    def __init__(self, model: nn.Module, plan: Any, *, refresh_every: int = 1,
+    def __init__(self, model: nn.Module, plan: Any, *,
+                 refresh_every: Union[int, Callable[[int], bool]] = 1, start_step: int = 0,
                  ema: Optional[float] = None, log_to: Any = None, seed: int = 0,
                  sync_stats: bool = False, record: bool = True,
                  sparsity_margin: Optional[float] = SPARSITY_MARGIN,
@@ -400,8 +401,13 @@ class Applied:
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be a gradstats.Plan or the path of a saved plan, got "
                              f"{type(plan).__name__}")
-        if not isinstance(refresh_every, int) or isinstance(refresh_every, bool) or refresh_every < 1:
-            raise ValueError(f"refresh_every must be a positive int (1 = every gradient), got {refresh_every!r}")
+        if not callable(refresh_every) and (not isinstance(refresh_every, int) or isinstance(refresh_every, bool)
+                                            or refresh_every < 1):
+            raise ValueError("refresh_every must be a positive int (1 = every gradient) or a schedule, a "
+                             f"function of the call index (0, 1, ...) returning True to refresh; got {refresh_every!r}")
+        if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
+            raise ValueError(f"start_step must be an int >= 0 (the number of each layer's first gradients "
+                             f"left unchanged; 0: enforce from the first), got {start_step!r}")
         if ema is not None and not (0.0 <= ema < 1.0):
             raise ValueError(f"ema must be None or a decay in [0, 1), got {ema}")
         if log_to is not None and not hasattr(log_to, "log_rows"):
@@ -423,6 +429,7 @@ class Applied:
         #: every rule change a fallback made: dicts of layer, seq, action, reason, from and to rule
         self.fallbacks: list[dict[str, Any]] = []
         self.refresh_every = refresh_every
+        self.start_step = start_step
         self.ema = ema
         self.log_to = log_to
         self.sync_stats = sync_stats
@@ -496,6 +503,15 @@ class Applied:
         if refresh and (self.record or self.fallback is not None):
             _predict(rule, st, g.numel())
 
+    def _refreshes(self, k: int) -> bool:
+        """Whether call ``k`` (counted from the end of the warm-up) refreshes: every
+        ``refresh_every``-th, or as the schedule says; the first always does."""
+        if k == 0:
+            return True
+        if callable(self.refresh_every):
+            return bool(self.refresh_every(k))
+        return k % self.refresh_every == 0
+
     @staticmethod
     def _model_threshold(rule: Any, st: _LayerState) -> None:
         """Threshold and predicted sparsity of the model rules (lognormal, naive_lognormal,
@@ -526,7 +542,13 @@ class Applied:
     @torch.compiler.disable
     def _compress(self, name: str, g: torch.Tensor) -> torch.Tensor:
         rule, st = self.rules[name], self.state[name]
-        refresh = st.seq % self.refresh_every == 0
+        k = st.seq - self.start_step                       # the call index since the warm-up
+        if k < 0:                 # warm-up: the gradient passes unchanged, the statistics follow it
+            with torch.no_grad():
+                self._refresh(name, g, True)
+            st.seq += 1
+            return g
+        refresh = self._refreshes(k)
         err = math.nan
         with torch.no_grad():
             self._refresh(name, g, refresh)
@@ -700,7 +722,8 @@ class Applied:
         return {
             "version": STATE_VERSION,
             "generator": self.generator.get_state(),
-            "refresh_every": self.refresh_every,
+            "refresh_every": _schedule_text(self.refresh_every),
+            "start_step": self.start_step,
             "ema": self.ema,
             "fallback": None if self.fallback is None else self.fallback.to_dict(),
             "fallbacks": [dict(r) for r in self.fallbacks],
@@ -730,10 +753,12 @@ class Applied:
             raise ValueError(f"the state dict is of other layers than this handle's plan: layers of the plan "
                              f"missing from it: {missing}; layers in it the plan does not enforce on this "
                              f"model: {extra}. Load it into apply() of the plan and model it was saved from")
-        mine = {"refresh_every": self.refresh_every, "ema": self.ema,
-                "fallback": None if self.fallback is None else self.fallback.to_dict()}
+        mine = {"refresh_every": _schedule_text(self.refresh_every), "start_step": self.start_step,
+                "ema": self.ema, "fallback": None if self.fallback is None else self.fallback.to_dict()}
         for k, v in mine.items():
-            if (k in sd or k != "fallback") and sd.get(k) != v:
+            if k == "start_step" and k not in sd and v == 0:
+                continue                                   # saved before start_step existed
+            if (k in sd or k not in ("fallback", "start_step")) and sd.get(k) != v:
                 log.warning("gradstats.apply: the state dict was saved with %s=%r, this handle uses %r: the "
                             "resumed training will not repeat the saved one", k, sd.get(k), v)
         gen = sd["generator"]
@@ -799,12 +824,20 @@ class Applied:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan, the settings and the per-layer summary as plain data."""
-        return {"plan": self.plan.to_dict(), "refresh_every": self.refresh_every, "ema": self.ema,
+        return {"plan": self.plan.to_dict(), "refresh_every": _schedule_text(self.refresh_every),
+                "start_step": self.start_step, "ema": self.ema,
                 "fallback": None if self.fallback is None else self.fallback.to_dict(),
                 "fallbacks": [dict(r) for r in self.fallbacks], "summary": self.summary().to_dict("records")}
 
     def __repr__(self) -> str:
         return f"Applied(layers={list(self.rules)}, calls={len(self.history)})"
+
+
+def _schedule_text(refresh_every: Union[int, Callable[[int], bool]]) -> Union[int, str]:
+    """``refresh_every`` as plain data: the int, or the schedule function's qualified name."""
+    if callable(refresh_every):
+        return f"schedule:{getattr(refresh_every, '__qualname__', type(refresh_every).__name__)}"
+    return refresh_every
 
 
 def _all_reduce_stats(v: torch.Tensor) -> torch.Tensor:
@@ -825,7 +858,8 @@ def _all_reduce_stats(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *, refresh_every: int = 1,
+def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
+          refresh_every: Union[int, Callable[[int], bool]] = 1, start_step: int = 0,
           ema: Optional[float] = None, log_to: Any = None, seed: int = 0,
           sync_stats: bool = False, record: bool = True,
           sparsity_margin: Optional[float] = SPARSITY_MARGIN,
@@ -841,6 +875,13 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *, refresh_every
         plan: a :class:`gradstats.Plan` or the path of a saved plan.
         refresh_every: recompute each layer's statistics, threshold and (``"lognormal"``)
             scale every this many gradients of that layer; ``"amax"`` scales follow every step.
+            Or a schedule: a function of the call index ``k`` (0 at the first enforced
+            gradient) that returns True to refresh, e.g. ``lambda k: k < 100 or k % 10 == 0``
+            (every call for 100, then every tenth). The first enforced call always refreshes.
+        start_step: warm-up: each layer's first ``start_step`` gradients pass unchanged while
+            its statistics, threshold and scale follow them (the study trained half an epoch
+            before pruning); the plan takes effect at the next one, warm. Warm-up calls are
+            not recorded; ``seq`` counts them (the first record has ``seq == start_step``).
         ema: decay of an exponential moving average of the statistics (None: the latest).
         log_to: a :class:`gradstats.Tracer`; each call's record goes into its run's
             ``"applied"`` table (``open_run(path).table("applied")``).
@@ -877,6 +918,6 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *, refresh_every
         >>> handle.remove(); handle.summary()["format"].tolist()
         ['e4m3fn']
     """
-    return Applied(model, plan, refresh_every=refresh_every, ema=ema, log_to=log_to, seed=seed,
-                   sync_stats=sync_stats, record=record, sparsity_margin=sparsity_margin,
+    return Applied(model, plan, refresh_every=refresh_every, start_step=start_step, ema=ema, log_to=log_to,
+                   seed=seed, sync_stats=sync_stats, record=record, sparsity_margin=sparsity_margin,
                    underflow_bound=underflow_bound, zero_calls=zero_calls, fallback=fallback)

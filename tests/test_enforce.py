@@ -734,3 +734,60 @@ def test_widen_ladder():
              for f in ("e2m1fn", "e3m2fn", "e2m3fn", "e4m3fn", "e5m2", "e3m2")}
     assert names == {"e2m1fn": "e3m2fn", "e3m2fn": "e4m3fn", "e2m3fn": "e4m3fn", "e4m3fn": None, "e5m2": None,
                      "e3m2": "e4m3"}
+
+
+# --------------------------------------------------------------------------- warm-up and schedule
+WARM = Plan([PlanEntry("fc1", format="e3m2fn", scale="amax", rounding="stochastic", sparsity=0.8)])
+
+
+def warm_run(start_step, refresh_every=1, ema=0.5, n=6):
+    """The same gradients every call (no optimizer step): fc1's incoming gradient does not
+    depend on the plan, so handles with different warm-ups see the same sequence."""
+    torch.manual_seed(0)
+    model = Net()
+    raw, _ = outgoing_gradients(model, ["fc1"])
+    h = gradstats.apply(model, WARM, start_step=start_step, refresh_every=refresh_every, ema=ema)
+    seen, _ = outgoing_gradients(model, ["fc1"])
+    for x, y in batches(n):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+    h.remove()
+    return h, raw["fc1"], seen["fc1"]
+
+
+def test_start_step_leaves_the_first_gradients_unchanged_and_starts_warm():
+    cold, _, _ = warm_run(0)
+    h, raw, seen = warm_run(3)
+    for i in range(3):                                   # warm-up: bit for bit the raw gradient
+        assert torch.equal(seen[i], raw[i])
+    for i in range(3, 6):                                # then the plan: pruned and representable
+        assert (seen[i] == 0).float().mean() > 0.6 and not torch.equal(seen[i], raw[i])
+    assert [r["seq"] for r in h.history] == [3, 4, 5]    # warm-up calls are counted, not recorded
+    # the statistics followed the warm-up: the first enforced call's threshold is the one the
+    # cold handle reached after the same four gradients
+    assert h.history[0]["threshold"] == pytest.approx(cold.history[3]["threshold"], rel=1e-12)
+    assert h.history[0]["mu"] == pytest.approx(cold.history[3]["mu"], rel=1e-12)
+    assert h.state_dict()["start_step"] == 3 and h.to_dict()["start_step"] == 3
+
+
+def test_refresh_schedule_is_a_function_of_the_call_index():
+    calls = []
+
+    def schedule(k):
+        calls.append(k)
+        return k == 3
+
+    h, _, _ = warm_run(1, refresh_every=schedule, ema=None)
+    th = [r["threshold"] for r in h.history]
+    assert calls == [1, 2, 3, 4]                          # k = 0 always refreshes, unasked
+    # the threshold changes at the refreshes (k = 0 and k = 3) and holds between them
+    assert th[0] == th[1] == th[2] != th[3] == th[4]
+    assert h.state_dict()["refresh_every"].startswith("schedule:")
+
+
+@pytest.mark.parametrize("kw, match", [({"start_step": -1}, "start_step must be an int >= 0"),
+                                       ({"start_step": 1.5}, "start_step must be an int >= 0"),
+                                       ({"refresh_every": 0}, "refresh_every must be a positive int")])
+def test_warm_up_and_schedule_arguments_are_checked(kw, match):
+    with pytest.raises(ValueError, match=match):
+        gradstats.apply(Net(), WARM, **kw)
