@@ -599,7 +599,8 @@ class Applied:
         else:
             st.zero_run = 0
         rule = self.rules[name]
-        if c.underflow and self.underflow_bound is not None and "underflow" not in st.alerts:
+        if (c.underflow and self.underflow_bound is not None and "underflow" not in st.alerts
+                and rule.rounding != "stochastic"):      # stochastic flushes are unbiased: noise, not shrinkage
             reaching = c.n - c.zeros + c.underflow          # non-zero entries that reached the rounding
             if c.underflow > self.underflow_bound * reaching:
                 where = (f"with blocks of {rule.block_size}" if rule.block_size is not None
@@ -892,7 +893,8 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
         sparsity_margin: warn when a call's achieved sparsity exceeds the layer's target by
             more than this (beyond sampling noise); None: no check.
         underflow_bound: warn when more than this fraction of the non-zero values reaching
-            the rounding are flushed to zero; None: no check.
+            a round-to-nearest format are flushed to zero (a systematic shrinkage; stochastic
+            rounding's flushes are unbiased and not checked); None: no check.
         zero_calls: warn when a layer's enforced gradient is all zeros this many calls in a
             row; None: no check.
         fallback: None (off, the default), a :class:`Fallback`, or a name of

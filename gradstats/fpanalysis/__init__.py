@@ -16,7 +16,10 @@ format's cells. Public verbs, all vectorised over layers (``mu``, ``sigma`` arra
   whose predicted magnitude bias (:attr:`ErrorResult.bias`) is bounded: what ``recommend`` uses;
 - :func:`best_format_from_stats`, :func:`expected_error_from_stats`: the same for one tensor from
   its binade histogram and maximum (what a run stores), without the lognormal assumption: the
-  most accurate predictor on real gradients (:mod:`.histogram`).
+  most accurate predictor on real gradients (:mod:`.histogram`);
+- :func:`weight_gradient_alignment` (with :func:`batchnorm_inputs`): the diagnostic that
+  predicts the accuracy a format costs, ``|cos(w_c, dW_c)|`` of the layers feeding a BatchNorm
+  (exactly 0 without compression).
 
 ``relative=True`` errors are ``MSE / E[g**2]`` (inverse SNR); ``criterion="elementwise"`` is the
 mean of ``((Q(g) - g)/g)**2``. By the identity ``MSE/E[x**2]`` under ``LN(mu, s)`` == mean relative
@@ -41,10 +44,12 @@ from .choice import (CANDIDATE_NAMES, CANDIDATE_PRESETS, DEFAULT_CANDIDATES, Bes
 from .scale import ScaleResult, optimal_scale
 from .histogram import HistogramChoice, HistogramLaw, best_format_from_stats, expected_error_from_stats
 from .training import BIAS_BOUND, OBJECTIVES, TrainingChoice, choose_for_training
+from .alignment import AlignmentResult, batchnorm_inputs, weight_gradient_alignment
 
 __all__ = ["expected_error", "optimal_scale", "best_format", "crossover_table", "candidate_formats",
            "preset_formats", "CANDIDATE_PRESETS", "CANDIDATE_NAMES", "DEFAULT_CANDIDATES",
            "ErrorResult", "ScaleResult", "BestFormat", "FormatChoice", "CrossoverTable", "AUTHORS_TABLE",
            "measured_error", "check_prediction", "energy_moments", "PredictionCheck", "PARTS", "FRACTIONS",
            "best_format_from_stats", "expected_error_from_stats", "HistogramLaw", "HistogramChoice",
-           "choose_for_training", "TrainingChoice", "BIAS_BOUND", "OBJECTIVES"]
+           "choose_for_training", "TrainingChoice", "BIAS_BOUND", "OBJECTIVES",
+           "batchnorm_inputs", "weight_gradient_alignment", "AlignmentResult"]

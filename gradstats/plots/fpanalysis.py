@@ -252,3 +252,49 @@ def plot_predicted_vs_measured(table: Any, *, hue: str = "model", style: Optiona
 
 __all__ = ["plot_error_vs_exponent_bits", "plot_optimal_exponent_bits", "plot_layer_formats",
            "plot_predicted_vs_measured"]
+
+
+def plot_weight_alignment(results: Any, *, path: str | os.PathLike[str] | None = None) -> Any:
+    """``|cos(w_c, dL/dw_c)|`` per layer: each channel a point, the layer's mean a bar; 0 is the
+    exact gradient of a layer that feeds a BatchNorm. ``results``: one
+    :class:`~gradstats.fpanalysis.AlignmentResult`, or a dict ``label -> result`` (one group of
+    bars per label, e.g. the baseline beside plans).
+
+    Example:
+        >>> import torch
+        >>> from gradstats.fpanalysis import weight_gradient_alignment
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4))
+        >>> net(torch.ones(2, 3)).sum().backward()
+        >>> plot_weight_alignment(weight_gradient_alignment(net)).axes[0].get_ylabel()
+        '|cos(w_c, dL/dw_c)| per channel'
+    """
+    import matplotlib.pyplot as plt
+
+    use_style()
+    groups = results if isinstance(results, dict) else {"": results}
+    layers = list(dict.fromkeys(n for r in groups.values() for n in r.layers))
+    k = len(groups)
+    width = 0.8 / k
+    colors = plt.get_cmap("tab10").colors
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(layers) * max(k, 1) ** 0.5 + 2.5), 3.6))
+    for j, (label, r) in enumerate(groups.items()):
+        for i, n in enumerate(layers):
+            if n not in r.cos:
+                continue
+            c = np.asarray(r.cos[n], float)
+            c = c[np.isfinite(c)]
+            x = i - 0.4 + width * (j + 0.5)
+            ax.bar(x, float(c.mean()) if c.size else 0.0, width=width * 0.9, color=colors[j % 10], alpha=0.35,
+                   label=label if (label and i == 0) else None)
+            jitter = np.linspace(-0.3, 0.3, c.size) * width if c.size > 1 else np.zeros(c.size)
+            ax.scatter(x + jitter, c, s=7, color=colors[j % 10], zorder=3)
+    ax.set_xticks(range(len(layers)), layers, rotation=30, ha="right")
+    ax.set_ylabel("|cos(w_c, dL/dw_c)| per channel")
+    ax.set_ylim(0, 1)
+    ax.set_title("Weight-gradient alignment (0: exact, for layers feeding a BatchNorm)")
+    if any(groups):
+        ax.legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    if path is not None:
+        savefig(fig, path)
+    return fig
