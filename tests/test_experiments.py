@@ -112,6 +112,32 @@ def test_distributions_quick(out):
     assert (out / "distributions_ks.png").stat().st_size > 10_000
 
 
+def test_recommend_accuracy_and_criteria_quick(out):
+    """The paired comparison (every configuration against the baseline of its seed), then the
+    criteria measured for each configuration and ranked against its accuracy loss."""
+    mod = _load("recommend_accuracy")
+    table = mod.main(["--quick", "--out", str(out), "--workers", "1"]).set_index("label")
+    labels = ["baseline", "recommend(bits=6)", "recommend(bits=6, sparsity=0.85)", "Plan.uniform(sparsity=0.85)"]
+    assert set(labels) <= set(table.index) and len(table) == 4 + 2 * len(mod.HAND) + 2
+    assert table.loc["baseline", "diff_mean"] == 0 and (table["seeds"] == 1).all()
+    assert (table["failed"] == 0).all()
+    # the defaults prune at the target and leave the logits alone: 85% achieved on the planned layers
+    assert abs(table.loc["Plan.uniform(sparsity=0.85)", "achieved_sparsity"] - 0.85) < 0.02
+    crit = _load("criteria_correlation")
+    corr = crit.main(["--quick", "--out", str(out)]).set_index("criterion")
+    payload = json.loads((out / "criteria_correlation.json").read_text())
+    rows = {r["label"]: r for r in payload["table"]}
+    assert set(rows) == set(table.index) - {"baseline"} and set(corr.index) == set(crit.CRITERIA)
+    assert corr["spearman_all"].between(-1, 1).all()
+    # what the criteria must show whatever the losses: pruning alone does not round, stochastic
+    # rounding is unbiased where nearest at the MSE scale is not, and the alignment is its witness
+    prune = rows["Plan.uniform(sparsity=0.85)"]
+    assert not prune["quantizes"] and prune["predicted_bias"] == 0 and prune["flushed"] == 0
+    near, sr = rows["e3m2fn nearest, lognormal scale"], rows["e3m2fn stochastic, amax scale"]
+    assert near["bias"] > 5 * sr["bias"] and near["predicted_bias"] > 0 == sr["predicted_bias"]
+    assert near["bn_cos"] > sr["bn_cos"]
+
+
 def test_results_document_is_current(tmp_path):
     """docs/RESULTS.md is exactly what experiments/report.py renders from the committed results."""
     mod = _load("report")
