@@ -94,6 +94,14 @@ def run_job(job: Job) -> dict[str, Any]:
         for col in ("achieved_sparsity", "underflow_fraction", "overflow_fraction"):
             row[col] = float((df[col] * n).sum() / w) if w else math.nan
         row["planned_layers"] = len(applied.rules)
+        # per layer over the run: entries and the element-weighted achieved and target sparsity
+        layers = {}
+        for name, g in df.groupby("layer", sort=False):
+            ln = g["n"].astype(float)
+            tot = float(ln.sum())
+            layers[name] = {"n": tot, "achieved_sparsity": float((g["achieved_sparsity"] * ln).sum() / tot)
+                            if tot else math.nan, "target_sparsity": float(g["target_sparsity"].mean())}
+        row["layers"] = layers
     else:
         row.update(achieved_sparsity=math.nan, underflow_fraction=0.0, overflow_fraction=0.0, planned_layers=0)
     return row

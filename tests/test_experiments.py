@@ -148,3 +148,17 @@ def test_results_document_is_current(tmp_path):
                     "## 3. Accuracy with low-precision", "## 4. Past the study"):
         assert section in text
     assert "No results yet" not in text
+
+
+def test_threshold_training_quick(out):
+    """Per layer, element-weighted over the run under apply; the histogram rule (the default) is
+    the closer of the two on every layer type even in so short a run."""
+    mod = _load("threshold_training")
+    table = mod.main(["--quick", "--out", str(out), "--workers", "1"]).set_index(["rule", "type"])
+    payload = json.loads((out / "threshold_training.json").read_text())
+    layers = payload["layers"]
+    assert {r["type"] for r in layers} == {"conv", "linear", "attention"}
+    assert not any(r["layer"] in ("fc2", "head") for r in layers)     # the output layers stay unpruned
+    for kind in ("conv", "linear", "attention", "all layers"):
+        assert table.loc[("histogram", kind), "mean_abs_miss"] < table.loc[("lognormal", kind), "mean_abs_miss"]
+    assert table.loc[("histogram", "all layers"), "cases"] == len(layers) / 2
