@@ -53,10 +53,24 @@ class Job:
 
     @property
     def key(self) -> str:
+        """Names the job by what decides its result: experiment, model, label, seed, steps, data
+        and a digest of the plan without its provenance (a changed default makes a new job, not
+        a stale match)."""
         data = "quick" if self.prepare else "full"
+        if self.prepare and self.prepare != QUICK_PREPARE:
+            data += "-" + _digest(self.prepare)
         # the baseline is shared by every experiment
-        exp = "baseline" if self.plan is None else self.experiment
-        return f"{exp}/{self.model}/{self.label}/seed{self.seed}/steps{self.steps}/{data}"
+        if self.plan is None:
+            return f"baseline/{self.model}/{self.label}/seed{self.seed}/steps{self.steps}/{data}"
+        return (f"{self.experiment}/{self.model}/{self.label}/seed{self.seed}/steps{self.steps}/{data}/"
+                f"plan-{_digest({k: v for k, v in self.plan.items() if k != 'provenance'})}")
+
+
+def _digest(obj: Any) -> str:
+    """A short stable digest of plain data (sorted JSON)."""
+    import hashlib
+
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def run_job(job: Job) -> dict[str, Any]:
