@@ -385,7 +385,7 @@ class Applied:
     """
 
     def __init__(self, model: nn.Module, plan: Any, *,
-                 refresh_every: Union[int, Callable[[int], bool]] = 1, start_step: int = 0,
+                 refresh_every: Union[int, Callable[[int], bool]] = 1, warmup: int = 0,
                  ema: Optional[float] = None, log_to: Any = None, seed: int = 0,
                  sync_stats: bool = False, record: bool = True,
                  sparsity_margin: Optional[float] = SPARSITY_MARGIN,
@@ -405,9 +405,9 @@ class Applied:
                                             or refresh_every < 1):
             raise ValueError("refresh_every must be a positive int (1 = every gradient) or a schedule, a "
                              f"function of the call index (0, 1, ...) returning True to refresh; got {refresh_every!r}")
-        if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
-            raise ValueError(f"start_step must be an int >= 0 (the number of each layer's first gradients "
-                             f"left unchanged; 0: enforce from the first), got {start_step!r}")
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0 (the number of each layer's first gradients "
+                             f"left unchanged; 0: enforce from the first), got {warmup!r}")
         if ema is not None and not (0.0 <= ema < 1.0):
             raise ValueError(f"ema must be None or a decay in [0, 1), got {ema}")
         if log_to is not None and not hasattr(log_to, "log_rows"):
@@ -429,7 +429,7 @@ class Applied:
         #: every rule change a fallback made: dicts of layer, seq, action, reason, from and to rule
         self.fallbacks: list[dict[str, Any]] = []
         self.refresh_every = refresh_every
-        self.start_step = start_step
+        self.warmup = warmup
         self.ema = ema
         self.log_to = log_to
         self.sync_stats = sync_stats
@@ -542,7 +542,7 @@ class Applied:
     @torch.compiler.disable
     def _compress(self, name: str, g: torch.Tensor) -> torch.Tensor:
         rule, st = self.rules[name], self.state[name]
-        k = st.seq - self.start_step                       # the call index since the warm-up
+        k = st.seq - self.warmup                       # the call index since the warm-up
         if k < 0:                 # warm-up: the gradient passes unchanged, the statistics follow it
             with torch.no_grad():
                 self._refresh(name, g, True)
@@ -724,7 +724,7 @@ class Applied:
             "version": STATE_VERSION,
             "generator": self.generator.get_state(),
             "refresh_every": _schedule_text(self.refresh_every),
-            "start_step": self.start_step,
+            "warmup": self.warmup,
             "ema": self.ema,
             "fallback": None if self.fallback is None else self.fallback.to_dict(),
             "fallbacks": [dict(r) for r in self.fallbacks],
@@ -754,12 +754,12 @@ class Applied:
             raise ValueError(f"the state dict is of other layers than this handle's plan: layers of the plan "
                              f"missing from it: {missing}; layers in it the plan does not enforce on this "
                              f"model: {extra}. Load it into apply() of the plan and model it was saved from")
-        mine = {"refresh_every": _schedule_text(self.refresh_every), "start_step": self.start_step,
+        mine = {"refresh_every": _schedule_text(self.refresh_every), "warmup": self.warmup,
                 "ema": self.ema, "fallback": None if self.fallback is None else self.fallback.to_dict()}
         for k, v in mine.items():
-            if k == "start_step" and k not in sd and v == 0:
-                continue                                   # saved before start_step existed
-            if (k in sd or k not in ("fallback", "start_step")) and sd.get(k) != v:
+            if k == "warmup" and k not in sd and v == 0:
+                continue                                   # saved before warmup existed
+            if (k in sd or k not in ("fallback", "warmup")) and sd.get(k) != v:
                 log.warning("gradstats.apply: the state dict was saved with %s=%r, this handle uses %r: the "
                             "resumed training will not repeat the saved one", k, sd.get(k), v)
         gen = sd["generator"]
@@ -826,7 +826,7 @@ class Applied:
     def to_dict(self) -> dict[str, Any]:
         """The plan, the settings and the per-layer summary as plain data."""
         return {"plan": self.plan.to_dict(), "refresh_every": _schedule_text(self.refresh_every),
-                "start_step": self.start_step, "ema": self.ema,
+                "warmup": self.warmup, "ema": self.ema,
                 "fallback": None if self.fallback is None else self.fallback.to_dict(),
                 "fallbacks": [dict(r) for r in self.fallbacks], "summary": self.summary().to_dict("records")}
 
@@ -860,7 +860,7 @@ def _all_reduce_stats(v: torch.Tensor) -> torch.Tensor:
 
 
 def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
-          refresh_every: Union[int, Callable[[int], bool]] = 1, start_step: int = 0,
+          refresh_every: Union[int, Callable[[int], bool]] = 1, warmup: int = 0,
           ema: Optional[float] = None, log_to: Any = None, seed: int = 0,
           sync_stats: bool = False, record: bool = True,
           sparsity_margin: Optional[float] = SPARSITY_MARGIN,
@@ -879,10 +879,10 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
             Or a schedule: a function of the call index ``k`` (0 at the first enforced
             gradient) that returns True to refresh, e.g. ``lambda k: k < 100 or k % 10 == 0``
             (every call for 100, then every tenth). The first enforced call always refreshes.
-        start_step: warm-up: each layer's first ``start_step`` gradients pass unchanged while
+        warmup: each layer's first ``warmup`` gradients pass unchanged (a warm-up) while
             its statistics, threshold and scale follow them (the study trained half an epoch
             before pruning); the plan takes effect at the next one, warm. Warm-up calls are
-            not recorded; ``seq`` counts them (the first record has ``seq == start_step``).
+            not recorded; ``seq`` counts them (the first record has ``seq == warmup``).
         ema: decay of an exponential moving average of the statistics (None: the latest).
         log_to: a :class:`gradstats.Tracer`; each call's record goes into its run's
             ``"applied"`` table (``open_run(path).table("applied")``).
@@ -920,6 +920,6 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
         >>> handle.remove(); handle.summary()["format"].tolist()
         ['e4m3fn']
     """
-    return Applied(model, plan, refresh_every=refresh_every, start_step=start_step, ema=ema, log_to=log_to,
+    return Applied(model, plan, refresh_every=refresh_every, warmup=warmup, ema=ema, log_to=log_to,
                    seed=seed, sync_stats=sync_stats, record=record, sparsity_margin=sparsity_margin,
                    underflow_bound=underflow_bound, zero_calls=zero_calls, fallback=fallback)

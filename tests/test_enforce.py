@@ -740,13 +740,13 @@ def test_widen_ladder():
 WARM = Plan([PlanEntry("fc1", format="e3m2fn", scale="amax", rounding="stochastic", sparsity=0.8)])
 
 
-def warm_run(start_step, refresh_every=1, ema=0.5, n=6):
+def warm_run(warmup, refresh_every=1, ema=0.5, n=6):
     """The same gradients every call (no optimizer step): fc1's incoming gradient does not
     depend on the plan, so handles with different warm-ups see the same sequence."""
     torch.manual_seed(0)
     model = Net()
     raw, _ = outgoing_gradients(model, ["fc1"])
-    h = gradstats.apply(model, WARM, start_step=start_step, refresh_every=refresh_every, ema=ema)
+    h = gradstats.apply(model, WARM, warmup=warmup, refresh_every=refresh_every, ema=ema)
     seen, _ = outgoing_gradients(model, ["fc1"])
     for x, y in batches(n):
         model.zero_grad()
@@ -755,7 +755,7 @@ def warm_run(start_step, refresh_every=1, ema=0.5, n=6):
     return h, raw["fc1"], seen["fc1"]
 
 
-def test_start_step_leaves_the_first_gradients_unchanged_and_starts_warm():
+def test_warmup_leaves_the_first_gradients_unchanged_and_starts_warm():
     cold, _, _ = warm_run(0)
     h, raw, seen = warm_run(3)
     for i in range(3):                                   # warm-up: bit for bit the raw gradient
@@ -767,7 +767,7 @@ def test_start_step_leaves_the_first_gradients_unchanged_and_starts_warm():
     # cold handle reached after the same four gradients
     assert h.history[0]["threshold"] == pytest.approx(cold.history[3]["threshold"], rel=1e-12)
     assert h.history[0]["mu"] == pytest.approx(cold.history[3]["mu"], rel=1e-12)
-    assert h.state_dict()["start_step"] == 3 and h.to_dict()["start_step"] == 3
+    assert h.state_dict()["warmup"] == 3 and h.to_dict()["warmup"] == 3
 
 
 def test_refresh_schedule_is_a_function_of_the_call_index():
@@ -785,8 +785,8 @@ def test_refresh_schedule_is_a_function_of_the_call_index():
     assert h.state_dict()["refresh_every"].startswith("schedule:")
 
 
-@pytest.mark.parametrize("kw, match", [({"start_step": -1}, "start_step must be an int >= 0"),
-                                       ({"start_step": 1.5}, "start_step must be an int >= 0"),
+@pytest.mark.parametrize("kw, match", [({"warmup": -1}, "warmup must be an int >= 0"),
+                                       ({"warmup": 1.5}, "warmup must be an int >= 0"),
                                        ({"refresh_every": 0}, "refresh_every must be a positive int")])
 def test_warm_up_and_schedule_arguments_are_checked(kw, match):
     with pytest.raises(ValueError, match=match):
