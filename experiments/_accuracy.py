@@ -54,8 +54,8 @@ class Job:
     @property
     def key(self) -> str:
         """Names the job by what decides its result: experiment, model, label, seed, steps, data
-        and a digest of the plan without its provenance (a changed default makes a new job, not
-        a stale match)."""
+        and a digest of what of the plan is enforced (a changed default makes a new job, not a
+        stale match)."""
         data = "quick" if self.prepare else "full"
         if self.prepare and self.prepare != QUICK_PREPARE:
             data += "-" + _digest(self.prepare)
@@ -63,7 +63,15 @@ class Job:
         if self.plan is None:
             return f"baseline/{self.model}/{self.label}/seed{self.seed}/steps{self.steps}/{data}"
         return (f"{self.experiment}/{self.model}/{self.label}/seed{self.seed}/steps{self.steps}/{data}/"
-                f"plan-{_digest({k: v for k, v in self.plan.items() if k != 'provenance'})}")
+                f"plan-{_digest(_enforced(self.plan))}")
+
+
+def _enforced(plan: dict) -> dict:
+    """What of a ``Plan.to_dict()`` decides what ``apply`` does: without the provenance and the
+    entries' predictions (informational, never enforced)."""
+    out = {k: v for k, v in plan.items() if k != "provenance"}
+    out["layers"] = [{k: v for k, v in e.items() if k != "predicted"} for e in plan.get("layers", [])]
+    return out
 
 
 def _digest(obj: Any) -> str:

@@ -62,7 +62,7 @@ class _Moments:
     mu: np.ndarray
     sigma: np.ndarray
     p0: np.ndarray
-    amax: np.ndarray
+    amax: np.ndarray        # the maximum of one captured tensor (median over the captures)
     rows: list[dict[str, Any]]
     steps: tuple[int, int]
 
@@ -109,7 +109,10 @@ def _select_layers(run, layers: str | Sequence[str] | None) -> list[str]:
 def layer_moments(run: Any, *, step: Step = None, layers: str | Sequence[str] | None = None,
                   kind: str = "grad") -> "Any":
     """Per-layer ``mu``, ``sigma`` (of ``ln|g|``), ``p0`` and the merged statistics a
-    recommendation is made from, as a DataFrame (one row per layer, calls and ranks merged).
+    recommendation is made from, as a DataFrame (one row per layer, calls and ranks merged):
+    ``amax`` is the largest ``|g|`` of all the captures merged, ``numel`` and
+    ``amax_per_capture`` the size and (median) maximum of one captured tensor, which the format
+    predictions are conditioned on.
 
     ``step``: ``None`` (each layer's latest captured step), an int, or ``(first, last)``
     (inclusive) to merge a range of steps. ``layers``: ``None`` for every traced convolution
@@ -171,6 +174,10 @@ def _moments(run, *, step: Step, layers, kind: str, skip_empty: bool = True) -> 
         s0, s1 = min(int(r["step"]) for r in g), max(int(r["step"]) for r in g)
         m["first_step"], m["last_step"] = s0, s1
         m["numel"] = m["n"] / len(g)                     # elements of one captured tensor
+        # and its maximum: apply conditions on each tensor's own amax, so the predictions take a
+        # typical capture's maximum with that tensor's size (not the maximum over all captures,
+        # which is the extreme of len(g) tensors)
+        m["amax_per_capture"] = float(np.nanmedian([float(r["max_abs"]) for r in g]))
         mu, sigma = lognormal_moments(m)
         if skip_empty and not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
             empty.append(n)
@@ -180,7 +187,7 @@ def _moments(run, *, step: Step, layers, kind: str, skip_empty: bool = True) -> 
         mus.append(mu)
         sigmas.append(sigma)
         p0s.append(m["n_zero"] / m["n"] if m["n"] else math.nan)
-        amaxs.append(float(m["max_abs"]))
+        amaxs.append(m["amax_per_capture"])
         rows.append(m)
     if empty:
         log.warning("no recommendation for layers %s: their gradients have no spread at %s (all zero, "

@@ -462,6 +462,25 @@ def test_default_recommendation_bounds_the_bias_and_applies_what_it_predicted(cn
         recommend(run, bits=6, objective="snr")
 
 
+def test_merged_steps_predict_at_one_capture_not_at_the_extreme_of_all(cnn_run):
+    """Over a range of steps the predictions are conditioned on a typical capture's maximum (the
+    median of the per-step maxima) with that tensor's size, as apply conditions each call: not on
+    the maximum over all captures, the extreme of several tensors, with the size of one."""
+    model, run, grads, names = cnn_run
+    plan = recommend(run, bits=6, step=(1, 3))
+    mom = layer_moments(run, step=(1, 3)).set_index("layer")
+    for e in plan.entries:
+        maxima = [float(grads[s][e.layer].abs().max()) for s in (1, 2, 3)]
+        p = e.predicted
+        assert p.amax == pytest.approx(float(np.median(maxima)), rel=1e-6)
+        assert mom.loc[e.layer, "amax"] == pytest.approx(max(maxima), rel=1e-6)    # the merged row keeps the max
+        r = plan.resolve(model)[e.layer]
+        again = fpanalysis.expected_error(r.format, mu=p.mu, sigma=p.sigma, p0=p.p0, scale=p.scale,
+                                          rounding=r.rounding, amax=p.amax, numel=grads[1][e.layer].numel())
+        assert float(again.bias) == pytest.approx(p.bias, abs=1e-12)
+        assert r.scale_for(amax=p.amax) == p.scale
+
+
 def test_rounding_default_without_the_training_objective(cnn_run):
     model, run, grads, names = cnn_run
     assert recommend(run, bits=6, objective="mse").defaults.rounding == "stochastic"

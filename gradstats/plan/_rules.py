@@ -113,7 +113,9 @@ class Prediction:
         scale: the scale multiplier the analysis found best at recommendation time (the
             lognormal optimum, before the amax floor of :meth:`Rule.scale_for`).
         threshold: the pruning threshold the rule gave at recommendation time.
-        amax: the largest ``|g|`` seen in the statistics used.
+        amax: the largest ``|g|`` of one captured tensor that the predictions are conditioned
+            on (over merged steps: the median of the captures' maxima, since ``apply`` conditions
+            each call on its own tensor's maximum).
         bias: predicted relative magnitude bias ``E[|Q(g)| - |g|] / E|g|`` of the quantisation
             (negative: shrinkage; :attr:`gradstats.fpanalysis.ErrorResult.bias`).
         flushed: predicted fraction of the entries a non-zero value of which becomes zero.
