@@ -248,7 +248,8 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
               threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
               layers: str | Sequence[str] | None = None, model: str = "lognormal",
               objective: str = "training", bias_bound: float | None = None,
-              output_layer: str | bool | None = None) -> Union[Plan, dict[int, Plan]]:
+              output_layer: str | bool | None = None,
+              prune_at: str | bool | None = None) -> Union[Plan, dict[int, Plan]]:
     """Recommend a per-layer plan from a traced run's statistics.
 
     Args:
@@ -285,6 +286,12 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
             None or ``"auto"`` (the model's output layer, the last traced ``Linear``: the study's
             placement, :func:`gradstats.pruning.allocation.output_layer`), a name, or ``False``
             (plan it too). The plan records it (``Plan.output_layer``).
+        prune_at: where ``sparsity`` applies (:attr:`gradstats.Plan.prune_at`): None (default) is
+            ``"auto"`` with ``layers=None``: the layers whose output feeds a BatchNorm (the
+            study's placement; from the run's layers in call order), or every layer when the
+            model has none; with ``layers`` named, every one of them. ``False``: every layer;
+            ``"batchnorm_inputs"``: only those. The other layers are quantised and not pruned,
+            and their formats are chosen without a threshold. The plan records it.
         model: how formats are chosen (per-tensor scales): ``"lognormal"`` (the closed forms in each
             layer's mu and sigma, given its maximum) or ``"histogram"`` (each layer's binade histogram
             and maximum, :func:`gradstats.fpanalysis.best_format_from_stats`: no lognormal assumption,
@@ -344,8 +351,9 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
                          "(granularity='mx', 'nvfp4' or a block size) use model='lognormal'")
     r = _open(run)
     skip = None
+    default_selection = layers is None
     if layers is None and output_layer is not False:
-        from .pruning.allocation import output_layer as find_output
+        from .layers import output_layer as find_output
 
         skip = find_output(r) if output_layer in (None, "auto", True) else str(output_layer)
         chosen = [n for n in _select_layers(r, None) if n != skip]
@@ -353,8 +361,16 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
             raise ValueError(f"the run at {r.path} traced no convolution or linear layer but its output "
                              f"layer {skip!r}; pass output_layer=False to plan it")
         layers = chosen
+    from .plan._plan import default_prune_at
+
+    prune_at = default_prune_at(prune_at, default_selection)
     mom = _moments(r, step=step, layers=layers, kind="grad")
     thr, pred_sp = _pruning(mom, sparsity, threshold_rule)
+    if sparsity is not None and prune_at is not None:
+        where = Plan([], Rule(sparsity=sparsity), None, prune_at=prune_at).pruned_layers_of(r)
+        if where is not None:                # the layers not pruned: no threshold, no prediction
+            off = np.array([n not in set(where) for n in mom.layers])
+            thr, pred_sp = np.where(off, np.nan, thr), np.where(off, np.nan, pred_sp)
     training = objective == "training" and block_size is None and model == "lognormal"
     plans: dict[int, Plan] = {}
     for b in widths:
@@ -405,7 +421,8 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
                + f", objective={objective!r}"
                + f", candidates={cands if isinstance(cands, str) else [str(c) for c in cands]!r})")
         prov = Provenance.now(source=str(r.path), generator=gen, steps=mom.steps)
-        plans[b] = Plan(entries, defaults, prov, output_layer=skip)
+        plans[b] = Plan(entries, defaults, prov, output_layer=skip,
+                        prune_at=prune_at if sparsity is not None else None)
     return plans[widths[0]] if single else plans
 
 

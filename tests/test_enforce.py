@@ -30,13 +30,11 @@ class Net(nn.Module):
 
 def uniform(**kw):
     """``Plan.uniform`` as these tests were written: every convolution and linear layer, the
-    output layer included, nearest rounding and lognormal scales and thresholds unless given."""
+    output layer included, pruned wherever a sparsity is given (not only at BatchNorm inputs),
+    nearest rounding and lognormal scales and thresholds unless given."""
     for k, v in (("rounding", "nearest"), ("scale", "lognormal"), ("threshold_rule", "lognormal")):
         kw.setdefault(k, v)
-    try:
-        return Plan.uniform(output_layer=False, **kw)
-    except TypeError:                   # a Plan.uniform that plans the output layer anyway
-        return Plan.uniform(**kw)
+    return Plan.uniform(output_layer=False, prune_at=False, **kw)
 
 
 def batches(n=6, bs=16, seed=0):

@@ -199,7 +199,14 @@ def test_uniform_plans_every_conv_and_linear_layer(name):
     out = gradstats.pruning.allocation.output_layer(model)
     assert out == _conv_linear(model)[-1] and plan.output_layer_of(model) == out
     assert list(rules) == _conv_linear(model)[:-1]
-    assert all(r == Rule(format="e3m2fn", sparsity=0.85, rounding="stochastic") for r in rules.values())
+    # ... and pruning goes where the gradient enters a BatchNorm (the convolutions of the CNN and
+    # ResNet-20); models without BatchNorm are pruned on every planned layer
+    bn_fed = {"cnn": ["conv1", "conv2"], "resnet20": [n for n in _conv_linear(model) if "conv" in n or "shortcut" in n],
+              "transformer": None, "mlp": None}[name]
+    assert plan.pruned_layers_of(model) == bn_fed
+    for n, r in rules.items():
+        pruned = bn_fed is None or n in bn_fed
+        assert r == Rule(format="e3m2fn", sparsity=0.85 if pruned else None, rounding="stochastic"), n
     every = Plan.uniform(format="e3m2fn", output_layer=False).resolve(model)
     assert list(every) == _conv_linear(model)
     # the defaults follow what trains: stochastic rounding at the amax scale up to 6 bits
@@ -483,3 +490,32 @@ def test_scale_shift_is_relative_to_the_running_amax():
     plan = Plan([PlanEntry("a", format="e4m3fn", scale="amax", scale_shift=-1)])
     again = Plan.from_dict(plan.to_dict())
     assert again.resolve(["a"])["a"].scale_shift == -1
+
+
+# --------------------------------------------------------------------------- prune_at
+def test_prune_at_keeps_pruning_where_the_gradient_enters_a_batchnorm():
+    model = build_model("cnn")
+    plan = Plan.uniform(format="e4m3fn", sparsity=0.85)
+    assert plan.prune_at == "auto"
+    rules = plan.resolve(model)
+    assert {n: r.sparsity for n, r in rules.items()} == {"conv1": 0.85, "conv2": 0.85, "fc1": None}
+    assert str(rules["fc1"].format) == "e4m3fn"                 # quantised, not pruned
+    # pruning alone: a layer left with nothing to do is not planned
+    assert list(Plan.uniform(sparsity=0.85).resolve(model)) == ["conv1", "conv2"]
+    # an entry naming a layer exactly and setting sparsity still prunes it
+    named = plan.with_entries(PlanEntry("fc1", sparsity=0.5)).resolve(model)
+    assert named["fc1"].sparsity == 0.5
+    # no restriction: False, a named selection, a plan of entries, a list target
+    assert all(r.sparsity == 0.85 for r in Plan.uniform(sparsity=0.85, prune_at=False).resolve(model).values())
+    assert Plan.uniform(sparsity=0.85, layers=["conv1", "fc1"]).prune_at is None
+    assert Plan([PlanEntry("*", sparsity=0.5)]).prune_at is None
+    assert plan.pruned_layers_of(["conv1", "fc1"]) is None
+    # strict: only the BatchNorm inputs, none on a model without them
+    strict = Plan.uniform(sparsity=0.85, prune_at="batchnorm_inputs")
+    assert strict.resolve(build_model("mlp")) == {}
+    assert list(Plan.uniform(sparsity=0.85).resolve(build_model("mlp")))       # auto: everywhere
+    # without pruning nothing is recorded; the document keeps it
+    assert Plan.uniform(format="e4m3fn").prune_at is None
+    assert Plan.from_dict(plan.to_dict()) == plan and plan.to_dict()["prune_at"] == "auto"
+    with pytest.raises(ValueError, match="prune_at must be one of"):
+        Plan([], prune_at="everywhere")

@@ -23,8 +23,10 @@ STEPS = 5
 
 def recommend_mse(run, **kw):
     """recommend with the criterion and defaults these tests check: the relative MSE (still a
-    named objective), round-to-nearest, the lognormal threshold, every conv and linear layer."""
+    named objective), round-to-nearest, the lognormal threshold, every conv and linear layer
+    (pruned too, not only where the gradient enters a BatchNorm)."""
     kw.setdefault("objective", "mse")
+    kw.setdefault("prune_at", False)
     kw.setdefault("rounding", "nearest")
     kw.setdefault("output_layer", False)
     kw.setdefault("threshold_rule", "lognormal")
@@ -298,6 +300,7 @@ def test_cli_recommend(cnn_run, tmp_path, capsys):
     plan = Plan.load(out)
     assert plan.defaults.sparsity == 0.85 and [e.layer for e in plan.entries] == names[:-1]
     assert plan.output_layer == "fc2" and plan.defaults.threshold_rule == "histogram"
+    assert plan.prune_at == "auto" and "pruned where the gradient enters a BatchNorm: conv1, conv2" in text
     assert main(["recommend", str(run.path), "--bits", "8", "--all-layers", "--objective", "mse",
                  "-o", str(out)]) == 0
     assert [e.layer for e in Plan.load(out).entries] == names
@@ -460,6 +463,30 @@ def test_default_recommendation_bounds_the_bias_and_applies_what_it_predicted(cn
     assert all(e.predicted.bias is None for e in mse.entries)
     with pytest.raises(ValueError, match="objective must be one of"):
         recommend(run, bits=6, objective="snr")
+
+
+def test_recommend_prunes_where_the_gradient_enters_a_batchnorm(cnn_run):
+    """The study's placement by default: the convolutions (their outputs feed BatchNorm) are
+    pruned, fc1 is quantised only, its format chosen without a threshold; the plan says so, and
+    prune_at=False prunes every planned layer."""
+    model, run, grads, names = cnn_run
+    plan = recommend(run, bits=6, sparsity=0.85)
+    assert plan.prune_at == "auto" and plan.pruned_layers_of(run) == plan.pruned_layers_of(model) == ["conv1", "conv2"]
+    rules = plan.resolve(model)
+    assert list(rules) == ["conv1", "conv2", "fc1"]
+    assert [n for n, r in rules.items() if r.prunes] == ["conv1", "conv2"]
+    fc1 = rules["fc1"]
+    assert fc1.quantizes and fc1.predicted.sparsity is None and fc1.predicted.threshold is None
+    alone = recommend(run, bits=6, layers=["fc1"]).resolve(model)["fc1"]      # no pruning asked
+    assert (str(alone.format), alone.rounding, alone.scale_shift) == (str(fc1.format), fc1.rounding, fc1.scale_shift)
+    assert fc1.predicted.error == pytest.approx(alone.predicted.error, rel=1e-12)
+    assert all(r.predicted.sparsity == pytest.approx(0.85, abs=1e-9) for n, r in rules.items() if r.prunes)
+    every = recommend(run, bits=6, sparsity=0.85, prune_at=False)
+    assert every.prune_at is None and all(r.prunes for r in every.resolve(model).values())
+    assert Plan.from_dict(plan.to_dict()).prune_at == "auto"
+    applied = gradstats.apply(model, plan)
+    assert [n for n, r in applied.rules.items() if r.prunes] == ["conv1", "conv2"] and "fc1" in applied.rules
+    applied.remove()
 
 
 def test_merged_steps_predict_at_one_capture_not_at_the_extreme_of_all(cnn_run):

@@ -77,6 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "mse: least relative mean squared error")
     p.add_argument("--all-layers", action="store_true",
                    help="plan the output layer (the logits) too; by default it stays in full precision")
+    p.add_argument("--prune-everywhere", action="store_true",
+                   help="with --sparsity, prune every planned layer; by default only the layers whose "
+                        "output feeds a BatchNorm (the study's placement) when the model has any")
     p.add_argument("--step", type=_step, default=None,
                    help="statistics of step N, of steps FIRST:LAST merged, or 'last' (default: each "
                         "layer's latest step)")
@@ -151,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
                        sparsity=args.sparsity, granularity=args.granularity,
                        rounding=args.rounding, step=args.step, threshold_rule=args.threshold_rule,
                        layers=layers, model=args.model, candidates=args.candidates,
-                       objective=args.objective, output_layer=False if args.all_layers else None)
+                       objective=args.objective, output_layer=False if args.all_layers else None,
+                       prune_at=False if args.prune_everywhere else None)
     plans = result if isinstance(result, dict) else {args.bits[0]: result}
     for b, plan in plans.items():
         print(f"== {b}-bit plan for {args.run}")
@@ -159,6 +163,13 @@ def run(args: argparse.Namespace) -> int:
         if plan.output_layer:
             print(f"output layer {plan.output_layer} left in full precision and unpruned "
                   "(--all-layers plans it too)")
+        if plan.prune_at and plan.defaults.prunes:
+            from gradstats.run import open_run
+
+            where = plan.pruned_layers_of(open_run(args.run))
+            if where is not None:
+                print(f"pruned where the gradient enters a BatchNorm: {', '.join(where)} "
+                      "(--prune-everywhere prunes every planned layer)")
         if args.out:
             path = args.out.replace("{bits}", str(b))
             plan.save(path)

@@ -33,57 +33,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..layers import batchnorm_inputs  # noqa: F401 - re-exported: the layers this diagnostic is for
+
 __all__ = ["batchnorm_inputs", "weight_gradient_alignment", "AlignmentResult"]
 
-_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
-
-
-def batchnorm_inputs(model: nn.Module, *inputs: Any, **kwargs: Any) -> list[str]:
-    """The names of the convolution and linear layers whose output is the input of a BatchNorm
-    (the layers whose exact weight gradient is orthogonal to their weights, channel by channel),
-    found by one forward pass of ``model(*inputs, **kwargs)`` without gradients; names as runs
-    and plans use them (:func:`gradstats.wrappers.named_layers`).
-
-    Example:
-        >>> import torch
-        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
-        >>> batchnorm_inputs(net, torch.randn(3, 4))
-        ['0']
-    """
-    from ..wrappers import named_layers
-
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"batchnorm_inputs needs a torch.nn.Module, got {type(model).__name__}")
-    produced: dict[int, str] = {}
-    found: list[str] = []
-    handles = []
-
-    def after(name: str):
-        def hook(m: nn.Module, i: Any, out: Any) -> None:
-            if isinstance(out, torch.Tensor):
-                produced[id(out)] = name
-        return hook
-
-    def before(m: nn.Module, i: Any) -> None:
-        if i and isinstance(i[0], torch.Tensor) and id(i[0]) in produced:
-            name = produced[id(i[0])]
-            if name not in found:
-                found.append(name)
-
-    for name, m in named_layers(model):
-        if isinstance(m, _LAYERS):
-            handles.append(m.register_forward_hook(after(name)))
-        elif isinstance(m, _BN):
-            handles.append(m.register_forward_pre_hook(before))
-    try:
-        with torch.no_grad():
-            model(*inputs, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    order = [n for n, _ in named_layers(model)]
-    return sorted(found, key=order.index)
 
 
 @dataclass(frozen=True)

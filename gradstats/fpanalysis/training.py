@@ -136,7 +136,8 @@ def choose_for_training(bits: int, *, mu: P.ArrayLike, sigma: P.ArrayLike, amax:
         shifts: the scale shifts (binades) searched.
         threshold: the pruning threshold applied before quantising, per layer (optional): then
             nearest rounding is only considered at scales that keep the threshold representable
-            (``threshold * s`` at least the smallest positive value): the pruned tensor holds
+            (``threshold * s`` at least the smallest positive value; 0: that layer is not
+            pruned): the pruned tensor holds
             ``+-threshold`` in place of many small values, and flushing those would be a large
             bias. Stochastic rounding stays unbiased below the smallest value.
         names: layer names (for the DataFrame view).
@@ -180,7 +181,8 @@ def choose_for_training(bits: int, *, mu: P.ArrayLike, sigma: P.ArrayLike, amax:
                 sc = base * math.ldexp(1.0, k)
                 ok = (sc >= 2.0 ** -126) & (sc <= 2.0 ** 126)
                 if thr is not None and rounding == "nearest":
-                    ok &= thr * sc >= fmt.min_subnormal    # pruned values flushed would be a bias
+                    # pruned values flushed would be a bias (a threshold of 0: not pruned)
+                    ok &= (thr <= 0) | (thr * sc >= fmt.min_subnormal)
                 if not ok.any():
                     continue
                 r = expected_error(fmt, mu=mu_, sigma=s_, p0=p0_, scale=np.where(ok, sc, 1.0),

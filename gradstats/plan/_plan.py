@@ -62,6 +62,21 @@ def _modules_of(target: Any) -> list[tuple[str, tuple[str, ...] | None]]:
 
 
 # --------------------------------------------------------------------------- the plan
+#: the values of :attr:`Plan.prune_at`
+PRUNE_AT = (None, "auto", "batchnorm_inputs")
+
+
+def default_prune_at(prune_at: str | bool | None, default_selection: bool) -> str | None:
+    """``prune_at`` as given to ``Plan.uniform`` or ``recommend``: None is ``"auto"`` with the
+    default layer selection and no restriction with layers named; True is ``"auto"``; False is
+    no restriction."""
+    if prune_at is None:
+        return "auto" if default_selection else None
+    if prune_at is True:
+        return "auto"
+    if prune_at is False:
+        return None
+    return prune_at
 @dataclass(frozen=True)
 class Plan:
     """A per-layer plan for the neural gradients of a model (see the module doc for precedence).
@@ -77,6 +92,16 @@ class Plan:
             ``recommend`` use ``"auto"``: the study kept the classifier in full precision and
             unpruned, and pruning the logits' gradient is what cost accuracy on our CNN. Pattern
             entries skip it; an entry naming it exactly still plans it.
+        prune_at: where the rules' pruning applies: None (wherever they say; the default of a
+            plan built from entries), ``"auto"`` (the layers whose output feeds a BatchNorm, the
+            study's placement, when the model has any such layer; otherwise everywhere) or
+            ``"batchnorm_inputs"`` (only those). On the other layers a ``sparsity`` that comes
+            from the defaults or a pattern entry is dropped (their format stays); an entry naming
+            a layer exactly and setting ``sparsity`` still prunes it. The layers are found from
+            the structure (:func:`gradstats.layers.batchnorm_inputs`); against a plain list of
+            names nothing is known and nothing is dropped. ``Plan.uniform`` and ``recommend`` use
+            ``"auto"``: pruning a linear layer's gradient costs more (its weight gradient sums
+            over the batch alone, a convolution's over every position too).
 
     Example:
         >>> import tempfile, os
@@ -94,10 +119,14 @@ class Plan:
     defaults: Rule = field(default_factory=Rule)
     provenance: Provenance | None = field(default_factory=Provenance.now)
     output_layer: str | None = None
+    prune_at: str | None = None
 
     def __post_init__(self) -> None:
         if self.output_layer is not None and (not isinstance(self.output_layer, str) or not self.output_layer):
             raise ValueError(f"output_layer must be a layer name, 'auto' or None, got {self.output_layer!r}")
+        if self.prune_at not in PRUNE_AT:
+            raise ValueError(f"prune_at must be one of {list(PRUNE_AT)} (None: wherever the rules say), got "
+                             f"{self.prune_at!r}")
         if isinstance(self.entries, (str, bytes, Mapping, PlanEntry)) or not isinstance(self.entries, Iterable):
             raise ValueError(f"entries must be a list of PlanEntry (or dicts), got {type(self.entries).__name__}")
         entries = []
@@ -127,7 +156,7 @@ class Plan:
                 layers: Sequence[str] | str | None = None, scale_value: float | None = None,
                 threshold_rule: str | None = None, block_size: int | None = None,
                 scale_format: str | None = None, source: str | os.PathLike[str] | None = None,
-                output_layer: str | bool | None = None) -> "Plan":
+                output_layer: str | bool | None = None, prune_at: str | bool | None = None) -> "Plan":
         """The same rule on every selected layer.
 
         ``layers``: names or globs (``"re:..."`` for a regex); ``None`` selects every convolution and
@@ -135,7 +164,10 @@ class Plan:
         ``output_layer``: ``"auto"`` leaves the model's output layer (the logits: the last
         ``Linear``) in full precision and unpruned, as the study did; a name leaves that layer;
         ``False`` plans it like the others; None (default): ``"auto"`` with the default selection,
-        ``False`` when ``layers`` names the layers. The defaults follow what trains: ``rounding`` stochastic for formats of
+        ``False`` when ``layers`` names the layers. ``prune_at`` (see :class:`Plan`): None (default)
+        is ``"auto"`` with the default selection (prune where the gradient enters a BatchNorm, if
+        the model has such layers), no restriction when ``layers`` names the layers; ``False``: no
+        restriction. The defaults follow what trains: ``rounding`` stochastic for formats of
         6 bits or fewer (round-to-nearest flushes most small values of a wide layer to zero, a
         bias SGD does not average away; ``docs/fpanalysis.md``), nearest otherwise; ``scale``
         ``"amax"`` with stochastic rounding (unbiased to the smallest value; the tensor's maximum
@@ -177,10 +209,12 @@ class Plan:
             output_layer = None
         elif output_layer is True:
             output_layer = "auto"
+        prune_at = default_prune_at(prune_at, layers is None)
         gen = (f"Plan.uniform(format={None if format is None else str(defaults.format)!r}, "
                f"sparsity={sparsity!r}, rounding={rounding!r}, scale={scale!r})")
         prov = Provenance.now(source=None if source is None else os.fspath(source), generator=gen)
-        return cls(entries, defaults, prov, output_layer=output_layer)
+        return cls(entries, defaults, prov, output_layer=output_layer,
+                   prune_at=prune_at if defaults.prunes else None)
 
     def with_entries(self, *entries: PlanEntry | Mapping[str, Any]) -> "Plan":
         """A copy with ``entries`` appended (they take precedence over earlier ones of their kind)."""
@@ -223,14 +257,40 @@ class Plan:
             return None
         if self.output_layer != "auto":
             return self.output_layer
-        from ..pruning.allocation import output_layer
+        from ..layers import output_layer
 
         return output_layer({n: (t[0] if t else None) for n, t in _modules_of(target)}) \
             if not isinstance(target, (list, tuple)) else None
 
+    def pruned_layers_of(self, target: Any) -> list[str] | None:
+        """The layers of ``target`` where ``prune_at`` lets the rules prune, or None where it
+        restricts nothing (``prune_at=None``, ``"auto"`` on a model without BatchNorm inputs, a
+        plain list of names).
+
+        Example:
+            >>> import torch.nn as nn
+            >>> net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(8),
+            ...                     nn.ReLU(), nn.Linear(8, 2))
+            >>> Plan.uniform(sparsity=0.85).pruned_layers_of(net)
+            ['0']
+        """
+        if self.prune_at is None or isinstance(target, (list, tuple)):
+            return None
+        from ..layers import batchnorm_inputs
+
+        src = target
+        if not hasattr(target, "named_modules") and not hasattr(target, "layer_info"):
+            src = {n: (t[0] if t else None) for n, t in _modules_of(target)}
+        found = batchnorm_inputs(src)
+        if not found and self.prune_at == "auto":
+            return None
+        return found
+
     def _resolve(self, target: Any, *, strict: bool) -> list[tuple[str, Rule, list[int]]]:
         modules = _modules_of(target)
         skip = self.output_layer_of(target)
+        pruned = self.pruned_layers_of(target)
+        pruned = None if pruned is None else set(pruned)
         hits = [0] * len(self.entries)
         exact: dict[str, list[int]] = {}
         patterns: list[int] = []
@@ -248,6 +308,11 @@ class Plan:
                 continue            # the output layer: only an entry naming it exactly plans it
             rule = self._complete([self.entries[i] for i in idx],
                                   f"module {name!r} (entries {[self.entries[i].layer for i in idx]})")
+            if (pruned is not None and name not in pruned and rule.prunes and not any(
+                    not self.entries[i].is_pattern and "sparsity" in self.entries[i].overrides for i in idx)):
+                rule = dataclasses.replace(rule, sparsity=None)     # prune_at: not where it prunes
+                if rule.is_identity:
+                    continue
             out.append((name, rule, idx))
         missing = [self.entries[i] for i, h in enumerate(hits) if h == 0]
         if missing:
@@ -294,7 +359,8 @@ class Plan:
                 "defaults": _fields_to_json({k: getattr(self.defaults, k) for k in RULE_FIELDS
                                              if k != "predicted"}),
                 "layers": [e.to_dict() for e in self.entries],
-                **({"output_layer": self.output_layer} if self.output_layer is not None else {})}
+                **({"output_layer": self.output_layer} if self.output_layer is not None else {}),
+                **({"prune_at": self.prune_at} if self.prune_at is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Any) -> "Plan":
@@ -310,7 +376,8 @@ class Plan:
         if v > SCHEMA_VERSION:
             raise ValueError(f"plan schema version {v} is newer than this gradstats reads "
                              f"(version {SCHEMA_VERSION}); upgrade gradstats")
-        _check_keys(d, ("schema", "version", "provenance", "defaults", "layers", "output_layer"), "plan")
+        _check_keys(d, ("schema", "version", "provenance", "defaults", "layers", "output_layer", "prune_at"),
+                    "plan")
         layers = d.get("layers", [])
         if not isinstance(layers, list):
             raise ValueError(f"plan: 'layers' must be a list of entries, got {type(layers).__name__}")
@@ -318,7 +385,7 @@ class Plan:
         return cls(entries=[PlanEntry.from_dict(e, f"layers[{i}]") for i, e in enumerate(layers)],
                    defaults=_defaults_from_dict(d.get("defaults", {})),
                    provenance=None if prov is None else Provenance.from_dict(prov),
-                   output_layer=d.get("output_layer"))
+                   output_layer=d.get("output_layer"), prune_at=d.get("prune_at"))
 
     def to_json(self) -> str:
         """The plan document as indented JSON text."""

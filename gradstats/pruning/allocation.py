@@ -31,12 +31,13 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..layers import output_layer  # noqa: F401 - its home is gradstats.layers; importable here too
 from ..stats import HIST_BINS, HIST_MIN_EXP, merge_stats
 from ._models import solve_ratio
 from .thresholds import (MODELS, _row_params, _subset, added_variance, expected_sparsity, resolve,
@@ -51,96 +52,6 @@ ALLOCATION_MODELS = ("histogram",) + MODELS
 
 
 # ----------------------------------------------------------------------------- the output layer
-def _linear_name(name: str) -> bool:
-    return name == "Linear" or name.endswith("Linear")
-
-
-def output_layer(source: Any) -> str | None:
-    """The layer whose output reaches the loss (the logits): the last layer, in model order,
-    whose type is ``Linear``; ``None`` when there is none.
-
-    The study leaves this layer unpruned and unquantised, and pruning the logits gradient is
-    what costs accuracy (a CNN on Fashion-MNIST lost 0.8 points at 85%); :func:`allocate`
-    excludes it by default. ``source``: a :class:`gradstats.run.Run` (its traced layers, in
-    model order), its ``layer_info()`` DataFrame (columns ``name``, ``type``), the manifest's
-    list of ``{name, type}`` records, an ``nn.Module`` (every module, in ``named_modules()``
-    order; ``isinstance(m, nn.Linear)``), or a mapping name -> module, class or class name. A
-    type given by name counts as linear when it is ``Linear`` or ends in ``Linear``
-    (``LazyLinear``, ``NonDynamicallyQuantizableLinear``, ``ColumnParallelLinear``). Models whose
-    logits come from something else (an embedding matrix used functionally, a custom module)
-    must name their output layer (``allocate(..., output_layer="head")``).
-
-    Example:
-        >>> import torch.nn as nn
-        >>> output_layer(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
-        '2'
-        >>> output_layer({"conv1": "Conv2d", "fc1": "Linear", "fc2": "Linear", "bn": "BatchNorm1d"})
-        'fc2'
-        >>> output_layer({"conv1": "Conv2d"}) is None
-        True
-    """
-    return _output_layer(_typed_layers(source))
-
-
-def _output_layer(typed: list[tuple[str, bool]]) -> str | None:
-    last = None
-    for name, linear in typed:
-        if linear:
-            last = name
-    return last
-
-
-def _typed_layers(source: Any) -> list[tuple[str, bool]]:
-    """``(name, is linear)`` of every layer of ``source``, in model order."""
-    import pandas as pd
-    import torch.nn as nn
-
-    from ..run import Run
-
-    if isinstance(source, Run):
-        source = source.layer_info()
-    if isinstance(source, nn.Module):
-        from ..wrappers import named_layers
-
-        return [(n, isinstance(m, nn.Linear) or _linear_name(type(m).__name__))
-                for n, m in named_layers(source)]
-    if isinstance(source, pd.DataFrame):
-        if len(source) == 0:
-            return []
-        if not {"name", "type"} <= set(source.columns):
-            raise ValueError("a layer table needs the columns 'name' and 'type' (Run.layer_info()); "
-                             f"got {list(source.columns)}")
-        return [(str(n), isinstance(t, str) and _linear_name(t))
-                for n, t in zip(source["name"], source["type"])]
-    if isinstance(source, Mapping):
-        out = []
-        for n, t in source.items():
-            if isinstance(t, nn.Module):
-                lin = isinstance(t, nn.Linear) or _linear_name(type(t).__name__)
-            elif isinstance(t, type):
-                lin = issubclass(t, nn.Linear) or _linear_name(t.__name__)
-            elif isinstance(t, str):
-                lin = _linear_name(t)
-            elif t is None:        # type unknown
-                lin = False
-            else:
-                raise ValueError(f"a mapping of layers must map names to modules, classes or class "
-                                 f"names; {n!r} maps to a {type(t).__name__}")
-            out.append((str(n), lin))
-        return out
-    if isinstance(source, Iterable) and not isinstance(source, (str, bytes)):
-        out = []
-        for rec in source:
-            if not (isinstance(rec, Mapping) and "name" in rec):
-                raise ValueError("a list of layers must hold {name, type} records (the run manifest's "
-                                 f"'layers'); got {rec!r}")
-            t = rec.get("type")
-            out.append((str(rec["name"]), isinstance(t, str) and _linear_name(t)))
-        return out
-    raise ValueError("output_layer takes a Run, its layer_info() table, the manifest's layer records, "
-                     f"an nn.Module or a mapping name -> module/class/class name; got {type(source).__name__}")
-
-
 # ----------------------------------------------------------------------------- conditioned model
 def _moment_antiderivative(c: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
     """``G`` with ``G' = p'(t) e^(k t)`` for the cubic ``p = c0 t^3 + c1 t^2 + c2 t + c3``:
@@ -677,7 +588,7 @@ def _excluded(names: list[str], output: Any, exclude: Any, layer_info: Any, run:
     if isinstance(output, str) and output == "auto":
         source = layer_info if layer_info is not None else run
         if source is not None:     # the model's output layer, if it is among the layers given
-            out_name = _output_layer(_typed_layers(source))
+            out_name = output_layer(source)
             if out_name not in names:
                 out_name = None
         elif warn:
