@@ -13,25 +13,7 @@ from torch import nn
 import gradstats
 from gradstats.fpanalysis import AlignmentResult, batchnorm_inputs, weight_gradient_alignment
 from gradstats.training import prepare
-
-
-class Branchy(nn.Module):
-    """conv -> bn (fed), conv -> relu -> bn (not fed directly), linear -> bn1d (fed)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Conv2d(1, 4, 3, padding=1)
-        self.bn_a = nn.BatchNorm2d(4)
-        self.b = nn.Conv2d(4, 4, 3, padding=1)
-        self.bn_b = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4 * 8 * 8, 6)
-        self.bn_fc = nn.BatchNorm1d(6)
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x):
-        x = self.bn_a(self.a(x))
-        x = self.bn_b(torch.relu(self.b(x)))
-        return self.head(self.bn_fc(self.fc(x.flatten(1))))
+from nets import Branchy
 
 
 def test_batchnorm_inputs_are_the_layers_whose_output_a_batchnorm_reads():

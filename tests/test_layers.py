@@ -9,25 +9,7 @@ from torch import nn
 import gradstats
 from gradstats.layers import batchnorm_inputs, layer_records, output_layer
 from gradstats.models import build_model
-
-
-class Functional(nn.Module):
-    """A functional ReLU between a convolution and its BatchNorm: invisible to the structure."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Conv2d(1, 4, 3, padding=1)
-        self.bn_a = nn.BatchNorm2d(4)
-        self.b = nn.Conv2d(4, 4, 3, padding=1)
-        self.bn_b = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4 * 8 * 8, 6)
-        self.bn_fc = nn.BatchNorm1d(6)
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x):
-        x = self.bn_a(self.a(x))
-        x = self.bn_b(torch.relu(self.b(x)))
-        return self.head(self.bn_fc(self.fc(x.flatten(1))))
+from nets import Branchy
 
 
 @pytest.mark.parametrize("name, shape", [("cnn", (4, 1, 28, 28)), ("resnet20", (2, 1, 28, 28))])
@@ -55,7 +37,7 @@ def test_a_run_gives_the_same_layers_in_call_order(tmp_path):
 
 
 def test_widths_must_match_and_functional_ops_are_invisible_to_the_structure():
-    net = Functional()
+    net = Branchy()
     # the forward pass sees the ReLU between b and bn_b; the structure cannot
     assert batchnorm_inputs(net, torch.randn(5, 1, 8, 8)) == ["a", "fc"]
     assert batchnorm_inputs(net) == ["a", "b", "fc"]
