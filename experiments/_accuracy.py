@@ -246,10 +246,12 @@ def parse_args(doc: str, argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="tiny data, a few steps, one seed (smoke test)")
     ap.add_argument("--out", default=str(RESULTS), help="directory of the JSON results and figures")
     ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, dest="seed_list",
+                    help="seeds to train (default: the experiment's own)")
     args = ap.parse_args(argv)
     args.out = Path(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
-    args.seeds = (0,) if args.quick else SEEDS
+    args.seeds = tuple(args.seed_list) if args.seed_list else ((0,) if args.quick else SEEDS)
     args.prepare = QUICK_PREPARE if args.quick else {}
     args.steps = (lambda m: QUICK_STEPS) if args.quick else (lambda m: STEPS[m])
     args.calibration_steps = 3 if args.quick else CALIBRATION_STEPS

@@ -18,7 +18,10 @@ SGD steps at batch 128, cosine schedule) for each seed, with
 Each configuration's accuracy is compared with the baseline's of the same seed (same data order
 and initialisation): the mean paired difference and its standard error.
 
-    python experiments/recommend_accuracy.py [--quick] [--out DIR] [--workers N] [--seeds N]
+    python experiments/recommend_accuracy.py [--quick] [--out DIR] [--workers N] [--seeds S ...]
+                                             [--defaults-only]
+
+(``--defaults-only``: the baseline and the three default plans alone, e.g. for more seeds.)
 
 Writes ``recommend_accuracy.json`` to ``--out`` (default ``experiments/results``); finished jobs
 are kept in ``recommend_jobs.jsonl`` there (an interrupted run resumes).
@@ -87,13 +90,20 @@ def paired(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    args = parse_args(__doc__, argv)
-    seeds = args.seeds if args.quick else SEEDS
+    import argparse
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--defaults-only", action="store_true")
+    known, rest = pre.parse_known_args(argv)
+    args = parse_args(__doc__, rest)
+    seeds = args.seeds if (args.quick or args.seed_list) else SEEDS
     t0 = time.perf_counter()
     model, steps = "cnn", args.steps("cnn")
     calib = calibrate(model, prepare_kw=args.prepare, steps=args.calibration_steps)
     jobs = [Job(EXPERIMENT, "baseline", model, s, steps, None, {"kind": "baseline"}, args.prepare) for s in seeds]
     for label, info, plan in plans(model, calib):
+        if known.defaults_only and info["kind"] != "default":
+            continue
         jobs += [Job(EXPERIMENT, label, model, s, steps, plan, info, args.prepare) for s in seeds]
     df = run_jobs(jobs, args.out / "recommend_jobs.jsonl", workers=args.workers, desc="recommend vs hand-picked")
     table = paired(df)
