@@ -187,7 +187,19 @@ def section_push(p: dict) -> str:
     return "\n".join(out)
 
 
-def section_recommend(p: dict) -> str:
+def _ten_seeds(p10: dict) -> str:
+    t = pd.DataFrame(p10["table"])
+    t["paired"] = t.apply(lambda r: "-" if r["label"] == "baseline" else
+                          f"{r['diff_mean']:+.2f} ± {r['diff_se']:.2f}", axis=1)
+    t["accuracy"] = _acc(t)
+    return ("\nThe default plans again with seeds 0-" + str(max(p10["seeds"])) + " (`" + p10["command"]
+            + " --defaults-only --seeds " + " ".join(map(str, p10["seeds"]))
+            + " --out experiments/results/recommend_10seeds`):\n\n"
+            + md_table(t, {"label": "configuration", "accuracy": "test accuracy %", "paired": "paired Δ ± SE",
+                           "within_1se": "within 1 SE"}))
+
+
+def section_recommend(p: dict, p10: dict | None = None) -> str:
     t = pd.DataFrame(p["table"])
     t["accuracy"] = _acc(t)
     t["paired"] = t.apply(lambda r: "-" if r["label"] == "baseline" else
@@ -216,6 +228,8 @@ def section_recommend(p: dict) -> str:
         lines.append("hand-picked FP6 configurations that beat `recommend(bits=6)` by more than its standard "
                      f"error: {', '.join(better['label']) or 'none'}")
     out.append("\nFindings: " + "; ".join(lines) + ".\n")
+    if p10 is not None:
+        out.append(_ten_seeds(p10))
     return "\n".join(out)
 
 
@@ -305,7 +319,12 @@ def main(argv: list[str] | None = None) -> str:
         if path.exists():
             payload = json.loads(path.read_text())
             total += compute_seconds(payload)
-            parts.append(fn(payload))
+            more = res / "recommend_10seeds" / "recommend_accuracy.json"
+            if name == "recommend_accuracy" and more.exists():
+                p10 = json.loads(more.read_text())
+                parts.append(fn(payload, p10))
+            else:
+                parts.append(fn(payload))
         else:
             parts.append(f"## {name}\n\nNo results yet: run `python experiments/{name}.py`.\n")
     text = HEADER.format(hours=total / 3600) + "\n" + "\n".join(parts) + "\n" + GPU
