@@ -617,7 +617,10 @@ class Applied:
             if excess > self.sparsity_margin + 1.5 / math.sqrt(n):
                 cause = (f"the format flushed {c.underflow / n:.1%} of the entries: raise the scale, use "
                          "rounding='stochastic', or lower the target" if 2 * c.underflow >= excess * n else
-                         "the threshold model misses this layer's distribution: try threshold_rule='histogram'")
+                         "the threshold model misses this layer's distribution: try threshold_rule='histogram'"
+                         if rule.threshold_rule != "histogram" else
+                         "the gradient changed since the threshold was refreshed: refresh more often "
+                         "(refresh_every) or use ema=None")
                 self._alert(name, st, "sparsity", (
                     f"achieved sparsity {c.zeros / n:.3f} exceeds the target {rule.sparsity:g} by {excess:.3f} "
                     f"(margin {self.sparsity_margin:g}; call {st.seq}): {cause}"))

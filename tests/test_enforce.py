@@ -789,3 +789,19 @@ def test_refresh_schedule_is_a_function_of_the_call_index():
 def test_warm_up_and_schedule_arguments_are_checked(kw, match):
     with pytest.raises(ValueError, match=match):
         gradstats.apply(Net(), WARM, **kw)
+
+
+def test_sparsity_alert_of_the_histogram_rule_points_at_the_refresh(caplog):
+    """With the histogram rule a stale threshold, not the rule, is what overshoots: the alert
+    says to refresh more often instead of suggesting the rule in force."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256))
+    plan = Plan([PlanEntry("0", sparsity=0.5, threshold_rule="histogram")])
+    x = torch.randn(64, 16)
+    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+        h = gradstats.apply(model, plan, refresh_every=100)
+        for c in (1.0, 0.01):                 # the second gradient is 100x smaller: stale threshold
+            model.zero_grad()
+            (model(x) * torch.randn(64, 256) * c).sum().backward()
+    msg = h.alerts["0"]["sparsity"]
+    assert "refresh more often" in msg and "try threshold_rule='histogram'" not in msg
