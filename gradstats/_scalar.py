@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 import numpy as np
 from scipy.special import ndtr as _np_ndtr
 
+from ._roots import bracketed_newton
 from .formats import FPFormat
 
 _SQRT1_2 = math.sqrt(0.5)
@@ -214,22 +215,11 @@ def solve_sparsity(m, target: float, stochastic: bool = True) -> float:
             break
         step *= 2.0
         hi += step
-    lo, x = xh, 0.5 * (xh + hi)
-    for _ in range(200):
+
+    def f(x: float) -> tuple[float, float]:
         u = m.up(x)
-        f = m.hard(x) - u - target
-        if abs(f) <= 1e-13:
-            break
-        if f < 0:
-            lo = x
-        else:
-            hi = x
-        mid = 0.5 * (lo + hi)
-        nx = x - f / u if u != 0 else math.nan
-        x = nx if (math.isfinite(nx) and lo < nx < hi) else mid
-        if mid <= lo or mid >= hi:  # the bracket is two adjacent floats
-            break
-    return x
+        return m.hard(x) - u - target, u
+    return bracketed_newton(f, xh, hi, 0.5 * (xh + hi))
 
 
 def threshold(target: float, model: str = "lognormal", *, mu: Optional[float] = None,

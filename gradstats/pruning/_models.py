@@ -25,6 +25,8 @@ from typing import Callable
 import numpy as np
 from scipy import special
 
+from .._roots import bracketed_newton
+
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
@@ -251,23 +253,12 @@ def solve_sparsity_scalar(model: Model, target: float, *, stochastic: bool = Tru
                 break
             step *= 2.0
             hi += step
-        lo, x = xh, 0.5 * (xh + hi)
-        for _ in range(200):
+
+        def f(x: float) -> tuple[float, float]:
             xa = np.float64(x)
             u = float(model.up(xa))
-            f = float(model.hard(xa)) - u - target
-            if abs(f) <= 1e-13:
-                break
-            if f < 0:
-                lo = x
-            else:
-                hi = x
-            mid = 0.5 * (lo + hi)
-            nx = x - f / u if u != 0 else math.nan
-            x = nx if (math.isfinite(nx) and lo < nx < hi) else mid
-            if mid <= lo or mid >= hi:  # the bracket is two adjacent floats
-                break
-    return x
+            return float(model.hard(xa)) - u - target, u
+        return bracketed_newton(f, xh, hi, 0.5 * (xh + hi))
 
 
 def solve_ratio(model: Model, ratio: np.ndarray) -> np.ndarray:

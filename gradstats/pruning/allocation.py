@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from .._roots import bracketed_newton
 from ..layers import output_layer  # noqa: F401 - its home is gradstats.layers; importable here too
 from ..stats import HIST_BINS, HIST_MIN_EXP, merge_stats
 from ._models import solve_ratio
@@ -387,24 +388,7 @@ class ConditionedModel:
         non-zero value and ``amax``: Newton steps that leave the bracket become bisections."""
         lo = math.log(self._x[0]) if self._bulk else math.log(max(self._t, 1e-300)) - 1.0
         hi = math.log(self.amax)
-        x = 0.5 * (lo + hi)
-        best, best_x = math.inf, hi
-        for _ in range(200):
-            v, dv = f(x)
-            if abs(v) < best:
-                best, best_x = abs(v), x
-            if abs(v) <= 1e-13:
-                break
-            if v < 0:
-                lo = x
-            else:
-                hi = x
-            mid = 0.5 * (lo + hi)
-            if mid <= lo or mid >= hi:
-                break
-            nx = x - v / dv if dv > 0 else math.nan
-            x = nx if lo < nx < hi else mid
-        return math.exp(best_x)
+        return math.exp(bracketed_newton(f, lo, hi, 0.5 * (lo + hi), best=True))
 
 
 def _binade(v: np.ndarray) -> np.ndarray:
