@@ -319,21 +319,19 @@ def train_steps(model, opt, data):
         opt.step()
 
 
-def test_state_dict_resumes_training_exactly(tmp_path):
-    """N steps, checkpoint (model, optimizer, applied), M more steps; a fresh model, optimizer
-    and apply() loaded from the checkpoint repeat the M steps bit for bit. Stochastic pruning
-    and rounding, a refresh cycle cut in the middle and EMA statistics: all of the state."""
-    plan = uniform(format="e3m2fn", sparsity=0.8, rounding="stochastic")
-    kw = {"refresh_every": 3, "ema": 0.5}
-    data = batches(9, seed=4)
+def checkpointed(tmp_path, plan, data, split=4, check=None, **kw):
+    """Train on ``data`` under ``plan`` with a checkpoint (model, optimizer, applied) after
+    ``split`` steps. Returns the model, its handle and ``resume(load_applied)``: a fresh model,
+    optimizer and apply() from the checkpoint (``check(handle)`` after loading the applied state)
+    trained on the rest of the data."""
     torch.manual_seed(5)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     applied = gradstats.apply(model, plan, seed=11, **kw)
-    train_steps(model, opt, data[:4])
+    train_steps(model, opt, data[:split])
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "applied": applied.state_dict()},
                tmp_path / "ckpt.pt")
-    train_steps(model, opt, data[4:])
+    train_steps(model, opt, data[split:])
     applied.remove()
 
     def resume(load_applied):
@@ -346,10 +344,20 @@ def test_state_dict_resumes_training_exactly(tmp_path):
         h = gradstats.apply(fresh, plan, seed=12, **kw)
         if load_applied:
             h.load_state_dict(ckpt["applied"])
-        train_steps(fresh, fopt, data[4:])
+            if check is not None:
+                check(h)
+        train_steps(fresh, fopt, data[split:])
         h.remove()
         return fresh, h
+    return model, applied, resume
 
+
+def test_state_dict_resumes_training_exactly(tmp_path):
+    """N steps, checkpoint (model, optimizer, applied), M more steps; a fresh model, optimizer
+    and apply() loaded from the checkpoint repeat the M steps bit for bit. Stochastic pruning
+    and rounding, a refresh cycle cut in the middle and EMA statistics: all of the state."""
+    plan = uniform(format="e3m2fn", sparsity=0.8, rounding="stochastic")
+    model, applied, resume = checkpointed(tmp_path, plan, batches(9, seed=4), refresh_every=3, ema=0.5)
     resumed, h = resume(True)
     assert same_weights(model, resumed)
     df, ref = h.to_dataframe(), applied.to_dataframe()
@@ -665,33 +673,12 @@ def test_state_dict_keeps_the_changed_rules(tmp_path):
     """Checkpoint between two fallbacks of a layer; the resumed training continues with the
     changed rule (and its fallback state: the next change comes at the same call) and repeats the
     uninterrupted one bit for bit."""
-    data = batches(8, seed=4)
-    torch.manual_seed(5)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    applied = gradstats.apply(model, FLUSHING, seed=11, fallback="widen")
-    train_steps(model, opt, data[:4])
-    assert [r["action"] for r in applied.fallbacks] == ["stochastic", "widen"]
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "applied": applied.state_dict()},
-               tmp_path / "ckpt.pt")
-    train_steps(model, opt, data[4:])
-    applied.remove()
+    def changed(h):
+        assert str(h.rules["fc2"].format) == "e4m3fn" and h.rules["fc2"].rounding == "stochastic"
+        assert h.rules["fc1"] == h.plan_rules["fc1"]
 
-    def resume(load_applied):
-        ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-        fresh = Net()
-        fresh.load_state_dict(ckpt["model"])
-        fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
-        fopt.load_state_dict(ckpt["opt"])
-        h = gradstats.apply(fresh, FLUSHING, seed=12, fallback="widen")
-        if load_applied:
-            h.load_state_dict(ckpt["applied"])
-            assert str(h.rules["fc2"].format) == "e4m3fn" and h.rules["fc2"].rounding == "stochastic"
-            assert h.rules["fc1"] == h.plan_rules["fc1"]
-        train_steps(fresh, fopt, data[4:])
-        h.remove()
-        return fresh, h
-
+    model, applied, resume = checkpointed(tmp_path, FLUSHING, batches(8, seed=4), check=changed, fallback="widen")
+    assert [r["action"] for r in applied.fallbacks if r["seq"] < 4] == ["stochastic", "widen"]   # before it
     resumed, h = resume(True)
     assert same_weights(model, resumed)
     assert [(r["seq"], r["action"]) for r in h.fallbacks] == [(1, "stochastic"), (3, "widen"), (5, "full")]
