@@ -25,33 +25,16 @@ CONV_LINEAR_TYPES = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTrans
 
 # --------------------------------------------------------------------------- targets
 def _modules_of(target: Any) -> list[tuple[str, tuple[str, ...] | None]]:
-    """``(name, class names or None)`` of every candidate module of ``target``, in order."""
+    """``(name, class names or None)`` of every candidate module of ``target``, in order
+    (:func:`gradstats.layers.layer_records`, or a plain list of names)."""
     import torch.nn as nn
 
-    if isinstance(target, nn.Module):
-        from ..wrappers import named_layers
-
-        return [(n, tuple(c.__name__ for c in type(m).__mro__)) for n, m in named_layers(target)]
     from ..run import Run
 
-    if isinstance(target, Run):
-        info = target.layer_info()
-        if len(info) == 0:
-            return []
-        return [(str(n), (str(t),) if t is not None else None) for n, t in zip(info["name"], info["type"])]
-    if isinstance(target, Mapping):
-        out = []
-        for n, t in target.items():
-            if isinstance(t, nn.Module):
-                out.append((str(n), tuple(c.__name__ for c in type(t).__mro__)))
-            elif isinstance(t, type):
-                out.append((str(n), tuple(c.__name__ for c in t.__mro__)))
-            elif isinstance(t, str):
-                out.append((str(n), (t,)))
-            else:
-                raise ValueError(f"a mapping of modules must map names to modules, classes or class "
-                                 f"names; {n!r} maps to a {type(t).__name__}")
-        return out
+    if isinstance(target, (nn.Module, Run, Mapping)):
+        from ..layers import layer_records
+
+        return [(r.name, r.types or None) for r in layer_records(target)]
     if isinstance(target, (str, bytes)) or not isinstance(target, Iterable):
         raise ValueError("resolve a plan against an nn.Module, a gradstats Run, a mapping "
                          f"name -> module/class/class name, or a list of module names; got {type(target).__name__}")
@@ -259,8 +242,7 @@ class Plan:
             return self.output_layer
         from ..layers import output_layer
 
-        return output_layer({n: (t[0] if t else None) for n, t in _modules_of(target)}) \
-            if not isinstance(target, (list, tuple)) else None
+        return output_layer(target) if not isinstance(target, (list, tuple)) else None
 
     def pruned_layers_of(self, target: Any) -> list[str] | None:
         """The layers of ``target`` where ``prune_at`` lets the rules prune, or None where it
@@ -278,10 +260,7 @@ class Plan:
             return None
         from ..layers import batchnorm_inputs
 
-        src = target
-        if not hasattr(target, "named_modules") and not hasattr(target, "layer_info"):
-            src = {n: (t[0] if t else None) for n, t in _modules_of(target)}
-        found = batchnorm_inputs(src)
+        found = batchnorm_inputs(target)
         if not found and self.prune_at == "auto":
             return None
         return found
