@@ -361,13 +361,13 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
             raise ValueError(f"the run at {r.path} traced no convolution or linear layer but its output "
                              f"layer {skip!r}; pass output_layer=False to plan it")
         layers = chosen
-    from .plan._plan import default_prune_at
+    from .plan._plan import default_prune_at, pruned_layers
 
     prune_at = default_prune_at(prune_at, default_selection)
     mom = _moments(r, step=step, layers=layers, kind="grad")
     thr, pred_sp = _pruning(mom, sparsity, threshold_rule)
     if sparsity is not None and prune_at is not None:
-        where = Plan([], Rule(sparsity=sparsity), None, prune_at=prune_at).pruned_layers_of(r)
+        where = pruned_layers(prune_at, r)
         if where is not None:                # the layers not pruned: no threshold, no prediction
             off = np.array([n not in set(where) for n in mom.layers])
             thr, pred_sp = np.where(off, np.nan, thr), np.where(off, np.nan, pred_sp)

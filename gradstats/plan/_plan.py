@@ -49,6 +49,17 @@ def _modules_of(target: Any) -> list[tuple[str, tuple[str, ...] | None]]:
 PRUNE_AT = (None, "auto", "batchnorm_inputs")
 
 
+def pruned_layers(prune_at: str | None, target: Any) -> list[str] | None:
+    """The layers of ``target`` where ``prune_at`` (:attr:`Plan.prune_at`) lets rules prune, or
+    None where it restricts nothing."""
+    if prune_at is None or isinstance(target, (list, tuple)):
+        return None
+    from ..layers import batchnorm_inputs
+
+    found = batchnorm_inputs(target)
+    return None if (not found and prune_at == "auto") else found
+
+
 def default_prune_at(prune_at: str | bool | None, default_selection: bool) -> str | None:
     """``prune_at`` as given to ``Plan.uniform`` or ``recommend``: None is ``"auto"`` with the
     default layer selection and no restriction with layers named; True is ``"auto"``; False is
@@ -256,14 +267,7 @@ class Plan:
             >>> Plan.uniform(sparsity=0.85).pruned_layers_of(net)
             ['0']
         """
-        if self.prune_at is None or isinstance(target, (list, tuple)):
-            return None
-        from ..layers import batchnorm_inputs
-
-        found = batchnorm_inputs(target)
-        if not found and self.prune_at == "auto":
-            return None
-        return found
+        return pruned_layers(self.prune_at, target)
 
     def _resolve(self, target: Any, *, strict: bool) -> list[tuple[str, Rule, list[int]]]:
         modules = _modules_of(target)
