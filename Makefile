@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt $(TORCH)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -c 'import torch, sys; sys.exit(None if torch.__version__.split("+")[0] == "2.13.0" else "torch " + torch.__version__ + " replaced torch==2.13.0: a dependency asked for another torch")'
 	touch $(STAMP)
 
 demo: venv
@@ -36,6 +37,7 @@ test-latest:
 	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install --quiet --upgrade pip
 	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager $(TORCH) -e '.[dev]'
+	$(LATEST)/bin/python -c 'import torch, sys; sys.exit(None if torch.__version__.split("+")[0] == "2.13.0" else "torch " + torch.__version__ + " replaced torch==2.13.0")'
 	$(LATEST)/bin/python $(PYTEST_DEFAULT)
 
 # Rewrite constraints.txt (its comment header kept) from a fresh venv holding the newest versions.

@@ -346,12 +346,6 @@ def _relative_error(out: torch.Tensor, g: torch.Tensor) -> float:
     return float(torch.dot(d, d)) / den if den > 0 else math.nan
 
 
-def _rule_text(rule: Any) -> str:
-    parts = [f"format {rule.format}, {rule.rounding} rounding" if rule.quantizes else "full precision"]
-    parts.append(f"sparsity {rule.sparsity:g}" if rule.prunes else "no pruning")
-    return "; ".join(parts)
-
-
 def _fallback_rule(action: str, rule: Any, kinds: set[str]) -> Any:
     """The rule after ``action``, or None where it does not apply (to the rule, or to drift of
     these ``kinds``: ``"format"`` and/or ``"pruning"``)."""
@@ -424,6 +418,10 @@ class Applied:
         root = unwrap(model)            # DDP, DataParallel, FSDP, torch.compile: the user's names
         self.plan = plan
         self.rules = {n: r for n, r in plan.resolve(root).items() if not r.is_identity}
+        if any(e.types is not None for e in plan.entries):      # a selection by type: say what it left
+            from .layers import log_unplanned
+
+            log_unplanned(log, "gradstats.apply", plan.unplanned(root))
         self.plan_rules = dict(self.rules)      # as planned (self.rules: in force, after any fallback)
         self.fallback = fallback
         #: every rule change a fallback made: dicts of layer, seq, action, reason, from and to rule
@@ -689,7 +687,7 @@ class Applied:
                "to_sparsity": new.sparsity if new.prunes else None}
         self.fallbacks.append(row)
         log.warning("gradstats.apply: layer %r: fallback %r at call %d after %d drifting call(s): %s. Was %s; "
-                    "now %s", name, action, st.seq, fb.patience, reason, _rule_text(rule), _rule_text(new))
+                    "now %s", name, action, st.seq, fb.patience, reason, rule.describe(), new.describe())
         if self.log_to is not None:
             self.log_to.log_rows("applied_fallbacks", [row])
         return action

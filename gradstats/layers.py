@@ -17,9 +17,33 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, Optional
 
-__all__ = ["output_layer", "batchnorm_inputs", "layer_records", "LayerRecord"]
+__all__ = ["output_layer", "batchnorm_inputs", "layer_records", "LayerRecord", "MATMUL_TYPES",
+           "matmul_types", "register_matmul_type", "matmul_layers", "why_not_matmul", "module_types",
+           "log_unplanned"]
 
 _WEIGHT_TYPES = ("Conv1d", "Conv2d", "Conv3d", "Linear")
+
+#: class names of the layers whose output gradient feeds matrix multiplies (the weight gradient
+#: ``g^T x`` and the input gradient ``g W``): the layers plans and recommendations select by
+#: default. A class counts when its own name or a base class's is here (``LazyLinear``,
+#: ``NonDynamicallyQuantizableLinear`` are ``Linear``s). ``Conv1D`` is Hugging Face
+#: ``transformers``' linear layer of GPT-2 (recognised by name, transformers is not imported);
+#: ``MultiheadAttention``'s output is its ``out_proj``'s, which torch calls functionally (the
+#: ``out_proj`` module itself never sees its gradient), so the attention module stands for it.
+#: The recurrent layers' output gradient (of the whole output sequence) enters their gates' matrix
+#: multiplies after an elementwise product with the gates' derivatives; the gradients inside a
+#: stacked ``LSTM`` (between its layers) are not reachable by hooks.
+MATMUL_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+                "ConvTranspose3d", "Conv1D", "MultiheadAttention", "LSTM", "GRU", "RNN")
+_registered: list[str] = []
+
+#: why modules that own parameters but are not matmul layers are left out of plans (by a part of
+#: the class name; the first that matches)
+_NOT_MATMUL = (
+    (("Embedding",), "an embedding: its output gradient is summed into table rows (an index-add) or "
+     "into added parameters, not fed to a matrix multiply"),
+    (("Norm",), "a normalisation: its output gradient feeds an elementwise scale"),
+)
 
 
 class LayerRecord(NamedTuple):
@@ -41,6 +65,84 @@ class LayerRecord(NamedTuple):
     def batchnorm(self) -> bool:
         return any(t.startswith(("BatchNorm", "SyncBatchNorm")) for t in self.types)
 
+    @property
+    def matmul(self) -> bool:
+        """Whether the layer's output gradient feeds a matrix multiply (:data:`MATMUL_TYPES`, or
+        a type registered with :func:`register_matmul_type`)."""
+        names = matmul_types()
+        return self.linear or any(t in names for t in self.types)
+
+
+def matmul_types() -> tuple[str, ...]:
+    """:data:`MATMUL_TYPES` and the class names added by :func:`register_matmul_type`.
+
+    Example:
+        >>> "Conv1D" in matmul_types()
+        True
+    """
+    return MATMUL_TYPES + tuple(_registered)
+
+
+def register_matmul_type(cls: Any) -> None:
+    """Count a module class (or class name) as a matmul layer: plans and recommendations then
+    select it by default (a custom fused projection, a quantised linear of another library).
+    Subclasses count too when given as a class; a name matches that class name exactly. Plans
+    made before registering keep their type list.
+
+    Example:
+        >>> import torch
+        >>> class MyProj(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__(); self.w = torch.nn.Parameter(torch.ones(2, 2))
+        >>> register_matmul_type(MyProj)
+        >>> [r.name for r in layer_records({"p": MyProj()}) if r.matmul]
+        ['p']
+    """
+    name = cls.__name__ if isinstance(cls, type) else cls
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_matmul_type takes a module class or a class name, got {cls!r}")
+    if name not in MATMUL_TYPES and name not in _registered:
+        _registered.append(name)
+
+
+def matmul_layers(source: Any) -> list[str]:
+    """The names of the matmul layers of ``source`` (as :func:`layer_records`), in model order:
+    what plans and recommendations select by default (before leaving out the output layer).
+
+    Example:
+        >>> matmul_layers({"wte": "Embedding", "attn.c_attn": "Conv1D", "ln": "LayerNorm", "head": "Linear"})
+        ['attn.c_attn', 'head']
+    """
+    return [r.name for r in layer_records(source) if r.matmul]
+
+
+def log_unplanned(logger: Any, where: str, unplanned: Mapping[str, str]) -> None:
+    """One INFO line naming the layers a plan leaves alone (``Plan.unplanned``), grouped by why."""
+    if not unplanned:
+        return
+    groups: dict[str, list[str]] = {}
+    for name, why in unplanned.items():
+        groups.setdefault(why.split(":")[0], []).append(name)
+    shown = "; ".join(f"{why}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
+                      for why, names in groups.items())
+    logger.info("%s: %d layer(s) that own parameters are not planned (%s); Plan.explain(model) lists "
+                "them with the reasons", where, len(unplanned), shown)
+
+
+def why_not_matmul(record: LayerRecord) -> str:
+    """Why a layer is not selected as a matmul layer, in words (for logs and ``Plan.explain``).
+
+    Example:
+        >>> why_not_matmul(LayerRecord("wte", ("Embedding",), 8))[:13]
+        'an embedding:'
+    """
+    for parts, why in _NOT_MATMUL:
+        if any(p in t for t in record.types for p in parts):
+            return why
+    kind = record.types[0] if record.types else "unknown type"
+    return (f"not a matmul layer type: {kind} (if its output gradient feeds a matrix multiply, "
+            f"gradstats.layers.register_matmul_type({kind}) makes plans select it)")
+
 
 def _width_of_module(m: Any) -> Optional[int]:
     for attr in ("out_channels", "out_features", "num_features"):
@@ -55,6 +157,20 @@ def _width_of_shape(shape: Any) -> Optional[int]:
         return int(list(shape)[1])
     except (TypeError, ValueError, IndexError):
         return None
+
+
+def _types_of(type_name: Any, bases: Any) -> tuple[str, ...]:
+    """A recorded layer's class names: its type and, where the run recorded them, its bases."""
+    if not isinstance(type_name, str):
+        return ()
+    extra = tuple(b for b in bases if isinstance(b, str) and b != type_name) if isinstance(bases, (list, tuple)) else ()
+    return (type_name, *extra)
+
+
+def module_types(module: Any) -> tuple[str, ...]:
+    """The class names of ``module`` and its bases, most derived first, without ``Module`` and
+    ``object``: what a run records as a layer's ``bases``."""
+    return tuple(c.__name__ for c in type(module).__mro__ if c.__name__ not in ("Module", "object"))
 
 
 def layer_records(source: Any) -> list[LayerRecord]:
@@ -87,8 +203,9 @@ def layer_records(source: Any) -> list[LayerRecord]:
             raise ValueError("a layer table needs the columns 'name' and 'type' (Run.layer_info()); "
                              f"got {list(source.columns)}")
         shapes = source["output_shape"] if "output_shape" in source.columns else [None] * len(source)
-        return [LayerRecord(str(n), (t,) if isinstance(t, str) else (), _width_of_shape(s))
-                for n, t, s in zip(source["name"], source["type"], shapes)]
+        bases = source["bases"] if "bases" in source.columns else [None] * len(source)
+        return [LayerRecord(str(n), _types_of(t, b), _width_of_shape(s))
+                for n, t, s, b in zip(source["name"], source["type"], shapes, bases)]
     if isinstance(source, Mapping):
         out = []
         for n, t in source.items():
@@ -110,8 +227,7 @@ def layer_records(source: Any) -> list[LayerRecord]:
             if not (isinstance(rec, Mapping) and "name" in rec):
                 raise ValueError("a list of layers must hold {name, type} records (the run manifest's "
                                  f"'layers'); got {rec!r}")
-            t = rec.get("type")
-            out.append(LayerRecord(str(rec["name"]), (t,) if isinstance(t, str) else (),
+            out.append(LayerRecord(str(rec["name"]), _types_of(rec.get("type"), rec.get("bases")),
                                    _width_of_shape(rec.get("output_shape"))))
         return out
     raise ValueError("the layers of a model come from a Run, its layer_info() table, the manifest's layer "

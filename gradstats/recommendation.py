@@ -38,7 +38,7 @@ from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
-from .plan import CONV_LINEAR_TYPES, Plan, PlanEntry, Prediction, Provenance, Rule
+from .plan import Plan, PlanEntry, Prediction, Provenance, Rule
 from .stats import lognormal_moments, merge_stats
 
 log = logging.getLogger(__name__)
@@ -88,11 +88,13 @@ def _select_layers(run, layers: str | Sequence[str] | None) -> list[str]:
     info = run.layer_info()
     names = [str(n) for n in info["name"]] if len(info) else []
     if layers is None:
-        types = dict(zip(names, info["type"])) if len(info) else {}
-        chosen = [n for n in names if types.get(n) in CONV_LINEAR_TYPES]
+        from .layers import matmul_layers
+
+        chosen = matmul_layers(info)
         if not chosen:
-            raise ValueError(f"the run at {run.path} traced no convolution or linear layer (its layers: "
-                             f"{names}); pass layers= (names or globs) to choose among them")
+            raise ValueError(f"the run at {run.path} traced no matmul layer (convolution, linear, Conv1D, "
+                             f"attention; its layers: {names}); pass layers= (names or globs) to choose among "
+                             "them, or gradstats.layers.register_matmul_type() for a custom type")
         return chosen
     pats = [layers] if isinstance(layers, str) else list(layers)
     if not pats or not all(isinstance(p, str) for p in pats):
@@ -423,6 +425,10 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
         prov = Provenance.now(source=str(r.path), generator=gen, steps=mom.steps)
         plans[b] = Plan(entries, defaults, prov, output_layer=skip,
                         prune_at=prune_at if sparsity is not None else None)
+    if default_selection:
+        from .layers import log_unplanned
+
+        log_unplanned(log, "gradstats.recommend", plans[widths[0]].unplanned(r))
     return plans[widths[0]] if single else plans
 
 

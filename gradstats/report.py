@@ -252,7 +252,7 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
 
     from .fitting import failed_groups, fit_run, layer_verdicts
     from .fitting._run import select_layers
-    from .plan import CONV_LINEAR_TYPES
+    from .layers import matmul_layers
     from .recommendation import recommend
 
     run = _open(run)
@@ -286,10 +286,9 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     plan_step = _plan_step(run, fit_steps, has_samples, names, damaged)
     st = run.stats(kinds=["grad"])
     at_step = set(st[st["step"] == plan_step]["layer"]) if len(st) else set()
-    info = run.layer_info()
-    types = dict(zip(info["name"], info["type"])) if len(info) else {}
+    matmul = set(matmul_layers(run))
     logits = output_layer(run)          # left in full precision and unpruned, as recommend does
-    planned = [n for n in names if types.get(n) in CONV_LINEAR_TYPES and n in at_step and n != logits]
+    planned = [n for n in names if n in matmul and n in at_step and n != logits]
     if planned:
         plans = {s: recommend(run, bits=list(bts), sparsity=s, step=plan_step, layers=planned) for s in sps}
     else:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ._version import __version__
+from .layers import module_types
 from .run import FORMAT_VERSION, RunWriter, _sample_key, atomic_write_json, last_committed_step
 from .stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
 from .wrappers import named_layers, unwrap
@@ -562,6 +563,7 @@ class Tracer:
             if name not in self._shapes and self._reported_uncalled:
                 continue                # selected but not called: nothing of it is in the run
             layers.append({"name": name, "type": type(module).__name__,
+                           "bases": list(module_types(module)[1:]),
                            "output_shape": self._shapes.get(name),
                            "params": sum(p.numel() for p in module.parameters(recurse=False))})
         prev = getattr(self, "_previous", None)

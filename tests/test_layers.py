@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import gradstats
-from gradstats.layers import batchnorm_inputs, layer_records, output_layer
+from gradstats.layers import (batchnorm_inputs, layer_records, matmul_layers, matmul_types, output_layer,
+                             register_matmul_type)
 from gradstats.models import build_model
 from nets import Branchy
 
@@ -61,3 +62,96 @@ def test_the_old_import_path_still_works():
     from gradstats.pruning.allocation import output_layer as old
 
     assert old is output_layer
+
+
+# --------------------------------------------------------------------------- matmul layers
+class LSTMLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lstm, self.head = nn.Embedding(20, 16), nn.LSTM(16, 24, batch_first=True), nn.Linear(24, 20)
+
+    def forward(self, x):
+        return self.head(self.lstm(self.emb(x))[0])
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        self.head = nn.Linear(16, 20)
+
+    def forward(self, x):
+        return self.head(self.block(self.emb(x)))
+
+
+def test_matmul_layers_by_type_and_base_class():
+    recs = {"wte": "Embedding", "h.attn.c_attn": "Conv1D", "ln": "LayerNorm", "proj": "NonDynamicallyQuantizableLinear",
+            "mha": "MultiheadAttention", "rnn": "GRU", "head": "Linear"}
+    assert matmul_layers(recs) == ["h.attn.c_attn", "proj", "mha", "rnn", "head"]
+    assert matmul_layers(Encoder()) == ["block.self_attn", "block.self_attn.out_proj", "block.linear1",
+                                        "block.linear2", "head"]
+
+
+def test_a_run_records_base_classes_so_subclasses_are_selected(tmp_path):
+    class MyLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(MyLinear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with gradstats.trace(model, tmp_path / "run", sample_every=None) as t:
+        model(torch.randn(3, 4)).sum().backward()
+        t.step()
+    run = gradstats.open_run(tmp_path / "run")
+    assert run.layer_info()["bases"][0][:1] == ["Linear"]
+    assert matmul_layers(run) == ["0", "2"]
+    assert sorted(gradstats.Plan.uniform(format="e4m3fn").resolve(run)) == ["0"]
+
+
+def test_register_matmul_type(monkeypatch):
+    monkeypatch.setattr("gradstats.layers._registered", [])
+
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4, 4))
+
+        def forward(self, x):
+            return x @ self.w
+
+    model = nn.Sequential(Fused(), nn.Linear(4, 2))
+    assert gradstats.Plan.uniform(format="e5m2").unplanned(model)["0"].startswith("not a matmul layer type: Fused")
+    register_matmul_type(Fused)
+    assert "Fused" in matmul_types()
+    assert list(gradstats.Plan.uniform(format="e5m2").resolve(model)) == ["0"]
+    with pytest.raises(ValueError, match="module class or a class name"):
+        register_matmul_type(3)
+
+
+def test_explain_says_what_is_planned_and_why_not(caplog):
+    model = Encoder()
+    plan = gradstats.Plan.uniform(format="e4m3fn", sparsity=0.5)
+    ex = plan.explain(model).set_index("layer")
+    assert ex.loc["block.self_attn", "planned"] and ex.loc["block.linear1", "planned"]
+    assert "never called as a module" in ex.loc["block.self_attn.out_proj", "why"]
+    assert ex.loc["emb", "why"].startswith("an embedding") and not ex.loc["emb", "planned"]
+    assert ex.loc["block.norm1", "why"].startswith("a normalisation")
+    assert ex.loc["head", "why"].startswith("the output layer")
+    assert ex.loc["block.linear1", "rule"] == "e4m3fn nearest lognormal; sparsity 0.5 (histogram)"
+    # one log line when the plan is applied
+    with caplog.at_level("INFO", logger="gradstats.enforce"):
+        gradstats.apply(model, plan).remove()
+    lines = [r.getMessage() for r in caplog.records if "not planned" in r.getMessage()]
+    assert len(lines) == 1 and "emb" in lines[0] and "Plan.explain" in lines[0]
+    # an LSTM language model: the LSTM is planned, the decoder is the output layer
+    ex = gradstats.Plan.uniform(format="e5m2").explain(LSTMLM()).set_index("layer")
+    assert ex["planned"].to_dict() == {"emb": False, "lstm": True, "head": False}
+
+
+def test_apply_on_an_lstm_and_an_attention_block_changes_their_gradients():
+    torch.manual_seed(0)
+    for model in (LSTMLM(), Encoder()):
+        x = torch.randint(0, 20, (4, 7))
+        handle = gradstats.apply(model, gradstats.Plan.uniform(format="e2m1fn"))
+        model(x).square().mean().backward()
+        handle.remove()
+        assert len(handle.summary()) >= 1 and (handle.summary()["format"] == "e2m1fn").all()

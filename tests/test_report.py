@@ -227,7 +227,8 @@ def test_report_skips_layers_without_gradient_statistics(attention_run, tmp_path
         rep = report(attention_run, tmp_path, bits=[8], sparsities=[0.85], figures=False)
     a = rep.analysis
     assert "att.out_proj" not in list(a.table["layer"]) and {"inp", "att", "head"} <= set(a.table["layer"])
-    assert sorted(e.layer for e in a.plan().entries) == ["inp"]       # head: the output layer
+    # the attention module stands for its out_proj (a matmul layer); head: the output layer
+    assert sorted(e.layer for e in a.plan().entries) == ["att", "inp"]
     if "att.out_proj" in run.layers:  # a tracer that selects modules never called lists it
         assert "no 'grad' statistics" in a.skipped["att.out_proj"]
         assert re.search(r"skipped.*att\.out_proj.*no 'grad' statistics", a.summary(), re.S)
@@ -257,7 +258,8 @@ def test_report_skips_a_listed_layer_that_has_no_statistics(dead_run, tmp_path, 
 def test_report_layers_selects_with_the_tracer_patterns(attention_run, tmp_path, capsys):
     a = analyse(attention_run, bits=[8], sparsities=[0.85], layers=["inp", "re:h.a+d"])
     assert list(a.table["layer"]) == ["inp", "head"] and set(a.fits["layer"]) == {"inp", "head"}
-    assert sorted(e.layer for e in a.plan().entries) == ["inp"]       # head: the output layer
+    # the attention module stands for its out_proj (a matmul layer); head: the output layer
+    assert sorted(e.layer for e in a.plan().entries) == ["att", "inp"]
     assert set(a.errors["layer"]) <= {"inp", "head"} and len(a.errors)
     assert list(analyse(attention_run, bits=[8], sparsities=[0.85], layers="at*").table["layer"]) == ["att"]
     with pytest.raises(ValueError, match="no layer matches"):

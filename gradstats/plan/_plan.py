@@ -18,7 +18,9 @@ from ._rules import (INHERIT, RULE_FIELDS, Prediction, PlanEntry, Provenance, Ru
 SCHEMA = "gradstats.plan"
 #: version of the plan file format written by this module
 SCHEMA_VERSION = 1
-#: module classes planned by ``Plan.uniform(layers=None)``: every convolution and linear layer
+#: the convolution and linear classes (the study's layers); ``Plan.uniform(layers=None)`` selects
+#: every matmul layer (:data:`gradstats.layers.MATMUL_TYPES`: these, ``transformers``' ``Conv1D``,
+#: ``nn.MultiheadAttention`` and registered types)
 CONV_LINEAR_TYPES = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
                      "ConvTranspose3d", "Linear")
 
@@ -153,8 +155,10 @@ class Plan:
                 output_layer: str | bool | None = None, prune_at: str | bool | None = None) -> "Plan":
         """The same rule on every selected layer.
 
-        ``layers``: names or globs (``"re:..."`` for a regex); ``None`` selects every convolution and
-        linear layer (:data:`CONV_LINEAR_TYPES`, the study's choice) but the model's output layer.
+        ``layers``: names or globs (``"re:..."`` for a regex); ``None`` selects every matmul layer
+        (:func:`gradstats.layers.matmul_types`: convolutions, linear layers and their subclasses,
+        ``transformers``' ``Conv1D``, ``nn.MultiheadAttention``, registered types) but the model's
+        output layer; :meth:`explain` lists what is left out and why.
         ``output_layer``: ``"auto"`` leaves the model's output layer (the logits: the last
         ``Linear``) in full precision and unpruned, as the study did; a name leaves that layer;
         ``False`` plans it like the others; None (default): ``"auto"`` with the default selection,
@@ -190,7 +194,9 @@ class Plan:
         defaults = Rule(format=fmt, sparsity=sparsity, rounding=rounding, scale=scale,
                         scale_value=scale_value, block_size=block_size, scale_format=scale_format, **kw)
         if layers is None:
-            entries = [PlanEntry("*", types=CONV_LINEAR_TYPES)]
+            from ..layers import matmul_types
+
+            entries = [PlanEntry("*", types=matmul_types())]
         else:
             if isinstance(layers, str):
                 layers = [layers]
@@ -268,6 +274,85 @@ class Plan:
             ['0']
         """
         return pruned_layers(self.prune_at, target)
+
+    def explain(self, target: Any):
+        """Per layer of ``target`` (an ``nn.Module``, a run, a mapping name -> type): what the plan
+        does there and why, as a DataFrame with columns ``layer``, ``type``, ``planned``, ``rule``
+        (the resolved rule in words) and ``why``. Lists every planned layer and every layer that
+        owns parameters (for a model; every recorded layer for a run) but is left out: the output
+        layer, types that are not matmul layers (embeddings, normalisations, recurrent layers),
+        layers no entry matches, and where ``prune_at`` dropped a layer's sparsity.
+
+        Example:
+            >>> import torch.nn as nn
+            >>> net = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 10))
+            >>> Plan.uniform(format="e4m3fn").explain(net)[["layer", "type", "planned"]]
+              layer       type  planned
+            0     0  Embedding    False
+            1     1     Linear     True
+            2     2  LayerNorm    False
+            3     3     Linear    False
+        """
+        import pandas as pd
+        import torch.nn as nn
+
+        from ..layers import LayerRecord, layer_records, why_not_matmul
+
+        rows = []
+        resolved = {name: (rule, idx) for name, rule, idx in self._resolve(target, strict=False)}
+        skip = self.output_layer_of(target)
+        pruned = self.pruned_layers_of(target)
+        owners = None
+        if isinstance(target, nn.Module):
+            from ..wrappers import named_layers
+
+            owners = {n for n, m in named_layers(target) if any(True for _ in m.parameters(recurse=False))}
+        if isinstance(target, (list, tuple)):
+            records = [LayerRecord(str(n), (), None) for n in target]
+        else:
+            records = layer_records(target)
+        attention = {r.name for r in records if r.is_a("MultiheadAttention")}
+        for r in records:
+            planned = r.name in resolved
+            if not planned and owners is not None and r.name not in owners:
+                continue
+            why = ""
+            rule_text = ""
+            if planned:
+                rule, _ = resolved[r.name]
+                rule_text = rule.describe()
+                if r.name.rpartition(".")[0] in attention and r.name.endswith(".out_proj"):
+                    why = ("never called as a module: MultiheadAttention applies its weights itself; the "
+                           "attention module's output is this projection's, and planning it covers it")
+                elif pruned is not None and r.name not in pruned and self.defaults.prunes and not rule.prunes:
+                    why = f"not pruned: prune_at={self.prune_at!r} prunes where the gradient enters a BatchNorm"
+            elif r.name == skip:
+                why = "the output layer (the logits): left in full precision and unpruned (output_layer=)"
+            elif any(_entry_hits(e, r, types=True) for e in self.entries):
+                why = ("its rule leaves the gradient unchanged" if not (pruned is not None and self.defaults.prunes)
+                       else f"its rule only prunes, and prune_at={self.prune_at!r} prunes where the gradient "
+                            "enters a BatchNorm")
+            elif r.types and not r.matmul and any(e.types is not None and _entry_hits(e, r, types=False)
+                                                 for e in self.entries):
+                why = why_not_matmul(r)
+            else:
+                why = "no entry of the plan selects it"
+            rows.append({"layer": r.name, "type": r.types[0] if r.types else None, "planned": planned,
+                         "rule": rule_text, "why": why})
+        return pd.DataFrame(rows, columns=["layer", "type", "planned", "rule", "why"])
+
+    def unplanned(self, target: Any) -> dict[str, str]:
+        """The layers of ``target`` that own parameters but this plan leaves alone, with why
+        (the rows of :meth:`explain` that are not planned).
+
+        Example:
+            >>> import torch.nn as nn
+            >>> why = Plan.uniform(format="e4m3fn").unplanned(nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 2)))
+            >>> {name: text[:16] for name, text in why.items()}
+            {'0': 'an embedding: it', '1': 'the output layer'}
+        """
+        df = self.explain(target)
+        return dict(zip(df["layer"][~df["planned"]], df["why"][~df["planned"]]))
 
     def _resolve(self, target: Any, *, strict: bool) -> list[tuple[str, Rule, list[int]]]:
         modules = _modules_of(target)
@@ -431,6 +516,13 @@ def _defaults_from_dict(d: Any) -> Rule:
 
 def _kind(e: PlanEntry) -> str:
     return "regex" if e.layer.startswith("re:") else ("glob" if e.is_pattern else "exact")
+
+
+def _entry_hits(e: PlanEntry, record: Any, *, types: bool) -> bool:
+    """Whether ``e`` selects the layer ``record`` (by name alone with ``types=False``)."""
+    if not types or e.types is None:
+        return dataclasses.replace(e, types=None).matches(record.name) if e.types is not None else e.matches(record.name)
+    return bool(record.types) and e.matches(record.name, record.types)
 
 
 def _rule_row(r: Rule) -> dict[str, Any]:

@@ -235,6 +235,24 @@ class Rule:
         """True when the rule leaves the gradient unchanged (no format, no pruning)."""
         return not (self.quantizes or self.prunes)
 
+    def describe(self) -> str:
+        """The rule in a few words, for logs and tables.
+
+        Example:
+            >>> Rule(format="e3m2fn", rounding="stochastic", scale="amax", sparsity=0.85).describe()
+            'e3m2fn stochastic amax; sparsity 0.85 (histogram)'
+            >>> Rule().describe()
+            'full precision; no pruning'
+        """
+        if self.quantizes:
+            fmt = f"{self.format} {self.rounding} {self.scale}"
+            if self.block_size is not None:
+                fmt += f" (blocks of {self.block_size})"
+        else:
+            fmt = "full precision"
+        prune = f"sparsity {self.sparsity:g} ({self.threshold_rule})" if self.prunes else "no pruning"
+        return f"{fmt}; {prune}"
+
     def quantize_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`gradstats.quant.quantize` for this rule, except ``scale``
         (which depends on the step: see :meth:`scale_for`).
