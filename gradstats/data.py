@@ -54,7 +54,7 @@ HOW_TO_GET_FASHION = (
     f"{DEBIAN_FASHION_MNIST}), or pass root=DIR (CLI: --data DIR) holding train-images-idx3-ubyte[.gz], "
     "train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz] from "
     "https://github.com/zalandoresearch/fashion-mnist; the committed subset lives in the repository's "
-    f"data/fashion-mnist (set {DATA_ENV}=<repository>/data when gradstats is installed elsewhere)."
+    f"data/fashion-mnist, and an installed wheel carries it (or set {DATA_ENV}=<repository>/data)."
 )
 
 _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -62,9 +62,11 @@ _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">
 
 # ----------------------------------------------------------------------------- locating data
 def data_dir() -> Path | None:
-    """The directory holding the committed data: ``$GRADSTATS_DATA`` or ``data/`` beside the package.
+    """The directory holding the committed data: ``$GRADSTATS_DATA``, else ``data/`` beside the
+    package (a source checkout), else the copy a wheel installs inside the package
+    (``gradstats/_data``).
 
-    Returns ``None`` when neither exists (e.g. gradstats installed from a wheel).
+    Returns ``None`` only when none exists (a build made without the data).
 
     Example:
         >>> (data_dir() / "fashion-mnist").is_dir()
@@ -76,8 +78,11 @@ def data_dir() -> Path | None:
         if not path.is_dir():
             raise FileNotFoundError(f"{DATA_ENV}={env!r} is not a directory")
         return path
-    path = Path(__file__).resolve().parent.parent / "data"
-    return path if path.is_dir() else None
+    here = Path(__file__).resolve().parent
+    for path in (here.parent / "data", here / "_data"):
+        if path.is_dir() and (path / "fashion-mnist").is_dir():
+            return path
+    return None
 
 
 def _find(directory: Path, stem: str) -> Path | None:
