@@ -433,6 +433,12 @@ class Run:
     def ranks(self) -> list[int]:
         return sorted({int(c["rank"]) for c in self._commits})
 
+    @property
+    def sharded_layers(self) -> list[str]:
+        """Layers whose parameters were sharded across ranks (FSDP2 ``fully_shard``): their
+        ``weight`` and ``wgrad`` rows are per-rank shards."""
+        return [e["name"] for e in self.manifest.get("layers", []) if e.get("sharded")]
+
     def layer_info(self) -> pd.DataFrame:
         """One row per traced layer: name, type, output shape, parameter count."""
         return pd.DataFrame(self.manifest.get("layers", []))
@@ -511,8 +517,9 @@ class Run:
         ranks of a distributed run are combined exactly (rank becomes -1): neural gradients
         and activations are shards of the global batch and add up; weights and weight
         gradients (``REPLICA_KINDS``) are the same tensor on every rank after the all-reduce,
-        so the lowest rank's row stands for all. A damaged file is skipped with a warning
-        naming it (``on_error="warn"``) or raises ``RunCorruptError`` (``on_error="raise"``),
+        so the lowest rank's row stands for all, except in layers whose parameters are sharded
+        (:attr:`sharded_layers`, FSDP2): there each rank holds a shard, and the shards add up.
+        A damaged file is skipped with a warning naming it (``on_error="warn"``) or raises ``RunCorruptError`` (``on_error="raise"``),
         also when an earlier read already found it.
         """
         if on_error not in ("warn", "raise"):
@@ -533,10 +540,11 @@ class Run:
             df = df[df["kind"].isin(list(kinds))].reset_index(drop=True)
         if merge_ranks and len(df):
             rows = []
+            sharded = self.sharded_layers
             for key, g in df.groupby(["step", "layer", "kind", "call"], sort=True):
                 recs = g.to_dict("records")
-                m = (_strip_keys(min(recs, key=lambda r: r["rank"])) if key[2] in REPLICA_KINDS
-                     else merge_stats(recs))
+                replica = key[2] in REPLICA_KINDS and key[1] not in sharded
+                m = _strip_keys(min(recs, key=lambda r: r["rank"])) if replica else merge_stats(recs)
                 rows.append({"step": key[0], "rank": -1, "layer": key[1], "kind": key[2],
                              "call": key[3], **m})
             df = pd.DataFrame(rows)
@@ -600,7 +608,7 @@ class Run:
             sel = sel[sel.call == call]
         if rank is not None:
             sel = sel[sel["rank"] == rank]
-        elif kind in REPLICA_KINDS and len(sel):
+        elif kind in REPLICA_KINDS and len(sel) and layer not in self.sharded_layers:
             sel = sel[sel["rank"] == sel["rank"].min()]
         if not len(sel):
             if layer not in self.layers:

@@ -117,6 +117,27 @@ def _first_grad_tensor(out: Any) -> torch.Tensor | None:
     return None
 
 
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter or gradient: the local shard of a ``DTensor`` (FSDP2's
+    ``fully_shard``, tensor parallelism), the tensor itself otherwise."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def sharded_parameters(module: nn.Module) -> bool:
+    """Whether ``module``'s own parameters are split across ranks (``DTensor``s with a ``Shard``
+    placement, as ``fully_shard`` makes them): its weights and weight gradients are then recorded
+    per rank as shards, which ``Run.stats(merge_ranks=True)`` adds up instead of taking one
+    rank's replica."""
+    for p in module.parameters(recurse=False):
+        if _is_dtensor(p) and any(type(pl).__name__ in ("Shard", "_StridedShard") for pl in p.placements):
+            return True
+    return False
+
+
 def _dist_info() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -489,10 +510,10 @@ class Tracer:
             if not params or name not in self._shapes:      # a module not called has no gradient
                 continue
             if "weight" in self.kinds:
-                w = torch.cat([p.detach().reshape(-1).float() for p in params])
+                w = torch.cat([_local(p.detach()).reshape(-1).float() for p in params])
                 self._record(step, name, "weight", 0, w, do_stats, do_samples)
             if "wgrad" in self.kinds:
-                grads = [p.grad.reshape(-1).float() for p in params if p.grad is not None]
+                grads = [_local(p.grad).reshape(-1).float() for p in params if p.grad is not None]
                 if grads:
                     self._record(step, name, "wgrad", 0, torch.cat(grads), do_stats, do_samples)
 
@@ -564,6 +585,7 @@ class Tracer:
                 continue                # selected but not called: nothing of it is in the run
             layers.append({"name": name, "type": type(module).__name__,
                            "bases": list(module_types(module)[1:]),
+                           **({"sharded": True} if sharded_parameters(module) else {}),
                            "output_shape": self._shapes.get(name),
                            "params": sum(p.numel() for p in module.parameters(recurse=False))})
         prev = getattr(self, "_previous", None)

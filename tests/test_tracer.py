@@ -454,3 +454,33 @@ def test_wrapped_models_keep_the_users_names(tmp_path):
         assert list(plan.resolve(gradstats.open_run(tmp_path / str(i)))) == ["0", "2"]
         # the output layer found through the wrapper too
         assert list(gradstats.Plan.uniform(sparsity=0.5).resolve(wrapped)) == ["0"]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_records_each_gradient_once(tmp_path, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+        def forward(self, x, ckpt):
+            inner = lambda t: torch.tanh(self.b(torch.tanh(self.a(t))))        # noqa: E731
+            return self.c(checkpoint(inner, x, use_reentrant=reentrant) if ckpt else inner(x))
+
+    x = torch.randn(5, 4, requires_grad=True)
+    stats, grads = {}, {}
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        net = Net()
+        plan = gradstats.Plan.uniform(format="e2m1fn", rounding="nearest", scale="fixed", scale_value=4.0,
+                                      layers=["a", "b"])
+        with gradstats.trace(net, tmp_path / f"run{ckpt}") as t, gradstats.apply(net, plan):
+            net(x, ckpt).square().sum().backward()
+            t.step()
+        stats[ckpt] = gradstats.open_run(tmp_path / f"run{ckpt}").stats()
+        grads[ckpt] = net.a.weight.grad.clone()
+    assert (stats[True]["call"] == 0).all() and len(stats[True]) == len(stats[False]) == 3
+    np.testing.assert_allclose(stats[True]["sum_abs"], stats[False]["sum_abs"], rtol=1e-6)
+    torch.testing.assert_close(grads[True], grads[False])      # the plan is enforced once, as without
