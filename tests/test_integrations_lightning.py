@@ -82,3 +82,58 @@ def test_a_plan_is_applied_with_its_state_in_the_checkpoint(tmp_path):
     state = next(v for k, v in saved.items() if k.startswith("GradstatsCallback"))
     assert set(state["applied"]["layers"]) == {"net.0", "net.2"}
     assert not cb.session.active
+
+
+def test_a_transformers_llama_inside_a_lightning_module(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                intermediate_size=64, vocab_size=48, max_position_embeddings=16, bos_token_id=0, eos_token_id=0,
+                pad_token_id=0))
+
+        def training_step(self, batch, i):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    ids = torch.randint(0, 48, (16, 12), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+    trainer = pl.Trainer(max_steps=2, callbacks=[GradstatsCallback(tmp_path / "run")], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path), accelerator="cpu", devices=1)
+    trainer.fit(LM(), loader)
+    run = gradstats.open_run(tmp_path / "run")
+    projections = [f"model.model.layers.{i}.{p}" for i in range(2) for p in
+                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert run.steps == [0, 1] and set(projections) <= set(run.layers)
+    assert sorted(gradstats.Plan.uniform(format="e4m3fn").resolve(run)) == sorted(projections)
+
+
+def test_pytorch_lightning_trainer_takes_its_own_callback(tmp_path):
+    ptl = pytest.importorskip("pytorch_lightning")
+    from gradstats.integrations.pytorch_lightning import GradstatsCallback as PTLCallback
+
+    class Small(ptl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+        def training_step(self, batch, i):
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    assert issubclass(PTLCallback, ptl.Callback) and not issubclass(PTLCallback, pl.Callback)
+    trainer = ptl.Trainer(max_steps=2, callbacks=[PTLCallback(tmp_path / "run")], logger=False,
+                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                          default_root_dir=str(tmp_path), accelerator="cpu", devices=1)
+    trainer.fit(Small(), data())
+    assert gradstats.open_run(tmp_path / "run").steps == [0, 1]

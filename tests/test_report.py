@@ -258,8 +258,7 @@ def test_report_skips_a_listed_layer_that_has_no_statistics(dead_run, tmp_path, 
 def test_report_layers_selects_with_the_tracer_patterns(attention_run, tmp_path, capsys):
     a = analyse(attention_run, bits=[8], sparsities=[0.85], layers=["inp", "re:h.a+d"])
     assert list(a.table["layer"]) == ["inp", "head"] and set(a.fits["layer"]) == {"inp", "head"}
-    # the attention module stands for its out_proj (a matmul layer); head: the output layer
-    assert sorted(e.layer for e in a.plan().entries) == ["att", "inp"]
+    assert sorted(e.layer for e in a.plan().entries) == ["inp"]       # head: the output layer
     assert set(a.errors["layer"]) <= {"inp", "head"} and len(a.errors)
     assert list(analyse(attention_run, bits=[8], sparsities=[0.85], layers="at*").table["layer"]) == ["att"]
     with pytest.raises(ValueError, match="no layer matches"):

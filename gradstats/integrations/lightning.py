@@ -9,7 +9,8 @@ by ``trainer.global_step``); its state is part of each checkpoint Lightning save
 (``state_dict`` / ``load_state_dict``), and a training resumed with ``trainer.fit(...,
 ckpt_path=...)`` continues the run at the checkpoint's step, none recorded twice. Validation and
 test loops (no gradients) record nothing. Works with ``lightning`` (``lightning.pytorch``) and,
-where that is what is installed, ``pytorch_lightning``.
+where that is what is installed, ``pytorch_lightning``; with both installed, a
+``pytorch_lightning.Trainer`` takes :class:`gradstats.integrations.pytorch_lightning.GradstatsCallback`.
 
 Example:
     >>> import tempfile, torch
@@ -48,12 +49,12 @@ except ImportError:                         # pragma: no cover - depends on the 
 
 from ._session import TrainingSession
 
-__all__ = ["GradstatsCallback", "pl"]
+__all__ = ["GradstatsCallback", "callback_class", "pl"]
 
 log = logging.getLogger(__name__)
 
 
-class GradstatsCallback(pl.Callback):
+class _GradstatsCallback:
     """A Lightning ``Callback`` that traces the LightningModule's neural gradients into ``run_dir``
     and, given ``plan``, enforces it (:func:`gradstats.apply`, logged into the run).
 
@@ -105,3 +106,16 @@ class GradstatsCallback(pl.Callback):
 
     def __repr__(self) -> str:
         return f"GradstatsCallback({self.session!r})"
+
+
+def callback_class(base: type) -> type:
+    """The gradstats callback as a subclass of ``base``, a Lightning ``Callback`` class
+    (``lightning.pytorch.Callback`` or ``pytorch_lightning.Callback``: a Trainer accepts only its
+    own package's callbacks)."""
+    cls = type("GradstatsCallback", (_GradstatsCallback, base), {"__module__": __name__,
+                                                                  "__doc__": _GradstatsCallback.__doc__})
+    return cls
+
+
+#: the callback for ``pl`` (``lightning.pytorch`` where installed, else ``pytorch_lightning``)
+GradstatsCallback = callback_class(pl.Callback)
