@@ -55,6 +55,7 @@ _EXPORTS: dict[str, str] = {
     "PlanEntry": "gradstats.plan",
     "Rule": "gradstats.plan",
     "recommend": "gradstats.recommendation",
+    "what_if": "gradstats.fpanalysis.what_if",
     "apply": "gradstats.enforce",
     "Applied": "gradstats.enforce",
     "prune_quantize": "gradstats.compress",

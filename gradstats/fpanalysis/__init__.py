@@ -45,6 +45,7 @@ from .scale import ScaleResult, optimal_scale
 from .histogram import HistogramChoice, HistogramLaw, best_format_from_stats, expected_error_from_stats
 from .training import BIAS_BOUND, OBJECTIVES, TrainingChoice, choose_for_training
 from .alignment import AlignmentResult, batchnorm_inputs, weight_gradient_alignment
+from .what_if import predict_from_stats, what_if
 
 __all__ = ["expected_error", "optimal_scale", "best_format", "crossover_table", "candidate_formats",
            "preset_formats", "CANDIDATE_PRESETS", "CANDIDATE_NAMES", "DEFAULT_CANDIDATES",
@@ -52,4 +53,4 @@ __all__ = ["expected_error", "optimal_scale", "best_format", "crossover_table", 
            "measured_error", "check_prediction", "energy_moments", "PredictionCheck", "PARTS", "FRACTIONS",
            "best_format_from_stats", "expected_error_from_stats", "HistogramLaw", "HistogramChoice",
            "choose_for_training", "TrainingChoice", "BIAS_BOUND", "OBJECTIVES",
-           "batchnorm_inputs", "weight_gradient_alignment", "AlignmentResult"]
+           "batchnorm_inputs", "weight_gradient_alignment", "AlignmentResult", "what_if", "predict_from_stats"]

@@ -298,3 +298,62 @@ def plot_weight_alignment(results: Any, *, path: str | os.PathLike[str] | None =
     if path is not None:
         savefig(fig, path)
     return fig
+
+
+def plot_what_if(table: Any, *, value: str = "underflow", path: str | os.PathLike[str] | None = None) -> Any:
+    """Heat maps of a :func:`gradstats.what_if` table: one panel per format, layers (rows, in the
+    table's order) over training steps (columns), coloured by ``value`` (``"underflow"``,
+    ``"overflow"``, ``"rel_mse"`` on a log scale, or ``"bias"``, diverging around 0).
+
+    Example:
+        >>> import gradstats
+        >>> df = gradstats.what_if(gradstats.data.data_dir() / "sample-run", ["e4m3fn", "e2m1fn"], layers="conv*")
+        >>> [a.get_title() for a in plot_what_if(df).axes if a.get_title()]
+        ['e4m3fn', 'e2m1fn']
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm, TwoSlopeNorm
+
+    use_style()
+    labels = {"underflow": "non-zero entries flushed to zero", "overflow": "entries saturated",
+              "rel_mse": "relative MSE", "bias": "magnitude bias"}
+    if value not in labels:
+        raise ValueError(f"value must be one of {list(labels)}, got {value!r}")
+    if not len(table):
+        raise ValueError("the what_if table is empty: nothing to draw")
+    formats = list(dict.fromkeys(table["format"]))
+    layers = list(dict.fromkeys(table["layer"]))
+    steps = sorted(table["step"].unique())
+    grids = []
+    for f in formats:
+        sub = table[table["format"] == f].pivot_table(index="layer", columns="step", values=value, aggfunc="mean")
+        grids.append(sub.reindex(index=layers, columns=steps).to_numpy(float))
+    allv = np.concatenate([g[np.isfinite(g)] for g in grids]) if grids else np.zeros(0)
+    if value == "rel_mse":
+        pos = allv[allv > 0]
+        norm, cmap = LogNorm(vmin=float(pos.min()) if pos.size else 1e-6, vmax=float(pos.max()) if pos.size else 1.0), "viridis"
+    elif value == "bias":
+        m = float(np.max(np.abs(allv))) if allv.size else 1.0
+        norm, cmap = TwoSlopeNorm(vcenter=0.0, vmin=-max(m, 1e-9), vmax=max(m, 1e-9)), "RdBu"
+    else:
+        norm, cmap = plt.Normalize(0.0, max(float(allv.max()) if allv.size else 1.0, 1e-9)), "magma_r"
+    k = len(formats)
+    fig, axes = plt.subplots(1, k, figsize=(min(4.0 + 3.2 * k, 18), 0.9 + 0.32 * len(layers) + 1.2),
+                             sharey=True, squeeze=False)
+    im = None
+    for ax, f, g in zip(axes[0], formats, grids):
+        im = ax.imshow(np.where(np.isfinite(g), g, np.nan), aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
+        ax.set_title(f)
+        ax.grid(False)
+        tick = max(1, len(steps) // 6)
+        ax.set_xticks(range(0, len(steps), tick), [str(s) for s in steps[::tick]])
+        ax.set_xlabel("step")
+    axes[0][0].set_yticks(range(len(layers)), layers)
+    blocks = table["block_size"].dropna().unique() if "block_size" in table else []
+    how = f"blocks of {int(blocks[0])}" if len(blocks) else "per tensor"
+    rounding = table["rounding"].iloc[0] if "rounding" in table else ""
+    fig.suptitle(f"What if: {labels[value]} ({how}, {rounding} rounding; from the run's statistics)", fontsize=10)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.9, label=labels[value])
+    if path is not None:
+        savefig(fig, path)
+    return fig

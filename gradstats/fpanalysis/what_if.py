@@ -1,0 +1,251 @@
+"""What a format would do to every traced tensor, from the run's statistics alone.
+
+A run keeps, per captured tensor, the binade histogram of ``|g|`` and its 64 largest magnitudes
+(:mod:`gradstats.stats`): read as a law (:class:`gradstats.fpanalysis.histogram.HistogramLaw`:
+each binade holds its observed mass, log-linear within, the 64 largest as exact point masses),
+they say what quantising the tensor with any format, scale and rounding would do, after the fact,
+without the tensor. :func:`what_if` gives, per step, layer and format:
+
+* ``underflow``: the fraction of the non-zero entries that become zero (with stochastic
+  rounding: the expected fraction);
+* ``overflow``: the fraction that exceed the format's largest value and saturate;
+* ``rel_mse``: ``E[(Q(g) - g)^2] / E[g^2]``;
+* ``bias``: the signed magnitude bias, ``E[|Q(g)| - |g|] / E[|g|]`` (flush-to-zero and saturation
+  shrink: negative);
+* ``log2_scale``: the per-tensor scale used (``Q(g) = quantize(g * s) / s``); NaN with blocks.
+
+The cells of the format are integrated against the law exactly (partial moments at the cell
+boundaries), so the only modelled part is the shape of ``|g|`` *within* a binade, outside the 64
+largest. With a power-of-two scale the underflow boundary of round-to-nearest (half the smallest
+subnormal) is a binade boundary, so ``underflow`` is exact for nearest rounding; ``overflow`` is
+exact where the values above the format's maximum are among the 64 largest (always, at the
+``"amax"`` scale). The error bound on real runs is in ``docs/fpanalysis.md`` (measured against
+quantising the stored samples, ``tests/test_what_if.py``).
+
+Blocks (``block_size=B``, OCP MX: an E8M0 power-of-two scale per block from the block's largest
+magnitude, :func:`gradstats.quant.mx_shared_exponent`) are predicted for exchangeable entries: a
+block is ``B`` entries drawn from the tensor at random, so the binade of a block's maximum, given
+one of its entries, follows from the law of the others (``P(max < 2**L) = F(2**L)**(B-1)``). This
+is exact for the stored samples (a uniform random sample) and for tensors without structure along
+the blocked dimension; real tensors whose neighbouring entries share a scale (a channel, a token)
+do better in blocks than predicted.
+
+Example:
+    >>> import torch
+    >>> from gradstats.stats import tensor_stats
+    >>> g = torch.exp(-12 + 2.0 * torch.randn(200_000, generator=torch.Generator().manual_seed(0)))
+    >>> p = predict_from_stats(tensor_stats(g), "e4m3fn")
+    >>> from gradstats.quant import quantize
+    >>> s = 2.0 ** p["log2_scale"]
+    >>> measured = (quantize(g * s, "e4m3fn", overflow="saturate") == 0).double().mean().item()
+    >>> abs(p["underflow"] - measured) < 1e-3
+    True
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import pandas as pd
+
+from ..formats import FPFormat, amax_scale, parse
+from .histogram import HistogramLaw
+
+__all__ = ["what_if", "predict_from_stats", "WHAT_IF_COLUMNS"]
+
+#: the prediction columns of :func:`what_if` (besides ``step``, ``layer``, ``format``, ...)
+WHAT_IF_COLUMNS = ("underflow", "overflow", "rel_mse", "bias", "log2_scale")
+ROUNDINGS = ("nearest", "stochastic")
+
+
+def _grid(fmt: FPFormat) -> np.ndarray:
+    """The format's non-negative finite values, ascending (0 first)."""
+    v = fmt.values().numpy()
+    return np.unique(np.abs(v))
+
+
+def _binade_range(law: HistogramLaw) -> tuple[int, int]:
+    lows = ([float(law.edges[0])] if law.weights.size else []) + ([float(law.atoms.min())] if law.atoms.size else [])
+    return int(math.floor(math.log2(min(lows)))), int(math.floor(math.log2(law.amax)))
+
+
+def _pieces(law: HistogramLaw, grid: np.ndarray, s: float, rounding: str) -> dict[str, np.ndarray]:
+    """Quantising ``y * s`` on ``grid`` (saturating), integrated over the law of the non-zero
+    entries piece by piece: the pieces are the format's rounding cells cut at every binade boundary
+    (so that each lies in one binade, ``binade``: its floor(log2)), each with its mass flushed to
+    zero and saturated, squared error and signed error (in the tensor's units)."""
+    u = grid / s                                        # the grid in the tensor's units
+    vmax = u[-1]
+    lo_e, hi_e = _binade_range(law)
+    cells = (np.concatenate([[0.0], (u[:-1] + u[1:]) / 2]) if rounding == "nearest" else u)   # cell starts
+    cuts = np.exp2(np.arange(lo_e, hi_e + 2, dtype=np.float64))
+    pts = np.unique(np.concatenate([cells, cuts, [vmax]]))
+    pts = pts[pts > 0]
+    a = np.concatenate([[0.0], pts])                    # piece starts ...
+    b = np.concatenate([pts, [np.inf]])                 # ... and ends
+    m = [law.partial_moments(np.concatenate([a, [np.inf]]), k, np.zeros(1))[0] for k in range(3)]
+    p, e1, e2 = (np.diff(mk) for mk in m)
+    ci = np.searchsorted(cells, a, side="right") - 1   # the cell of each piece
+    with np.errstate(divide="ignore"):
+        binade = np.where(a > 0, np.floor(np.log2(np.where(a > 0, a, 1.0))), lo_e - 1).astype(np.int64)
+    above = a >= vmax
+    if rounding == "nearest":
+        q = u[ci]
+        sq = q * q * p - 2 * q * e1 + e2
+        signed = q * p - e1
+        flushed = np.where(ci == 0, p, 0.0)
+    else:
+        last = ci >= len(u) - 1
+        lo = u[np.minimum(ci, len(u) - 1)]
+        hi = u[np.minimum(ci + 1, len(u) - 1)]
+        inside = -e2 + (lo + hi) * e1 - lo * hi * p                      # unbiased, variance (y-lo)(hi-y)
+        sq = np.where(last, vmax * vmax * p - 2 * vmax * e1 + e2, inside)
+        signed = np.where(last, vmax * p - e1, 0.0)
+        flushed = np.where(ci == 0, p - e1 / u[1], 0.0)                   # E[(u1 - y) / u1] below u1
+    return {"binade": binade, "flushed": flushed, "saturated": np.where(above, p, 0.0), "sq": sq, "signed": signed,
+            "mean": float(m[1][-1]), "energy": float(m[2][-1])}
+
+
+_SUMS = ("flushed", "saturated", "sq", "signed")
+
+
+def _check_rounding(rounding: str) -> None:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
+
+
+def predict_from_stats(stats: Mapping[str, Any], fmt: Union[FPFormat, str], *, scale: Union[str, float] = "amax",
+                       rounding: str = "nearest", block_size: Optional[int] = None) -> dict[str, float]:
+    """What quantising the tensor a statistics row describes (``hist``, ``max_abs``, ``top_abs``,
+    ``n``, ``n_zero``: :func:`gradstats.stats.tensor_stats` or a row of ``Run.stats()``) with ``fmt``
+    would do: the :data:`WHAT_IF_COLUMNS` (see the module doc), fractions per non-zero entry.
+
+    ``scale``: ``"amax"`` (the largest power of two that keeps the tensor's maximum representable,
+    as ``apply`` does) or a number (the multiplier); ignored with ``block_size`` (MX: per block).
+    Example: see the module.
+    """
+    f = parse(fmt)
+    _check_rounding(rounding)
+    n, nz = int(stats.get("n", 0)), int(stats.get("n", 0)) - int(stats.get("n_zero", 0))
+    nan = {k: math.nan for k in WHAT_IF_COLUMNS}
+    if nz <= 0 or not np.asarray(stats.get("hist", [])).sum():
+        return {**nan, "underflow": 0.0, "overflow": 0.0, "rel_mse": 0.0, "bias": 0.0}
+    law = HistogramLaw.from_stats(stats)
+    grid = _grid(f)
+    if block_size is None:
+        if isinstance(scale, str):
+            if scale != "amax":
+                raise ValueError(f"scale must be 'amax' or a positive number (the multiplier), got {scale!r}")
+            s = amax_scale(f, float(stats["max_abs"]))
+        else:
+            s = float(scale)
+            if not (s > 0 and math.isfinite(s)):
+                raise ValueError(f"scale must be 'amax' or a positive number, got {scale!r}")
+        pc = _pieces(law, grid, s, rounding)
+        c = {k: float(pc[k].sum()) for k in _SUMS} | {"mean": pc["mean"], "energy": pc["energy"]}
+        log2_scale = math.log2(s)
+    else:
+        c = _blocks(law, grid, f, int(block_size), rounding, zero_fraction=1.0 - nz / n)
+        log2_scale = math.nan
+    return {"underflow": c["flushed"], "overflow": c["saturated"],
+            "rel_mse": c["sq"] / c["energy"] if c["energy"] > 0 else 0.0,
+            "bias": c["signed"] / c["mean"] if c["mean"] > 0 else 0.0, "log2_scale": log2_scale}
+
+
+def _blocks(law: HistogramLaw, grid: np.ndarray, fmt: FPFormat, block: int, rounding: str, *,
+            zero_fraction: float) -> dict[str, float]:
+    """MX blocks of exchangeable entries: an entry of binade ``j`` in a block whose maximum is in
+    binade ``L >= j`` is quantised at the block scale of ``L``; ``P(L | j)`` from the law of the
+    block's other ``block - 1`` entries (zeros included)."""
+    if isinstance(block, bool) or block < 1:
+        raise ValueError(f"block_size must be a positive int, got {block}")
+    lo_e, hi_e = _binade_range(law)
+    edges = np.exp2(np.arange(lo_e, hi_e + 2, dtype=np.float64))
+    cdf = zero_fraction + (1 - zero_fraction) * law.partial_moments(edges, 0, np.zeros(1))[0]
+    others = np.clip(cdf, 0.0, 1.0) ** (block - 1)                     # P(the others' max < 2**(lo_e + i))
+    total = {k: 0.0 for k in _SUMS}
+    mean = energy = 0.0
+    for L in range(lo_e, hi_e + 1):
+        e = max(min(L - fmt.emax, 127), -127)                          # mx_shared_exponent of such a block
+        pc = _pieces(law, grid, math.ldexp(1.0, -e), rounding)
+        mean, energy = pc["mean"], pc["energy"]
+        i = L - lo_e
+        # an entry of binade j < L: the others' max in binade L; of binade L itself: all others below 2**(L+1)
+        w_lower = others[i + 1] - others[i]
+        j = pc["binade"]
+        w = np.where(j < L, w_lower, np.where(j == L, others[i + 1], 0.0))
+        for k in _SUMS:
+            total[k] += float(np.sum(w * pc[k]))
+    return total | {"mean": mean, "energy": energy}
+
+
+def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat]]], *,
+            block_size: Optional[int] = None, rounding: str = "nearest", scale: Union[str, float] = "amax",
+            steps: Union[None, int, Sequence[int]] = None, layers: Union[None, str, Sequence[str]] = None,
+            kind: str = "grad") -> pd.DataFrame:
+    """What each format would do to each traced tensor of ``run``, from its statistics alone.
+
+    Args:
+        run: a :class:`gradstats.run.Run` or the path of one.
+        formats: format names or :class:`FPFormat` objects (or one; ``"e4m3fn,e5m2"`` works too).
+        block_size: None (per-tensor scale) or an MX block size (E8M0 scale per block of
+            exchangeable entries, see the module doc).
+        rounding: ``"nearest"`` or ``"stochastic"``.
+        scale: ``"amax"`` or a multiplier (per tensor).
+        steps: None (every step), a step, or a list of steps.
+        layers: None (every layer), a glob or a list of names/globs.
+        kind: which tensors (``"grad"``: the neural gradients).
+
+    Returns a DataFrame, one row per (step, layer, format): ``step``, ``layer``, ``format``,
+    ``block_size``, ``rounding``, ``n`` (entries, every call and rank of the step), then
+    :data:`WHAT_IF_COLUMNS`. The calls and ranks of a step are each quantised on their own (each has
+    its own amax) and combined: fractions weighted by non-zero entries, ``rel_mse`` by energy,
+    ``bias`` by magnitude; ``log2_scale`` is the median over them.
+
+    Example:
+        >>> import gradstats
+        >>> df = what_if(gradstats.data.data_dir() / "sample-run", ["e4m3fn", "e2m1fn"], steps=[0], layers="conv*")
+        >>> df[["layer", "format"]].values.tolist()
+        [['conv1', 'e4m3fn'], ['conv1', 'e2m1fn'], ['conv2', 'e4m3fn'], ['conv2', 'e2m1fn']]
+        >>> bool((df.loc[df.format == "e2m1fn", "underflow"].values > df.loc[df.format == "e4m3fn", "underflow"].values).all())
+        True
+    """
+    import fnmatch
+
+    from ..run import Run, open_run
+
+    r = run if isinstance(run, Run) else open_run(run)
+    if isinstance(formats, (str, FPFormat)):
+        formats = [p for p in str(formats).split(",") if p] if isinstance(formats, str) else [formats]
+    fmts = [parse(f) for f in formats]
+    if not fmts:
+        raise ValueError("what_if needs at least one format (names such as 'e4m3fn', 'e5m2', 'e2m1fn')")
+    _check_rounding(rounding)
+    st = r.stats(kinds=[kind])
+    if steps is not None:
+        want = [int(steps)] if isinstance(steps, (int, np.integer)) else [int(s) for s in steps]
+        st = st[st["step"].isin(want)]
+    if layers is not None:
+        pats = [layers] if isinstance(layers, str) else list(layers)
+        st = st[[any(fnmatch.fnmatchcase(n, p) for p in pats) for n in st["layer"]]]
+    if not len(st):
+        raise ValueError(f"no {kind!r} statistics in {r.path} for steps={steps!r}, layers={layers!r}; the run "
+                         f"has steps {r.steps[:5]}{' ...' if len(r.steps) > 5 else ''} and layers {r.layers}")
+    order = {n: i for i, n in enumerate(r.layers)}
+    rows = []
+    for (step, layer), g in sorted(st.groupby(["step", "layer"]), key=lambda kv: (kv[0][0], order.get(kv[0][1], 0))):
+        recs = g.to_dict("records")
+        nz = np.array([int(x["n"]) - int(x["n_zero"]) for x in recs], dtype=np.float64)
+        energy = np.array([float(x["sum_sq"]) for x in recs])
+        mag = np.array([float(x["sum_abs"]) for x in recs])
+        for f in fmts:
+            preds = [predict_from_stats(x, f, scale=scale, rounding=rounding, block_size=block_size) for x in recs]
+            row = {"step": int(step), "layer": layer, "format": str(f), "block_size": block_size,
+                   "rounding": rounding, "n": int(sum(int(x["n"]) for x in recs))}
+            for col, w in (("underflow", nz), ("overflow", nz), ("rel_mse", energy), ("bias", mag)):
+                v = np.array([p[col] for p in preds])
+                row[col] = float(np.sum(w * v) / np.sum(w)) if np.sum(w) > 0 else 0.0
+            row["log2_scale"] = float(np.median([p["log2_scale"] for p in preds]))
+            rows.append(row)
+    return pd.DataFrame(rows)
