@@ -172,9 +172,13 @@ class RunWriter:
     """
 
     def __init__(self, path: Path, rank: int, *, max_bytes: int | None = None,
-                 session: str | None = None, start_step: int | None = None) -> None:
+                 session: str | None = None, start_step: int | None = None, sinks: Sequence[Any] = ()) -> None:
         self.path = Path(path)
         self.rank = rank
+        #: objects with ``write(stats: DataFrame)`` (and optionally ``close()``), handed every
+        #: committed statistics table on this thread, after its commit (see :func:`gradstats.trace`)
+        self.sinks = list(sinks)
+        self._sink_failed: set[int] = set()
         self.max_bytes = max_bytes
         #: written into every commit record (see :class:`Flush`); the tracer sets them
         self.session = session
@@ -229,7 +233,28 @@ class RunWriter:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
+        for sink in self.sinks:
+            if hasattr(sink, "close"):
+                try:
+                    sink.close()
+                except Exception as exc:           # a sink never costs the run
+                    log.warning("gradstats: closing the sink %r failed: %s", sink, exc)
         self._raise()
+
+    def _to_sinks(self, table: Any) -> None:
+        """Hand a committed statistics table to every sink; a failing sink is reported once and
+        left out from then on (the run on disk is complete whatever a sink does)."""
+        if not self.sinks:
+            return
+        df = table.to_pandas()
+        for i, sink in enumerate(self.sinks):
+            if i in self._sink_failed:
+                continue
+            try:
+                sink.write(df)
+            except Exception as exc:
+                self._sink_failed.add(i)
+                log.warning("gradstats: the sink %r failed and is left out of the rest of the run: %s", sink, exc)
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -254,13 +279,14 @@ class RunWriter:
 
         name = f"r{fl.rank}-{fl.seq:06d}"
         files: dict[str, dict[str, Any]] = {}
+        table = None
         if fl.keys:
             rel = f"stats/part-{name}.parquet"
             tmp = self.path / "stats" / f".part-{name}.parquet.tmp"
             # dictionary encoding only where values repeat (layer and kind names): on the
             # statistics' floats and counts it costs most of the write and saves nothing
-            pq.write_table(vectors_to_table(fl.keys, fl.vectors), tmp, compression="zstd",
-                           use_dictionary=["layer", "kind"])
+            table = vectors_to_table(fl.keys, fl.vectors)
+            pq.write_table(table, tmp, compression="zstd", use_dictionary=["layer", "kind"])
             os.replace(tmp, self.path / rel)
             files[rel] = {"bytes": (self.path / rel).stat().st_size, "sha256": _sha256(self.path / rel)}
         samples_meta: dict[str, int] = {}
@@ -287,6 +313,8 @@ class RunWriter:
         if fl.session is not None:
             record["session"], record["start_step"] = fl.session, fl.start_step
         atomic_write_json(self.path / "commits" / f"{name}.json", record)
+        if table is not None:
+            self._to_sinks(table)
 
 
 # --------------------------------------------------------------------------- reader

@@ -194,7 +194,7 @@ class Tracer:
                  samples: int | None = 65536, kinds: Iterable[str] = ("grad",),
                  optimizer: torch.optim.Optimizer | None = None,
                  max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
-                 resume: bool = False, start_step: int | None = None) -> None:
+                 resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = ()) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"trace() needs a torch.nn.Module as model, got {type(model).__name__}")
         self.kinds = tuple(kinds)
@@ -216,6 +216,12 @@ class Tracer:
         if start_step is not None and (isinstance(start_step, bool) or not isinstance(start_step, int)
                                        or start_step < 0):
             raise ValueError(f"start_step must be a step number >= 0 or None, got {start_step!r}")
+        sinks = list(sinks)
+        bad_sinks = [type(k).__name__ for k in sinks if not callable(getattr(k, "write", None))]
+        if bad_sinks:
+            raise ValueError(f"sinks must be objects with a write(stats) method (such as "
+                             f"gradstats.integrations.tensorboard.TensorBoardSink); got {bad_sinks}")
+        self.sinks = sinks
         self.model = model
         self.path = Path(path)
         self._take_stats = _schedule(every, "every")
@@ -291,7 +297,7 @@ class Tracer:
             self.current_step = last + 1
         self._previous = self._read_previous_manifest() if last is not None else None
         self._writer = RunWriter(self.path, self.rank, max_bytes=self.max_bytes,
-                                 session=self._session, start_step=self.current_step)
+                                 session=self._session, start_step=self.current_step, sinks=self.sinks)
         self._write_manifest()
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_hook(self._make_forward_hook(name)))
@@ -615,7 +621,7 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
           every: Schedule = 1, sample_every: Schedule = 100, samples: int | None = 65536,
           kinds: Iterable[str] = ("grad",), optimizer: torch.optim.Optimizer | None = None,
           max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
-          resume: bool = False, start_step: int | None = None) -> Tracer:
+          resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = ()) -> Tracer:
     """Trace the neural gradients of ``model`` into the run directory ``path``.
 
     Args:
@@ -647,6 +653,11 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
         start_step: number the first step recorded (a trainer restored from a checkpoint taken
             at step N passes N; whatever the run holds from step N on is superseded). For an
             exact resume of the sampling too, restore :meth:`Tracer.load_state_dict`.
+        sinks: objects with a ``write(stats)`` method (and optionally ``close()``) that receive
+            each committed statistics table (a DataFrame as ``Run.stats()`` has it), on the
+            writer thread after the commit: live views such as
+            :class:`gradstats.integrations.tensorboard.TensorBoardSink`. A sink that raises is
+            reported once and left out; the run on disk is complete whatever a sink does.
 
     Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
 
@@ -661,4 +672,4 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
     """
     return Tracer(model, path, layers=layers, every=every, sample_every=sample_every,
                   samples=samples, kinds=kinds, optimizer=optimizer, max_bytes=max_bytes, seed=seed,
-                  flush_secs=flush_secs, resume=resume, start_step=start_step)
+                  flush_secs=flush_secs, resume=resume, start_step=start_step, sinks=sinks)

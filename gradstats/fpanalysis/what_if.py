@@ -52,7 +52,7 @@ import pandas as pd
 from ..formats import FPFormat, amax_scale, parse
 from .histogram import HistogramLaw
 
-__all__ = ["what_if", "predict_from_stats", "WHAT_IF_COLUMNS"]
+__all__ = ["what_if", "what_if_stats", "predict_from_stats", "WHAT_IF_COLUMNS"]
 
 #: the prediction columns of :func:`what_if` (besides ``step``, ``layer``, ``format``, ...)
 WHAT_IF_COLUMNS = ("underflow", "overflow", "rel_mse", "bias", "log2_scale")
@@ -222,6 +222,8 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
     if not fmts:
         raise ValueError("what_if needs at least one format (names such as 'e4m3fn', 'e5m2', 'e2m1fn')")
     _check_rounding(rounding)
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"block_size must be a positive int (an MX block size such as 32) or None, got {block_size!r}")
     st = r.stats(kinds=[kind])
     if steps is not None:
         want = [int(steps)] if isinstance(steps, (int, np.integer)) else [int(s) for s in steps]
@@ -232,9 +234,28 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
     if not len(st):
         raise ValueError(f"no {kind!r} statistics in {r.path} for steps={steps!r}, layers={layers!r}; the run "
                          f"has steps {r.steps[:5]}{' ...' if len(r.steps) > 5 else ''} and layers {r.layers}")
-    order = {n: i for i, n in enumerate(r.layers)}
+    return what_if_stats(st, fmts, block_size=block_size, rounding=rounding, scale=scale, order=r.layers)
+
+
+def what_if_stats(stats: pd.DataFrame, formats: Iterable[Union[str, FPFormat]], *, block_size: Optional[int] = None,
+                  rounding: str = "nearest", scale: Union[str, float] = "amax",
+                  order: Optional[Sequence[str]] = None) -> pd.DataFrame:
+    """:func:`what_if` on a statistics table (rows as ``Run.stats()`` gives them, of one kind), in
+    ``order`` of layers (default: as they first appear): what a live sink computes on each commit.
+
+    Example:
+        >>> import torch
+        >>> from gradstats.stats import tensor_stats
+        >>> row = dict(tensor_stats(torch.randn(1000) * 1e-3), step=0, layer="fc", call=0, rank=0)
+        >>> what_if_stats(pd.DataFrame([row]), ["e4m3fn"])[["layer", "format"]].values.tolist()
+        [['fc', 'e4m3fn']]
+    """
+    fmts = [parse(f) for f in formats]
+    _check_rounding(rounding)
+    rank_of = {n: i for i, n in enumerate(order if order is not None else dict.fromkeys(stats["layer"]))}
     rows = []
-    for (step, layer), g in sorted(st.groupby(["step", "layer"]), key=lambda kv: (kv[0][0], order.get(kv[0][1], 0))):
+    groups = sorted(stats.groupby(["step", "layer"]), key=lambda kv: (kv[0][0], rank_of.get(kv[0][1], len(rank_of))))
+    for (step, layer), g in groups:
         recs = g.to_dict("records")
         nz = np.array([int(x["n"]) - int(x["n_zero"]) for x in recs], dtype=np.float64)
         energy = np.array([float(x["sum_sq"]) for x in recs])
@@ -248,4 +269,4 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
                 row[col] = float(np.sum(w * v) / np.sum(w)) if np.sum(w) > 0 else 0.0
             row["log2_scale"] = float(np.median([p["log2_scale"] for p in preds]))
             rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=["step", "layer", "format", "block_size", "rounding", "n", *WHAT_IF_COLUMNS])

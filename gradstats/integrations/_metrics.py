@@ -1,0 +1,81 @@
+"""What the monitoring integrations (TensorBoard, W&B) log, computed once from statistics rows:
+per step and layer (calls and ranks merged), the mean and std of ``log2|g|``, the zero fraction,
+the largest ``|g|``, what-if fractions for chosen formats, and the ``log2|g|`` histogram."""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from ..stats import HIST_MIN_EXP, lognormal_moments, merge_stats
+
+LN2 = math.log(2.0)
+
+
+def merged_rows(stats: pd.DataFrame) -> list[tuple[int, str, dict[str, Any]]]:
+    """``(step, layer, merged statistics row)`` per step and layer, in step then first-seen order."""
+    order = {n: i for i, n in enumerate(dict.fromkeys(stats["layer"]))}
+    out = []
+    for (step, layer), g in sorted(stats.groupby(["step", "layer"]), key=lambda kv: (kv[0][0], order[kv[0][1]])):
+        recs = g.to_dict("records")
+        out.append((int(step), str(layer), merge_stats(recs) if len(recs) > 1 else recs[0]))
+    return out
+
+
+def scalars(stats: pd.DataFrame, *, formats: Sequence[Any] = (), block_size: Optional[int] = None,
+            rounding: str = "nearest") -> pd.DataFrame:
+    """Long table ``step, layer, tag, value``: ``mean_log2``, ``std_log2``, ``zero_fraction``,
+    ``amax``, and for each format ``underflow/<fmt>`` and ``overflow/<fmt>``
+    (:func:`gradstats.fpanalysis.what_if_stats`).
+
+    Example:
+        >>> import torch
+        >>> from gradstats.stats import tensor_stats
+        >>> row = dict(tensor_stats(torch.tensor([0.0, 0.5, 2.0])), step=3, layer="fc", call=0, rank=0)
+        >>> [(t, round(v, 4)) for t, v in scalars(pd.DataFrame([row]))[["tag", "value"]].values]
+        [('mean_log2', 0.0), ('std_log2', 1.0), ('zero_fraction', 0.3333), ('amax', 2.0)]
+    """
+    rows = []
+    for step, layer, m in merged_rows(stats):
+        mu, sigma = lognormal_moments(m)
+        n = max(int(m["n"]), 1)
+        for tag, v in (("mean_log2", mu / LN2), ("std_log2", sigma / LN2), ("zero_fraction", int(m["n_zero"]) / n),
+                       ("amax", float(m["max_abs"]))):
+            rows.append((step, layer, tag, float(v)))
+    if formats:
+        from ..fpanalysis.what_if import what_if_stats
+
+        w = what_if_stats(stats, formats, block_size=block_size, rounding=rounding)
+        for r in w.itertuples():
+            rows.append((int(r.step), r.layer, f"underflow/{r.format}", float(r.underflow)))
+            rows.append((int(r.step), r.layer, f"overflow/{r.format}", float(r.overflow)))
+    df = pd.DataFrame(rows, columns=["step", "layer", "tag", "value"])
+    return df[np.isfinite(df["value"].to_numpy(float))].reset_index(drop=True)
+
+
+def log2_histogram(m: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The ``log2|g|`` histogram of a statistics row (its binades: bucket ``j`` holds the entries
+    with ``floor(log2|g|) == j``, up to ``j + 1``) in the fields of TensorBoard's
+    ``add_histogram_raw``; None without non-zero entries."""
+    counts = np.asarray(m["hist"], dtype=np.int64)
+    nz = np.flatnonzero(counts)
+    if nz.size == 0:
+        return None
+    lo, hi = int(nz[0]), int(nz[-1])
+    exps = np.arange(lo, hi + 1) + HIST_MIN_EXP
+    return {"min": float(exps[0]), "max": float(exps[-1] + 1), "num": int(counts.sum()),
+            "sum": float(m["sum_ln_abs"]) / LN2, "sum_squares": float(m["sum_ln_abs_sq"]) / LN2 ** 2,
+            "bucket_limits": [float(e + 1) for e in exps], "bucket_counts": [int(c) for c in counts[lo:hi + 1]]}
+
+
+def check_formats(formats: Iterable[Any] | str | None) -> list[str]:
+    """The formats to watch, as names (a comma-separated string, a list, or None: none)."""
+    from ..formats import parse
+
+    if formats is None:
+        return []
+    if isinstance(formats, str):
+        formats = [f for f in formats.split(",") if f]
+    return [str(parse(f)) for f in formats]
