@@ -662,7 +662,8 @@ class Run:
     def summary(self, *, kind: str = "grad") -> pd.DataFrame:
         """One row per layer: type, output shape, steps captured, and over all captured steps
         (calls and ranks merged per step) the median zero fraction and the median mean and
-        std of ``log2|g|`` of the non-zero entries; plus the last step's values.
+        std of ``log2|g|`` of the non-zero entries; plus the last step's values and the alarms
+        raised on the layer while tracing (:mod:`gradstats.alarms`; comma-separated, ``""``: none).
 
         Example:
             >>> import gradstats, tempfile, torch
@@ -676,6 +677,13 @@ class Run:
 
         info = {e["name"]: e for e in self.manifest.get("layers", [])}
         df = self.stats(kinds=[kind], merge_ranks=len(self.ranks) > 1)
+        alarms: dict[str, list[str]] = {}
+        at = self.table("alarms")
+        if len(at) and {"layer", "kind", "alarm"} <= set(at.columns):
+            for r in at[at["kind"] == kind].itertuples():
+                alarms.setdefault(r.layer, [])
+                if r.alarm not in alarms[r.layer]:
+                    alarms[r.layer].append(r.alarm)
         rows = []
         for layer in self.layers:
             g = df[df["layer"] == layer]
@@ -691,7 +699,8 @@ class Run:
             rows.append({"layer": layer, "type": e.get("type"), "output_shape": e.get("output_shape"),
                          "params": e.get("params"), "steps": len(per_step),
                          "zero_fraction": med[0], "mean_log2": med[1], "std_log2": med[2],
-                         "last_mean_log2": last[1], "last_std_log2": last[2]})
+                         "last_mean_log2": last[1], "last_std_log2": last[2],
+                         "alarms": ", ".join(alarms.get(layer, []))})
         return pd.DataFrame(rows)
 
     def __repr__(self) -> str:

@@ -194,7 +194,8 @@ class Tracer:
                  samples: int | None = 65536, kinds: Iterable[str] = ("grad",),
                  optimizer: torch.optim.Optimizer | None = None,
                  max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
-                 resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = ()) -> None:
+                 resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
+                 alarms: Any = True) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"trace() needs a torch.nn.Module as model, got {type(model).__name__}")
         self.kinds = tuple(kinds)
@@ -221,6 +222,13 @@ class Tracer:
         if bad_sinks:
             raise ValueError(f"sinks must be objects with a write(stats) method (such as "
                              f"gradstats.integrations.tensorboard.TensorBoardSink); got {bad_sinks}")
+        from .alarms import as_alarms
+
+        #: the :class:`gradstats.alarms.Alarms` checked on each commit (None: off)
+        self.alarms = as_alarms(alarms)
+        if self.alarms is not None:
+            self.alarms.bind(lambda rows: self.log_rows("alarms", rows))
+            sinks = [*sinks, self.alarms]
         self.sinks = sinks
         self.model = model
         self.path = Path(path)
@@ -318,6 +326,10 @@ class Tracer:
         self._handles.clear()
         self._flush(self.current_step, force=True)
         assert self._writer is not None
+        if self.sinks:                  # what the sinks (the alarms) log while the last tables commit
+            self._writer.wait()
+            if self._pending_tables:
+                self._flush(self.current_step, force=True)
         self._writer.close()
         self._write_manifest()
         self._attached = False
@@ -420,9 +432,10 @@ class Tracer:
 
     def log_rows(self, table: str, rows: Iterable[dict[str, Any]]) -> None:
         """Add rows (plain values) to a further table of the run, written with the current
-        step; ``gradstats.apply(..., log_to=tracer)`` logs what it did this way.
+        step (or the step a row names); ``gradstats.apply(..., log_to=tracer)`` logs what it did
+        this way, the alarms (:mod:`gradstats.alarms`) what they found.
         Read back with ``open_run(path).table(table)``."""
-        rows = [dict(r, step=self.current_step, rank=self.rank) for r in rows]
+        rows = [{"step": self.current_step, **r, "rank": self.rank} for r in rows]   # a row may name its step
         with self._lock:
             self._pending_tables.setdefault(table, []).extend(rows)
 
@@ -621,7 +634,8 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
           every: Schedule = 1, sample_every: Schedule = 100, samples: int | None = 65536,
           kinds: Iterable[str] = ("grad",), optimizer: torch.optim.Optimizer | None = None,
           max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
-          resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = ()) -> Tracer:
+          resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
+          alarms: Any = True) -> Tracer:
     """Trace the neural gradients of ``model`` into the run directory ``path``.
 
     Args:
@@ -658,6 +672,10 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
             writer thread after the commit: live views such as
             :class:`gradstats.integrations.tensorboard.TensorBoardSink`. A sink that raises is
             reported once and left out; the run on disk is complete whatever a sink does.
+        alarms: ``True`` (default): warn once per layer, and record in the run's ``"alarms"``
+            table, when a layer's gradient is all zero for 3 steps in a row or has non-finite
+            values; ``False``: off; or a :class:`gradstats.alarms.Alarms` (other bounds, formats to
+            watch: ``Alarms(watch="e4m3fn,e2m1fn", flush_bound=0.5)``). Checked on the writer thread.
 
     Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
 
@@ -672,4 +690,4 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
     """
     return Tracer(model, path, layers=layers, every=every, sample_every=sample_every,
                   samples=samples, kinds=kinds, optimizer=optimizer, max_bytes=max_bytes, seed=seed,
-                  flush_secs=flush_secs, resume=resume, start_step=start_step, sinks=sinks)
+                  flush_secs=flush_secs, resume=resume, start_step=start_step, sinks=sinks, alarms=alarms)

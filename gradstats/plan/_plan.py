@@ -503,6 +503,22 @@ class Plan:
 
         return export(self, target, model, path=path, strict=strict)
 
+    def to_torchao(self, model: Any, *, emulate: bool = False, strict: bool = False) -> list:
+        """The plan as real ``torchao.float8`` objects: ``[(Float8LinearConfig, module_filter_fn)]``,
+        one pair per distinct config (:func:`gradstats.integrations.torchao.to_torchao`; apply them
+        with :func:`gradstats.integrations.torchao.convert`). Needs torchao.
+
+        Example:
+            >>> import torch
+            >>> m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+            >>> [(str(c.cast_config_grad_output.target_dtype), keep(m[0], "0"), keep(m[2], "2"))
+            ...  for c, keep in Plan.uniform(format="e4m3fn", scale="amax").to_torchao(m)]
+            [('torch.float8_e4m3fn', True, False)]
+        """
+        from ..integrations.torchao import to_torchao
+
+        return to_torchao(self, model, emulate=emulate, strict=strict)
+
 
 def _defaults_from_dict(d: Any) -> Rule:
     if not isinstance(d, Mapping):

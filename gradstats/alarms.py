@@ -1,0 +1,139 @@
+"""Alarms while tracing: a layer whose gradient is all zero for several steps, has non-finite
+values, or would be flushed to zero by a format being watched (the kind of failure that, unseen,
+silently trains on zero gradients).
+
+The tracer runs :class:`Alarms` on its writer thread, as a sink of each committed statistics
+table (nothing is added to the training thread): each alarm is logged once per layer and kind
+(logger ``gradstats.alarms``, WARNING) and recorded in the run's ``"alarms"`` table
+(``open_run(path).table("alarms")``: step, layer, kind, alarm, value, message) and in
+``Run.summary()["alarms"]``. ``gradstats.trace(..., alarms=...)`` takes ``True`` (the default:
+zero and non-finite gradients), ``False``, or an :class:`Alarms` with formats to watch.
+
+Example:
+    >>> import tempfile, torch, gradstats
+    >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    >>> with gradstats.trace(m, tempfile.mkdtemp(), alarms=Alarms(zero_steps=2)) as t:
+    ...     for _ in range(3):
+    ...         (m(torch.randn(8, 4)) * 0).sum().backward(); t.step()      # every gradient is zero
+    >>> gradstats.open_run(t.path).table("alarms")[["layer", "alarm"]].values.tolist()
+    [['0', 'zero'], ['1', 'zero']]
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import pandas as pd
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Alarms", "ALARM_KINDS"]
+
+#: the alarms: ``zero`` (all-zero gradient for ``zero_steps`` steps in a row), ``nonfinite`` (NaN
+#: or inf entries), ``flush:<fmt>`` (a watched format would flush more than ``flush_bound`` of
+#: the non-zero entries)
+ALARM_KINDS = ("zero", "nonfinite", "flush")
+
+
+@dataclass
+class Alarms:
+    """What the tracer watches for (see the module doc).
+
+    Args:
+        zero_steps: alarm when a layer's gradient is all zero this many steps in a row (calls and
+            ranks of a step together); None: never.
+        nonfinite: alarm on NaN or infinite entries.
+        watch: formats whose what-if underflow is checked (:func:`gradstats.what_if`, per tensor at
+            the amax scale with ``rounding``): names, a comma-separated string, or None.
+        flush_bound: the fraction of non-zero entries a watched format may flush to zero.
+        rounding: of the watched formats.
+        kinds: which tensors are watched (default the neural gradients).
+    """
+
+    zero_steps: Optional[int] = 3
+    nonfinite: bool = True
+    watch: Union[str, Sequence[str], None] = None
+    flush_bound: float = 0.5
+    rounding: str = "nearest"
+    kinds: Sequence[str] = ("grad",)
+    #: alarms raised so far: (layer, kind, alarm) -> the first record
+    raised: dict = field(default_factory=dict, repr=False)
+    _zero_run: dict = field(default_factory=dict, repr=False)
+    _record: Optional[Callable[[list[dict[str, Any]]], None]] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        from .integrations._metrics import check_formats
+
+        if self.zero_steps is not None and (isinstance(self.zero_steps, bool) or not isinstance(self.zero_steps, int)
+                                            or self.zero_steps < 1):
+            raise ValueError(f"zero_steps must be a positive int or None, got {self.zero_steps!r}")
+        if not 0.0 <= float(self.flush_bound) <= 1.0:
+            raise ValueError(f"flush_bound must be a fraction in [0, 1], got {self.flush_bound!r}")
+        self.watch = check_formats(self.watch)
+        self.kinds = tuple(self.kinds)
+
+    def bind(self, record: Callable[[list[dict[str, Any]]], None]) -> "Alarms":
+        """Where alarm records go (the tracer binds its ``log_rows("alarms", ...)``)."""
+        self._record = record
+        return self
+
+    def write(self, stats: pd.DataFrame) -> None:
+        """Check a committed statistics table (the tracer's writer calls it)."""
+        new: list[dict[str, Any]] = []
+        for kind in self.kinds:
+            part = stats[stats["kind"] == kind]
+            if not len(part):
+                continue
+            per = part.groupby(["step", "layer"], sort=True).agg(n=("n", "sum"), n_zero=("n_zero", "sum"),
+                                                                 n_nonfinite=("n_nonfinite", "sum"))
+            for (step, layer), r in per.iterrows():
+                if self.nonfinite and r["n_nonfinite"] > 0:
+                    new += self._raise(int(step), layer, kind, "nonfinite", int(r["n_nonfinite"]),
+                                       f"{int(r['n_nonfinite'])} non-finite entries (NaN or inf)")
+                if self.zero_steps is not None:
+                    run = self._zero_run.get((layer, kind), 0) + 1 if r["n"] > 0 and r["n_zero"] == r["n"] else 0
+                    self._zero_run[(layer, kind)] = run
+                    if run >= self.zero_steps:
+                        new += self._raise(int(step), layer, kind, "zero", run,
+                                           f"all-zero gradient for {run} steps in a row")
+            if self.watch:
+                from .fpanalysis.what_if import what_if_stats
+
+                finite = part[part["n_nonfinite"] == 0]
+                if len(finite):
+                    w = what_if_stats(finite, self.watch, rounding=self.rounding)
+                    for r in w[w["underflow"] > self.flush_bound].itertuples():
+                        new += self._raise(int(r.step), r.layer, kind, f"flush:{r.format}", float(r.underflow),
+                                           f"{r.format} ({self.rounding}, amax scale) would flush {r.underflow:.0%} of "
+                                           f"the non-zero entries to zero (bound {self.flush_bound:.0%})")
+        if new and self._record is not None:
+            self._record(new)
+
+    def _raise(self, step: int, layer: str, kind: str, alarm: str, value: float, msg: str) -> list[dict[str, Any]]:
+        key = (layer, kind, alarm)
+        if key in self.raised:
+            return []
+        rec = {"step": step, "layer": layer, "kind": kind, "alarm": alarm, "value": float(value), "message": msg}
+        self.raised[key] = rec
+        log.warning("gradstats alarm: layer %r (%s) at step %d: %s", layer, kind, step, msg)
+        return [rec]
+
+    def by_layer(self) -> dict[str, list[str]]:
+        """The alarms raised so far, per layer."""
+        out: dict[str, list[str]] = {}
+        for (layer, _kind, alarm) in self.raised:
+            out.setdefault(layer, []).append(alarm)
+        return out
+
+
+def as_alarms(value: Union[bool, Alarms, None], *, watch: Iterable[str] | None = None) -> Optional[Alarms]:
+    """``trace(alarms=...)``: True (the defaults), False/None (off) or an :class:`Alarms`."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return Alarms()
+    if isinstance(value, Alarms):
+        return value
+    raise ValueError(f"alarms must be True (zero and non-finite gradients), False, or a gradstats.alarms.Alarms "
+                     f"(to watch formats too), got {type(value).__name__}")

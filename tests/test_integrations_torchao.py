@@ -1,0 +1,84 @@
+"""torchao: a plan converts a model with torchao's own API, trains, and torchao then does to the
+gradient what gradstats says: dX = quantize(g) @ quantize(W) with gradstats' formats and amax scales
+(torchao's emulated float8 GEMMs, on the CPU)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("torchao.float8")
+import gradstats  # noqa: E402
+from gradstats.formats import amax_scale, parse  # noqa: E402
+from gradstats.integrations.torchao import convert  # noqa: E402
+from gradstats.quant import quantize  # noqa: E402
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 16))
+
+
+def _q(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    s = amax_scale(parse(fmt), float(x.abs().max()))
+    return quantize(x * s, fmt) / s
+
+
+@pytest.mark.parametrize("fmt", ["e5m2", "e4m3fn"])
+def test_the_input_gradient_is_quantize_g_times_quantize_w(fmt):
+    model = convert(_mlp(), gradstats.Plan.uniform(format=fmt, scale="amax"), emulate=True)
+    assert [type(m).__name__ for m in model] == ["Float8Linear", "ReLU", "Float8Linear", "ReLU", "Linear"]
+    seen = {}
+
+    def keep(module, inputs, output):
+        inputs[0].retain_grad()
+        output.retain_grad()
+        seen["x"], seen["y"] = inputs[0], output
+
+    model[2].register_forward_hook(keep)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    model(x).square().mean().backward()
+    g, w = seen["y"].grad, model[2].weight.detach()
+    expected = _q(g, fmt) @ _q(w, "e4m3fn")            # torchao casts the weight for grad_input to e4m3fn
+    torch.testing.assert_close(seen["x"].grad, expected, rtol=1e-5, atol=1e-9)
+    # and not the unquantised product: the cast is really there
+    assert not torch.allclose(seen["x"].grad, g @ w, rtol=1e-4, atol=0)
+
+
+def test_a_recommended_8_bit_plan_converts_and_trains(tmp_path):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [(torch.randn(32, 32, generator=torch.Generator().manual_seed(i)),
+             torch.randint(0, 16, (32,), generator=torch.Generator().manual_seed(i))) for i in range(4)]
+    with gradstats.trace(model, tmp_path / "run", optimizer=opt):
+        for x, y in data[:2]:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    plan = gradstats.recommend(tmp_path / "run", bits=8)
+    assert {str(e.format) for e in plan.entries} <= {"e4m3fn", "e5m2"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)        # what torchao cannot express is listed, not lost
+        pairs = plan.to_torchao(model, emulate=True)
+        convert(model, plan, emulate=True)
+    assert pairs and {type(m).__name__ for m in model} >= {"Float8Linear"}
+    before = model[0].weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = data[2]
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss) and not torch.equal(before, model[0].weight.detach())
+
+
+def test_what_torchao_cannot_express_is_listed():
+    plan = gradstats.Plan.uniform(format="e4m3fn", sparsity=0.5, rounding="stochastic", scale="amax")
+    with pytest.warns(UserWarning, match="does not prune"):
+        plan.to_torchao(_mlp())
+    with pytest.raises(ValueError, match="not expressible"):
+        plan.to_torchao(_mlp(), strict=True)
+    # a format torchao has no dtype for: the layer is skipped, nothing converted
+    with pytest.warns(UserWarning, match="no torchao.float8 counterpart"):
+        assert gradstats.Plan.uniform(format="e3m2fn").to_torchao(_mlp()) == []
