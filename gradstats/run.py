@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .stats import COUNT_FIELDS, HIST_BINS, SCALAR_FIELDS, TOP_K, merge_stats
+from .stats import COUNT_FIELDS, HIST_BINS, HIST_MIN_EXP, SCALAR_FIELDS, TOP_K, merge_stats
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,20 @@ class Flush:
     start_step: int | None = None
 
 
+def file_metadata(table: str) -> dict[bytes, bytes]:
+    """The key-value metadata of every Parquet file of a run (``table``: ``"stats"``, ``"applied"``,
+    ...): the run format version, the gradstats version, and for the statistics how to read
+    ``hist`` (bin ``i`` counts the entries with ``floor(log2|g|) == hist_min_exp + i``)."""
+    from ._version import __version__
+
+    meta = {"gradstats.format_version": str(FORMAT_VERSION), "gradstats.version": __version__,
+            "gradstats.table": table}
+    if table == "stats":
+        meta.update({"gradstats.hist_min_exp": str(HIST_MIN_EXP), "gradstats.hist_log_base": "2",
+                     "gradstats.top_k": str(TOP_K)})
+    return {k.encode(): v.encode() for k, v in meta.items()}
+
+
 def _stats_table(keys: Sequence[tuple[int, int, str, str, int]], scalars: np.ndarray, hist: np.ndarray,
                  top: np.ndarray | None):
     """The one home of the statistics table's schema: key columns ``(step, rank, layer, kind,
@@ -139,7 +153,7 @@ def _stats_table(keys: Sequence[tuple[int, int, str, str, int]], scalars: np.nda
     if top is not None:
         top = np.asarray(top).reshape(len(keys), TOP_K).astype(np.float32)
         cols["top_abs"] = pa.FixedSizeListArray.from_arrays(pa.array(top.reshape(-1)), TOP_K)
-    return pa.table(cols)
+    return pa.table(cols).replace_schema_metadata(file_metadata("stats"))
 
 
 def rows_to_table(rows: Sequence[dict[str, Any]]):
@@ -161,6 +175,20 @@ def vectors_to_table(keys: Sequence[tuple[int, int, str, str, int]], vectors: np
     commit this way, holding the interpreter as briefly as it can)."""
     k, h = len(SCALAR_FIELDS), len(SCALAR_FIELDS) + HIST_BINS
     return _stats_table(keys, vectors[:, :k], vectors[:, k:h], vectors[:, h:h + TOP_K])
+
+
+def _side_table(name: str, rows: Sequence[dict[str, Any]]):
+    """A further table's rows as Arrow, with the statistics' key types (``step`` int64, ``rank``
+    int32) and the run's file metadata."""
+    import pyarrow as pa
+
+    df = pd.DataFrame(rows)
+    if "step" in df:
+        df["step"] = df["step"].astype("int64")
+    if "rank" in df:
+        df["rank"] = df["rank"].astype("int32")
+    t = pa.Table.from_pandas(df, preserve_index=False)
+    return t.replace_schema_metadata({**(t.schema.metadata or {}), **file_metadata(name)})
 
 
 class RunWriter:
@@ -302,7 +330,7 @@ class RunWriter:
             (self.path / tname).mkdir(exist_ok=True)
             rel = f"{tname}/part-{name}.parquet"
             tmp = self.path / tname / f".part-{name}.parquet.tmp"
-            pd.DataFrame(trows).to_parquet(tmp, index=False)
+            pq.write_table(_side_table(tname, trows), tmp)
             os.replace(tmp, self.path / rel)
             files[rel] = {"bytes": (self.path / rel).stat().st_size, "sha256": _sha256(self.path / rel)}
         with self._bytes_lock:
@@ -577,6 +605,46 @@ class Run:
                              "call": key[3], **m})
             df = pd.DataFrame(rows)
         return df.copy()
+
+    def files(self, table: str = "stats") -> list[Path]:
+        """The committed Parquet files of a table (``"stats"``, ``"applied"``, ``"alarms"``, ...),
+        in commit order: what another reader (DuckDB, polars, pyarrow) should read, rather than a
+        glob, which also sees a file whose commit record a crash never wrote. Rows a resumed
+        session superseded are still in those files: :meth:`dataset` leaves them out.
+
+        Example:
+            >>> import gradstats
+            >>> run = gradstats.open_run(gradstats.data.data_dir() / "sample-run")
+            >>> len(run.files("stats")) > 0, run.files("stats")[0].suffix
+            (True, '.parquet')
+        """
+        if table in ("samples", "commits") or not table.isidentifier():
+            raise ValueError(f"{table!r} is not a Parquet table of a run; try 'stats' or a table name such as "
+                             "'applied' or 'alarms'")
+        return [self.path / rel for c in self._commits for rel in c["files"] if rel.startswith(f"{table}/")]
+
+    def dataset(self, table: str = "stats"):
+        """A ``pyarrow.dataset.Dataset`` of a table's committed rows: over :meth:`files` when no
+        tracing session superseded another's steps, else of the rows that stand (in memory).
+        Scan it, filter it, or hand it to DuckDB (``duckdb.from_arrow(run.dataset())``) or polars
+        (``polars.scan_pyarrow_dataset(run.dataset())``).
+
+        Example:
+            >>> import gradstats
+            >>> run = gradstats.open_run(gradstats.data.data_dir() / "sample-run")
+            >>> run.dataset().count_rows() == len(run.stats())
+            True
+        """
+        import pyarrow as pa
+        import pyarrow.dataset as ds
+
+        files = self.files(table)
+        if any(c.get("_limit") is not None for c in self._commits):
+            df = self.stats() if table == "stats" else self.table(table)
+            return ds.dataset(pa.Table.from_pandas(df, preserve_index=False))
+        if not files:
+            return ds.dataset(pa.table({}))
+        return ds.dataset([str(f) for f in files], format="parquet")
 
     def table(self, name: str, *, on_error: str = "warn") -> pd.DataFrame:
         """A further table of the run by name, e.g. ``"applied"`` (what :func:`gradstats.apply`

@@ -382,3 +382,49 @@ def test_damaged_stats_and_info_agree(tmp_path, capsys):
     assert "steps 0..3 (3 captured)" in out
     assert (out + err).count(victim.name) == 1               # named once, not three times
     assert gradstats.open_run(tmp_path).summary()["steps"].tolist() == [3, 3]
+
+
+# ----------------------------------------------------------------------------- a run as a dataset
+def test_every_parquet_file_says_what_it_holds(tmp_path):
+    import pyarrow.parquet as pq
+
+    model = _lin()
+    with gradstats.trace(model, tmp_path / "r", flush_secs=0) as tr:
+        h = gradstats.apply(model, gradstats.Plan.uniform(format="e4m3fn", layers=["0"]), log_to=tr)
+        for _ in range(2):
+            model(torch.randn(6, 5)).square().mean().backward()
+            tr.step()
+        h.remove()
+    run = gradstats.open_run(tmp_path / "r")
+    for table in ("stats", "applied"):
+        files = run.files(table)
+        assert files
+        for f in files:
+            meta = {k.decode(): v.decode() for k, v in pq.read_schema(f).metadata.items()}
+            assert meta["gradstats.format_version"] == "1" and meta["gradstats.table"] == table
+            assert meta["gradstats.version"] == gradstats.__version__
+    stats_meta = pq.read_schema(run.files("stats")[0]).metadata
+    assert stats_meta[b"gradstats.hist_min_exp"] == b"-149" and stats_meta[b"gradstats.hist_log_base"] == b"2"
+    # the further tables have the statistics' key types
+    assert str(run.table("applied")["rank"].dtype) == str(run.stats()["rank"].dtype) == "int32"
+    assert str(run.table("applied")["step"].dtype) == "int64"
+
+
+def test_files_and_dataset_hold_committed_rows_only(tmp_path):
+    import shutil
+
+    _train_lin(_lin(), tmp_path / "r", 4)
+    run = gradstats.open_run(tmp_path / "r")
+    stray = tmp_path / "r" / "stats" / "part-r0-999999.parquet"       # written, its commit record never was
+    shutil.copy(run.files("stats")[0], stray)
+    run = gradstats.open_run(tmp_path / "r")
+    assert stray not in run.files("stats") and stray in set((tmp_path / "r" / "stats").glob("*.parquet"))
+    assert run.dataset().count_rows() == len(run.stats())
+    # a session that resumed at step 2 supersedes what the first one wrote from there on
+    _train_lin(_lin(), tmp_path / "r", 1, start_step=2)
+    run = gradstats.open_run(tmp_path / "r")
+    got = run.dataset().to_table().to_pandas()
+    assert sorted(got["step"].unique()) == run.steps == [0, 1, 2]
+    assert len(got) == len(run.stats())
+    with pytest.raises(ValueError, match="not a Parquet table"):
+        run.files("samples")
