@@ -124,6 +124,12 @@ def section_pruning(p: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+#: said under every table with NVFP4 rows run before apply passed a rule's block-scale type on
+NVFP4_CAVEAT = ("\n*NVFP4 rows*: these trainings ran before `gradstats.apply` passed a rule's block-scale type to "
+                "the quantiser, so they were enforced with E8M0 (MX) scales in blocks of 16, not E4M3 scales; the "
+                "study at scale reruns them.\n")
+
+
 def section_lowprec(p: dict) -> str:
     t = pd.DataFrame(p["table"])
     t["accuracy"] = _acc(t)
@@ -149,6 +155,8 @@ def section_lowprec(p: dict) -> str:
         lines.append(f"{scaling}: {len(held)} of {len(g)} configurations within one std"
                      + (f", narrowest {int(held['bits'].min())} bits" if len(held) else ""))
     out.append("\nFindings: " + "; ".join(lines) + f". {len(ok)} configurations in all hold the baseline.\n")
+    if t["label"].str.contains("nvfp4|NVFP4").any():
+        out.append(NVFP4_CAVEAT)
     return "\n".join(out)
 
 
@@ -184,6 +192,8 @@ def section_push(p: dict) -> str:
     held = t[t["holds"] & (t["label"] != "baseline")]["label"].tolist()
     failed = t[~t["holds"]]["label"].tolist()
     out.append(f"\nFindings: holds: {', '.join(held) or 'none'}. Does not hold: {', '.join(failed) or 'none'}.\n")
+    if t["label"].str.contains("nvfp4|NVFP4").any():
+        out.append(NVFP4_CAVEAT)
     return "\n".join(out)
 
 

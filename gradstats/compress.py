@@ -72,12 +72,14 @@ def _seed(generator: Optional[torch.Generator]) -> int:
 def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, None], *,
                    scale: float = 1.0, rounding: str = "nearest",
                    generator: Optional[torch.Generator] = None, block_size: Optional[int] = None,
+                   scale_format: str = "e8m0", scale_rounding: str = "floor",
                    out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, CompressCounts]:
     """Stochastic pruning at ``threshold`` (0 = none), then rounding to ``fmt`` (None = none)
     at ``scale`` with ``rounding``, saturating at the format's max. Returns ``(result, counts)``.
 
     ``scale`` multiplies before rounding and divides after (exact for powers of two);
-    ``block_size`` uses MX-style shared scales instead (``scale`` is then ignored).
+    ``block_size`` uses shared block scales instead (``scale`` is then ignored): ``scale_format``
+    ``"e8m0"`` (MX, rounded as ``scale_rounding`` says) or ``"e4m3"`` (NVFP4), as :func:`gradstats.quantize`.
 
     Example:
         >>> import torch
@@ -115,10 +117,11 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, 
                 out.copy_(result)
             result = out
         return result, CompressCounts(n, c[0], c[1], c[2], c[3])
-    return _composed(x, threshold, fmt, scale, rounding, generator, block_size, out)
+    return _composed(x, threshold, fmt, scale, rounding, generator, block_size, out, scale_format, scale_rounding)
 
 
-def _composed(x, threshold, fmt, scale, rounding, generator, block_size, out):
+def _composed(x, threshold, fmt, scale, rounding, generator, block_size, out, scale_format="e8m0",
+              scale_rounding="floor"):
     """Reference path: the pruning and quantisation operators one after the other."""
     from .pruning import stochastic_prune
     from .quant import quantize
@@ -129,7 +132,8 @@ def _composed(x, threshold, fmt, scale, rounding, generator, block_size, out):
     saturated = underflow = 0
     if fmt is not None:
         if block_size is not None:
-            z = quantize(y, fmt, rounding=rounding, generator=generator, block_size=block_size)
+            z = quantize(y, fmt, rounding=rounding, generator=generator, block_size=block_size,
+                         scale_format=scale_format, scale_rounding=scale_rounding)
         else:
             z = quantize(y, fmt, scale=scale, rounding=rounding, generator=generator)
             saturated = int(((y.abs() * scale) > fmt.max).sum())

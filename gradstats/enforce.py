@@ -358,7 +358,7 @@ def _fallback_rule(action: str, rule: Any, kinds: set[str]) -> Any:
     if action == "widen":
         wider = widen(rule.format)
         return rule.replace(format=wider) if wider is not None else None
-    return rule.replace(format=None, block_size=None, scale_format=None)      # "full"
+    return rule.replace(format=None, block_size=None, scale_format=None, scale_rounding=None)      # "full"
 
 
 class Applied:
@@ -552,7 +552,8 @@ class Applied:
             self._refresh(name, g, refresh)
             out, counts = prune_quantize(
                 g, st.threshold if rule.prunes else 0.0, rule.format, scale=st.scale,
-                rounding=rule.rounding, generator=self.generator, block_size=rule.block_size)
+                rounding=rule.rounding, generator=self.generator, block_size=rule.block_size,
+                scale_format=rule.scale_format or "e8m0", scale_rounding=rule.scale_rounding or "floor")
             if self.fallback is not None and self.fallback.error is not None and counts.n:
                 err = _relative_error(out, g)
         if counts.n:

@@ -41,13 +41,21 @@ import torch
 from .formats import FPFormat, parse
 from .kernels import use_triton
 
-__all__ = ["quantize", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS"]
+__all__ = ["quantize", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS",
+           "SCALE_ROUNDINGS"]
 
 log = logging.getLogger(__name__)
 
 ROUNDINGS = ("nearest", "stochastic", "toward_zero")
 OVERFLOWS = ("saturate", "nonfinite")
 SCALE_FORMATS = ("e8m0", "e4m3")
+#: how an MX (E8M0) block scale is rounded from the block's largest magnitude ``amax`` (OCP MX
+#: and torchao's ``ScaleCalculationMode``): ``"floor"`` ``2**(floor(log2 amax) - emax)`` (the OCP
+#: rule; large values of a block may saturate), ``"ceil"`` ``2**(ceil(log2 amax) - emax)``,
+#: ``"even"`` ``amax`` first rounded to the element's mantissa width (half up), then floor, and
+#: ``"rceil"`` ``2**ceil(log2(amax / fmt.max))`` (no element saturates; torchao's MX training
+#: default, NVIDIA's cuBLAS rule)
+SCALE_ROUNDINGS = ("floor", "ceil", "even", "rceil")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: elements per chunk of the CPU path (buffers of this size stay in cache between passes; at most
@@ -127,6 +135,7 @@ def quantize(
     block_size: Optional[int] = None,
     block_dim: int = -1,
     scale_format: str = "e8m0",
+    scale_rounding: str = "floor",
 ) -> torch.Tensor:
     """Round ``x`` to the values of ``fmt`` and return them in ``x``'s dtype (quantise-dequantise).
 
@@ -152,6 +161,9 @@ def quantize(
         scale_format: ``"e8m0"`` (MX: power-of-two scale ``2**(floor(log2 amax) - fmt.emax)``) or
             ``"e4m3"`` (NVFP4 style: per-block scale rounded to e4m3fn times a float32 per-tensor
             scale); see :func:`block_scales`.
+        scale_rounding: how an ``"e8m0"`` block scale is rounded (:data:`SCALE_ROUNDINGS`:
+            ``"floor"``, the OCP rule and the default; ``"ceil"``, ``"even"``, ``"rceil"``), bit for bit
+            torchao's ``ScaleCalculationMode`` of the same name.
 
     Returns:
         A new tensor, same shape, dtype and device as ``x``.
@@ -168,15 +180,24 @@ def quantize(
         [[0.0, 96.0], [0.01171875, 0.0234375]]
     """
     fmt, scale = _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format)
+    _check_scale_rounding(scale_rounding)
     with torch.no_grad():  # quantise-dequantise is not differentiable; results never track gradients
-        return _quantize(x.detach(), fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format)
+        return _quantize(x.detach(), fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format,
+                         scale_rounding)
 
 
-def _quantize(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format):
+def _check_scale_rounding(scale_rounding: str) -> None:
+    if scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(f"quantize: scale_rounding must be one of {SCALE_ROUNDINGS}, got {scale_rounding!r}")
+
+
+def _quantize(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format,
+              scale_rounding="floor"):
     if x.numel() == 0:
         return x.clone()
     if block_size is not None:
-        return _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_dim, scale_format)
+        return _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_dim, scale_format,
+                                scale_rounding)
     if use_triton(x.device.type):
         from .kernels import quantize as kq
 
@@ -185,22 +206,41 @@ def _quantize(x, fmt, scale, rounding, overflow, generator, block_size, block_di
     return _quantize_eager(x, fmt, scale, rounding, overflow, generator)
 
 
-def mx_shared_exponent(amax: torch.Tensor, fmt: Union[FPFormat, str]) -> torch.Tensor:
+def mx_shared_exponent(amax: torch.Tensor, fmt: Union[FPFormat, str], rounding: str = "floor") -> torch.Tensor:
     """The OCP MX shared exponent of blocks whose largest magnitude is ``amax`` (int32 tensor).
 
-    ``floor(log2(amax)) - fmt.emax`` clamped to the E8M0 range ``[-127, 127]``; ``amax == 0`` (and
-    NaN) gives ``-127``. A block is encoded as ``quantize(x / 2**e, fmt, overflow="saturate") * 2**e``.
-    This is the single home of the rule: the format analysis uses it on model amaxes.
+    ``rounding`` (:data:`SCALE_ROUNDINGS`): ``"floor"`` (default, the OCP rule):
+    ``floor(log2(amax)) - fmt.emax``; ``"ceil"``: ``ceil(log2(amax)) - fmt.emax``; ``"even"``: ``amax``
+    rounded half up to ``fmt.man_bits`` mantissa bits first, then floor; ``"rceil"``:
+    ``ceil(log2(amax / fmt.max))`` (float32 division), so that no element saturates. Computed on the
+    float32 bit pattern as torchao's ``to_mx`` does (bit for bit its ``ScaleCalculationMode`` of the
+    same name); clamped to the E8M0 range ``[-127, 127]``; ``amax == 0`` (and NaN) gives ``-127``. A
+    block is encoded as ``quantize(x / 2**e, fmt, overflow="saturate") * 2**e``. This is the single
+    home of the rule: the format analysis uses it on model amaxes.
 
     Example:
         >>> import torch
         >>> mx_shared_exponent(torch.tensor([1.0, 448.0, 500.0, 0.0]), "e4m3fn").tolist()
         [-8, 0, 0, -127]
+        >>> mx_shared_exponent(torch.tensor([1.0, 448.0, 500.0, 0.0]), "e4m3fn", "rceil").tolist()
+        [-8, 0, 1, -127]
     """
     fmt = parse(fmt)
+    if rounding not in SCALE_ROUNDINGS:
+        raise ValueError(f"scale_rounding must be one of {SCALE_ROUNDINGS}, got {rounding!r}")
     a = torch.nan_to_num(amax.float().abs(), nan=0.0, posinf=torch.finfo(torch.float32).max)
-    _, e = torch.frexp(a)
-    e = torch.where(a > 0, e.to(torch.int32) - 1 - fmt.emax, torch.full_like(e, -127, dtype=torch.int32))
+    if rounding == "rceil":
+        with torch.no_grad():
+            e = torch.ceil(torch.log2(a / fmt.max)).clamp(-127, 127)
+        e = torch.where(a > 0, e, torch.full_like(e, -127.0)).to(torch.int32)
+        return e
+    bits = a.view(torch.int32)
+    if rounding == "even":
+        bits = (bits + (1 << (22 - fmt.man_bits))) & 0x7F800000
+    e = ((bits >> 23) & 0xFF) - 127
+    if rounding == "ceil":
+        e = e + ((bits & 0x7FFFFF) > 0).to(e.dtype)
+    e = torch.where(a > 0, e - fmt.emax, torch.full_like(e, -127))
     return e.clamp_(-127, 127).to(torch.int32)
 
 
@@ -211,6 +251,7 @@ def block_scales(
     block_size: int = 32,
     block_dim: int = -1,
     scale_format: str = "e8m0",
+    scale_rounding: str = "floor",
 ) -> torch.Tensor:
     """Per-block decode scales ``X`` of ``x`` (float32): a block is stored as ``Q(x / X) * X``.
 
@@ -227,8 +268,9 @@ def block_scales(
     """
     fmt = parse(fmt)
     _check_block(x, block_size, block_dim, scale_format)
+    _check_scale_rounding(scale_rounding)
     xb, _ = _to_blocks(x, block_size, block_dim)
-    return _scales_of_blocks(xb, fmt, scale_format)[..., 0].movedim(-1, _norm_dim(block_dim, x.dim()))
+    return _scales_of_blocks(xb, fmt, scale_format, scale_rounding)[..., 0].movedim(-1, _norm_dim(block_dim, x.dim()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,13 +638,13 @@ def _to_blocks(x: torch.Tensor, block_size: int, block_dim: int):
     return xm.reshape(*xm.shape[:-1], -1, block_size), n
 
 
-def _scales_of_blocks(xb: torch.Tensor, fmt: FPFormat, scale_format: str) -> torch.Tensor:
+def _scales_of_blocks(xb: torch.Tensor, fmt: FPFormat, scale_format: str, scale_rounding: str = "floor") -> torch.Tensor:
     """Decode scale per block, shape ``(..., nblocks, 1)``."""
     ab = xb.abs()
     ab = torch.where(torch.isfinite(ab), ab, 0.0)
     amax = ab.amax(dim=-1, keepdim=True)
     if scale_format == "e8m0":
-        return torch.ldexp(torch.ones_like(amax), mx_shared_exponent(amax, fmt))
+        return torch.ldexp(torch.ones_like(amax), mx_shared_exponent(amax, fmt, scale_rounding))
     e4m3 = parse("e4m3fn")
     tmax = amax.amax() if amax.numel() else amax.new_zeros(())
     t = torch.where(tmax > 0, tmax / (fmt.max * e4m3.max), 1.0)
@@ -610,9 +652,10 @@ def _scales_of_blocks(xb: torch.Tensor, fmt: FPFormat, scale_format: str) -> tor
     return sb * t
 
 
-def _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_dim, scale_format):
+def _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_dim, scale_format,
+                     scale_rounding="floor"):
     xb, n = _to_blocks(x, block_size, block_dim)
-    X = _scales_of_blocks(xb, fmt, scale_format)
+    X = _scales_of_blocks(xb, fmt, scale_format, scale_rounding)
     Xs = torch.where(X > 0, X, 1.0)
     if use_triton(x.device.type):
         from .kernels import quantize as kq

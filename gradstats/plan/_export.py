@@ -85,6 +85,7 @@ def _json_layer(r: Rule) -> dict[str, Any]:
         "rounding": r.rounding if f is not None else None,
         "block_size": r.block_size,
         "scale_format": r.scale_format,
+        "scale_rounding": (r.scale_rounding or "floor") if r.scale_format == "e8m0" else None,
         "sparsity": r.sparsity,
         "threshold_rule": r.threshold_rule if r.sparsity is not None else None,
         "threshold": None if p is None or r.sparsity is None else p.threshold,

@@ -151,7 +151,8 @@ class Plan:
                 rounding: str | None = None, scale: str | None = None,
                 layers: Sequence[str] | str | None = None, scale_value: float | None = None,
                 threshold_rule: str | None = None, block_size: int | None = None,
-                scale_format: str | None = None, source: str | os.PathLike[str] | None = None,
+                scale_format: str | None = None, scale_rounding: str | None = None,
+                source: str | os.PathLike[str] | None = None,
                 output_layer: str | bool | None = None, prune_at: str | bool | None = None) -> "Plan":
         """The same rule on every selected layer.
 
@@ -192,7 +193,8 @@ class Plan:
             scale = "amax" if (rounding == "stochastic" or block_size is not None) else "lognormal"
         kw = {} if threshold_rule is None else {"threshold_rule": threshold_rule}
         defaults = Rule(format=fmt, sparsity=sparsity, rounding=rounding, scale=scale,
-                        scale_value=scale_value, block_size=block_size, scale_format=scale_format, **kw)
+                        scale_value=scale_value, block_size=block_size, scale_format=scale_format,
+                        scale_rounding=scale_rounding, **kw)
         if layers is None:
             from ..layers import matmul_types
 
@@ -546,7 +548,8 @@ def _rule_row(r: Rule) -> dict[str, Any]:
     return {"format": None if r.format is None else str(r.format),
             "bits": None if r.format is None else r.format.bits,
             "scale": r.scale, "scale_value": r.scale_value, "rounding": r.rounding,
-            "block_size": r.block_size, "scale_format": r.scale_format, "sparsity": r.sparsity,
+            "block_size": r.block_size, "scale_format": r.scale_format, "scale_rounding": r.scale_rounding,
+            "sparsity": r.sparsity,
             "threshold_rule": r.threshold_rule, "mu": p.mu, "sigma": p.sigma, "p0": p.p0,
             "predicted_error": p.error, "predicted_sparsity": p.sparsity,
             "predicted_scale": p.scale, "predicted_threshold": p.threshold}

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from ..formats import FPFormat, amax_scale as _amax_scale
 from ..pruning import METHODS as _METHODS
-from ..quant import ROUNDINGS as _ROUNDINGS, SCALE_FORMATS as _SCALE_FORMATS
+from ..quant import ROUNDINGS as _ROUNDINGS, SCALE_FORMATS as _SCALE_FORMATS, SCALE_ROUNDINGS as _SCALE_ROUNDINGS
 
 #: scale rules: a fixed multiplier, the power of two that maps the step's amax to the format's
 #: max, or the optimal power of two for the running lognormal mu and sigma
@@ -26,6 +26,8 @@ ROUNDINGS: tuple[str, ...] = tuple(_ROUNDINGS)
 THRESHOLD_RULES: tuple[str, ...] = tuple(_METHODS)
 #: block scale formats (those of :func:`gradstats.quant.quantize`): MX ``e8m0``, NVFP4 ``e4m3``
 SCALE_FORMATS: tuple[str, ...] = tuple(_SCALE_FORMATS)
+#: how an MX block scale is rounded (:data:`gradstats.quant.SCALE_ROUNDINGS`)
+SCALE_ROUNDINGS: tuple[str, ...] = tuple(_SCALE_ROUNDINGS)
 
 _PATTERN_CHARS = re.compile(r"[*?\[]")
 
@@ -163,8 +165,8 @@ class Prediction:
             raise _err(where, str(exc).removeprefix("predicted: ")) from None
 
 
-_RULE_NAMES = ("format", "scale", "scale_value", "scale_shift", "rounding", "block_size", "scale_format", "sparsity",
-               "threshold_rule", "predicted")
+_RULE_NAMES = ("format", "scale", "scale_value", "scale_shift", "rounding", "block_size", "scale_format",
+               "scale_rounding", "sparsity", "threshold_rule", "predicted")
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,9 @@ class Rule:
             tensor). Block scales come from each block's amax, so it needs ``scale="amax"``.
         scale_format: the block scale type, ``"e8m0"`` (MX, the default with blocks) or
             ``"e4m3"`` (NVFP4); None without blocks.
+        scale_rounding: how an ``"e8m0"`` block scale is rounded from the block's amax
+            (:data:`gradstats.quant.SCALE_ROUNDINGS`: ``"floor"``, the OCP rule; ``"ceil"``, ``"even"``,
+            ``"rceil"``, torchao's MX training default); None: ``"floor"`` with MX blocks.
         sparsity: target fraction of zeros in ``[0, 1)`` after stochastic pruning, or None.
         threshold_rule: how the pruning threshold is set from the gradient's statistics:
             ``"histogram"`` (the default: model-free, from the histogram of each refresh's
@@ -211,6 +216,7 @@ class Rule:
     rounding: str = "nearest"
     block_size: int | None = None
     scale_format: str | None = None
+    scale_rounding: str | None = None
     sparsity: float | None = None
     threshold_rule: str = "histogram"
     predicted: Prediction | None = None
@@ -260,6 +266,8 @@ class Rule:
         Example:
             >>> Rule(format="e2m1fn", scale="amax", block_size=32).quantize_kwargs()
             {'fmt': FPFormat('e2m1fn'), 'rounding': 'nearest', 'block_size': 32, 'scale_format': 'e8m0'}
+            >>> Rule(format="e4m3fn", scale="amax", block_size=32, scale_rounding="rceil").quantize_kwargs()["scale_rounding"]
+            'rceil'
         """
         if self.format is None:
             raise ValueError("this rule has no format: nothing is quantised")
@@ -267,6 +275,8 @@ class Rule:
         if self.block_size is not None:
             kw["block_size"] = self.block_size
             kw["scale_format"] = self.scale_format
+            if self.scale_rounding is not None:
+                kw["scale_rounding"] = self.scale_rounding
         return kw
 
     def scale_for(self, *, mu: float | None = None, sigma: float | None = None,
@@ -361,6 +371,8 @@ def _check_fields(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             out[k] = v
         elif k == "scale_format":
             out[k] = None if v is None else _choice(v, "scale_format", SCALE_FORMATS, where)
+        elif k == "scale_rounding":
+            out[k] = None if v is None else _choice(v, "scale_rounding", SCALE_ROUNDINGS, where)
         elif k == "sparsity":
             out[k] = _opt_float(v, "sparsity", where, lo=0.0, hi=1.0, hi_open=True)
         elif k == "threshold_rule":
@@ -391,6 +403,10 @@ def _check_combination(r: Rule, where: str) -> None:
         raise _err(where, "scale_format applies to block scaling only: set block_size too, or remove it")
     if r.block_size is not None and r.scale_format is None:
         object.__setattr__(r, "scale_format", "e8m0")
+    if r.scale_rounding is not None and r.scale_format != "e8m0":
+        raise _err(where, f"scale_rounding {r.scale_rounding!r} rounds MX (e8m0) block scales: set block_size "
+                          "(and scale_format 'e8m0'), or remove it")
+
 
 
 def _set_fields(obj: Any, values: Mapping[str, Any]) -> None:
@@ -428,8 +444,8 @@ class PlanEntry:
             :func:`gradstats.trace`); narrow them with ``types``.
         types: optional module class names; the entry matches only modules that are instances
             of one of them (any class in the module's MRO; e.g. ``"Linear"`` matches ``LazyLinear``).
-        format, scale, scale_value, scale_shift, rounding, block_size, scale_format, sparsity,
-            threshold_rule, predicted: the fields of :class:`Rule`; those not passed are :data:`INHERIT`.
+        format, scale, scale_value, scale_shift, rounding, block_size, scale_format, scale_rounding,
+            sparsity, threshold_rule, predicted: the fields of :class:`Rule`; those not passed are :data:`INHERIT`.
 
     Example:
         >>> e = PlanEntry("layer*.conv*", format="e3m2fn", sparsity=None)
@@ -446,6 +462,7 @@ class PlanEntry:
     rounding: Any = INHERIT
     block_size: Any = INHERIT
     scale_format: Any = INHERIT
+    scale_rounding: Any = INHERIT
     sparsity: Any = INHERIT
     threshold_rule: Any = INHERIT
     predicted: Any = INHERIT
