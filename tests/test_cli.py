@@ -63,3 +63,22 @@ def test_trace_rejects_bad_values_before_loading_data(tmp_path, monkeypatch, cap
                       (["--start-step", "-1"], "--start-step")):
         assert main(["trace", "--model", "mlp", "--out", str(tmp_path / "r"), *bad]) == 2
         assert said in capsys.readouterr().err
+
+
+def test_export_a_saved_plan(tmp_path, capsys):
+    import json
+
+    import gradstats
+    from gradstats.cli import main
+
+    run = gradstats.data.data_dir() / "sample-run"
+    plan = gradstats.recommend(run, bits=8)
+    plan.save(tmp_path / "plan.json")
+    assert main(["export", str(tmp_path / "plan.json"), "--to", "torchao", "--model", str(run),
+                 "-o", str(tmp_path / "ao.json")]) == 0
+    assert "torchao export of" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "ao.json").read_text())
+    assert doc["target"] == "torchao.float8" and set(doc["configs"]) | set(doc["skipped"]) == {e.layer for e in plan.entries}
+    assert main(["export", str(tmp_path / "plan.json")]) == 0
+    assert json.loads(capsys.readouterr().out)["target"] == "json"
+    assert main(["export", str(tmp_path / "missing.json")]) == 2

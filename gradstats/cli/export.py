@@ -1,0 +1,37 @@
+"""``gradstats export PLAN --to json|torchao [--model RUN] [-o FILE]``: a saved plan resolved per
+layer in another stack's terms (:meth:`gradstats.Plan.export`), printed or written as JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="export a saved plan per layer for another stack (json, torchao)")
+    p.add_argument("plan", help="a plan file (gradstats recommend ... -o plan.json)")
+    p.add_argument("--to", default="json", choices=["json", "torchao"], help="the target (default json)")
+    p.add_argument("--model", default=None,
+                   help="a run directory whose layers resolve the plan's patterns (needed for torchao and for "
+                        "plans with patterns)")
+    p.add_argument("-o", "--out", default=None, help="write the export here (JSON); default: print it")
+    p.add_argument("--strict", action="store_true", help="fail when the target cannot express part of the plan")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import warnings
+
+    import gradstats
+
+    plan = gradstats.Plan.load(args.plan)
+    model = gradstats.open_run(args.model) if args.model else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        doc = plan.export(args.to, model, path=args.out, strict=args.strict)
+    for w in caught:                           # what the target cannot express, said once
+        print(f"note: {w.message}")
+    if args.out:
+        print(f"{args.to} export of {args.plan}: {args.out}")
+    else:
+        print(json.dumps(doc, indent=2))
+    return 0
