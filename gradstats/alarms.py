@@ -63,14 +63,14 @@ class Alarms:
     _record: Optional[Callable[[list[dict[str, Any]]], None]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        from .integrations._metrics import check_formats
+        from .formats import parse_list
 
         if self.zero_steps is not None and (isinstance(self.zero_steps, bool) or not isinstance(self.zero_steps, int)
                                             or self.zero_steps < 1):
             raise ValueError(f"zero_steps must be a positive int or None, got {self.zero_steps!r}")
         if not 0.0 <= float(self.flush_bound) <= 1.0:
             raise ValueError(f"flush_bound must be a fraction in [0, 1], got {self.flush_bound!r}")
-        self.watch = check_formats(self.watch)
+        self.watch = [str(f) for f in parse_list(self.watch)]
         self.kinds = tuple(self.kinds)
 
     def bind(self, record: Callable[[list[dict[str, Any]]], None]) -> "Alarms":

@@ -43,7 +43,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["FPFormat", "parse", "REGISTRY", "SPECIALS", "amax_scale"]
+__all__ = ["FPFormat", "parse", "parse_list", "REGISTRY", "SPECIALS", "amax_scale"]
 
 SPECIALS = ("ieee", "fn", "fnuz", "fnu")
 _SUFFIX = {"ieee": "", "fn": "fn", "fnuz": "fnuz", "fnu": "fnu"}
@@ -331,6 +331,21 @@ def parse(name: "str | FPFormat") -> FPFormat:
     if not isinstance(name, str):
         raise ValueError(f"format: expected an FPFormat or a name such as 'e4m3fn', got {type(name).__name__}")
     return _parse_str(name)
+
+
+def parse_list(formats: Any) -> list[FPFormat]:
+    """Formats from a comma-separated string (``"e4m3fn,e5m2"``), an iterable of names or formats,
+    one format, or None (no formats).
+
+    Example:
+        >>> [str(f) for f in parse_list("e4m3fn, e5m2")], parse_list(None)
+        (['e4m3fn', 'e5m2'], [])
+    """
+    if formats is None:
+        return []
+    if isinstance(formats, (str, FPFormat)):
+        formats = [p.strip() for p in formats.split(",") if p.strip()] if isinstance(formats, str) else [formats]
+    return [parse(f) for f in formats]
 
 
 @functools.lru_cache(maxsize=256)

@@ -84,17 +84,33 @@ def test_a_plan_is_applied_with_its_state_in_the_checkpoint(tmp_path):
     assert not cb.session.active
 
 
-def test_a_transformers_llama_inside_a_lightning_module(tmp_path):
+def _hf_model(name: str):
     transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_head=2, n_embd=32, vocab_size=48, n_positions=16, bos_token_id=0, eos_token_id=0))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+        intermediate_size=64, vocab_size=48, max_position_embeddings=16, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0))
 
+
+HF_PROJECTIONS = {
+    "gpt2": [f"model.transformer.h.{i}.{p}" for i in range(2) for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                        "mlp.c_proj")],
+    "llama": [f"model.model.layers.{i}.{p}" for i in range(2) for p in
+              ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")],
+}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_transformers_model_inside_a_lightning_module(tmp_path, name):
     class LM(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            torch.manual_seed(0)
-            self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
-                intermediate_size=64, vocab_size=48, max_position_embeddings=16, bos_token_id=0, eos_token_id=0,
-                pad_token_id=0))
+            self.model = _hf_model(name)
 
         def training_step(self, batch, i):
             return self.model(input_ids=batch[0], labels=batch[0]).loss
@@ -109,9 +125,7 @@ def test_a_transformers_llama_inside_a_lightning_module(tmp_path):
                          default_root_dir=str(tmp_path), accelerator="cpu", devices=1)
     trainer.fit(LM(), loader)
     run = gradstats.open_run(tmp_path / "run")
-    projections = [f"model.model.layers.{i}.{p}" for i in range(2) for p in
-                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    projections = HF_PROJECTIONS[name]
     assert run.steps == [0, 1] and set(projections) <= set(run.layers)
     assert sorted(gradstats.Plan.uniform(format="e4m3fn").resolve(run)) == sorted(projections)
 

@@ -216,9 +216,9 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
     from ..run import Run, open_run
 
     r = run if isinstance(run, Run) else open_run(run)
-    if isinstance(formats, (str, FPFormat)):
-        formats = [p for p in str(formats).split(",") if p] if isinstance(formats, str) else [formats]
-    fmts = [parse(f) for f in formats]
+    from ..formats import parse_list
+
+    fmts = parse_list(formats)
     if not fmts:
         raise ValueError("what_if needs at least one format (names such as 'e4m3fn', 'e5m2', 'e2m1fn')")
     _check_rounding(rounding)

@@ -71,11 +71,7 @@ def log2_histogram(m: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def check_formats(formats: Iterable[Any] | str | None) -> list[str]:
-    """The formats to watch, as names (a comma-separated string, a list, or None: none)."""
-    from ..formats import parse
+    """The formats to watch, as names (:func:`gradstats.formats.parse_list`)."""
+    from ..formats import parse_list
 
-    if formats is None:
-        return []
-    if isinstance(formats, str):
-        formats = [f for f in formats.split(",") if f]
-    return [str(parse(f)) for f in formats]
+    return [str(f) for f in parse_list(formats)]
