@@ -11,7 +11,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", help="run directory")
     p.add_argument("--formats", default="e4m3fn,e5m2,e2m1fn",
                    help="comma-separated format names (default e4m3fn,e5m2,e2m1fn)")
-    p.add_argument("--block", type=int, default=None, help="MX block size (E8M0 scale per block); default per tensor")
+    p.add_argument("--block", type=int, default=None, help="block size (a scale per block); default per tensor")
+    p.add_argument("--scale-format", default="e8m0", choices=["e8m0", "e4m3"],
+                   help="block scales: e8m0 (MX, default) or e4m3 (NVFP4)")
     p.add_argument("--rounding", default="nearest", choices=["nearest", "stochastic"])
     p.add_argument("--layers", nargs="*", default=None, help="names or globs (default every layer)")
     p.add_argument("--steps", type=int, nargs="*", default=None, help="steps (default every step)")
@@ -26,13 +28,14 @@ def run(args: argparse.Namespace) -> int:
     import gradstats
 
     df = gradstats.what_if(args.run, args.formats, block_size=args.block, rounding=args.rounding,
-                           steps=args.steps, layers=args.layers)
+                           steps=args.steps, layers=args.layers, scale_format=args.scale_format)
     per_layer = (df.groupby(["layer", "format"], sort=False)[["underflow", "overflow", "rel_mse", "bias"]]
                  .median().reset_index())
     with pd.option_context("display.width", 160, "display.max_rows", 500):
         print(per_layer.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"medians over {df['step'].nunique()} steps; fractions of the non-zero entries; "
-          f"{'MX blocks of ' + str(args.block) if args.block else 'per-tensor amax scales'}, {args.rounding} rounding")
+          f"{(('NVFP4' if args.scale_format == 'e4m3' else 'MX') + ' blocks of ' + str(args.block)) if args.block else 'per-tensor amax scales'}, "
+          f"{args.rounding} rounding")
     if args.out:
         (df.to_parquet if str(args.out).endswith(".parquet") else lambda p: df.to_csv(p, index=False))(args.out)
         print(f"table: {args.out}")

@@ -70,7 +70,8 @@ def _binade_range(law: HistogramLaw) -> tuple[int, int]:
     return int(math.floor(math.log2(min(lows)))), int(math.floor(math.log2(law.amax)))
 
 
-def _pieces(law: HistogramLaw, grid: np.ndarray, s: float, rounding: str) -> dict[str, np.ndarray]:
+def _pieces(law: HistogramLaw, grid: np.ndarray, s: float, rounding: str,
+            extra_cuts: Sequence[float] = ()) -> dict[str, np.ndarray]:
     """Quantising ``y * s`` on ``grid`` (saturating), integrated over the law of the non-zero
     entries piece by piece: the pieces are the format's rounding cells cut at every binade boundary
     (so that each lies in one binade, ``binade``: its floor(log2)), each with its mass flushed to
@@ -80,7 +81,8 @@ def _pieces(law: HistogramLaw, grid: np.ndarray, s: float, rounding: str) -> dic
     lo_e, hi_e = _binade_range(law)
     cells = (np.concatenate([[0.0], (u[:-1] + u[1:]) / 2]) if rounding == "nearest" else u)   # cell starts
     cuts = np.exp2(np.arange(lo_e, hi_e + 2, dtype=np.float64))
-    pts = np.unique(np.concatenate([cells, cuts, [vmax]]))
+    pts = np.unique(np.concatenate([cells, cuts, [vmax], np.asarray(extra_cuts, dtype=np.float64)]))
+    pts = pts[np.isfinite(pts)]
     pts = pts[pts > 0]
     a = np.concatenate([[0.0], pts])                    # piece starts ...
     b = np.concatenate([pts, [np.inf]])                 # ... and ends
@@ -103,8 +105,8 @@ def _pieces(law: HistogramLaw, grid: np.ndarray, s: float, rounding: str) -> dic
         sq = np.where(last, vmax * vmax * p - 2 * vmax * e1 + e2, inside)
         signed = np.where(last, vmax * p - e1, 0.0)
         flushed = np.where(ci == 0, p - e1 / u[1], 0.0)                   # E[(u1 - y) / u1] below u1
-    return {"binade": binade, "flushed": flushed, "saturated": np.where(above, p, 0.0), "sq": sq, "signed": signed,
-            "mean": float(m[1][-1]), "energy": float(m[2][-1])}
+    return {"binade": binade, "start": a, "flushed": flushed, "saturated": np.where(above, p, 0.0), "sq": sq,
+            "signed": signed, "mean": float(m[1][-1]), "energy": float(m[2][-1])}
 
 
 _SUMS = ("flushed", "saturated", "sq", "signed")
@@ -116,14 +118,17 @@ def _check_rounding(rounding: str) -> None:
 
 
 def predict_from_stats(stats: Mapping[str, Any], fmt: Union[FPFormat, str], *, scale: Union[str, float] = "amax",
-                       rounding: str = "nearest", block_size: Optional[int] = None) -> dict[str, float]:
+                       rounding: str = "nearest", block_size: Optional[int] = None,
+                       scale_format: str = "e8m0") -> dict[str, float]:
     """What quantising the tensor a statistics row describes (``hist``, ``max_abs``, ``top_abs``,
     ``n``, ``n_zero``: :func:`gradstats.stats.tensor_stats` or a row of ``Run.stats()``) with ``fmt``
     would do: the :data:`WHAT_IF_COLUMNS` (see the module doc), fractions per non-zero entry.
 
     ``scale``: ``"amax"`` (the largest power of two that keeps the tensor's maximum representable,
-    as ``apply`` does) or a number (the multiplier); ignored with ``block_size`` (MX: per block).
-    Example: see the module.
+    as ``apply`` does) or a number (the multiplier); ignored with ``block_size``, whose scales are
+    per block: ``scale_format`` ``"e8m0"`` (MX, power of two) or ``"e4m3"`` (NVFP4: the block's amax
+    over the format's maximum, rounded to e4m3fn, times a per-tensor float32 scale that maps the
+    tensor's amax to 448; :func:`gradstats.quant.block_scales`). Example: see the module.
     """
     f = parse(fmt)
     _check_rounding(rounding)
@@ -146,7 +151,15 @@ def predict_from_stats(stats: Mapping[str, Any], fmt: Union[FPFormat, str], *, s
         c = {k: float(pc[k].sum()) for k in _SUMS} | {"mean": pc["mean"], "energy": pc["energy"]}
         log2_scale = math.log2(s)
     else:
-        c = _blocks(law, grid, f, int(block_size), rounding, zero_fraction=1.0 - nz / n)
+        if isinstance(block_size, bool) or int(block_size) < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if scale_format == "e8m0":
+            c = _blocks(law, grid, f, int(block_size), rounding, zero_fraction=1.0 - nz / n)
+        elif scale_format == "e4m3":
+            c = _nvfp4_blocks(law, grid, f, int(block_size), rounding, zero_fraction=1.0 - nz / n,
+                              tensor_amax=float(stats["max_abs"]))
+        else:
+            raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
         log2_scale = math.nan
     return {"underflow": c["flushed"], "overflow": c["saturated"],
             "rel_mse": c["sq"] / c["energy"] if c["energy"] > 0 else 0.0,
@@ -180,8 +193,51 @@ def _blocks(law: HistogramLaw, grid: np.ndarray, fmt: FPFormat, block: int, roun
     return total | {"mean": mean, "energy": energy}
 
 
+def _nvfp4_blocks(law: HistogramLaw, grid: np.ndarray, fmt: FPFormat, block: int, rounding: str, *,
+                  zero_fraction: float, tensor_amax: float) -> dict[str, float]:
+    """NVFP4 blocks of exchangeable entries: the block scale ``X = e4m3(m / (fmt.max * t)) * t`` of a
+    block whose largest magnitude is ``m`` takes the values of the e4m3fn grid times ``t``; block
+    maxima in ``[lo_k, hi_k)`` give the ``k``-th. An entry ``y`` of a block is quantised at ``X_k``
+    with probability ``P(max(y, M') in [lo_k, hi_k))``, ``M'`` the largest of the other ``block - 1``
+    entries. ``X = 0`` (a block too small for the smallest scale) encodes zeros."""
+    e4 = parse("e4m3fn")
+    scales = _grid(e4)                                          # 0, the subnormals, ..., 448
+    t = tensor_amax / (fmt.max * e4.max) if tensor_amax > 0 else 1.0
+    mids = (scales[:-1] + scales[1:]) / 2 * fmt.max * t
+    lo_m, hi_m = np.concatenate([[0.0], mids]), np.concatenate([mids, [np.inf]])
+    z = zero_fraction
+
+    def cdf(x: np.ndarray) -> np.ndarray:                      # P(|Y'| < x), zeros included
+        return np.clip(z + (1 - z) * law.partial_moments(np.asarray(x, dtype=np.float64), 0, np.zeros(1))[0], 0, 1)
+
+    f_lo, f_hi = cdf(lo_m) ** (block - 1), cdf(np.where(np.isfinite(hi_m), hi_m, law.amax * 2)) ** (block - 1)
+    total = {k: 0.0 for k in _SUMS}
+    mean = float(law.partial_moments(np.array([np.inf]), 1, np.zeros(1))[0, 0])
+    energy = float(law.partial_moments(np.array([np.inf]), 2, np.zeros(1))[0, 0])
+    for k, v in enumerate(scales):
+        lo, hi = lo_m[k], hi_m[k]
+        if lo > law.amax:
+            break
+        w_below, w_in = f_hi[k] - f_lo[k], f_hi[k]
+        if v == 0:                                              # the block encodes zeros: all flushed
+            m = [law.partial_moments(np.array([lo, min(hi, law.amax * 2)]), q, np.zeros(1))[0] for q in range(3)]
+            below = [mq[0] for mq in m]
+            inside = [mq[1] - mq[0] for mq in m]
+            total["flushed"] += w_below * below[0] + w_in * inside[0]
+            total["sq"] += w_below * below[2] + w_in * inside[2]
+            total["signed"] -= w_below * below[1] + w_in * inside[1]
+            continue
+        pc = _pieces(law, grid, 1.0 / (float(v) * t), rounding, extra_cuts=[lo, hi])
+        a = pc["start"]
+        w = np.where(a < lo, w_below, np.where(a < hi, w_in, 0.0))
+        for key in _SUMS:
+            total[key] += float(np.sum(w * pc[key]))
+    return total | {"mean": mean, "energy": energy}
+
+
 def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat]]], *,
             block_size: Optional[int] = None, rounding: str = "nearest", scale: Union[str, float] = "amax",
+            scale_format: str = "e8m0",
             steps: Union[None, int, Sequence[int]] = None, layers: Union[None, str, Sequence[str]] = None,
             kind: str = "grad") -> pd.DataFrame:
     """What each format would do to each traced tensor of ``run``, from its statistics alone.
@@ -189,8 +245,8 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
     Args:
         run: a :class:`gradstats.run.Run` or the path of one.
         formats: format names or :class:`FPFormat` objects (or one; ``"e4m3fn,e5m2"`` works too).
-        block_size: None (per-tensor scale) or an MX block size (E8M0 scale per block of
-            exchangeable entries, see the module doc).
+        block_size: None (per-tensor scale) or a block size (a scale per block of exchangeable
+            entries, see the module doc): MX with ``scale_format="e8m0"`` (32), NVFP4 with ``"e4m3"`` (16).
         rounding: ``"nearest"`` or ``"stochastic"``.
         scale: ``"amax"`` or a multiplier (per tensor).
         steps: None (every step), a step, or a list of steps.
@@ -234,12 +290,13 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
     if not len(st):
         raise ValueError(f"no {kind!r} statistics in {r.path} for steps={steps!r}, layers={layers!r}; the run "
                          f"has steps {r.steps[:5]}{' ...' if len(r.steps) > 5 else ''} and layers {r.layers}")
-    return what_if_stats(st, fmts, block_size=block_size, rounding=rounding, scale=scale, order=r.layers)
+    return what_if_stats(st, fmts, block_size=block_size, rounding=rounding, scale=scale, order=r.layers,
+                         scale_format=scale_format)
 
 
 def what_if_stats(stats: pd.DataFrame, formats: Iterable[Union[str, FPFormat]], *, block_size: Optional[int] = None,
                   rounding: str = "nearest", scale: Union[str, float] = "amax",
-                  order: Optional[Sequence[str]] = None) -> pd.DataFrame:
+                  order: Optional[Sequence[str]] = None, scale_format: str = "e8m0") -> pd.DataFrame:
     """:func:`what_if` on a statistics table (rows as ``Run.stats()`` gives them, of one kind), in
     ``order`` of layers (default: as they first appear): what a live sink computes on each commit.
 
@@ -261,12 +318,15 @@ def what_if_stats(stats: pd.DataFrame, formats: Iterable[Union[str, FPFormat]], 
         energy = np.array([float(x["sum_sq"]) for x in recs])
         mag = np.array([float(x["sum_abs"]) for x in recs])
         for f in fmts:
-            preds = [predict_from_stats(x, f, scale=scale, rounding=rounding, block_size=block_size) for x in recs]
+            preds = [predict_from_stats(x, f, scale=scale, rounding=rounding, block_size=block_size,
+                                        scale_format=scale_format) for x in recs]
             row = {"step": int(step), "layer": layer, "format": str(f), "block_size": block_size,
-                   "rounding": rounding, "n": int(sum(int(x["n"]) for x in recs))}
+                   "scale_format": scale_format if block_size else None, "rounding": rounding,
+                   "n": int(sum(int(x["n"]) for x in recs))}
             for col, w in (("underflow", nz), ("overflow", nz), ("rel_mse", energy), ("bias", mag)):
                 v = np.array([p[col] for p in preds])
                 row[col] = float(np.sum(w * v) / np.sum(w)) if np.sum(w) > 0 else 0.0
             row["log2_scale"] = float(np.median([p["log2_scale"] for p in preds]))
             rows.append(row)
-    return pd.DataFrame(rows, columns=["step", "layer", "format", "block_size", "rounding", "n", *WHAT_IF_COLUMNS])
+    return pd.DataFrame(rows, columns=["step", "layer", "format", "block_size", "scale_format", "rounding", "n",
+                                       *WHAT_IF_COLUMNS])
