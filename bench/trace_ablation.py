@@ -53,7 +53,8 @@ def bench_model(name: str, rounds: int, block: int, batch: int) -> dict[str, tup
         return t
 
     tmp = Path(tempfile.mkdtemp(prefix="gradstats-ablation-"))
-    tracers = {k: gradstats.Tracer(model, tmp / k, every=1, sample_every=None) for k in ("none", "read", "full")}
+    tracers = {k: gradstats.Tracer(model, tmp / k, every=1, sample_every=None, resume=True)   # re-attached per block
+               for k in ("none", "read", "full")}
     row_bytes = VECTOR_LEN * 8      # rows the kernel does not write are zeroed (no statistics)
     writes = {"none": lambda x, address: ctypes.memset(address, 0, row_bytes),
               "read": lambda x, address: (x.sum(), ctypes.memset(address, 0, row_bytes)),

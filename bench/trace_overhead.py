@@ -5,6 +5,8 @@ Per model (small CNN with BatchNorm and ResNet-20 on Fashion-MNIST, batch 128):
 - ``plain``: no tracer;
 - ``stats every step``: statistics of every traced layer (default selection: modules with
   parameters) on every step, samples every 100th;
+- ``stats every step, alarms off``: the same without the alarms (checked on the writer thread,
+  :mod:`gradstats.alarms`): what they cost;
 - ``stats /10, samples /100``: what a long run would use;
 - ``naive numpy hooks``: hooks that copy each gradient to the CPU as numpy and compute the
   same statistics there (the way one would write it by hand), every step.
@@ -75,8 +77,10 @@ def bench_model(name: str, rounds: int, block: int, batch: int) -> dict[str, flo
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     batches = fixed_batches(name, block, batch)
     tmp = Path(tempfile.mkdtemp(prefix="gradstats-bench-"))
-    every = gradstats.Tracer(model, tmp / "every", every=1, sample_every=100)
-    tenth = gradstats.Tracer(model, tmp / "tenth", every=10, sample_every=100)
+    # resume=True: each block re-attaches and continues the configuration's own run
+    every = gradstats.Tracer(model, tmp / "every", every=1, sample_every=100, resume=True)
+    tenth = gradstats.Tracer(model, tmp / "tenth", every=10, sample_every=100, resume=True)
+    quiet = gradstats.Tracer(model, tmp / "quiet", every=1, sample_every=100, resume=True, alarms=False)
 
     def traced(tr):
         tr.attach()                    # once per training in real use: not timed
@@ -91,6 +95,7 @@ def bench_model(name: str, rounds: int, block: int, batch: int) -> dict[str, flo
     time_block(model, opt, batches[:2])                                    # warm up
     return interleaved_ratios({"plain": lambda: time_block(model, opt, batches),
                         "stats every step": lambda: traced(every),
+                        "stats every step, alarms off": lambda: traced(quiet),
                         "stats /10, samples /100": lambda: traced(tenth),
                         "naive numpy hooks": naive}, rounds)
 
