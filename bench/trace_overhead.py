@@ -7,6 +7,7 @@ Per model (small CNN with BatchNorm and ResNet-20 on Fashion-MNIST, batch 128):
   parameters) on every step, samples every 100th;
 - ``stats every step, alarms off``: the same without the alarms (checked on the writer thread,
   :mod:`gradstats.alarms`): what they cost;
+- ``stats every step + blocks (16, 32)``: with the per-block statistics (:mod:`gradstats.blocks`);
 - ``stats /10, samples /100``: what a long run would use;
 - ``naive numpy hooks``: hooks that copy each gradient to the CPU as numpy and compute the
   same statistics there (the way one would write it by hand), every step.
@@ -81,6 +82,7 @@ def bench_model(name: str, rounds: int, block: int, batch: int) -> dict[str, flo
     every = gradstats.Tracer(model, tmp / "every", every=1, sample_every=100, resume=True)
     tenth = gradstats.Tracer(model, tmp / "tenth", every=10, sample_every=100, resume=True)
     quiet = gradstats.Tracer(model, tmp / "quiet", every=1, sample_every=100, resume=True, alarms=False)
+    blocks = gradstats.Tracer(model, tmp / "blocks", every=1, sample_every=100, resume=True, blocks=(16, 32))
 
     def traced(tr):
         tr.attach()                    # once per training in real use: not timed
@@ -96,6 +98,7 @@ def bench_model(name: str, rounds: int, block: int, batch: int) -> dict[str, flo
     return interleaved_ratios({"plain": lambda: time_block(model, opt, batches),
                         "stats every step": lambda: traced(every),
                         "stats every step, alarms off": lambda: traced(quiet),
+                        "stats every step + blocks (16, 32)": lambda: traced(blocks),
                         "stats /10, samples /100": lambda: traced(tenth),
                         "naive numpy hooks": naive}, rounds)
 

@@ -195,7 +195,8 @@ class Tracer:
                  optimizer: torch.optim.Optimizer | None = None,
                  max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
                  resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
-                 alarms: Any = True) -> None:
+                 alarms: Any = True, blocks: Sequence[int] | None = None,
+                 block_sample: int | None = 2048) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"trace() needs a torch.nn.Module as model, got {type(model).__name__}")
         self.kinds = tuple(kinds)
@@ -217,6 +218,18 @@ class Tracer:
         if start_step is not None and (isinstance(start_step, bool) or not isinstance(start_step, int)
                                        or start_step < 0):
             raise ValueError(f"start_step must be a step number >= 0 or None, got {start_step!r}")
+        if blocks is not None:
+            blocks = (blocks,) if isinstance(blocks, int) and not isinstance(blocks, bool) else tuple(blocks)
+            if not blocks or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in blocks):
+                raise ValueError(f"blocks must be None or positive block sizes, e.g. (16, 32) for NVFP4 and MX; "
+                                 f"got {blocks!r}")
+        if block_sample is not None and (isinstance(block_sample, bool) or not isinstance(block_sample, int)
+                                         or block_sample < 1):
+            raise ValueError(f"block_sample must be a positive number of blocks or None (every block), got "
+                             f"{block_sample!r}")
+        #: block sizes of the per-block statistics (:mod:`gradstats.blocks`), or None
+        self.blocks = blocks
+        self.block_sample = block_sample
         sinks = list(sinks)
         bad_sinks = [type(k).__name__ for k in sinks if not callable(getattr(k, "write", None))]
         if bad_sinks:
@@ -504,6 +517,14 @@ class Tracer:
                     self._row_keys.append((step, layer, kind, call))
             else:
                 vec = tensor_stats_vector(t)
+            if self.blocks is not None and kind == "grad":
+                from .blocks import blocks_stats
+
+                found = blocks_stats(t, self.blocks, sample=self.block_sample, generator=self._generator(t.device))
+                rows = [{"step": step, "layer": layer, "kind": kind, "call": call, "block_size": b, **st}
+                        for b, st in zip(self.blocks, found)]
+                with self._lock:
+                    self._pending_tables.setdefault("blocks", []).extend(dict(r, rank=self.rank) for r in rows)
         sample = None
         if do_samples:
             flat = t.detach().reshape(-1)
@@ -635,7 +656,7 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
           kinds: Iterable[str] = ("grad",), optimizer: torch.optim.Optimizer | None = None,
           max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
           resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
-          alarms: Any = True) -> Tracer:
+          alarms: Any = True, blocks: Sequence[int] | None = None, block_sample: int | None = 2048) -> Tracer:
     """Trace the neural gradients of ``model`` into the run directory ``path``.
 
     Args:
@@ -676,6 +697,13 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
             table, when a layer's gradient is all zero for 3 steps in a row or has non-finite
             values; ``False``: off; or a :class:`gradstats.alarms.Alarms` (other bounds, formats to
             watch: ``Alarms(watch="e4m3fn,e2m1fn", flush_bound=0.5)``). Checked on the writer thread.
+        blocks: block sizes (``(16, 32)``: NVFP4 and MX) of per-block statistics of each neural
+            gradient on the steps statistics are taken: the blocks' dynamic ranges, into the run's
+            ``"blocks"`` table (:mod:`gradstats.blocks`; :func:`gradstats.blocks.flushed_blocks`
+            turns them into the fraction of blocks a block-scaled format flushes). Opt-in.
+        block_sample: blocks counted per tensor and block size, a uniform random sample (default
+            2048: a cost that does not grow with the tensor, fractions within 1.1 points); None:
+            every block (a few passes over the tensor).
 
     Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
 
@@ -690,4 +718,5 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
     """
     return Tracer(model, path, layers=layers, every=every, sample_every=sample_every,
                   samples=samples, kinds=kinds, optimizer=optimizer, max_bytes=max_bytes, seed=seed,
-                  flush_secs=flush_secs, resume=resume, start_step=start_step, sinks=sinks, alarms=alarms)
+                  flush_secs=flush_secs, resume=resume, start_step=start_step, sinks=sinks, alarms=alarms,
+                  blocks=blocks, block_sample=block_sample)

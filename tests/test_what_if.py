@@ -21,8 +21,8 @@ def cnn_run(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("whatif") / "cnn"
     task = prepare("cnn", source="subset", subset=256, test_subset=100)
-    with gradstats.trace(task.model, path, sample_every=[0, 3], samples=None):
-        task.run(4, batch_size=64, progress=False)
+    with gradstats.trace(task.model, path, sample_every=[0, 3], samples=None) as tr:
+        task.run(4, batch_size=64, progress=False, callback=lambda step, loss: tr.step())
     return gradstats.open_run(path)
 
 

@@ -19,7 +19,7 @@ APPLY_OPTIONS = ("refresh_every", "warmup", "ema", "sync_stats", "record", "spar
                  "underflow_bound", "zero_calls", "fallback")
 #: keyword arguments of :func:`gradstats.trace` a callback passes on
 TRACE_OPTIONS = ("layers", "every", "sample_every", "samples", "kinds", "max_bytes", "seed",
-                 "flush_secs", "sinks", "alarms")
+                 "flush_secs", "sinks", "alarms", "blocks", "block_sample")
 
 
 class TrainingSession:
