@@ -124,3 +124,21 @@ def test_apply_only_and_bad_options(tmp_path):
         GradstatsCallback()
     with pytest.raises(ValueError, match="unknown option.*'evry'"):
         GradstatsCallback(tmp_path / "r", evry=2)
+
+
+def test_bert_and_vit_have_every_projection_planned_and_the_rest_explained():
+    from transformers import BertConfig, BertForMaskedLM, ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    bert = BertForMaskedLM(BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=32,
+                                      intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=16))
+    vit = ViTForImageClassification(ViTConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=32,
+                                              intermediate_size=64, image_size=16, patch_size=4, num_labels=3))
+    for model, head in ((bert, "cls.predictions.decoder"), (vit, "classifier")):
+        plan = gradstats.Plan.uniform(format="e4m3fn")
+        linear = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+        assert sorted(plan.resolve(model)) == sorted(n for n in linear if n != head)
+        why = plan.unplanned(model)
+        assert why[head].startswith("the output layer")
+        assert all(w.startswith(("an embedding", "a normalisation", "the output layer", "not a matmul layer type"))
+                   for w in why.values())
