@@ -213,8 +213,12 @@ def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0) -> "An
     import gradstats
     from gradstats.training import prepare
 
+    import atexit
+    import shutil
+
     task = prepare(model, seed=seed, **prepare_kw)
     path = Path(tempfile.mkdtemp(prefix=f"gradstats-calib-{model}-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)      # the process's own scratch run
     with gradstats.trace(task.model, path, every=1, sample_every=[], seed=seed) as tracer:
         task.run(steps, schedule="cosine", progress=False, callback=lambda s, loss: tracer.step())
     return gradstats.open_run(path)
