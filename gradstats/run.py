@@ -492,7 +492,13 @@ class Run:
     @property
     def sharded_layers(self) -> list[str]:
         """Layers whose parameters were sharded across ranks (FSDP2 ``fully_shard``): their
-        ``weight`` and ``wgrad`` rows are per-rank shards."""
+        ``weight`` and ``wgrad`` rows are per-rank shards.
+
+        Example:
+            >>> import gradstats
+            >>> gradstats.open_run(gradstats.data.data_dir() / "sample-run").sharded_layers
+            []
+        """
         return [e["name"] for e in self.manifest.get("layers", []) if e.get("sharded")]
 
     def layer_info(self) -> pd.DataFrame:

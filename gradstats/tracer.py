@@ -131,7 +131,12 @@ def sharded_parameters(module: nn.Module) -> bool:
     """Whether ``module``'s own parameters are split across ranks (``DTensor``s with a ``Shard``
     placement, as ``fully_shard`` makes them): its weights and weight gradients are then recorded
     per rank as shards, which ``Run.stats(merge_ranks=True)`` adds up instead of taking one
-    rank's replica."""
+    rank's replica.
+
+    Example:
+        >>> sharded_parameters(torch.nn.Linear(2, 2))          # plain parameters: not sharded
+        False
+    """
     for p in module.parameters(recurse=False):
         if _is_dtensor(p) and any(type(pl).__name__ in ("Shard", "_StridedShard") for pl in p.placements):
             return True

@@ -111,7 +111,12 @@ class _GradstatsCallback:
 def callback_class(base: type) -> type:
     """The gradstats callback as a subclass of ``base``, a Lightning ``Callback`` class
     (``lightning.pytorch.Callback`` or ``pytorch_lightning.Callback``: a Trainer accepts only its
-    own package's callbacks)."""
+    own package's callbacks).
+
+    Example:
+        >>> issubclass(callback_class(pl.Callback), pl.Callback)
+        True
+    """
     cls = type("GradstatsCallback", (_GradstatsCallback, base), {"__module__": __name__,
                                                                   "__doc__": _GradstatsCallback.__doc__})
     return cls

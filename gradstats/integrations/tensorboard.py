@@ -60,6 +60,16 @@ class TensorBoardSink:
         kinds: which kinds of tensors (default the neural gradients).
         histograms: log the ``log2|g|`` histograms too.
         rank: only this rank writes (None: every rank, each into ``logdir/rank<R>``).
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        >>> logdir = tempfile.mkdtemp()
+        >>> with gradstats.trace(m, tempfile.mkdtemp(), sinks=[TensorBoardSink(logdir, formats="e4m3fn")]) as t:
+        ...     m(torch.randn(8, 4)).square().sum().backward(); t.step()
+        >>> from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        >>> acc = EventAccumulator(logdir); _ = acc.Reload(); "0/underflow/e4m3fn" in acc.Tags()["scalars"]
+        True
     """
 
     def __init__(self, logdir: Union[str, os.PathLike[str]], *, formats: Union[str, Iterable[Any], None] = None,

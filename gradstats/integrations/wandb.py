@@ -75,7 +75,16 @@ def step_payloads(stats: pd.DataFrame, *, formats: Sequence[str] = (), block_siz
 class WandbSink:
     """A tracer sink (``trace(..., sinks=[...])``) that logs each committed step into a W&B run
     (``wandb_run``, default the active one, ``wandb.run``). Only ``rank`` logs (None: every rank).
-    Arguments as :func:`log_run`."""
+    Arguments as :func:`log_run`.
+
+    Example:
+        >>> import tempfile, torch, gradstats, wandb
+        >>> run = wandb.init(mode="disabled")
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        >>> with gradstats.trace(m, tempfile.mkdtemp(), sinks=[WandbSink(run, histograms=False)]) as t:
+        ...     m(torch.randn(8, 4)).square().sum().backward(); t.step()
+        >>> run.finish()
+    """
 
     def __init__(self, wandb_run: Any = None, *, formats: Union[str, Iterable[Any], None] = None,
                  block_size: Optional[int] = None, rounding: str = "nearest", kinds: Sequence[str] = ("grad",),
