@@ -550,10 +550,10 @@ class Applied:
         err = math.nan
         with torch.no_grad():
             self._refresh(name, g, refresh)
-            out, counts = prune_quantize(
-                g, st.threshold if rule.prunes else 0.0, rule.format, scale=st.scale,
-                rounding=rule.rounding, generator=self.generator, block_size=rule.block_size,
-                scale_format=rule.scale_format or "e8m0", scale_rounding=rule.scale_rounding or "floor")
+            # the rule's own quantize arguments (format, rounding, blocks and their scales): one home
+            q = rule.quantize_kwargs() if rule.quantizes else {"fmt": None, "rounding": rule.rounding}
+            out, counts = prune_quantize(g, st.threshold if rule.prunes else 0.0, q.pop("fmt"), scale=st.scale,
+                                         generator=self.generator, **q)
             if self.fallback is not None and self.fallback.error is not None and counts.n:
                 err = _relative_error(out, g)
         if counts.n:

@@ -67,6 +67,15 @@ def select_layers(names: Sequence[str], layers: str | re.Pattern | Iterable[str]
     return out
 
 
+def layer_stats(run: Any, kinds: Iterable[str], layers: str | re.Pattern | Iterable[str] | None = None):
+    """``run.stats(kinds=...)`` of the layers ``layers`` selects (:func:`select_layers`: None for
+    all, globs, ``"re:PATTERN"``, a compiled regex or a list; a ``ValueError`` when none matches)."""
+    st = run.stats(kinds=list(kinds))
+    if layers is None:
+        return st
+    return st[st["layer"].isin(set(select_layers(run.layers, layers)))].reset_index(drop=True)
+
+
 def select_steps(all_steps: Sequence[int], steps: int | slice | Iterable[int] | None) -> list[int]:
     """Steps of ``all_steps`` selected by None (all), an int, a slice/range or a list."""
     if steps is None:

@@ -171,8 +171,6 @@ def _blocks(law: HistogramLaw, grid: np.ndarray, fmt: FPFormat, block: int, roun
     """MX blocks of exchangeable entries: an entry of binade ``j`` in a block whose maximum is in
     binade ``L >= j`` is quantised at the block scale of ``L``; ``P(L | j)`` from the law of the
     block's other ``block - 1`` entries (zeros included)."""
-    if isinstance(block, bool) or block < 1:
-        raise ValueError(f"block_size must be a positive int, got {block}")
     lo_e, hi_e = _binade_range(law)
     edges = np.exp2(np.arange(lo_e, hi_e + 2, dtype=np.float64))
     cdf = zero_fraction + (1 - zero_fraction) * law.partial_moments(edges, 0, np.zeros(1))[0]
@@ -250,7 +248,7 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
         rounding: ``"nearest"`` or ``"stochastic"``.
         scale: ``"amax"`` or a multiplier (per tensor).
         steps: None (every step), a step, or a list of steps.
-        layers: None (every layer), a glob or a list of names/globs.
+        layers: None (every layer), a glob, ``"re:PATTERN"`` or a list of names/globs.
         kind: which tensors (``"grad"``: the neural gradients).
 
     Returns a DataFrame, one row per (step, layer, format): ``step``, ``layer``, ``format``,
@@ -267,12 +265,10 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
         >>> bool((df.loc[df.format == "e2m1fn", "underflow"].values > df.loc[df.format == "e4m3fn", "underflow"].values).all())
         True
     """
-    import fnmatch
-
+    from ..formats import parse_list
     from ..run import Run, open_run
 
     r = run if isinstance(run, Run) else open_run(run)
-    from ..formats import parse_list
 
     fmts = parse_list(formats)
     if not fmts:
@@ -280,13 +276,12 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
     _check_rounding(rounding)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"block_size must be a positive int (an MX block size such as 32) or None, got {block_size!r}")
-    st = r.stats(kinds=[kind])
+    from ..fitting._run import layer_stats
+
+    st = layer_stats(r, [kind], layers)
     if steps is not None:
         want = [int(steps)] if isinstance(steps, (int, np.integer)) else [int(s) for s in steps]
         st = st[st["step"].isin(want)]
-    if layers is not None:
-        pats = [layers] if isinstance(layers, str) else list(layers)
-        st = st[[any(fnmatch.fnmatchcase(n, p) for p in pats) for n in st["layer"]]]
     if not len(st):
         raise ValueError(f"no {kind!r} statistics in {r.path} for steps={steps!r}, layers={layers!r}; the run "
                          f"has steps {r.steps[:5]}{' ...' if len(r.steps) > 5 else ''} and layers {r.layers}")

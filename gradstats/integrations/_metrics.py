@@ -70,6 +70,20 @@ def log2_histogram(m: dict[str, Any]) -> Optional[dict[str, Any]]:
             "bucket_limits": [float(e + 1) for e in exps], "bucket_counts": [int(c) for c in counts[lo:hi + 1]]}
 
 
+def run_stats(run: Any, kinds: Sequence[str], layers: Any) -> tuple[Any, pd.DataFrame]:
+    """The run (opened from a path if need be) and its statistics of ``kinds`` for ``layers``
+    (:func:`gradstats.fitting._run.layer_stats`); a ``ValueError`` when there are none."""
+    from ..fitting._run import layer_stats
+    from ..run import Run, open_run
+
+    r = run if isinstance(run, Run) else open_run(run)
+    st = layer_stats(r, kinds, layers)
+    if not len(st):
+        raise ValueError(f"no statistics of kinds {list(kinds)} for layers={layers!r} in the run at {r.path} "
+                         f"(its layers: {r.layers})")
+    return r, st
+
+
 def check_formats(formats: Iterable[Any] | str | None) -> list[str]:
     """The formats to watch, as names (:func:`gradstats.formats.parse_list`)."""
     from ..formats import parse_list

@@ -58,10 +58,9 @@ class GradstatsCallback(TrainerCallback):
     Args:
         run_dir: the run directory (None: apply ``plan`` without tracing).
         plan: a :class:`gradstats.Plan`, the path of a saved plan, or None.
-        options: :func:`gradstats.trace` options (``layers``, ``every``, ``sample_every``,
-            ``samples``, ``kinds``, ``max_bytes``, ``seed``, ``flush_secs``) and
-            :func:`gradstats.apply` options (``refresh_every``, ``warmup``, ``fallback``, ...;
-            ``apply_seed``).
+        options: :func:`gradstats.trace` options and :func:`gradstats.apply` options
+            (:data:`gradstats.integrations._session.TRACE_OPTIONS` and ``APPLY_OPTIONS``;
+            ``apply_seed`` for apply's seed).
 
     ``callback.session`` is the :class:`gradstats.integrations.TrainingSession` (its ``tracer``
     and ``applied`` handles while training runs). Example: see the module.

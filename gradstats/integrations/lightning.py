@@ -61,10 +61,9 @@ class _GradstatsCallback:
     Args:
         run_dir: the run directory (None: apply ``plan`` without tracing).
         plan: a :class:`gradstats.Plan`, the path of a saved plan, or None.
-        options: :func:`gradstats.trace` options (``layers``, ``every``, ``sample_every``,
-            ``samples``, ``kinds``, ``max_bytes``, ``seed``, ``flush_secs``) and
-            :func:`gradstats.apply` options (``refresh_every``, ``warmup``, ``fallback``, ...;
-            ``apply_seed``).
+        options: :func:`gradstats.trace` options and :func:`gradstats.apply` options
+            (:data:`gradstats.integrations._session.TRACE_OPTIONS` and ``APPLY_OPTIONS``;
+            ``apply_seed`` for apply's seed).
 
     Layer names are the LightningModule's (``net.0`` for ``self.net = Sequential(...)``).
     ``callback.session`` is the :class:`gradstats.integrations.TrainingSession`. Example: see

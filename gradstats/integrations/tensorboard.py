@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import pandas as pd
 
-from ._metrics import check_formats, log2_histogram, merged_rows, scalars
+from ._metrics import check_formats, log2_histogram, merged_rows, run_stats, scalars
 
 __all__ = ["TensorBoardSink", "export_run"]
 
@@ -134,18 +134,7 @@ def export_run(run: Any, logdir: Union[str, os.PathLike[str]], *, formats: Union
     """Write a run's statistics (every step, calls and ranks merged) into the TensorBoard log
     directory ``logdir``; returns the number of scalar values written. ``formats``: formats whose
     what-if fractions are logged too. Example: see the module."""
-    import fnmatch
-
-    from ..run import Run, open_run
-
-    r = run if isinstance(run, Run) else open_run(run)
-    st = r.stats(kinds=list(kinds))
-    if layers is not None:
-        pats = [layers] if isinstance(layers, str) else list(layers)
-        st = st[[any(fnmatch.fnmatchcase(n, p) for p in pats) for n in st["layer"]]]
-    if not len(st):
-        raise ValueError(f"no statistics of kinds {list(kinds)} for layers={layers!r} in the run at {r.path} "
-                         f"(its layers: {r.layers})")
+    r, st = run_stats(run, kinds, layers)
     w = _writer(logdir)
     try:
         n = write_stats(w, st, formats=check_formats(formats), block_size=block_size, rounding=rounding,

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from ._metrics import check_formats, log2_histogram, merged_rows, scalars
+from ._metrics import check_formats, log2_histogram, merged_rows, run_stats, scalars
 
 __all__ = ["WandbSink", "log_run", "step_payloads"]
 
@@ -117,18 +117,7 @@ def log_run(run: Any, *, wandb_run: Any = None, formats: Union[str, Iterable[Any
     """Log a run's statistics, step by step, into W&B: into ``wandb_run`` if given (left open),
     else into a new run started with ``wandb.init(**init)`` (``project=``, ``mode=``, ``dir=``,
     ...; finished here). Returns the W&B run. Example: see the module."""
-    import fnmatch
-
-    from ..run import Run, open_run
-
-    r = run if isinstance(run, Run) else open_run(run)
-    st = r.stats(kinds=list(kinds))
-    if layers is not None:
-        pats = [layers] if isinstance(layers, str) else list(layers)
-        st = st[[any(fnmatch.fnmatchcase(n, p) for p in pats) for n in st["layer"]]]
-    if not len(st):
-        raise ValueError(f"no statistics of kinds {list(kinds)} for layers={layers!r} in the run at {r.path} "
-                         f"(its layers: {r.layers})")
+    r, st = run_stats(run, kinds, layers)
     wandb = _wandb()
     own = wandb_run is None
     if own:

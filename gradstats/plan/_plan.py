@@ -539,7 +539,7 @@ def _kind(e: PlanEntry) -> str:
 def _entry_hits(e: PlanEntry, record: Any, *, types: bool) -> bool:
     """Whether ``e`` selects the layer ``record`` (by name alone with ``types=False``)."""
     if not types or e.types is None:
-        return dataclasses.replace(e, types=None).matches(record.name) if e.types is not None else e.matches(record.name)
+        return dataclasses.replace(e, types=None).matches(record.name)
     return bool(record.types) and e.matches(record.name, record.types)
 
 
