@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def fixed_batches(model_name: str, n: int, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` training batches of Fashion-MNIST (the committed subset) for a built-in model."""
-    from gradstats.data import load_fashion_mnist
+    from gradstats.zoo.data import load_fashion_mnist
 
     size = 32 if model_name == "resnet18" else None
     data = load_fashion_mnist(split="train", source="subset", subset=max(batch * 4, 1000), size=size)

@@ -21,7 +21,7 @@ import torch
 from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time_block
 
 import gradstats  # noqa: E402
-from gradstats.models import build_model  # noqa: E402
+from gradstats.zoo.models import build_model  # noqa: E402
 from gradstats.plan import CONV_LINEAR_TYPES, Plan, PlanEntry, Rule  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def every_conv_linear(**rule) -> Plan:
 
 
 def bench_model(name: str, rounds: int, block: int, batch: int, scale: str) -> dict[str, float]:
-    logging.getLogger("gradstats.enforce").setLevel(logging.ERROR)
+    logging.getLogger("gradstats.apply").setLevel(logging.ERROR)
     model = build_model(name, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     batches = fixed_batches(name, block, batch)

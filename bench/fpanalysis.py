@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gradstats import fpanalysis as fa  # noqa: E402
-from gradstats.quant import quantize  # noqa: E402
+from gradstats.ops.quantization import quantize  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:

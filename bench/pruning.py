@@ -30,8 +30,9 @@ from typing import Callable
 
 import torch
 
-from gradstats.kernels.prune import stochastic_prune_torch
-from gradstats.pruning import _cpu, exact_threshold, hard_prune, prune, stochastic_prune, threshold
+from gradstats.ops.triton.prune import stochastic_prune_torch
+from gradstats.ops import cpu as _cpu
+from gradstats.pruning import exact_threshold, hard_prune, prune, stochastic_prune, threshold
 from gradstats.stats import tensor_stats
 
 

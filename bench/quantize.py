@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import describe, interleaved  # noqa: E402
-from gradstats.quant import quantize  # noqa: E402
+from gradstats.ops.quantization import quantize  # noqa: E402
 
 
 def timed(fn):
@@ -101,7 +101,7 @@ def cpu_table(n: int, rounds: int) -> None:
 
 
 def gpu_table(n: int = 256 * 2 ** 20, reps: int = 20) -> None:
-    from gradstats.kernels import use_triton
+    from gradstats.ops.triton import use_triton
 
     dev = torch.device("cuda")
     x = torch.randn(n, device=dev)

@@ -32,7 +32,7 @@ import torch
 from _common import describe, fixed_batches
 
 import gradstats.stats as stats_mod  # noqa: E402
-from gradstats.models import build_model  # noqa: E402
+from gradstats.zoo.models import build_model  # noqa: E402
 
 
 def gradients(name: str, batch: int) -> list[torch.Tensor]:

@@ -27,7 +27,7 @@ from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time
 
 import gradstats  # noqa: E402
 import gradstats.tracer as tracer_module  # noqa: E402
-from gradstats.models import build_model  # noqa: E402
+from gradstats.zoo.models import build_model  # noqa: E402
 from gradstats.stats import VECTOR_LEN  # noqa: E402
 
 

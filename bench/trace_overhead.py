@@ -7,7 +7,7 @@ Per model (small CNN with BatchNorm and ResNet-20 on Fashion-MNIST, batch 128):
   parameters) on every step, samples every 100th;
 - ``stats every step, alarms off``: the same without the alarms (checked on the writer thread,
   :mod:`gradstats.alarms`): what they cost;
-- ``stats every step + blocks (16, 32)``: with the per-block statistics (:mod:`gradstats.blocks`);
+- ``stats every step + blocks (16, 32)``: with the per-block statistics (:mod:`gradstats.stats.blocks`);
 - ``stats /10, samples /100``: what a long run would use;
 - ``naive numpy hooks``: hooks that copy each gradient to the CPU as numpy and compute the
   same statistics there (the way one would write it by hand), every step.
@@ -35,7 +35,7 @@ from torch import nn
 from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time_block
 
 import gradstats  # noqa: E402
-from gradstats.models import build_model  # noqa: E402
+from gradstats.zoo.models import build_model  # noqa: E402
 
 
 class NaiveHooks:

@@ -86,7 +86,7 @@ def run_job(job: Job) -> dict[str, Any]:
     import torch
 
     import gradstats
-    from gradstats.training import prepare
+    from gradstats.zoo.training import prepare
 
     torch.set_num_threads(1)
     task = prepare(job.model, seed=job.seed, **job.prepare)
@@ -211,7 +211,7 @@ def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0) -> "An
     """Trace the plain model for ``steps`` steps (statistics every step): the run that global scales
     and recommendations are derived from."""
     import gradstats
-    from gradstats.training import prepare
+    from gradstats.zoo.training import prepare
 
     import atexit
     import shutil
@@ -232,7 +232,7 @@ def global_scale(fmt: Any, run: Any, layers: list[str]) -> float:
     import numpy as np
 
     from gradstats.fpanalysis import expected_error
-    from gradstats.recommendation import layer_moments
+    from gradstats.plan.recommend import layer_moments
 
     mom = layer_moments(run, step=(int(run.steps[0]), int(run.steps[-1])), layers=list(layers))
     mus, sigmas = mom["mu"].to_numpy(float), mom["sigma"].to_numpy(float)

@@ -27,7 +27,7 @@ def trace_model(name: str, steps: int, path: Path, *, prepare_kw: dict | None = 
     """Train a built-in model for ``steps`` steps with the tracer, keeping ``samples`` entries
     (``None``: whole tensors) of every layer's gradient at ``sample_steps`` (default: the last
     step); return the run."""
-    from gradstats.training import prepare
+    from gradstats.zoo.training import prepare
 
     task = prepare(name, seed=seed, **(prepare_kw or {}))
     sample_steps = sample_steps or [steps - 1]

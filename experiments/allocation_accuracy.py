@@ -52,7 +52,7 @@ def allocated_plan(calib, budget: float, layers: list[str]):
 
 
 def jobs(model: str, steps: int, seeds, prepare: dict, calib, budget: float = BUDGET):
-    from gradstats.models import build_model
+    from gradstats.zoo.models import build_model
 
     layers = conv_linear(build_model(model))
     plan, alloc = allocated_plan(calib, budget, layers)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None):
     print(table[["config", "seeds", "acc_mean", "acc_std", "acc_min", "achieved_sparsity"]]
           .to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(alloc.to_dataframe().to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    from gradstats.training import prepare as prep
+    from gradstats.zoo.training import prepare as prep
 
     source = prep("cnn", seed=0, **prepare).train_data.source
     write_json(out / "allocation_accuracy.json", {

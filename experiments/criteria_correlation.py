@@ -47,7 +47,7 @@ from torch import nn  # noqa: E402
 
 import gradstats  # noqa: E402
 from gradstats.fpanalysis import batchnorm_inputs, expected_error, weight_gradient_alignment  # noqa: E402
-from gradstats.training import prepare  # noqa: E402
+from gradstats.zoo.training import prepare  # noqa: E402
 
 from recommend_accuracy import plans  # noqa: E402
 

@@ -47,7 +47,7 @@ FAMILIES = ("lognormal", "normal", "laplace")
 
 def trace(name: str, steps: int, prepare_kw: dict, run_kw: dict, path: Path, *, samples: int, seed: int = 0):
     """Train ``name`` for ``steps`` steps with statistics every 10 steps and samples at five."""
-    from gradstats.training import prepare
+    from gradstats.zoo.training import prepare
 
     task = prepare(name, seed=seed, **prepare_kw)
     sample_steps = sorted({int(round(f * (steps - 1))) for f in np.linspace(0, 1, 3)})

@@ -33,7 +33,7 @@ from _accuracy import (Job, aggregate, calibrate, compare_to_baseline, global_sc
                        parse_args, run_jobs, save_results)
 
 import gradstats  # noqa: E402
-from gradstats.models import build_model  # noqa: E402
+from gradstats.zoo.models import build_model  # noqa: E402
 
 #: per-tensor formats (name, bits): nearest rounding with per-layer scales
 FORMATS = (("e5m2", 8), ("e4m3fn", 8), ("e3m3fn", 7), ("e4m1fn", 6), ("e3m2fn", 6), ("e2m3fn", 6),

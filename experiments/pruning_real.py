@@ -120,7 +120,7 @@ def layer_types(name: str, prepare_kw: dict | None = None) -> dict[str, str]:
     attention projections)."""
     from torch import nn
 
-    from gradstats.models import build_model
+    from gradstats.zoo.models import build_model
 
     model = build_model(name, **{k: v for k, v in (prepare_kw or {}).items() if k not in _DATA_KW})
     out: dict[str, str] = {}

@@ -50,7 +50,7 @@ def allocated(calib, budget: float, layers: list[str]) -> tuple[list, list[float
 
 
 def jobs(model: str, steps: int, seeds, prepare: dict, calib) -> list[Job]:
-    from gradstats.models import build_model
+    from gradstats.zoo.models import build_model
 
     last = int(calib.steps[-1])
     layers = list(gradstats.Plan.uniform().resolve(build_model(model)))

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import gradstats  # noqa: E402
-from gradstats.models import build_model  # noqa: E402
+from gradstats.zoo.models import build_model  # noqa: E402
 
 EXPERIMENT = "recommend"
 SEEDS = (0, 1, 2, 3, 4)

@@ -1,13 +1,15 @@
 """gradstats: statistics of neural gradients, and what follows from them.
 
-Data flows one way, one module per stage::
+Data flows one way, one stage per module, and no stage imports a later one (``docs/architecture.md``)::
 
-    models  ->  tracer (trace)  ->  run (open_run)  ->  fitting (fit)
-            ->  pruning / fpanalysis (analyse)  ->  plan (Plan, recommend)  ->  enforce (apply)
+    zoo (models, data)  ->  tracer (trace)  ->  run (open_run)  ->  fitting (fit)
+        ->  pruning / fpanalysis (analyse)  ->  plan (Plan, recommend)  ->  apply (apply)
 
-Low-precision formats live in :mod:`gradstats.formats` (``FPFormat``) and
-:mod:`gradstats.quant` (``quantize``). Public names are imported lazily, so
-``import gradstats`` is cheap and each stage loads only what it needs.
+beneath them the values and operators every stage uses: :mod:`gradstats.formats` (``FPFormat``),
+:mod:`gradstats.ops` (``quantize``, ``prune_quantize``, stochastic pruning, on the CPU and GPU engines)
+and :mod:`gradstats.stats` (the statistics row of a gradient tensor); :mod:`gradstats.plots` draws
+results. Public names are imported lazily, so ``import gradstats`` is cheap and each stage loads only
+what it needs.
 
 Example:
     >>> import gradstats
@@ -17,25 +19,19 @@ Example:
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
-from ._version import __version__
+from gradstats._version import __version__
 
 # public name -> module that defines it (one home per idea)
 _EXPORTS: dict[str, str] = {
     # formats and quantisation
     "FPFormat": "gradstats.formats",
-    "quantize": "gradstats.quant",
-    "block_scales": "gradstats.quant",
-    "mx_shared_exponent": "gradstats.quant",
-    # built-in models, data and training loop
-    "build_model": "gradstats.models",
-    "list_models": "gradstats.models",
-    "load_fashion_mnist": "gradstats.data",
-    "load_shakespeare": "gradstats.data",
-    "train": "gradstats.training",
-    "evaluate": "gradstats.training",
-    "prepare": "gradstats.training",
+    "quantize": "gradstats.ops.quantization",
+    "block_scales": "gradstats.ops.quantization",
+    "mx_shared_exponent": "gradstats.ops.quantization",
     # capture
     "trace": "gradstats.tracer",
     "Tracer": "gradstats.tracer",
@@ -54,15 +50,22 @@ _EXPORTS: dict[str, str] = {
     "Plan": "gradstats.plan",
     "PlanEntry": "gradstats.plan",
     "Rule": "gradstats.plan",
-    "recommend": "gradstats.recommendation",
+    "recommend": "gradstats.plan.recommend",
     "what_if": "gradstats.fpanalysis.what_if",
-    "apply": "gradstats.enforce",
-    "Applied": "gradstats.enforce",
-    "prune_quantize": "gradstats.compress",
+    "apply": "gradstats.apply",
+    "Applied": "gradstats.apply",
+    "prune_quantize": "gradstats.ops.fused",
 }
 # stage modules exposed as attributes (``gradstats.pruning.threshold(...)``)
-_SUBMODULES = {"pruning", "fpanalysis", "models", "data", "training", "plots", "formats", "quant", "stats",
-               "run", "tracer", "plan", "report", "compress", "enforce", "fitting", "wrappers"}
+_SUBMODULES = {"formats", "ops", "stats", "layers", "tracer", "alarms", "run", "fitting", "pruning", "fpanalysis",
+               "plan", "study", "report", "plots", "zoo", "wrappers", "integrations"}
+# old homes kept for one release: name -> where it lives now (a DeprecationWarning on use)
+_MOVED_EXPORTS = {"build_model": "gradstats.zoo", "list_models": "gradstats.zoo",
+                  "load_fashion_mnist": "gradstats.zoo", "load_shakespeare": "gradstats.zoo",
+                  "train": "gradstats.zoo", "evaluate": "gradstats.zoo", "prepare": "gradstats.zoo"}
+_MOVED_MODULES = {"models": "gradstats.zoo.models", "data": "gradstats.zoo.data", "training": "gradstats.zoo.training",
+                  "quant": "gradstats.ops.quantization", "compress": "gradstats.ops.fused", "enforce": "gradstats.apply",
+                  "recommendation": "gradstats.plan.recommend", "blocks": "gradstats.stats.blocks"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
@@ -74,8 +77,56 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _SUBMODULES:
         return importlib.import_module(f"gradstats.{name}")
+    if name in _MOVED_EXPORTS or name in _MOVED_MODULES:
+        import warnings
+
+        home = _MOVED_EXPORTS.get(name) or _MOVED_MODULES[name]
+        new = f"{home}.{name}" if name in _MOVED_EXPORTS else home
+        warnings.warn(f"gradstats.{name} moved to {new}; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        module = importlib.import_module(home)
+        return getattr(module, name) if name in _MOVED_EXPORTS else module
     raise AttributeError(f"module 'gradstats' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
     return __all__
+
+
+class _Package(types.ModuleType):
+    """Keeps a verb a verb: importing the module :mod:`gradstats.apply` must not replace the function
+    ``gradstats.apply`` (Python binds a loaded submodule as an attribute of its package)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType) and value.__name__ == f"gradstats.{name}":
+            return
+        super().__setattr__(name, value)
+
+
+class _MovedModules:
+    """``import gradstats.quant`` (an old home) gives the module where it lives now, with a warning."""
+
+    @staticmethod
+    def find_spec(fullname: str, path: Any = None, target: Any = None) -> Any:
+        package, _, name = fullname.rpartition(".")
+        if package != __name__ or name not in _MOVED_MODULES:
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_loader(fullname, _MovedModules())
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        import warnings
+
+        new = _MOVED_MODULES[spec.name.rpartition(".")[2]]
+        warnings.warn(f"{spec.name} moved to {new}; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+sys.modules[__name__].__class__ = _Package
+if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+    sys.meta_path.append(_MovedModules())

@@ -40,8 +40,8 @@ from typing import Optional, Sequence
 import numpy as np
 from scipy.special import ndtr as _np_ndtr
 
-from ._roots import bracketed_newton
-from .formats import FPFormat
+from gradstats._roots import bracketed_newton
+from gradstats.formats import FPFormat
 
 _SQRT1_2 = math.sqrt(0.5)
 _SQRT2 = math.sqrt(2.0)
@@ -552,7 +552,7 @@ class _Cells:
     saturated probability (for the point mass of :func:`predict`)."""
 
     def __init__(self, fmt: FPFormat, rounding: str) -> None:
-        from .fpanalysis._pieces import FRACTIONS, PARTS, _coef_matrices, build
+        from gradstats.fpanalysis._pieces import FRACTIONS, PARTS, _coef_matrices, build
 
         pc = build(fmt, rounding, "saturate")
         self.fmt, self.rounding = fmt, rounding
@@ -661,7 +661,7 @@ def lognormal_scale(fmt: FPFormat, rounding: str, mu: float, sigma: float, amax:
     """:meth:`gradstats.plan.Rule.scale_for` of a ``scale="lognormal"`` rule: the optimal power
     of two, floored at :func:`gradstats.formats.amax_scale` when ``amax`` is known (which also
     decides when the optimum is out of range)."""
-    from .formats import amax_scale
+    from gradstats.formats import amax_scale
 
     rounding = rounding if rounding in ("nearest", "stochastic") else "nearest"
     has_amax = amax is not None and math.isfinite(float(amax)) and float(amax) > 0

@@ -63,7 +63,7 @@ class Alarms:
     _record: Optional[Callable[[list[dict[str, Any]]], None]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        from .formats import parse_list
+        from gradstats.formats import parse_list
 
         if self.zero_steps is not None and (isinstance(self.zero_steps, bool) or not isinstance(self.zero_steps, int)
                                             or self.zero_steps < 1):
@@ -98,7 +98,7 @@ class Alarms:
                         new += self._raise(int(step), layer, kind, "zero", run,
                                            f"all-zero gradient for {run} steps in a row")
             if self.watch:
-                from .fpanalysis.what_if import what_if_stats
+                from gradstats.fpanalysis.what_if import what_if_stats
 
                 finite = part[part["n_nonfinite"] == 0]
                 if len(finite):

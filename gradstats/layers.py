@@ -187,12 +187,12 @@ def layer_records(source: Any) -> list[LayerRecord]:
     import pandas as pd
     import torch.nn as nn
 
-    from .run import Run
+    from gradstats.run import Run
 
     if isinstance(source, Run):
         source = source.layer_info()
     if isinstance(source, nn.Module):
-        from .wrappers import named_layers
+        from gradstats.wrappers import named_layers
 
         return [LayerRecord(n, tuple(c.__name__ for c in type(m).__mro__), _width_of_module(m))
                 for n, m in named_layers(source)]
@@ -291,7 +291,7 @@ def batchnorm_inputs(source: Any, *inputs: Any, **kwargs: Any) -> list[str]:
                          f"{type(source).__name__}")
     recs = [r for r in layer_records(source) if r.types]
     if isinstance(source, nn.Module):           # leaves only: containers do not sit between
-        from .wrappers import named_layers
+        from gradstats.wrappers import named_layers
 
         leaves = {n for n, m in named_layers(source) if not any(True for _ in m.children())}
         recs = [r for r in recs if r.name in leaves]
@@ -307,7 +307,7 @@ def _traced_batchnorm_inputs(model: Any, *inputs: Any, **kwargs: Any) -> list[st
     import torch
     import torch.nn as nn
 
-    from .wrappers import named_layers
+    from gradstats.wrappers import named_layers
 
     bn = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
     layers = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)

@@ -16,7 +16,7 @@ table, the text and ``report.md``, never fatal. :meth:`Analysis.write` (or :func
 Example:
     >>> import tempfile, gradstats
     >>> from gradstats.report import analyse
-    >>> a = analyse(gradstats.data.data_dir() / "sample-run")
+    >>> a = analyse(gradstats.zoo.data.data_dir() / "sample-run")
     >>> a.table.loc[a.table["layer"] == "conv2", "fp8"].item()
     'e4m3fn'
     >>> rep = a.write(tempfile.mkdtemp(), figures=False)
@@ -36,7 +36,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from .pruning.allocation import output_layer
+from gradstats.pruning.allocation import output_layer
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ _LN2 = math.log(2.0)
 
 
 def _open(run: Any) -> Any:
-    from .plots.study import _open as open_any
+    from gradstats.plots.study import _open as open_any
 
     return open_any(run)
 
@@ -146,7 +146,7 @@ def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def _fit_steps(run: Any) -> tuple[list[int], bool]:
-    from .plots.study import sampled_steps
+    from gradstats.plots.study import sampled_steps
 
     have = sampled_steps(run, "grad")
     if have:
@@ -189,9 +189,9 @@ def _measured_errors(run: Any, plans: Mapping[int, Any], step: int) -> pd.DataFr
     recommended format at its scale applied to the step's raw samples), as
     :func:`gradstats.plots.study.error_check` computes it, for the plans of the analysis (the
     formats do not depend on the target sparsity). Layers without samples there are left out."""
-    from .fpanalysis import measured_error
-    from .plots.study import layer_values
-    from .run import RunCorruptError
+    from gradstats.fpanalysis import measured_error
+    from gradstats.plots.study import layer_values
+    from gradstats.run import RunCorruptError
 
     rows = []
     for b, plan in plans.items():
@@ -244,16 +244,16 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
 
     Example:
         >>> import gradstats
-        >>> a = analyse(gradstats.data.data_dir() / "sample-run", sparsities=[0.9], bits=[8])
+        >>> a = analyse(gradstats.zoo.data.data_dir() / "sample-run", sparsities=[0.9], bits=[8])
         >>> list(a.plans), list(a.plans[0.9]), a.plan_step
         ([0.9], [8], 196)
     """
     from tqdm.auto import tqdm
 
-    from .fitting import failed_groups, fit_run, layer_verdicts
-    from .fitting._run import select_layers
-    from .layers import matmul_layers
-    from .recommendation import recommend
+    from gradstats.fitting import failed_groups, fit_run, layer_verdicts
+    from gradstats.fitting._run import select_layers
+    from gradstats.layers import matmul_layers
+    from gradstats.plan.recommend import recommend
 
     run = _open(run)
     sps = tuple(float(s) for s in sparsities)
@@ -310,7 +310,7 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
 
 def _layer_table(run: Any, names: Sequence[str], verdicts: pd.DataFrame, plans: Mapping[float, Mapping[int, Any]],
                  plan_step: int, sps: Sequence[float], bts: Sequence[int], at_step: set[str]) -> pd.DataFrame:
-    from .recommendation import layer_moments
+    from gradstats.plan.recommend import layer_moments
 
     info = run.layer_info()
     types = dict(zip(info["name"], info["type"])) if len(info) else {}
@@ -402,7 +402,7 @@ def _text_table(a: Analysis) -> str:
 
 def _notes(a: Analysis) -> list[str]:
     """Text lines on what was not analysed: skipped layers, groups not fitted, missing plans."""
-    from .fitting._run import failure_lines
+    from gradstats.fitting._run import failure_lines
 
     out = []
     if len(a.failures):
@@ -481,7 +481,7 @@ def report(run: Any, out_dir: str | os.PathLike[str], *, sparsities: Iterable[fl
 
     Example:
         >>> import tempfile, gradstats
-        >>> rep = report(gradstats.data.data_dir() / "sample-run", tempfile.mkdtemp(), bits=[8],
+        >>> rep = report(gradstats.zoo.data.data_dir() / "sample-run", tempfile.mkdtemp(), bits=[8],
         ...              sparsities=[0.85], figures=False)
         >>> gradstats.Plan.load(rep.files["plan"]).entries[0].layer
         'conv1'
@@ -491,7 +491,7 @@ def report(run: Any, out_dir: str | os.PathLike[str], *, sparsities: Iterable[fl
 
 
 def _write(a: Analysis, out: Path, *, figures: bool, progress: bool) -> Report:
-    from .plots.study import FIGURES, write_figures
+    from gradstats.plots.study import FIGURES, write_figures
 
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}
@@ -522,7 +522,7 @@ def _write(a: Analysis, out: Path, *, figures: bool, progress: bool) -> Report:
 
 def _markdown(a: Analysis, out: Path, files: Mapping[str, Path], figs: Mapping[str, Path],
               captions: Mapping[str, str]) -> str:
-    from . import __version__
+    from gradstats import __version__
 
     run = a.run
     m = run.manifest

@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .stats import COUNT_FIELDS, HIST_BINS, HIST_MIN_EXP, SCALAR_FIELDS, TOP_K, merge_stats
+from gradstats.stats import COUNT_FIELDS, HIST_BINS, HIST_MIN_EXP, SCALAR_FIELDS, TOP_K, merge_stats
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def file_metadata(table: str) -> dict[bytes, bytes]:
     """The key-value metadata of every Parquet file of a run (``table``: ``"stats"``, ``"applied"``,
     ...): the run format version, the gradstats version, and for the statistics how to read
     ``hist`` (bin ``i`` counts the entries with ``floor(log2|g|) == hist_min_exp + i``)."""
-    from ._version import __version__
+    from gradstats._version import __version__
 
     meta = {"gradstats.format_version": str(FORMAT_VERSION), "gradstats.version": __version__,
             "gradstats.table": table}
@@ -496,7 +496,7 @@ class Run:
 
         Example:
             >>> import gradstats
-            >>> gradstats.open_run(gradstats.data.data_dir() / "sample-run").sharded_layers
+            >>> gradstats.open_run(gradstats.zoo.data.data_dir() / "sample-run").sharded_layers
             []
         """
         return [e["name"] for e in self.manifest.get("layers", []) if e.get("sharded")]
@@ -620,7 +620,7 @@ class Run:
 
         Example:
             >>> import gradstats
-            >>> run = gradstats.open_run(gradstats.data.data_dir() / "sample-run")
+            >>> run = gradstats.open_run(gradstats.zoo.data.data_dir() / "sample-run")
             >>> len(run.files("stats")) > 0, run.files("stats")[0].suffix
             (True, '.parquet')
         """
@@ -637,7 +637,7 @@ class Run:
 
         Example:
             >>> import gradstats
-            >>> run = gradstats.open_run(gradstats.data.data_dir() / "sample-run")
+            >>> run = gradstats.open_run(gradstats.zoo.data.data_dir() / "sample-run")
             >>> run.dataset().count_rows() == len(run.stats())
             True
         """
@@ -747,7 +747,7 @@ class Run:
             >>> list(gradstats.open_run(t.path).summary().columns[:3])
             ['layer', 'type', 'output_shape']
         """
-        from .stats import lognormal_moments
+        from gradstats.stats import lognormal_moments
 
         info = {e["name"]: e for e in self.manifest.get("layers", [])}
         df = self.stats(kinds=[kind], merge_ranks=len(self.ranks) > 1)

@@ -36,11 +36,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._version import __version__
-from .layers import module_types
-from .run import FORMAT_VERSION, RunWriter, _sample_key, atomic_write_json, last_committed_step
-from .stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
-from .wrappers import named_layers, unwrap
+from gradstats._version import __version__
+from gradstats.layers import module_types
+from gradstats.run import FORMAT_VERSION, RunWriter, _sample_key, atomic_write_json, last_committed_step
+from gradstats.stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
+from gradstats.wrappers import named_layers, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class Tracer:
                                          or block_sample < 1):
             raise ValueError(f"block_sample must be a positive number of blocks or None (every block), got "
                              f"{block_sample!r}")
-        #: block sizes of the per-block statistics (:mod:`gradstats.blocks`), or None
+        #: block sizes of the per-block statistics (:mod:`gradstats.stats.blocks`), or None
         self.blocks = blocks
         self.block_sample = block_sample
         sinks = list(sinks)
@@ -240,7 +240,7 @@ class Tracer:
         if bad_sinks:
             raise ValueError(f"sinks must be objects with a write(stats) method (such as "
                              f"gradstats.integrations.tensorboard.TensorBoardSink); got {bad_sinks}")
-        from .alarms import as_alarms
+        from gradstats.alarms import as_alarms
 
         #: the :class:`gradstats.alarms.Alarms` checked on each commit (None: off)
         self.alarms = as_alarms(alarms)
@@ -523,7 +523,7 @@ class Tracer:
             else:
                 vec = tensor_stats_vector(t)
             if self.blocks is not None and kind == "grad":
-                from .blocks import blocks_stats
+                from gradstats.stats.blocks import blocks_stats
 
                 found = blocks_stats(t, self.blocks, sample=self.block_sample, generator=self._generator(t.device))
                 rows = [{"step": step, "layer": layer, "kind": kind, "call": call, "block_size": b, **st}
@@ -704,7 +704,7 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
             watch: ``Alarms(watch="e4m3fn,e2m1fn", flush_bound=0.5)``). Checked on the writer thread.
         blocks: block sizes (``(16, 32)``: NVFP4 and MX) of per-block statistics of each neural
             gradient on the steps statistics are taken: the blocks' dynamic ranges, into the run's
-            ``"blocks"`` table (:mod:`gradstats.blocks`; :func:`gradstats.blocks.flushed_blocks`
+            ``"blocks"`` table (:mod:`gradstats.stats.blocks`; :func:`gradstats.stats.blocks.flushed_blocks`
             turns them into the fraction of blocks a block-scaled format flushes). Opt-in.
         block_sample: blocks counted per tensor and block size, a uniform random sample (default
             2048: a cost that does not grow with the tensor, fractions within 1.1 points); None:

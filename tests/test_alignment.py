@@ -12,7 +12,7 @@ from torch import nn
 
 import gradstats
 from gradstats.fpanalysis import AlignmentResult, batchnorm_inputs, weight_gradient_alignment
-from gradstats.training import prepare
+from gradstats.zoo.training import prepare
 from nets import Branchy
 
 

@@ -45,7 +45,7 @@ def captured(tmp_path_factory):
     """Real neural gradients: the CNN traced for a few steps on the committed Fashion-MNIST
     subset, whole tensors kept at the last step (conv2's 1.6M values cut to a random 100k, with
     the statistics of that cut), with their statistics rows."""
-    from gradstats.training import prepare
+    from gradstats.zoo.training import prepare
 
     torch.manual_seed(0)
     task = prepare("cnn", seed=0, source="subset", subset=512, test_subset=100)
@@ -65,7 +65,7 @@ def captured(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- the output layer
 def test_output_layer_rule(run):
-    from gradstats.models import build_model
+    from gradstats.zoo.models import build_model
 
     assert output_layer(run) == "fc2"
     assert output_layer(run.layer_info()) == "fc2"

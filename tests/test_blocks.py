@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import gradstats
-from gradstats.blocks import RANGE_BINS, block_stats, flushed_blocks
-from gradstats.quant import quantize
+from gradstats.stats.blocks import RANGE_BINS, block_stats, flushed_blocks
+from gradstats.ops.quantization import quantize
 
 
 def _reference(x: np.ndarray, b: int) -> dict:
@@ -46,7 +46,7 @@ def _measured_flushed(x: torch.Tensor, fmt: str, b: int, scale_format: str) -> f
 
 
 def test_the_tracer_records_them_and_they_bound_what_formats_flush(tmp_path):
-    from gradstats.training import prepare
+    from gradstats.zoo.training import prepare
 
     task = prepare("cnn", source="subset", subset=256, test_subset=100)
     with gradstats.trace(task.model, tmp_path / "run", sample_every=[1], samples=None, blocks=(16, 32),
@@ -99,6 +99,6 @@ def test_bad_block_sizes(tmp_path):
 
 def test_several_sizes_at_once_equal_one_at_a_time():
     x = torch.exp(-8 + 3 * torch.randn(5000, generator=torch.Generator().manual_seed(5)))
-    from gradstats.blocks import blocks_stats
+    from gradstats.stats.blocks import blocks_stats
 
     assert blocks_stats(x, (16, 32)) == [block_stats(x, 16), block_stats(x, 32)]

@@ -71,7 +71,7 @@ def test_export_a_saved_plan(tmp_path, capsys):
     import gradstats
     from gradstats.cli import main
 
-    run = gradstats.data.data_dir() / "sample-run"
+    run = gradstats.zoo.data.data_dir() / "sample-run"
     plan = gradstats.recommend(run, bits=8)
     plan.save(tmp_path / "plan.json")
     assert main(["export", str(tmp_path / "plan.json"), "--to", "torchao", "--model", str(run),

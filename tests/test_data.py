@@ -1,4 +1,4 @@
-"""Tests for gradstats.data: IDX reader, Fashion-MNIST sources, digits, Shakespeare characters, minibatches."""
+"""Tests for gradstats.zoo.data: IDX reader, Fashion-MNIST sources, digits, Shakespeare characters, minibatches."""
 from __future__ import annotations
 
 import gzip
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradstats import data as D
+from gradstats.zoo import data as D
 
 REPO = Path(__file__).resolve().parents[1]
 FM = REPO / "data" / "fashion-mnist"

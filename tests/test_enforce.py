@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import re
 
 import numpy as np
@@ -12,6 +13,8 @@ from torch import nn
 import gradstats
 from gradstats.formats import FPFormat
 from gradstats.plan import Plan, PlanEntry
+
+APPLY = importlib.import_module("gradstats.apply")  # the module (gradstats.apply is the verb)
 
 
 class Net(nn.Module):
@@ -116,8 +119,8 @@ def test_weight_gradient_from_compressed_neural_gradient():
 
 
 def test_achieved_sparsity_on_real_training():
-    from gradstats.data import load_fashion_mnist
-    from gradstats.models import build_model
+    from gradstats.zoo.data import load_fashion_mnist
+    from gradstats.zoo.models import build_model
 
     data = load_fashion_mnist(split="train", source="subset", subset=640)
     model = build_model("cnn", seed=0)
@@ -386,7 +389,7 @@ def test_state_dict_is_plain_data_and_checks_layers(tmp_path, caplog):
     with pytest.raises(ValueError, match="state_dict"):
         b.load_state_dict({"conv": 1})
     other = gradstats.apply(Net(), uniform(format="e4m3fn", sparsity=0.5), refresh_every=2)
-    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+    with caplog.at_level("WARNING", logger="gradstats.apply"):
         other.load_state_dict(sd)
     assert "refresh_every=1" in caplog.text
 
@@ -394,10 +397,10 @@ def test_state_dict_is_plain_data_and_checks_layers(tmp_path, caplog):
 # --------------------------------------------------------------------------- alerts
 
 def alerts_logged(caplog):
-    """(layer, kind) of every alert record of the gradstats.enforce logger."""
+    """(layer, kind) of every alert record of the gradstats.apply logger."""
     out = []
     for r in caplog.records:
-        if r.name == "gradstats.enforce" and r.levelname == "WARNING":
+        if r.name == "gradstats.apply" and r.levelname == "WARNING":
             msg = r.getMessage()
             kind = ("underflow" if "flushed to zero" in msg else "sparsity" if "achieved sparsity" in msg
                     else "zero_gradient" if "all zeros" in msg else "other")
@@ -417,7 +420,7 @@ def test_alerts_fire_once_per_layer_on_a_flushing_format(caplog):
     everything the pruning keeps is flushed. Underflow and sparsity fire at the first call, the
     all-zero gradient at the third; each once over six calls, and in summary()."""
     plan = Plan([PlanEntry("fc2", format="e3m2fn", scale="fixed", scale_value=2.0 ** -2, sparsity=0.5)])
-    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+    with caplog.at_level("WARNING", logger="gradstats.apply"):
         h = run_steps(Net(), plan)
     logged = alerts_logged(caplog)
     assert sorted(logged) == [("fc2", "sparsity"), ("fc2", "underflow"), ("fc2", "zero_gradient")]
@@ -430,12 +433,12 @@ def test_alerts_fire_once_per_layer_on_a_flushing_format(caplog):
 def test_each_alert_on_its_own(caplog):
     # the sparsity check alone (the underflow one off): the format's flushing still shows as excess
     plan = Plan([PlanEntry("fc1", format="e3m2fn", scale="fixed", scale_value=2.0 ** 2, sparsity=0.3)])
-    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+    with caplog.at_level("WARNING", logger="gradstats.apply"):
         h = run_steps(Net(), plan, underflow_bound=None, zero_calls=None)
     assert alerts_logged(caplog) == [("fc1", "sparsity")] and "format flushed" in h.alerts["fc1"]["sparsity"]
     # a looser margin keeps it quiet
     caplog.clear()
-    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+    with caplog.at_level("WARNING", logger="gradstats.apply"):
         run_steps(Net(), plan, sparsity_margin=0.99, underflow_bound=None, zero_calls=None)
     assert alerts_logged(caplog) == []
 
@@ -450,11 +453,11 @@ def test_each_alert_on_its_own(caplog):
 
     model = Dead()
     caplog.clear()
-    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+    with caplog.at_level("WARNING", logger="gradstats.apply"):
         h = gradstats.apply(model, uniform(format="e4m3fn", scale="amax"))
         for i in range(5):
             model(torch.randn(4, 6)).sum().backward()
-            assert ("a" in h.alerts) == (i + 1 >= gradstats.enforce.ZERO_CALLS)
+            assert ("a" in h.alerts) == (i + 1 >= APPLY.ZERO_CALLS)
     assert alerts_logged(caplog) == [("a", "zero_gradient")]
     assert h.summary().set_index("layer")["alerts"].to_dict() == {"a": "zero_gradient", "b": ""}
 
@@ -465,7 +468,7 @@ def test_each_alert_on_its_own(caplog):
 def test_no_alert_on_a_healthy_plan(caplog, plan):
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10))
-    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+    with caplog.at_level("WARNING", logger="gradstats.apply"):
         h = run_steps(Net(), plan)
         h2 = gradstats.apply(mlp, plan)
         for _ in range(6):
@@ -525,7 +528,9 @@ def test_apply_on_a_compiled_model():
 def test_fast_refresh_equals_the_reference_solvers(monkeypatch, rule):
     """The refresh's thresholds, predicted sparsities and scales on the scalar fast paths are the
     vectorised reference solvers' (the same training with the fast paths switched off)."""
-    from gradstats import enforce
+    import importlib
+
+    enforce = importlib.import_module("gradstats.apply")  # the module, not the verb
 
     plan = uniform(format="e3m2fn", sparsity=0.85, threshold_rule=rule)
 
@@ -550,7 +555,7 @@ def test_records_set_predicted_against_achieved():
     achieved counts; on a healthy plan they agree in size."""
     torch.manual_seed(0)
     plan = uniform(format="e4m3fn", sparsity=0.5, rounding="stochastic")
-    _, h = train(Net(), batches(4), plan, fallback=gradstats.enforce.Fallback(error=4.0))
+    _, h = train(Net(), batches(4), plan, fallback=APPLY.Fallback(error=4.0))
     df = h.to_dataframe()
     for col in ("predicted_underflow", "predicted_overflow", "predicted_error", "error", "fallback", "rounding"):
         assert col in df
@@ -581,7 +586,7 @@ FLUSHING = Plan([PlanEntry("fc2", format="e3m2fn", scale="fixed", scale_value=2.
 
 def fallbacks_logged(caplog):
     return [(r.args[0], r.args[1]) for r in caplog.records
-            if r.name == "gradstats.enforce" and r.levelname == "WARNING" and "fallback" in r.msg]
+            if r.name == "gradstats.apply" and r.levelname == "WARNING" and "fallback" in r.msg]
 
 
 def test_fallback_changes_the_drifting_layers_rule(tmp_path, caplog):
@@ -592,7 +597,7 @@ def test_fallback_changes_the_drifting_layers_rule(tmp_path, caplog):
     torch.manual_seed(0)
     model = Net()
     raw, _ = outgoing_gradients(model, ["fc2"])              # before apply: the raw gradient
-    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+    with caplog.at_level("WARNING", logger="gradstats.apply"):
         with gradstats.trace(model, tmp_path / "run", every=1, sample_every=None) as tr:
             h = gradstats.apply(model, FLUSHING, fallback="widen", log_to=tr)
             seen, _ = outgoing_gradients(model, ["fc2"])     # after apply: what the plan lets through
@@ -639,7 +644,7 @@ def test_fallback_changes_the_drifting_layers_rule(tmp_path, caplog):
 
 def test_fallback_action_list_and_patience():
     torch.manual_seed(0)
-    fb = gradstats.enforce.Fallback(patience=1, actions=("widen",))
+    fb = APPLY.Fallback(patience=1, actions=("widen",))
     h = run_steps(Net(), FLUSHING, n=4, fallback=fb)
     assert [(r["seq"], r["action"], r["to_format"], r["to_rounding"]) for r in h.fallbacks] == [
         (0, "widen", "e4m3fn", "nearest")]                    # widened at once; no further action listed
@@ -658,9 +663,9 @@ def test_fallback_action_list_and_patience():
                               "uniform-defaults"])
 def test_a_healthy_plan_never_falls_back(caplog, plan):
     torch.manual_seed(0)
-    fb = gradstats.enforce.Fallback(patience=1, error=4.0)
+    fb = APPLY.Fallback(patience=1, error=4.0)
     mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10))
-    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+    with caplog.at_level("WARNING", logger="gradstats.apply"):
         _, h = train(Net(), batches(8), plan, fallback=fb)
         h2 = gradstats.apply(mlp, plan, fallback=fb)
         for _ in range(8):
@@ -695,7 +700,7 @@ def test_state_dict_of_version_1_still_loads():
     a = run_steps(model, uniform(format="e4m3fn", sparsity=0.5), n=2)
     sd = a.state_dict()
     old = {"version": 1, "generator": sd["generator"], "refresh_every": 1, "ema": None,
-           "layers": {n: {k: v for k, v in d.items() if k in gradstats.enforce._STATE_FIELDS + ("alerts",)}
+           "layers": {n: {k: v for k, v in d.items() if k in APPLY._STATE_FIELDS + ("alerts",)}
                       for n, d in sd["layers"].items()}}
     b = gradstats.apply(Net(), uniform(format="e4m3fn", sparsity=0.5))
     b.load_state_dict(old)
@@ -707,13 +712,13 @@ def test_state_dict_of_version_1_still_loads():
                                            ({"actions": ("bf16",)}, "actions")])
 def test_bad_fallback_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        gradstats.enforce.Fallback(**kwargs)
+        APPLY.Fallback(**kwargs)
     with pytest.raises(ValueError, match="fallback"):
         gradstats.apply(Net(), uniform(sparsity=0.5), fallback="bf16")
 
 
 def test_widen_ladder():
-    from gradstats.enforce import widen
+    from gradstats.apply import widen
 
     names = {f: None if widen(FPFormat.parse(f)) is None else str(widen(FPFormat.parse(f)))
              for f in ("e2m1fn", "e3m2fn", "e2m3fn", "e4m3fn", "e5m2", "e3m2")}
@@ -785,7 +790,7 @@ def test_sparsity_alert_of_the_histogram_rule_points_at_the_refresh(caplog):
     model = nn.Sequential(nn.Linear(16, 256))
     plan = Plan([PlanEntry("0", sparsity=0.5, threshold_rule="histogram")])
     x = torch.randn(64, 16)
-    with caplog.at_level("WARNING", logger="gradstats.enforce"):
+    with caplog.at_level("WARNING", logger="gradstats.apply"):
         h = gradstats.apply(model, plan, refresh_every=100)
         for c in (1.0, 0.01):                 # the second gradient is 100x smaller: stale threshold
             model.zero_grad()

@@ -88,7 +88,7 @@ def test_push_quick(out):
     alloc = table[table["label"].str.startswith("allocated")]
     assert len(alloc) == len(mod.ALLOCATED)
     import gradstats
-    from gradstats.models import build_model
+    from gradstats.zoo.models import build_model
 
     planned = list(gradstats.Plan.uniform().resolve(build_model("cnn")))   # conv and linear, not the logits
     assert len(planned) == 3 and all(len(t.split("/")) == len(planned) for t in alloc["layer_targets"])

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import gradstats
 from gradstats import fpanalysis as fa
 from gradstats.formats import FPFormat
-from gradstats.quant import quantize
+from gradstats.ops.quantization import quantize
 
 LN2 = math.log(2.0)
 
@@ -511,7 +511,7 @@ def cnn_gradients(tmp_path_factory):
     on the committed Fashion-MNIST subset: the three-model experiment (experiments/fpanalysis_real.py)
     in small. Whole tensors, not samples: a brute-force verdict at 8 bits rests on the few largest
     entries, so on a 2**15 sample it depends on which sample it is."""
-    from gradstats.training import prepare
+    from gradstats.zoo.training import prepare
 
     path = tmp_path_factory.mktemp("fpa") / "run"
     task = prepare("cnn", source="subset", subset=512, test_subset=100)

@@ -12,7 +12,7 @@ pytest.importorskip("torchao.float8")
 import gradstats  # noqa: E402
 from gradstats.formats import amax_scale, parse  # noqa: E402
 from gradstats.integrations.torchao import convert  # noqa: E402
-from gradstats.quant import quantize  # noqa: E402
+from gradstats.ops.quantization import quantize  # noqa: E402
 
 
 def _mlp():

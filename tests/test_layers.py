@@ -9,7 +9,7 @@ from torch import nn
 import gradstats
 from gradstats.layers import (batchnorm_inputs, layer_records, matmul_layers, matmul_types, output_layer,
                              register_matmul_type)
-from gradstats.models import build_model
+from gradstats.zoo.models import build_model
 from nets import Branchy
 
 
@@ -138,7 +138,7 @@ def test_explain_says_what_is_planned_and_why_not(caplog):
     assert ex.loc["head", "why"].startswith("the output layer")
     assert ex.loc["block.linear1", "rule"] == "e4m3fn nearest lognormal; sparsity 0.5 (histogram)"
     # one log line when the plan is applied
-    with caplog.at_level("INFO", logger="gradstats.enforce"):
+    with caplog.at_level("INFO", logger="gradstats.apply"):
         gradstats.apply(model, plan).remove()
     lines = [r.getMessage() for r in caplog.records if "not planned" in r.getMessage()]
     assert len(lines) == 1 and "emb" in lines[0] and "Plan.explain" in lines[0]

@@ -1,4 +1,4 @@
-"""Tests for gradstats.models: shapes, backward, registry, seeding, hooks on submodules."""
+"""Tests for gradstats.zoo.models: shapes, backward, registry, seeding, hooks on submodules."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradstats import models as M
+from gradstats.zoo import models as M
 
 CASES = {
     "mlp": ({}, (3, 1, 28, 28), (3, 10)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradstats.quant import SCALE_ROUNDINGS, block_scales, mx_shared_exponent, quantize
+from gradstats.ops.quantization import SCALE_ROUNDINGS, block_scales, mx_shared_exponent, quantize
 
 mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402

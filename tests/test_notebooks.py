@@ -49,7 +49,7 @@ def test_committed_without_outputs(path):
 
 
 # each notebook runs from one of the two working directories (all from both would double the
-# time); none depends on the working directory: paths come from gradstats.data.data_dir()
+# time); none depends on the working directory: paths come from gradstats.zoo.data.data_dir()
 @pytest.mark.parametrize("name, where", [("01_explore_a_run", "root"), ("02_study_figures", "notebooks"),
                                          ("03_export_a_plan", "root")])
 def test_notebook_executes(name, where):

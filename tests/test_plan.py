@@ -16,7 +16,7 @@ from torch import nn
 
 import gradstats
 from gradstats.formats import FPFormat
-from gradstats.models import build_model
+from gradstats.zoo.models import build_model
 from gradstats.plan import (CONV_LINEAR_TYPES, INHERIT, SCHEMA_VERSION, Plan, PlanEntry, Prediction,
                             Provenance, Rule)
 

@@ -10,7 +10,7 @@ import pytest
 import gradstats
 from gradstats.plots import study
 
-SAMPLE = gradstats.data.data_dir() / "sample-run"
+SAMPLE = gradstats.zoo.data.data_dir() / "sample-run"
 
 
 @pytest.fixture(scope="module")

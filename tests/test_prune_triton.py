@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from gradstats.kernels import prune as kp  # noqa: E402
+from gradstats.ops.triton import prune as kp  # noqa: E402
 from gradstats.pruning import added_variance, expected_sparsity, stochastic_prune, threshold  # noqa: E402
 
 MU, SIGMA = -7.0, 2.0
@@ -93,7 +93,7 @@ def test_kernel_seeded_draws_statistics(interpret):
 
 
 def test_public_prune_routes_to_the_kernel_under_the_interpreter(interpret):
-    from gradstats.kernels import use_triton
+    from gradstats.ops.triton import use_triton
 
     assert use_triton("cpu")
     x = _sample(20_000, 5)

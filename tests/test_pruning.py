@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from scipy import integrate, special, stats as sps
 
 from gradstats import pruning
-from gradstats.kernels.prune import stochastic_prune_torch
+from gradstats.ops.triton.prune import stochastic_prune_torch
 from gradstats.pruning import (added_variance, allocate, exact_threshold, expected_sparsity,
                                predicted_cosine, prune, stochastic_prune, threshold)
-from gradstats.pruning import _cpu
+from gradstats.ops import cpu as _cpu
 from gradstats.stats import lognormal_moments, tensor_stats
 
 SIGMAS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)

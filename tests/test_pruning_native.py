@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from gradstats.compress import prune_quantize
-from gradstats.kernels.prune import stochastic_prune_torch
-from gradstats.pruning import _cpu, prune, stochastic_prune, threshold
+from gradstats.ops.fused import prune_quantize
+from gradstats.ops.triton.prune import stochastic_prune_torch
+from gradstats.ops import cpu as _cpu
+from gradstats.pruning import prune, stochastic_prune, threshold
 
 
 @pytest.fixture(params=["native", "numpy"])
@@ -92,7 +93,7 @@ def test_native_uniforms_beyond_2_31_entries(native):
     the mirror's uniforms: the test above)."""
     import ctypes
 
-    from gradstats._native import function
+    from gradstats.ops.native import function
 
     draw = function("prune_quant", "gs_prune_uniforms",
                     [ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
@@ -165,8 +166,9 @@ def test_fallback_and_float64_draw_the_pcg64_stream(monkeypatch):
 def test_gradstats_native_0_falls_back_to_the_numpy_engine():
     code = textwrap.dedent("""
         import numpy as np, torch
-        from gradstats.kernels.prune import stochastic_prune_torch
-        from gradstats.pruning import _cpu, stochastic_prune
+        from gradstats.ops.triton.prune import stochastic_prune_torch
+        from gradstats.ops import cpu as _cpu
+        from gradstats.pruning import stochastic_prune
         assert _cpu.native_kernel() is None
         x = torch.randn(70_000, generator=torch.Generator().manual_seed(0)).mul(2).exp()
         y = stochastic_prune(x, 2.0, generator=torch.Generator().manual_seed(2))

@@ -13,8 +13,8 @@ from gradstats.formats import FPFormat, parse
 
 triton = pytest.importorskip("triton")
 
-import gradstats.quant as Q  # noqa: E402
-from gradstats.kernels import quantize as kq  # noqa: E402
+import gradstats.ops.quantization as Q  # noqa: E402
+from gradstats.ops.triton import quantize as kq  # noqa: E402
 
 FORMATS = [parse("e5m2"), parse("e4m3fn"), parse("e4m3fnuz"), parse("e2m1fn"), parse("e3m2fn"),
            FPFormat(3, 3, subnormals=False), FPFormat(4, 0), parse("bf16"), FPFormat(8, 3), parse("fp16"),
@@ -48,7 +48,7 @@ def probe(n=3000, seed=0):
 
 
 def test_the_triton_path_is_taken_under_the_interpreter():
-    from gradstats.kernels import use_triton
+    from gradstats.ops.triton import use_triton
 
     assert use_triton("cpu") and kq.supports(parse("e4m3fn")) and not kq.supports(parse("e8m0fnu"))
 

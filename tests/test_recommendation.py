@@ -12,11 +12,11 @@ from torch import nn
 import gradstats
 from gradstats import fpanalysis, pruning
 from gradstats.cli import main
-from gradstats.data import load_fashion_mnist
-from gradstats.models import build_model
+from gradstats.zoo.data import load_fashion_mnist
+from gradstats.zoo.models import build_model
 from gradstats.plan import Plan
-from gradstats.recommendation import layer_moments, recommend
-from gradstats.training import train
+from gradstats.plan.recommend import layer_moments, recommend
+from gradstats.zoo.training import train
 
 STEPS = 5
 

@@ -18,7 +18,7 @@ from gradstats.cli import main
 from gradstats.cli.demo import sample_steps
 from gradstats.report import analyse, report
 
-SAMPLE = gradstats.data.data_dir() / "sample-run"
+SAMPLE = gradstats.zoo.data.data_dir() / "sample-run"
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_table_has_every_layer_and_the_plans_the_planned_ones(analysis):
 
 def test_thresholds_reach_their_targets_under_the_model(analysis):
     from gradstats import pruning
-    from gradstats.recommendation import layer_moments
+    from gradstats.plan.recommend import layer_moments
 
     planned = analysis.table[analysis.table["planned"]]
     assert len(planned) and "fc2" not in set(planned["layer"])       # the output layer stays exact
@@ -59,7 +59,7 @@ def test_thresholds_reach_their_targets_under_the_model(analysis):
 
 
 def test_std_and_verdicts_come_from_the_run(analysis):
-    from gradstats.recommendation import layer_moments
+    from gradstats.plan.recommend import layer_moments
 
     m = layer_moments(SAMPLE, step=analysis.plan_step, layers=["conv2"]).iloc[0]
     row = analysis.table.set_index("layer").loc["conv2"]
@@ -84,7 +84,7 @@ def test_summary_and_dict(analysis):
 def test_report_writes_plans_tables_and_markdown(tmp_path):
     import torch  # noqa: F401
 
-    from gradstats.models import build_model
+    from gradstats.zoo.models import build_model
 
     rep = report(SAMPLE, tmp_path, sparsities=[0.9], bits=[6], figures=False)
     plan = gradstats.Plan.load(rep.files["plan"])

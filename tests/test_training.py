@@ -1,4 +1,4 @@
-"""Tests for gradstats.training: the loop learns, is reproducible, and its hooks behave."""
+"""Tests for gradstats.zoo.training: the loop learns, is reproducible, and its hooks behave."""
 from __future__ import annotations
 
 import json
@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from gradstats.data import CharDataset, load_fashion_mnist
-from gradstats.models import build_model
-from gradstats.training import evaluate, make_optimizer, train
+from gradstats.zoo.data import CharDataset, load_fashion_mnist
+from gradstats.zoo.models import build_model
+from gradstats.zoo.training import evaluate, make_optimizer, train
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_bad_inputs(fm):
 
 
 def test_prepare_picks_data_and_settings_per_model():
-    from gradstats.training import RECOMMENDED, prepare
+    from gradstats.zoo.training import RECOMMENDED, prepare
 
     cnn = prepare("cnn", source="subset", subset=200, test_subset=50, seed=1)
     assert cnn.train_data.source == "committed subset" and len(cnn.train_data) == 200 and len(cnn.test_data) == 50

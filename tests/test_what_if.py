@@ -10,14 +10,14 @@ import torch
 import gradstats
 from gradstats.formats import amax_scale, parse
 from gradstats.fpanalysis import predict_from_stats, what_if
-from gradstats.quant import block_scales, quantize
+from gradstats.ops.quantization import block_scales, quantize
 
 FORMATS = ("e4m3fn", "e5m2", "e2m1fn", "e3m2fn")
 
 
 @pytest.fixture(scope="module")
 def cnn_run(tmp_path_factory):
-    from gradstats.training import prepare
+    from gradstats.zoo.training import prepare
 
     path = tmp_path_factory.mktemp("whatif") / "cnn"
     task = prepare("cnn", source="subset", subset=256, test_subset=100)

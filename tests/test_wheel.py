@@ -43,7 +43,7 @@ def _python(site: Path, code: str, cwd: Path, timeout: int = 300) -> str:
 
 def test_the_installed_package_carries_its_data(installed, tmp_path):
     out = _python(installed, """
-import gradstats, gradstats.data as d
+import gradstats, gradstats.zoo.data as d
 from pathlib import Path
 print(Path(gradstats.__file__).parent)
 print(d.data_dir())

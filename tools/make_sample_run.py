@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import gradstats
-from gradstats.training import make_optimizer, prepare, train
+from gradstats.zoo.training import make_optimizer, prepare, train
 
 #: the settings of the committed sample run
 STEPS = 200

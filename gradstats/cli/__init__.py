@@ -8,7 +8,7 @@ import logging
 import sys
 
 #: subcommand modules of gradstats.cli, in the order shown by --help
-COMMANDS = ["demo", "trace", "info", "fit", "plan", "export", "report", "figures", "what_if", "tensorboard"]
+COMMANDS = ["demo", "trace", "info", "fit", "recommend", "export", "report", "figures", "what_if", "tensorboard"]
 
 
 def build_parser() -> argparse.ArgumentParser:

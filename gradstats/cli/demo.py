@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     import gradstats
     from gradstats.report import report
-    from gradstats.training import make_optimizer, prepare, train
+    from gradstats.zoo.training import make_optimizer, prepare, train
 
     if args.steps < 1 or args.every < 1 or args.samples < 1:
         raise ValueError("--steps, --every and --samples must be positive")

@@ -17,7 +17,7 @@ def _schedule(text: str):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from gradstats.models import list_models
+    from gradstats.zoo.models import list_models
 
     p = sub.add_parser("trace", help="train a built-in model and trace its neural gradients into a run",
                        description="Train a built-in model on built-in data with gradstats.trace attached.")
@@ -47,7 +47,7 @@ def load_data(name: str, model: str):
     """Training and test data for a built-in model by name (``--data``)."""
     from pathlib import Path
 
-    from gradstats import data
+    from gradstats.zoo import data
 
     if model == "transformer" or name == "shakespeare":
         if model != "transformer":
@@ -90,8 +90,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import gradstats
-    from gradstats.models import build_model
-    from gradstats.training import make_optimizer, train
+    from gradstats.zoo.models import build_model
+    from gradstats.zoo.training import make_optimizer, train
 
     check_args(args)
     train_set, test_set = load_data(args.data, args.model)

@@ -26,10 +26,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ._families import FAMILIES, MIN_NONZERO, check_families, too_few_message
-from ._parallel import CHUNK, _chunks, _map, default_workers, torch_single_thread
-from ._result import FitResult, assemble
-from ._signed import _signed
+from gradstats.fitting._families import FAMILIES, MIN_NONZERO, check_families, too_few_message
+from gradstats.fitting._parallel import CHUNK, _chunks, _map, default_workers, torch_single_thread
+from gradstats.fitting._result import FitResult, assemble
+from gradstats.fitting._signed import _signed
 
 _SQRT2 = math.sqrt(2.0)
 #: confidence of the DKW bound reported for KS on a subsample
@@ -224,7 +224,7 @@ def _exact_ks(a: torch.Tensor, family: str, p: dict[str, float], ext: tuple[torc
     """KS distance ``max(max_i (i+1)/m - F_i, max_i F_i - i/m)`` (0-based i) of sorted ``a``,
     exact in float64: only chunks whose working-precision extreme could hold the true
     extreme are recomputed."""
-    from ._families import cdf64
+    from gradstats.fitting._families import cdf64
 
     m = a.numel()
     mins, maxs = ext
@@ -308,7 +308,7 @@ def fit(x: Any, *, families: Sequence[str] = FAMILIES, ks: str = "exact",
 def _binade_hist(mags: torch.Tensor) -> np.ndarray | None:
     """Binade counts of sorted magnitudes (the layout of ``gradstats.stats``), or None when
     some lie outside float32's binades (float64 input)."""
-    from ..stats import HIST_BINS, HIST_MIN_EXP
+    from gradstats.stats import HIST_BINS, HIST_MIN_EXP
 
     if float(mags[0]) < 2.0 ** HIST_MIN_EXP or float(mags[-1]) >= 2.0 ** (HIST_MIN_EXP + HIST_BINS):
         return None
@@ -376,11 +376,11 @@ def _fit(xf: torch.Tensor, fams: tuple[str, ...], ks: str, max_samples: int | No
         ad = -k_n - s2["ad"]
         ks_method = "subsample" if sub else "exact"
     elif ks == "hist":
-        from ._stats import hist_ks_bounds
+        from gradstats.fitting._stats import hist_ks_bounds
 
         hist = _binade_hist(mags)
         if hist is None:  # float64 values beyond float32's binades: the float32 view, as traced
-            from ..stats import tensor_stats
+            from gradstats.stats import tensor_stats
 
             st = tensor_stats(xf)
             hist, m_h, lo_v, hi_v = st["hist"], st["n"] - st["n_zero"] - st["n_nonfinite"], st["min_abs"], st["max_abs"]

@@ -7,7 +7,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ._families import MAGNITUDE_MODEL, information_criteria, mean_loglik, ranking, vuong
+from gradstats.fitting._families import MAGNITUDE_MODEL, information_criteria, mean_loglik, ranking, vuong
 
 _PAIRS = (("lognormal", "normal"), ("lognormal", "laplace"), ("normal", "laplace"))
 
@@ -181,7 +181,7 @@ class FitResult:
     def plot(self, **kwargs: Any) -> Any:
         """Histogram of ``log2|g|`` with the fitted densities, and a Q-Q plot of ``ln|g|``
         (see :func:`gradstats.plots.fit.plot_fit`). Returns a matplotlib Figure."""
-        from ..plots.fit import plot_fit
+        from gradstats.plots.fit import plot_fit
 
         return plot_fit(self, **kwargs)
 

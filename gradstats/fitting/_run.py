@@ -10,13 +10,13 @@ from typing import Any, Iterable, Sequence
 import pandas as pd
 import torch
 
-from ..run import RunCorruptError
-from ..stats import merge_stats
-from ._exact import fit
-from ._parallel import default_workers, torch_single_thread
-from ._families import FAMILIES, check_families
-from ._result import FitResult, failed_rows
-from ._stats import fit_many_stats
+from gradstats.run import RunCorruptError
+from gradstats.stats import merge_stats
+from gradstats.fitting._exact import fit
+from gradstats.fitting._parallel import default_workers, torch_single_thread
+from gradstats.fitting._families import FAMILIES, check_families
+from gradstats.fitting._result import FitResult, failed_rows
+from gradstats.fitting._stats import fit_many_stats
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def layer_matcher(layers: str | re.Pattern | Iterable[str] | None):
     (:func:`gradstats.trace`): None (every name), a glob, ``"re:PATTERN"`` (a regex matched in
     full), a compiled regex, or a list of those; an exact name always matches itself. A
     callable on modules selects what the tracer records and has no meaning on a run's names."""
-    from ..tracer import _selector
+    from gradstats.tracer import _selector
 
     if layers is None:
         return lambda name: True

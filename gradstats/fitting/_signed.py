@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from ._parallel import CHUNK, _chunks
+from gradstats.fitting._parallel import CHUNK, _chunks
 
 
 def _select(x: torch.Tensor, ks: tuple[int, ...]) -> list[float]:

@@ -35,17 +35,17 @@ Example:
 """
 from __future__ import annotations
 
-from ._pieces import FRACTIONS, PARTS
-from .crossover import AUTHORS_TABLE, CrossoverTable, crossover_table
-from .error import ErrorResult, expected_error
-from .empirical import PredictionCheck, check_prediction, energy_moments, measured_error
-from .choice import (CANDIDATE_NAMES, CANDIDATE_PRESETS, DEFAULT_CANDIDATES, BestFormat, FormatChoice,
+from gradstats.fpanalysis._pieces import FRACTIONS, PARTS
+from gradstats.fpanalysis.crossover import AUTHORS_TABLE, CrossoverTable, crossover_table
+from gradstats.fpanalysis.error import ErrorResult, expected_error
+from gradstats.fpanalysis.empirical import PredictionCheck, check_prediction, energy_moments, measured_error
+from gradstats.fpanalysis.choice import (CANDIDATE_NAMES, CANDIDATE_PRESETS, DEFAULT_CANDIDATES, BestFormat, FormatChoice,
                      best_format, candidate_formats, preset_formats)
-from .scale import ScaleResult, optimal_scale
-from .histogram import HistogramChoice, HistogramLaw, best_format_from_stats, expected_error_from_stats
-from .training import BIAS_BOUND, OBJECTIVES, TrainingChoice, choose_for_training
-from .alignment import AlignmentResult, batchnorm_inputs, weight_gradient_alignment
-from .what_if import predict_from_stats, what_if
+from gradstats.fpanalysis.scale import ScaleResult, optimal_scale
+from gradstats.fpanalysis.histogram import HistogramChoice, HistogramLaw, best_format_from_stats, expected_error_from_stats
+from gradstats.fpanalysis.training import BIAS_BOUND, OBJECTIVES, TrainingChoice, choose_for_training
+from gradstats.fpanalysis.alignment import AlignmentResult, batchnorm_inputs, weight_gradient_alignment
+from gradstats.fpanalysis.what_if import predict_from_stats, what_if
 
 __all__ = ["expected_error", "optimal_scale", "best_format", "crossover_table", "candidate_formats",
            "preset_formats", "CANDIDATE_PRESETS", "CANDIDATE_NAMES", "DEFAULT_CANDIDATES",

@@ -7,7 +7,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from ..formats import FPFormat, parse
+from gradstats.formats import FPFormat, parse
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
 

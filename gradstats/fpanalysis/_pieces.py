@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import ndtr
 
-from ..formats import FPFormat
+from gradstats.formats import FPFormat
 
 #: error parts, in the order of the engine's output columns
 PARTS = ("overflow", "normal", "subnormal", "underflow")

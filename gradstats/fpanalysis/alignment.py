@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..layers import batchnorm_inputs  # noqa: F401 - re-exported: the layers this diagnostic is for
+from gradstats.layers import batchnorm_inputs  # noqa: F401 - re-exported: the layers this diagnostic is for
 
 __all__ = ["batchnorm_inputs", "weight_gradient_alignment", "AlignmentResult"]
 
@@ -77,7 +77,7 @@ class AlignmentResult:
     def plot(self, **kw: Any) -> Any:
         """Per layer, the channels' ``|cos|`` and their mean
         (:func:`gradstats.plots.fpanalysis.plot_weight_alignment`)."""
-        from ..plots.fpanalysis import plot_weight_alignment
+        from gradstats.plots.fpanalysis import plot_weight_alignment
 
         return plot_weight_alignment(self, **kw)
 
@@ -96,7 +96,7 @@ def weight_gradient_alignment(model: nn.Module, layers: Optional[Sequence[str]] 
         >>> weight_gradient_alignment(lin).layers
         ['0']
     """
-    from ..wrappers import named_layers
+    from gradstats.wrappers import named_layers
 
     if not isinstance(model, nn.Module):
         raise ValueError(f"weight_gradient_alignment needs a torch.nn.Module, got {type(model).__name__}")

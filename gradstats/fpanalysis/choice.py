@@ -18,10 +18,10 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from ..formats import FPFormat, parse
-from . import _params as P
-from .error import default_tensor_amax, integrals
-from .scale import _mode, _optimal
+from gradstats.formats import FPFormat, parse
+from gradstats.fpanalysis import _params as P
+from gradstats.fpanalysis.error import default_tensor_amax, integrals
+from gradstats.fpanalysis.scale import _mode, _optimal
 
 __all__ = ["best_format", "BestFormat", "FormatChoice", "candidate_formats", "preset_formats",
            "CANDIDATE_PRESETS", "CANDIDATE_NAMES", "DEFAULT_CANDIDATES"]
@@ -302,7 +302,7 @@ class BestFormat:
 
     def plot(self, **kw):
         """Per-layer sigma with the chosen format (:func:`gradstats.plots.fpanalysis.plot_layer_formats`)."""
-        from ..plots.fpanalysis import plot_layer_formats
+        from gradstats.plots.fpanalysis import plot_layer_formats
 
         return plot_layer_formats(self, **kw)
 

@@ -16,11 +16,11 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from ..formats import FPFormat
-from . import _params as P
-from .error import default_tensor_amax, integrals
-from .choice import candidate_formats
-from .scale import _optimal
+from gradstats.formats import FPFormat
+from gradstats.fpanalysis import _params as P
+from gradstats.fpanalysis.error import default_tensor_amax, integrals
+from gradstats.fpanalysis.choice import candidate_formats
+from gradstats.fpanalysis.scale import _optimal
 
 __all__ = ["crossover_table", "CrossoverTable", "AUTHORS_TABLE"]
 
@@ -130,7 +130,7 @@ class CrossoverTable:
 
     def plot(self, **kw):
         """Optimal exponent bits vs sigma (:func:`gradstats.plots.fpanalysis.plot_optimal_exponent_bits`)."""
-        from ..plots.fpanalysis import plot_optimal_exponent_bits
+        from gradstats.plots.fpanalysis import plot_optimal_exponent_bits
 
         return plot_optimal_exponent_bits(self, **kw)
 

@@ -1,6 +1,6 @@
 """Measured quantisation error of real tensors, and the brute-force check of the predictions.
 
-:func:`measured_error` quantises with :func:`gradstats.quant.quantize` and measures the same
+:func:`measured_error` quantises with :func:`gradstats.ops.quantization.quantize` and measures the same
 criteria the analysis predicts; :func:`check_prediction` fits the lognormal to a tensor's non-zero
 values (:func:`gradstats.stats.lognormal_moments`; optionally truncated at its largest magnitude), predicts the best split and power-of-two
 scale with :func:`~gradstats.fpanalysis.best_format`, and compares it with an exhaustive search
@@ -15,12 +15,12 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ..formats import FPFormat
-from ..quant import quantize
-from ..stats import lognormal_moments, tensor_stats
-from . import _params as P
-from .choice import best_format
-from .scale import TIE_RTOL
+from gradstats.formats import FPFormat
+from gradstats.ops.quantization import quantize
+from gradstats.stats import lognormal_moments, tensor_stats
+from gradstats.fpanalysis import _params as P
+from gradstats.fpanalysis.choice import best_format
+from gradstats.fpanalysis.scale import TIE_RTOL
 
 __all__ = ["measured_error", "check_prediction", "energy_moments", "PredictionCheck"]
 
@@ -223,7 +223,7 @@ def check_prediction(
     p0 = float(st["n_zero"]) / max(int(st["n"]), 1)
     amax = float(st["max_abs"]) if use_amax else None
     if fit == "histogram":
-        from .histogram import best_format_from_stats
+        from gradstats.fpanalysis.histogram import best_format_from_stats
 
         top = (None if top_k is None else
                torch.topk(x.abs(), min(int(top_k), x.numel())).values if top_k else ())

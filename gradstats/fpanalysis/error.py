@@ -10,11 +10,11 @@ exchangeability gives, per entry,
 
 where ``err_j`` is the error under the fixed scale ``X_j``: one more partial-moment sum, cut at
 the block-maximum bounds. MX (``scale_format="e8m0"``): ``X_j = 2**j``, ``A_j = 2**(j + emax)``
-(:func:`gradstats.quant.mx_shared_exponent`, clamped to ``-127..127`` as there); the series runs
+(:func:`gradstats.ops.quantization.mx_shared_exponent`, clamped to ``-127..127`` as there); the series runs
 over the shared exponents whose probability under the block maximum (tilted by ``x**2`` for the
 MSE) is above about 1e-15.
 NVFP4 style (``"e4m3"``): ``X_j = w_j t`` over the e4m3fn codes ``w_j``, with the per-tensor
-float32 scale ``t = tensor_amax / (fmt.max * 448)`` (:func:`gradstats.quant.block_scales`);
+float32 scale ``t = tensor_amax / (fmt.max * 448)`` (:func:`gradstats.ops.quantization.block_scales`);
 ``tensor_amax`` defaults to the median maximum of ``numel`` draws. Blocks are assumed full and
 independent; the float32 rounding of ``w_j t`` is ignored.
 """
@@ -27,9 +27,9 @@ from typing import Any, Optional
 import numpy as np
 from scipy.special import log_ndtr, ndtr, ndtri
 
-from ..formats import FPFormat
-from . import _params as P
-from ._pieces import (FRACTIONS, PARTS, Pieces, build, build_bias, first_moments, first_moments_at,
+from gradstats.formats import FPFormat
+from gradstats.fpanalysis import _params as P
+from gradstats.fpanalysis._pieces import (FRACTIONS, PARTS, Pieces, build, build_bias, first_moments, first_moments_at,
                       integrate, point)
 
 __all__ = ["expected_error", "ErrorResult"]

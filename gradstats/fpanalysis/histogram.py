@@ -46,10 +46,10 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ..formats import FPFormat, parse
-from ..stats import HIST_MIN_EXP
-from . import _params as P
-from ._pieces import _N_ERR, PARTS, _coef_matrices, build
+from gradstats.formats import FPFormat, parse
+from gradstats.stats import HIST_MIN_EXP
+from gradstats.fpanalysis import _params as P
+from gradstats.fpanalysis._pieces import _N_ERR, PARTS, _coef_matrices, build
 
 __all__ = ["HistogramLaw", "expected_error_from_stats", "best_format_from_stats", "HistogramChoice", "SHAPES",
            "TOP_FIELD"]
@@ -405,7 +405,7 @@ def best_format_from_stats(bits: int, stats: Mapping[str, Any], *,
         >>> str(t.format), t.log2_scale, round(t.error / measured_error(x, t.format, scale=t.scale), 2)
         ('e3m4fn', 1.0, 0.99)
     """
-    from .choice import preset_formats
+    from gradstats.fpanalysis.choice import preset_formats
 
     bits = P.check_bits(bits)
     P.check_choice("rounding", rounding, P.ROUNDINGS)

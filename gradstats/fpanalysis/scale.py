@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from ..formats import FPFormat
-from . import _params as P
-from .error import integrals
+from gradstats.formats import FPFormat
+from gradstats.fpanalysis import _params as P
+from gradstats.fpanalysis.error import integrals
 
 __all__ = ["optimal_scale", "ScaleResult", "TIE_RTOL"]
 

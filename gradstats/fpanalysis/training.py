@@ -28,9 +28,9 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from ..formats import FPFormat, amax_scale, parse
-from . import _params as P
-from .error import expected_error
+from gradstats.formats import FPFormat, amax_scale, parse
+from gradstats.fpanalysis import _params as P
+from gradstats.fpanalysis.error import expected_error
 
 __all__ = ["choose_for_training", "TrainingChoice", "BIAS_BOUND", "OBJECTIVES"]
 
@@ -102,7 +102,7 @@ class TrainingChoice:
 
 
 def _candidates(bits: int, candidates: Any) -> list[FPFormat]:
-    from .choice import DEFAULT_CANDIDATES, preset_formats
+    from gradstats.fpanalysis.choice import DEFAULT_CANDIDATES, preset_formats
 
     if candidates is None or isinstance(candidates, str):
         fmts = preset_formats(candidates or DEFAULT_CANDIDATES, bits, granularity="tensor")

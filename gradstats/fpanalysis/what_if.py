@@ -23,7 +23,7 @@ exact where the values above the format's maximum are among the 64 largest (alwa
 quantising the stored samples, ``tests/test_what_if.py``).
 
 Blocks (``block_size=B``, OCP MX: an E8M0 power-of-two scale per block from the block's largest
-magnitude, :func:`gradstats.quant.mx_shared_exponent`) are predicted for exchangeable entries: a
+magnitude, :func:`gradstats.ops.quantization.mx_shared_exponent`) are predicted for exchangeable entries: a
 block is ``B`` entries drawn from the tensor at random, so the binade of a block's maximum, given
 one of its entries, follows from the law of the others (``P(max < 2**L) = F(2**L)**(B-1)``). This
 is exact for the stored samples (a uniform random sample) and for tensors without structure along
@@ -35,7 +35,7 @@ Example:
     >>> from gradstats.stats import tensor_stats
     >>> g = torch.exp(-12 + 2.0 * torch.randn(200_000, generator=torch.Generator().manual_seed(0)))
     >>> p = predict_from_stats(tensor_stats(g), "e4m3fn")
-    >>> from gradstats.quant import quantize
+    >>> from gradstats.ops.quantization import quantize
     >>> s = 2.0 ** p["log2_scale"]
     >>> measured = (quantize(g * s, "e4m3fn", overflow="saturate") == 0).double().mean().item()
     >>> abs(p["underflow"] - measured) < 1e-3
@@ -49,8 +49,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from ..formats import FPFormat, amax_scale, parse
-from .histogram import HistogramLaw
+from gradstats.formats import FPFormat, amax_scale, parse
+from gradstats.fpanalysis.histogram import HistogramLaw
 
 __all__ = ["what_if", "what_if_stats", "predict_from_stats", "WHAT_IF_COLUMNS"]
 
@@ -128,7 +128,7 @@ def predict_from_stats(stats: Mapping[str, Any], fmt: Union[FPFormat, str], *, s
     as ``apply`` does) or a number (the multiplier); ignored with ``block_size``, whose scales are
     per block: ``scale_format`` ``"e8m0"`` (MX, power of two) or ``"e4m3"`` (NVFP4: the block's amax
     over the format's maximum, rounded to e4m3fn, times a per-tensor float32 scale that maps the
-    tensor's amax to 448; :func:`gradstats.quant.block_scales`). Example: see the module.
+    tensor's amax to 448; :func:`gradstats.ops.quantization.block_scales`). Example: see the module.
     """
     f = parse(fmt)
     _check_rounding(rounding)
@@ -259,14 +259,14 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
 
     Example:
         >>> import gradstats
-        >>> df = what_if(gradstats.data.data_dir() / "sample-run", ["e4m3fn", "e2m1fn"], steps=[0], layers="conv*")
+        >>> df = what_if(gradstats.zoo.data.data_dir() / "sample-run", ["e4m3fn", "e2m1fn"], steps=[0], layers="conv*")
         >>> df[["layer", "format"]].values.tolist()
         [['conv1', 'e4m3fn'], ['conv1', 'e2m1fn'], ['conv2', 'e4m3fn'], ['conv2', 'e2m1fn']]
         >>> bool((df.loc[df.format == "e2m1fn", "underflow"].values > df.loc[df.format == "e4m3fn", "underflow"].values).all())
         True
     """
-    from ..formats import parse_list
-    from ..run import Run, open_run
+    from gradstats.formats import parse_list
+    from gradstats.run import Run, open_run
 
     r = run if isinstance(run, Run) else open_run(run)
 
@@ -276,7 +276,7 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
     _check_rounding(rounding)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"block_size must be a positive int (an MX block size such as 32) or None, got {block_size!r}")
-    from ..fitting._run import layer_stats
+    from gradstats.fitting._run import layer_stats
 
     st = layer_stats(r, [kind], layers)
     if steps is not None:

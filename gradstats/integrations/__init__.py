@@ -26,6 +26,6 @@ Example:
 """
 from __future__ import annotations
 
-from ._session import TrainingSession
+from gradstats.integrations._session import TrainingSession
 
 __all__ = ["TrainingSession"]

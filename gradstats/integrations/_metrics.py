@@ -9,7 +9,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from ..stats import HIST_MIN_EXP, lognormal_moments, merge_stats
+from gradstats.stats import HIST_MIN_EXP, lognormal_moments, merge_stats
 
 LN2 = math.log(2.0)
 
@@ -45,7 +45,7 @@ def scalars(stats: pd.DataFrame, *, formats: Sequence[Any] = (), block_size: Opt
                        ("amax", float(m["max_abs"]))):
             rows.append((step, layer, tag, float(v)))
     if formats:
-        from ..fpanalysis.what_if import what_if_stats
+        from gradstats.fpanalysis.what_if import what_if_stats
 
         w = what_if_stats(stats, formats, block_size=block_size, rounding=rounding)
         for r in w.itertuples():
@@ -73,8 +73,8 @@ def log2_histogram(m: dict[str, Any]) -> Optional[dict[str, Any]]:
 def run_stats(run: Any, kinds: Sequence[str], layers: Any) -> tuple[Any, pd.DataFrame]:
     """The run (opened from a path if need be) and its statistics of ``kinds`` for ``layers``
     (:func:`gradstats.fitting._run.layer_stats`); a ``ValueError`` when there are none."""
-    from ..fitting._run import layer_stats
-    from ..run import Run, open_run
+    from gradstats.fitting._run import layer_stats
+    from gradstats.run import Run, open_run
 
     r = run if isinstance(run, Run) else open_run(run)
     st = layer_stats(r, kinds, layers)
@@ -86,6 +86,6 @@ def run_stats(run: Any, kinds: Sequence[str], layers: Any) -> tuple[Any, pd.Data
 
 def check_formats(formats: Iterable[Any] | str | None) -> list[str]:
     """The formats to watch, as names (:func:`gradstats.formats.parse_list`)."""
-    from ..formats import parse_list
+    from gradstats.formats import parse_list
 
     return [str(f) for f in parse_list(formats)]

@@ -48,7 +48,7 @@ class TrainingSession:
                              f"gradstats.trace {list(TRACE_OPTIONS)} and of gradstats.apply "
                              f"{list(APPLY_OPTIONS)} (and apply_seed)")
         if plan is not None:
-            from ..plan import Plan
+            from gradstats.plan import Plan
 
             if isinstance(plan, (str, os.PathLike)):
                 plan = Plan.load(plan)
@@ -75,8 +75,8 @@ class TrainingSession:
         new training, the checkpoint's for a resumed one); ``state``: the :meth:`state_dict` saved
         with that checkpoint, if there is one (the sampling and the plan's statistics then continue
         exactly; without it the run still continues at ``step``, superseding what it held from there)."""
-        from ..enforce import apply
-        from ..tracer import Tracer
+        from gradstats.apply import apply
+        from gradstats.tracer import Tracer
 
         if self.active:
             raise ValueError("this gradstats session is already attached to a training; end() it first")

@@ -41,7 +41,7 @@ except ImportError as exc:          # pragma: no cover - depends on the environm
     raise ImportError("gradstats.integrations.huggingface needs the transformers package "
                       "(pip install 'transformers[torch]')") from exc
 
-from ._session import TrainingSession
+from gradstats.integrations._session import TrainingSession
 
 __all__ = ["GradstatsCallback", "STATE_FILE"]
 

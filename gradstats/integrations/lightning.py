@@ -47,7 +47,7 @@ except ImportError:                         # pragma: no cover - depends on the 
         raise ImportError("gradstats.integrations.lightning needs lightning (pip install lightning) or "
                           "pytorch_lightning") from exc
 
-from ._session import TrainingSession
+from gradstats.integrations._session import TrainingSession
 
 __all__ = ["GradstatsCallback", "callback_class", "pl"]
 

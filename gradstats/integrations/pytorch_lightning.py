@@ -15,7 +15,7 @@ except ImportError as exc:                  # pragma: no cover - depends on the 
     raise ImportError("gradstats.integrations.pytorch_lightning needs pytorch_lightning "
                       "(pip install pytorch-lightning); for lightning use gradstats.integrations.lightning") from exc
 
-from .lightning import callback_class
+from gradstats.integrations.lightning import callback_class
 
 __all__ = ["GradstatsCallback", "pl"]
 

@@ -15,10 +15,10 @@ Writes with ``torch.utils.tensorboard`` (needs the ``tensorboard`` package).
 Example:
     >>> import tempfile, gradstats
     >>> logdir = tempfile.mkdtemp()
-    >>> n = export_run(gradstats.data.data_dir() / "sample-run", logdir, formats=["e4m3fn"], layers="fc2")
+    >>> n = export_run(gradstats.zoo.data.data_dir() / "sample-run", logdir, formats=["e4m3fn"], layers="fc2")
     >>> from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     >>> acc = EventAccumulator(logdir, size_guidance={"scalars": 0}); _ = acc.Reload()
-    >>> sorted(acc.Tags()["scalars"])[:2], len(acc.Scalars("fc2/amax")) == len(gradstats.open_run(gradstats.data.data_dir() / "sample-run").steps)
+    >>> sorted(acc.Tags()["scalars"])[:2], len(acc.Scalars("fc2/amax")) == len(gradstats.open_run(gradstats.zoo.data.data_dir() / "sample-run").steps)
     (['fc2/amax', 'fc2/mean_log2'], True)
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import pandas as pd
 
-from ._metrics import check_formats, log2_histogram, merged_rows, run_stats, scalars
+from gradstats.integrations._metrics import check_formats, log2_histogram, merged_rows, run_stats, scalars
 
 __all__ = ["TensorBoardSink", "export_run"]
 

@@ -78,7 +78,7 @@ def convert(model: nn.Module, plan: Any, *, emulate: bool = False, strict: bool 
     """Convert ``model``'s planned linear layers with ``torchao.float8.convert_to_float8_training``
     (in place, as torchao does) and return it. Example: see the module."""
     f8 = _torchao()
-    from ..wrappers import unwrap
+    from gradstats.wrappers import unwrap
 
     root = unwrap(model)
     for config, keep in to_torchao(plan, root, emulate=emulate, strict=strict):

@@ -15,7 +15,7 @@ W&B's own modes apply (``mode="offline"`` or ``WANDB_MODE=offline`` keeps everyt
 
 Example:
     >>> import tempfile, gradstats
-    >>> run = log_run(gradstats.data.data_dir() / "sample-run", layers="fc2", mode="disabled")
+    >>> run = log_run(gradstats.zoo.data.data_dir() / "sample-run", layers="fc2", mode="disabled")
     >>> run is not None
     True
 """
@@ -27,7 +27,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from ._metrics import check_formats, log2_histogram, merged_rows, run_stats, scalars
+from gradstats.integrations._metrics import check_formats, log2_histogram, merged_rows, run_stats, scalars
 
 __all__ = ["WandbSink", "log_run", "step_payloads"]
 

@@ -21,10 +21,10 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._rules import Rule, amax_scale
+from gradstats.plan._rules import Rule, amax_scale
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._plan import Plan
+    from gradstats.plan._plan import Plan
 
 #: targets of :meth:`gradstats.plan.Plan.export`
 EXPORT_TARGETS = ("json", "torchao")
@@ -38,7 +38,7 @@ _ALIASES = {"json": "json", "torchao": "torchao", "torchao.float8": "torchao"}
 
 
 def _resolved(plan: "Plan", model: Any, need_types: bool) -> list[tuple[str, Rule, tuple[str, ...] | None]]:
-    from ._plan import _modules_of
+    from gradstats.plan._plan import _modules_of
 
     if model is None:
         pats = [e.layer for e in plan.entries if e.is_pattern]
@@ -172,7 +172,7 @@ def export(plan: "Plan", target: str, model: Any = None, *, path: str | os.PathL
             raise ValueError(msg)
         warnings.warn(msg, stacklevel=3)        # once: not also through logging
     if path is not None:
-        from ..run import atomic_write_bytes
+        from gradstats.run import atomic_write_bytes
 
         atomic_write_bytes(Path(path), (json.dumps(doc, indent=2, allow_nan=False) + "\n").encode())
     return doc

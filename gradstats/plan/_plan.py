@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..formats import FPFormat
-from ._rules import (INHERIT, RULE_FIELDS, Prediction, PlanEntry, Provenance, Rule, _check_keys, _err,
+from gradstats.formats import FPFormat
+from gradstats.plan._rules import (INHERIT, RULE_FIELDS, Prediction, PlanEntry, Provenance, Rule, _check_keys, _err,
                      _fields_to_json, _DEFAULT_RULE)
 
 
@@ -31,10 +31,10 @@ def _modules_of(target: Any) -> list[tuple[str, tuple[str, ...] | None]]:
     (:func:`gradstats.layers.layer_records`, or a plain list of names)."""
     import torch.nn as nn
 
-    from ..run import Run
+    from gradstats.run import Run
 
     if isinstance(target, (nn.Module, Run, Mapping)):
-        from ..layers import layer_records
+        from gradstats.layers import layer_records
 
         return [(r.name, r.types or None) for r in layer_records(target)]
     if isinstance(target, (str, bytes)) or not isinstance(target, Iterable):
@@ -56,7 +56,7 @@ def pruned_layers(prune_at: str | None, target: Any) -> list[str] | None:
     None where it restricts nothing."""
     if prune_at is None or isinstance(target, (list, tuple)):
         return None
-    from ..layers import batchnorm_inputs
+    from gradstats.layers import batchnorm_inputs
 
     found = batchnorm_inputs(target)
     return None if (not found and prune_at == "auto") else found
@@ -196,7 +196,7 @@ class Plan:
                         scale_value=scale_value, block_size=block_size, scale_format=scale_format,
                         scale_rounding=scale_rounding, **kw)
         if layers is None:
-            from ..layers import matmul_types
+            from gradstats.layers import matmul_types
 
             entries = [PlanEntry("*", types=matmul_types())]
         else:
@@ -259,7 +259,7 @@ class Plan:
             return None
         if self.output_layer != "auto":
             return self.output_layer
-        from ..layers import output_layer
+        from gradstats.layers import output_layer
 
         return output_layer(target) if not isinstance(target, (list, tuple)) else None
 
@@ -298,7 +298,7 @@ class Plan:
         import pandas as pd
         import torch.nn as nn
 
-        from ..layers import LayerRecord, layer_records, why_not_matmul
+        from gradstats.layers import LayerRecord, layer_records, why_not_matmul
 
         rows = []
         resolved = {name: (rule, idx) for name, rule, idx in self._resolve(target, strict=False)}
@@ -306,7 +306,7 @@ class Plan:
         pruned = self.pruned_layers_of(target)
         owners = None
         if isinstance(target, nn.Module):
-            from ..wrappers import named_layers
+            from gradstats.wrappers import named_layers
 
             owners = {n for n, m in named_layers(target) if any(True for _ in m.parameters(recurse=False))}
         if isinstance(target, (list, tuple)):
@@ -463,7 +463,7 @@ class Plan:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON (atomically)."""
-        from ..run import atomic_write_bytes
+        from gradstats.run import atomic_write_bytes
 
         atomic_write_bytes(Path(path), self.to_json().encode())
 
@@ -501,7 +501,7 @@ class Plan:
             >>> plan.export("torchao", {"fc": "Linear"})["configs"]["fc"]["cast_config_grad_output"]
             {'scaling_type': 'dynamic', 'scaling_granularity': 'tensorwise', 'target_dtype': 'float8_e5m2'}
         """
-        from ._export import export
+        from gradstats.plan._export import export
 
         return export(self, target, model, path=path, strict=strict)
 
@@ -517,7 +517,7 @@ class Plan:
             ...  for c, keep in Plan.uniform(format="e4m3fn", scale="amax").to_torchao(m)]
             [('torch.float8_e4m3fn', True, False)]
         """
-        from ..integrations.torchao import to_torchao
+        from gradstats.integrations.torchao import to_torchao
 
         return to_torchao(self, model, emulate=emulate, strict=strict)
 

@@ -13,20 +13,20 @@ from datetime import datetime, timezone
 from typing import Any, Mapping, Sequence
 
 
-from ..formats import FPFormat, amax_scale as _amax_scale
-from ..pruning import METHODS as _METHODS
-from ..quant import ROUNDINGS as _ROUNDINGS, SCALE_FORMATS as _SCALE_FORMATS, SCALE_ROUNDINGS as _SCALE_ROUNDINGS
+from gradstats.formats import FPFormat, amax_scale as _amax_scale
+from gradstats.pruning import METHODS as _METHODS
+from gradstats.ops.quantization import ROUNDINGS as _ROUNDINGS, SCALE_FORMATS as _SCALE_FORMATS, SCALE_ROUNDINGS as _SCALE_ROUNDINGS
 
 #: scale rules: a fixed multiplier, the power of two that maps the step's amax to the format's
 #: max, or the optimal power of two for the running lognormal mu and sigma
 SCALE_RULES = ("fixed", "amax", "lognormal")
-#: rounding modes (those of :func:`gradstats.quant.quantize`)
+#: rounding modes (those of :func:`gradstats.ops.quantization.quantize`)
 ROUNDINGS: tuple[str, ...] = tuple(_ROUNDINGS)
 #: pruning threshold rules (those of :func:`gradstats.pruning.prune`)
 THRESHOLD_RULES: tuple[str, ...] = tuple(_METHODS)
-#: block scale formats (those of :func:`gradstats.quant.quantize`): MX ``e8m0``, NVFP4 ``e4m3``
+#: block scale formats (those of :func:`gradstats.ops.quantization.quantize`): MX ``e8m0``, NVFP4 ``e4m3``
 SCALE_FORMATS: tuple[str, ...] = tuple(_SCALE_FORMATS)
-#: how an MX block scale is rounded (:data:`gradstats.quant.SCALE_ROUNDINGS`)
+#: how an MX block scale is rounded (:data:`gradstats.ops.quantization.SCALE_ROUNDINGS`)
 SCALE_ROUNDINGS: tuple[str, ...] = tuple(_SCALE_ROUNDINGS)
 
 _PATTERN_CHARS = re.compile(r"[*?\[]")
@@ -191,7 +191,7 @@ class Rule:
         scale_format: the block scale type, ``"e8m0"`` (MX, the default with blocks) or
             ``"e4m3"`` (NVFP4); None without blocks.
         scale_rounding: how an ``"e8m0"`` block scale is rounded from the block's amax
-            (:data:`gradstats.quant.SCALE_ROUNDINGS`: ``"floor"``, the OCP rule; ``"ceil"``, ``"even"``,
+            (:data:`gradstats.ops.quantization.SCALE_ROUNDINGS`: ``"floor"``, the OCP rule; ``"ceil"``, ``"even"``,
             ``"rceil"``, torchao's MX training default); None: ``"floor"`` with MX blocks.
         sparsity: target fraction of zeros in ``[0, 1)`` after stochastic pruning, or None.
         threshold_rule: how the pruning threshold is set from the gradient's statistics:
@@ -260,7 +260,7 @@ class Rule:
         return f"{fmt}; {prune}"
 
     def quantize_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`gradstats.quant.quantize` for this rule, except ``scale``
+        """Keyword arguments of :func:`gradstats.ops.quantization.quantize` for this rule, except ``scale``
         (which depends on the step: see :meth:`scale_for`).
 
         Example:
@@ -305,7 +305,7 @@ class Rule:
             raise ValueError("this rule has no format: there is no scale")
         if self.block_size is not None:
             raise ValueError("a block-scaled rule takes its scales from each block's amax "
-                             "(gradstats.quant.quantize with block_size); it has no per-tensor scale")
+                             "(gradstats.ops.quantization.quantize with block_size); it has no per-tensor scale")
         if self.scale == "fixed":
             return float(self.scale_value)  # type: ignore[arg-type]
         if self.scale == "amax":
@@ -318,7 +318,7 @@ class Rule:
             return s
         if mu is None or sigma is None:
             raise ValueError("scale='lognormal' needs mu= and sigma= (mean and std of ln|g|)")
-        from .. import fpanalysis
+        from gradstats import fpanalysis
 
         rounding = self.rounding if self.rounding in ("nearest", "stochastic") else "nearest"
         has_amax = amax is not None and math.isfinite(float(amax)) and float(amax) > 0
@@ -591,7 +591,7 @@ class Provenance:
     @classmethod
     def now(cls, **kw: Any) -> "Provenance":
         """Provenance stamped with this gradstats version and the current UTC time."""
-        from .._version import __version__
+        from gradstats._version import __version__
 
         t = datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
         return cls(gradstats_version=__version__, created=t, **kw)

@@ -5,6 +5,6 @@ span binades, labelled units. Figures read runs and results, never live models.
 """
 from __future__ import annotations
 
-from .style import savefig, use_style
+from gradstats.plots.style import savefig, use_style
 
 __all__ = ["use_style", "savefig"]

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from .pruning import RULE_COLORS
-from .style import savefig, use_style
+from gradstats.plots.pruning import RULE_COLORS
+from gradstats.plots.style import savefig, use_style
 
 #: one colour per way of scaling a format
 SCALING_COLORS = {"global": "#b2182b", "per-layer": "#2166ac", "recommended": "#1b7837",

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from scipy import special
 
-from .style import FAMILY_COLORS, use_style
+from gradstats.plots.style import FAMILY_COLORS, use_style
 
 _LN2 = math.log(2.0)
 

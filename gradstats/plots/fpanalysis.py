@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from .style import savefig, use_style
+from gradstats.plots.style import savefig, use_style
 
 LN2 = math.log(2.0)
 
@@ -51,7 +51,7 @@ def plot_error_vs_exponent_bits(sigma: float, *, bits: Iterable[int] = range(4, 
     """
     import matplotlib.pyplot as plt
 
-    from ..fpanalysis import best_format
+    from gradstats.fpanalysis import best_format
 
     use_style()
     if ax is None:
@@ -93,7 +93,7 @@ def plot_optimal_exponent_bits(table: Any = None, *, authors: bool = True,
     """
     import matplotlib.pyplot as plt
 
-    from ..fpanalysis import AUTHORS_TABLE, crossover_table
+    from gradstats.fpanalysis import AUTHORS_TABLE, crossover_table
 
     use_style()
     table = table if table is not None else crossover_table()
@@ -149,7 +149,7 @@ def plot_layer_formats(best: Any, *, crossovers: bool = True, ax: Any = None,
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    from ..fpanalysis import crossover_table
+    from gradstats.fpanalysis import crossover_table
 
     use_style()
     sig = np.atleast_1d(np.asarray(best.sigma, dtype=np.float64)) / LN2
@@ -307,7 +307,7 @@ def plot_what_if(table: Any, *, value: str = "underflow", path: str | os.PathLik
 
     Example:
         >>> import gradstats
-        >>> df = gradstats.what_if(gradstats.data.data_dir() / "sample-run", ["e4m3fn", "e2m1fn"], layers="conv*")
+        >>> df = gradstats.what_if(gradstats.zoo.data.data_dir() / "sample-run", ["e4m3fn", "e2m1fn"], layers="conv*")
         >>> [a.get_title() for a in plot_what_if(df).axes if a.get_title()]
         ['e4m3fn', 'e2m1fn']
     """

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .style import FAMILY_COLORS, savefig, use_style
+from gradstats.plots.style import FAMILY_COLORS, savefig, use_style
 
 #: one colour per threshold rule (the families keep the shared colours)
 RULE_COLORS = {**FAMILY_COLORS, "lognormal_free": "#a6dba0", "histogram": "#762a83", "histogram4": "#c2a5cf",
@@ -106,7 +106,7 @@ def plot_threshold_vs_sigma(sigmas: Sequence[float] | None = None,
     """
     import matplotlib.pyplot as plt
 
-    from ..pruning import threshold
+    from gradstats.pruning import threshold
 
     use_style()
     s = np.linspace(0.25, 4.0, 60) if sigmas is None else np.asarray(sigmas, dtype=np.float64)
@@ -147,7 +147,7 @@ def plot_cosine_vs_sparsity(sigmas: Sequence[float] = (0.5, 1.0, 2.0, 3.0, 4.0),
     """
     import matplotlib.pyplot as plt
 
-    from ..pruning import added_variance, threshold
+    from gradstats.pruning import added_variance, threshold
 
     use_style()
     S = np.linspace(0.01, 0.995, 200)

@@ -19,15 +19,15 @@ Example:
 """
 from __future__ import annotations
 
-from .operator import METHODS, exact_threshold, hard_prune, prune, stochastic_prune
-from .thresholds import (DEFAULT_RULE, MODELS, RULES, added_variance, expected_sparsity,
+from gradstats.pruning.operator import METHODS, exact_threshold, hard_prune, prune, stochastic_prune
+from gradstats.pruning.thresholds import (DEFAULT_RULE, MODELS, RULES, added_variance, expected_sparsity,
                          predicted_cosine, threshold)
 
 __all__ = ["expected_sparsity", "threshold", "predicted_cosine", "added_variance",
            "stochastic_prune", "hard_prune", "prune", "exact_threshold",
            "MODELS", "RULES", "METHODS", "DEFAULT_RULE"]
-from .allocation import Allocation, allocate  # noqa: E402
+from gradstats.pruning.allocation import Allocation, allocate  # noqa: E402
 
-from .histogram import LogHistogram  # noqa: E402
+from gradstats.pruning.histogram import LogHistogram  # noqa: E402
 
 __all__ += ["allocate", "Allocation", "LogHistogram"]

@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 from scipy import special
 
-from .._roots import bracketed_newton
+from gradstats._roots import bracketed_newton
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 

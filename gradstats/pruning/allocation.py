@@ -37,11 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from .._roots import bracketed_newton
-from ..layers import output_layer  # noqa: F401 - its home is gradstats.layers; importable here too
-from ..stats import HIST_BINS, HIST_MIN_EXP, merge_stats
-from ._models import solve_ratio
-from .thresholds import (MODELS, _row_params, _subset, added_variance, expected_sparsity, resolve,
+from gradstats._roots import bracketed_newton
+from gradstats.layers import output_layer  # noqa: F401 - its home is gradstats.layers; importable here too
+from gradstats.stats import HIST_BINS, HIST_MIN_EXP, merge_stats
+from gradstats.pruning._models import solve_ratio
+from gradstats.pruning.thresholds import (MODELS, _row_params, _subset, added_variance, expected_sparsity, resolve,
                          threshold)
 
 log = logging.getLogger(__name__)
@@ -487,7 +487,7 @@ class Allocation:
             >>> [(e.layer, e.sparsity) for e in a.plan_entries()][1]
             ('fc2', None)
         """
-        from ..plan import PlanEntry
+        from gradstats.plan import PlanEntry
 
         ex = self.excluded if len(self.excluded) == len(self.layers) else np.zeros(len(self.layers), bool)
         return [PlanEntry(name, sparsity=None if x else float(t))
@@ -495,7 +495,7 @@ class Allocation:
 
     def plot(self, path: str | None = None):
         """Bar chart of per-layer targets and cosines (see :mod:`gradstats.plots.pruning`)."""
-        from ..plots.pruning import plot_allocation
+        from gradstats.plots.pruning import plot_allocation
 
         return plot_allocation(self, path)
 
@@ -505,7 +505,7 @@ def _layers(layers: Any, sizes: Any) -> tuple[list[str], list[Any], np.ndarray, 
     """Names, rows, element counts, and the run (or None) the rows came from."""
     import pandas as pd
 
-    from ..run import Run
+    from gradstats.run import Run
 
     run = None
     if isinstance(layers, Run):

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ..stats import HIST_MIN_EXP
+from gradstats.stats import HIST_MIN_EXP
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,14 +1,6 @@
-"""The pruning operators on tensors: unbiased stochastic pruning, estimate-and-prune, and the
-exact (sort/selection based) thresholds the analytic rules are compared against.
-
-Devices: on the CPU, float32 tensors are pruned by the C kernel that the apply module's
-fused prune/quantise also runs (``gradstats/_native/prune_quant.c``, prune-only; uniforms from
-a counter-based hash of ``(seed, index)``, the seed drawn from the torch generator); float64
-tensors, explicit ``uniforms=``, and machines without a C compiler (or with
-``GRADSTATS_NATIVE=0``) use the cache-blocked numpy engine of :mod:`gradstats.pruning._cpu`
-(uniforms from a PCG64 stream seeded from the torch generator). On CUDA the Triton kernel of
-:mod:`gradstats.kernels.prune` runs when Triton is installed; everything else (other dtypes,
-other devices) goes through the plain torch reference path.
+"""Pruning to a target sparsity: estimate-and-prune (:func:`prune`) and the exact (sort/selection
+based) thresholds the analytic rules are compared against. The operators themselves
+(:func:`stochastic_prune`, :func:`hard_prune`) live in :mod:`gradstats.ops.prune`.
 """
 from __future__ import annotations
 
@@ -21,26 +13,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kernels import prune as kprune
-from ..kernels import use_triton
-from ..stats import SCALAR_FIELDS, has_native_kernel, tensor_stats, tensor_stats_vector
-from . import _cpu
-from .thresholds import DEFAULT_RULE, RULES, threshold as _threshold
+from gradstats.ops.prune import check_generator, check_out, check_tensor, hard_prune, stochastic_prune
+from gradstats.stats import SCALAR_FIELDS, has_native_kernel, tensor_stats, tensor_stats_vector
+from gradstats.ops import cpu as _cpu
+from gradstats.pruning.thresholds import DEFAULT_RULE, RULES, threshold as _threshold
 
 log = logging.getLogger(__name__)
 
 #: threshold rules accepted by :func:`prune`: the analytic ones and ``"exact"``
 METHODS = RULES + ("exact",)
-
-
-def _check_tensor(x: Any, what: str = "x") -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise ValueError(f"{what} must be a floating-point tensor, got dtype {x.dtype}")
-    if x.numel() == 0:
-        raise ValueError(f"{what} is empty: there is nothing to prune or estimate from")
-    return x
 
 
 def _check_target(target: Any) -> float:
@@ -51,133 +32,6 @@ def _check_target(target: Any) -> float:
     if not (0.0 <= s < 1.0):
         raise ValueError(f"target sparsity must lie in [0, 1) (a fraction of zeros below 1), got {s}")
     return s
-
-
-def _check_threshold(threshold: Any) -> float:
-    """The threshold as a float; a finite number >= 0 or a ValueError saying so."""
-    try:
-        a = float(threshold)
-    except (TypeError, ValueError):
-        raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}") from None
-    if not (math.isfinite(a) and a >= 0):
-        raise ValueError(f"threshold must be a finite number >= 0, got {a}")
-    return a
-
-
-def _check_out(out: torch.Tensor | None, x: torch.Tensor) -> None:
-    if out is None:
-        return
-    if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype \
-            or out.device != x.device:
-        got = ((tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor)
-               else type(out).__name__)
-        raise ValueError(f"out must be a tensor of x's shape {tuple(x.shape)}, dtype {x.dtype} and "
-                         f"device {x.device}; got {got}")
-
-
-def _check_generator(generator: Any) -> None:
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-
-
-def _draw(generator: torch.Generator | None, k: int = 1) -> list[int]:
-    """``k`` 62-bit integers drawn from ``generator`` (or torch's default generator)."""
-    dev = generator.device if generator is not None else torch.device("cpu")
-    return torch.randint(0, 2 ** 62, (k,), generator=generator, device=dev).tolist()
-
-
-def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Generator | None = None,
-                     out: torch.Tensor | None = None, uniforms: torch.Tensor | None = None) -> torch.Tensor:
-    """Unbiased stochastic pruning at ``threshold`` ``a``: entries with ``|x| >= a`` are kept;
-    each smaller entry becomes ``sign(x) * a`` with probability ``|x| / a`` and 0 otherwise, so
-    ``E[T(x)] = x`` and the variance added to an entry is ``a|x| - x^2``.
-
-    ``generator`` makes the result reproducible (its state is advanced); ``out`` receives the
-    result (it may be ``x`` itself, for in-place pruning); ``uniforms`` (a tensor of ``x``'s
-    shape with values in [0, 1)) replaces the random draws: an entry is kept when
-    ``u * a < |x|``. The threshold is first rounded to ``x``'s dtype. Pruned entries are zeros
-    (of either sign); inf is kept, NaN stays NaN. Half-precision tensors are computed in float32.
-
-    Random draws: float32 CPU tensors take one seed from the generator and hash it with each
-    entry's index in the C kernel shared with :func:`gradstats.compress.prune_quantize` (so
-    ``prune_quantize(x, a, None, generator=g)`` gives the same values); the result does not
-    depend on ``torch.get_num_threads()``. Without a C compiler, and for float64, a PCG64
-    stream keyed by four draws from the generator is used instead (equal in distribution, not
-    bit for bit). CUDA tensors use the Triton kernel's hash (:mod:`gradstats.kernels.prune`).
-
-    Example:
-        >>> import torch
-        >>> g = torch.Generator().manual_seed(0)
-        >>> x = torch.tensor([0.5, -0.01, 0.02, -2.0])
-        >>> y = stochastic_prune(x, 0.1, generator=g)
-        >>> sorted(set(y.abs().tolist()) - {0.0, 2.0, 0.5}) in ([], [0.10000000149011612])
-        True
-        >>> torch.equal(y, stochastic_prune(x, 0.1, generator=torch.Generator().manual_seed(0)))
-        True
-    """
-    _check_tensor(x)
-    _check_out(out, x)
-    _check_generator(generator)
-    a = _check_threshold(threshold)
-    if uniforms is not None:
-        if not isinstance(uniforms, torch.Tensor) or uniforms.shape != x.shape:
-            raise ValueError(f"uniforms must be a tensor of x's shape {tuple(x.shape)}")
-        uniforms = uniforms.to(device=x.device)
-    a = float(torch.tensor(a, dtype=x.dtype)) if x.dtype != torch.float64 else a
-    if math.isinf(a):
-        a = float(torch.finfo(x.dtype).max)
-    if a == 0.0:
-        if out is None:
-            return x.clone()
-        if out.data_ptr() != x.data_ptr():
-            out.copy_(x)
-        return out
-    dev = x.device.type
-    if dev == "cpu" and x.dtype in (torch.float32, torch.float64) and not use_triton("cpu"):
-        xc = x.detach().contiguous().reshape(-1)
-        direct = out is not None and out.is_contiguous()
-        res = out if direct else torch.empty_like(xc)
-        if uniforms is None and x.dtype == torch.float32 and _cpu.native_kernel() is not None:
-            _cpu.native_stochastic_prune(xc.numpy(), a, res.reshape(-1).numpy(), _draw(generator)[0])
-        else:
-            u = None
-            if uniforms is not None:
-                u = uniforms.detach().to(x.dtype).contiguous().reshape(-1).numpy()
-            _cpu.stochastic_prune(xc.numpy(), a, res.reshape(-1).numpy(),
-                                  key=None if u is not None else tuple(_draw(generator, 4)), uniforms=u)
-        if direct:
-            return out  # type: ignore[return-value]
-        res = res.reshape(x.shape)
-        return out.copy_(res) if out is not None else res
-    if use_triton(dev) and x.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        return kprune.stochastic_prune(x, a, seed=None if uniforms is not None else _draw(generator)[0],
-                                       uniforms=uniforms, out=out)
-    return kprune.stochastic_prune_torch(x, a, generator=generator, uniforms=uniforms, out=out)
-
-
-def hard_prune(x: torch.Tensor, threshold: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Deterministic hard thresholding: ``x`` where ``|x| >= threshold``, else 0 (biased).
-    NaN and inf are kept; ``out`` may be ``x``.
-
-    Example:
-        >>> import torch
-        >>> hard_prune(torch.tensor([0.5, 0.01, -2.0]), 0.1).tolist()
-        [0.5, 0.0, -2.0]
-    """
-    _check_tensor(x)
-    _check_out(out, x)
-    a = _check_threshold(threshold)
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
-        xc = x.detach().contiguous().reshape(-1)
-        direct = out is not None and out.is_contiguous()
-        res = out if direct else torch.empty_like(xc)
-        _cpu.hard_prune(xc.numpy(), a, res.reshape(-1).numpy())
-        if direct:
-            return out  # type: ignore[return-value]
-        res = res.reshape(x.shape)
-        return out.copy_(res) if out is not None else res
-    res = torch.where(x.abs() < a, torch.zeros_like(x), x)
-    return out.copy_(res) if out is not None else res
 
 
 def exact_threshold(x: torch.Tensor, target: float, *, stochastic: bool = False) -> float:
@@ -199,7 +53,7 @@ def exact_threshold(x: torch.Tensor, target: float, *, stochastic: bool = False)
         >>> round((1 + (1 - 1 / a) + (1 - 2 / a)) / 5, 12) if 2 < a <= 3 else a
         0.4
     """
-    _check_tensor(x)
+    check_tensor(x)
     s = _check_target(target)
     ax = x.detach().reshape(-1).abs()
     n = ax.numel()
@@ -232,7 +86,7 @@ HIST_MBITS = 2
 
 @functools.lru_cache(maxsize=1)
 def _native_log2_hist():
-    from .._native import function
+    from gradstats.ops.native import function
 
     return function("stats", "gs_log2_hist_f32",
                     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int])
@@ -240,7 +94,7 @@ def _native_log2_hist():
 
 def _histogram(x: torch.Tensor):
     """The LogHistogram of ``x`` at ``2**HIST_MBITS`` bins per binade, in one sweep."""
-    from .histogram import LogHistogram
+    from gradstats.pruning.histogram import LogHistogram
 
     fn = _native_log2_hist() if x.device.type == "cpu" and x.dtype == torch.float32 else None
     if fn is not None:   # the C counting kernel (one sweep, threads as torch's)
@@ -312,12 +166,12 @@ def prune(x: torch.Tensor, target: float, *, method: str = DEFAULT_RULE, stochas
         >>> abs((y == 0).float().mean().item() - 0.9) < 0.005
         True
     """
-    _check_tensor(x)
+    check_tensor(x)
     s = _check_target(target)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    _check_out(out, x)
-    _check_generator(generator)
+    check_out(out, x)
+    check_generator(generator)
     if method == "exact":
         a = exact_threshold(x, s, stochastic=stochastic)
     elif method == "histogram":

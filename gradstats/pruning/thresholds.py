@@ -22,8 +22,8 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from ..stats import lognormal_moments, n_nonzero
-from ._models import Exponential, HalfNormal, Lognormal, Model, solve_sparsity, solve_sparsity_scalar
+from gradstats.stats import lognormal_moments, n_nonzero
+from gradstats.pruning._models import Exponential, HalfNormal, Lognormal, Model, solve_sparsity, solve_sparsity_scalar
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
 
@@ -186,7 +186,7 @@ def _histograms(source: Any) -> tuple[list[Any], bool]:
     rows, or LogHistogram objects) and whether it was a single one."""
     import pandas as pd
 
-    from .histogram import LogHistogram
+    from gradstats.pruning.histogram import LogHistogram
 
     if source is None:
         raise ValueError("the histogram rule needs a source: a statistics row with its 'hist' "
@@ -217,7 +217,7 @@ def _has_histogram(source: Any) -> bool:
     DataFrame with a ``hist`` column, a LogHistogram, or a non-empty list of those)."""
     import pandas as pd
 
-    from .histogram import LogHistogram
+    from gradstats.pruning.histogram import LogHistogram
 
     if isinstance(source, LogHistogram):
         return True

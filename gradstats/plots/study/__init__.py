@@ -13,7 +13,7 @@ figure shows and how to read it: ``docs/figures.md``.
 Example:
     >>> import tempfile, gradstats
     >>> from gradstats.plots import study
-    >>> out = study.write_figures(gradstats.data.data_dir() / "sample-run", tempfile.mkdtemp(), only=["moments"])
+    >>> out = study.write_figures(gradstats.zoo.data.data_dir() / "sample-run", tempfile.mkdtemp(), only=["moments"])
     >>> out["moments"].name, out["moments"].stat().st_size > 10_000
     ('moments.png', True)
 """
@@ -23,12 +23,12 @@ import logging
 import os
 from typing import Any, Iterable, Mapping
 
-from ._data import (KIND_LABELS, MAX_GRID_LAYERS, SPARSITY_RULES, SPARSITY_TARGETS, _open, error_check,
+from gradstats.study import (KIND_LABELS, MAX_GRID_LAYERS, SPARSITY_RULES, SPARSITY_TARGETS, _open, error_check,
                     goodness_of_fit, layer_fit, layer_fits, layer_values, moments_over_steps, sampled_steps,
                     sparsity_check)
-from .distributions import (plot_goodness_of_fit, plot_ks_by_model, plot_layer_histograms, plot_moments_over_steps,
+from gradstats.plots.study.distributions import (plot_goodness_of_fit, plot_ks_by_model, plot_layer_histograms, plot_moments_over_steps,
                             plot_qq)
-from .recommended import (plot_cosine_check, plot_error_vs_bits_for_layers, plot_format_map,
+from gradstats.plots.study.recommended import (plot_cosine_check, plot_error_vs_bits_for_layers, plot_format_map,
                           plot_layer_format_ranges, plot_sparsity_check)
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def write_figures(run: Any, out_dir: str | os.PathLike[str], *, plans: Mapping[i
 
     Example:
         >>> import tempfile, gradstats
-        >>> out = write_figures(gradstats.data.data_dir() / "sample-run", tempfile.mkdtemp(), only=["moments"])
+        >>> out = write_figures(gradstats.zoo.data.data_dir() / "sample-run", tempfile.mkdtemp(), only=["moments"])
         >>> out["moments"].name, out["moments"].stat().st_size > 10_000
         ('moments.png', True)
     """
@@ -58,7 +58,7 @@ def write_figures(run: Any, out_dir: str | os.PathLike[str], *, plans: Mapping[i
 
     from tqdm.auto import tqdm
 
-    from ..style import savefig
+    from gradstats.plots.style import savefig
 
     run = _open(run)
     names = list(FIGURES) if only is None else list(only)
@@ -81,7 +81,7 @@ def write_figures(run: Any, out_dir: str | os.PathLike[str], *, plans: Mapping[i
 
 def _ctx_plans(ctx: dict[str, Any]) -> Any:
     if ctx.get("plans") is None:
-        from ...recommendation import recommend
+        from gradstats.plan.recommend import recommend
 
         ctx["plans"] = recommend(ctx["run"], bits=[8, 6, 4])
     return ctx["plans"]
@@ -94,8 +94,8 @@ def _ctx_sparsity(ctx: dict[str, Any]) -> Any:
 
 
 def _fig_optimal_split() -> Any:
-    from ...fpanalysis import crossover_table
-    from ..fpanalysis import plot_optimal_exponent_bits
+    from gradstats.fpanalysis import crossover_table
+    from gradstats.plots.fpanalysis import plot_optimal_exponent_bits
 
     fig = plot_optimal_exponent_bits(crossover_table())
     fig.tight_layout()
@@ -109,7 +109,7 @@ def _ctx_errors(ctx: dict[str, Any]) -> Any:
 
 
 def _fig_predicted_vs_measured(ctx: dict[str, Any]) -> Any:
-    from ..fpanalysis import plot_predicted_vs_measured
+    from gradstats.plots.fpanalysis import plot_predicted_vs_measured
 
     t = _ctx_errors(ctx)
     if t is None or t.empty:

@@ -5,7 +5,7 @@ of ``log2|x|`` with the fitted densities (gradients beside activations and weigh
 Example:
     >>> import gradstats
     >>> from gradstats.plots.study import plot_moments_over_steps
-    >>> fig = plot_moments_over_steps(gradstats.data.data_dir() / "sample-run")
+    >>> fig = plot_moments_over_steps(gradstats.zoo.data.data_dir() / "sample-run")
     >>> [ax.get_ylabel() for ax in fig.axes[:2]]
     ['mean of log2|g|', 'std of log2|g|  (binades)']
 """
@@ -17,12 +17,12 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from ..style import FAMILY_COLORS, use_style
-from ._data import (_FAMILY_LABELS, _LN2, _SYMBOL, KIND_LABELS, _fits_or_run, _layers, _open, _pick_step,
+from gradstats.plots.style import FAMILY_COLORS, use_style
+from gradstats.study import (_FAMILY_LABELS, _LN2, _SYMBOL, KIND_LABELS, _fits_or_run, _layers, _open, _pick_step,
                     goodness_of_fit, layer_fit, moments_over_steps)
 
 def _log2_density(family: str, t: np.ndarray, params: Mapping[str, float]) -> np.ndarray:
-    from ..fit import _log2_density as dens  # the one home of the change of variables
+    from gradstats.plots.fit import _log2_density as dens  # the one home of the change of variables
 
     return dens(family, t, params)
 
@@ -76,7 +76,7 @@ def plot_layer_histograms(run: Any, *, step: int | None = None, layers: str | Se
 
     Example:
         >>> import gradstats
-        >>> fig = plot_layer_histograms(gradstats.data.data_dir() / "sample-run", layers=["conv2", "fc1"])
+        >>> fig = plot_layer_histograms(gradstats.zoo.data.data_dir() / "sample-run", layers=["conv2", "fc1"])
         >>> len(fig.axes)
         6
     """
@@ -139,14 +139,14 @@ def plot_qq(run_or_fits: Any, *, step: int | None = None, layers: str | Sequence
 
     Example:
         >>> import gradstats
-        >>> fig = plot_qq(gradstats.data.data_dir() / "sample-run", layers="conv*")
+        >>> fig = plot_qq(gradstats.zoo.data.data_dir() / "sample-run", layers="conv*")
         >>> fig.axes[0].get_xlabel()
         'standard normal quantile'
     """
     import matplotlib.pyplot as plt
     from scipy import special
 
-    from ..fit import _ln_quantile
+    from gradstats.plots.fit import _ln_quantile
 
     fits, where = _fits_or_run(run_or_fits, step, "grad", layers)
     if not fits:
@@ -201,7 +201,7 @@ def plot_goodness_of_fit(run_or_table: Any, *, kind: str = "grad", layers: str |
 
     Example:
         >>> import gradstats
-        >>> fig = plot_goodness_of_fit(gradstats.data.data_dir() / "sample-run")
+        >>> fig = plot_goodness_of_fit(gradstats.zoo.data.data_dir() / "sample-run")
         >>> fig.axes[0].get_yscale()
         'log'
     """
@@ -275,7 +275,7 @@ def plot_moments_over_steps(run: Any, *, kind: str = "grad", layers: str | Seque
 
     Example:
         >>> import gradstats
-        >>> len(plot_moments_over_steps(gradstats.data.data_dir() / "sample-run").axes)
+        >>> len(plot_moments_over_steps(gradstats.zoo.data.data_dir() / "sample-run").axes)
         3
     """
     import matplotlib.pyplot as plt
@@ -324,7 +324,7 @@ def plot_ks_by_model(fits: Any, *, path: Any = None) -> Any:
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    from ..style import savefig
+    from gradstats.plots.style import savefig
 
     use_style()
     ok = fits[fits["status"] == "ok"]

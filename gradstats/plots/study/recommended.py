@@ -6,7 +6,7 @@ rule, and the cost of pruning predicted against measured.
 Example:
     >>> import gradstats
     >>> from gradstats.plots.study import plot_format_map
-    >>> fig = plot_format_map(gradstats.recommend(gradstats.data.data_dir() / "sample-run", bits=[8, 4]))
+    >>> fig = plot_format_map(gradstats.recommend(gradstats.zoo.data.data_dir() / "sample-run", bits=[8, 4]))
     >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
     ['FP8', 'FP4']
 """
@@ -17,9 +17,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..style import use_style
-from ._data import _LN2, _plan_moments, sparsity_check
-from .distributions import _layer_palette
+from gradstats.plots.style import use_style
+from gradstats.study import _LN2, _plan_moments, sparsity_check
+from gradstats.plots.study.distributions import _layer_palette
 
 def plot_format_map(plans: Any, *, measured: Any = None, title: str | None = None) -> Any:
     """A per-layer map of the recommended formats: one row per layer, one column per bit width;
@@ -36,7 +36,7 @@ def plot_format_map(plans: Any, *, measured: Any = None, title: str | None = Non
 
     Example:
         >>> import gradstats
-        >>> plans = gradstats.recommend(gradstats.data.data_dir() / "sample-run", bits=[8, 6, 4])
+        >>> plans = gradstats.recommend(gradstats.zoo.data.data_dir() / "sample-run", bits=[8, 6, 4])
         >>> fig = plot_format_map(plans)
         >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
         ['FP8', 'FP6', 'FP4']
@@ -45,8 +45,8 @@ def plot_format_map(plans: Any, *, measured: Any = None, title: str | None = Non
     from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.patches import Rectangle
 
-    from ...formats import FPFormat
-    from ...plan import Plan, Prediction
+    from gradstats.formats import FPFormat
+    from gradstats.plan import Plan, Prediction
 
     if isinstance(plans, Plan):
         widths = sorted({e.format.bits for e in plans.entries if isinstance(e.format, FPFormat)}, reverse=True)
@@ -129,14 +129,14 @@ def plot_layer_format_ranges(plans: Mapping[int, Any]) -> Any:
 
     Example:
         >>> import gradstats
-        >>> plans = gradstats.recommend(gradstats.data.data_dir() / "sample-run", bits=[8, 4])
+        >>> plans = gradstats.recommend(gradstats.zoo.data.data_dir() / "sample-run", bits=[8, 4])
         >>> len(plot_layer_format_ranges(plans).axes)
         2
     """
     import matplotlib.pyplot as plt
 
-    from ...fpanalysis import best_format
-    from ..fpanalysis import plot_layer_formats
+    from gradstats.fpanalysis import best_format
+    from gradstats.plots.fpanalysis import plot_layer_formats
 
     names, mu, sigma, p0 = _plan_moments(plans)
     first = next(iter(plans.values()))
@@ -166,13 +166,13 @@ def plot_error_vs_bits_for_layers(plans: Mapping[int, Any]) -> Any:
 
     Example:
         >>> import gradstats
-        >>> plans = gradstats.recommend(gradstats.data.data_dir() / "sample-run", bits=[8])
+        >>> plans = gradstats.recommend(gradstats.zoo.data.data_dir() / "sample-run", bits=[8])
         >>> len(plot_error_vs_bits_for_layers(plans).axes)
         2
     """
     import matplotlib.pyplot as plt
 
-    from ..fpanalysis import plot_error_vs_exponent_bits
+    from gradstats.plots.fpanalysis import plot_error_vs_exponent_bits
 
     names, _, sigma, _ = _plan_moments(plans)
     pick = [int(np.argmin(sigma)), int(np.argmax(sigma))] if len(sigma) > 1 else [0]
@@ -191,13 +191,13 @@ def plot_sparsity_check(run_or_table: Any, **kw: Any) -> Any:
 
     Example:
         >>> import gradstats
-        >>> fig = plot_sparsity_check(gradstats.data.data_dir() / "sample-run", steps=[0], targets=[0.5, 0.9])
+        >>> fig = plot_sparsity_check(gradstats.zoo.data.data_dir() / "sample-run", steps=[0], targets=[0.5, 0.9])
         >>> fig.axes[0].get_xlabel()
         'target sparsity'
     """
     import pandas as pd
 
-    from ..pruning import plot_achieved_vs_target
+    from gradstats.plots.pruning import plot_achieved_vs_target
 
     table = run_or_table if isinstance(run_or_table, pd.DataFrame) else sparsity_check(run_or_table, **kw)
     if table.empty:
@@ -229,7 +229,7 @@ def plot_cosine_check(run_or_table: Any, *, rule: str = "lognormal", **kw: Any) 
 
     Example:
         >>> import gradstats
-        >>> fig = plot_cosine_check(gradstats.data.data_dir() / "sample-run", steps=[0], layers=["conv2"])
+        >>> fig = plot_cosine_check(gradstats.zoo.data.data_dir() / "sample-run", steps=[0], layers=["conv2"])
         >>> fig.axes[0].get_xscale(), fig.axes[0].get_yscale()
         ('log', 'log')
     """

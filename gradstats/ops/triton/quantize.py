@@ -1,4 +1,4 @@
-"""Triton kernel of :func:`gradstats.quant.quantize`: one pass, integer arithmetic on float32 bits.
+"""Triton kernel of :func:`gradstats.ops.quantization.quantize`: one pass, integer arithmetic on float32 bits.
 
 The kernel reads ``x`` in its own dtype, applies an optional scale (a float, or a tensor indexed as
 ``(i // div) % mod`` of the flat element index ``i``), rounds, handles overflow, NaN, signs, and
@@ -8,13 +8,13 @@ rebuilt by a float subtraction of two normal numbers or, when the result is a fl
 an integer shift. Stochastic rounding draws its bits from the same keyed counter hash as the torch
 path, so CPU and GPU give identical results for the same generator state.
 
-The torch path (``gradstats.quant``) is the reference; ``tests/test_quant_triton.py`` runs this kernel
+The torch path (``gradstats.ops.quantization``) is the reference; ``tests/test_quant_triton.py`` runs this kernel
 on the CPU under ``TRITON_INTERPRET=1`` and compares bit for bit. The kernel is built on first use
 (``triton.jit`` is applied then), so setting ``TRITON_INTERPRET=1`` before the first call suffices.
 
 Example:
     >>> import torch
-    >>> from gradstats.kernels.quantize import supports
+    >>> from gradstats.ops.triton.quantize import supports
     >>> from gradstats.formats import FPFormat
     >>> supports(FPFormat.parse("e4m3fn")), supports(FPFormat.parse("e8m0fnu"))
     (True, False)
@@ -27,8 +27,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..formats import FPFormat
-from . import interpreting, triton_available
+from gradstats.formats import FPFormat
+from gradstats.ops.triton import interpreting, triton_available
 
 try:  # the kernel body refers to ``tl``; it is only compiled when Triton is installed
     import triton.language as tl
@@ -160,7 +160,7 @@ def quantize_triton(
     scale_div: bool = False,
     rbits: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Quantise ``x`` with the Triton kernel (arguments as :func:`gradstats.quant.quantize`, validated).
+    """Quantise ``x`` with the Triton kernel (arguments as :func:`gradstats.ops.quantization.quantize`, validated).
 
     ``scale_div=True`` divides by a tensor ``scale`` first and multiplies after (block scaling).
     ``rbits`` (int32, one per element, in ``[0, 2**23)``) replaces the hash bits of stochastic rounding.
@@ -170,7 +170,8 @@ def quantize_triton(
         >>> quantize_triton(torch.tensor([0.1, 500.0], device="cuda"), parse("e4m3fn")).tolist()  # doctest: +SKIP
         [0.1015625, 448.0]
     """
-    from ..quant import _consts, _random_key
+    from gradstats.ops.consts import consts as _consts
+    from gradstats.ops.random import random_key as _random_key
 
     c = _consts(fmt)
     xc = x.contiguous()

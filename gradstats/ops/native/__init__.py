@@ -7,7 +7,7 @@ compiler is available, or ``GRADSTATS_NATIVE=0``, :func:`load` returns None and 
 their pure-torch path, which computes the same statistics.
 
 Example:
-    >>> from gradstats._native import load
+    >>> from gradstats.ops.native import load
     >>> lib = load("stats")        # a ctypes library, or None without a C compiler
 """
 from __future__ import annotations
@@ -138,7 +138,7 @@ def function(name: str, symbol: str, argtypes: list, defines: tuple[str, ...] = 
 def prune_quant() -> Any:
     """``gs_prune_quantize_f32`` of ``prune_quant.c`` with its signature set, or None (see
     :func:`load`): stochastic pruning and rounding of a float32 array in one pass, the CPU path
-    of both :func:`gradstats.compress.prune_quantize` and, with rounding off (``quant=0``),
+    of both :func:`gradstats.ops.fused.prune_quantize` and, with rounding off (``quant=0``),
     :func:`gradstats.pruning.stochastic_prune`. Arguments: ``x``, ``out`` (addresses; ``out``
     may be ``x``), ``n``, threshold ``a`` (0 = no pruning), ``scale``, ``quant``,
     ``man_bits``, ``emin``, ``maxv``, ``subnormals``, ``rounding`` (0 nearest, 1 stochastic,

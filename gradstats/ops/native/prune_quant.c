@@ -28,7 +28,7 @@
  * 2^31, whose uniforms are as they always were), so no two entries of a tensor share a hash input.
  *
  * With quant = 0 this is also the CPU float32 path of gradstats.pruning.stochastic_prune
- * (gradstats/pruning/_cpu.py: native_uniforms reproduces the pruning uniforms there).
+ * (gradstats/ops/cpu.py: native_uniforms reproduces the pruning uniforms there).
  */
 #include <stdint.h>
 #include <string.h>

@@ -30,7 +30,7 @@ import functools
 import numpy as np
 import torch
 
-from . import interpreting
+from gradstats.ops.triton import interpreting
 
 #: elements per Triton program
 BLOCK = 2048

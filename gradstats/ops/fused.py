@@ -3,16 +3,16 @@ runs in the backward pass.
 
 ``prune_quantize(x, threshold, fmt, ...)`` is ``quantize(stochastic_prune(x, threshold), fmt)``
 with the counts a training log needs (zeros, entries pruned, entries flushed to zero by
-rounding, entries saturated). On the CPU one fused C kernel (:mod:`gradstats._native`) does
+rounding, entries saturated). On the CPU one fused C kernel (:mod:`gradstats.ops.native`) does
 it in a single pass over the data and is bit-identical to :func:`gradstats.quantize` for
 nearest and toward-zero rounding (stochastic rounding draws its own random bits: equal in
 distribution, not bit for bit); block scaling, other devices, and machines without a C
-compiler go through :func:`gradstats.pruning.stochastic_prune` and :func:`gradstats.quantize`
+compiler go through :func:`gradstats.ops.stochastic_prune` and :func:`gradstats.quantize`
 (their Triton kernels on CUDA).
 
 Example:
     >>> import torch
-    >>> from gradstats.compress import prune_quantize
+    >>> from gradstats.ops.fused import prune_quantize
     >>> x = torch.tensor([0.001, -0.3, 0.6, 5.0])
     >>> out, counts = prune_quantize(x, 0.5, "e3m2fn", generator=torch.Generator().manual_seed(0))
     >>> out.tolist()[2:], counts.saturated
@@ -25,7 +25,7 @@ from typing import Optional, Union
 
 import torch
 
-from .formats import FPFormat
+from gradstats.formats import FPFormat
 
 ROUNDING_CODES = {"nearest": 0, "stochastic": 1, "toward_zero": 2}
 
@@ -50,8 +50,8 @@ class CompressCounts:
 
 
 def _native():
-    """The fused C kernel (:func:`gradstats._native.prune_quant`), or None without a compiler."""
-    from ._native import prune_quant
+    """The fused C kernel (:func:`gradstats.ops.native.prune_quant`), or None without a compiler."""
+    from gradstats.ops.native import prune_quant
 
     return prune_quant()
 
@@ -123,8 +123,8 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, 
 def _composed(x, threshold, fmt, scale, rounding, generator, block_size, out, scale_format="e8m0",
               scale_rounding="floor"):
     """Reference path: the pruning and quantisation operators one after the other."""
-    from .pruning import stochastic_prune
-    from .quant import quantize
+    from gradstats.ops.prune import stochastic_prune
+    from gradstats.ops.quantization import quantize
 
     nonzero_in = x != 0
     y = stochastic_prune(x, threshold, generator=generator) if threshold > 0 else x

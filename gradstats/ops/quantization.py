@@ -14,13 +14,13 @@ bits below the kept mantissa bits of the int32 pattern and truncates (below the 
 value is first offset by ``2**emin`` so the spacing is fixed). Rare cases (toward-zero, formats without
 subnormals, ``e8m0fnu``, 23 mantissa bits, E8 formats) take an exact integer path. The unsigned ``fnu``
 formats give NaN for negative inputs (they have no code for them). On CUDA (and on the CPU under
-``TRITON_INTERPRET=1``) a Triton kernel (:mod:`gradstats.kernels.quantize`) does the same in one pass
+``TRITON_INTERPRET=1``) a Triton kernel (:mod:`gradstats.ops.triton.quantize`) does the same in one pass
 (every format but the ``fnu`` ones, which take the torch path). The CPU path works on cache-sized
 chunks with reused buffers and in-place operations.
 
 Example:
     >>> import torch
-    >>> from gradstats.quant import quantize
+    >>> from gradstats.ops.quantization import quantize
     >>> x = torch.tensor([0.1, 1.0, 300.0, 1e6, -2.5e-5])
     >>> quantize(x, "e4m3fn").tolist()
     [0.1015625, 1.0, 288.0, 448.0, -0.0]
@@ -38,8 +38,10 @@ from typing import Optional, Union
 
 import torch
 
-from .formats import FPFormat, parse
-from .kernels import use_triton
+from gradstats.formats import FPFormat, parse
+from gradstats.ops.consts import _BF16, _EXP, _FP16, _FP32, _QNAN, Consts as _Consts, consts as _consts
+from gradstats.ops.random import hash_bits as _hash_bits, iota as _iota, random_key as _random_key
+from gradstats.ops.triton import use_triton
 
 __all__ = ["quantize", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS",
            "SCALE_ROUNDINGS"]
@@ -63,63 +65,6 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CHUNK = 1 << 15
 #: worker threads of the CPU path for large tensors (0: ``torch.get_num_threads()``)
 THREADS = 0
-
-_EXP = 0x7F800000
-_QNAN = 0x7FC00000
-_BF16 = FPFormat(8, 7)
-_FP16 = FPFormat(5, 10)
-_FP32 = FPFormat(8, 23)
-
-
-@dataclass(frozen=True)
-class _Consts:
-    """Per-format constants of the float32 bit algorithms."""
-
-    fmt: FPFormat
-    M: int
-    Msub: int
-    E0F: int  # exponent field of 2**emin
-    E0: int  # bit pattern of 2**emin
-    MAXBITS: int
-    maxv: float
-    ovf_bits: int  # bit pattern written on overflow in "nonfinite" mode
-    fast: bool  # the float32 fast paths apply
-    fast_nearest: bool  # ... and the magic constant of nearest-even stays finite
-    near_hi: int  # upper clamp of the exponent field used for the magic constant
-    ieee_f1: float
-    ieee_f2: float
-    nan_g: float  # y * nan_g overflows to inf exactly when y > max (has_nan formats)
-
-
-def _f32_bits(v: float) -> int:
-    return int(torch.tensor(v, dtype=torch.float32).view(torch.int32))
-
-
-@functools.lru_cache(maxsize=None)
-def _consts(fmt: FPFormat) -> _Consts:
-    M = fmt.man_bits
-    Msub = M if fmt.subnormals else 0
-    e0f = fmt.emin + 127
-    maxv = fmt.max
-    maxbits = _f32_bits(maxv)
-    if fmt.has_inf:
-        ovf = _EXP
-    elif fmt.has_nan:
-        ovf = _QNAN
-    else:
-        ovf = maxbits
-    nxt = maxv + math.ldexp(1.0, fmt.emax - M)  # next value of the unbounded grid above max
-    g = math.ldexp(1.0, 128) / ((maxv + nxt) / 2)
-    g32 = float(torch.tensor(g, dtype=torch.float32))
-    ok_g = (math.isfinite(g32) and g32 > 0 and math.isfinite(float(torch.tensor(maxv) * g32))
-            and math.isinf(float(torch.tensor(nxt) * g32)))
-    fast = (fmt.has_zero and M <= 22 and (fmt.subnormals or M == 0) and e0f >= 1
-            and (not fmt.has_inf or fmt.emax >= 0) and (fmt.has_inf or not fmt.has_nan or ok_g))
-    near_hi = min(fmt.emax + 1 + 127, 254 - (23 - M)) << 23
-    return _Consts(fmt, M, Msub, e0f, max(e0f, 0) << 23, maxbits, maxv, ovf, fast,
-                   fast and fmt.emax <= 104 + M, near_hi,
-                   math.ldexp(1.0, 127 - fmt.emax), math.ldexp(1.0, fmt.emax - 127), g32 if ok_g else 0.0)
-
 
 # ---------------------------------------------------------------------------------------------
 # public API
@@ -199,7 +144,7 @@ def _quantize(x, fmt, scale, rounding, overflow, generator, block_size, block_di
         return _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_dim, scale_format,
                                 scale_rounding)
     if use_triton(x.device.type):
-        from .kernels import quantize as kq
+        from gradstats.ops.triton import quantize as kq
 
         if kq.supports(fmt):
             return kq.quantize_triton(x, fmt, scale=scale, rounding=rounding, overflow=overflow, generator=generator)
@@ -572,59 +517,6 @@ def _round_generic(v, c, s, rounding, overflow, generator, rbits, *, key=None, l
 # ---------------------------------------------------------------------------------------------
 # random bits of stochastic rounding
 # ---------------------------------------------------------------------------------------------
-_K1 = 0x7FEB352D
-_K2 = 0x846CA68B - (1 << 32)  # as int32
-_K3 = 0x9E3779B1 - (1 << 32)
-
-
-def _s32(v: int) -> int:
-    v &= 0xFFFFFFFF
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
-def _random_key(generator: Optional[torch.Generator], device: torch.device):
-    """Two int32 keys of the random-bit hash, drawn from ``generator`` (default: torch's global CPU
-    generator). Python ints for a CPU generator; a 2-element int32 tensor on the generator's device
-    otherwise (no host-device synchronisation)."""
-    gdev = generator.device if generator is not None else torch.device("cpu")
-    k = torch.randint(-(1 << 31), 1 << 31, (2,), generator=generator, dtype=torch.int64, device=gdev)
-    if gdev.type == "cpu":
-        return int(k[0]), int(k[1])
-    return k.to(device=device, dtype=torch.int32)
-
-
-@functools.lru_cache(maxsize=8)
-def _iota_cached(n: int, device: str) -> torch.Tensor:
-    return torch.arange(n, dtype=torch.int32, device=device).mul_(_K1)
-
-
-def _iota(n: int, device: torch.device) -> torch.Tensor:
-    """``arange(n) * K1`` (int32, wrapping): the first multiplication of the hash, done once."""
-    if n <= CHUNK:
-        return _iota_cached(n, str(device))
-    return torch.arange(n, dtype=torch.int32, device=device).mul_(_K1)
-
-
-def _hash_bits(lo: int, key, iota: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor, nbits: int) -> torch.Tensor:
-    """The top ``nbits`` bits of ``h(lo + i)`` for the ``i`` of ``iota`` (given as ``i * K1``), into ``out``.
-
-    On 32-bit words, ``h = (c + k1) * K1; h ^= h >> 16; h = h * K2 + k2; h ^= h >> 15; h *= K3``
-    (logical shifts): a keyed multiply-xorshift hash, a bijection of the counter ``c`` for every key,
-    so each element's bits are exactly uniform over keys. ``c`` is the element's index in the
-    flattened tensor: every path and device draws the same bits for the same key.
-    """
-    k1, k2 = key
-    if isinstance(k1, int):
-        torch.add(iota, _s32((lo + k1) * _K1), out=out)
-    else:
-        torch.add(iota, (k1 + _s32(lo)) * _K1, out=out)
-    torch.bitwise_right_shift(out, 16, out=tmp).bitwise_and_(0xFFFF)
-    out.bitwise_xor_(tmp).mul_(_K2).add_(k2)
-    torch.bitwise_right_shift(out, 15, out=tmp).bitwise_and_(0x1FFFF)
-    out.bitwise_xor_(tmp).mul_(_K3)
-    return out.bitwise_right_shift_(32 - nbits).bitwise_and_((1 << nbits) - 1)
-
-
 # ---------------------------------------------------------------------------------------------
 # block scaling
 # ---------------------------------------------------------------------------------------------
@@ -658,7 +550,7 @@ def _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_di
     X = _scales_of_blocks(xb, fmt, scale_format, scale_rounding)
     Xs = torch.where(X > 0, X, 1.0)
     if use_triton(x.device.type):
-        from .kernels import quantize as kq
+        from gradstats.ops.triton import quantize as kq
 
         if kq.supports(fmt):  # one pass: x / X, round, * X
             y = kq.quantize_triton(xb.contiguous(), fmt, scale=Xs, rounding=rounding, overflow=overflow,

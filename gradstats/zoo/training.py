@@ -6,8 +6,8 @@ accuracy and loss. A tracer or a plan steps along through ``optimizer=`` or the
 ``callback``.
 
 Example:
-    >>> from gradstats.data import load_fashion_mnist
-    >>> from gradstats.models import build_model
+    >>> from gradstats.zoo.data import load_fashion_mnist
+    >>> from gradstats.zoo.models import build_model
     >>> train_set = load_fashion_mnist(split="train", source="subset", subset=512)
     >>> test_set = load_fashion_mnist(split="test", source="subset", subset=200)
     >>> model = build_model("mlp", seed=0)
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .data import CharDataset, ImageDataset, minibatches
+from gradstats.zoo.data import CharDataset, ImageDataset, minibatches
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +184,8 @@ def evaluate(model: nn.Module, data: Data, *, batch_size: int = 1000, seq_len: i
     The model is put in eval mode for the evaluation and restored afterwards.
 
     Example:
-        >>> from gradstats.data import load_fashion_mnist
-        >>> from gradstats.models import build_model
+        >>> from gradstats.zoo.data import load_fashion_mnist
+        >>> from gradstats.zoo.models import build_model
         >>> acc = evaluate(build_model("cnn", seed=0), load_fashion_mnist(split="test", source="subset"))
         >>> 0.0 <= acc <= 1.0
         True
@@ -221,7 +221,7 @@ def train(
     """Train ``model`` for ``steps`` optimizer steps on seeded minibatches of ``data``.
 
     Args:
-        data: an :class:`~gradstats.data.ImageDataset`, a :class:`~gradstats.data.CharDataset`
+        data: an :class:`~gradstats.zoo.data.ImageDataset`, a :class:`~gradstats.zoo.data.CharDataset`
             (random windows of ``seq_len``, default 128), or a tuple ``(inputs, targets)``.
         optimizer: ``"sgd"`` (momentum 0.9), ``"adam"``, ``"adamw"``, or an Optimizer you built
             (e.g. one a tracer watches); ``lr`` defaults per optimizer (:data:`DEFAULT_LR`).
@@ -237,8 +237,8 @@ def train(
     The model is left in train mode. Batches live on the model's device.
 
     Example:
-        >>> from gradstats.data import load_fashion_mnist
-        >>> from gradstats.models import build_model
+        >>> from gradstats.zoo.data import load_fashion_mnist
+        >>> from gradstats.zoo.models import build_model
         >>> seen = []
         >>> r = train(build_model("mlp", seed=0), load_fashion_mnist(source="subset", subset=256), steps=5,
         ...           batch_size=32, callback=lambda step, loss: seen.append(step), progress=False)
@@ -396,8 +396,8 @@ def prepare(
     """Build a registry model, load the data it is meant for, and pick its recommended settings.
 
     Args:
-        name: a model name from :func:`gradstats.models.list_models`.
-        data: dataset name (default: the model's, :data:`gradstats.models.DEFAULT_DATA`);
+        name: a model name from :func:`gradstats.zoo.models.list_models`.
+        data: dataset name (default: the model's, :data:`gradstats.zoo.models.DEFAULT_DATA`);
             ``"digits"`` is resampled to the model's image size.
         root, source, subset: passed to the image loader (``root`` is a text file for Shakespeare);
             ``test_subset`` limits the test split likewise.
@@ -412,8 +412,8 @@ def prepare(
         >>> task.run(3, progress=False).steps
         3
     """
-    from .data import load_data, load_images
-    from .models import DEFAULT_DATA, build_model, list_models
+    from gradstats.zoo.data import load_data, load_images
+    from gradstats.zoo.models import DEFAULT_DATA, build_model, list_models
 
     if name not in RECOMMENDED:
         raise ValueError(f"unknown model {name!r}; expected one of {list_models()}")

@@ -15,7 +15,7 @@ second once its statistics are read.
 
 Example:
     >>> import tempfile, torch, gradstats
-    >>> from gradstats.recommendation import recommend
+    >>> from gradstats.plan.recommend import recommend
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     >>> with gradstats.trace(model, tempfile.mkdtemp()) as t:
     ...     for _ in range(3):
@@ -38,8 +38,8 @@ from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
-from .plan import Plan, PlanEntry, Prediction, Provenance, Rule
-from .stats import lognormal_moments, merge_stats
+from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
+from gradstats.stats import lognormal_moments, merge_stats
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def _select_layers(run, layers: str | Sequence[str] | None) -> list[str]:
     info = run.layer_info()
     names = [str(n) for n in info["name"]] if len(info) else []
     if layers is None:
-        from .layers import matmul_layers
+        from gradstats.layers import matmul_layers
 
         chosen = matmul_layers(info)
         if not chosen:
@@ -143,7 +143,7 @@ def layer_moments(run: Any, *, step: Step = None, layers: str | Sequence[str] | 
 
 
 def _open(run: Any):
-    from .run import Run, open_run
+    from gradstats.run import Run, open_run
 
     if isinstance(run, Run):
         return run
@@ -230,7 +230,7 @@ def _pruning(mom: _Moments, sparsity: float | None, rule: str) -> tuple[np.ndarr
     n = len(mom.layers)
     if sparsity is None:
         return np.full(n, np.nan), np.full(n, np.nan)
-    from . import pruning
+    from gradstats import pruning
 
     if rule == "exact":
         return np.full(n, np.nan), np.maximum(sparsity, mom.p0)
@@ -326,8 +326,8 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
         >>> r.format.bits, r.rounding, r.scale, r.sparsity, 0.4 < r.predicted.sparsity < 0.6
         (8, 'stochastic', 'amax', 0.5, True)
     """
-    from . import fpanalysis
-    from ._version import __version__  # noqa: F401 - provenance
+    from gradstats import fpanalysis
+    from gradstats._version import __version__  # noqa: F401 - provenance
 
     widths, single = _bits_list(bits)
     if rounding is not None and rounding not in _ROUNDINGS:
@@ -355,7 +355,7 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
     skip = None
     default_selection = layers is None
     if layers is None and output_layer is not False:
-        from .layers import output_layer as find_output
+        from gradstats.layers import output_layer as find_output
 
         skip = find_output(r) if output_layer in (None, "auto", True) else str(output_layer)
         chosen = [n for n in _select_layers(r, None) if n != skip]
@@ -363,7 +363,7 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
             raise ValueError(f"the run at {r.path} traced no convolution or linear layer but its output "
                              f"layer {skip!r}; pass output_layer=False to plan it")
         layers = chosen
-    from .plan._plan import default_prune_at, pruned_layers
+    from gradstats.plan._plan import default_prune_at, pruned_layers
 
     prune_at = default_prune_at(prune_at, default_selection)
     mom = _moments(r, step=step, layers=layers, kind="grad")
@@ -426,7 +426,7 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
         plans[b] = Plan(entries, defaults, prov, output_layer=skip,
                         prune_at=prune_at if sparsity is not None else None)
     if default_selection:
-        from .layers import log_unplanned
+        from gradstats.layers import log_unplanned
 
         log_unplanned(log, "gradstats.recommend", plans[widths[0]].unplanned(r))
     return plans[widths[0]] if single else plans
@@ -441,7 +441,7 @@ def _candidates(fpanalysis, candidates: Any, widths: Sequence[int], granularity:
         for b in widths:                     # raises, naming the widths the preset has
             fpanalysis.preset_formats(candidates, b, granularity=granularity)
         return candidates
-    from .formats import FPFormat
+    from gradstats.formats import FPFormat
 
     try:
         out = [FPFormat.parse(c) for c in candidates]
@@ -459,7 +459,7 @@ def _choose(fpanalysis, bits: int, mom: _Moments, *, rounding: str, block_size: 
     predicted error, from :func:`gradstats.fpanalysis.best_format` (or, with
     ``model="histogram"``, :func:`~gradstats.fpanalysis.best_format_from_stats` per layer)."""
     if isinstance(candidates, list):
-        from .formats import FPFormat
+        from gradstats.formats import FPFormat
 
         mine = [c for c in (FPFormat.parse(c) for c in candidates) if c.bits == bits]
         if not mine:

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
-from .formats import FPFormat, parse
+from gradstats.formats import FPFormat, parse
 
 __all__ = ["block_stats", "blocks_stats", "flushed_blocks", "RANGE_BINS", "BLOCK_SIZES"]
 

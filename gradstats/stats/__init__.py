@@ -22,7 +22,7 @@ whatever its dtype):
                           decide saturation and the error of a low-precision format
 ========================  =================================================================
 
-On the CPU a fused C kernel (:mod:`gradstats._native`, ``stats.c``: hand-vectorised for AVX-512,
+On the CPU a fused C kernel (:mod:`gradstats.ops.native`, ``stats.c``: hand-vectorised for AVX-512,
 portable C elsewhere; timings in ``bench/RESULTS.md``) computes them when a C compiler is
 available; elsewhere, and as the reference, a sequence of torch reductions. The counts,
 extremes, binade counts and top magnitudes are exact on every path; the sums agree to float32
@@ -156,7 +156,7 @@ def _reduce(x: torch.Tensor) -> torch.Tensor:
 def _native_kernel(portable: bool = False):
     """``gs_stats_f32`` of the C kernel (None without a compiler); ``portable``: the build
     without its AVX-512 block loop (what CPUs without AVX-512 run)."""
-    from ._native import function
+    from gradstats.ops.native import function
 
     return function("stats", "gs_stats_f32",
                     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

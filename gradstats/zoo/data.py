@@ -9,7 +9,7 @@ environment variable ``GRADSTATS_DATA``. Every loader reports which source it
 used (``.source`` and a log line).
 
 Example:
-    >>> from gradstats.data import load_fashion_mnist
+    >>> from gradstats.zoo.data import load_fashion_mnist
     >>> test = load_fashion_mnist(split="test", source="subset")
     >>> test.images.shape, test.labels.dtype, test.source
     (torch.Size([1000, 1, 28, 28]), torch.int64, 'committed subset')
@@ -78,8 +78,8 @@ def data_dir() -> Path | None:
         if not path.is_dir():
             raise FileNotFoundError(f"{DATA_ENV}={env!r} is not a directory")
         return path
-    here = Path(__file__).resolve().parent
-    for path in (here.parent / "data", here / "_data"):
+    package = Path(__file__).resolve().parents[1]          # gradstats/
+    for path in (package.parent / "data", package / "_data"):
         if path.is_dir() and (path / "fashion-mnist").is_dir():
             return path
     return None

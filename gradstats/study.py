@@ -6,7 +6,7 @@ pandas DataFrame; the figure functions of :mod:`gradstats.plots.study` draw them
 Example:
     >>> import gradstats
     >>> from gradstats.plots.study import moments_over_steps
-    >>> df = moments_over_steps(gradstats.data.data_dir() / "sample-run", layers="conv2")
+    >>> df = moments_over_steps(gradstats.zoo.data.data_dir() / "sample-run", layers="conv2")
     >>> round(float(df["std_log2"].median()), 1) > 1
     True
 """
@@ -33,7 +33,7 @@ MAX_GRID_LAYERS = 12
 
 
 def _open(run: Any) -> Any:
-    from ...run import Run, open_run
+    from gradstats.run import Run, open_run
 
     if isinstance(run, Run):
         return run
@@ -44,7 +44,7 @@ def _open(run: Any) -> Any:
 
 def _layers(run: Any, layers: str | Sequence[str] | None, *, cap: int | None = MAX_GRID_LAYERS) -> list[str]:
     """The run's layers selected by ``layers`` (None: all, evenly thinned to ``cap``)."""
-    from ...fitting._run import select_layers
+    from gradstats.fitting._run import select_layers
 
     names = select_layers(list(run.layers), layers)
     if layers is None and cap is not None and len(names) > cap:
@@ -59,7 +59,7 @@ def sampled_steps(run: Any, kind: str = "grad") -> list[int]:
 
     Example:
         >>> import gradstats
-        >>> sampled_steps(gradstats.data.data_dir() / "sample-run")[:1]
+        >>> sampled_steps(gradstats.zoo.data.data_dir() / "sample-run")[:1]
         [0]
     """
     run = _open(run)
@@ -87,7 +87,7 @@ def layer_values(run: Any, layer: str, step: int, kind: str = "grad") -> Any:
 
     Example:
         >>> import gradstats
-        >>> run = gradstats.open_run(gradstats.data.data_dir() / "sample-run")
+        >>> run = gradstats.open_run(gradstats.zoo.data.data_dir() / "sample-run")
         >>> layer_values(run, "fc2", 0).ndim
         1
     """
@@ -112,11 +112,11 @@ def layer_fit(run: Any, layer: str, step: int, kind: str = "grad") -> Any:
 
     Example:
         >>> import gradstats
-        >>> r = layer_fit(gradstats.data.data_dir() / "sample-run", "conv2", 0)
+        >>> r = layer_fit(gradstats.zoo.data.data_dir() / "sample-run", "conv2", 0)
         >>> r.source, r.best
         ('samples', 'lognormal')
     """
-    from ...fitting import fit, fit_stats
+    from gradstats.fitting import fit, fit_stats
 
     run = _open(run)
     x = layer_values(run, layer, step, kind)
@@ -136,7 +136,7 @@ def layer_fits(run: Any, *, step: int | None = None, kind: str = "grad",
 
     Example:
         >>> import gradstats
-        >>> fits = layer_fits(gradstats.data.data_dir() / "sample-run")
+        >>> fits = layer_fits(gradstats.zoo.data.data_dir() / "sample-run")
         >>> list(fits)[:2]
         ['conv1', 'bn1']
     """
@@ -167,7 +167,7 @@ def goodness_of_fit(run: Any, *, steps: Sequence[int] | None = None, kind: str =
 
     Example:
         >>> import gradstats
-        >>> df = goodness_of_fit(gradstats.data.data_dir() / "sample-run", steps=[0], layers="fc2")
+        >>> df = goodness_of_fit(gradstats.zoo.data.data_dir() / "sample-run", steps=[0], layers="fc2")
         >>> sorted(df.columns)[:3], len(df)
         (['best', 'ks_laplace', 'ks_lognormal'], 1)
     """
@@ -201,13 +201,13 @@ def moments_over_steps(run: Any, *, kind: str = "grad", layers: str | Sequence[s
 
     Example:
         >>> import gradstats
-        >>> df = moments_over_steps(gradstats.data.data_dir() / "sample-run", layers="fc2")
+        >>> df = moments_over_steps(gradstats.zoo.data.data_dir() / "sample-run", layers="fc2")
         >>> list(df.columns)
         ['layer', 'step', 'mean_log2', 'std_log2', 'zero_fraction']
     """
     import pandas as pd
 
-    from ...stats import lognormal_moments, merge_stats
+    from gradstats.stats import lognormal_moments, merge_stats
 
     run = _open(run)
     names = _layers(run, layers, cap=None)
@@ -246,7 +246,7 @@ def sparsity_check(run: Any, *, targets: Sequence[float] = SPARSITY_TARGETS, rul
 
     Example:
         >>> import gradstats
-        >>> t = sparsity_check(gradstats.data.data_dir() / "sample-run", targets=[0.9],
+        >>> t = sparsity_check(gradstats.zoo.data.data_dir() / "sample-run", targets=[0.9],
         ...                    rules=["lognormal", "exact_stochastic"], steps=[0], layers="conv2")
         >>> t[["rule", "target"]].values.tolist()
         [['lognormal', 0.9], ['exact_stochastic', 0.9]]
@@ -256,8 +256,8 @@ def sparsity_check(run: Any, *, targets: Sequence[float] = SPARSITY_TARGETS, rul
     import pandas as pd
     import torch
 
-    from ... import pruning
-    from ...stats import lognormal_moments, tensor_stats
+    from gradstats import pruning
+    from gradstats.stats import lognormal_moments, tensor_stats
 
     run = _open(run)
     if steps is None:
@@ -305,15 +305,15 @@ def error_check(run: Any, *, steps: Sequence[int] | None = None, bits: Sequence[
 
     Example:
         >>> import gradstats
-        >>> t = error_check(gradstats.data.data_dir() / "sample-run", bits=[8])
+        >>> t = error_check(gradstats.zoo.data.data_dir() / "sample-run", bits=[8])
         >>> t.loc[t["layer"] == "conv2", "format"].item()
         'e4m3fn'
     """
     import pandas as pd
     import torch
 
-    from ...fpanalysis import measured_error
-    from ...recommendation import recommend
+    from gradstats.fpanalysis import measured_error
+    from gradstats.plan.recommend import recommend
 
     run = _open(run)
     if steps is None:
@@ -349,7 +349,7 @@ def error_check(run: Any, *, steps: Sequence[int] | None = None, bits: Sequence[
 
 
 def _plan_moments(plans: Mapping[int, Any]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
-    from ...plan import Prediction
+    from gradstats.plan import Prediction
 
     first = next(iter(plans.values()))
     es = [e for e in first.entries if isinstance(e.predicted, Prediction) and e.predicted.sigma]

@@ -10,7 +10,7 @@ refresh: :func:`gradstats.stats.tensor_stats_vector`), refreshes thresholds and 
 saturation) beside what the model predicted.
 
 It also watches for a plan that silently destroys a layer's gradient and warns once per layer
-and kind (logger ``gradstats.enforce``, level WARNING; listed in ``Applied.summary()["alerts"]``):
+and kind (logger ``gradstats.apply``, level WARNING; listed in ``Applied.summary()["alerts"]``):
 achieved sparsity above the target by more than :data:`SPARSITY_MARGIN`, more than
 :data:`UNDERFLOW_BOUND` of the non-zero values flushed to zero by the format, and a gradient
 that is all zeros for :data:`ZERO_CALLS` calls in a row. Beside each call's achieved sparsity,
@@ -49,11 +49,11 @@ import pandas as pd
 import torch
 from torch import nn
 
-from . import _scalar
-from .compress import CompressCounts, prune_quantize
-from .formats import FPFormat
-from .stats import HIST_BINS, HIST_MIN_EXP, SCALAR_FIELDS, VECTOR_LEN, tensor_stats_vector, vector_to_stats
-from .wrappers import named_layers, unwrap
+from gradstats import _scalar
+from gradstats.ops.fused import CompressCounts, prune_quantize
+from gradstats.formats import FPFormat
+from gradstats.stats import HIST_BINS, HIST_MIN_EXP, SCALAR_FIELDS, VECTOR_LEN, tensor_stats_vector, vector_to_stats
+from gradstats.wrappers import named_layers, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Fallback:
             that would not change the rule (stochastic rounding already, no wider format) are
             passed over.
 
-    Each change is logged (logger ``gradstats.enforce``, WARNING), listed in
+    Each change is logged (logger ``gradstats.apply``, WARNING), listed in
     ``Applied.fallbacks`` and ``summary()["fallbacks"]``, marked in the call's record
     (``fallback`` column), logged to the tracer's run as the table ``"applied_fallbacks"``
     with ``log_to=``, and kept in ``Applied.state_dict()``. The new rule's scale is set from the
@@ -190,7 +190,7 @@ def _as_fallback(fallback: Any) -> Optional[Fallback]:
         return fallback
     if isinstance(fallback, str) and fallback in FALLBACK_PRESETS:
         return Fallback(actions=FALLBACK_PRESETS[fallback])
-    raise ValueError(f"fallback must be None (off), a gradstats.enforce.Fallback or one of "
+    raise ValueError(f"fallback must be None (off), a gradstats.apply.Fallback or one of "
                      f"{sorted(FALLBACK_PRESETS)}, got {fallback!r}")
 
 
@@ -226,7 +226,7 @@ def _stats_vector(g: torch.Tensor, full: bool) -> torch.Tensor:
     """:func:`gradstats.stats.tensor_stats_vector` of ``g`` (``full``: with the binade counts and
     the top magnitudes, which the histogram rule reads): on the CPU the C kernel writes into the
     vector directly."""
-    from .stats import TOP_K, _native_kernel, kernel_applies
+    from gradstats.stats import TOP_K, _native_kernel, kernel_applies
 
     x = g.detach()
     if x.dtype != torch.float32:
@@ -386,7 +386,7 @@ class Applied:
                  underflow_bound: Optional[float] = UNDERFLOW_BOUND,
                  zero_calls: Optional[int] = ZERO_CALLS,
                  fallback: Union[Fallback, str, None] = None) -> None:
-        from .plan import Plan
+        from gradstats.plan import Plan
 
         if not isinstance(model, nn.Module):
             raise ValueError(f"apply() needs a torch.nn.Module as model, got {type(model).__name__}")
@@ -419,7 +419,7 @@ class Applied:
         self.plan = plan
         self.rules = {n: r for n, r in plan.resolve(root).items() if not r.is_identity}
         if any(e.types is not None for e in plan.entries):      # a selection by type: say what it left
-            from .layers import log_unplanned
+            from gradstats.layers import log_unplanned
 
             log_unplanned(log, "gradstats.apply", plan.unplanned(root))
         self.plan_rules = dict(self.rules)      # as planned (self.rules: in force, after any fallback)
@@ -456,7 +456,7 @@ class Applied:
 
     # -- hooks
     def _forward_hook(self, name: str) -> Callable[..., None]:
-        from .tracer import _first_grad_tensor
+        from gradstats.tracer import _first_grad_tensor
 
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
             if not (torch.is_grad_enabled() and module.training):
@@ -467,7 +467,7 @@ class Applied:
         return hook
 
     def _refresh(self, name: str, g: torch.Tensor, refresh: bool) -> None:
-        from . import pruning
+        from gradstats import pruning
 
         rule, st = self.rules[name], self.state[name]
         hist_rule = rule.prunes and rule.threshold_rule == "histogram"
@@ -514,7 +514,7 @@ class Applied:
     def _model_threshold(rule: Any, st: _LayerState) -> None:
         """Threshold and predicted sparsity of the model rules (lognormal, naive_lognormal,
         normal, laplace), on the scalar fast path (the reference for inputs outside it)."""
-        from . import pruning
+        from gradstats import pruning
 
         kw = {"mu": st.mu, "sigma": max(st.sigma, 1e-6), "p0": min(st.p0, 1 - 1e-9)}
         if rule.threshold_rule == "normal":
@@ -768,7 +768,7 @@ class Applied:
         if not isinstance(gen, torch.Tensor) or gen.dtype != torch.uint8:
             raise ValueError(f"state dict 'generator' must be a torch.uint8 tensor (Generator.get_state()), "
                              f"got {type(gen).__name__}")
-        from .plan import Rule
+        from gradstats.plan import Rule
 
         states, rules = {}, dict(self.plan_rules)
         for n, d in layers.items():
@@ -848,7 +848,7 @@ def _all_reduce_stats(v: torch.Tensor) -> torch.Tensor:
     the min a min. The top magnitudes, which apply does not read, are left out (NaN)."""
     import torch.distributed as dist
 
-    from .stats import TOP_K
+    from gradstats.stats import TOP_K
 
     v = v.clone()
     imax, imin = _F["max_abs"], _F["min_abs"]
@@ -906,7 +906,7 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
             ``Applied.fallbacks``, ``summary()``, the records, the run with ``log_to=``, and the
             state dict).
 
-    Each alert is logged once per layer and kind (logger ``gradstats.enforce``, WARNING) and
+    Each alert is logged once per layer and kind (logger ``gradstats.apply``, WARNING) and
     listed in ``Applied.summary()["alerts"]`` and ``Applied.alerts``. To resume a training
     exactly, checkpoint ``Applied.state_dict()`` with the model and optimizer and load it into
     the new handle (``load_state_dict``).

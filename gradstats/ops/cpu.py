@@ -2,7 +2,7 @@
 float32/float64 array.
 
 Stochastic pruning of float32 arrays goes through the C kernel of
-``gradstats/_native/prune_quant.c`` in its prune-only mode (:func:`native_stochastic_prune`),
+``gradstats/ops/native/prune_quant.c`` in its prune-only mode (:func:`native_stochastic_prune`),
 the same kernel that prunes and quantises in the apply module's backward pass: one read of
 ``x``, one write, the uniform made in registers from a counter-based hash of
 ``(seed, index)`` (:func:`native_uniforms` reproduces it), blocks spread over OpenMP threads.
@@ -264,9 +264,9 @@ def uniforms(key: tuple[int, int, int, int], n: int, dtype: np.dtype) -> np.ndar
 
 # --------------------------------------------------------------------------- native kernel
 def native_kernel() -> Any:
-    """The C prune/quantise kernel (:func:`gradstats._native.prune_quant`), or None when it
+    """The C prune/quantise kernel (:func:`gradstats.ops.native.prune_quant`), or None when it
     is unavailable (no C compiler, or ``GRADSTATS_NATIVE=0``)."""
-    from .._native import prune_quant
+    from gradstats.ops.native import prune_quant
 
     return prune_quant()
 

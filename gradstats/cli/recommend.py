@@ -145,7 +145,7 @@ def format_table(plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradstats.recommendation import recommend
+    from gradstats.plan.recommend import recommend
 
     if len(args.bits) > 1 and args.out and "{bits}" not in args.out:
         raise ValueError("with several --bits, -o needs '{bits}' in the file name (e.g. plan-{bits}.json)")

@@ -1,0 +1,241 @@
+"""The package's import graph: cycles, stage order and private names crossing packages.
+
+Every ``import`` in a module counts, at module level or inside a function, with one exception: a
+function named ``plot`` (or ``plot_*``) may import :mod:`gradstats.plots` lazily, the adapter that lets
+a result draw itself without its stage depending on matplotlib.
+
+Run ``python tools/imports.py`` for a report; ``tests/test_architecture.py`` asserts on the same graph.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "gradstats"
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+    imports: dict[str, list[tuple[int, bool, set[str]]]] = field(default_factory=dict)
+    """target module -> [(line, at module level, names imported from it)]"""
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _resolve(mod: Module, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = mod.name.split(".")
+    if not mod.is_package:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _lazy_plot_adapter(stack: list[ast.AST], target: str) -> bool:
+    if not (target == "gradstats.plots" or target.startswith("gradstats.plots.")):
+        return False
+    return any(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and (f.name == "plot" or f.name.startswith("plot_")) for f in stack)
+
+
+def scan(package: Path = PACKAGE) -> dict[str, Module]:
+    """Every module of the package with the gradstats modules it imports."""
+    mods = {}
+    for path in sorted(package.rglob("*.py")):
+        mod = Module(module_name(path), path, path.name == "__init__.py")
+        mods[mod.name] = mod
+    for mod in mods.values():
+        tree = ast.parse(mod.path.read_text(), str(mod.path))
+
+        def visit(node: ast.AST, stack: list[ast.AST]) -> None:
+            top = not any(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for f in stack)
+            if isinstance(node, ast.If) and _is_type_checking(node.test):
+                return                                  # typing-only imports do not run
+            targets: list[tuple[str, set[str]]] = []
+            if isinstance(node, ast.Import):
+                targets = [(a.name, set()) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, node)
+                for a in node.names:                   # ``from . import x``: x may be a module
+                    sub = f"{base}.{a.name}"
+                    targets.append((sub, set()) if sub in mods else (base, {a.name}))
+            for target, names in targets:
+                if not target.startswith("gradstats"):
+                    continue
+                while target not in mods and "." in target:
+                    target = target.rsplit(".", 1)[0]
+                if target == mod.name or _lazy_plot_adapter(stack, target):
+                    continue
+                mod.imports.setdefault(target, []).append((node.lineno, top, names))
+            for child in ast.iter_child_nodes(node):
+                visit(child, stack + [node])
+
+        visit(tree, [])
+    return mods
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def edges(mods: dict[str, Module]) -> dict[str, set[str]]:
+    """Module -> modules it needs loaded: its imports, and a submodule needs its parent packages."""
+    graph: dict[str, set[str]] = {m: set(mod.imports) for m, mod in mods.items()}
+    return graph
+
+
+def cycles(mods: dict[str, Module]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    graph = edges(mods)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+    counter = [0]
+    sys.setrecursionlimit(10000)
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return sorted(out)
+
+
+def private_crossings(mods: dict[str, Module]) -> list[str]:
+    """``from a.b import _name`` where a.b is in another top-level package than the importer."""
+    out = []
+    for mod in mods.values():
+        for target, uses in mod.imports.items():
+            if _top(target) == _top(mod.name):
+                continue
+            for line, _, names in uses:
+                for n in sorted(names):
+                    if n.startswith("_") and not n.startswith("__"):
+                        out.append(f"{mod.name}:{line} imports {target}.{n}")
+    return out
+
+
+def _top(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(parts[:2])
+
+
+def module_level_plot_imports(mods: dict[str, Module]) -> list[str]:
+    """Modules outside ``plots``/``cli``/``report`` importing ``gradstats.plots`` at module level."""
+    out = []
+    for mod in mods.values():
+        if _top(mod.name) in {"gradstats.plots", "gradstats.cli", "gradstats.report"}:
+            continue
+        for target, uses in mod.imports.items():
+            if _top(target) == "gradstats.plots" and any(top for _, top, _ in uses):
+                out.append(mod.name)
+    return sorted(set(out))
+
+
+#: the stages, in data-flow order; a module may import its own stage and earlier ones only
+STAGES: list[tuple[str, tuple[str, ...]]] = [
+    ("values", ("gradstats._version", "gradstats._roots", "gradstats.formats", "gradstats.wrappers")),
+    ("testbed", ("gradstats.zoo",)),
+    ("ops", ("gradstats.ops",)),
+    ("stats", ("gradstats.stats", "gradstats.families")),
+    ("run", ("gradstats.run",)),
+    ("capture", ("gradstats.layers", "gradstats.alarms", "gradstats.tracer")),
+    ("fit", ("gradstats.fitting",)),
+    ("analyse", ("gradstats._scalar", "gradstats.pruning", "gradstats.fpanalysis", "gradstats.study")),
+    ("plan", ("gradstats.plan",)),
+    ("apply", ("gradstats.apply",)),
+    ("adapters", ("gradstats.integrations",)),
+    ("outputs", ("gradstats.plots", "gradstats.report", "gradstats.cli", "gradstats.__main__")),
+]
+
+
+def stage(name: str) -> int | None:
+    """Index of a module's stage in :data:`STAGES` (None: the lazy root package)."""
+    best = None
+    for i, (_, prefixes) in enumerate(STAGES):
+        for p in prefixes:
+            if name == p or name.startswith(p + "."):
+                best = i
+    return best
+
+
+def backward_imports(mods: dict[str, Module]) -> list[str]:
+    """Imports of a later stage (the root package ``gradstats`` is lazy and excluded); ``plots`` may
+    import the values, ops and stats only (it draws what it is given)."""
+    out = []
+    for mod in mods.values():
+        a = stage(mod.name)
+        if a is None:
+            continue
+        for target, uses in mod.imports.items():
+            b = stage(target)
+            if b is None:
+                continue
+            if b > a or (_top(mod.name) == "gradstats.plots" and b > stage("gradstats.stats")
+                         and _top(target) != "gradstats.plots"):
+                out.append(f"{mod.name}:{uses[0][0]} imports {target} ({STAGES[a][0]} -> {STAGES[b][0]})")
+    return out
+
+
+def main() -> int:
+    mods = scan()
+    cyc = cycles(mods)
+    print(f"{len(mods)} modules, {sum(len(m.imports) for m in mods.values())} import edges")
+    print(f"import cycles (strongly connected groups): {len(cyc)}")
+    for c in cyc:
+        print("  " + " <-> ".join(c))
+    plots = module_level_plot_imports(mods)
+    print(f"analysis modules importing plots at module level: {len(plots)}")
+    for p in plots:
+        print("  " + p)
+    priv = private_crossings(mods)
+    print(f"private names imported across packages: {len(priv)}")
+    for p in priv:
+        print("  " + p)
+    back = backward_imports(mods)
+    print(f"imports of a later stage: {len(back)}")
+    for b in back:
+        print("  " + b)
+    unstaged = sorted(m for m in mods if stage(m) is None and m != "gradstats")
+    if unstaged:
+        print("modules in no stage: " + ", ".join(unstaged))
+    return 1 if cyc or back or unstaged else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
