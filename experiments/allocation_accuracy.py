@@ -48,7 +48,7 @@ def allocated_plan(calib, budget: float, layers: list[str]):
 
     st = calib.stats(kinds=["grad"])
     a = allocate(st[st["layer"].isin(layers)], budget, layer_info=calib)
-    return gradstats.Plan.uniform(layers=layers).with_entries(*a.plan_entries()), a
+    return gradstats.Plan.uniform(layers=layers).with_allocation(a), a
 
 
 def jobs(model: str, steps: int, seeds, prepare: dict, calib, budget: float = BUDGET):

@@ -340,3 +340,21 @@ def _traced_batchnorm_inputs(model: Any, *inputs: Any, **kwargs: Any) -> list[st
             h.remove()
     order = [n for n, _ in named_layers(model)]
     return sorted(found, key=order.index)
+
+
+def module_candidates(target: Any) -> list[tuple[str, tuple[str, ...] | None]]:
+    """``(name, class names or None)`` of every candidate module of ``target``, in order
+    (:func:`gradstats.layers.layer_records`, or a plain list of names)."""
+    import torch.nn as nn
+
+    from gradstats.run import Run
+
+    if isinstance(target, (nn.Module, Run, Mapping)):
+        return [(r.name, r.types or None) for r in layer_records(target)]
+    if isinstance(target, (str, bytes)) or not isinstance(target, Iterable):
+        raise ValueError("resolve a plan against an nn.Module, a gradstats Run, a mapping "
+                         f"name -> module/class/class name, or a list of module names; got {type(target).__name__}")
+    names = list(target)
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError("a list of module names must hold strings only")
+    return [(n, None) for n in names]

@@ -251,7 +251,7 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     from tqdm.auto import tqdm
 
     from gradstats.fitting import failed_groups, fit_run, layer_verdicts
-    from gradstats.fitting._run import select_layers
+    from gradstats.run.select import select_layers
     from gradstats.layers import matmul_layers
     from gradstats.plan.recommend import recommend
 

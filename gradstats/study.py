@@ -44,7 +44,7 @@ def _open(run: Any) -> Any:
 
 def _layers(run: Any, layers: str | Sequence[str] | None, *, cap: int | None = MAX_GRID_LAYERS) -> list[str]:
     """The run's layers selected by ``layers`` (None: all, evenly thinned to ``cap``)."""
-    from gradstats.fitting._run import select_layers
+    from gradstats.run.select import select_layers
 
     names = select_layers(list(run.layers), layers)
     if layers is None and cap is not None and len(names) > cap:

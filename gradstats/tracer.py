@@ -38,7 +38,8 @@ from torch import nn
 
 from gradstats._version import __version__
 from gradstats.layers import module_types
-from gradstats.run import FORMAT_VERSION, RunWriter, _sample_key, atomic_write_json, last_committed_step
+from gradstats.run.select import layer_matcher
+from gradstats.run import FORMAT_VERSION, RunWriter, sample_key, atomic_write_json, last_committed_step
 from gradstats.stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
 from gradstats.wrappers import named_layers, unwrap
 
@@ -56,27 +57,16 @@ def _owns_parameters(name: str, module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
-def _selector(layers: LayerSelect) -> Callable[[str, nn.Module], bool]:
+def module_selector(layers: LayerSelect) -> Callable[[str, nn.Module], bool]:
     """Turn the ``layers=`` argument into a predicate on ``(name, module)``."""
     if layers is None:
         return _owns_parameters
     if callable(layers) and not isinstance(layers, (str, re.Pattern)):
         return layers
-    if isinstance(layers, re.Pattern):
-        return lambda name, _m: bool(layers.fullmatch(name))
-    if isinstance(layers, str):
-        layers = [layers]
-    if isinstance(layers, (list, tuple)) and all(isinstance(p, str) for p in layers):
-        pats = list(layers)
-
-        def match(name: str, _m: nn.Module) -> bool:
-            for p in pats:
-                if fnmatch.fnmatchcase(name, p):
-                    return True
-                if p.startswith("re:") and re.fullmatch(p[3:], name):
-                    return True
-            return False
-        return match
+    if isinstance(layers, (str, re.Pattern)) or (
+            isinstance(layers, (list, tuple)) and layers and all(isinstance(p, (str, re.Pattern)) for p in layers)):
+        match = layer_matcher(layers)
+        return lambda name, _m: match(name)
     raise ValueError("layers= must be None (modules that own parameters), a glob or list of globs "
                      "on module names ('re:PATTERN' for a regex), a compiled regex, or a callable "
                      f"(name, module) -> bool; got {type(layers).__name__}")
@@ -263,7 +253,7 @@ class Tracer:
         self.seed = seed
         self.flush_secs = float(flush_secs)
         self._last_commit = time.monotonic()
-        select = _selector(layers)
+        select = module_selector(layers)
         root = unwrap(model)
         self._default_layers = layers is None
         self.modules: dict[str, nn.Module] = {n: m for n, m in named_layers(model) if select(n, m)}
@@ -543,7 +533,7 @@ class Tracer:
             if vec is not None:
                 self._pending.append((step, layer, kind, call, vec))
             if sample is not None:
-                self._pending_samples[_sample_key(step, layer, kind, call)] = sample
+                self._pending_samples[sample_key(step, layer, kind, call)] = sample
 
     def _capture_parameters(self) -> None:
         step = self.current_step

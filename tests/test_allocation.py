@@ -95,8 +95,12 @@ def test_classifier_excluded_by_default(run, planned_stats):
     # the budget is over the allocated layers only
     keep = ~a.excluded
     assert float((a.n * a.targets)[keep].sum() / a.n[keep].sum()) == pytest.approx(0.9, abs=1e-9)
-    entries = {e.layer: e.sparsity for e in a.plan_entries()}
+    entries = a.layer_targets()
     assert entries["fc2"] is None and entries["conv1"] == pytest.approx(a.targets[0])
+    rules = gradstats.Plan.uniform(layers=list(a.layers)).with_allocation(a).resolve(list(a.layers))
+    assert rules["fc2"].sparsity is None and rules["conv1"].sparsity == pytest.approx(a.targets[0])
+    with pytest.raises(ValueError, match="Allocation"):
+        gradstats.Plan.uniform().with_allocation({"fc2": 0.5})
     # statistics with the layer types given apart; an explicit output layer; more exclusions; none
     b = allocate(planned_stats, 0.9, layer_info=run)
     assert b.output_layer == "fc2" and b.excluded.tolist() == [False, False, False, True]

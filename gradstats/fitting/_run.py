@@ -11,6 +11,7 @@ import pandas as pd
 import torch
 
 from gradstats.run import RunCorruptError
+from gradstats.run.select import layer_matcher, layer_stats, select_layers, select_steps  # noqa: F401 - their home
 from gradstats.stats import merge_stats
 from gradstats.fitting._exact import fit
 from gradstats.fitting._parallel import default_workers, torch_single_thread
@@ -21,80 +22,6 @@ from gradstats.fitting._stats import fit_many_stats
 log = logging.getLogger(__name__)
 
 KEY_COLUMNS = ("layer", "step", "kind", "family")
-
-
-def layer_matcher(layers: str | re.Pattern | Iterable[str] | None):
-    """A predicate ``name -> bool`` for the layer patterns of the tracer's ``layers=``
-    (:func:`gradstats.trace`): None (every name), a glob, ``"re:PATTERN"`` (a regex matched in
-    full), a compiled regex, or a list of those; an exact name always matches itself. A
-    callable on modules selects what the tracer records and has no meaning on a run's names."""
-    from gradstats.tracer import _selector
-
-    if layers is None:
-        return lambda name: True
-    if callable(layers) and not isinstance(layers, (str, re.Pattern)):
-        raise ValueError("layers= of a run takes names, globs ('re:PATTERN' for a regex) or a compiled "
-                         "regex; a callable (name, module) -> bool only selects modules when tracing")
-    if isinstance(layers, (str, re.Pattern)):
-        pats: list[Any] = [layers]
-    else:
-        try:
-            pats = list(layers)
-        except TypeError:
-            raise ValueError(f"layers= must be None, a glob, 're:PATTERN', a compiled regex or a list of "
-                             f"names/globs; got {type(layers).__name__}") from None
-    if not pats or not all(isinstance(p, (str, re.Pattern)) for p in pats):
-        raise ValueError(f"layers= must be None, a glob, 're:PATTERN', a compiled regex or a non-empty list "
-                         f"of names/globs; got {layers!r}")
-    exact = {p for p in pats if isinstance(p, str)}
-    preds = [_selector(p) for p in pats if isinstance(p, re.Pattern)]
-    if exact:
-        preds.append(_selector(sorted(exact)))
-    return lambda name: name in exact or any(pr(name, None) for pr in preds)
-
-
-def select_layers(names: Sequence[str], layers: str | re.Pattern | Iterable[str] | None) -> list[str]:
-    """Layers of ``names`` matching ``layers`` (see :func:`layer_matcher`: None for all, globs,
-    ``"re:PATTERN"``, a compiled regex, or a list of them), in the order of ``names``."""
-    if layers is None:
-        return list(names)
-    match = layer_matcher(layers)
-    out = [n for n in names if match(n)]
-    if not out:
-        shown = [layers] if isinstance(layers, (str, re.Pattern)) else list(layers)
-        raise ValueError(f"no layer matches {shown}; the run's layers are {list(names)} (globs, "
-                         "'re:PATTERN' for a regex)")
-    return out
-
-
-def layer_stats(run: Any, kinds: Iterable[str], layers: str | re.Pattern | Iterable[str] | None = None):
-    """``run.stats(kinds=...)`` of the layers ``layers`` selects (:func:`select_layers`: None for
-    all, globs, ``"re:PATTERN"``, a compiled regex or a list; a ``ValueError`` when none matches)."""
-    st = run.stats(kinds=list(kinds))
-    if layers is None:
-        return st
-    return st[st["layer"].isin(set(select_layers(run.layers, layers)))].reset_index(drop=True)
-
-
-def select_steps(all_steps: Sequence[int], steps: int | slice | Iterable[int] | None) -> list[int]:
-    """Steps of ``all_steps`` selected by None (all), an int, a slice/range or a list."""
-    if steps is None:
-        return list(all_steps)
-    if isinstance(steps, int):
-        steps = [steps]
-    if isinstance(steps, slice):
-        lo = -math.inf if steps.start is None else steps.start
-        hi = math.inf if steps.stop is None else steps.stop
-        st = steps.step or 1
-        base = 0 if steps.start is None else steps.start
-        out = [s for s in all_steps if lo <= s < hi and (s - base) % st == 0]
-    else:
-        want = {int(s) for s in steps}
-        out = [s for s in all_steps if s in want]
-    if not out:
-        raise ValueError(f"no step of the run is selected by {steps!r}; the run has steps "
-                         f"{list(all_steps)[:10]}{'...' if len(all_steps) > 10 else ''}")
-    return out
 
 
 def _error_rows(key: tuple[str, int, str], fams: Sequence[str], source: str, status: str) -> list[dict]:

@@ -276,7 +276,7 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
     _check_rounding(rounding)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"block_size must be a positive int (an MX block size such as 32) or None, got {block_size!r}")
-    from gradstats.fitting._run import layer_stats
+    from gradstats.run.select import layer_stats
 
     st = layer_stats(r, [kind], layers)
     if steps is not None:

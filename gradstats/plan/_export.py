@@ -38,7 +38,7 @@ _ALIASES = {"json": "json", "torchao": "torchao", "torchao.float8": "torchao"}
 
 
 def _resolved(plan: "Plan", model: Any, need_types: bool) -> list[tuple[str, Rule, tuple[str, ...] | None]]:
-    from gradstats.plan._plan import _modules_of
+    from gradstats.layers import module_candidates
 
     if model is None:
         pats = [e.layer for e in plan.entries if e.is_pattern]
@@ -49,7 +49,7 @@ def _resolved(plan: "Plan", model: Any, need_types: bool) -> list[tuple[str, Rul
             raise ValueError("this export needs each layer's module type: pass model= (an nn.Module, a Run, "
                              "or a mapping name -> class name)")
         model = list(dict.fromkeys(e.layer for e in plan.entries))
-    types = dict(_modules_of(model))
+    types = dict(module_candidates(model))
     return [(name, rule, types.get(name)) for name, rule, _ in plan._resolve(model, strict=True)]
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from gradstats.formats import FPFormat
+from gradstats.layers import module_candidates
 from gradstats.plan._rules import (INHERIT, RULE_FIELDS, Prediction, PlanEntry, Provenance, Rule, _check_keys, _err,
                      _fields_to_json, _DEFAULT_RULE)
 
@@ -26,26 +27,6 @@ CONV_LINEAR_TYPES = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTrans
 
 
 # --------------------------------------------------------------------------- targets
-def _modules_of(target: Any) -> list[tuple[str, tuple[str, ...] | None]]:
-    """``(name, class names or None)`` of every candidate module of ``target``, in order
-    (:func:`gradstats.layers.layer_records`, or a plain list of names)."""
-    import torch.nn as nn
-
-    from gradstats.run import Run
-
-    if isinstance(target, (nn.Module, Run, Mapping)):
-        from gradstats.layers import layer_records
-
-        return [(r.name, r.types or None) for r in layer_records(target)]
-    if isinstance(target, (str, bytes)) or not isinstance(target, Iterable):
-        raise ValueError("resolve a plan against an nn.Module, a gradstats Run, a mapping "
-                         f"name -> module/class/class name, or a list of module names; got {type(target).__name__}")
-    names = list(target)
-    if not all(isinstance(n, str) for n in names):
-        raise ValueError("a list of module names must hold strings only")
-    return [(n, None) for n in names]
-
-
 # --------------------------------------------------------------------------- the plan
 #: the values of :attr:`Plan.prune_at`
 PRUNE_AT = (None, "auto", "batchnorm_inputs")
@@ -222,6 +203,27 @@ class Plan:
         """A copy with ``entries`` appended (they take precedence over earlier ones of their kind)."""
         return dataclasses.replace(self, entries=(*self.entries, *entries))
 
+    def with_allocation(self, allocation: Any) -> "Plan":
+        """A copy with the per-layer sparsity targets of a :class:`gradstats.pruning.Allocation`
+        appended (``PlanEntry(layer, sparsity=target)``; ``sparsity=None``, not pruned, for the layers
+        it excludes).
+
+        Example:
+            >>> from gradstats.pruning import allocate
+            >>> a = allocate({"fc1": {"mu": -9.0, "sigma": 2.0, "n": 1000},
+            ...               "fc2": {"mu": -12.0, "sigma": 1.0, "n": 30}}, 0.8,
+            ...              layer_info={"fc1": "Linear", "fc2": "Linear"})
+            >>> plan = Plan.uniform(layers=["fc1", "fc2"]).with_allocation(a)
+            >>> plan.resolve(["fc1", "fc2"])["fc2"].sparsity is None
+            True
+        """
+        try:
+            targets = allocation.layer_targets()
+        except AttributeError:
+            raise ValueError(f"with_allocation takes a gradstats.pruning.Allocation (from allocate()), got "
+                             f"{type(allocation).__name__}") from None
+        return self.with_entries(*(PlanEntry(name, sparsity=t) for name, t in targets.items()))
+
     # -- resolution
     def _complete(self, matched: Sequence[PlanEntry], where: str) -> Rule:
         fields = {k: getattr(self.defaults, k) for k in RULE_FIELDS}
@@ -357,7 +359,7 @@ class Plan:
         return dict(zip(df["layer"][~df["planned"]], df["why"][~df["planned"]]))
 
     def _resolve(self, target: Any, *, strict: bool) -> list[tuple[str, Rule, list[int]]]:
-        modules = _modules_of(target)
+        modules = module_candidates(target)
         skip = self.output_layer_of(target)
         pruned = self.pruned_layers_of(target)
         pruned = None if pruned is None else set(pruned)

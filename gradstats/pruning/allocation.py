@@ -475,23 +475,19 @@ class Allocation:
                 "budget": self.budget, "achieved": self.achieved, "objective": self.objective,
                 "uniform_objective": self.uniform_objective, "model": self.model}
 
-    def plan_entries(self) -> list[Any]:
-        """Plan entries for the allocation: ``PlanEntry(layer, sparsity=target)`` per allocated
-        layer and ``PlanEntry(layer, sparsity=None)`` (not pruned) per excluded one, to add to a
-        plan with ``Plan.with_entries``.
+    def layer_targets(self) -> dict[str, float | None]:
+        """``{layer: target sparsity}`` of the allocation, None for a layer it leaves unpruned; a plan
+        takes them with :meth:`gradstats.Plan.with_allocation`.
 
         Example:
             >>> a = allocate({"fc1": {"mu": -9.0, "sigma": 2.0, "n": 1000},
             ...               "fc2": {"mu": -12.0, "sigma": 1.0, "n": 30}}, 0.8,
             ...              layer_info={"fc1": "Linear", "fc2": "Linear"})
-            >>> [(e.layer, e.sparsity) for e in a.plan_entries()][1]
-            ('fc2', None)
+            >>> a.layer_targets()["fc2"] is None
+            True
         """
-        from gradstats.plan import PlanEntry
-
         ex = self.excluded if len(self.excluded) == len(self.layers) else np.zeros(len(self.layers), bool)
-        return [PlanEntry(name, sparsity=None if x else float(t))
-                for name, t, x in zip(self.layers, self.targets, ex)]
+        return {name: None if x else float(t) for name, t, x in zip(self.layers, self.targets, ex)}
 
     def plot(self, path: str | None = None):
         """Bar chart of per-layer targets and cosines (see :mod:`gradstats.plots.pruning`)."""

@@ -83,7 +83,7 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
-def _sample_key(step: int, layer: str, kind: str, call: int) -> str:
+def sample_key(step: int, layer: str, kind: str, call: int) -> str:
     return f"{step}|{kind}|{call}|{layer}"
 
 
@@ -730,7 +730,7 @@ class Run:
         for r in sel.sort_values(["rank", "call"]).itertuples():
             p = self._check(r.file, by_file[(r.rank, r.file)])
             with safe_open(str(p), framework="pt") as f:
-                parts.append(f.get_tensor(_sample_key(int(r.step), layer, kind, int(r.call))))
+                parts.append(f.get_tensor(sample_key(int(r.step), layer, kind, int(r.call))))
         return torch.cat(parts).to(torch.float32)
 
     def summary(self, *, kind: str = "grad") -> pd.DataFrame:
