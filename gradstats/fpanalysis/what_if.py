@@ -20,7 +20,7 @@ largest. With a power-of-two scale the underflow boundary of round-to-nearest (h
 subnormal) is a binade boundary, so ``underflow`` is exact for nearest rounding; ``overflow`` is
 exact where the values above the format's maximum are among the 64 largest (always, at the
 ``"amax"`` scale). The error bound on real runs is in ``docs/fpanalysis.md`` (measured against
-quantising the stored samples, ``tests/test_what_if.py``).
+quantising the stored samples, ``tests/fpanalysis/test_what_if.py``).
 
 Blocks (``block_size=B``, OCP MX: an E8M0 power-of-two scale per block from the block's largest
 magnitude, :func:`gradstats.ops.quantization.mx_shared_exponent`) are predicted for exchangeable entries: a

@@ -19,7 +19,7 @@ from gradstats.pruning.allocation import (DEFAULT_CAP, Allocation, ConditionedMo
                                           output_layer)
 from gradstats.stats import HIST_BINS, merge_stats, tensor_stats
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_RUN = ROOT / "data" / "sample-run"
 PLANNED = ["conv1", "conv2", "fc1", "fc2"]          # what Plan.uniform() prunes in the CNN
 

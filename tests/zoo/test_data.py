@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from gradstats.zoo import data as D
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FM = REPO / "data" / "fashion-mnist"
 
 

@@ -20,7 +20,7 @@ from gradstats.zoo.models import build_model
 from gradstats.plan import (CONV_LINEAR_TYPES, INHERIT, SCHEMA_VERSION, Plan, PlanEntry, Prediction,
                             Provenance, Rule)
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "plan-format.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "plan-format.md"
 
 
 def _docs_example() -> dict:
