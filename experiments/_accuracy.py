@@ -234,7 +234,7 @@ def global_scale(fmt: Any, run: Any, layers: list[str]) -> float:
     from gradstats.fpanalysis import expected_error
     from gradstats.plan.recommend import layer_moments
 
-    mom = layer_moments(run, step=(int(run.steps[0]), int(run.steps[-1])), layers=list(layers))
+    mom = layer_moments(run, steps=range(int(run.steps[0]), int(run.steps[-1]) + 1), layers=list(layers))
     mus, sigmas = mom["mu"].to_numpy(float), mom["sigma"].to_numpy(float)
     best = (math.inf, 1.0)
     for k in range(-40, 100):

@@ -68,7 +68,7 @@ def plans(model: str, calib: gradstats.run.Run) -> list[tuple[str, dict, dict]]:
                         gradstats.Plan.uniform(format=fmt, rounding="stochastic").to_dict()))
     for bits in WIDTHS:
         for rounding in ("nearest", "stochastic") if bits in STOCHASTIC_WIDTHS else ("nearest",):
-            plan = gradstats.recommend(calib, bits=bits, step=(0, last), rounding=rounding, candidates="any")
+            plan = gradstats.recommend(calib, bits=bits, steps=range(0, last + 1), rounding=rounding, candidates="any")
             fmts = sorted({str(r.format) for r in plan.resolve(layers).values()})
             out.append((f"FP{bits} recommended{' SR' if rounding == 'stochastic' else ''}",
                         {"bits": bits, "format": "/".join(fmts), "rounding": rounding, "scaling": "recommended"},

@@ -241,9 +241,9 @@ def evaluate_tensor(g: torch.Tensor, targets=TARGETS, *, generator: torch.Genera
             elif rule == "lognormal_skew":
                 a = skew.threshold(S) if S > p0 else 0.0
             elif rule == "lognormal_free":
-                a = float(threshold(S, model="lognormal", mu=mu, sigma=sigma, p0=p0))
+                a = float(threshold(S, threshold_rule="lognormal", mu=mu, sigma=sigma, p0=p0))
             else:
-                a = float(threshold(S, st, model=rule))
+                a = float(threshold(S, st, threshold_rule=rule))
             sto = rule != "exact"
             # the operator rounds the threshold to the tensor's dtype first
             a32 = float(torch.tensor(min(a, float(torch.finfo(g.dtype).max)), dtype=g.dtype))

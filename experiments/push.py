@@ -59,7 +59,7 @@ def jobs(model: str, steps: int, seeds, prepare: dict, calib) -> list[Job]:
     out = [replace(j, info={"sparsity": j.info["target_sparsity"], "bits": 32, "format": "float32",
                             "rounding": "-", "granularity": "-"}) for j in out]
     for sparsity, bits, gran, rounding in CONFIGS:
-        plan = gradstats.recommend(calib, bits=bits, step=(0, last), rounding=rounding, sparsity=sparsity,
+        plan = gradstats.recommend(calib, bits=bits, steps=range(0, last + 1), rounding=rounding, sparsity=sparsity,
                                    granularity=gran, candidates="any")
         fmts = sorted({str(r.format) for r in plan.resolve(calib).values() if r.format is not None})
         label = (f"sparsity {sparsity:g} + " if sparsity else "") + f"FP{bits} {gran} {rounding}"
@@ -71,7 +71,7 @@ def jobs(model: str, steps: int, seeds, prepare: dict, calib) -> list[Job]:
         if bits is None:
             plan, fmts = gradstats.Plan.uniform(layers=layers).with_entries(*entries), []
         else:
-            plan = gradstats.recommend(calib, bits=bits, step=(0, last), rounding=rounding, granularity=gran,
+            plan = gradstats.recommend(calib, bits=bits, steps=range(0, last + 1), rounding=rounding, granularity=gran,
                                        candidates="any")
             fmts = sorted({str(r.format) for r in plan.resolve(calib).values() if r.format is not None})
             plan = plan.with_entries(*entries)

@@ -51,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "PlanEntry": "gradstats.plan",
     "Rule": "gradstats.plan",
     "recommend": "gradstats.plan.recommend",
+    "recommend_each": "gradstats.plan.recommend",
     "what_if": "gradstats.fpanalysis.what_if",
     "apply": "gradstats.apply",
     "Applied": "gradstats.apply",

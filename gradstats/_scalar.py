@@ -552,14 +552,14 @@ class _Cells:
     saturated probability (for the point mass of :func:`predict`)."""
 
     def __init__(self, fmt: FPFormat, rounding: str) -> None:
-        from gradstats.fpanalysis._pieces import FRACTIONS, PARTS, _coef_matrices, build
+        from gradstats.fpanalysis._pieces import FRACTIONS, PARTS, coef_matrices, build
 
         pc = build(fmt, rounding, "saturate")
         self.fmt, self.rounding = fmt, rounding
         self.bounds = pc.bounds.tolist()
         with np.errstate(divide="ignore"):
             self.lnb = np.log(pc.bounds)
-        self.mats = [(float(k), m) for k, m in _coef_matrices(pc, "relative").items()]
+        self.mats = [(float(k), m) for k, m in coef_matrices(pc, "relative").items()]
         self.n_err = n_err = len(PARTS)
         self.is_err = np.arange(n_err + len(FRACTIONS)) < n_err
         self.k = np.array([k for k, _ in self.mats])

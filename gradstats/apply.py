@@ -226,7 +226,7 @@ def _stats_vector(g: torch.Tensor, full: bool) -> torch.Tensor:
     """:func:`gradstats.stats.tensor_stats_vector` of ``g`` (``full``: with the binade counts and
     the top magnitudes, which the histogram rule reads): on the CPU the C kernel writes into the
     vector directly."""
-    from gradstats.stats import TOP_K, _native_kernel, kernel_applies
+    from gradstats.stats import kernel_applies, write_stats
 
     x = g.detach()
     if x.dtype != torch.float32:
@@ -236,12 +236,7 @@ def _stats_vector(g: torch.Tensor, full: bool) -> torch.Tensor:
     if not kernel_applies(x):
         return tensor_stats_vector(x, full=full)
     out = torch.full((VECTOR_LEN,), math.nan, dtype=torch.float64)
-    addr, k = out.data_ptr(), len(SCALAR_FIELDS)
-    if full:
-        _native_kernel()(x.data_ptr(), x.numel(), addr, addr + 8 * k, addr + 8 * (k + HIST_BINS), TOP_K,
-                         torch.get_num_threads())
-    else:
-        _native_kernel()(x.data_ptr(), x.numel(), addr, None, None, 0, torch.get_num_threads())
+    write_stats(x, out.data_ptr(), full=full)
     return out
 
 
@@ -456,12 +451,12 @@ class Applied:
 
     # -- hooks
     def _forward_hook(self, name: str) -> Callable[..., None]:
-        from gradstats.tracer import _first_grad_tensor
+        from gradstats.tracer import first_grad_tensor
 
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
             if not (torch.is_grad_enabled() and module.training):
                 return
-            out = _first_grad_tensor(output)
+            out = first_grad_tensor(output)
             if out is not None:
                 out.register_hook(lambda g: self._compress(name, g))
         return hook
@@ -487,9 +482,9 @@ class Applied:
             elif rule.threshold_rule == "histogram":     # model-free, from the binade histogram
                 h = st.hist
                 st.threshold = _fast(lambda: h.threshold(rule.sparsity), lambda: float(
-                    pruning.threshold(rule.sparsity, vector_to_stats(v), model="histogram")))
+                    pruning.threshold(rule.sparsity, vector_to_stats(v), threshold_rule="histogram")))
                 st.predicted_sparsity = _fast(lambda: h.expected_sparsity(st.threshold), lambda: float(
-                    pruning.expected_sparsity(st.threshold, vector_to_stats(v), model="histogram")))
+                    pruning.expected_sparsity(st.threshold, vector_to_stats(v), threshold_rule="histogram")))
             else:
                 self._model_threshold(rule, st)
         if rule.quantizes and rule.block_size is None and not math.isnan(st.mu):
@@ -526,7 +521,7 @@ class Applied:
                 if st.amax > 0 and math.isfinite(st.amax) and st.mean_abs <= st.amax else {})
         st.threshold = _fast(
             lambda: _scalar.threshold(rule.sparsity, rule.threshold_rule, **kw, **cond),
-            lambda: float(pruning.threshold(rule.sparsity, model=rule.threshold_rule, **kw, **cond)))
+            lambda: float(pruning.threshold(rule.sparsity, threshold_rule=rule.threshold_rule, **kw, **cond)))
         model = "lognormal" if rule.threshold_rule == "naive_lognormal" else rule.threshold_rule
         if cond and st.threshold >= st.amax:   # every entry below: exact on the tensor
             st.predicted_sparsity = 1.0 - st.mean_abs / st.threshold
@@ -535,7 +530,7 @@ class Applied:
         else:
             st.predicted_sparsity = _fast(
                 lambda: _scalar.expected_sparsity(st.threshold, model, **kw),
-                lambda: float(pruning.expected_sparsity(st.threshold, model=model, **kw)))
+                lambda: float(pruning.expected_sparsity(st.threshold, threshold_rule=model, **kw)))
 
     @torch.compiler.disable
     def _compress(self, name: str, g: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,10 @@ import torch
 __all__ = ["FPFormat", "parse", "parse_list", "REGISTRY", "SPECIALS", "amax_scale"]
 
 SPECIALS = ("ieee", "fn", "fnuz", "fnu")
+#: the rounding modes of quantisation (:func:`gradstats.quantize`), the one list every stage uses
+ROUNDINGS = ("nearest", "stochastic", "toward_zero")
+#: the rounding modes whose error, bias and underflow the analysis predicts (fpanalysis, recommend, what-if)
+PREDICTED_ROUNDINGS = ("nearest", "stochastic")
 _SUFFIX = {"ieee": "", "fn": "fn", "fnuz": "fnuz", "fnu": "fnu"}
 
 

@@ -93,7 +93,7 @@ def _schedule(value: Schedule, what: str) -> Callable[[int], bool]:
     return lambda step: step in steps
 
 
-def _first_grad_tensor(out: Any) -> torch.Tensor | None:
+def first_grad_tensor(out: Any) -> torch.Tensor | None:
     """The first floating tensor requiring grad in a (nested) module output."""
     if isinstance(out, torch.Tensor):
         return out if (out.requires_grad and out.is_floating_point()) else None
@@ -101,7 +101,7 @@ def _first_grad_tensor(out: Any) -> torch.Tensor | None:
         out = list(out.values())
     if isinstance(out, (list, tuple)):
         for item in out:
-            t = _first_grad_tensor(item)
+            t = first_grad_tensor(item)
             if t is not None:
                 return t
     return None
@@ -465,7 +465,7 @@ class Tracer:
             do_stats, do_samples = self._active(step)
             if not (do_stats or do_samples) and name in self._shapes:
                 return              # nothing taken on this step (calls are counted on taken steps)
-            out = _first_grad_tensor(output)
+            out = first_grad_tensor(output)
             if out is None:
                 return
             call = self._calls.get(name, 0)

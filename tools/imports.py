@@ -44,10 +44,15 @@ def _resolve(mod: Module, node: ast.ImportFrom) -> str:
 
 
 def _lazy_plot_adapter(stack: list[ast.AST], target: str) -> bool:
-    if not (target == "gradstats.plots" or target.startswith("gradstats.plots.")):
-        return False
-    return any(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-               and (f.name == "plot" or f.name.startswith("plot_")) for f in stack)
+    """A result's ``plot()`` importing :mod:`gradstats.plots`, or its ``to_<library>()`` importing that
+    library's adapter in :mod:`gradstats.integrations`: the lazy adapters, allowed to point forward."""
+    funcs = [f.name for f in stack if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if target == "gradstats.plots" or target.startswith("gradstats.plots."):
+        return any(f == "plot" or f.startswith("plot_") for f in funcs)
+    if target.startswith("gradstats.integrations."):
+        lib = target.rsplit(".", 1)[1]
+        return any(f == f"to_{lib}" for f in funcs)
+    return False
 
 
 def scan(package: Path = PACKAGE) -> dict[str, Module]:
@@ -169,18 +174,20 @@ def module_level_plot_imports(mods: dict[str, Module]) -> list[str]:
 
 #: the stages, in data-flow order; a module may import its own stage and earlier ones only
 STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("values", ("gradstats._version", "gradstats._roots", "gradstats.formats", "gradstats.wrappers")),
+    ("values", ("gradstats._version", "gradstats._compat", "gradstats._roots", "gradstats.formats",
+                "gradstats.wrappers")),
     ("testbed", ("gradstats.zoo",)),
     ("ops", ("gradstats.ops",)),
     ("stats", ("gradstats.stats", "gradstats.families")),
     ("run", ("gradstats.run",)),
     ("capture", ("gradstats.layers", "gradstats.alarms", "gradstats.tracer")),
     ("fit", ("gradstats.fitting",)),
-    ("analyse", ("gradstats._scalar", "gradstats.pruning", "gradstats.fpanalysis", "gradstats.study")),
+    ("analyse", ("gradstats._scalar", "gradstats.pruning", "gradstats.fpanalysis")),
     ("plan", ("gradstats.plan",)),
     ("apply", ("gradstats.apply",)),
     ("adapters", ("gradstats.integrations",)),
-    ("outputs", ("gradstats.plots", "gradstats.report", "gradstats.cli", "gradstats.__main__")),
+    ("outputs", ("gradstats.plots", "gradstats.study", "gradstats.figures", "gradstats.report", "gradstats.cli",
+                 "gradstats.__main__")),
 ]
 
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+
+from gradstats.formats import PREDICTED_ROUNDINGS
 import math
 
 
@@ -13,13 +15,13 @@ def _bits(text: str) -> list[int]:
 
 
 def _step(text: str):
-    """'120' -> 120; '100:199' -> (100, 199); 'last' -> None."""
-    if text == "last":
-        return None
+    """'120' -> 120; '100:199' -> range(100, 200) (inclusive); 'last' -> 'latest'."""
+    if text in ("last", "latest"):
+        return "latest"
     try:
         if ":" in text:
             lo, hi = text.split(":", 1)
-            return (int(lo), int(hi))
+            return range(int(lo), int(hi) + 1)
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--step takes an int, FIRST:LAST or 'last', got {text!r}") from None
@@ -67,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sparsity", type=float, default=None, help="target gradient sparsity in [0, 1)")
     p.add_argument("--granularity", type=_granularity, default="tensor",
                    help="tensor, mx, nvfp4 or a block size (default tensor)")
-    p.add_argument("--rounding", default=None, choices=["nearest", "stochastic"],
+    p.add_argument("--rounding", default=None, choices=list(PREDICTED_ROUNDINGS),
                    help="force one rounding (default: per layer, what the objective chooses)")
     p.add_argument("--threshold-rule", default=None,
                    choices=["histogram", "lognormal", "naive_lognormal", "normal", "laplace", "exact"],
@@ -80,12 +82,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prune-everywhere", action="store_true",
                    help="with --sparsity, prune every planned layer; by default only the layers whose "
                         "output feeds a BatchNorm (the study's placement) when the model has any")
-    p.add_argument("--step", type=_step, default=None,
+    p.add_argument("--steps", "--step", dest="steps", type=_step, default="latest",
                    help="statistics of step N, of steps FIRST:LAST merged, or 'last' (default: each "
                         "layer's latest step)")
     p.add_argument("--layers", default=None,
                    help="comma list of layer names/globs (default: every traced conv and linear layer)")
-    p.add_argument("--model", default="lognormal", choices=["lognormal", "histogram"],
+    p.add_argument("--format-rule", "--model", dest="format_rule", default="lognormal",
+                   choices=["lognormal", "histogram"],
                    help="choose formats from each layer's lognormal fit or from its binade histogram "
                         "(more accurate on real gradients; per-tensor scales only)")
     p.add_argument("--candidates", type=_candidates, default="ocp", metavar="PRESET|LIST",
@@ -145,18 +148,16 @@ def format_table(plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradstats.plan.recommend import recommend
+    from gradstats.plan.recommend import recommend_each
 
     if len(args.bits) > 1 and args.out and "{bits}" not in args.out:
         raise ValueError("with several --bits, -o needs '{bits}' in the file name (e.g. plan-{bits}.json)")
     layers = [s for s in args.layers.split(",") if s] if args.layers else None
-    result = recommend(args.run, bits=args.bits if len(args.bits) > 1 else args.bits[0],
-                       sparsity=args.sparsity, granularity=args.granularity,
-                       rounding=args.rounding, step=args.step, threshold_rule=args.threshold_rule,
-                       layers=layers, model=args.model, candidates=args.candidates,
-                       objective=args.objective, output_layer=False if args.all_layers else None,
-                       prune_at=False if args.prune_everywhere else None)
-    plans = result if isinstance(result, dict) else {args.bits[0]: result}
+    plans = recommend_each(args.run, bits=args.bits, sparsity=args.sparsity, granularity=args.granularity,
+                           rounding=args.rounding, steps=args.steps, threshold_rule=args.threshold_rule,
+                           layers=layers, format_rule=args.format_rule, candidates=args.candidates,
+                           objective=args.objective, output_layer=False if args.all_layers else None,
+                           prune_at=False if args.prune_everywhere else None)
     for b, plan in plans.items():
         print(f"== {b}-bit plan for {args.run}")
         print(format_table(plan))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from gradstats.formats import PREDICTED_ROUNDINGS
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("what-if", help="what formats would do to a run's gradients (underflow, overflow, "
@@ -14,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block", type=int, default=None, help="block size (a scale per block); default per tensor")
     p.add_argument("--scale-format", default="e8m0", choices=["e8m0", "e4m3"],
                    help="block scales: e8m0 (MX, default) or e4m3 (NVFP4)")
-    p.add_argument("--rounding", default="nearest", choices=["nearest", "stochastic"])
+    p.add_argument("--rounding", default="nearest", choices=list(PREDICTED_ROUNDINGS))
     p.add_argument("--layers", nargs="*", default=None, help="names or globs (default every layer)")
     p.add_argument("--steps", type=int, nargs="*", default=None, help="steps (default every step)")
     p.add_argument("-o", "--out", default=None, help="write the full table here (.csv or .parquet)")

@@ -11,7 +11,7 @@ from gradstats.formats import FPFormat, parse
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
 
-ROUNDINGS = ("nearest", "stochastic")
+from gradstats.formats import PREDICTED_ROUNDINGS as ROUNDINGS  # noqa: E402 - the one list
 OVERFLOWS = ("saturate", "nonfinite")
 CRITERIA = ("mse", "elementwise")
 SCALE_FORMATS = ("e8m0", "e4m3")

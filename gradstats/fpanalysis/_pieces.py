@@ -145,7 +145,7 @@ def _delta_phi(z: np.ndarray) -> np.ndarray:
     return np.where(za >= 0, ta - tb, np.where(zb <= 0, tb - ta, 1.0 - ta - tb))
 
 
-def _coef_matrices(pc: Pieces, mode: str) -> dict[int, np.ndarray]:
+def coef_matrices(pc: Pieces, mode: str) -> dict[int, np.ndarray]:
     """``{k_eff: (P, 7) coefficients}``; error terms of the elementwise mode move to ``k - 2``."""
     key = (id(pc), mode)
     hit = _COEF_CACHE.get(key)
@@ -197,7 +197,7 @@ def integrate(pc: Pieces, mu: np.ndarray, sigma: np.ndarray, log_scale: np.ndarr
         lnn = np.zeros_like(m)
     is_err = np.arange(len(_OUT)) < _N_ERR
     out = np.zeros((m.size, len(_OUT)))
-    for kk, cm in _coef_matrices(pc, mode).items():
+    for kk, cm in coef_matrices(pc, mode).items():
         dphi = _delta_phi(z0 - kk * s[:, None]) if kk else _delta_phi(z0)
         base = kk * m + 0.5 * kk * kk * s * s
         scale = np.exp(base[:, None] - np.where(is_err[None, :], lnn[:, None], 0.0))

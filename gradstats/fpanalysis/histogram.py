@@ -49,7 +49,7 @@ import torch
 from gradstats.formats import FPFormat, parse
 from gradstats.stats import HIST_MIN_EXP
 from gradstats.fpanalysis import _params as P
-from gradstats.fpanalysis._pieces import _N_ERR, PARTS, _coef_matrices, build
+from gradstats.fpanalysis._pieces import _N_ERR, PARTS, coef_matrices, build
 
 __all__ = ["HistogramLaw", "expected_error_from_stats", "best_format_from_stats", "HistogramChoice", "SHAPES",
            "TOP_FIELD"]
@@ -258,7 +258,7 @@ def _integrals(fmt: FPFormat, h: HistogramLaw, log2_scales: np.ndarray, *, round
     pc = build(fmt, rounding, "saturate")
     ln_s = np.asarray(log2_scales, dtype=np.float64) * math.log(2)
     out = np.zeros((ln_s.size, 7))
-    mats = _coef_matrices(pc, mode)
+    mats = coef_matrices(pc, mode)
     if h.weights.size:
         s = np.exp(ln_s)[:, None]
         for kk, cm in mats.items():

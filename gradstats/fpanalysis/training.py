@@ -40,7 +40,7 @@ BIAS_BOUND = 0.01
 OBJECTIVES = ("training", "mse")
 #: shifts (binades) of the scale relative to the amax scale that are searched
 SHIFTS = tuple(range(-8, 5))
-_ROUNDINGS = ("nearest", "stochastic")
+from gradstats.formats import PREDICTED_ROUNDINGS as _ROUNDINGS  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ __all__ = ["what_if", "what_if_stats", "predict_from_stats", "WHAT_IF_COLUMNS"]
 
 #: the prediction columns of :func:`what_if` (besides ``step``, ``layer``, ``format``, ...)
 WHAT_IF_COLUMNS = ("underflow", "overflow", "rel_mse", "bias", "log2_scale")
-ROUNDINGS = ("nearest", "stochastic")
+from gradstats.formats import PREDICTED_ROUNDINGS as ROUNDINGS  # noqa: E402
 
 
 def _grid(fmt: FPFormat) -> np.ndarray:

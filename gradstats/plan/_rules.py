@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from typing import Any, Mapping, Sequence
 
 
-from gradstats.formats import FPFormat, amax_scale as _amax_scale
+from gradstats.formats import PREDICTED_ROUNDINGS, FPFormat, amax_scale as _amax_scale
 from gradstats.pruning import METHODS as _METHODS
 from gradstats.ops.quantization import ROUNDINGS as _ROUNDINGS, SCALE_FORMATS as _SCALE_FORMATS, SCALE_ROUNDINGS as _SCALE_ROUNDINGS
 
@@ -320,7 +320,7 @@ class Rule:
             raise ValueError("scale='lognormal' needs mu= and sigma= (mean and std of ln|g|)")
         from gradstats import fpanalysis
 
-        rounding = self.rounding if self.rounding in ("nearest", "stochastic") else "nearest"
+        rounding = self.rounding if self.rounding in PREDICTED_ROUNDINGS else "nearest"
         has_amax = amax is not None and math.isfinite(float(amax)) and float(amax) > 0
         try:
             s = float(fpanalysis.optimal_scale(self.format, mu=mu, sigma=sigma, rounding=rounding).scale)

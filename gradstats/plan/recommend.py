@@ -15,7 +15,7 @@ second once its statistics are read.
 
 Example:
     >>> import tempfile, torch, gradstats
-    >>> from gradstats.plan.recommend import recommend
+    >>> from gradstats.plan.recommend import recommend, recommend_each
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     >>> with gradstats.trace(model, tempfile.mkdtemp()) as t:
     ...     for _ in range(3):
@@ -23,7 +23,7 @@ Example:
     >>> plan = recommend(t.path, bits=8, sparsity=0.8)
     >>> sorted(plan.resolve(model)), plan.output_layer, plan.defaults.sparsity   # the logits stay exact
     (['0'], '2', 0.8)
-    >>> plans = recommend(t.path, bits=[6, 8])
+    >>> plans = recommend_each(t.path, bits=[6, 8])
     >>> sorted(plans), plans[6].entries[0].format.bits
     ([6, 8], 6)
 """
@@ -33,12 +33,14 @@ import fnmatch
 import logging
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
+from gradstats.run import as_run
 from gradstats.stats import lognormal_moments, merge_stats
 
 log = logging.getLogger(__name__)
@@ -51,9 +53,10 @@ __all__ = ["recommend", "layer_moments", "GRANULARITIES"]
 GRANULARITIES = ("tensor", "mx", "nvfp4")
 _BLOCKS = {"tensor": (None, None), "mx": (32, "e8m0"), "nvfp4": (16, "e4m3")}
 #: rounding modes the format analysis predicts
-_ROUNDINGS = ("nearest", "stochastic")
+from gradstats.formats import PREDICTED_ROUNDINGS as _ROUNDINGS  # noqa: E402
 
-Step = Union[None, int, Sequence[int]]
+#: ``steps=``: 'latest' (or None), an int, a range or slice, or a list of steps
+Steps = Union[None, str, int, range, slice, Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -67,21 +70,31 @@ class _Moments:
     steps: tuple[int, int]
 
 
-def _steps_filter(df, step: Step):
-    """Rows of the statistics frame used for ``step`` and a description of the choice."""
-    if step is None:
+def _old_step(step: Any) -> Any:
+    """``step=`` (the old name of ``steps=``): ``(first, last)`` meant the inclusive range."""
+    warnings.warn("step= is now steps= (None or 'latest': each layer's latest step; an int; a range or "
+                  "slice; a list of steps); step=(first, last) is steps=range(first, last + 1). The old "
+                  "name goes in the next release", DeprecationWarning, stacklevel=3)
+    if isinstance(step, (list, tuple)) and len(step) == 2 and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in step) and step[0] <= step[1]:
+        return range(int(step[0]), int(step[1]) + 1)
+    return "latest" if step is None else step
+
+
+def _steps_filter(df, steps: Steps):
+    """Rows of the statistics frame used for ``steps`` (:mod:`gradstats.run.select`'s grammar, and
+    ``"latest"``: each layer's latest step) and a description of the choice."""
+    from gradstats.run.select import select_steps
+
+    if steps is None or (isinstance(steps, str) and steps == "latest"):
         last = df.groupby("layer")["step"].transform("max")
         return df[df["step"] == last], "the latest step of each layer"
-    if isinstance(step, (int, np.integer)) and not isinstance(step, bool):
-        return df[df["step"] == int(step)], f"step {int(step)}"
-    if isinstance(step, range):
-        step = (step.start, step.stop - 1)
-    if isinstance(step, (list, tuple)) and len(step) == 2 and all(
-            isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in step) and step[0] <= step[1]:
-        lo, hi = int(step[0]), int(step[1])
-        return df[(df["step"] >= lo) & (df["step"] <= hi)], f"steps {lo}..{hi}"
-    raise ValueError(f"step must be None (the latest step of each layer), an int, or (first, last) "
-                     f"steps to merge (inclusive), got {step!r}")
+    if isinstance(steps, str) or isinstance(steps, bool):
+        raise ValueError(f"steps must be 'latest' (each layer's latest step), an int, a range or slice, or a "
+                         f"list of steps; got {steps!r}")
+    chosen = select_steps(sorted(int(v) for v in df["step"].unique()), steps)
+    what = f"step {chosen[0]}" if len(chosen) == 1 else f"steps {chosen[0]}..{chosen[-1]} ({len(chosen)})"
+    return df[df["step"].isin(chosen)], what
 
 
 def _select_layers(run, layers: str | Sequence[str] | None) -> list[str]:
@@ -108,17 +121,17 @@ def _select_layers(run, layers: str | Sequence[str] | None) -> list[str]:
     return [n for n in names if n in chosen]
 
 
-def layer_moments(run: Any, *, step: Step = None, layers: str | Sequence[str] | None = None,
-                  kind: str = "grad") -> "Any":
+def layer_moments(run: Any, *, steps: Steps = "latest", layers: str | Sequence[str] | None = None,
+                  kind: str = "grad", step: Any = None) -> "Any":
     """Per-layer ``mu``, ``sigma`` (of ``ln|g|``), ``p0`` and the merged statistics a
     recommendation is made from, as a DataFrame (one row per layer, calls and ranks merged):
     ``amax`` is the largest ``|g|`` of all the captures merged, ``numel`` and
     ``amax_per_capture`` the size and (median) maximum of one captured tensor, which the format
     predictions are conditioned on.
 
-    ``step``: ``None`` (each layer's latest captured step), an int, or ``(first, last)``
-    (inclusive) to merge a range of steps. ``layers``: ``None`` for every traced convolution
-    and linear layer, or names/globs.
+    ``steps``: ``"latest"`` (each layer's latest captured step), an int, a ``range`` or ``slice``,
+    or a list of steps, merged (:mod:`gradstats.run.select`). ``layers``: ``None`` for every traced
+    convolution and linear layer, or names/globs. ``step=`` is the old name of ``steps=``.
 
     Example:
         >>> import tempfile, torch, gradstats
@@ -126,13 +139,15 @@ def layer_moments(run: Any, *, step: Step = None, layers: str | Sequence[str] | 
         >>> with gradstats.trace(m, tempfile.mkdtemp()) as t:
         ...     for _ in range(2):
         ...         m(torch.randn(8, 4)).square().sum().backward(); t.step()
-        >>> df = layer_moments(t.path, step=(0, 1))
+        >>> df = layer_moments(t.path, steps=range(2))
         >>> list(df.columns[:5]), int(df["n"][0])
         (['layer', 'mu', 'sigma', 'p0', 'amax'], 64)
     """
     import pandas as pd
 
-    mom = _moments(_open(run), step=step, layers=layers, kind=kind, skip_empty=False)
+    if step is not None:
+        steps = _old_step(step)
+    mom = _moments(as_run(run), steps=steps, layers=layers, kind=kind, skip_empty=False)
     rows = []
     for name, mu, sigma, p0, row in zip(mom.layers, mom.mu, mom.sigma, mom.p0, mom.rows):
         rows.append({"layer": name, "mu": mu, "sigma": sigma, "p0": p0, "amax": row["max_abs"],
@@ -142,23 +157,13 @@ def layer_moments(run: Any, *, step: Step = None, layers: str | Sequence[str] | 
     return pd.DataFrame(rows)
 
 
-def _open(run: Any):
-    from gradstats.run import Run, open_run
-
-    if isinstance(run, Run):
-        return run
-    if isinstance(run, (str, os.PathLike)):
-        return open_run(run)
-    raise ValueError(f"run must be a gradstats Run or the path of a run directory, got {type(run).__name__}")
-
-
-def _moments(run, *, step: Step, layers, kind: str, skip_empty: bool = True) -> _Moments:
+def _moments(run, *, steps: Steps, layers, kind: str, skip_empty: bool = True) -> _Moments:
     names = _select_layers(run, layers)
     df = run.stats(kinds=[kind])
     if len(df) == 0:
         raise ValueError(f"the run at {run.path} has no {kind!r} statistics yet (no committed steps)")
     df = df[df["layer"].isin(names)]
-    sel, what = _steps_filter(df, step)
+    sel, what = _steps_filter(df, steps)
     groups: dict[str, list[dict[str, Any]]] = {}
     for rec in sel.to_dict("records"):  # one conversion: per-group conversions dominate otherwise
         groups.setdefault(rec["layer"], []).append(rec)
@@ -234,7 +239,7 @@ def _pruning(mom: _Moments, sparsity: float | None, rule: str) -> tuple[np.ndarr
 
     if rule == "exact":
         return np.full(n, np.nan), np.maximum(sparsity, mom.p0)
-    a = np.asarray(pruning.threshold(np.full(n, float(sparsity)), mom.rows, model=rule), dtype=np.float64)
+    a = np.asarray(pruning.threshold(np.full(n, float(sparsity)), mom.rows, threshold_rule=rule), dtype=np.float64)
     if rule == "histogram":       # model-free: it aims at the target on the data itself
         return a, np.maximum(float(sparsity), mom.p0)
     pred = pruning.expected_sparsity(a, mu=mom.mu, sigma=mom.sigma, p0=mom.p0)
@@ -245,19 +250,19 @@ def _fmt(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
-def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None = None,
-              granularity: str | int = "tensor", rounding: str | None = None, step: Step = None,
+def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
+              granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "latest",
               threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
-              layers: str | Sequence[str] | None = None, model: str = "lognormal",
+              layers: str | Sequence[str] | None = None, format_rule: str = "lognormal",
               objective: str = "training", bias_bound: float | None = None,
               output_layer: str | bool | None = None,
-              prune_at: str | bool | None = None) -> Union[Plan, dict[int, Plan]]:
+              prune_at: str | bool | None = None, **renamed: Any) -> Plan:
     """Recommend a per-layer plan from a traced run's statistics.
 
     Args:
         run: a :class:`gradstats.run.Run` or the path of a run directory.
-        bits: the format width, or a list of widths: then the result is a dict ``{bits: Plan}``
-            (one independent plan per width, in the order given).
+        bits: the format width (:func:`recommend_each` makes one plan per width of a list, from one
+            read of the run).
         sparsity: target fraction of zeros in ``[0, 1)`` for every layer (stochastic pruning),
             or None for no pruning.
         granularity: ``"tensor"`` (one optimal power-of-two scale per tensor, scale rule
@@ -266,8 +271,8 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
         rounding: ``"nearest"`` or ``"stochastic"`` (the errors are predicted for it), or None
             (default): per layer, what the objective chooses (``objective="training"`` with
             per-tensor scales); otherwise stochastic for 6 bits or fewer, nearest above.
-        step: which statistics: None (each layer's latest step), an int, or ``(first, last)``
-            (inclusive) to merge a range of steps.
+        steps: which statistics, merged: ``"latest"`` (each layer's latest step), an int, a ``range`` or
+            ``slice``, or a list of steps (:mod:`gradstats.run.select`).
         threshold_rule: the pruning threshold rule; None: the :class:`~gradstats.plan.Rule` default
             (``"histogram"``, the most accurate sort-free rule on real gradients), or
             ``"lognormal"``, ``"naive_lognormal"``, ``"normal"``, ``"laplace"``, ``"exact"``.
@@ -294,7 +299,7 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
             model has none; with ``layers`` named, every one of them. ``False``: every layer;
             ``"batchnorm_inputs"``: only those. The other layers are quantised and not pruned,
             and their formats are chosen without a threshold. The plan records it.
-        model: how formats are chosen (per-tensor scales): ``"lognormal"`` (the closed forms in each
+        format_rule: how formats are chosen (per-tensor scales): ``"lognormal"`` (the closed forms in each
             layer's mu and sigma, given its maximum) or ``"histogram"`` (each layer's binade histogram
             and maximum, :func:`gradstats.fpanalysis.best_format_from_stats`: no lognormal assumption,
             the more accurate pick on real gradients, see ``docs/fpanalysis.md``). Block-scaled plans
@@ -314,7 +319,9 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
     Returns a :class:`~gradstats.plan.Plan` whose defaults hold the shared settings (scale rule,
     rounding, blocks, sparsity, threshold rule) and whose entries, one per layer by exact name,
     hold the chosen format and the :class:`~gradstats.plan.Prediction` (error, sparsity, mu,
-    sigma, p0, scale, threshold); or a dict of such plans when ``bits`` is a list.
+    sigma, p0, scale, threshold). Old keyword names, kept for one release: ``model=`` (now
+    ``format_rule=``), ``step=`` (now ``steps=``; ``(first, last)`` is ``range(first, last + 1)``); a list
+    of ``bits`` still gives ``{bits: Plan}`` with a warning (use :func:`recommend_each`).
 
     Example:
         >>> import tempfile, torch, gradstats
@@ -326,10 +333,53 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
         >>> r.format.bits, r.rounding, r.scale, r.sparsity, 0.4 < r.predicted.sparsity < 0.6
         (8, 'stochastic', 'amax', 0.5, True)
     """
+    if isinstance(bits, (list, tuple, range)):
+        warnings.warn("recommend(bits=[...]) returning {bits: Plan} is now recommend_each(bits=[...]); "
+                      "recommend returns one Plan. The old form goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return recommend_each(run, bits=bits, sparsity=sparsity, granularity=granularity, rounding=rounding,
+                              steps=steps, threshold_rule=threshold_rule, candidates=candidates, layers=layers,
+                              format_rule=format_rule, objective=objective, bias_bound=bias_bound,
+                              output_layer=output_layer, prune_at=prune_at, **renamed)
+    (width,), _ = _bits_list(bits)
+    return recommend_each(run, bits=[width], sparsity=sparsity, granularity=granularity, rounding=rounding,
+                          steps=steps, threshold_rule=threshold_rule, candidates=candidates, layers=layers,
+                          format_rule=format_rule, objective=objective, bias_bound=bias_bound,
+                          output_layer=output_layer, prune_at=prune_at, **renamed)[width]
+
+
+def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | None = None,
+                   granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "latest",
+                   threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
+                   layers: str | Sequence[str] | None = None, format_rule: str = "lognormal",
+                   objective: str = "training", bias_bound: float | None = None,
+                   output_layer: str | bool | None = None,
+                   prune_at: str | bool | None = None, **renamed: Any) -> dict[int, Plan]:
+    """:func:`recommend` for each width of ``bits``: ``{bits: Plan}`` in the order given, the run read
+    once (the arguments are :func:`recommend`'s).
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> m = torch.nn.Sequential(torch.nn.Linear(16, 16))
+        >>> with gradstats.trace(m, tempfile.mkdtemp()) as t:
+        ...     m(torch.randn(32, 16)).exp().sum().backward(); t.step()
+        >>> plans = recommend_each(t.path, bits=[8, 4], output_layer=False)
+        >>> {b: p.resolve(m)["0"].format.bits for b, p in plans.items()}
+        {8: 8, 4: 4}
+    """
     from gradstats import fpanalysis
     from gradstats._version import __version__  # noqa: F401 - provenance
 
-    widths, single = _bits_list(bits)
+    if "model" in renamed:
+        warnings.warn("recommend: model= is now format_rule=; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=3)
+        format_rule = renamed.pop("model")
+    if "step" in renamed:
+        steps = _old_step(renamed.pop("step"))
+    if renamed:
+        raise TypeError(f"recommend() got unexpected keyword arguments {sorted(renamed)}")
+    model = format_rule
+    widths, _ = _bits_list(bits)
     if rounding is not None and rounding not in _ROUNDINGS:
         raise ValueError(f"rounding must be None (the objective chooses) or one of {list(_ROUNDINGS)} (the "
                          f"format analysis predicts the error of these), got {rounding!r}")
@@ -345,13 +395,13 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
         sparsity = float(sparsity)
     Rule(threshold_rule=threshold_rule)  # validates the rule name
     if model not in ("lognormal", "histogram"):
-        raise ValueError(f"model must be 'lognormal' or 'histogram', got {model!r}")
+        raise ValueError(f"format_rule must be 'lognormal' or 'histogram', got {model!r}")
     block_size, scale_format = _granularity(granularity)
     cands = _candidates(fpanalysis, candidates, widths, granularity)
     if model == "histogram" and block_size is not None:
-        raise ValueError("model='histogram' chooses per-tensor formats and scales; block-scaled plans "
-                         "(granularity='mx', 'nvfp4' or a block size) use model='lognormal'")
-    r = _open(run)
+        raise ValueError("format_rule='histogram' chooses per-tensor formats and scales; block-scaled plans "
+                         "(granularity='mx', 'nvfp4' or a block size) use format_rule='lognormal'")
+    r = as_run(run)
     skip = None
     default_selection = layers is None
     if layers is None and output_layer is not False:
@@ -366,7 +416,7 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
     from gradstats.plan._plan import default_prune_at, pruned_layers
 
     prune_at = default_prune_at(prune_at, default_selection)
-    mom = _moments(r, step=step, layers=layers, kind="grad")
+    mom = _moments(r, steps=steps, layers=layers, kind="grad")
     thr, pred_sp = _pruning(mom, sparsity, threshold_rule)
     if sparsity is not None and prune_at is not None:
         where = pruned_layers(prune_at, r)
@@ -384,7 +434,7 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
             tc = fpanalysis.choose_for_training(
                 b, mu=mom.mu, sigma=mom.sigma, p0=mom.p0, amax=mom.amax, numel=numel,
                 candidates=[f for f in fmts_ if f.bits == b] or fmts_,
-                roundings=[rounding] if rounding else ("nearest", "stochastic"), bias_bound=bias_bound,
+                roundings=[rounding] if rounding else _ROUNDINGS, bias_bound=bias_bound,
                 threshold=np.where(np.isfinite(thr), thr, 0.0) if sparsity else None, names=mom.layers)
             fmts, scales, errors = list(tc.format), np.asarray(tc.scale), np.asarray(tc.error)
             roundings = list(tc.rounding)
@@ -418,8 +468,8 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
                     kw["scale_shift"] = extra["scale_shift"]
             entries.append(PlanEntry(name, format=fmts[i], predicted=pred, **kw))
         gen = (f"recommend(bits={b}, sparsity={sparsity!r}, granularity={granularity!r}, "
-               f"rounding={rounding!r}, step={step!r}, threshold_rule={threshold_rule!r}"
-               + (f", model={model!r}" if model != "lognormal" else "")
+               f"rounding={rounding!r}, steps={steps!r}, threshold_rule={threshold_rule!r}"
+               + (f", format_rule={model!r}" if model != "lognormal" else "")
                + f", objective={objective!r}"
                + f", candidates={cands if isinstance(cands, str) else [str(c) for c in cands]!r})")
         prov = Provenance.now(source=str(r.path), generator=gen, steps=mom.steps)
@@ -429,7 +479,7 @@ def recommend(run: Any, *, bits: int | Sequence[int] = 8, sparsity: float | None
         from gradstats.layers import log_unplanned
 
         log_unplanned(log, "gradstats.recommend", plans[widths[0]].unplanned(r))
-    return plans[widths[0]] if single else plans
+    return plans
 
 
 def _candidates(fpanalysis, candidates: Any, widths: Sequence[int], granularity: Any) -> Union[str, list[Any]]:

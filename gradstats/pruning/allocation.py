@@ -630,8 +630,8 @@ class _Costs:
     def _kw(self, mask: np.ndarray) -> dict[str, np.ndarray]:
         sub = mask[self.par]
         if hasattr(self.m, "mu"):
-            return {"mu": self.m.mu[sub], "sigma": self.m.sigma[sub], "model": self.fam}
-        return {"scale": self.m.scale[sub], "model": self.fam}
+            return {"mu": self.m.mu[sub], "sigma": self.m.sigma[sub], "family": self.fam}
+        return {"scale": self.m.scale[sub], "family": self.fam}
 
     def sparsity(self, a: np.ndarray) -> np.ndarray:
         s = np.empty(a.size)

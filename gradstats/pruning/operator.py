@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradstats._compat import renamed_kwargs
 from gradstats.ops.prune import check_generator, check_out, check_tensor, hard_prune, stochastic_prune
 from gradstats.stats import SCALAR_FIELDS, has_native_kernel, tensor_stats, tensor_stats_vector
 from gradstats.ops import cpu as _cpu
@@ -141,12 +142,13 @@ def _estimate(x: torch.Tensor, method: str) -> dict[str, Any]:
     return dict(tensor_stats(x))
 
 
-def prune(x: torch.Tensor, target: float, *, method: str = DEFAULT_RULE, stochastic: bool = True,
+@renamed_kwargs(method="threshold_rule")
+def prune(x: torch.Tensor, target: float, *, threshold_rule: str = DEFAULT_RULE, stochastic: bool = True,
           generator: torch.Generator | None = None, out: torch.Tensor | None = None,
           return_threshold: bool = False) -> Any:
     """Estimate the threshold for ``target`` sparsity from ``x`` itself and apply it.
 
-    ``method``: ``"histogram"`` (the default, model-free: one sweep counting ``|x|`` in
+    ``threshold_rule``: ``"histogram"`` (the default, model-free: one sweep counting ``|x|`` in
     quarter-binade bins, see :mod:`gradstats.pruning.histogram`; the most accurate sort-free
     rule on real gradients, within about 1e-4 of the target on average), a model rule of
     :func:`gradstats.pruning.threshold` (``"lognormal"``, the study's closed form,
@@ -168,8 +170,9 @@ def prune(x: torch.Tensor, target: float, *, method: str = DEFAULT_RULE, stochas
     """
     check_tensor(x)
     s = _check_target(target)
+    method = threshold_rule
     if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise ValueError(f"threshold_rule must be one of {METHODS}, got {method!r}")
     check_out(out, x)
     check_generator(generator)
     if method == "exact":
@@ -183,7 +186,7 @@ def prune(x: torch.Tensor, target: float, *, method: str = DEFAULT_RULE, stochas
         else:
             model = "lognormal" if method == "naive_lognormal" else method
             sto = stochastic and method != "naive_lognormal"
-            a = float(_threshold(s, st, model=model, stochastic=sto))
+            a = float(_threshold(s, st, threshold_rule=model, stochastic=sto))
     if stochastic:
         y = stochastic_prune(x, a, generator=generator, out=out)
     else:

@@ -22,13 +22,15 @@ from typing import Any, Union
 import numpy as np
 import torch
 
+from gradstats._compat import renamed_kwargs
 from gradstats.stats import lognormal_moments, n_nonzero
 from gradstats.pruning._models import Exponential, HalfNormal, Lognormal, Model, solve_sparsity, solve_sparsity_scalar
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
 
-#: distribution models of the non-zero magnitudes
-MODELS = ("lognormal", "normal", "laplace")
+#: the families of the non-zero magnitudes (``MODELS``: their old name, kept for one release)
+FAMILIES = ("lognormal", "normal", "laplace")
+MODELS = FAMILIES
 #: threshold rules: the models, the lognormal quantile that ignores the rounding up, and the
 #: model-free histogram rule (:mod:`gradstats.pruning.histogram`)
 RULES = ("lognormal", "naive_lognormal", "normal", "laplace", "histogram")
@@ -241,8 +243,9 @@ def _rule(model: str | None, source: Any, *explicit: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- public verbs
+@renamed_kwargs(model="threshold_rule")
 def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
-                      sigma: ArrayLike | None = None, model: str | None = None,
+                      sigma: ArrayLike | None = None, threshold_rule: str | None = None,
                       stochastic: bool = True, p0: ArrayLike | None = None,
                       scale: ArrayLike | None = None) -> Any:
     """Expected fraction of zeros after pruning at ``threshold``.
@@ -250,7 +253,7 @@ def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike
     Stochastic operator (default): ``S = p0 + (1 - p0) * (P(|g| < a) - E[|g| 1{|g|<a}] / a)``;
     for the lognormal model ``S(a) = Phi(z) - exp(mu + sigma^2/2) / a * Phi(z - sigma)`` with
     ``z = (ln a - mu) / sigma``. ``stochastic=False``: the hard threshold, ``P(|g| < a)``.
-    ``model`` as for :func:`threshold` (by default the histogram rule where ``source`` carries
+    ``threshold_rule`` as for :func:`threshold` (by default the histogram rule where ``source`` carries
     a histogram and none of ``mu``, ``sigma``, ``p0``, ``scale`` is given, else the lognormal).
 
     Example:
@@ -262,7 +265,7 @@ def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike
         >>> expected_sparsity(1.0, mu=0.0, sigma=1.0, stochastic=False)
         0.5
     """
-    model = _rule(model, source, mu, sigma, p0, scale)
+    model = _rule(threshold_rule, source, mu, sigma, p0, scale)
     if model == "histogram":
         hs, single = _histograms(source)
         a = _as_array(threshold)
@@ -289,13 +292,14 @@ def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike
     return _wrap(out, (threshold, mu, sigma, p0, scale))
 
 
+@renamed_kwargs(model="threshold_rule")
 def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
-              sigma: ArrayLike | None = None, model: str | None = None, stochastic: bool = True,
+              sigma: ArrayLike | None = None, threshold_rule: str | None = None, stochastic: bool = True,
               p0: ArrayLike | None = None, scale: ArrayLike | None = None,
               amax: ArrayLike | None = None, mean_abs: ArrayLike | None = None) -> Any:
     """The threshold ``a`` whose expected sparsity is ``target``.
 
-    ``model``: ``"histogram"`` (model-free, from the binade histogram, the largest magnitudes
+    ``threshold_rule``: ``"histogram"`` (model-free, from the binade histogram, the largest magnitudes
     and the extremes of a statistics row: see :mod:`gradstats.pruning.histogram`; needs
     ``source``; the most accurate sort-free rule on real gradients), ``"lognormal"`` (the
     study's analytic rule, with closed forms), ``"naive_lognormal"`` (the lognormal
@@ -333,7 +337,7 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
         >>> a = threshold(0.9, mu=-10.0, sigma=2.0)          # the lognormal closed form
         >>> abs(expected_sparsity(a, mu=-10.0, sigma=2.0) - 0.9) < 1e-12
         True
-        >>> threshold(0.9, mu=-10.0, sigma=2.0, model="naive_lognormal") < a
+        >>> threshold(0.9, mu=-10.0, sigma=2.0, threshold_rule="naive_lognormal") < a
         True
         >>> threshold(0.2, mu=-10.0, sigma=2.0, p0=0.3)
         0.0
@@ -344,7 +348,7 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
         >>> threshold(0.9, mu=-10.0, sigma=2.0, amax=1e-4, mean_abs=2e-6)   # capped at amax
         0.0001
     """
-    model = _rule(model, source, mu, sigma, p0, scale)
+    model = _rule(threshold_rule, source, mu, sigma, p0, scale)
     if model == "naive_lognormal":
         model, stochastic = "lognormal", False
     elif model == "histogram":
@@ -359,7 +363,7 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
             out = np.array([h.threshold(float(v), stochastic=stochastic) for h, v in zip(hs, sb)])
         return _wrap(out, (target,))
     elif model not in MODELS:
-        raise ValueError(f"model must be one of {RULES}, got {model!r}")
+        raise ValueError(f"threshold_rule must be one of {RULES}, got {model!r}")
     if source is None and all(v is None or (isinstance(v, (float, int)) and not isinstance(v, bool))
                               for v in (target, mu, sigma, p0, scale, amax, mean_abs)):
         return _threshold_one(target, model, stochastic, mu, sigma, p0, scale, amax, mean_abs)
@@ -426,8 +430,9 @@ def _condition_on_amax(a: np.ndarray, s: np.ndarray, amax: ArrayLike, mean_abs: 
     return out
 
 
+@renamed_kwargs(model="family")
 def predicted_cosine(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
-                     sigma: ArrayLike | None = None, model: str = "lognormal",
+                     sigma: ArrayLike | None = None, family: str = "lognormal",
                      p0: ArrayLike | None = None, scale: ArrayLike | None = None) -> Any:
     """Expected cosine similarity between ``g`` and its stochastic pruning ``T(g)`` at
     ``threshold``: ``sqrt(E g^2 / E T(g)^2)`` with
@@ -439,13 +444,14 @@ def predicted_cosine(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike 
         >>> 0.9 < predicted_cosine(threshold(0.85, mu=0.0, sigma=2.5), mu=0.0, sigma=2.5) < 1.0
         True
     """
-    m, p0v, _ = resolve(source, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
+    m, p0v, _ = resolve(source, model=family, mu=mu, sigma=sigma, p0=p0, scale=scale)
     d = _added_rel(m, p0v, threshold)
     return _wrap(1.0 / np.sqrt(1.0 + d), (threshold, mu, sigma, p0, scale))
 
 
+@renamed_kwargs(model="family")
 def added_variance(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
-                   sigma: ArrayLike | None = None, model: str = "lognormal",
+                   sigma: ArrayLike | None = None, family: str = "lognormal",
                    p0: ArrayLike | None = None, scale: ArrayLike | None = None,
                    relative: bool = False) -> Any:
     """Expected variance the stochastic pruning at ``threshold`` adds per element,
@@ -461,7 +467,7 @@ def added_variance(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | 
         >>> abs(v - (1 / predicted_cosine(a, mu=0.0, sigma=2.0) ** 2 - 1)) < 1e-12
         True
     """
-    m, p0v, _ = resolve(source, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
+    m, p0v, _ = resolve(source, model=family, mu=mu, sigma=sigma, p0=p0, scale=scale)
     d = _added_rel(m, p0v, threshold)
     if relative:
         out = d

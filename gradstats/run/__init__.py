@@ -782,6 +782,23 @@ class Run:
                 f"ranks={self.ranks or [0]})")
 
 
+def as_run(run: Any) -> Run:
+    """``run`` itself if it is a :class:`Run`, else the run at that path (:func:`open_run`): what every
+    stage that reads a run accepts.
+
+    Example:
+        >>> from gradstats.zoo.data import data_dir
+        >>> r = as_run(data_dir() / "sample-run")
+        >>> as_run(r) is r
+        True
+    """
+    if isinstance(run, Run):
+        return run
+    if isinstance(run, (str, os.PathLike)):
+        return open_run(run)
+    raise ValueError(f"run must be a gradstats Run or the path of a run directory, got {type(run).__name__}")
+
+
 def open_run(path: str | os.PathLike[str]) -> Run:
     """Open a run directory written by :func:`gradstats.trace` (also while it is being written).
 

@@ -15,7 +15,7 @@ from gradstats.cli import main
 from gradstats.zoo.data import load_fashion_mnist
 from gradstats.zoo.models import build_model
 from gradstats.plan import Plan
-from gradstats.plan.recommend import layer_moments, recommend
+from gradstats.plan.recommend import layer_moments, recommend, recommend_each
 from gradstats.zoo.training import train
 
 STEPS = 5
@@ -85,22 +85,30 @@ def test_layer_moments_latest_step_match_the_gradients(cnn_run):
 
 def test_layer_moments_of_a_step_and_of_merged_steps(cnn_run):
     model, run, grads, names = cnn_run
-    one = layer_moments(run, step=1, layers=["conv*"])
+    one = layer_moments(run, steps=1, layers=["conv*"])
     assert list(one["layer"]) == ["conv1", "conv2"]
     assert one["mu"][0] == pytest.approx(_moments_of(grads[1]["conv1"])[0], rel=1e-5)
-    merged = layer_moments(run, step=(1, 3), layers="fc1")
+    merged = layer_moments(run, steps=range(1, 4), layers="fc1")
     g = torch.cat([grads[s]["fc1"] for s in (1, 2, 3)])
     mu, sigma, p0 = _moments_of(g)
     assert merged["mu"][0] == pytest.approx(mu, rel=1e-5) and merged["sigma"][0] == pytest.approx(sigma, rel=1e-4)
     assert merged["p0"][0] == pytest.approx(p0, abs=1e-12)
     assert (int(merged["first_step"][0]), int(merged["last_step"][0]), int(merged["n"][0])) == (1, 3, g.numel())
-    assert layer_moments(run, step=range(1, 4), layers="fc1")["mu"][0] == merged["mu"][0]
+    assert layer_moments(run, steps=[1, 2, 3], layers="fc1")["mu"][0] == merged["mu"][0]
+    assert layer_moments(run, steps=slice(1, 4), layers="fc1")["mu"][0] == merged["mu"][0]
+    # the old name and its inclusive (first, last) form, for one release
+    with pytest.warns(DeprecationWarning, match="steps=range"):
+        old = layer_moments(run, step=(1, 3), layers="fc1")
+    assert old["mu"][0] == merged["mu"][0]
+    with pytest.raises(ValueError, match="no step of the run"):
+        layer_moments(run, steps=[99], layers="fc1")
 
 
 @pytest.mark.parametrize("kw, msg", [
-    ({"step": 99}, "no 'grad' statistics at step 99 for layers"),
-    ({"step": (3, 1)}, "step must be None"),
-    ({"step": "last"}, "step must be None"),
+    ({"steps": 99}, "no step of the run is selected by"),
+    ({"steps": range(3, 1)}, "no step of the run is selected by"),
+    ({"steps": "last"}, "steps must be 'latest'"),
+    ({"steps": True}, "steps must be 'latest'"),
     ({"layers": ["nope*"]}, r"'nope\*' matches no traced layer"),
 ])
 def test_layer_moments_errors(cnn_run, kw, msg):
@@ -137,12 +145,12 @@ def test_recommend_picks_the_best_format_and_scale_per_layer(cnn_run):
 
 
 def test_recommend_from_the_histograms(cnn_run):
-    """model="histogram": each layer's format and scale come from its own binade histogram and
+    """format_rule="histogram": each layer's format and scale come from its own binade histogram and
     maximum (the run's statistics), and the predicted error matches the measured one of that format
     at that scale on the very gradient the statistics describe."""
     model, run, grads, names = cnn_run
-    plan = recommend_mse(run, bits=6, model="histogram")
-    assert "model='histogram'" in plan.provenance.generator
+    plan = recommend_mse(run, bits=6, format_rule="histogram")
+    assert "format_rule='histogram'" in plan.provenance.generator
     st = run.stats(kinds=["grad"])
     last = st[st["step"] == STEPS - 1]
     for name, rule in plan.resolve(model).items():
@@ -153,9 +161,9 @@ def test_recommend_from_the_histograms(cnn_run):
         measured = _measured(g, rule, rule.predicted.scale)
         assert rule.predicted.error == pytest.approx(measured, rel=0.25), name
     with pytest.raises(ValueError, match="block-scaled"):
-        recommend_mse(run, bits=4, granularity="mx", model="histogram")
-    with pytest.raises(ValueError, match="model must be"):
-        recommend_mse(run, bits=4, model="empirical")
+        recommend_mse(run, bits=4, granularity="mx", format_rule="histogram")
+    with pytest.raises(ValueError, match="format_rule must be"):
+        recommend_mse(run, bits=4, format_rule="empirical")
 
 
 def _measured(g: torch.Tensor, rule, scale: float) -> float:
@@ -304,7 +312,7 @@ def test_cli_recommend(cnn_run, tmp_path, capsys):
     assert main(["recommend", str(run.path), "--bits", "8", "--all-layers", "--objective", "mse",
                  "-o", str(out)]) == 0
     assert [e.layer for e in Plan.load(out).entries] == names
-    assert main(["recommend", str(run.path), "--bits", "6,8", "--granularity", "mx", "--step", "1:3",
+    assert main(["recommend", str(run.path), "--bits", "6,8", "--granularity", "mx", "--steps", "1:3",
                  "-o", str(tmp_path / "p{bits}.json")]) == 0
     assert Plan.load(tmp_path / "p6.json").entries[0].format.bits == 6
     assert Plan.load(tmp_path / "p8.json").provenance.steps == (1, 3)
@@ -354,9 +362,17 @@ def test_recommend_default_chooses_only_formats_that_exist(narrow_run):
         [e.format for e in recommend(run, bits=8).entries]
     assert _formats(recommend(run, bits=6)) <= {"e2m3fn", "e3m2fn"}
     assert _formats(recommend(run, bits=4)) == {"e2m1fn"}
-    assert _formats(recommend(run, bits=8, model="histogram")) <= {"e4m3fn", "e5m2"}
-    plans = recommend(run, bits=[8, 6, 4])
+    assert _formats(recommend(run, bits=8, format_rule="histogram")) <= {"e4m3fn", "e5m2"}
+    plans = recommend_each(run, bits=[8, 6, 4])
     assert _formats(plans[8]) <= {"e4m3fn", "e5m2"} and _formats(plans[4]) == {"e2m1fn"}
+    # recommend returns one Plan; the old list form and model= still work for one release, warning
+    with pytest.warns(DeprecationWarning, match="recommend_each"):
+        old = recommend(run, bits=[8, 4])
+    assert isinstance(old, dict) and [e.format for e in old[4].entries] == [e.format for e in plans[4].entries]
+    with pytest.warns(DeprecationWarning, match="format_rule"):
+        assert _formats(recommend(run, bits=8, model="histogram")) <= {"e4m3fn", "e5m2"}
+    with pytest.raises(ValueError, match="bits must be an int"):
+        recommend(run, bits="8")
 
 
 def test_recommend_presets_and_granularities(narrow_run):
@@ -494,8 +510,8 @@ def test_merged_steps_predict_at_one_capture_not_at_the_extreme_of_all(cnn_run):
     median of the per-step maxima) with that tensor's size, as apply conditions each call: not on
     the maximum over all captures, the extreme of several tensors, with the size of one."""
     model, run, grads, names = cnn_run
-    plan = recommend(run, bits=6, step=(1, 3))
-    mom = layer_moments(run, step=(1, 3)).set_index("layer")
+    plan = recommend(run, bits=6, steps=range(1, 4))
+    mom = layer_moments(run, steps=range(1, 4)).set_index("layer")
     for e in plan.entries:
         maxima = [float(grads[s][e.layer].abs().max()) for s in (1, 2, 3)]
         p = e.predicted

@@ -1,0 +1,82 @@
+"""The package's shape: one-way imports along the data flow (docs/architecture.md), read from the source."""
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import imports  # noqa: E402
+
+MODS = imports.scan()
+
+
+def test_no_import_cycle():
+    """No two modules need each other, at module level or inside functions (a result's lazy ``plot()``
+    and ``to_<library>()`` adapters excepted)."""
+    assert imports.cycles(MODS) == []
+
+
+def test_every_module_has_a_stage():
+    assert sorted(m for m in MODS if imports.stage(m) is None and m != "gradstats") == []
+
+
+def test_no_stage_imports_a_later_one():
+    """Known exception, listed so that it cannot grow: the tracer's alarms predict a watched format's
+    underflow with the what-if law of the format analysis."""
+    allowed = {"gradstats.alarms -> gradstats.fpanalysis.what_if"}
+    back = {b.split(":")[0] + " -> " + b.split(" imports ")[1].split(" ")[0] for b in imports.backward_imports(MODS)}
+    assert back - allowed == set()
+
+
+def test_analysis_does_not_import_plots_at_module_level():
+    assert imports.module_level_plot_imports(MODS) == []
+
+
+def test_no_private_name_crosses_a_package():
+    assert imports.private_crossings(MODS) == []
+
+
+def test_the_scanner_sees_what_it_must():
+    """The checks above can fail: a function-level import counts, a plot adapter does not."""
+    mods = imports.scan()
+    apply_imports = mods["gradstats.apply"].imports
+    assert "gradstats.plan" in apply_imports or "gradstats.plan._plan" in apply_imports
+    assert any(not top for uses in mods["gradstats.plan._export"].imports.values() for _, top, _ in uses)
+    fake = {"a": imports.Module("gradstats.a", Path("a.py"), False, {"gradstats.b": [(1, False, set())]}),
+            "b": imports.Module("gradstats.b", Path("b.py"), False, {"gradstats.a": [(1, True, set())]})}
+    fake = {m.name: m for m in fake.values()}
+    assert imports.cycles(fake) == [["gradstats.a", "gradstats.b"]]
+
+
+@pytest.mark.parametrize("old, new", [("gradstats.quant", "gradstats.ops.quantization"),
+                                      ("gradstats.compress", "gradstats.ops.fused"),
+                                      ("gradstats.enforce", "gradstats.apply"),
+                                      ("gradstats.models", "gradstats.zoo.models"),
+                                      ("gradstats.data", "gradstats.zoo.data"),
+                                      ("gradstats.training", "gradstats.zoo.training")])
+def test_old_homes_are_deprecated_aliases_of_the_new(old, new):
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        mod = importlib.import_module(old)
+    assert mod is importlib.import_module(new)
+
+
+def test_old_top_level_names_warn_and_work():
+    import gradstats
+    from gradstats import zoo
+
+    with pytest.warns(DeprecationWarning, match="gradstats.zoo.build_model"):
+        assert gradstats.build_model is zoo.build_model
+
+
+def test_importing_the_apply_module_keeps_the_verb():
+    import gradstats
+
+    module = importlib.import_module("gradstats.apply")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert callable(gradstats.apply) and gradstats.apply is module.apply
