@@ -11,7 +11,7 @@ neural-gradient statistics (a module whose weights are used functionally, such a
 fitted (an identically zero gradient, a damaged sample file) is reported with the reason in the
 table, the text and ``report.md``, never fatal. :meth:`Analysis.write` (or :func:`report`) writes
 ``plan.json``, the per-width plans, ``report.md`` with the figures embedded, the figures
-(:func:`gradstats.plots.study.write_figures`) and the tables.
+(:func:`gradstats.figures.write_figures`) and the tables.
 
 Example:
     >>> import tempfile, gradstats
@@ -50,9 +50,9 @@ _LN2 = math.log(2.0)
 
 
 def _open(run: Any) -> Any:
-    from gradstats.plots.study import _open as open_any
+    from gradstats.study import open_run_or_path
 
-    return open_any(run)
+    return open_run_or_path(run)
 
 
 def _pct(s: float) -> str:
@@ -146,7 +146,7 @@ def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def _fit_steps(run: Any) -> tuple[list[int], bool]:
-    from gradstats.plots.study import sampled_steps
+    from gradstats.study import sampled_steps
 
     have = sampled_steps(run, "grad")
     if have:
@@ -187,10 +187,10 @@ def _no_statistics(run: Any, names: Sequence[str]) -> dict[str, str]:
 def _measured_errors(run: Any, plans: Mapping[int, Any], step: int) -> pd.DataFrame:
     """Predicted against measured quantisation error of each planned layer at ``step`` (the
     recommended format at its scale applied to the step's raw samples), as
-    :func:`gradstats.plots.study.error_check` computes it, for the plans of the analysis (the
+    :func:`gradstats.study.error_check` computes it, for the plans of the analysis (the
     formats do not depend on the target sparsity). Layers without samples there are left out."""
     from gradstats.fpanalysis import measured_error
-    from gradstats.plots.study import layer_values
+    from gradstats.study import layer_values
     from gradstats.run import RunCorruptError
 
     rows = []
@@ -253,7 +253,7 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     from gradstats.fitting import failed_groups, fit_run, layer_verdicts
     from gradstats.run.select import select_layers
     from gradstats.layers import matmul_layers
-    from gradstats.plan.recommend import recommend
+    from gradstats.plan.recommend import recommend_each
 
     run = _open(run)
     sps = tuple(float(s) for s in sparsities)
@@ -290,7 +290,7 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     logits = output_layer(run)          # left in full precision and unpruned, as recommend does
     planned = [n for n in names if n in matmul and n in at_step and n != logits]
     if planned:
-        plans = {s: recommend(run, bits=list(bts), sparsity=s, step=plan_step, layers=planned) for s in sps}
+        plans = {s: recommend_each(run, bits=list(bts), sparsity=s, steps=plan_step, layers=planned) for s in sps}
     else:
         log.warning("no plans: none of the analysed layers %s is a convolution or linear layer with statistics "
                     "at step %d", names, plan_step)
@@ -315,7 +315,7 @@ def _layer_table(run: Any, names: Sequence[str], verdicts: pd.DataFrame, plans: 
     info = run.layer_info()
     types = dict(zip(info["name"], info["type"])) if len(info) else {}
     with_stats = [n for n in names if n in at_step]
-    mom = layer_moments(run, step=plan_step, layers=with_stats) if with_stats else pd.DataFrame()
+    mom = layer_moments(run, steps=plan_step, layers=with_stats) if with_stats else pd.DataFrame()
     mom = {r["layer"]: r for r in mom.to_dict("records")}
     ver = {r["layer"]: r for r in verdicts.to_dict("records")} if len(verdicts) else {}
     entries = {(s, b): {e.layer: e for e in ps[b].entries} if b in ps else {} for s, ps in plans.items() for b in bts}
@@ -472,7 +472,7 @@ def report(run: Any, out_dir: str | os.PathLike[str], *, sparsities: Iterable[fl
       :func:`gradstats.apply`; ``plans/fp{bits}-s{pct}.json``: every width and target;
     - ``layers.csv`` (the per-layer table), ``fits.parquet`` (every fit), ``errors.csv`` (predicted
       against measured quantisation error);
-    - ``figures/*.png`` (:func:`gradstats.plots.study.write_figures`) and ``report.md`` embedding them.
+    - ``figures/*.png`` (:func:`gradstats.figures.write_figures`) and ``report.md`` embedding them.
 
     ``layers`` selects traced layers with the tracer's patterns (see :func:`analyse`); the
     tables, fits and plans cover those, the per-layer figures draw the run's layers. Layers
@@ -491,7 +491,7 @@ def report(run: Any, out_dir: str | os.PathLike[str], *, sparsities: Iterable[fl
 
 
 def _write(a: Analysis, out: Path, *, figures: bool, progress: bool) -> Report:
-    from gradstats.plots.study import FIGURES, write_figures
+    from gradstats.figures import FIGURES, write_figures
 
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}

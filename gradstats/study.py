@@ -1,11 +1,12 @@
 """Tables of a run behind the study's figures: raw values and fits per layer and step, goodness of
 fit, location and spread over training, pruning checks and quantisation-error checks on the run's
 raw samples. Each takes a run (a :class:`gradstats.Run` or a path) and returns plain objects or a
-pandas DataFrame; the figure functions of :mod:`gradstats.plots.study` draw them.
+pandas DataFrame; :mod:`gradstats.figures` computes them for the figures, which the drawing
+functions of :mod:`gradstats.plots.study` draw.
 
 Example:
     >>> import gradstats
-    >>> from gradstats.plots.study import moments_over_steps
+    >>> from gradstats.study import moments_over_steps
     >>> df = moments_over_steps(gradstats.zoo.data.data_dir() / "sample-run", layers="conv2")
     >>> round(float(df["std_log2"].median()), 1) > 1
     True
@@ -22,17 +23,18 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _LN2 = math.log(2.0)
-#: what each captured kind is called on axes and titles
-KIND_LABELS = {"grad": "neural gradient g", "act": "activation (layer output)", "weight": "weights",
-               "wgrad": "weight gradient"}
-_SYMBOL = {"grad": "g", "act": "a", "weight": "w", "wgrad": "dW"}
-_FAMILY_LABELS = {"lognormal": "lognormal", "normal": "half-normal (normal)",
-                  "laplace": "exponential (Laplace)"}
 #: layers drawn by default in the per-layer grids (evenly spaced over the model beyond this)
 MAX_GRID_LAYERS = 12
 
 
-def _open(run: Any) -> Any:
+def open_run_or_path(run: Any) -> Any:
+    """``run`` itself if it is a :class:`gradstats.Run`, else the run opened at that path.
+
+    Example:
+        >>> import gradstats
+        >>> open_run_or_path(gradstats.zoo.data.data_dir() / "sample-run").layers[:2]
+        ['conv1', 'bn1']
+    """
     from gradstats.run import Run, open_run
 
     if isinstance(run, Run):
@@ -42,8 +44,14 @@ def _open(run: Any) -> Any:
     raise ValueError(f"expected a gradstats Run or the path of a run directory, got {type(run).__name__}")
 
 
-def _layers(run: Any, layers: str | Sequence[str] | None, *, cap: int | None = MAX_GRID_LAYERS) -> list[str]:
-    """The run's layers selected by ``layers`` (None: all, evenly thinned to ``cap``)."""
+def grid_layers(run: Any, layers: str | Sequence[str] | None, *, cap: int | None = MAX_GRID_LAYERS) -> list[str]:
+    """The run's layers selected by ``layers`` (None: all, evenly thinned to ``cap``).
+
+    Example:
+        >>> import gradstats
+        >>> grid_layers(open_run_or_path(gradstats.zoo.data.data_dir() / "sample-run"), "conv*")
+        ['conv1', 'conv2']
+    """
     from gradstats.run.select import select_layers
 
     names = select_layers(list(run.layers), layers)
@@ -62,12 +70,21 @@ def sampled_steps(run: Any, kind: str = "grad") -> list[int]:
         >>> sampled_steps(gradstats.zoo.data.data_dir() / "sample-run")[:1]
         [0]
     """
-    run = _open(run)
+    run = open_run_or_path(run)
     idx = run.sample_index()
     return sorted(int(s) for s in idx[idx["kind"] == kind]["step"].unique()) if len(idx) else []
 
 
-def _pick_step(run: Any, step: int | None, kind: str = "grad") -> int:
+def pick_step(run: Any, step: int | None, kind: str = "grad") -> int:
+    """``step`` checked against the run, or (None) the latest step with raw samples of ``kind``,
+    else the latest committed step.
+
+    Example:
+        >>> import gradstats
+        >>> run = open_run_or_path(gradstats.zoo.data.data_dir() / "sample-run")
+        >>> pick_step(run, None) == sampled_steps(run)[-1]
+        True
+    """
     have = sampled_steps(run, kind)
     if step is None:
         if have:
@@ -93,7 +110,7 @@ def layer_values(run: Any, layer: str, step: int, kind: str = "grad") -> Any:
     """
     import torch
 
-    run = _open(run)
+    run = open_run_or_path(run)
     idx = run.sample_index()
     if not len(idx):
         return None
@@ -118,7 +135,7 @@ def layer_fit(run: Any, layer: str, step: int, kind: str = "grad") -> Any:
     """
     from gradstats.fitting import fit, fit_stats
 
-    run = _open(run)
+    run = open_run_or_path(run)
     x = layer_values(run, layer, step, kind)
     if x is not None:
         return fit(x)
@@ -140,10 +157,10 @@ def layer_fits(run: Any, *, step: int | None = None, kind: str = "grad",
         >>> list(fits)[:2]
         ['conv1', 'bn1']
     """
-    run = _open(run)
-    step = _pick_step(run, step, kind)
+    run = open_run_or_path(run)
+    step = pick_step(run, step, kind)
     out = {}
-    for name in _layers(run, layers, cap=None):
+    for name in grid_layers(run, layers, cap=None):
         try:
             out[name] = layer_fit(run, name, step, kind)
         except ValueError as exc:
@@ -151,12 +168,23 @@ def layer_fits(run: Any, *, step: int | None = None, kind: str = "grad",
     return out
 
 
-def _fits_or_run(run_or_fits: Any, step: int | None, kind: str, layers: Any) -> tuple[dict[str, Any], str]:
+def fits_at(run_or_fits: Any, step: int | None = None, kind: str = "grad",
+            layers: Any = None) -> tuple[dict[str, Any], str]:
+    """``({layer: FitResult}, where)``: the fits of a run at ``step`` (default the latest sampled
+    step; ``where`` names it, ``"step N"``) of the layers drawn in a grid, or a given mapping of
+    fits as it is (``where`` empty).
+
+    Example:
+        >>> import gradstats
+        >>> fits, where = fits_at(gradstats.zoo.data.data_dir() / "sample-run", 0, layers="fc*")
+        >>> list(fits), where
+        (['fc1', 'fc2'], 'step 0')
+    """
     if isinstance(run_or_fits, Mapping):
         return dict(run_or_fits), ""
-    run = _open(run_or_fits)
-    st = _pick_step(run, step, kind)
-    return layer_fits(run, step=st, kind=kind, layers=_layers(run, layers)), f"step {st}"
+    run = open_run_or_path(run_or_fits)
+    st = pick_step(run, step, kind)
+    return layer_fits(run, step=st, kind=kind, layers=grid_layers(run, layers)), f"step {st}"
 
 
 def goodness_of_fit(run: Any, *, steps: Sequence[int] | None = None, kind: str = "grad",
@@ -173,11 +201,11 @@ def goodness_of_fit(run: Any, *, steps: Sequence[int] | None = None, kind: str =
     """
     import pandas as pd
 
-    run = _open(run)
+    run = open_run_or_path(run)
     if steps is None:
-        steps = sampled_steps(run, kind) or [_pick_step(run, None, kind)]
+        steps = sampled_steps(run, kind) or [pick_step(run, None, kind)]
     rows = []
-    for name in _layers(run, layers, cap=None):
+    for name in grid_layers(run, layers, cap=None):
         for s in steps:
             try:
                 res = layer_fit(run, name, int(s), kind)
@@ -209,8 +237,8 @@ def moments_over_steps(run: Any, *, kind: str = "grad", layers: str | Sequence[s
 
     from gradstats.stats import lognormal_moments, merge_stats
 
-    run = _open(run)
-    names = _layers(run, layers, cap=None)
+    run = open_run_or_path(run)
+    names = grid_layers(run, layers, cap=None)
     st = run.stats(kinds=[kind])
     st = st[st["layer"].isin(names)]
     rows = []
@@ -259,14 +287,14 @@ def sparsity_check(run: Any, *, targets: Sequence[float] = SPARSITY_TARGETS, rul
     from gradstats import pruning
     from gradstats.stats import lognormal_moments, tensor_stats
 
-    run = _open(run)
+    run = open_run_or_path(run)
     if steps is None:
         steps = sampled_steps(run, "grad")
     if not steps:
         raise ValueError(f"the run at {run.path} kept no raw gradient samples: pruning cannot be measured")
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    for name in _layers(run, layers, cap=None):
+    for name in grid_layers(run, layers, cap=None):
         for s in steps:
             x = layer_values(run, name, int(s), "grad")
             if x is None:
@@ -282,7 +310,7 @@ def sparsity_check(run: Any, *, targets: Sequence[float] = SPARSITY_TARGETS, rul
                     if rule == "exact_stochastic":
                         a = pruning.exact_threshold(x, S, stochastic=True)
                     else:
-                        a = float(pruning.threshold(S, st, model=rule))
+                        a = float(pruning.threshold(S, st, threshold_rule=rule))
                     y = pruning.stochastic_prune(x, a, generator=gen) if a > 0 else x
                     ynorm = float(y.double().square().sum().sqrt())
                     # every value pruned away (a small layer at a high target): no direction left
@@ -313,9 +341,9 @@ def error_check(run: Any, *, steps: Sequence[int] | None = None, bits: Sequence[
     import torch
 
     from gradstats.fpanalysis import measured_error
-    from gradstats.plan.recommend import recommend
+    from gradstats.plan.recommend import recommend_each
 
-    run = _open(run)
+    run = open_run_or_path(run)
     if steps is None:
         st = run.stats(kinds=["grad"])
         have = set(int(s) for s in st["step"].unique()) if len(st) else set()
@@ -324,7 +352,7 @@ def error_check(run: Any, *, steps: Sequence[int] | None = None, bits: Sequence[
     rows = []
     for s in steps:
         try:
-            plans = recommend(run, bits=list(bits), step=int(s))
+            plans = recommend_each(run, bits=list(bits), steps=int(s))
         except ValueError as exc:
             log.info("no recommendation at step %s: %s", s, exc)
             continue
@@ -348,7 +376,17 @@ def error_check(run: Any, *, steps: Sequence[int] | None = None, bits: Sequence[
                                        "predicted", "measured"])
 
 
-def _plan_moments(plans: Mapping[int, Any]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+def plan_moments(plans: Mapping[int, Any]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """``(layers, mu, sigma, p0)`` of the planned layers with a predicted ``mu`` and ``sigma`` (of
+    ``ln|g|``), read from the first plan of ``{bits: Plan}``.
+
+    Example:
+        >>> import gradstats
+        >>> names, mu, sigma, p0 = plan_moments(gradstats.recommend_each(gradstats.zoo.data.data_dir() / "sample-run",
+        ...                                                              bits=[8]))
+        >>> names
+        ['conv1', 'conv2', 'fc1']
+    """
     from gradstats.plan import Prediction
 
     first = next(iter(plans.values()))

@@ -53,7 +53,7 @@ def test_thresholds_reach_their_targets_under_the_model(analysis):
             a = r[f"threshold_{round(100 * s)}"]
             assert a == pytest.approx(float(pruning.threshold(s, st)), rel=1e-12)
             # and the sparsity it reaches on the layer's own binade histogram is the target
-            assert float(pruning.expected_sparsity(a, st, model="histogram")) == pytest.approx(
+            assert float(pruning.expected_sparsity(a, st, threshold_rule="histogram")) == pytest.approx(
                 max(s, r["zero_fraction"]), abs=2e-3)
         assert r["threshold_90"] >= r["threshold_85"]
 

@@ -53,7 +53,7 @@ def test_threshold_and_expected_sparsity_match_the_reference(model):
     worst = 0.0
     for mu, sigma, p0, t in itertools.product(MUS, SIGMAS, P0S, TARGETS):
         kw = _params(model, mu, sigma)
-        a, b = S.threshold(t, model, p0=p0, **kw), pruning.threshold(t, model=model, p0=p0, **kw)
+        a, b = S.threshold(t, model, p0=p0, **kw), pruning.threshold(t, threshold_rule=model, p0=p0, **kw)
         assert (a == 0) == (b == 0), (mu, sigma, p0, t)
         if b == 0:
             continue
@@ -61,14 +61,14 @@ def test_threshold_and_expected_sparsity_match_the_reference(model):
         em = "lognormal" if model == "naive_lognormal" else model
         for x in (b, 0.37 * b, 4.1 * b):
             assert rel(S.expected_sparsity(x, em, p0=p0, **kw),
-                       pruning.expected_sparsity(x, model=em, p0=p0, **kw)) <= RTOL
+                       pruning.expected_sparsity(x, threshold_rule=em, p0=p0, **kw)) <= RTOL
             assert rel(S.expected_sparsity(x, em, p0=p0, stochastic=False, **kw),
-                       pruning.expected_sparsity(x, model=em, p0=p0, stochastic=False, **kw)) <= RTOL
+                       pruning.expected_sparsity(x, threshold_rule=em, p0=p0, stochastic=False, **kw)) <= RTOL
         # a tensor whose largest |g| lies below or above the model's threshold
         for am, frac in ((0.5 * b, 0.2), (0.5 * b, 0.02), (3.0 * b, 0.1)):
             cond = {"amax": am, "mean_abs": frac * am}
             ac = S.threshold(t, model, p0=p0, **kw, **cond)
-            bc = pruning.threshold(t, model=model, p0=p0, **kw, **cond)
+            bc = pruning.threshold(t, threshold_rule=model, p0=p0, **kw, **cond)
             assert rel(ac, bc) <= RTOL, (mu, sigma, p0, t, cond)
     assert worst <= RTOL
     assert S.expected_sparsity(0.0, "lognormal", mu=0.0, sigma=1.0, p0=0.25) == 0.25
@@ -124,8 +124,8 @@ def test_histogram_rule_matches_log_histogram(row):
                        - float(ref.expected_sparsity(x, stochastic=stochastic)[0])) <= RTOL
     # the same functions through the public verbs
     a = h.threshold(0.85)
-    assert rel(a, pruning.threshold(0.85, row, model="histogram")) <= 1e-11
-    assert abs(h.expected_sparsity(a) - pruning.expected_sparsity(a, row, model="histogram")) <= RTOL
+    assert rel(a, pruning.threshold(0.85, row, threshold_rule="histogram")) <= 1e-11
+    assert abs(h.expected_sparsity(a) - pruning.expected_sparsity(a, row, threshold_rule="histogram")) <= RTOL
 
 
 def test_histogram_from_quarter_binade_counts():

@@ -1,12 +1,12 @@
 """``gradstats figures RUN -o DIR``: every figure of a run as PNG files
-(:func:`gradstats.plots.study.write_figures`)."""
+(:func:`gradstats.figures.write_figures`)."""
 from __future__ import annotations
 
 import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from gradstats.plots.study import FIGURES
+    from gradstats.figures import FIGURES
 
     p = sub.add_parser("figures", help="write every figure of a run as PNG files",
                        description="Draw the study's figures from a run (distributions, Q-Q, goodness of "
@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradstats.plots.study import FIGURES, write_figures
+    from gradstats.figures import FIGURES, write_figures
 
     out = write_figures(args.run, args.output, only=args.only, progress=not args.no_progress)
     for name, path in out.items():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -275,7 +275,7 @@ class BestFormat:
         o = self.order.reshape(-1, len(self.candidates))[layer]
         return [FormatChoice(self.candidates[i], float(s[i]), float(e[i]), r) for r, i in enumerate(o)]
 
-    def to_dataframe(self):
+    def to_dataframe(self) -> "pd.DataFrame":
         """One row per (layer, candidate): layer, rank, format, exp_bits, man_bits, scale, log2_scale, error."""
         import pandas as pd
 
@@ -300,11 +300,17 @@ class BestFormat:
                             "mu": float(np.ravel(self.mu)[i]), "sigma": float(np.ravel(self.sigma)[i]),
                             "choices": [c.to_dict() for c in self.choices(i)]} for i in range(n)]}
 
-    def plot(self, **kw):
-        """Per-layer sigma with the chosen format (:func:`gradstats.plots.fpanalysis.plot_layer_formats`)."""
+    def plot(self, *, crossovers: bool = True, **kw: Any) -> Any:
+        """Per-layer sigma with the chosen format (:func:`gradstats.plots.fpanalysis.plot_layer_formats`),
+        over the sigma ranges where each split is best (``crossovers``: the
+        :func:`~gradstats.fpanalysis.crossover_table` of this width over the layers' sigma range;
+        per-tensor scales only)."""
         from gradstats.plots.fpanalysis import plot_layer_formats
 
-        return plot_layer_formats(self, **kw)
+        from gradstats.figures import crossovers_for
+
+        table = crossovers_for(self) if crossovers and self.block_size is None else None
+        return plot_layer_formats(self, crossovers=table, **kw)
 
 
 def best_format(

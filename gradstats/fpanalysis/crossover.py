@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import numpy as np
 
@@ -88,13 +88,13 @@ class CrossoverTable:
     sigma: np.ndarray = field(repr=False)
     errors: dict = field(repr=False)
 
-    def to_dataframe(self):
+    def to_dataframe(self) -> "pd.DataFrame":
         """The ranges as a DataFrame."""
         import pandas as pd
 
         return pd.DataFrame(list(self.ranges))
 
-    def crossovers_dataframe(self):
+    def crossovers_dataframe(self) -> "pd.DataFrame":
         """The pairwise crossovers as a DataFrame."""
         import pandas as pd
 
@@ -112,7 +112,7 @@ class CrossoverTable:
                 return int(r["exp_bits"])
         raise ValueError(f"sigma {sigma_log2} (log2) is outside the table's range for {bits} bits")
 
-    def compare_authors(self):
+    def compare_authors(self) -> "pd.DataFrame":
         """Our ranges beside :data:`AUTHORS_TABLE` for the splits the authors list (a DataFrame)."""
         import pandas as pd
 
@@ -128,11 +128,12 @@ class CrossoverTable:
                          "diff_hi_%": 100 * (ohi - hi) / hi if math.isfinite(hi) and math.isfinite(ohi) else math.nan})
         return pd.DataFrame(rows)
 
-    def plot(self, **kw):
-        """Optimal exponent bits vs sigma (:func:`gradstats.plots.fpanalysis.plot_optimal_exponent_bits`)."""
+    def plot(self, *, authors: bool = True, **kw: Any) -> Any:
+        """Optimal exponent bits vs sigma (:func:`gradstats.plots.fpanalysis.plot_optimal_exponent_bits`),
+        :data:`AUTHORS_TABLE` dashed beside it unless ``authors=False``."""
         from gradstats.plots.fpanalysis import plot_optimal_exponent_bits
 
-        return plot_optimal_exponent_bits(self, **kw)
+        return plot_optimal_exponent_bits(self, authors=AUTHORS_TABLE if authors else None, **kw)
 
 
 @functools.lru_cache(maxsize=32)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 from scipy.special import log_ndtr, ndtr, ndtri
@@ -31,6 +31,9 @@ from gradstats.formats import FPFormat
 from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis._pieces import (FRACTIONS, PARTS, Pieces, build, build_bias, first_moments, first_moments_at,
                       integrate, point)
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["expected_error", "ErrorResult"]
 
@@ -113,7 +116,7 @@ class ErrorResult:
             d[f] = v.tolist() if isinstance(v, np.ndarray) else v
         return d
 
-    def to_dataframe(self):
+    def to_dataframe(self) -> "pd.DataFrame":
         """One row per layer (flattened inputs)."""
         import pandas as pd
 

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gradstats.formats import FPFormat
 from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis.error import integrals
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["optimal_scale", "ScaleResult", "TIE_RTOL"]
 
@@ -201,7 +204,7 @@ class ScaleResult:
                 "error": tl(self.error), "mu": tl(self.mu), "sigma": tl(self.sigma),
                 "power_of_two": self.power_of_two, "rounding": self.rounding, "criterion": self.criterion}
 
-    def to_dataframe(self):
+    def to_dataframe(self) -> "pd.DataFrame":
         """One row per layer."""
         import pandas as pd
 

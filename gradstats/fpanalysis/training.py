@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -41,6 +41,9 @@ OBJECTIVES = ("training", "mse")
 #: shifts (binades) of the scale relative to the amax scale that are searched
 SHIFTS = tuple(range(-8, 5))
 from gradstats.formats import PREDICTED_ROUNDINGS as _ROUNDINGS  # noqa: E402
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class TrainingChoice:
     _fields: tuple = field(default=("scale_shift", "scale", "error", "bias", "flushed", "flushed_mass",
                                     "saturated", "feasible"), repr=False)
 
-    def to_dataframe(self):
+    def to_dataframe(self) -> "pd.DataFrame":
         """One row per layer."""
         import pandas as pd
 

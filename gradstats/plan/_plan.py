@@ -279,7 +279,7 @@ class Plan:
         """
         return pruned_layers(self.prune_at, target)
 
-    def explain(self, target: Any):
+    def explain(self, target: Any) -> "pd.DataFrame":
         """Per layer of ``target`` (an ``nn.Module``, a run, a mapping name -> type): what the plan
         does there and why, as a DataFrame with columns ``layer``, ``type``, ``planned``, ``rule``
         (the resolved rule in words) and ``why``. Lists every planned layer and every layer that
@@ -399,7 +399,7 @@ class Plan:
         return out
 
     # -- views
-    def to_dataframe(self, target: Any = None):
+    def to_dataframe(self, target: Any = None) -> "pd.DataFrame":
         """A pandas view: one row per entry (completed by the defaults), or with ``target`` one
         row per resolved module (with the indices of the ``entries`` that matched it).
 

@@ -311,7 +311,7 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
             "Training-aware choice"): round-to-nearest at the MSE-optimal scale flushes most small
             values of a wide layer, a shrinkage of every weight gradient that costs accuracy.
             ``"mse"``: the smallest relative mean squared error (the earlier criterion). Block-scaled
-            plans and ``model="histogram"`` choose by MSE (their bias is not modelled yet) with the
+            plans and ``format_rule="histogram"`` choose by MSE (their bias is not modelled yet) with the
             rounding above.
         bias_bound: the largest predicted ``|bias|`` accepted by the training objective (default
             :data:`gradstats.fpanalysis.BIAS_BOUND`, 0.01).
@@ -507,7 +507,7 @@ def _choose(fpanalysis, bits: int, mom: _Moments, *, rounding: str, block_size: 
             scale_format: str | None, candidates: Any, model: str = "lognormal"):
     """Per layer: the best format of ``bits`` bits, its scale (NaN under block scaling) and its
     predicted error, from :func:`gradstats.fpanalysis.best_format` (or, with
-    ``model="histogram"``, :func:`~gradstats.fpanalysis.best_format_from_stats` per layer)."""
+    ``format_rule="histogram"``, :func:`~gradstats.fpanalysis.best_format_from_stats` per layer)."""
     if isinstance(candidates, list):
         from gradstats.formats import FPFormat
 

@@ -15,9 +15,7 @@ from typing import Any
 import numpy as np
 from scipy import special
 
-from gradstats.plots.style import FAMILY_COLORS, use_style
-
-_LN2 = math.log(2.0)
+from gradstats.plots.style import FAMILY_COLORS, LN2 as _LN2, use_style
 
 
 def _log2_density(family: str, t: np.ndarray, p: dict[str, float]) -> np.ndarray:

@@ -2,12 +2,16 @@
 the best exponent bits against sigma with the crossovers (beside the authors' table), per-layer
 sigma with the chosen format, and predicted against measured error.
 
-Sigma is shown as the std of log2|g| (binades); the functions take it as the API does, the std of
-ln|g|, unless the argument name says ``log2``.
+Sigma is shown as the std of log2|g| (binades); the results carry it as the API does, the std of
+ln|g|. Each function draws the results it is given (:func:`gradstats.fpanalysis.best_format`,
+:func:`gradstats.fpanalysis.crossover_table`, ...); the results' ``plot()`` methods and
+:mod:`gradstats.figures` compute them.
 
 Example:
     >>> import os, tempfile
-    >>> fig = plot_error_vs_exponent_bits(2.0, bits=[6, 8], path=os.path.join(tempfile.mkdtemp(), "e.png"))
+    >>> from gradstats.fpanalysis import best_format
+    >>> rs = [best_format(b, mu=0.0, sigma=2.0, candidates="fn", power_of_two=False) for b in (6, 8)]
+    >>> fig = plot_error_vs_exponent_bits(rs, path=os.path.join(tempfile.mkdtemp(), "e.png"))
     >>> fig.axes[0].get_xlabel()
     'exponent bits E (mantissa bits M = bits - 1 - E)'
 """
@@ -15,13 +19,22 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from gradstats.plots.style import savefig, use_style
+from gradstats.plots.style import LN2, savefig, use_style
 
-LN2 = math.log(2.0)
+
+def _moved(name: str, *args: Any, **kw: Any) -> Any:
+    """An old call that asked the drawing to compute its input: computed and drawn by
+    :mod:`gradstats.figures` (for one release, with a warning)."""
+    import importlib
+    import warnings
+
+    warnings.warn(f"{__name__}.{name} draws the results it is given; to compute them from numbers, call "
+                  f"gradstats.figures.{name} (this form goes in the next release)", DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module("gradstats.figures"), name)(*args, **kw)
 
 
 def _finish(fig: Any, path: str | os.PathLike[str] | None) -> Any:
@@ -38,35 +51,48 @@ def _bit_colors(bits: Iterable[int]) -> dict[int, Any]:
     return {b: pal[i] for i, b in enumerate(bits)}
 
 
-def plot_error_vs_exponent_bits(sigma: float, *, bits: Iterable[int] = range(4, 9), special: str = "fn",
-                                rounding: str = "nearest", power_of_two: bool = False, ax: Any = None,
-                                path: str | os.PathLike[str] | None = None) -> Any:
+def plot_error_vs_exponent_bits(results: Any, *args: Any, ax: Any = None,
+                                path: str | os.PathLike[str] | None = None, **kw: Any) -> Any:
     """Predicted relative MSE of every split of each bit width, each at its best scale, at one
-    layer's ``sigma`` (std of ln|g|); the best split of each width is starred.
+    layer's sigma; the best split of each width is starred.
+
+    ``results``: one :class:`~gradstats.fpanalysis.BestFormat` per width, all at the same single
+    sigma with every split a candidate (``best_format(bits, mu=0.0, sigma=sigma, candidates="fn",
+    power_of_two=False)``); the title reads the sigma, convention, rounding and scale from them.
+    (A number, the old form, is computed by :func:`gradstats.figures.plot_error_vs_exponent_bits`
+    with a warning.)
 
     Example:
-        >>> fig = plot_error_vs_exponent_bits(1.5, bits=[8])
+        >>> from gradstats.fpanalysis import best_format
+        >>> fig = plot_error_vs_exponent_bits([best_format(8, mu=0.0, sigma=1.5, candidates="fn")])
         >>> fig.axes[0].get_yscale()
         'log'
     """
     import matplotlib.pyplot as plt
 
-    from gradstats.fpanalysis import best_format
-
+    if isinstance(results, (int, float)):
+        return _moved("plot_error_vs_exponent_bits", results, *args, ax=ax, path=path, **kw)
+    if args or kw:
+        raise TypeError(f"unexpected arguments {list(kw) or args}: the results carry the setting")
+    results = list(results)
+    if not results:
+        raise ValueError("no best-format result to draw")
     use_style()
     if ax is None:
         fig, ax = plt.subplots(figsize=(6.0, 4.4))
     else:
         fig = ax.figure
-    bits = list(bits)
+    bits = [int(r.bits) for r in results]
     colors = _bit_colors(bits)
-    for b in bits:
-        r = best_format(b, mu=0.0, sigma=sigma, candidates=special, rounding=rounding, power_of_two=power_of_two)
+    for b, r in zip(bits, results):
         e = [c.exp_bits for c in r.candidates]
         ax.plot(e, r.errors, marker="o", ms=4, color=colors[b], label=f"FP{b}")
         best = r.order[0]
         ax.plot([e[best]], [r.errors[best]], marker="*", ms=14, color=colors[b], mec="black", mew=0.6,
                 ls="none")
+    first = results[0]
+    sigma = float(np.ravel(first.sigma)[0])
+    special, rounding, power_of_two = first.candidates[0].special, first.rounding, first.power_of_two
     ax.set_yscale("log")
     ax.set_xlabel("exponent bits E (mantissa bits M = bits - 1 - E)")
     ax.set_ylabel("relative MSE = MSE / E[g²] (log scale)")
@@ -79,24 +105,26 @@ def plot_error_vs_exponent_bits(sigma: float, *, bits: Iterable[int] = range(4, 
     return _finish(fig, path)
 
 
-def plot_optimal_exponent_bits(table: Any = None, *, authors: bool = True,
+def plot_optimal_exponent_bits(table: Any, *, authors: Optional[Sequence[Sequence[float]]] = None,
                                path: str | os.PathLike[str] | None = None) -> Any:
     """Best exponent bits against sigma (std of log2|g|), one panel per bit width, as a step function
-    with the crossovers marked; the authors' table (dashed) beside ours where it has that width.
-    ``table``: a :class:`~gradstats.fpanalysis.CrossoverTable` (default: ``crossover_table()``).
+    with the crossovers marked; a reference table (dashed, e.g. the authors') beside ours where it
+    has that width. ``table``: a :class:`~gradstats.fpanalysis.CrossoverTable` (its ``ranges`` and
+    ``assumptions``); ``authors``: rows ``(bits, exp_bits, sigma_lo, sigma_hi)`` such as
+    :data:`gradstats.fpanalysis.AUTHORS_TABLE` (``CrossoverTable.plot()`` passes it), or None.
 
     Example:
-        >>> from gradstats.fpanalysis import crossover_table
-        >>> fig = plot_optimal_exponent_bits(crossover_table(bits=[6], sigma_max=4.0))
+        >>> from gradstats.fpanalysis import AUTHORS_TABLE, crossover_table
+        >>> fig = plot_optimal_exponent_bits(crossover_table(bits=[6], sigma_max=4.0), authors=AUTHORS_TABLE)
         >>> fig.axes[-1].get_xlabel()
         'σ = std of log2|g| (binades)'
     """
     import matplotlib.pyplot as plt
 
-    from gradstats.fpanalysis import AUTHORS_TABLE, crossover_table
-
+    if authors is True:
+        raise ValueError("authors: pass the rows (gradstats.fpanalysis.AUTHORS_TABLE), or draw with table.plot()")
+    reference = list(authors) if authors else []
     use_style()
-    table = table if table is not None else crossover_table()
     rows = list(table.ranges)
     bits = sorted({r["bits"] for r in rows}, reverse=True)
     colors = _bit_colors(bits)
@@ -113,8 +141,8 @@ def plot_optimal_exponent_bits(table: Any = None, *, authors: bool = True,
             ax.axvline(r["sigma_lo"], color=colors[b], lw=0.7, ls=":")
             ax.annotate(f"{r['sigma_lo']:.2f}", (r["sigma_lo"], r["exp_bits"] - 0.5), fontsize=7,
                         color="0.25", ha="left", va="center", xytext=(3, 0), textcoords="offset points")
-        theirs = [t for t in AUTHORS_TABLE if t[0] == b]
-        if authors and theirs:
+        theirs = [t for t in reference if t[0] == b]
+        if theirs:
             for k, (_, e, lo, hi) in enumerate(theirs):
                 ax.plot([lo, min(hi, hi_s)], [e + 0.25] * 2, color="black", lw=1.4, ls="--",
                         label="authors' table" if k == 0 else None)
@@ -134,23 +162,26 @@ def plot_optimal_exponent_bits(table: Any = None, *, authors: bool = True,
     return _finish(fig, path)
 
 
-def plot_layer_formats(best: Any, *, crossovers: bool = True, ax: Any = None,
+def plot_layer_formats(best: Any, *, crossovers: Any = None, ax: Any = None,
                        path: str | os.PathLike[str] | None = None) -> Any:
     """Per-layer sigma (std of log2|g|) with the format :func:`~gradstats.fpanalysis.best_format`
     chose, one row per layer; the sigma ranges where each split is best (continuous scale, this
-    width) are shaded behind. Layers far to the right are where low precision struggles.
+    width: the ``ranges`` of the :class:`~gradstats.fpanalysis.CrossoverTable` ``crossovers``) are
+    shaded behind. Layers far to the right are where low precision struggles.
+    ``BestFormat.plot()`` computes the table for the layers' sigma range.
 
     Example:
-        >>> from gradstats.fpanalysis import best_format
+        >>> from gradstats.fpanalysis import best_format, crossover_table
         >>> b = best_format(8, mu=[-9.0, -12.0], sigma=[1.0, 2.5], names=["fc1", "conv1"])
-        >>> [t.get_text() for t in plot_layer_formats(b).axes[0].get_yticklabels()]
+        >>> fig = plot_layer_formats(b, crossovers=crossover_table(bits=[8], sigma_max=4.2))
+        >>> [t.get_text() for t in fig.axes[0].get_yticklabels()]
         ['fc1', 'conv1']
     """
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    from gradstats.fpanalysis import crossover_table
-
+    if crossovers is True:
+        raise ValueError("crossovers: pass the CrossoverTable to shade, or draw with best.plot()")
     use_style()
     sig = np.atleast_1d(np.asarray(best.sigma, dtype=np.float64)) / LN2
     n = sig.size
@@ -164,10 +195,8 @@ def plot_layer_formats(best: Any, *, crossovers: bool = True, ax: Any = None,
     cand = [str(c) for c in best.candidates]
     pal = dict(zip(cand, sns.color_palette("colorblind", len(cand))))
     xmax = max(float(sig.max()) * 1.15, 1.0)
-    if crossovers and best.block_size is None:
-        t = crossover_table(bits=[best.bits], special=best.candidates[0].special, sigma_max=max(xmax, 1.0),
-                            step=0.05 if xmax < 8 else 0.1)
-        for r in t.ranges:
+    if crossovers is not None and crossovers is not False:
+        for r in crossovers.ranges:
             c = pal.get(r["format"], (0.9, 0.9, 0.9))
             right = xmax * 1.15 if r["open_end"] else r["sigma_hi"]
             ax.axvspan(r["sigma_lo"], right, color=c, alpha=0.12, lw=0)

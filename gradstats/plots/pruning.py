@@ -1,10 +1,15 @@
 """Figures of gradient pruning: achieved vs target sparsity per threshold rule, the threshold
 (in units of the layer's median |g|) against sigma, cosine similarity against sparsity, and a
-heterogeneous allocation.
+heterogeneous allocation. Each function draws the table or result it is given; the tables of
+the threshold and cosine curves are :func:`gradstats.figures.threshold_vs_sigma` and
+:func:`gradstats.figures.cosine_vs_sparsity`.
 
 Example:
     >>> import os, tempfile
-    >>> fig = plot_threshold_vs_sigma(path=os.path.join(tempfile.mkdtemp(), "t.png"))
+    >>> import pandas as pd
+    >>> t = pd.DataFrame({"sigma": [1.0, 2.0] * 3, "target": [0.5, 0.5, 0.85, 0.85, 0.95, 0.95],
+    ...                   "lognormal": [1.0, 1.5, 2.0, 4.0, 4.0, 9.0]})
+    >>> fig = plot_threshold_vs_sigma(t, path=os.path.join(tempfile.mkdtemp(), "t.png"))
     >>> len(fig.axes)  # one panel per target sparsity
     3
 """
@@ -27,6 +32,28 @@ RULE_LABELS = {"lognormal": "lognormal (analytic, given amax)",
                "normal": "normal (half-normal)", "laplace": "Laplace (exponential)",
                "exact": "exact quantile, hard operator",
                "exact_stochastic": "exact quantile, stochastic operator"}
+
+
+#: the curves of :func:`plot_threshold_vs_sigma`: column -> (label, line style)
+THRESHOLD_CURVES = {"lognormal": (RULE_LABELS["lognormal"], {"lw": 2}),
+                    "naive_lognormal": (RULE_LABELS["naive_lognormal"], {"ls": "--"}),
+                    "normal": ("normal fit to the layer", {"ls": "-."}),
+                    "laplace": ("Laplace fit to the layer", {"ls": ":", "lw": 2})}
+
+
+def _moved(name: str, *args: Any, **kw: Any) -> Any:
+    """An old call that asked the drawing to compute its input: computed and drawn by
+    :mod:`gradstats.figures` (for one release, with a warning)."""
+    import importlib
+    import warnings
+
+    warnings.warn(f"{__name__}.{name} draws the table it is given; to compute it from sigmas, call "
+                  f"gradstats.figures.{name} (this form goes in the next release)", DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module("gradstats.figures"), name)(*args, **kw)
+
+
+def _is_table(x: Any) -> bool:
+    return hasattr(x, "columns") and hasattr(x, "loc")
 
 
 def _finish(fig: Any, path: str | os.PathLike[str] | None) -> Any:
@@ -92,38 +119,42 @@ def plot_achieved_vs_target(table: Any, *, path: str | os.PathLike[str] | None =
     return _finish(fig, path)
 
 
-def plot_threshold_vs_sigma(sigmas: Sequence[float] | None = None,
-                            targets: Sequence[float] = (0.5, 0.85, 0.95), *,
+def plot_threshold_vs_sigma(table: Any = None, targets: Sequence[float] | None = None, *,
                             path: str | os.PathLike[str] | None = None) -> Any:
     """Threshold for a target sparsity, in units of the layer's median ``|g|`` (``e^mu``), as a
     function of sigma for an exactly lognormal layer: the analytic rule, the naive lognormal
-    quantile, and the normal and Laplace rules fitted to the same layer (log2 y axis).
+    quantile, and the normal and Laplace rules fitted to the same layer (log2 y axis), one panel
+    per target.
+
+    ``table``: a DataFrame with columns ``sigma`` (of ln|g|), ``target`` and one threshold column
+    per rule drawn (``lognormal``, ``naive_lognormal``, ``normal``, ``laplace``; see
+    :func:`gradstats.figures.threshold_vs_sigma`); ``targets``: the panels (default: the table's
+    targets). (Sigmas instead of a table, the old form, are computed by
+    :func:`gradstats.figures.plot_threshold_vs_sigma` with a warning.)
 
     Example:
-        >>> fig = plot_threshold_vs_sigma([0.5, 1.0, 2.0], [0.9])
-        >>> fig.axes[0].get_yscale()
-        'log'
+        >>> import pandas as pd
+        >>> t = pd.DataFrame({"sigma": [0.5, 1.0, 2.0], "target": [0.9] * 3, "lognormal": [1.5, 2.5, 6.0],
+        ...                   "normal": [2.0, 4.0, 50.0]})
+        >>> fig = plot_threshold_vs_sigma(t)
+        >>> fig.axes[0].get_yscale(), len(fig.axes[0].lines)
+        ('log', 2)
     """
     import matplotlib.pyplot as plt
 
-    from gradstats.pruning import threshold
-
+    if not _is_table(table):
+        kw = {} if targets is None else {"targets": targets}
+        return _moved("plot_threshold_vs_sigma", table, path=path, **kw)
     use_style()
-    s = np.linspace(0.25, 4.0, 60) if sigmas is None else np.asarray(sigmas, dtype=np.float64)
-    targets = list(targets)
+    targets = list(dict.fromkeys(table["target"])) if targets is None else list(targets)
     fig, axes = plt.subplots(1, len(targets), figsize=(3.4 * len(targets) + 0.8, 4.2),
                              sharey=True, squeeze=False)
     for ax, S in zip(axes[0], targets):
-        ax.plot(s, threshold(S, mu=0.0, sigma=s), color=RULE_COLORS["lognormal"], lw=2,
-                label=RULE_LABELS["lognormal"])
-        ax.plot(s, threshold(S, mu=0.0, sigma=s, model="naive_lognormal"),
-                color=RULE_COLORS["naive_lognormal"], ls="--", label=RULE_LABELS["naive_lognormal"])
-        # bell-shaped models fitted to the same lognormal layer (mu = 0):
-        # E g^2 = exp(2 sigma^2), E|g| = exp(sigma^2 / 2)
-        ax.plot(s, threshold(S, scale=np.exp(s ** 2), model="normal"), color=RULE_COLORS["normal"],
-                ls="-.", label="normal fit to the layer")
-        ax.plot(s, threshold(S, scale=np.exp(s ** 2 / 2), model="laplace"),
-                color=RULE_COLORS["laplace"], ls=":", lw=2, label="Laplace fit to the layer")
+        sub = table[np.isclose(table["target"], S)]
+        s = sub["sigma"].to_numpy(dtype=np.float64)
+        for col, (label, style) in THRESHOLD_CURVES.items():
+            if col in sub:
+                ax.plot(s, sub[col].to_numpy(dtype=np.float64), color=RULE_COLORS[col], label=label, **style)
         ax.set_yscale("log", base=2)
         ax.set_xlabel("sigma of ln|g|")
         ax.set_title(f"target sparsity {S:g}")
@@ -133,30 +164,38 @@ def plot_threshold_vs_sigma(sigmas: Sequence[float] | None = None,
     return _finish(fig, path)
 
 
-def plot_cosine_vs_sparsity(sigmas: Sequence[float] = (0.5, 1.0, 2.0, 3.0, 4.0), *,
-                            measured: Any = None,
+def plot_cosine_vs_sparsity(curves: Any = None, *, measured: Any = None,
                             path: str | os.PathLike[str] | None = None) -> Any:
     """Predicted cosine similarity between ``g`` and its stochastic pruning against the target
-    sparsity, one curve per sigma (lognormal closed form). ``measured``: optional DataFrame with
-    columns ``sigma``, ``sparsity``, ``cosine`` drawn as points (e.g. Monte Carlo or real layers).
+    sparsity, one curve per sigma (lognormal closed form). ``curves``: a DataFrame with columns
+    ``sigma``, ``sparsity``, ``one_minus_cosine`` (``1 - cos``, accurate when tiny; see
+    :func:`gradstats.figures.cosine_vs_sparsity`). ``measured``: optional DataFrame with columns
+    ``sigma``, ``sparsity``, ``cosine`` drawn as points (e.g. Monte Carlo or real layers). (Sigmas
+    instead of a table, the old form, are computed by :func:`gradstats.figures.plot_cosine_vs_sparsity`
+    with a warning.)
 
     Example:
-        >>> fig = plot_cosine_vs_sparsity([1.0, 2.0])
+        >>> import pandas as pd
+        >>> c = pd.DataFrame({"sigma": [1.0] * 3, "sparsity": [0.1, 0.5, 0.9],
+        ...                   "one_minus_cosine": [1e-4, 1e-2, 0.2]})
+        >>> fig = plot_cosine_vs_sparsity(c)
         >>> fig.axes[0].get_xlabel()
         'sparsity (fraction of zeros)'
     """
     import matplotlib.pyplot as plt
 
-    from gradstats.pruning import added_variance, threshold
-
+    if not _is_table(curves):
+        return _moved("plot_cosine_vs_sparsity", *(() if curves is None else (curves,)), measured=measured,
+                      path=path)
     use_style()
-    S = np.linspace(0.01, 0.995, 200)
+    sigmas = list(dict.fromkeys(curves["sigma"]))
     fig, (ax, axl) = plt.subplots(1, 2, figsize=(10.0, 4.4))
     cmap = plt.get_cmap("viridis")
     for i, sg in enumerate(sigmas):
         c = cmap(i / max(1, len(sigmas) - 1))
-        d = added_variance(threshold(S, mu=0.0, sigma=sg), mu=0.0, sigma=sg, relative=True)
-        one_minus = -np.expm1(-0.5 * np.log1p(d))  # 1 - 1/sqrt(1 + d), accurate when tiny
+        sub = curves[curves["sigma"] == sg]
+        S = sub["sparsity"].to_numpy(dtype=np.float64)
+        one_minus = sub["one_minus_cosine"].to_numpy(dtype=np.float64)
         ax.plot(S, 1.0 - one_minus, color=c, label=f"sigma = {sg:g}")
         axl.plot(S, one_minus, color=c)
         if measured is not None:

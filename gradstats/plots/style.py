@@ -1,6 +1,7 @@
 """The one plotting style of gradstats, and a safe way to save figures."""
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 #: colours per distribution family, used by every figure
 FAMILY_COLORS = {"lognormal": "#1b7837", "normal": "#2166ac", "laplace": "#b2182b"}
+#: how each distribution family is named in legends
+FAMILY_LABELS = {"lognormal": "lognormal", "normal": "half-normal (normal)",
+                 "laplace": "exponential (Laplace)"}
+#: what each captured kind is called on axes and titles
+KIND_LABELS = {"grad": "neural gradient g", "act": "activation (layer output)", "weight": "weights",
+               "wgrad": "weight gradient"}
+#: the symbol of each captured kind in axis labels (``log2|g|``)
+SYMBOLS = {"grad": "g", "act": "a", "weight": "w", "wgrad": "dW"}
+#: ln 2: sigma of ln|g| over LN2 is the std of log2|g| (binades), the unit every figure shows
+LN2 = math.log(2.0)
 
 
 def use_style() -> None:

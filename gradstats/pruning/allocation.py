@@ -23,7 +23,7 @@ every value is pruned, and ``S = 1 - E|g| / a``, ``Var = a E|g| - E g^2`` hold e
 lognormal fitted to the same layer puts mass above the maximum that the data does not have:
 over a calibration run of the CNN the fits of the classifier layers (sigma 4.7 and 5.9 nats)
 give an RMS gradient ``e^18`` and ``e^28`` times the data's, which made pruning almost
-everything there look free. The parametric families (``model="lognormal"``, ``"normal"``,
+everything there look free. The parametric families (``threshold_rule="lognormal"``, ``"normal"``,
 ``"laplace"``) remain for rows given by their parameters and for what-if reasoning.
 """
 from __future__ import annotations
@@ -33,10 +33,11 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradstats._compat import renamed_kwargs
 from gradstats._roots import bracketed_newton
 from gradstats.layers import output_layer  # noqa: F401 - its home is gradstats.layers; importable here too
 from gradstats.stats import HIST_BINS, HIST_MIN_EXP, merge_stats
@@ -446,7 +447,7 @@ class Allocation:
     excluded: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     output_layer: str | None = None
 
-    def to_dataframe(self):
+    def to_dataframe(self) -> "pd.DataFrame":
         """One row per layer.
 
         Example:
@@ -489,7 +490,7 @@ class Allocation:
         ex = self.excluded if len(self.excluded) == len(self.layers) else np.zeros(len(self.layers), bool)
         return {name: None if x else float(t) for name, t, x in zip(self.layers, self.targets, ex)}
 
-    def plot(self, path: str | None = None):
+    def plot(self, path: str | None = None) -> Any:
         """Bar chart of per-layer targets and cosines (see :mod:`gradstats.plots.pruning`)."""
         from gradstats.plots.pruning import plot_allocation
 
@@ -597,7 +598,7 @@ class _Costs:
         elif model == "histogram":
             bad = [i for i, r in enumerate(rows) if not _has_data(r)]
             if bad:
-                raise ValueError("model='histogram' needs statistics rows with n, n_zero, sum_abs, "
+                raise ValueError("threshold_rule='histogram' needs statistics rows with n, n_zero, sum_abs, "
                                  f"sum_sq, max_abs and hist; row(s) {bad} lack them")
             kinds = ["histogram"] * L
         elif model in MODELS:
@@ -627,11 +628,13 @@ class _Costs:
             if c is not None:
                 self.p0[i], self.m2[i] = c.p0, c.mean_sq
 
-    def _kw(self, mask: np.ndarray) -> dict[str, np.ndarray]:
+    def _kw(self, mask: np.ndarray, key: str = "threshold_rule") -> dict[str, Any]:
+        """The family's parameters of the layers in ``mask``, and the family under ``key``
+        (``"threshold_rule"`` for threshold and expected_sparsity, ``"family"`` for added_variance)."""
         sub = mask[self.par]
         if hasattr(self.m, "mu"):
-            return {"mu": self.m.mu[sub], "sigma": self.m.sigma[sub], "family": self.fam}
-        return {"scale": self.m.scale[sub], "family": self.fam}
+            return {"mu": self.m.mu[sub], "sigma": self.m.sigma[sub], key: self.fam}
+        return {"scale": self.m.scale[sub], key: self.fam}
 
     def sparsity(self, a: np.ndarray) -> np.ndarray:
         s = np.empty(a.size)
@@ -657,7 +660,7 @@ class _Costs:
                 d[i] = c.added_variance(a[i], relative=True)
         if self.fam is not None:
             p = self.par
-            d[p] = np.asarray(added_variance(a[p], relative=True, **self._kw(p)), dtype=np.float64)
+            d[p] = np.asarray(added_variance(a[p], relative=True, **self._kw(p, "family")), dtype=np.float64)
         return d
 
     def cosine(self, a: np.ndarray) -> np.ndarray:
@@ -689,8 +692,9 @@ class _Costs:
         return out
 
 
+@renamed_kwargs(model="threshold_rule")
 def allocate(layers: Any, budget: float, *, cosine_floor: Any = None, weights: Any = None,
-             sizes: Any = None, model: str | None = None, cap: Any = DEFAULT_CAP,
+             sizes: Any = None, threshold_rule: str | None = None, cap: Any = DEFAULT_CAP,
              output_layer: str | None = "auto", exclude: Any = (), layer_info: Any = None) -> Allocation:
     """Per-layer sparsity targets meeting a global ``budget`` (element-weighted mean target of
     the allocated layers) at the least weighted relative added noise, with a per-layer cap,
@@ -702,7 +706,7 @@ def allocate(layers: Any, budget: float, *, cosine_floor: Any = None, weights: A
     ``run.stats()``: only rows of kind ``"grad"`` are used), or a mapping name -> statistics
     row / fit result / ``{"mu", "sigma", "p0", "n"}``.
 
-    ``model``: ``None`` (default) models each layer from its own data where the row carries the
+    ``threshold_rule``: ``None`` (default) models each layer from its own data where the row carries the
     statistics (:class:`ConditionedModel`, reported as ``"histogram"``: exact sums, exact top
     magnitudes, binade histogram; exact above the maximum) and by the lognormal closed forms
     where it carries parameters only; ``"histogram"`` insists on the data; ``"lognormal"``,
@@ -747,8 +751,9 @@ def allocate(layers: Any, budget: float, *, cosine_floor: Any = None, weights: A
         raise ValueError(f"budget must be a number in [0, 1), got {budget!r}") from None
     if not 0.0 <= B < 1.0:
         raise ValueError(f"budget must lie in [0, 1) (a fraction of all elements), got {B}")
+    model = threshold_rule
     if model is not None and model not in ALLOCATION_MODELS:
-        raise ValueError(f"model must be None or one of {ALLOCATION_MODELS}, got {model!r}")
+        raise ValueError(f"threshold_rule must be None or one of {ALLOCATION_MODELS}, got {model!r}")
     names, rows, n, run = _layers(layers, sizes)
     L = len(names)
     costs = _Costs(rows, model)

@@ -39,10 +39,14 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Queue
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.dataset as pads
 import torch
 
 from gradstats.stats import COUNT_FIELDS, HIST_BINS, HIST_MIN_EXP, SCALAR_FIELDS, TOP_K, merge_stats
@@ -156,7 +160,7 @@ def _stats_table(keys: Sequence[tuple[int, int, str, str, int]], scalars: np.nda
     return pa.table(cols).replace_schema_metadata(file_metadata("stats"))
 
 
-def rows_to_table(rows: Sequence[dict[str, Any]]):
+def rows_to_table(rows: Sequence[dict[str, Any]]) -> "pa.Table":
     """Statistics rows (dicts with the key columns, the scalar fields, ``hist`` and, when every
     row has it, ``top_abs``) as an Arrow table with the run's schema."""
     keys = [(int(r["step"]), int(r["rank"]), str(r["layer"]), str(r["kind"]), int(r["call"])) for r in rows]
@@ -168,7 +172,7 @@ def rows_to_table(rows: Sequence[dict[str, Any]]):
     return _stats_table(keys, scalars, hist, top)
 
 
-def vectors_to_table(keys: Sequence[tuple[int, int, str, str, int]], vectors: np.ndarray):
+def vectors_to_table(keys: Sequence[tuple[int, int, str, str, int]], vectors: np.ndarray) -> "pa.Table":
     """Statistics vectors (rows of :func:`gradstats.stats.tensor_stats_vector`, stacked) with
     their keys ``(step, rank, layer, kind, call)`` as an Arrow table with the run's schema:
     columns sliced from the matrix, no Python object per row (the writer thread builds every
@@ -629,7 +633,7 @@ class Run:
                              "'applied' or 'alarms'")
         return [self.path / rel for c in self._commits for rel in c["files"] if rel.startswith(f"{table}/")]
 
-    def dataset(self, table: str = "stats"):
+    def dataset(self, table: str = "stats") -> "pads.Dataset":
         """A ``pyarrow.dataset.Dataset`` of a table's committed rows: over :meth:`files` when no
         tracing session superseded another's steps, else of the rows that stand (in memory).
         Scan it, filter it, or hand it to DuckDB (``duckdb.from_arrow(run.dataset())``) or polars

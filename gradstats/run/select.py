@@ -19,7 +19,10 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["layer_matcher", "select_layers", "select_steps", "layer_stats"]
 
@@ -72,7 +75,8 @@ def select_layers(names: Sequence[str], layers: str | re.Pattern | Iterable[str]
     return out
 
 
-def layer_stats(run: Any, kinds: Iterable[str], layers: str | re.Pattern | Iterable[str] | None = None):
+def layer_stats(run: Any, kinds: Iterable[str],
+                layers: str | re.Pattern | Iterable[str] | None = None) -> "pd.DataFrame":
     """``run.stats(kinds=...)`` of the layers ``layers`` selects (:func:`select_layers`: None for
     all, globs, ``"re:PATTERN"``, a compiled regex or a list; a ``ValueError`` when none matches)."""
     st = run.stats(kinds=list(kinds))

@@ -24,7 +24,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -407,7 +407,7 @@ IMAGE_DATASETS = ("fashion-mnist", "digits")
 
 
 def load_images(
-    name: str = "fashion-mnist", root: str | os.PathLike | None = None, *, split: str = "train", **kw
+    name: str = "fashion-mnist", root: str | os.PathLike | None = None, *, split: str = "train", **kw: Any
 ) -> ImageDataset:
     """Load an image dataset by name: ``"fashion-mnist"``, ``"digits"``, or ``"auto"``.
 
@@ -624,7 +624,7 @@ def load_shakespeare(path: str | os.PathLike | None = None, *, val_fraction: flo
 DATASETS = ("fashion-mnist", "digits", "shakespeare")
 
 
-def load_data(name: str, root: str | os.PathLike | None = None, **kw) -> ImageDataset | CharDataset:
+def load_data(name: str, root: str | os.PathLike | None = None, **kw: Any) -> ImageDataset | CharDataset:
     """Load a built-in dataset by name (``fashion-mnist``, ``digits``, ``shakespeare``).
 
     Example:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -334,7 +335,7 @@ def list_models() -> list[str]:
     return sorted(MODELS)
 
 
-def build_model(name: str, *, seed: int | None = None, **kw) -> nn.Module:
+def build_model(name: str, *, seed: int | None = None, **kw: Any) -> nn.Module:
     """Build a built-in model by name; ``kw`` go to its constructor.
 
     With ``seed``, the initial weights depend only on the seed (the global RNG is

@@ -17,6 +17,8 @@ Example:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import contextlib
 import logging
 import math
@@ -29,6 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradstats.zoo.data import CharDataset, ImageDataset, minibatches
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +81,13 @@ class TrainResult:
         """Plain-JSON form."""
         return asdict(self)
 
-    def to_dataframe(self):
+    def to_dataframe(self) -> "pd.DataFrame":
         """Losses as a pandas DataFrame (``step``, ``loss``)."""
         import pandas as pd
 
         return pd.DataFrame({"step": range(len(self.losses)), "loss": self.losses})
 
-    def plot(self, ax=None):
+    def plot(self, ax: Any = None) -> Any:
         """Training loss against step (log-scaled y axis); returns the matplotlib Figure."""
         import matplotlib.pyplot as plt
 
@@ -391,7 +396,7 @@ def prepare(
     test_subset: int | None = None,
     seed: int = 0,
     device: str | torch.device | None = None,
-    **model_kw,
+    **model_kw: Any,
 ) -> Task:
     """Build a registry model, load the data it is meant for, and pick its recommended settings.
 

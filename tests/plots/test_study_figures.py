@@ -1,5 +1,5 @@
-"""The study's figures: every figure of the committed sample run is drawn into a non-empty PNG,
-and the tables behind them hold what the figures claim."""
+"""The study's figures (gradstats.figures): every figure of the committed sample run is drawn into a
+non-empty PNG, and the tables behind them (gradstats.study) hold what the figures claim."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gradstats
-from gradstats.plots import study
+from gradstats import figures, study
 
 SAMPLE = gradstats.zoo.data.data_dir() / "sample-run"
 
@@ -21,7 +21,7 @@ def run():
 @pytest.fixture(scope="module")
 def written(run, tmp_path_factory):
     """Every figure of the sample run, written once (the figures share their computations)."""
-    return study.write_figures(run, tmp_path_factory.mktemp("figures"))
+    return figures.write_figures(run, tmp_path_factory.mktemp("figures"))
 
 
 def test_sample_run_is_small_and_complete(run):
@@ -33,7 +33,7 @@ def test_sample_run_is_small_and_complete(run):
     assert run.verify() == []
 
 
-@pytest.mark.parametrize("name", list(study.FIGURES))
+@pytest.mark.parametrize("name", list(figures.FIGURES))
 def test_every_figure_is_a_non_empty_png(written, name):
     import matplotlib.image as mpimg
 
@@ -52,10 +52,10 @@ def test_functions_return_figures_from_other_inputs(run):
 
     fits = study.layer_fits(run, step=0, layers=["conv2", "fc2"])
     assert list(fits) == ["conv2", "fc2"] and all(f.source == "samples" for f in fits.values())
-    figs = [study.plot_qq(fits), study.plot_layer_histograms(run, step=0, layers="fc*", kinds=("grad",)),
-            study.plot_format_map(gradstats.recommend(run, bits=6)),
-            study.plot_goodness_of_fit(study.goodness_of_fit(run, steps=[0])),
-            study.plot_moments_over_steps(run, kind="act", layers=["conv1"])]
+    figs = [figures.plot_qq(fits), figures.plot_layer_histograms(run, step=0, layers="fc*", kinds=("grad",)),
+            figures.plot_format_map(gradstats.recommend(run, bits=6)),
+            figures.plot_goodness_of_fit(study.goodness_of_fit(run, steps=[0])),
+            figures.plot_moments_over_steps(run, kind="act", layers=["conv1"])]
     for f in figs:
         assert isinstance(f, Figure) and f.axes
         plt.close(f)
@@ -116,14 +116,33 @@ def test_error_check_measures_the_recommended_formats(run):
 
 def test_bad_input_gives_clear_errors(run, tmp_path):
     with pytest.raises(ValueError, match="unknown figure names"):
-        study.write_figures(run, tmp_path, only=["nope"])
+        figures.write_figures(run, tmp_path, only=["nope"])
     with pytest.raises(ValueError, match="Run or the path"):
-        study.plot_moments_over_steps(42)
+        figures.plot_moments_over_steps(42)
     with pytest.raises(ValueError, match="no layer matches"):
-        study.plot_qq(run, layers="nope*")
+        figures.plot_qq(run, layers="nope*")
     with pytest.raises(ValueError, match="plans must be"):
-        study.plot_format_map({})
+        figures.plot_format_map({})
     with pytest.raises(ValueError, match="step 7 is not in the run"):
         study.layer_fits(run, step=7)
     with pytest.raises(FileNotFoundError):
-        study.plot_moments_over_steps(tmp_path / "missing")
+        figures.plot_moments_over_steps(tmp_path / "missing")
+
+
+def test_old_names_forward_with_a_warning(run):
+    import matplotlib.pyplot as plt
+
+    from gradstats.plots import study as old
+
+    with pytest.warns(DeprecationWarning, match="moved to gradstats.figures.write_figures"):
+        assert old.write_figures is figures.write_figures
+    with pytest.warns(DeprecationWarning, match="moved to gradstats.figures.FIGURES"):
+        assert old.FIGURES is figures.FIGURES
+    with pytest.warns(DeprecationWarning, match="moved to gradstats.study.goodness_of_fit"):
+        assert old.goodness_of_fit is study.goodness_of_fit
+    with pytest.warns(DeprecationWarning):
+        fig = old.plot_moments_over_steps(run, layers=["conv1"])
+    assert len(fig.axes) == 3
+    plt.close(fig)
+    with pytest.raises(AttributeError):
+        old.nope

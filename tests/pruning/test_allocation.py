@@ -129,7 +129,7 @@ def test_no_layer_types_no_exclusion_and_a_warning(planned_stats, caplog):
 @pytest.mark.parametrize("budget", [0.5, 0.8, 0.9, 0.95, 0.97])
 def test_targets_respect_cap_and_budget(run, planned_stats, budget):
     for a in (allocate(planned_stats, budget, layer_info=run), allocate(run, budget),
-              allocate(planned_stats, budget, model="lognormal")):
+              allocate(planned_stats, budget, threshold_rule="lognormal")):
         keep = ~a.excluded
         assert (a.targets <= a.caps).all() and (a.caps == DEFAULT_CAP).all()
         assert a.achieved == pytest.approx(budget, abs=1e-9)
@@ -271,10 +271,10 @@ def test_conditioned_model_edge_cases():
     rows[1]["hist"] = np.zeros(HIST_BINS, dtype=np.int64)
     a = allocate({"x": merge_stats(rows), "y": tensor_stats(torch.randn(500).exp())}, 0.6)
     assert a.model == "mixed"
-    with pytest.raises(ValueError, match="model='histogram' needs"):
-        allocate({"x": {"mu": 0.0, "sigma": 1.0, "n": 10}}, 0.5, model="histogram")
-    with pytest.raises(ValueError, match="model must be"):
-        allocate({"x": {"mu": 0.0, "sigma": 1.0, "n": 10}}, 0.5, model="gamma")
+    with pytest.raises(ValueError, match="threshold_rule='histogram' needs"):
+        allocate({"x": {"mu": 0.0, "sigma": 1.0, "n": 10}}, 0.5, threshold_rule="histogram")
+    with pytest.raises(ValueError, match="threshold_rule must be"):
+        allocate({"x": {"mu": 0.0, "sigma": 1.0, "n": 10}}, 0.5, threshold_rule="gamma")
 
 
 # ----------------------------------------------------------------------------- the old failure
@@ -295,7 +295,7 @@ def test_old_failure_cannot_happen(run, planned_stats, merged):
             # the old target costs what the data say: cosine sqrt(E g^2 / (a E|g|)), tiny
             assert m.cosine(m.threshold(0.999999)) < 0.01
     for budget in (0.85, 0.9, 0.95):
-        for a in (allocate(planned_stats, budget), allocate(planned_stats, budget, model="lognormal"),
+        for a in (allocate(planned_stats, budget), allocate(planned_stats, budget, threshold_rule="lognormal"),
                   allocate(run, budget)):
             assert a.targets.max() <= DEFAULT_CAP + 1e-12
             assert not ((a.targets >= 0.999) & ~a.excluded).any()

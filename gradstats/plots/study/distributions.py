@@ -2,24 +2,27 @@
 of ``log2|x|`` with the fitted densities (gradients beside activations and weights), Q-Q plots of
 ``ln|g|``, KS distance and Vuong effect size per layer, and location and spread over training.
 
+Each function draws the fits or the table it is given (the tables of :mod:`gradstats.study`);
+:mod:`gradstats.figures` computes them from a run.
+
 Example:
-    >>> import gradstats
-    >>> from gradstats.plots.study import plot_moments_over_steps
-    >>> fig = plot_moments_over_steps(gradstats.zoo.data.data_dir() / "sample-run")
+    >>> import pandas as pd
+    >>> t = pd.DataFrame({"layer": ["a", "a"], "step": [0, 1], "mean_log2": [-9.0, -9.5],
+    ...                   "std_log2": [2.0, 2.1], "zero_fraction": [0.1, 0.2]})
+    >>> fig = plot_moments_over_steps(t)
     >>> [ax.get_ylabel() for ax in fig.axes[:2]]
     ['mean of log2|g|', 'std of log2|g|  (binades)']
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from gradstats.plots.style import FAMILY_COLORS, use_style
-from gradstats.study import (_FAMILY_LABELS, _LN2, _SYMBOL, KIND_LABELS, _fits_or_run, _layers, _open, _pick_step,
-                    goodness_of_fit, layer_fit, moments_over_steps)
+from gradstats.plots.style import FAMILY_COLORS, FAMILY_LABELS, KIND_LABELS, LN2, SYMBOLS, use_style
+
 
 def _log2_density(family: str, t: np.ndarray, params: Mapping[str, float]) -> np.ndarray:
     from gradstats.plots.fit import _log2_density as dens  # the one home of the change of variables
@@ -52,10 +55,10 @@ def _hist_panel(ax: Any, res: Any, kind: str) -> None:
         top = max(top, min(float(y.max()), 1.6 * peak))
         best = fam == res.best
         ax.plot(t, y, color=FAMILY_COLORS[fam], lw=2.0 if best else 1.3, ls="-" if best else "--",
-                label=_FAMILY_LABELS[fam])
+                label=FAMILY_LABELS[fam])
     ax.set_xlim(t[0], t[-1])
     ax.set_ylim(0, top * 1.12)
-    sig = res.params["lognormal"]["sigma"] / _LN2
+    sig = res.params["lognormal"]["sigma"] / LN2
     ks = res.ks.get("lognormal", math.nan)
     ax.text(0.02, 0.97, f"std log2 = {sig:.2f}\nzeros {res.zero_fraction:.0%}\nKS(lognormal) {ks:.3f}\nbest: {res.best}",
             transform=ax.transAxes, va="top", ha="left", fontsize="x-small",
@@ -63,47 +66,45 @@ def _hist_panel(ax: Any, res: Any, kind: str) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(nbins=7, integer=True))
 
 
-def plot_layer_histograms(run: Any, *, step: int | None = None, layers: str | Sequence[str] | None = None,
-                          kinds: Sequence[str] = ("grad", "act", "weight")) -> Any:
+def plot_layer_histograms(fits: Mapping[str, Mapping[str, Any]], *, step: int) -> Any:
     """Per layer (rows), the histogram of ``log2|x|`` of the neural gradient with the three fitted
     magnitude densities (lognormal, half-normal, exponential: solid = best by likelihood), and
     beside it the same for the layer's activations and weights, for contrast.
 
     Densities are per binade on the ``log2`` axis (a lognormal is a Gaussian bump there; the
     half-normal and exponential are skewed bumps with a sharp upper edge). Exact zeros are not in
-    the histogram: their fraction is printed in each panel. ``step``: default the latest step with
-    raw samples; without samples the streamed binade histograms are drawn instead.
+    the histogram: their fraction is printed in each panel.
+
+    ``fits``: ``{layer: {kind: FitResult}}`` (rows in the mapping's order, columns the kinds in
+    order of appearance), as :func:`gradstats.study.layer_fit` gives them at ``step`` (the step
+    named in the title); a value that is an exception instead of a fit (nothing could be fitted
+    there) leaves its panel with a note.
 
     Example:
-        >>> import gradstats
-        >>> fig = plot_layer_histograms(gradstats.zoo.data.data_dir() / "sample-run", layers=["conv2", "fc1"])
-        >>> len(fig.axes)
-        6
+        >>> import torch, gradstats
+        >>> r = gradstats.fit(torch.randn(5_000).exp())
+        >>> fig = plot_layer_histograms({"fc1": {"grad": r, "act": ValueError("sigma = 0")}}, step=0)
+        >>> len(fig.axes), fig.axes[0].get_title()
+        (2, 'neural gradient g')
     """
     import matplotlib.pyplot as plt
 
-    run = _open(run)
-    step = _pick_step(run, step)
-    names = _layers(run, layers)
-    stats = run.stats()
-    have = set(stats["kind"].unique()) if len(stats) else set()
-    idx = run.sample_index()
-    have |= set(idx["kind"].unique()) if len(idx) else set()
-    kinds = [k for k in kinds if k in have]
-    if "grad" not in kinds:
-        raise ValueError(f"the run at {run.path} has no neural-gradient ('grad') captures to draw")
+    names = list(fits)
+    kinds = list(dict.fromkeys(k for row in fits.values() for k in row))
+    if not names or not kinds:
+        raise ValueError("no layer and kind to draw")
     use_style()
     fig, axes = plt.subplots(len(names), len(kinds), figsize=(4.2 * len(kinds) + 0.6, 2.55 * len(names) + 0.9),
                              squeeze=False)
     for i, name in enumerate(names):
         for j, kind in enumerate(kinds):
             ax = axes[i][j]
-            try:
-                res = layer_fit(run, name, step, kind)
+            res = fits[name].get(kind)
+            if res is not None and not isinstance(res, BaseException):
                 _hist_panel(ax, res, kind)
-            except ValueError as exc:
-                msg = "constant values" if "sigma = 0" in str(exc) else "nothing to fit"
-                ax.text(0.5, 0.5, f"{msg}\n(no spread in log2|{_SYMBOL.get(kind, 'x')}|)", ha="center",
+            else:
+                msg = "constant values" if "sigma = 0" in str(res) else "nothing to fit"
+                ax.text(0.5, 0.5, f"{msg}\n(no spread in log2|{SYMBOLS.get(kind, 'x')}|)", ha="center",
                         va="center", transform=ax.transAxes, fontsize="small", color="0.35")
                 ax.set_yticks([])
             if i == 0:
@@ -118,7 +119,7 @@ def plot_layer_histograms(run: Any, *, step: int | None = None, layers: str | Se
     from matplotlib.patches import Patch
 
     handles = [Patch(facecolor="0.78", edgecolor="0.45", label="data (non-zero values)")]
-    handles += [Line2D([], [], color=FAMILY_COLORS[f], lw=1.6, label=_FAMILY_LABELS[f] + " fit")
+    handles += [Line2D([], [], color=FAMILY_COLORS[f], lw=1.6, label=FAMILY_LABELS[f] + " fit")
                 for f in ("lognormal", "normal", "laplace")]
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / fig.get_figheight()))
     fig.legend(handles=handles, loc="upper center", ncol=4, frameon=False, fontsize="small",
@@ -127,19 +128,18 @@ def plot_layer_histograms(run: Any, *, step: int | None = None, layers: str | Se
     return fig
 
 
-def plot_qq(run_or_fits: Any, *, step: int | None = None, layers: str | Sequence[str] | None = None,
-            ncols: int = 3) -> Any:
+def plot_qq(fits: Mapping[str, Any], *, where: str = "", ncols: int = 3) -> Any:
     """Q-Q plot of ``ln|g|`` against the standard normal, one panel per layer: a lognormal is the
     straight line ``mu + sigma z``; the half-normal and exponential fits are drawn as the curves
     of their ``ln|g|`` quantiles. Points that bend away from the line at the ends show heavier or
     lighter tails than lognormal (printed: skewness and excess kurtosis of ``ln|g|``).
 
-    ``run_or_fits``: a run (fitted at ``step``, default the latest sampled step) or a mapping
-    ``{layer: FitResult}``.
+    ``fits``: ``{layer: FitResult}`` (e.g. :func:`gradstats.study.layer_fits`); ``where``: what
+    they were fitted on, added to the title (e.g. ``"step 196"``).
 
     Example:
-        >>> import gradstats
-        >>> fig = plot_qq(gradstats.zoo.data.data_dir() / "sample-run", layers="conv*")
+        >>> import torch, gradstats
+        >>> fig = plot_qq({"conv1": gradstats.fit(torch.randn(5_000).exp())}, where="step 0")
         >>> fig.axes[0].get_xlabel()
         'standard normal quantile'
     """
@@ -148,7 +148,7 @@ def plot_qq(run_or_fits: Any, *, step: int | None = None, layers: str | Sequence
 
     from gradstats.plots.fit import _ln_quantile
 
-    fits, where = _fits_or_run(run_or_fits, step, "grad", layers)
+    fits = dict(fits)
     if not fits:
         raise ValueError("no layer could be fitted: nothing to draw")
     use_style()
@@ -169,7 +169,7 @@ def plot_qq(run_or_fits: Any, *, step: int | None = None, layers: str | Sequence
         for fam in res.families:
             best = fam == res.best
             ax.plot(zz, _ln_quantile(fam, qq, res.params[fam]), color=FAMILY_COLORS[fam], lw=1.8 if best else 1.2,
-                    ls="-" if best else "--", label=_FAMILY_LABELS[fam])
+                    ls="-" if best else "--", label=FAMILY_LABELS[fam])
         note = f"sigma(ln) = {res.params['lognormal']['sigma']:.2f}"
         if res.ln_skew is not None:
             note += f"\nskew {res.ln_skew:+.2f}, ex. kurt {res.ln_exkurt:+.2f}"
@@ -190,26 +190,28 @@ def plot_qq(run_or_fits: Any, *, step: int | None = None, layers: str | Sequence
     return fig
 
 
-def plot_goodness_of_fit(run_or_table: Any, *, kind: str = "grad", layers: str | Sequence[str] | None = None) -> Any:
+def plot_goodness_of_fit(table: Any) -> Any:
     """Left: KS distance per layer for the three families (log scale; small = close fit), one
     small point per sampled step and a large marker at the median. Right: Vuong's effect size
     ``z/sqrt(n)`` of lognormal against half-normal and against exponential per layer (positive:
     lognormal is the likelier model; at ``n`` of 1e4-1e6 every ``|z|`` is huge, so the effect
     size, not the p-value, says by how much).
 
-    ``run_or_table``: a run, or the DataFrame of :func:`goodness_of_fit`.
+    ``table``: the DataFrame of :func:`gradstats.study.goodness_of_fit` (columns ``layer, step,
+    ks_<family>``, ``vuong_lognormal_vs_normal``, ``vuong_lognormal_vs_laplace``).
 
     Example:
-        >>> import gradstats
-        >>> fig = plot_goodness_of_fit(gradstats.zoo.data.data_dir() / "sample-run")
+        >>> import pandas as pd
+        >>> t = pd.DataFrame({"layer": ["a", "b"], "step": [0, 0], "ks_lognormal": [0.01, 0.02],
+        ...                   "ks_normal": [0.2, 0.3], "ks_laplace": [0.1, 0.1],
+        ...                   "vuong_lognormal_vs_normal": [0.5, 0.4], "vuong_lognormal_vs_laplace": [0.2, 0.1]})
+        >>> fig = plot_goodness_of_fit(t)
         >>> fig.axes[0].get_yscale()
         'log'
     """
     import matplotlib.pyplot as plt
-    import pandas as pd
 
-    df = run_or_table if isinstance(run_or_table, pd.DataFrame) else goodness_of_fit(run_or_table, kind=kind,
-                                                                                         layers=layers)
+    df = table
     if df.empty:
         raise ValueError("no layer could be fitted: nothing to draw")
     names = list(dict.fromkeys(df["layer"]))
@@ -226,7 +228,7 @@ def plot_goodness_of_fit(run_or_table: Any, *, kind: str = "grad", layers: str |
             ax.scatter(np.full(len(v), i + off[fam]), v, s=9, color=FAMILY_COLORS[fam], alpha=0.45, lw=0)
         med = df.groupby("layer", sort=False)[f"ks_{fam}"].median().reindex(names)
         ax.scatter(x + off[fam], med, s=46, marker="D", color=FAMILY_COLORS[fam], edgecolor="black", lw=0.5,
-                   label=_FAMILY_LABELS[fam], zorder=3)
+                   label=FAMILY_LABELS[fam], zorder=3)
     ax.set_yscale("log")
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
@@ -267,28 +269,32 @@ def plot_goodness_of_fit(run_or_table: Any, *, kind: str = "grad", layers: str |
     return fig
 
 
-def plot_moments_over_steps(run: Any, *, kind: str = "grad", layers: str | Sequence[str] | None = None) -> Any:
+def plot_moments_over_steps(table: Any, *, kind: str = "grad") -> Any:
     """Per layer, across training steps: the mean of ``log2|g|`` (where the layer's gradients sit,
     in binades; layers differ by many binades, which is why every layer needs its own scale), the
     std of ``log2|g|`` (their spread in binades: the quantity that picks the exponent bits) and
     the fraction of exact zeros.
 
+    ``table``: the DataFrame of :func:`gradstats.study.moments_over_steps` (columns ``layer, step,
+    mean_log2, std_log2, zero_fraction``) of the captured ``kind`` (named on the axes).
+
     Example:
-        >>> import gradstats
-        >>> len(plot_moments_over_steps(gradstats.zoo.data.data_dir() / "sample-run").axes)
+        >>> import pandas as pd
+        >>> t = pd.DataFrame({"layer": ["a"], "step": [0], "mean_log2": [-9.0], "std_log2": [2.0],
+        ...                   "zero_fraction": [0.1]})
+        >>> len(plot_moments_over_steps(t).axes)
         3
     """
     import matplotlib.pyplot as plt
 
-    run = _open(run)
-    df = moments_over_steps(run, kind=kind, layers=layers)
+    df = table
     if df.empty:
-        raise ValueError(f"the run at {run.path} has no {kind!r} statistics")
+        raise ValueError(f"no {kind!r} statistics to draw")
     names = list(dict.fromkeys(df["layer"]))
     colors = _layer_palette(len(names))
     use_style()
     fig, axes = plt.subplots(1, 3, figsize=(15.5, 4.4))
-    sym = _SYMBOL.get(kind, "x")
+    sym = SYMBOLS.get(kind, "x")
     for name, c in zip(names, colors):
         g = df[df["layer"] == name]
         few = len(g) < 30

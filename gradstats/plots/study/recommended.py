@@ -3,10 +3,12 @@ recommended formats, each layer against the sigma ranges where each split is bes
 exponent bits at the narrowest and widest layer, achieved against target sparsity per threshold
 rule, and the cost of pruning predicted against measured.
 
+Each function draws the plans, results or table it is given; :mod:`gradstats.figures` computes
+them from a run (the plans of :func:`gradstats.recommend`, the tables of :mod:`gradstats.study`).
+
 Example:
     >>> import gradstats
-    >>> from gradstats.plots.study import plot_format_map
-    >>> fig = plot_format_map(gradstats.recommend(gradstats.zoo.data.data_dir() / "sample-run", bits=[8, 4]))
+    >>> fig = plot_format_map(gradstats.recommend_each(gradstats.zoo.data.data_dir() / "sample-run", bits=[8, 4]))
     >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
     ['FP8', 'FP4']
 """
@@ -17,9 +19,15 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from gradstats.plots.style import use_style
-from gradstats.study import _LN2, _plan_moments, sparsity_check
 from gradstats.plots.study.distributions import _layer_palette
+from gradstats.plots.style import LN2, use_style
+
+
+def _prediction(entry: Any) -> Any:
+    """The entry's prediction (an object with ``error``, ``sigma``, ``scale``...), or None."""
+    pr = getattr(entry, "predicted", None)
+    return pr if pr is not None and hasattr(pr, "error") and hasattr(pr, "sigma") else None
+
 
 def plot_format_map(plans: Any, *, measured: Any = None, title: str | None = None) -> Any:
     """A per-layer map of the recommended formats: one row per layer, one column per bit width;
@@ -29,14 +37,15 @@ def plot_format_map(plans: Any, *, measured: Any = None, title: str | None = Non
     layers need more exponent bits.
 
     ``plans``: ``{bits: Plan}`` as :func:`gradstats.recommend` returns for a list of widths, or one
-    :class:`~gradstats.plan.Plan`. ``measured``: optional table of :func:`error_check` (columns
+    :class:`~gradstats.plan.Plan` (any object with ``entries`` of ``layer``, ``format``,
+    ``predicted``). ``measured``: optional table of :func:`gradstats.study.error_check` (columns
     ``layer, bits, measured``): each cell then also gives the SNR measured on the run's samples,
     and a cell whose measured error is over twice the prediction (or whose values are all lost) is
     outlined in red.
 
     Example:
         >>> import gradstats
-        >>> plans = gradstats.recommend(gradstats.zoo.data.data_dir() / "sample-run", bits=[8, 6, 4])
+        >>> plans = gradstats.recommend_each(gradstats.zoo.data.data_dir() / "sample-run", bits=[8, 6, 4])
         >>> fig = plot_format_map(plans)
         >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
         ['FP8', 'FP6', 'FP4']
@@ -46,15 +55,14 @@ def plot_format_map(plans: Any, *, measured: Any = None, title: str | None = Non
     from matplotlib.patches import Rectangle
 
     from gradstats.formats import FPFormat
-    from gradstats.plan import Plan, Prediction
 
-    if isinstance(plans, Plan):
+    if not isinstance(plans, Mapping) and hasattr(plans, "entries"):
         widths = sorted({e.format.bits for e in plans.entries if isinstance(e.format, FPFormat)}, reverse=True)
         if len(widths) != 1:
             raise ValueError("a single plan must hold formats of one width; pass {bits: plan} for several")
         plans = {widths[0]: plans}
     if not isinstance(plans, Mapping) or not plans:
-        raise ValueError("plans must be {bits: Plan} (as recommend(run, bits=[8, 6, 4]) returns) or one Plan")
+        raise ValueError("plans must be {bits: Plan} (as recommend_each(run, bits=[8, 6, 4]) returns) or one Plan")
     widths = list(plans)
     meas: dict[tuple[str, int], float] = {}
     if measured is not None and len(measured):
@@ -68,9 +76,9 @@ def plot_format_map(plans: Any, *, measured: Any = None, title: str | None = Non
     for b, p in plans.items():
         for e in p.entries:
             cell[(e.layer, b)] = e
-            pr = e.predicted if isinstance(e.predicted, Prediction) else None
+            pr = _prediction(e)
             if pr is not None and pr.sigma is not None:
-                sigma.setdefault(e.layer, pr.sigma / _LN2)
+                sigma.setdefault(e.layer, pr.sigma / LN2)
     ebits = np.full((len(layers), len(widths)), np.nan)
     for i, name in enumerate(layers):
         for j, b in enumerate(widths):
@@ -92,7 +100,7 @@ def plot_format_map(plans: Any, *, measured: Any = None, title: str | None = Non
             if e is None or not isinstance(e.format, FPFormat):
                 ax.text(j, i, "-", ha="center", va="center")
                 continue
-            pr = e.predicted if isinstance(e.predicted, Prediction) else None
+            pr = _prediction(e)
             txt = str(e.format)
             if pr is not None and pr.scale:
                 txt += f"  x2^{int(round(math.log2(pr.scale)))}"
@@ -122,84 +130,89 @@ def plot_format_map(plans: Any, *, measured: Any = None, title: str | None = Non
     return fig
 
 
-def plot_layer_format_ranges(plans: Mapping[int, Any]) -> Any:
+def plot_layer_format_ranges(best: Mapping[int, Any], *, crossovers: Mapping[int, Any] | None = None) -> Any:
     """Per bit width (rows), each planned layer's std of ``log2|g|`` with its chosen format, over the
     sigma ranges where each split is best (:func:`gradstats.plots.fpanalysis.plot_layer_formats`
-    of :func:`gradstats.fpanalysis.best_format` at the plans' ``mu``, ``sigma``, ``p0``).
+    per width).
+
+    ``best``: ``{bits: BestFormat}`` (:func:`gradstats.fpanalysis.best_format` at the plans' ``mu``,
+    ``sigma``, ``p0``); ``crossovers``: ``{bits: CrossoverTable}`` of the bands behind each row
+    (a width without one is drawn without bands).
 
     Example:
-        >>> import gradstats
-        >>> plans = gradstats.recommend(gradstats.zoo.data.data_dir() / "sample-run", bits=[8, 4])
-        >>> len(plot_layer_format_ranges(plans).axes)
+        >>> from gradstats.fpanalysis import best_format
+        >>> b = {w: best_format(w, mu=[-9.0, -12.0], sigma=[1.0, 2.5], names=["fc1", "conv1"]) for w in (8, 4)}
+        >>> len(plot_layer_format_ranges(b).axes)
         2
     """
     import matplotlib.pyplot as plt
 
-    from gradstats.fpanalysis import best_format
     from gradstats.plots.fpanalysis import plot_layer_formats
 
-    names, mu, sigma, p0 = _plan_moments(plans)
-    first = next(iter(plans.values()))
-    pred = {e.layer: e.predicted for e in first.entries}
-    amax = np.array([pred[n].amax if pred[n].amax else np.nan for n in names])
-    cond = {"amax": amax} if np.isfinite(amax).all() and first.defaults.block_size is None else {}
+    if not best:
+        raise ValueError("no best-format result to draw")
+    crossovers = crossovers or {}
+    first = next(iter(best.values()))
+    n = np.atleast_1d(np.asarray(first.sigma)).size
     use_style()
-    fig, axes = plt.subplots(len(plans), 1, figsize=(8.0, len(plans) * (1.2 + 0.3 * len(names)) + 0.4),
+    fig, axes = plt.subplots(len(best), 1, figsize=(8.0, len(best) * (1.2 + 0.3 * n) + 0.4),
                              squeeze=False, sharex=True)
-    for ax, b in zip(axes[:, 0], plans):
+    for ax, b in zip(axes[:, 0], best):
         # the dots: each layer's choice given its observed maximum, as recommend makes it (ranked
         # among the formats the plan's layers hold: its candidates, e.g. only formats that exist);
         # the bands: the sigma ranges where each split is best for an unbounded lognormal
-        plot_layer_formats(best_format(int(b), mu=mu, sigma=sigma, p0=p0, names=names, **cond, candidates=sorted(
-            {e.format for e in plans[b].entries if e.format is not None},
-            key=lambda f: (f.special != "fn", str(f)))), ax=ax)
+        plot_layer_formats(best[b], crossovers=crossovers.get(b), ax=ax)
         if ax is not axes[-1, 0]:
             ax.set_xlabel("")
     fig.tight_layout()
     return fig
 
 
-def plot_error_vs_bits_for_layers(plans: Mapping[int, Any]) -> Any:
+def plot_error_vs_bits_for_layers(panels: Any) -> Any:
     """Predicted error of every exponent/mantissa split, FP4 to FP8, at the sigma of the planned
     layer with the narrowest and of the one with the widest gradients (two panels of
     :func:`gradstats.plots.fpanalysis.plot_error_vs_exponent_bits`).
 
+    ``panels``: ``[(layer, [BestFormat per width])]`` (or a mapping ``{layer: [...]}``), the
+    narrowest layer first, then the widest; each result at that layer's sigma, every split ranked.
+
     Example:
-        >>> import gradstats
-        >>> plans = gradstats.recommend(gradstats.zoo.data.data_dir() / "sample-run", bits=[8])
-        >>> len(plot_error_vs_bits_for_layers(plans).axes)
+        >>> from gradstats.fpanalysis import best_format
+        >>> at = lambda s: [best_format(b, mu=0.0, sigma=s, candidates="fn", power_of_two=False) for b in (6, 8)]
+        >>> len(plot_error_vs_bits_for_layers([("fc1", at(1.0)), ("conv1", at(2.0))]).axes)
         2
     """
     import matplotlib.pyplot as plt
 
     from gradstats.plots.fpanalysis import plot_error_vs_exponent_bits
 
-    names, _, sigma, _ = _plan_moments(plans)
-    pick = [int(np.argmin(sigma)), int(np.argmax(sigma))] if len(sigma) > 1 else [0]
+    panels = list(panels.items()) if isinstance(panels, Mapping) else list(panels)
+    if not panels:
+        raise ValueError("no layer to draw")
     use_style()
-    fig, axes = plt.subplots(1, len(pick), figsize=(6.6 * len(pick), 4.8), squeeze=False, sharey=True)
-    for ax, k, what in zip(axes[0], pick, ("narrowest", "widest")):
-        plot_error_vs_exponent_bits(float(sigma[k]), ax=ax)
-        ax.set_title(f"{names[k]} ({what} gradients of the plan)\n" + ax.get_title(), fontsize="small")
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.6 * len(panels), 4.8), squeeze=False, sharey=True)
+    for ax, (name, results), what in zip(axes[0], panels, ("narrowest", "widest")):
+        plot_error_vs_exponent_bits(results, ax=ax)
+        ax.set_title(f"{name} ({what} gradients of the plan)\n" + ax.get_title(), fontsize="small")
     fig.tight_layout()
     return fig
 
 
-def plot_sparsity_check(run_or_table: Any, **kw: Any) -> Any:
+def plot_sparsity_check(table: Any) -> Any:
     """Achieved against target sparsity per threshold rule on the run's gradients
-    (:func:`gradstats.plots.pruning.plot_achieved_vs_target` of :func:`sparsity_check`).
+    (:func:`gradstats.plots.pruning.plot_achieved_vs_target` of the table of
+    :func:`gradstats.study.sparsity_check`: columns ``layer, step, rule, target, achieved, p0``).
 
     Example:
-        >>> import gradstats
-        >>> fig = plot_sparsity_check(gradstats.zoo.data.data_dir() / "sample-run", steps=[0], targets=[0.5, 0.9])
+        >>> import pandas as pd
+        >>> t = pd.DataFrame({"layer": ["a", "a"], "step": [0, 0], "rule": ["lognormal"] * 2,
+        ...                   "target": [0.5, 0.9], "achieved": [0.5, 0.89], "p0": [0.1, 0.1]})
+        >>> fig = plot_sparsity_check(t)
         >>> fig.axes[0].get_xlabel()
         'target sparsity'
     """
-    import pandas as pd
-
     from gradstats.plots.pruning import plot_achieved_vs_target
 
-    table = run_or_table if isinstance(run_or_table, pd.DataFrame) else sparsity_check(run_or_table, **kw)
     if table.empty:
         raise ValueError("no layer with raw gradient samples: nothing to draw")
     # where the exact zeros alone reach the target no rule has anything to do (achieved = p0)
@@ -218,26 +231,26 @@ def plot_sparsity_check(run_or_table: Any, **kw: Any) -> Any:
     return fig
 
 
-def plot_cosine_check(run_or_table: Any, *, rule: str = "lognormal", **kw: Any) -> Any:
+def plot_cosine_check(table: Any, *, rule: str = "lognormal") -> Any:
     """What pruning costs, predicted against measured: ``1 - cos(g, T(g))`` between each sampled
     gradient and its stochastic pruning at the ``rule``'s threshold for each target sparsity, as
     the lognormal closed form predicts it (:func:`gradstats.pruning.predicted_cosine`, x) and as
     measured on the run's samples (y), log-log. Points on the diagonal: the model predicts the
     cost; above it: pruning costs more than predicted (typically a layer whose largest gradients
     are bounded, so the upper tail is lighter than lognormal). One colour per layer; larger
-    markers for higher targets.
+    markers for higher targets. ``table``: the DataFrame of :func:`gradstats.study.sparsity_check`
+    (columns ``layer, step, rule, target, threshold, cosine, predicted_cosine``).
 
     Example:
-        >>> import gradstats
-        >>> fig = plot_cosine_check(gradstats.zoo.data.data_dir() / "sample-run", steps=[0], layers=["conv2"])
+        >>> import pandas as pd
+        >>> t = pd.DataFrame({"layer": ["a", "a"], "step": [0, 0], "rule": ["lognormal"] * 2, "target": [0.5, 0.9],
+        ...                   "threshold": [1e-3, 2e-3], "cosine": [0.99, 0.9], "predicted_cosine": [0.995, 0.92]})
+        >>> fig = plot_cosine_check(t)
         >>> fig.axes[0].get_xscale(), fig.axes[0].get_yscale()
         ('log', 'log')
     """
     import matplotlib.pyplot as plt
-    import pandas as pd
 
-    table = run_or_table if isinstance(run_or_table, pd.DataFrame) else sparsity_check(
-        run_or_table, rules=[rule], **kw)
     t = table[(table["rule"] == rule) & (table["threshold"] > 0)].copy()
     if t.empty:
         raise ValueError(f"no pruned case of rule {rule!r}: nothing to draw")
