@@ -11,7 +11,7 @@ TORCH  := torch==2.13.0
 LATEST := .venv-latest
 PYTEST_DEFAULT := -m pytest -q -m "not slow and not gpu" -n 2
 
-.PHONY: venv demo test test-latest constraints test-slow test-all bench sample-run figures experiments clean
+.PHONY: venv demo test lint typecheck test-latest constraints test-slow test-all bench sample-run figures experiments clean
 
 venv: $(STAMP)
 
@@ -27,9 +27,18 @@ $(STAMP): pyproject.toml constraints.txt
 demo: venv
 	$(VENV)/bin/gradstats demo
 
-# The default test run (CI): everything except checks marked slow, on the pinned versions.
-test: venv
+# The default test run (CI): the lint, the type check of the public API, then every test except
+# those marked slow, on the pinned versions.
+test: venv lint typecheck
 	$(PY) $(PYTEST_DEFAULT)
+
+# ruff: unused and undefined names, pycodestyle, import order ([tool.ruff] in pyproject.toml)
+lint: venv
+	$(VENV)/bin/ruff check gradstats tests bench experiments tools
+
+# mypy on the public API as typed user code calls it ([tool.mypy] in pyproject.toml)
+typecheck: venv
+	$(VENV)/bin/mypy
 
 # The same tests on the newest versions the registry serves (no constraints; torch stays 2.13.0):
 # tells whether the next `make constraints` is safe.
@@ -38,6 +47,8 @@ test-latest:
 	$(LATEST)/bin/python -m pip install --quiet --upgrade pip
 	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager $(TORCH) -e '.[dev]'
 	$(LATEST)/bin/python -c 'import torch, sys; sys.exit(None if torch.__version__.split("+")[0] == "2.13.0" else "torch " + torch.__version__ + " replaced torch==2.13.0")'
+	$(LATEST)/bin/ruff check gradstats tests bench experiments tools
+	$(LATEST)/bin/mypy
 	$(LATEST)/bin/python $(PYTEST_DEFAULT)
 
 # Rewrite constraints.txt (its comment header kept) from a fresh venv holding the newest versions.

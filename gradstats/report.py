@@ -123,12 +123,19 @@ class Analysis:
                 "plans": {_pct(s): {str(b): p.to_dict() for b, p in ps.items()} for s, ps in self.plans.items()},
                 "skipped": dict(self.skipped), "failures": _records(self.failures)}
 
-    def summary(self) -> str:
-        """The per-layer summary as a text table (what ``gradstats report`` and the demo print)."""
+    def summary(self) -> pd.DataFrame:
+        """The per-layer summary (the columns ``gradstats report`` prints) as a DataFrame of text cells;
+        ``str(analysis)`` is the same as a text table with its notes (what ``gradstats report`` and the
+        demo print)."""
+        head, rows = _summary_rows(self)
+        return pd.DataFrame(rows, columns=head)
+
+    def text(self) -> str:
+        """The per-layer summary as a text table, with the notes on what was not analysed."""
         return _text_table(self)
 
     def __str__(self) -> str:
-        return self.summary()
+        return self.text()
 
     def write(self, out_dir: str | os.PathLike[str], *, figures: bool = True, progress: bool = False) -> "Report":
         """Write the plans, tables, figures and ``report.md`` into ``out_dir``; see :func:`report`."""
@@ -449,12 +456,24 @@ class Report:
         """The path of ``report.md``."""
         return self.files["report"]
 
-    def summary(self) -> str:
-        """The analysis' summary table and the files written."""
-        lines = [self.analysis.summary(), "", f"wrote to {self.out_dir}:"]
+    def summary(self) -> pd.DataFrame:
+        """The analysis' per-layer summary (:meth:`Analysis.summary`); ``str(report)`` adds the files
+        written."""
+        return self.analysis.summary()
+
+    def text(self) -> str:
+        """The analysis' summary table and the files written (``str(report)``)."""
+        lines = [self.analysis.text(), "", f"wrote to {self.out_dir}:"]
         for name, p in {**self.files, **self.figures}.items():
             lines.append(f"  {p.relative_to(self.out_dir) if p.is_relative_to(self.out_dir) else p}")
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """The analysis' per-layer table (:meth:`Analysis.to_dataframe`)."""
+        return self.analysis.to_dataframe()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data: the output directory, the files and the analysis."""

@@ -71,7 +71,7 @@ def test_std_and_verdicts_come_from_the_run(analysis):
 
 
 def test_summary_and_dict(analysis):
-    text = analysis.summary()
+    text = str(analysis)
     head = text.splitlines()[0]
     for col in ("std log2|g|", "best fit", "KS lognormal", "thr 85%", "thr 90%", "FP8", "FP6", "FP4"):
         assert col in head
@@ -208,7 +208,7 @@ def test_report_says_which_groups_failed_and_why(dead_run, tmp_path):
     # fc2 is the output layer: left in full precision like the dead layer, for another reason
     assert not t.loc["dead", "planned"] and t.loc["fc1", "planned"] and not t.loc["fc2", "planned"]
     assert list(a.failures["layer"]) == ["dead"] and a.failures["steps"].iloc[0] == [0, 1, 2]
-    text = a.summary()
+    text = str(a)
     assert re.search(r"^dead .* failed", text, re.M)
     assert "not fitted" in text and re.search(r"dead, steps 0, 1, 2: error: .*no non-zero finite value", text)
     md = rep.markdown.read_text()
@@ -231,7 +231,7 @@ def test_report_skips_layers_without_gradient_statistics(attention_run, tmp_path
     assert sorted(e.layer for e in a.plan().entries) == ["att", "inp"]
     if "att.out_proj" in run.layers:  # a tracer that selects modules never called lists it
         assert "no 'grad' statistics" in a.skipped["att.out_proj"]
-        assert re.search(r"skipped.*att\.out_proj.*no 'grad' statistics", a.summary(), re.S)
+        assert re.search(r"skipped.*att\.out_proj.*no 'grad' statistics", str(a), re.S)
         assert "att.out_proj" in rep.markdown.read_text()
         assert any("att.out_proj" in r.getMessage() for r in caplog.records)
 
@@ -249,7 +249,7 @@ def test_report_skips_a_listed_layer_that_has_no_statistics(dead_run, tmp_path, 
     with caplog.at_level(logging.WARNING, logger="gradstats.report"):
         a = analyse(path, bits=[8], sparsities=[0.85])
     assert "ghost" not in list(a.table["layer"]) and "no 'grad' statistics" in a.skipped["ghost"]
-    assert "ghost" in a.summary() and any("ghost" in r.getMessage() for r in caplog.records)
+    assert "ghost" in str(a) and any("ghost" in r.getMessage() for r in caplog.records)
     assert main(["report", str(path), "-o", str(tmp_path / "r"), "--bits", "8", "--sparsity", "0.85",
                  "--no-figures", "--no-progress"]) == 0
     assert "ghost" in (tmp_path / "r" / "report.md").read_text()
@@ -291,5 +291,5 @@ def test_report_with_a_damaged_sample_file(dead_run, tmp_path):
     assert a.plan_step == 1 and set(a.errors["step"]) == {1}
     t = a.table.set_index("layer")
     assert t.loc["fc1", "fit_status"] == "partial" and t.loc["fc1", "failed_steps"] == 1
-    assert "damaged" in t.loc["fc1", "fit_error"] and rel in a.summary()
+    assert "damaged" in t.loc["fc1", "fit_error"] and rel in str(a)
     assert "damaged" in rep.markdown.read_text()

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     rep = report(run_dir, out, figures=not args.no_figures, progress=not args.no_progress, context=context)
     t_rep = time.perf_counter() - t1
     print()
-    print(rep.summary())
+    print(rep)
     print(f"\ndone in {time.perf_counter() - t0:.0f} s (training {t_train:.0f} s, analysis and report {t_rep:.0f} s); "
           f"open {rep.markdown}")
     return 0

@@ -46,5 +46,5 @@ def run(args: argparse.Namespace) -> int:
 
     rep = report(args.run, args.output, sparsities=args.sparsity, bits=args.bits, figures=not args.no_figures,
                  progress=not args.no_progress, layers=args.layers)
-    print(rep.summary())
+    print(rep)
     return 0

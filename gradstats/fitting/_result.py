@@ -145,8 +145,13 @@ class FitResult:
 
         return pd.DataFrame(self.rows())
 
-    def summary(self) -> str:
-        """A small text table of the comparison."""
+    def summary(self) -> Any:
+        """The comparison as a DataFrame, one row per family (:meth:`to_dataframe`); ``str(result)`` is
+        the same as a small text table."""
+        return self.to_dataframe()
+
+    def text(self) -> str:
+        """The comparison as a small text table (``str(result)``)."""
         head = (f"n={self.n:,}  non-zero={self.n_nonzero:,}  zero fraction={self.zero_fraction:.4g}  "
                 f"non-finite={self.n_nonfinite:,}  source={self.source}  KS: {self.ks_method}")
         lines = [head, f"{'family':<10} {'magnitude model':<16} {'parameters':<34} {'loglik/n':>10} "
@@ -176,7 +181,7 @@ class FitResult:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        return self.summary()
+        return self.text()
 
     def plot(self, **kwargs: Any) -> Any:
         """Histogram of ``log2|g|`` with the fitted densities, and a Q-Q plot of ``ln|g|``

@@ -203,6 +203,12 @@ class FormatChoice:
         return {"format": str(self.format), "exp_bits": self.format.exp_bits, "man_bits": self.format.man_bits,
                 "scale": self.scale, "log2_scale": self.log2_scale, "error": self.error, "rank": self.rank}
 
+    def to_dataframe(self) -> "pd.DataFrame":
+        """pandas view: one row."""
+        import pandas as pd
+
+        return pd.DataFrame([self.to_dict()])
+
 
 @dataclass(frozen=True)
 class BestFormat:

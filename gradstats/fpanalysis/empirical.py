@@ -126,6 +126,12 @@ class PredictionCheck:
         """Plain dict."""
         return asdict(self)
 
+    def to_dataframe(self) -> Any:
+        """pandas view: one row (``best_per_format`` as its own column of dicts)."""
+        import pandas as pd
+
+        return pd.DataFrame([self.to_dict()])
+
 
 def energy_moments(x: torch.Tensor) -> tuple[float, float]:
     """``(mu, sigma)`` of ``ln|g|`` weighted by ``g**2``: the lognormal the relative MSE sees.

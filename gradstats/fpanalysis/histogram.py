@@ -330,6 +330,13 @@ class HistogramChoice:
                 "candidates": {str(f): {"error": float(e), "log2_scale": float(j)}
                                for f, e, j in zip(self.candidates, self.errors, self.log2_scales)}}
 
+    def to_dataframe(self) -> Any:
+        """pandas view: one row per candidate format, the winner marked ``best``."""
+        import pandas as pd
+
+        return pd.DataFrame([{"format": str(f), "error": float(e), "log2_scale": float(j), "best": i == self.best}
+                             for i, (f, e, j) in enumerate(zip(self.candidates, self.errors, self.log2_scales))])
+
 
 def _scan_range(fmt: FPFormat, h: HistogramLaw, window: int) -> np.ndarray:
     """Powers of two from where ``amax`` lands ``window`` binades past the top of the format to

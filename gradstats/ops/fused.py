@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -46,7 +46,14 @@ class CompressCounts:
         return self.zeros / self.n if self.n else 0.0
 
     def to_dict(self) -> dict[str, float]:
+        """Plain dict: the counts and the sparsity."""
         return {**asdict(self), "sparsity": self.sparsity}
+
+    def to_dataframe(self) -> Any:
+        """pandas view: one row."""
+        import pandas as pd
+
+        return pd.DataFrame([self.to_dict()])
 
 
 def _native():

@@ -298,7 +298,7 @@ def test_families_subset_and_result_views(tmp_path):
     assert list(df["family"]) == ["lognormal", "normal", "laplace"]
     assert df.loc[df.best, "family"].item() == full.best
     assert (df["delta_loglik"] <= 0).all()
-    text = full.summary()
+    text = str(full)
     assert "lognormal" in text and "half-normal" in text and "separated" in text
     assert isinstance(full, FitResult) and str(full) == text
     from gradstats.plots.style import savefig
@@ -502,7 +502,7 @@ def test_nonfinite_values_are_counted_and_excluded(bad, dtype, ks):
     json.dumps(d, allow_nan=False)
     df = r.to_dataframe()
     assert (df["n_nonfinite"] == len(bad)).all() and (df["nonfinite_fraction"] == r.nonfinite_fraction).all()
-    assert "non-finite=" + str(len(bad)) in r.summary()
+    assert "non-finite=" + str(len(bad)) in str(r)
 
 
 @pytest.mark.parametrize("values,zeros,nonfinite", [
