@@ -7,7 +7,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from gradstats.fitting._families import MAGNITUDE_MODEL, information_criteria, mean_loglik, ranking, vuong
+from gradstats.fitting._compare import MAGNITUDE_MODEL, information_criteria, mean_loglik, ranking, vuong
 
 _PAIRS = (("lognormal", "normal"), ("lognormal", "laplace"), ("normal", "laplace"))
 

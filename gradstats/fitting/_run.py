@@ -15,7 +15,7 @@ from gradstats.run.select import layer_matcher, layer_stats, select_layers, sele
 from gradstats.stats import merge_stats
 from gradstats.fitting._exact import fit
 from gradstats.fitting._parallel import default_workers, torch_single_thread
-from gradstats.fitting._families import FAMILIES, check_families
+from gradstats.fitting._compare import FAMILIES, check_families
 from gradstats.fitting._result import FitResult, failed_rows
 from gradstats.fitting._stats import fit_many_stats
 

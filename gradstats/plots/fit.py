@@ -15,28 +15,8 @@ from typing import Any
 import numpy as np
 from scipy import special
 
+from gradstats.families import ln_quantile as _ln_quantile, log2_density as _log2_density
 from gradstats.plots.style import FAMILY_COLORS, LN2 as _LN2, use_style
-
-
-def _log2_density(family: str, t: np.ndarray, p: dict[str, float]) -> np.ndarray:
-    a = np.exp2(t)
-    if family == "lognormal":
-        z = (t * _LN2 - p["mu"]) / p["sigma"]
-        return np.exp(-0.5 * z * z) / (p["sigma"] * math.sqrt(2 * math.pi)) * _LN2
-    s = p["scale"]
-    if family == "normal":
-        f = math.sqrt(2 / math.pi) / s * np.exp(-0.5 * (a / s) ** 2)
-    else:
-        f = np.exp(-a / s) / s
-    return f * a * _LN2
-
-
-def _ln_quantile(family: str, q: np.ndarray, p: dict[str, float]) -> np.ndarray:
-    if family == "lognormal":
-        return p["mu"] + p["sigma"] * special.ndtri(q)
-    if family == "normal":
-        return np.log(p["scale"] * math.sqrt(2.0) * special.erfinv(q))
-    return np.log(-p["scale"] * np.log1p(-q))
 
 
 def plot_fit(result: Any, *, title: str | None = None) -> Any:

@@ -24,7 +24,7 @@ import torch
 
 from gradstats._compat import renamed_kwargs
 from gradstats.stats import lognormal_moments, n_nonzero
-from gradstats.pruning._models import Exponential, HalfNormal, Lognormal, Model, solve_sparsity, solve_sparsity_scalar
+from gradstats.families import Exponential, Family, HalfNormal, Lognormal, solve_sparsity, solve_sparsity_scalar
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
 
@@ -134,7 +134,7 @@ def _check_range(name: str, v: np.ndarray, lo: float, hi: float, what: str) -> N
 
 
 def resolve(source: Any, *, model: str, mu: Any = None, sigma: Any = None, p0: Any = None,
-            scale: Any = None) -> tuple[Model, np.ndarray, bool]:
+            scale: Any = None) -> tuple[Family, np.ndarray, bool]:
     """The model (with flattened broadcast parameters), ``p0`` and whether the inputs were
     one layer. Raises ``ValueError`` on missing or invalid parameters."""
     if model not in MODELS:
@@ -171,7 +171,7 @@ def resolve(source: Any, *, model: str, mu: Any = None, sigma: Any = None, p0: A
     return cls(sc.ravel().copy()), p0v.ravel().copy(), sc.ndim == 0
 
 
-def _broadcast(model: Model, p0: np.ndarray, v: np.ndarray) -> tuple[Model, np.ndarray, np.ndarray, tuple]:
+def _broadcast(model: Family, p0: np.ndarray, v: np.ndarray) -> tuple[Family, np.ndarray, np.ndarray, tuple]:
     """Broadcast the parameters (flat, one per layer) against ``v``; returns flat arrays."""
     params = [model.mu, model.sigma] if isinstance(model, Lognormal) else [model.scale]
     n = params[0].size
@@ -477,7 +477,7 @@ def added_variance(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | 
     return _wrap(out, (threshold, mu, sigma, p0, scale))
 
 
-def _added_rel(m: Model, p0v: np.ndarray, threshold: ArrayLike) -> np.ndarray:
+def _added_rel(m: Family, p0v: np.ndarray, threshold: ArrayLike) -> np.ndarray:
     a = _as_array(threshold)
     if np.isnan(a).any() or (a < 0).any():
         raise ValueError(f"threshold must be >= 0, got {a[~(a >= 0)].reshape(-1)[:5]}")
@@ -490,7 +490,7 @@ def _added_rel(m: Model, p0v: np.ndarray, threshold: ArrayLike) -> np.ndarray:
     return d.reshape(shape)
 
 
-def _subset(m: Model, mask: np.ndarray) -> Model:
+def _subset(m: Family, mask: np.ndarray) -> Family:
     if isinstance(m, Lognormal):
         return Lognormal(m.mu[mask], m.sigma[mask])
     return type(m)(m.scale[mask])

@@ -25,7 +25,7 @@ from gradstats.plots.style import FAMILY_COLORS, FAMILY_LABELS, KIND_LABELS, LN2
 
 
 def _log2_density(family: str, t: np.ndarray, params: Mapping[str, float]) -> np.ndarray:
-    from gradstats.plots.fit import _log2_density as dens  # the one home of the change of variables
+    from gradstats.families import log2_density as dens  # the one home of the change of variables
 
     return dens(family, t, params)
 
@@ -146,7 +146,7 @@ def plot_qq(fits: Mapping[str, Any], *, where: str = "", ncols: int = 3) -> Any:
     import matplotlib.pyplot as plt
     from scipy import special
 
-    from gradstats.plots.fit import _ln_quantile
+    from gradstats.families import ln_quantile as _ln_quantile
 
     fits = dict(fits)
     if not fits:

@@ -1,4 +1,4 @@
-"""The three magnitude families and the comparison arithmetic shared by every fit path.
+"""The comparison arithmetic shared by every fit path (the families themselves: :mod:`gradstats.families`).
 
 All models are compared on the same data with the same support, the non-zero finite
 magnitudes ``a = |g|``:
@@ -20,21 +20,15 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-import torch
+import torch  # noqa: F401 - the fit paths' tensors
 
-#: the families compared, in display order
-FAMILIES = ("lognormal", "normal", "laplace")
-#: number of fitted parameters of each magnitude model (for AIC and BIC)
-N_PARAMS = {"lognormal": 2, "normal": 1, "laplace": 1}
-#: the magnitude model behind each family name
-MAGNITUDE_MODEL = {"lognormal": "lognormal", "normal": "half-normal", "laplace": "exponential"}
+from gradstats.families import FAMILIES, MAGNITUDE_MODEL, N_PARAMS, cdf64, log_density64, mean_loglik  # noqa: F401
+
 #: two-sided level at which the Vuong test is said to separate two families
 VUONG_ALPHA = 0.05
 #: fewest non-zero finite values a fit accepts
 MIN_NONZERO = 10
 
-_HALF_LN_2PI = 0.5 * math.log(2.0 * math.pi)
-_HALF_LN_2_OVER_PI = 0.5 * math.log(2.0 / math.pi)
 
 
 def too_few_message(m: int, n: int, n_zero: int, n_nonfinite: int) -> str:
@@ -62,36 +56,6 @@ def check_families(families: object) -> tuple[str, ...]:
     if not fams or bad or len(set(fams)) != len(fams):
         raise ValueError(f"families must be distinct names from {FAMILIES}, got {fams!r}")
     return fams
-
-
-def mean_loglik(family: str, p: Mapping[str, float]) -> float:
-    """Mean log-likelihood per magnitude at the MLE (closed form; see the module docstring)."""
-    if family == "lognormal":
-        return -p["mu"] - math.log(p["sigma"]) - _HALF_LN_2PI - 0.5
-    if family == "normal":
-        return _HALF_LN_2_OVER_PI - math.log(p["scale"]) - 0.5
-    return -math.log(p["scale"]) - 1.0
-
-
-def cdf64(family: str, a: torch.Tensor, p: Mapping[str, float]) -> torch.Tensor:
-    """Model CDF of the magnitudes at ``a`` (computed in float64; ``a >= 0``, may hold inf)."""
-    a = a.to(torch.float64)
-    if family == "lognormal":
-        return torch.special.ndtr((torch.log(a) - p["mu"]) / p["sigma"])
-    if family == "normal":
-        return torch.erf(a / (p["scale"] * math.sqrt(2.0)))
-    return -torch.expm1(-a / p["scale"])
-
-
-def log_density64(family: str, a: torch.Tensor, p: Mapping[str, float]) -> torch.Tensor:
-    """Model log-density of the magnitudes at ``a > 0`` (float64)."""
-    a = a.to(torch.float64)
-    if family == "lognormal":
-        la = torch.log(a)
-        return -la - math.log(p["sigma"]) - _HALF_LN_2PI - 0.5 * ((la - p["mu"]) / p["sigma"]) ** 2
-    if family == "normal":
-        return _HALF_LN_2_OVER_PI - math.log(p["scale"]) - 0.5 * (a / p["scale"]) ** 2
-    return -math.log(p["scale"]) - a / p["scale"]
 
 
 def information_criteria(family: str, loglik: float, m: int) -> tuple[float, float]:

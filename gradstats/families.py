@@ -1,6 +1,19 @@
-"""Magnitude models of the non-zero gradient entries and the bracketed solver.
+"""The families of gradient magnitudes, one vocabulary for every stage: the lognormal, the half-normal
+(``"normal"``: the magnitudes of a zero-mean normal) and the exponential (``"laplace"``).
 
-Each model describes ``|g|`` of the non-zero entries and works in a standardised log-threshold
+For fitting (:mod:`gradstats.fitting`): the closed-form mean log-likelihood at the MLE, the CDF and the
+log-density of each family. For pruning (:mod:`gradstats.pruning`): the sparsity and added variance of the
+stochastic pruning operator in each family, and the bracketed solver of a target sparsity.
+
+Example:
+    >>> import math, torch
+    >>> from gradstats.families import FAMILIES, cdf64
+    >>> FAMILIES
+    ('lognormal', 'normal', 'laplace')
+    >>> round(float(cdf64("lognormal", torch.tensor([1.0]), {"mu": 0.0, "sigma": 1.0})[0]), 6)
+    0.5
+
+Each family describes ``|g|`` of the non-zero entries and works in a standardised log-threshold
 ``x`` (float64 numpy arrays, vectorised over layers):
 
 ============  ========================  =====================================================
@@ -20,17 +33,28 @@ variance ``r - 1``.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
+import torch
 from scipy import special
 
 from gradstats._roots import bracketed_newton
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_LN2_ = math.log(2.0)
+_HALF_LN_2PI = 0.5 * math.log(2.0 * math.pi)
+_HALF_LN_2_OVER_PI = 0.5 * math.log(2.0 / math.pi)
+
+#: the families compared, in display order
+FAMILIES = ("lognormal", "normal", "laplace")
+#: number of fitted parameters of each magnitude model (for AIC and BIC)
+N_PARAMS = {"lognormal": 2, "normal": 1, "laplace": 1}
+#: the magnitude model behind each family name
+MAGNITUDE_MODEL = {"lognormal": "lognormal", "normal": "half-normal", "laplace": "exponential"}
 
 
-class Model:
+class Family:
     """Base: subclasses set ``name`` and implement the methods on float64 arrays."""
 
     name = ""
@@ -73,7 +97,7 @@ class Model:
         return self.hard(x) - self.up(x)
 
 
-class Lognormal(Model):
+class Lognormal(Family):
     name = "lognormal"
 
     def __init__(self, mu: np.ndarray, sigma: np.ndarray) -> None:
@@ -121,7 +145,7 @@ class Lognormal(Model):
         return np.maximum(up - special.ndtr(z - 2.0 * s), 0.0)
 
 
-class _ScaleFamily(Model):
+class _ScaleFamily(Family):
     """A magnitude model with one scale parameter, solved in ``x = ln(a / scale)``."""
 
     def __init__(self, scale: np.ndarray) -> None:
@@ -214,7 +238,7 @@ def bracket_solve(fg: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.nd
     return x
 
 
-def solve_sparsity(model: Model, target: np.ndarray, *, stochastic: bool = True) -> np.ndarray:
+def solve_sparsity(model: Family, target: np.ndarray, *, stochastic: bool = True) -> np.ndarray:
     """``x`` with ``S(x) = target`` for ``0 < target < 1`` (arrays of one shape)."""
     xh = model.hard_quantile(target)
     if not stochastic:
@@ -238,7 +262,7 @@ def solve_sparsity(model: Model, target: np.ndarray, *, stochastic: bool = True)
     return bracket_solve(fg, xh, hi)
 
 
-def solve_sparsity_scalar(model: Model, target: float, *, stochastic: bool = True) -> float:
+def solve_sparsity_scalar(model: Family, target: float, *, stochastic: bool = True) -> float:
     """:func:`solve_sparsity` for one layer (parameters of size 1), in Python floats: the same
     bracket and safeguarded Newton iteration without the array bookkeeping, which dominates the
     cost for a single layer (the apply module solves one layer per refresh)."""
@@ -261,7 +285,7 @@ def solve_sparsity_scalar(model: Model, target: float, *, stochastic: bool = Tru
         return bracketed_newton(f, xh, hi, 0.5 * (xh + hi))
 
 
-def solve_ratio(model: Model, ratio: np.ndarray) -> np.ndarray:
+def solve_ratio(model: Family, ratio: np.ndarray) -> np.ndarray:
     """``x`` with ``et2_ratio(x) = ratio`` (``ratio > 1``; the ratio grows from 1 with ``x``)."""
     shape = ratio.shape
     lo = np.full(shape, -1.0)
@@ -283,10 +307,10 @@ def solve_ratio(model: Model, ratio: np.ndarray) -> np.ndarray:
 class _Sub:
     """The model restricted to a subset of entries (parameters indexed by ``idx``)."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Family) -> None:
         self.model = model
 
-    def at(self, idx: np.ndarray) -> Model:
+    def at(self, idx: np.ndarray) -> Family:
         m = self.model
         if idx.size == _size(m):
             return m
@@ -297,9 +321,63 @@ class _Sub:
         return Exponential(_take(m.scale, idx))
 
 
-def _size(m: Model) -> int:
+def _size(m: Family) -> int:
     return (m.mu if isinstance(m, Lognormal) else m.scale).size
 
 
 def _take(p: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return p if p.size == 1 else p.reshape(-1)[idx]
+
+
+# ----------------------------------------------------------------------------- likelihood
+def mean_loglik(family: str, p: Mapping[str, float]) -> float:
+    """Mean log-likelihood per magnitude at the MLE (closed form; see the module docstring)."""
+    if family == "lognormal":
+        return -p["mu"] - math.log(p["sigma"]) - _HALF_LN_2PI - 0.5
+    if family == "normal":
+        return _HALF_LN_2_OVER_PI - math.log(p["scale"]) - 0.5
+    return -math.log(p["scale"]) - 1.0
+
+
+def cdf64(family: str, a: torch.Tensor, p: Mapping[str, float]) -> torch.Tensor:
+    """The family's CDF of the magnitudes at ``a`` (computed in float64; ``a >= 0``, may hold inf)."""
+    a = a.to(torch.float64)
+    if family == "lognormal":
+        return torch.special.ndtr((torch.log(a) - p["mu"]) / p["sigma"])
+    if family == "normal":
+        return torch.erf(a / (p["scale"] * math.sqrt(2.0)))
+    return -torch.expm1(-a / p["scale"])
+
+
+def log_density64(family: str, a: torch.Tensor, p: Mapping[str, float]) -> torch.Tensor:
+    """The family's log-density of the magnitudes at ``a > 0`` (float64)."""
+    a = a.to(torch.float64)
+    if family == "lognormal":
+        la = torch.log(a)
+        return -la - math.log(p["sigma"]) - _HALF_LN_2PI - 0.5 * ((la - p["mu"]) / p["sigma"]) ** 2
+    if family == "normal":
+        return _HALF_LN_2_OVER_PI - math.log(p["scale"]) - 0.5 * (a / p["scale"]) ** 2
+    return -math.log(p["scale"]) - a / p["scale"]
+
+
+def log2_density(family: str, t: np.ndarray, p: Mapping[str, float]) -> np.ndarray:
+    """The family's density of ``log2|g|`` at ``t`` (parameters ``p`` as a fit gives them)."""
+    a = np.exp2(t)
+    if family == "lognormal":
+        z = (t * _LN2_ - p["mu"]) / p["sigma"]
+        return np.exp(-0.5 * z * z) / (p["sigma"] * math.sqrt(2 * math.pi)) * _LN2_
+    s = p["scale"]
+    if family == "normal":
+        f = math.sqrt(2 / math.pi) / s * np.exp(-0.5 * (a / s) ** 2)
+    else:
+        f = np.exp(-a / s) / s
+    return f * a * _LN2_
+
+
+def ln_quantile(family: str, q: np.ndarray, p: Mapping[str, float]) -> np.ndarray:
+    """The family's quantiles of ``ln|g|`` at probabilities ``q`` (for Q-Q plots)."""
+    if family == "lognormal":
+        return p["mu"] + p["sigma"] * special.ndtri(q)
+    if family == "normal":
+        return np.log(p["scale"] * math.sqrt(2.0) * special.erfinv(q))
+    return np.log(-p["scale"] * np.log1p(-q))
