@@ -17,13 +17,11 @@ from __future__ import annotations
 import logging
 
 import torch
-
 from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time_block
 
 import gradstats  # noqa: E402
-from gradstats.zoo.models import build_model  # noqa: E402
 from gradstats.plan import CONV_LINEAR_TYPES, Plan, PlanEntry, Rule  # noqa: E402
-
+from gradstats.zoo.models import build_model  # noqa: E402
 
 #: the most the reference plan's ratio may be, on this CPU
 TARGETS = {"fp6 + 85% sparsity": 1.20, "fp6 + 85%, histogram rule": 1.20}

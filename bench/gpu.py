@@ -170,7 +170,8 @@ def bench_copy(timer: Timer, n: int) -> tuple[dict, float]:
 
 def _path_of_quantize(dev_type: str, fmt: str) -> str:
     from gradstats.formats import FPFormat
-    from gradstats.ops.triton import quantize as kq, use_triton
+    from gradstats.ops.triton import quantize as kq
+    from gradstats.ops.triton import use_triton
 
     if use_triton(dev_type) and kq.supports(FPFormat.parse(fmt)):
         return "triton (interpreter)" if dev_type == "cpu" else "triton"
@@ -216,7 +217,7 @@ def bench_quantize(timer: Timer, n: int, copy_gbs: float) -> list[dict]:
         gbs = 8 * n / ms / 1e6
         rows.append(row(section, name, gbs, " GB/s", target=TARGET_QUANTIZE, share=gbs / copy_gbs, ms=ms,
                         bytes_per_element=8, path=path))
-    del x
+    x = None  # noqa: F841 - free the device memory before the next section
     return rows
 
 
@@ -234,9 +235,9 @@ def gradient_like(n: int, device, seed: int = 0):
 
 def bench_stats(timer: Timer, n: int, copy_gbs: float, batch: int, model_name: str) -> list[dict]:
     import torch
+    from stats_kernel import gradients, with_kernel
 
     import gradstats.stats as S
-    from stats_kernel import gradients, with_kernel
 
     dev = timer.device
     rows = []
@@ -256,7 +257,7 @@ def bench_stats(timer: Timer, n: int, copy_gbs: float, batch: int, model_name: s
         gbs = 4 * n / ms / 1e6
         rows.append(row("stats", f"{name}, {n:,} values", gbs, " GB/s read", target=TARGET_STATS if targeted else None,
                         share=gbs / copy_gbs, ms=ms, bytes_per_element=4, path=path))
-    del x
+    x = None  # noqa: F841 - free the device memory before the next section
     # the neural gradients of one batch, every layer with parameters (captured on the CPU, then moved)
     grads = [g.to(dev) for g in gradients(model_name, batch)]
     total = sum(g.numel() for g in grads)
@@ -275,10 +276,10 @@ def bench_stats(timer: Timer, n: int, copy_gbs: float, batch: int, model_name: s
 
 def bench_apply(timer: Timer, model_name: str, batch: int, rounds: int, block: int) -> list[dict]:
     import torch
-
-    import gradstats
     from _common import fixed_batches, interleaved_ratios, verdict
     from apply_overhead import every_conv_linear
+
+    import gradstats
     from gradstats.plan import Plan
     from gradstats.zoo import build_model
 

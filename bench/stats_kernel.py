@@ -28,7 +28,6 @@ import time
 from typing import Callable
 
 import torch
-
 from _common import describe, fixed_batches
 
 import gradstats.stats as stats_mod  # noqa: E402

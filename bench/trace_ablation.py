@@ -22,13 +22,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time_block
 
 import gradstats  # noqa: E402
 import gradstats.tracer as tracer_module  # noqa: E402
-from gradstats.zoo.models import build_model  # noqa: E402
 from gradstats.stats import VECTOR_LEN  # noqa: E402
+from gradstats.zoo.models import build_model  # noqa: E402
 
 
 def bench_model(name: str, rounds: int, block: int, batch: int) -> dict[str, tuple]:

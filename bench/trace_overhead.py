@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
-
 from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time_block
+from torch import nn
 
 import gradstats  # noqa: E402
 from gradstats.zoo.models import build_model  # noqa: E402

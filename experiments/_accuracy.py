@@ -210,11 +210,11 @@ def save_results(args: argparse.Namespace, name: str, table: pd.DataFrame, jobs:
 def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0) -> "Any":
     """Trace the plain model for ``steps`` steps (statistics every step): the run that global scales
     and recommendations are derived from."""
-    import gradstats
-    from gradstats.zoo.training import prepare
-
     import atexit
     import shutil
+
+    import gradstats
+    from gradstats.zoo.training import prepare
 
     task = prepare(model, seed=seed, **prepare_kw)
     path = Path(tempfile.mkdtemp(prefix=f"gradstats-calib-{model}-"))

@@ -23,8 +23,19 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _accuracy import (CALIBRATION_STEPS, QUICK_PREPARE, QUICK_STEPS, RESULTS, STEPS, Job,  # noqa: E402
-                       aggregate, calibrate, environment, run_jobs, write_json)
+from _accuracy import (  # noqa: E402
+    CALIBRATION_STEPS,
+    QUICK_PREPARE,
+    QUICK_STEPS,
+    RESULTS,
+    STEPS,
+    Job,
+    aggregate,
+    calibrate,
+    environment,
+    run_jobs,
+    write_json,
+)
 
 import gradstats  # noqa: E402
 

@@ -37,19 +37,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _accuracy import (CALIBRATION_STEPS, QUICK_PREPARE, RESULTS, calibrate, environment,  # noqa: E402
-                       write_json)
-
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
+from _accuracy import CALIBRATION_STEPS, QUICK_PREPARE, RESULTS, calibrate, environment, write_json  # noqa: E402
+from recommend_accuracy import plans  # noqa: E402
 from torch import nn  # noqa: E402
 
 import gradstats  # noqa: E402
 from gradstats.fpanalysis import batchnorm_inputs, expected_error, weight_gradient_alignment  # noqa: E402
 from gradstats.zoo.training import prepare  # noqa: E402
-
-from recommend_accuracy import plans  # noqa: E402
 
 CRITERIA = {
     "predicted_mse": "predicted relative MSE (neural gradient)",

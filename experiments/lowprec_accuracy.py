@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _accuracy import (Job, aggregate, calibrate, compare_to_baseline, global_scale,  # noqa: E402
-                       parse_args, run_jobs, save_results)
+from _accuracy import Job, aggregate, calibrate, compare_to_baseline, global_scale, parse_args, run_jobs, save_results  # noqa: E402
 
 import gradstats  # noqa: E402
 from gradstats.zoo.models import build_model  # noqa: E402

@@ -24,11 +24,10 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _accuracy import (Job, aggregate, calibrate, compare_to_baseline, parse_args, run_jobs,  # noqa: E402
-                       save_results)
+from _accuracy import Job, aggregate, calibrate, compare_to_baseline, parse_args, run_jobs, save_results  # noqa: E402
+from pruning_accuracy import jobs as pruning_jobs  # noqa: E402
 
 import gradstats  # noqa: E402
-from pruning_accuracy import jobs as pruning_jobs  # noqa: E402
 
 #: (sparsity, bits, granularity, rounding); bits None: pruning only
 CONFIGS = ((0.85, 6, "tensor", "nearest"), (0.85, 6, "tensor", "stochastic"),

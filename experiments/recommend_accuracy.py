@@ -34,10 +34,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _accuracy import Job, calibrate, parse_args, run_jobs, save_results  # noqa: E402
-
-import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from _accuracy import Job, calibrate, parse_args, run_jobs, save_results  # noqa: E402
 
 import gradstats  # noqa: E402
 from gradstats.zoo.models import build_model  # noqa: E402

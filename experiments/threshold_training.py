@@ -24,16 +24,14 @@ finished jobs are kept in ``threshold_jobs.jsonl`` there.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pandas as pd  # noqa: E402
 from _accuracy import QUICK_PREPARE, QUICK_STEPS, RESULTS, STEPS, Job, environment, run_jobs, write_json  # noqa: E402
 from pruning_real import layer_types  # noqa: E402
-
-import pandas as pd  # noqa: E402
 
 import gradstats  # noqa: E402
 

@@ -23,7 +23,7 @@ import sys
 import types
 from typing import Any
 
-from gradstats._version import __version__
+from gradstats._version import __version__ as __version__
 
 # public name -> module that defines it (one home per idea)
 _EXPORTS: dict[str, str] = {

@@ -552,7 +552,7 @@ class _Cells:
     saturated probability (for the point mass of :func:`predict`)."""
 
     def __init__(self, fmt: FPFormat, rounding: str) -> None:
-        from gradstats.fpanalysis._pieces import FRACTIONS, PARTS, coef_matrices, build
+        from gradstats.fpanalysis._pieces import FRACTIONS, PARTS, build, coef_matrices
 
         pc = build(fmt, rounding, "saturate")
         self.fmt, self.rounding = fmt, rounding

@@ -50,8 +50,8 @@ import torch
 from torch import nn
 
 from gradstats import _scalar
-from gradstats.ops.fused import CompressCounts, prune_quantize
 from gradstats.formats import FPFormat
+from gradstats.ops.fused import CompressCounts, prune_quantize
 from gradstats.stats import HIST_BINS, HIST_MIN_EXP, SCALAR_FIELDS, VECTOR_LEN, tensor_stats_vector, vector_to_stats
 from gradstats.wrappers import named_layers, unwrap
 

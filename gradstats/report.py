@@ -197,8 +197,8 @@ def _measured_errors(run: Any, plans: Mapping[int, Any], step: int) -> pd.DataFr
     :func:`gradstats.study.error_check` computes it, for the plans of the analysis (the
     formats do not depend on the target sparsity). Layers without samples there are left out."""
     from gradstats.fpanalysis import measured_error
-    from gradstats.study import layer_values
     from gradstats.run import RunCorruptError
+    from gradstats.study import layer_values
 
     rows = []
     for b, plan in plans.items():
@@ -258,9 +258,9 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     from tqdm.auto import tqdm
 
     from gradstats.fitting import failed_groups, fit_run, layer_verdicts
-    from gradstats.run.select import select_layers
     from gradstats.layers import matmul_layers
     from gradstats.plan.recommend import recommend_each
+    from gradstats.run.select import select_layers
 
     run = _open(run)
     sps = tuple(float(s) for s in sparsities)

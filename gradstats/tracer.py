@@ -21,7 +21,6 @@ Example:
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 import logging
 import os
@@ -38,8 +37,8 @@ from torch import nn
 
 from gradstats._version import __version__
 from gradstats.layers import module_types
+from gradstats.run import FORMAT_VERSION, RunWriter, atomic_write_json, last_committed_step, sample_key
 from gradstats.run.select import layer_matcher
-from gradstats.run import FORMAT_VERSION, RunWriter, sample_key, atomic_write_json, last_committed_step
 from gradstats.stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
 from gradstats.wrappers import named_layers, unwrap
 

@@ -499,7 +499,7 @@ def test_wrapped_model_hooks_the_users_modules():
         nn.functional.cross_entropy(dp(x), y).backward()
     assert sorted(set(h.to_dataframe()["layer"])) == ["conv", "fc1", "fc2"] and len(h.history) == 6
     plain = copy.deepcopy(base)
-    h2 = gradstats.apply(plain, uniform(format="e4m3fn", sparsity=0.5, scale="amax"), seed=3)
+    gradstats.apply(plain, uniform(format="e4m3fn", sparsity=0.5, scale="amax"), seed=3)
     for x, y in batches(2):
         nn.functional.cross_entropy(plain(x), y).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(dp.module.parameters(), plain.parameters()))

@@ -12,7 +12,6 @@ import torch
 import gradstats
 from gradstats.formats import REGISTRY, FPFormat, parse
 
-
 # many mid-sized tensor ops: run single-threaded (see conftest.one_intraop_thread)
 pytestmark = pytest.mark.usefixtures("one_intraop_thread")
 

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nets import Branchy
 from torch import nn
 
 import gradstats
-from gradstats.layers import (batchnorm_inputs, layer_records, matmul_layers, matmul_types, output_layer,
-                             register_matmul_type)
+from gradstats.layers import (
+    batchnorm_inputs,
+    layer_records,
+    matmul_layers,
+    matmul_types,
+    output_layer,
+    register_matmul_type,
+)
 from gradstats.zoo.models import build_model
-from nets import Branchy
 
 
 @pytest.mark.parametrize("name, shape", [("cnn", (4, 1, 28, 28)), ("resnet20", (2, 1, 28, 28))])

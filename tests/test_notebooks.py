@@ -3,8 +3,8 @@ committed without outputs."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 from pathlib import Path
 
 import pytest

@@ -13,7 +13,8 @@ from scipy import integrate, special
 from gradstats import _scalar as S
 from gradstats import fpanalysis, pruning
 from gradstats.formats import FPFormat
-from gradstats.fpanalysis._pieces import build, integrate as pieces_integrate
+from gradstats.fpanalysis._pieces import build
+from gradstats.fpanalysis._pieces import integrate as pieces_integrate
 from gradstats.plan import Rule
 from gradstats.pruning.histogram import LogHistogram
 from gradstats.stats import HIST_MIN_EXP, tensor_stats

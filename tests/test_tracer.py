@@ -11,7 +11,6 @@ from torch import nn
 import gradstats
 from gradstats.stats import tensor_stats
 
-
 # ----------------------------------------------------------------------------- models
 
 class ResBlock(nn.Module):
@@ -411,7 +410,7 @@ def test_modules_never_called_are_left_out_once(tmp_path, caplog):
             model(torch.randn(2, 4, 8)).sum().backward()
             tr.step()
     assert [r.levelname for r in caplog.records if "attn.out_proj" in r.getMessage()] == ["WARNING"]
-    from gradstats.report import report    # the report of such a run works
+    from gradstats.report import report  # the report of such a run works
     report(run, tmp_path / "report")
 
 

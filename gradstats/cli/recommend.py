@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from gradstats.formats import PREDICTED_ROUNDINGS
-import math
 
 
 def _bits(text: str) -> list[int]:
@@ -41,8 +41,8 @@ def _granularity(text: str):
 
 def _candidates(text: str):
     """A preset or convention name ('ocp', 'any', ...) as it is; otherwise a comma list of format names."""
-    from gradstats.fpanalysis import CANDIDATE_NAMES
     from gradstats.formats import parse
+    from gradstats.fpanalysis import CANDIDATE_NAMES
 
     if text in CANDIDATE_NAMES:
         return text

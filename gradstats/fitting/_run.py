@@ -3,21 +3,20 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
 import pandas as pd
 import torch
 
+from gradstats.fitting._compare import FAMILIES, check_families
+from gradstats.fitting._exact import fit
+from gradstats.fitting._parallel import default_workers, torch_single_thread
+from gradstats.fitting._result import FitResult, failed_rows
+from gradstats.fitting._stats import fit_many_stats
 from gradstats.run import RunCorruptError
 from gradstats.run.select import layer_matcher, layer_stats, select_layers, select_steps  # noqa: F401 - their home
 from gradstats.stats import merge_stats
-from gradstats.fitting._exact import fit
-from gradstats.fitting._parallel import default_workers, torch_single_thread
-from gradstats.fitting._compare import FAMILIES, check_families
-from gradstats.fitting._result import FitResult, failed_rows
-from gradstats.fitting._stats import fit_many_stats
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from gradstats.stats import COUNT_FIELDS, HIST_BINS, HIST_MIN_EXP, SUM_FIELDS, lognormal_moments, merge_stats
 from gradstats.fitting._compare import FAMILIES, MIN_NONZERO, cdf64, check_families, too_few_message
 from gradstats.fitting._result import FitResult, assemble
+from gradstats.stats import COUNT_FIELDS, HIST_BINS, HIST_MIN_EXP, SUM_FIELDS, lognormal_moments, merge_stats
 
 _REQUIRED = (*COUNT_FIELDS, *SUM_FIELDS, "min_abs", "max_abs", "hist")
 

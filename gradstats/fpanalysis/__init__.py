@@ -36,15 +36,28 @@ Example:
 from __future__ import annotations
 
 from gradstats.fpanalysis._pieces import FRACTIONS, PARTS
-from gradstats.fpanalysis.crossover import AUTHORS_TABLE, CrossoverTable, crossover_table
-from gradstats.fpanalysis.error import ErrorResult, expected_error
-from gradstats.fpanalysis.empirical import PredictionCheck, check_prediction, energy_moments, measured_error
-from gradstats.fpanalysis.choice import (CANDIDATE_NAMES, CANDIDATE_PRESETS, DEFAULT_CANDIDATES, BestFormat, FormatChoice,
-                     best_format, candidate_formats, preset_formats)
-from gradstats.fpanalysis.scale import ScaleResult, optimal_scale
-from gradstats.fpanalysis.histogram import HistogramChoice, HistogramLaw, best_format_from_stats, expected_error_from_stats
-from gradstats.fpanalysis.training import BIAS_BOUND, OBJECTIVES, TrainingChoice, choose_for_training
 from gradstats.fpanalysis.alignment import AlignmentResult, batchnorm_inputs, weight_gradient_alignment
+from gradstats.fpanalysis.choice import (
+                     CANDIDATE_NAMES,
+                     CANDIDATE_PRESETS,
+                     DEFAULT_CANDIDATES,
+                     BestFormat,
+                     FormatChoice,
+                     best_format,
+                     candidate_formats,
+                     preset_formats,
+)
+from gradstats.fpanalysis.crossover import AUTHORS_TABLE, CrossoverTable, crossover_table
+from gradstats.fpanalysis.empirical import PredictionCheck, check_prediction, energy_moments, measured_error
+from gradstats.fpanalysis.error import ErrorResult, expected_error
+from gradstats.fpanalysis.histogram import (
+                     HistogramChoice,
+                     HistogramLaw,
+                     best_format_from_stats,
+                     expected_error_from_stats,
+)
+from gradstats.fpanalysis.scale import ScaleResult, optimal_scale
+from gradstats.fpanalysis.training import BIAS_BOUND, OBJECTIVES, TrainingChoice, choose_for_training
 from gradstats.fpanalysis.what_if import predict_from_stats, what_if
 
 __all__ = ["expected_error", "optimal_scale", "best_format", "crossover_table", "candidate_formats",

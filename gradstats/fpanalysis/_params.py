@@ -7,11 +7,12 @@ from typing import Any, Union
 import numpy as np
 import torch
 
+from gradstats.formats import PREDICTED_ROUNDINGS as ROUNDINGS  # noqa: F401 - the one list, as P.ROUNDINGS
 from gradstats.formats import FPFormat, parse
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
 
-from gradstats.formats import PREDICTED_ROUNDINGS as ROUNDINGS  # noqa: E402 - the one list
+
 OVERFLOWS = ("saturate", "nonfinite")
 CRITERIA = ("mse", "elementwise")
 SCALE_FORMATS = ("e8m0", "e4m3")

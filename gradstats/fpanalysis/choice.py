@@ -23,6 +23,9 @@ from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis.error import default_tensor_amax, integrals
 from gradstats.fpanalysis.scale import _mode, _optimal
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 __all__ = ["best_format", "BestFormat", "FormatChoice", "candidate_formats", "preset_formats",
            "CANDIDATE_PRESETS", "CANDIDATE_NAMES", "DEFAULT_CANDIDATES"]
 
@@ -306,16 +309,23 @@ class BestFormat:
                             "mu": float(np.ravel(self.mu)[i]), "sigma": float(np.ravel(self.sigma)[i]),
                             "choices": [c.to_dict() for c in self.choices(i)]} for i in range(n)]}
 
-    def plot(self, *, crossovers: bool = True, **kw: Any) -> Any:
+    def plot(self, *, crossovers: Any = None, **kw: Any) -> Any:
         """Per-layer sigma with the chosen format (:func:`gradstats.plots.fpanalysis.plot_layer_formats`),
-        over the sigma ranges where each split is best (``crossovers``: the
-        :func:`~gradstats.fpanalysis.crossover_table` of this width over the layers' sigma range;
-        per-tensor scales only)."""
+        over the sigma ranges where each split is best when ``crossovers`` is given (a
+        :func:`~gradstats.fpanalysis.crossover_table` of this width; ``gradstats.figures.crossovers_for(best)``
+        makes the one over the layers' sigma range; the study's ``format_ranges`` figure draws both).
+
+        Example:
+            >>> b = best_format(8, mu=[-9.0, -12.0], sigma=[1.0, 2.5], names=["fc1", "conv1"])
+            >>> len(b.plot().axes)
+            1
+        """
         from gradstats.plots.fpanalysis import plot_layer_formats
 
-        from gradstats.figures import crossovers_for
-
-        table = crossovers_for(self) if crossovers and self.block_size is None else None
+        if crossovers is True:
+            raise ValueError("crossovers takes a CrossoverTable (gradstats.figures.crossovers_for(best) makes the "
+                             "one over these layers' sigma range), or None for no bands")
+        table = crossovers
         return plot_layer_formats(self, crossovers=table, **kw)
 
 

@@ -18,9 +18,12 @@ import numpy as np
 
 from gradstats.formats import FPFormat
 from gradstats.fpanalysis import _params as P
-from gradstats.fpanalysis.error import default_tensor_amax, integrals
 from gradstats.fpanalysis.choice import candidate_formats
+from gradstats.fpanalysis.error import default_tensor_amax, integrals
 from gradstats.fpanalysis.scale import _optimal
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["crossover_table", "CrossoverTable", "AUTHORS_TABLE"]
 

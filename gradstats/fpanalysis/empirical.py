@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from gradstats.formats import FPFormat
-from gradstats.ops.quantization import quantize
-from gradstats.stats import lognormal_moments, tensor_stats
 from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis.choice import best_format
 from gradstats.fpanalysis.scale import TIE_RTOL
+from gradstats.ops.quantization import quantize
+from gradstats.stats import lognormal_moments, tensor_stats
 
 __all__ = ["measured_error", "check_prediction", "energy_moments", "PredictionCheck"]
 

@@ -29,8 +29,17 @@ from scipy.special import log_ndtr, ndtr, ndtri
 
 from gradstats.formats import FPFormat
 from gradstats.fpanalysis import _params as P
-from gradstats.fpanalysis._pieces import (FRACTIONS, PARTS, Pieces, build, build_bias, first_moments, first_moments_at,
-                      integrate, point)
+from gradstats.fpanalysis._pieces import (
+    FRACTIONS,
+    PARTS,
+    Pieces,
+    build,
+    build_bias,
+    first_moments,
+    first_moments_at,
+    integrate,
+    point,
+)
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -41,15 +41,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 import torch
 
 from gradstats.formats import FPFormat, parse
-from gradstats.stats import HIST_MIN_EXP
 from gradstats.fpanalysis import _params as P
-from gradstats.fpanalysis._pieces import _N_ERR, PARTS, coef_matrices, build
+from gradstats.fpanalysis._pieces import _N_ERR, PARTS, build, coef_matrices
+from gradstats.stats import HIST_MIN_EXP
 
 __all__ = ["HistogramLaw", "expected_error_from_stats", "best_format_from_stats", "HistogramChoice", "SHAPES",
            "TOP_FIELD"]

@@ -84,8 +84,7 @@ def _pieces(law: HistogramLaw, grid: np.ndarray, s: float, rounding: str,
     pts = np.unique(np.concatenate([cells, cuts, [vmax], np.asarray(extra_cuts, dtype=np.float64)]))
     pts = pts[np.isfinite(pts)]
     pts = pts[pts > 0]
-    a = np.concatenate([[0.0], pts])                    # piece starts ...
-    b = np.concatenate([pts, [np.inf]])                 # ... and ends
+    a = np.concatenate([[0.0], pts])                    # piece starts (each ends at the next)
     m = [law.partial_moments(np.concatenate([a, [np.inf]]), k, np.zeros(1))[0] for k in range(3)]
     p, e1, e2 = (np.diff(mk) for mk in m)
     ci = np.searchsorted(cells, a, side="right") - 1   # the cell of each piece

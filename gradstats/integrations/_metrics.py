@@ -73,8 +73,8 @@ def log2_histogram(m: dict[str, Any]) -> Optional[dict[str, Any]]:
 def run_stats(run: Any, kinds: Sequence[str], layers: Any) -> tuple[Any, pd.DataFrame]:
     """The run (opened from a path if need be) and its statistics of ``kinds`` for ``layers``
     (:func:`gradstats.run.select.layer_stats`); a ``ValueError`` when there are none."""
-    from gradstats.run.select import layer_stats
     from gradstats.run import Run, open_run
+    from gradstats.run.select import layer_stats
 
     r = run if isinstance(run, Run) else open_run(run)
     st = layer_stats(r, kinds, layers)

@@ -42,7 +42,7 @@ try:
     import lightning.pytorch as pl
 except ImportError:                         # pragma: no cover - depends on the environment
     try:
-        import pytorch_lightning as pl      # type: ignore[no-redef]
+        import pytorch_lightning as pl  # type: ignore[no-redef]
     except ImportError as exc:
         raise ImportError("gradstats.integrations.lightning needs lightning (pip install lightning) or "
                           "pytorch_lightning") from exc

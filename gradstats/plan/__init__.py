@@ -22,10 +22,21 @@ Example:
     >>> {name: (str(r.format), r.sparsity) for name, r in plan.resolve(model).items()}
     {'0': ('e4m3', 0.8), '2': ('e5m2', None)}
 """
-from gradstats.plan._plan import CONV_LINEAR_TYPES, SCHEMA, SCHEMA_VERSION, Plan
-from gradstats.plan._rules import (INHERIT, ROUNDINGS, RULE_FIELDS, SCALE_FORMATS, SCALE_RULES, THRESHOLD_RULES,
-                     PlanEntry, Prediction, Provenance, Rule, amax_scale)
 from gradstats.plan._export import EXPORT_TARGETS
+from gradstats.plan._plan import CONV_LINEAR_TYPES, SCHEMA, SCHEMA_VERSION, Plan
+from gradstats.plan._rules import (
+                     INHERIT,
+                     ROUNDINGS,
+                     RULE_FIELDS,
+                     SCALE_FORMATS,
+                     SCALE_RULES,
+                     THRESHOLD_RULES,
+                     PlanEntry,
+                     Prediction,
+                     Provenance,
+                     Rule,
+                     amax_scale,
+)
 
 __all__ = ["Plan", "PlanEntry", "Rule", "Prediction", "Provenance", "INHERIT", "SCHEMA",
            "SCHEMA_VERSION", "SCALE_RULES", "ROUNDINGS", "THRESHOLD_RULES", "SCALE_FORMATS",

@@ -7,12 +7,24 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from gradstats.formats import FPFormat
 from gradstats.layers import module_candidates
-from gradstats.plan._rules import (INHERIT, RULE_FIELDS, Prediction, PlanEntry, Provenance, Rule, _check_keys, _err,
-                     _fields_to_json, _DEFAULT_RULE)
+from gradstats.plan._rules import (
+    _DEFAULT_RULE,
+    RULE_FIELDS,
+    PlanEntry,
+    Prediction,
+    Provenance,
+    Rule,
+    _check_keys,
+    _err,
+    _fields_to_json,
+)
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 #: value of the ``"schema"`` key of a plan file

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Mapping, Sequence
 
-
-from gradstats.formats import PREDICTED_ROUNDINGS, FPFormat, amax_scale as _amax_scale
+from gradstats.formats import PREDICTED_ROUNDINGS, FPFormat
+from gradstats.formats import amax_scale as _amax_scale
+from gradstats.ops.quantization import ROUNDINGS as _ROUNDINGS
+from gradstats.ops.quantization import SCALE_FORMATS as _SCALE_FORMATS
+from gradstats.ops.quantization import SCALE_ROUNDINGS as _SCALE_ROUNDINGS
 from gradstats.pruning import METHODS as _METHODS
-from gradstats.ops.quantization import ROUNDINGS as _ROUNDINGS, SCALE_FORMATS as _SCALE_FORMATS, SCALE_ROUNDINGS as _SCALE_ROUNDINGS
 
 #: scale rules: a fixed multiplier, the power of two that maps the step's amax to the format's
 #: max, or the optimal power of two for the running lognormal mu and sigma

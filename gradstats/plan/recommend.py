@@ -32,7 +32,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, Union

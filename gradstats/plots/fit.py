@@ -9,14 +9,14 @@ of ``ln|g|`` against the standard normal; a lognormal is the straight line
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 from scipy import special
 
-from gradstats.families import ln_quantile as _ln_quantile, log2_density as _log2_density
-from gradstats.plots.style import FAMILY_COLORS, LN2 as _LN2, use_style
+from gradstats.families import ln_quantile as _ln_quantile
+from gradstats.families import log2_density as _log2_density
+from gradstats.plots.style import FAMILY_COLORS, use_style
 
 
 def plot_fit(result: Any, *, title: str | None = None) -> Any:

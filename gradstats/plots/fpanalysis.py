@@ -181,7 +181,7 @@ def plot_layer_formats(best: Any, *, crossovers: Any = None, ax: Any = None,
     import seaborn as sns
 
     if crossovers is True:
-        raise ValueError("crossovers: pass the CrossoverTable to shade, or draw with best.plot()")
+        raise ValueError("crossovers: pass the CrossoverTable to shade (gradstats.figures.crossovers_for(best) makes the one over the layers' sigma range)")
     use_style()
     sig = np.atleast_1d(np.asarray(best.sigma, dtype=np.float64)) / LN2
     n = sig.size

@@ -20,14 +20,21 @@ Example:
 from __future__ import annotations
 
 from gradstats.pruning.operator import METHODS, exact_threshold, hard_prune, prune, stochastic_prune
-from gradstats.pruning.thresholds import (DEFAULT_RULE, FAMILIES, MODELS, RULES, added_variance, expected_sparsity,
-                         predicted_cosine, threshold)
+from gradstats.pruning.thresholds import (
+                         DEFAULT_RULE,
+                         FAMILIES,
+                         MODELS,
+                         RULES,
+                         added_variance,
+                         expected_sparsity,
+                         predicted_cosine,
+                         threshold,
+)
 
 __all__ = ["expected_sparsity", "threshold", "predicted_cosine", "added_variance",
            "stochastic_prune", "hard_prune", "prune", "exact_threshold",
            "FAMILIES", "MODELS", "RULES", "METHODS", "DEFAULT_RULE"]
 from gradstats.pruning.allocation import Allocation, allocate  # noqa: E402
-
 from gradstats.pruning.histogram import LogHistogram  # noqa: E402
 
 __all__ += ["allocate", "Allocation", "LogHistogram"]

@@ -39,11 +39,21 @@ import numpy as np
 
 from gradstats._compat import renamed_kwargs
 from gradstats._roots import bracketed_newton
-from gradstats.layers import output_layer  # noqa: F401 - its home is gradstats.layers; importable here too
-from gradstats.stats import HIST_BINS, HIST_MIN_EXP, merge_stats
 from gradstats.families import solve_ratio
-from gradstats.pruning.thresholds import (MODELS, _row_params, _subset, added_variance, expected_sparsity, resolve,
-                         threshold)
+from gradstats.layers import output_layer  # noqa: F401 - its home is gradstats.layers; importable here too
+from gradstats.pruning.thresholds import (
+    MODELS,
+    _row_params,
+    _subset,
+    added_variance,
+    expected_sparsity,
+    resolve,
+    threshold,
+)
+from gradstats.stats import HIST_BINS, HIST_MIN_EXP, merge_stats
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 log = logging.getLogger(__name__)
 

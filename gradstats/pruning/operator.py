@@ -7,17 +7,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import math
 from typing import Any
 
 import numpy as np
 import torch
 
 from gradstats._compat import renamed_kwargs
-from gradstats.ops.prune import check_generator, check_out, check_tensor, hard_prune, stochastic_prune
-from gradstats.stats import SCALAR_FIELDS, has_native_kernel, tensor_stats, tensor_stats_vector
 from gradstats.ops import cpu as _cpu
-from gradstats.pruning.thresholds import DEFAULT_RULE, RULES, threshold as _threshold
+from gradstats.ops.prune import check_generator, check_out, check_tensor, hard_prune, stochastic_prune
+from gradstats.pruning.thresholds import DEFAULT_RULE, RULES
+from gradstats.pruning.thresholds import threshold as _threshold
+from gradstats.stats import SCALAR_FIELDS, has_native_kernel, tensor_stats, tensor_stats_vector
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from gradstats._compat import renamed_kwargs
-from gradstats.stats import lognormal_moments, n_nonzero
 from gradstats.families import Exponential, Family, HalfNormal, Lognormal, solve_sparsity, solve_sparsity_scalar
+from gradstats.stats import lognormal_moments, n_nonzero
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
 

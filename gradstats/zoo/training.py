@@ -17,14 +17,13 @@ Example:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import contextlib
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F

@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from scipy import special, stats
 
 import gradstats
-from gradstats.fitting import FitResult, fit, fit_run, fit_stats
-from gradstats.fitting import _exact, _signed
+from gradstats.fitting import FitResult, _exact, _signed, fit, fit_run, fit_stats
 from gradstats.stats import HIST_BINS, tensor_stats
 
 RTOL = 1e-6

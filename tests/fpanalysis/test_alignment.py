@@ -8,12 +8,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from nets import Branchy
 from torch import nn
 
 import gradstats
 from gradstats.fpanalysis import AlignmentResult, batchnorm_inputs, weight_gradient_alignment
 from gradstats.zoo.training import prepare
-from nets import Branchy
 
 
 def test_batchnorm_inputs_are_the_layers_whose_output_a_batchnorm_reads():

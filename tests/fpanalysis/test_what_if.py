@@ -2,7 +2,6 @@
 against quantising the stored tensors (runs traced with whole tensors kept, samples=None)."""
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 import pytest
 import torch

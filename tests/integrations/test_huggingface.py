@@ -11,8 +11,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Trainer,  # noqa: E402
-                          TrainingArguments)
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 import gradstats  # noqa: E402
 from gradstats.integrations.huggingface import STATE_FILE, GradstatsCallback  # noqa: E402

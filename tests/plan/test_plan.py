@@ -16,9 +16,8 @@ from torch import nn
 
 import gradstats
 from gradstats.formats import FPFormat
+from gradstats.plan import CONV_LINEAR_TYPES, INHERIT, SCHEMA_VERSION, Plan, PlanEntry, Prediction, Provenance, Rule
 from gradstats.zoo.models import build_model
-from gradstats.plan import (CONV_LINEAR_TYPES, INHERIT, SCHEMA_VERSION, Plan, PlanEntry, Prediction,
-                            Provenance, Rule)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "plan-format.md"
 

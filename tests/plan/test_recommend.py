@@ -1,7 +1,6 @@
 """Recommendations from runs: statistics used, format/scale/error choices, pruning, speed, CLI."""
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -12,10 +11,10 @@ from torch import nn
 import gradstats
 from gradstats import fpanalysis, pruning
 from gradstats.cli import main
-from gradstats.zoo.data import load_fashion_mnist
-from gradstats.zoo.models import build_model
 from gradstats.plan import Plan
 from gradstats.plan.recommend import layer_moments, recommend, recommend_each
+from gradstats.zoo.data import load_fashion_mnist
+from gradstats.zoo.models import build_model
 from gradstats.zoo.training import train
 
 STEPS = 5

@@ -15,8 +15,7 @@ import torch
 
 import gradstats
 from gradstats.pruning import stochastic_prune
-from gradstats.pruning.allocation import (DEFAULT_CAP, Allocation, ConditionedModel, allocate,
-                                          output_layer)
+from gradstats.pruning.allocation import DEFAULT_CAP, Allocation, ConditionedModel, allocate, output_layer
 from gradstats.stats import HIST_BINS, merge_stats, tensor_stats
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import gradstats
-from gradstats.stats.blocks import RANGE_BINS, block_stats, flushed_blocks
 from gradstats.ops.quantization import quantize
+from gradstats.stats.blocks import RANGE_BINS, block_stats, flushed_blocks
 
 
 def _reference(x: np.ndarray, b: int) -> dict:

@@ -8,8 +8,16 @@ import pytest
 import torch
 
 import gradstats.stats as stats_mod
-from gradstats.stats import (HIST_BINS, HIST_MIN_EXP, TOP_K, lognormal_moments, merge_stats,
-                             tensor_stats, tensor_stats_vector, vector_to_stats)
+from gradstats.stats import (
+    HIST_BINS,
+    HIST_MIN_EXP,
+    TOP_K,
+    lognormal_moments,
+    merge_stats,
+    tensor_stats,
+    tensor_stats_vector,
+    vector_to_stats,
+)
 
 
 @pytest.fixture(params=["native", "native-portable", "torch"], autouse=True)

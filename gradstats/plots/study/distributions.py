@@ -110,7 +110,7 @@ def plot_layer_histograms(fits: Mapping[str, Mapping[str, Any]], *, step: int) -
             if i == 0:
                 ax.set_title(KIND_LABELS.get(kind, kind), fontsize="medium", fontweight="bold")
             if i == len(names) - 1:
-                ax.set_xlabel(f"log2 |x|  (binades)")
+                ax.set_xlabel("log2 |x|  (binades)")
             if j == 0:
                 ax.set_ylabel(f"{name}\ndensity / binade", fontsize="small")
     fig.suptitle(f"Where the values lie, per layer (step {step}): gradients span many binades, "
