@@ -155,7 +155,7 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
             }
             float res = sel(ws < min_normal, rs, rn);
             res = sel(over | (res > maxv), maxv, res);              /* saturate, inf included */
-            nunder += (res == 0.f) & (w != 0.f);
+            nunder += (res == 0.f) & (w != 0.f) & !isnan_;  /* NaN is never an underflow */
             r = res * inv_scale;
         }
         uint32_t rb = u_of(r);

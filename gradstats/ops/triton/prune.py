@@ -5,7 +5,7 @@ Both compute, for threshold ``a`` and a uniform ``u`` per entry,
 
     T(x) = x                if not |x| < a        (kept; also inf and NaN)
            copysign(a, x)   if u * a < |x| < a    (rounded up, probability |x|/a)
-           0                otherwise
+           0                otherwise (a zero of x's sign)
 
 with ``u * a`` rounded to the compute dtype (float32, or float64 for float64 tensors) before the
 comparison. Given the same uniforms (``uniforms=``) the kernel and the reference agree bit for
@@ -53,7 +53,8 @@ def stochastic_prune_torch(x: torch.Tensor, a: float, *, generator: torch.Genera
     else:
         u = uniforms.to(device=x.device, dtype=cd)
     ax = xf.abs()
-    up = torch.where(u * a < ax, torch.copysign(torch.full_like(xf, a), xf), torch.zeros_like(xf))
+    # rounded up to a, or pruned to a zero of x's sign (as the CPU engines)
+    up = torch.copysign(torch.where(u * a < ax, torch.full_like(xf, a), torch.zeros_like(xf)), xf)
     y = torch.where(ax < a, up, xf).to(x.dtype)
     if out is None:
         return y
@@ -101,7 +102,12 @@ def _kernel(interpret: bool):  # noqa: ARG001 - the cache key: Triton decides at
                 u = u24.to(tl.float32) * 5.960464477539063e-08
         ax = tl.abs(xf)
         ua = u * a
-        up = tl.where(ua < ax, tl.where(xf < 0, -a, a), 0.0)
+        if F64:
+            neg = xf.to(tl.int64, bitcast=True) < 0
+        else:
+            neg = xf.to(tl.int32, bitcast=True) < 0
+        up = tl.where(ua < ax, a, 0.0)
+        up = tl.where(neg, -up, up)  # a zero of x's sign when pruned (as the CPU engines)
         y = tl.where(ax < a, up, xf)
         tl.store(out_ptr + offs, y.to(x_ptr.dtype.element_ty), mask=mask)
 
