@@ -25,9 +25,6 @@ FAR = [0, 12345, 2 ** 32 - 1500, 2 ** 33 - 700, 2 ** 40 + 3]
 SPECIAL = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-45, -1e-45, 3e-39, -1e-40, 1e30, -2.0, 1e-8]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
-needs_triton = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
-
-
 def _native_bits():
     from gradstats.ops.native import random_bits
 
@@ -42,11 +39,6 @@ def interpret(monkeypatch):
     if not triton_available():
         pytest.skip("Triton is not installed")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def numpy_engine(monkeypatch):
-    monkeypatch.setattr(_cpu, "native_kernel", lambda: None)
 
 
 def sample(n: int, a: float, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -311,12 +303,9 @@ def test_triton_stochastic_rounding_equals_the_reference(interpret, fmt):
     # block scales: the counter is the index in the blocked layout, alike on both paths
     x = _qsample(64 * 8, 6).reshape(8, 64)
     got = quantize(x, fmt, rounding="stochastic", seed=3, block_size=32)
-    import os
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("TRITON_INTERPRET", "0")  # the torch path
         assert same(got, quantize(x, fmt, rounding="stochastic", seed=3, block_size=32))
-    finally:
-        os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.mark.parametrize("start", [2 ** 32 - 1500, 2 ** 33 - 700])

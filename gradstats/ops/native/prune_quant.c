@@ -32,7 +32,7 @@
  * pruning then quantising with the same seed, bit for bit.
  *
  * With quant = 0 this is also the CPU float32 path of gradstats.pruning.stochastic_prune
- * (gradstats/ops/cpu.py: native_uniforms reproduces the pruning uniforms there).
+ * (gradstats/ops/cpu.py; gradstats.ops.random.uniforms reproduces the pruning uniforms).
  */
 #include <stdint.h>
 #include <string.h>
