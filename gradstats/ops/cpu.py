@@ -6,9 +6,10 @@ Stochastic pruning of float32 arrays goes through the C kernel of
 the same kernel that prunes and quantises in the apply module's backward pass: one read of
 ``x``, one write, the uniform made in registers from the counter-based stream of
 ``(seed, index)`` (:func:`gradstats.ops.random.uniforms` reproduces it), blocks spread over OpenMP threads.
-The result depends on the seed alone, not on the number of threads.
+The result depends on the seed alone, not on the number of threads. float64 arrays take the
+kernel's float64 twin (``gs_stochastic_prune_f64``, 53-bit uniforms).
 
-Without a C compiler (or with ``GRADSTATS_NATIVE=0``), for float64, for explicit uniforms,
+Without a C compiler (or with ``GRADSTATS_NATIVE=0``), for explicit uniforms,
 and for the statistics and histogram sweeps, the numpy engine below is used. Whole-tensor
 torch ops on the CPU each stream the full tensor through memory, and torch's generator fills
 uniforms on one thread; a stochastic prune written that way makes about eight passes over the
@@ -265,19 +266,25 @@ def native_kernel() -> Any:
 
 
 def native_stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, seed: int) -> None:
-    """``out = T_a(x)`` for a flat float32 ``x`` by the C kernel (prune only, no rounding):
-    ``x`` where ``|x| >= a``, else ``sign(x) * a`` when ``u * a < |x|`` (``u * a`` rounded to
-    float32) and 0 otherwise, with ``u`` the uniforms of the user seed ``seed``
-    (:func:`gradstats.ops.random.uniforms`, as the numpy engine); ``a`` must be a float32
-    value > 0. Pruned entries are zeros of ``x``'s sign; NaN stays NaN, inf stays inf. ``out``
+    """``out = T_a(x)`` for a flat float32 or float64 ``x`` by the C kernel (prune only, no
+    rounding): ``x`` where ``|x| >= a``, else ``sign(x) * a`` when ``u * a < |x|`` (``u * a``
+    rounded to ``x``'s dtype) and 0 otherwise, with ``u`` the uniforms of the user seed ``seed``
+    (:func:`gradstats.ops.random.uniforms`: 24 bits for float32, 53 for float64, as the numpy
+    engine); ``a`` must be a value of ``x``'s dtype > 0. Pruned entries are zeros of ``x``'s sign; NaN stays NaN, inf stays inf. ``out``
     may be ``x``. Spread over ``torch.get_num_threads()`` OpenMP threads; the result does not
     depend on their number. Raises RuntimeError when the kernel is unavailable (check
     :func:`native_kernel` first)."""
-    fn = native_kernel()
-    if fn is None:
+    if native_kernel() is None:
         raise RuntimeError("the native prune kernel is not available (no C compiler or GRADSTATS_NATIVE=0)")
-    if x.dtype != np.float32 or out.dtype != np.float32 or x.shape != out.shape or x.ndim != 1:
-        raise ValueError("native_stochastic_prune expects flat float32 arrays of one length")
+    if x.dtype not in (np.float32, np.float64) or out.dtype != x.dtype or x.shape != out.shape or x.ndim != 1:
+        raise ValueError("native_stochastic_prune expects flat float32 or float64 arrays of one length and dtype")
+    if x.dtype == np.float64:
+        from gradstats.ops.native import prune_f64
+
+        prune_f64()(x.ctypes.data, out.ctypes.data, x.shape[0], float(a), _rng.stream(seed, _rng.PRUNE),
+                    _rng.stream(seed, _rng.PRUNE_LOW), _workers())
+        return
+    fn = native_kernel()
     counts = np.zeros(4, np.int64)
     rc = fn(x.ctypes.data, out.ctypes.data, x.shape[0], float(a), 1.0, 0, 0, 0, 0.0, 1, 0, 1,
             _rng.stream(seed, _rng.PRUNE), _rng.stream(seed, _rng.ROUND), _workers(), counts.ctypes.data)

@@ -1,11 +1,12 @@
 """Unbiased stochastic pruning and hard thresholding of tensors, on every engine.
 
 Engines: on the CPU, float32 tensors are pruned by the C kernel that the fused prune/quantise also
-runs (``gradstats/ops/native/prune_quant.c``, prune-only); float64 tensors, explicit ``uniforms=``, and
-machines without a C compiler (or with ``GRADSTATS_NATIVE=0``) use the cache-blocked numpy engine of
-:mod:`gradstats.ops.cpu`. On CUDA the Triton kernel of :mod:`gradstats.ops.triton.prune` runs when
+runs (``gradstats/ops/native/prune_quant.c``, prune-only), float64 tensors by its float64 twin;
+explicit ``uniforms=`` and machines without a C compiler (or with ``GRADSTATS_NATIVE=0``) use the
+cache-blocked numpy engine of :mod:`gradstats.ops.cpu`. On CUDA the Triton kernel of :mod:`gradstats.ops.triton.prune` runs when
 Triton is installed; everything else (other dtypes, other devices) goes through the plain torch
-reference path. Thresholds for a target sparsity are the analysis stage's
+reference path. All of them draw the one random stream of :mod:`gradstats.ops.random`, so a seed
+gives the same result on each. Thresholds for a target sparsity are the analysis stage's
 (:func:`gradstats.pruning.threshold`, :func:`gradstats.pruning.prune`).
 """
 from __future__ import annotations
@@ -72,13 +73,13 @@ def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Gene
     reproducible; ``out`` receives the result (it may be ``x`` itself, for in-place pruning);
     ``uniforms`` (a tensor of ``x``'s shape with values in [0, 1)) replaces the random draws: an
     entry is kept when ``u * a < |x|``. The threshold is first rounded to ``x``'s dtype. Pruned
-    entries are zeros (of either sign); inf is kept, NaN stays NaN. Half-precision tensors are
+    entries are zeros of ``x``'s sign; inf is kept, NaN stays NaN. Half-precision tensors are
     computed in float32.
 
     Random draws: the pruning stream of :mod:`gradstats.ops.random` for the seed, at each
     entry's flat index (``u = (bits >> 8) * 2**-24``; float64 tensors take a 53-bit uniform from
     two words), on every engine: the C kernel shared with :func:`gradstats.ops.fused.prune_quantize`
-    (float32 on the CPU), the numpy engine (float64, or no C compiler), the Triton kernel (CUDA)
+    (float32 on the CPU; float64 has a C twin), the numpy engine (no C compiler), the Triton kernel (CUDA)
     and the torch reference path (other devices and dtypes) give the same result, bit for bit,
     for the same seed and input, whatever the number of threads.
 
@@ -117,7 +118,7 @@ def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Gene
         direct = out is not None and out.is_contiguous()
         res = out if direct else torch.empty_like(xc)
         s = _seed(seed, generator) if uniforms is None else None
-        if uniforms is None and x.dtype == torch.float32 and _cpu.native_kernel() is not None:
+        if uniforms is None and _cpu.native_kernel() is not None:
             _cpu.native_stochastic_prune(xc.numpy(), a, res.reshape(-1).numpy(), s)
         else:
             u = None

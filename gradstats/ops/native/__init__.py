@@ -152,6 +152,16 @@ def prune_quant() -> Any:
 
 
 @functools.lru_cache(maxsize=1)
+def prune_f64() -> Any:
+    """``gs_stochastic_prune_f64(x, out, n, a, prune_seed, low_seed, nthreads)`` of
+    ``prune_quant.c`` (float64 stochastic pruning with 53-bit uniforms from the PRUNE and
+    PRUNE_LOW streams of :mod:`gradstats.ops.random`; ``out`` may be ``x``), or None."""
+    return function("prune_quant", "gs_stochastic_prune_f64",
+                    [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_uint64,
+                     ctypes.c_uint64, ctypes.c_int])
+
+
+@functools.lru_cache(maxsize=1)
 def random_bits() -> Any:
     """``gs_random_bits(seed, start, n, out)`` of ``prune_quant.c``: the kernel's words of stream
     seed ``seed`` at indices ``start .. start + n - 1`` into ``out`` (uint32 address), or None."""

@@ -231,3 +231,45 @@ void gs_random_bits(uint64_t seed, int64_t start, int64_t n, uint32_t *out) {
         out[j] = word((uint32_t)i, k1, k2);
     }
 }
+
+/* Stochastic pruning of a float64 array (no rounding): x where |x| >= a (NaN and inf too), else
+ * a zero of x's sign or sign(x) * a, the latter when u * a < |x| (product rounded to float64) with
+ * the 53-bit uniform u = ((p >> 8) * 2^29 + (q >> 3)) * 2^-53, p and q the words of the two stream
+ * seeds (gradstats.ops.random: PRUNE and PRUNE_LOW). out may be x. Independent of nthreads. */
+static void block_f64(const double *restrict x, double *restrict out, int64_t lo, int64_t m, double a,
+                      uint64_t pmix, uint64_t qmix) {
+    uint32_t pk1, pk2, qk1, qk2;
+    seg_key(pmix, lo, &pk1, &pk2);
+    seg_key(qmix, lo, &qk1, &qk2);
+    for (int64_t j = 0; j < m; j++) {
+        const uint32_t c = (uint32_t)(lo + j);
+        uint64_t r = ((uint64_t)(word(c, pk1, pk2) >> 8) << 29) | (word(c, qk1, qk2) >> 3);
+        double u = (double)(int64_t)r * 0x1p-53;
+        double v = x[j];
+        uint64_t vb; memcpy(&vb, &v, 8);
+        uint64_t sign = vb & 0x8000000000000000ull;
+        uint64_t wb = vb & 0x7fffffffffffffffull;
+        double w; memcpy(&w, &wb, 8);
+        double up = u * a < w ? a : 0.0;
+        uint64_t ub; memcpy(&ub, &up, 8);
+        ub |= sign;
+        double t; memcpy(&t, &ub, 8);
+        out[j] = w < a ? t : v;
+    }
+}
+
+int gs_stochastic_prune_f64(const double *x, double *out, int64_t n, double a, uint64_t prune_seed,
+                            uint64_t low_seed, int nthreads) {
+    uint64_t pmix = mix64(prune_seed), qmix = mix64(low_seed);
+    int64_t nblocks = (n + BLOCK - 1) / BLOCK;
+    if (nthreads < 1) nthreads = 1;
+#ifdef _OPENMP
+    if (n < 65536) nthreads = 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+#endif
+    for (int64_t k = 0; k < nblocks; k++) {
+        int64_t lo = k * BLOCK, m = n - lo < BLOCK ? n - lo : BLOCK;
+        block_f64(x + lo, out + lo, lo, m, a, pmix, qmix);
+    }
+    return 0;
+}
