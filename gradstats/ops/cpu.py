@@ -210,7 +210,9 @@ def stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, *, seed: int | No
             b0, b1 = b0[: e - s], b1[: e - s]
             _rng.np_bits_into(sp, s, b0, b1)
             np.right_shift(b0, np.uint32(8), out=b0)
-            if f32:
+            if f32 and direct:  # b0 < 2**24 converts exactly: one float32 pass for r * (a * 2^-24)
+                np.multiply(b0, scaled, out=u, dtype=np.float32, casting="unsafe")
+            elif f32:
                 np.copyto(u, b0, casting="unsafe")
             else:  # 53 bits: (b0 >> 8) << 29 | (b1 >> 3), b1 from the PRUNE_LOW stream
                 r = wide[: e - s]
@@ -220,9 +222,9 @@ def stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, *, seed: int | No
                 np.right_shift(b0, np.uint32(3), out=b0)
                 np.bitwise_or(r, b0, out=r)
                 np.copyto(u, r, casting="unsafe")
-            if direct:
+            if direct and not f32:
                 np.multiply(u, scaled, out=u)
-            else:
+            elif not direct:
                 np.multiply(u, dt.type(2.0 ** -mant), out=u)
                 np.multiply(u, av, out=u)
         np.abs(xc, out=w)

@@ -220,12 +220,22 @@ def uniforms(seed: int, n: int, dtype: torch.dtype = torch.float32, device: torc
         >>> u.dtype, bool(((u >= 0) & (u < 1)).all())
         (torch.float32, True)
     """
-    b = bits(stream(seed, PRUNE), start, n, device)
-    u = b.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
-    if dtype == torch.float64:
-        b2 = bits(stream(seed, PRUNE_LOW), start, n, device).bitwise_right_shift_(3).bitwise_and_(0x1FFFFFFF)
-        return u.double().mul_(2.0 ** -24).add_(b2.double().mul_(2.0 ** -53))
-    return u.float().mul_(2.0 ** -24)
+    device = torch.device(device)
+    wide = dtype == torch.float64
+    u = torch.empty(n, dtype=torch.float64 if wide else torch.float32, device=device)
+    # chunks of CHUNK_IOTA (each op on cache-resident buffers) on the CPU; one chunk on devices
+    chunk = CHUNK_IOTA if device.type == "cpu" else max(n, 1)
+    m0 = min(chunk, n)
+    it = iota(m0, device)
+    o, t = torch.empty(m0, dtype=torch.int32, device=device), torch.empty(m0, dtype=torch.int32, device=device)
+    sp, sl = stream(seed, PRUNE), stream(seed, PRUNE_LOW)
+    for lo in range(0, n, chunk):
+        m = min(chunk, n - lo)
+        uc = u[lo:lo + m]
+        uc.copy_(hash_bits(start + lo, sp, it[:m], o[:m], t[:m], 24))            # (b >> 8), 24 bits
+        if wide:  # exact: (b >> 8) * 2**29 + (b' >> 3) < 2**53
+            uc.mul_(2.0 ** 29).add_(hash_bits(start + lo, sl, it[:m], o[:m], t[:m], 29))  # (b' >> 3)
+    return u.mul_(2.0 ** -53 if wide else 2.0 ** -24)
 
 
 # --------------------------------------------------------------------------- numpy, in place
