@@ -9,11 +9,13 @@ Rows (each timed end to end from the raw tensor to the pruned tensor, allocating
   ours, histogram       one counting sweep (quarter-binade bins), model-free threshold,
                         stochastic prune
   ours, numpy engine    (CPU) "ours" with the C prune kernel switched off: the numpy
-                        (PCG64) engine used without a C compiler (GRADSTATS_NATIVE=0)
+                        engine used without a C compiler (GRADSTATS_NATIVE=0)
   kthvalue + hard       exact quantile by torch.kthvalue, hard threshold (the baseline)
   topk + hard           exact quantile by torch.topk, hard threshold
   kthvalue + stochastic the exact quantile fed to the stochastic operator (undershoots)
   sort oracle + stoch.  exact threshold for the stochastic operator from a full sort
+  prune only, float32   (CPU) the stochastic operator alone at a fixed threshold (C kernel)
+  prune only, float64   (CPU) the same on a float64 copy (numpy engine, 53-bit uniforms)
   torch ops             the same method as "ours" in plain whole-tensor torch ops
                         (gradstats.stats.tensor_stats + the torch reference operator)
 Timings are medians of interleaved repeats; "x ours" is a row's time over ours (higher =
@@ -80,6 +82,10 @@ def methods(x: torch.Tensor, S: float, device: str) -> dict[str, Callable[[], to
                                                          generator=g),
     }
     if device == "cpu":
+        a = float(torch.tensor(float(threshold(S, tensor_stats(x)))))
+        x64 = x.double()
+        m["prune only, float32"] = lambda: stochastic_prune(x, a, generator=g)
+        m["prune only, float64"] = lambda: stochastic_prune(x64, a, generator=g)
         m["torch ops"] = lambda: stochastic_prune_torch(
             x, float(torch.tensor(float(threshold(S, tensor_stats(x))))), generator=g)
     return m

@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from gradstats.ops import random as _rng  # noqa: E402
 from gradstats.ops.triton import prune as kp  # noqa: E402
 from gradstats.pruning import added_variance, expected_sparsity, stochastic_prune, threshold  # noqa: E402
 
@@ -64,8 +65,8 @@ def _check_seeded_statistics(device: str) -> None:
         y = kp.stochastic_prune(x, a, seed=seed)
         assert torch.equal(y, kp.stochastic_prune(x, a, seed=seed))
         assert not torch.equal(y, kp.stochastic_prune(x, a, seed=seed + 1))
-        # the seeded draws are the counter hash: reproduced bit for bit on the CPU
-        u = kp.hash_uniforms(seed, n).to(device)
+        # the seeded draws are the one stream of gradstats.ops.random: reproduced bit for bit on the CPU
+        u = _rng.uniforms(seed, n).to(device)
         assert torch.equal(y, kp.stochastic_prune_torch(x, a, uniforms=u))
         achieved = float((y == 0).double().mean())
         # sparsity expected for this very sample, and its Monte Carlo standard error
@@ -107,9 +108,9 @@ def test_public_prune_routes_to_the_kernel_under_the_interpreter(interpret):
     assert torch.equal(y3.nan_to_num(7.0), ref.nan_to_num(7.0))
 
 
-def test_hash_uniforms_are_uniform():
+def test_stream_uniforms_are_uniform():
     for dt in (torch.float32, torch.float64):
-        u = kp.hash_uniforms(99, 1_000_000, dt).double()
+        u = _rng.uniforms(99, 1_000_000, dt).double()
         assert ((u >= 0) & (u < 1)).all()
         assert abs(float(u.mean()) - 0.5) < 5 * math.sqrt(1 / 12 / 1e6)
         counts = torch.histc(u, bins=64, min=0, max=1)

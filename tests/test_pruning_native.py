@@ -1,7 +1,7 @@
 """The two CPU paths of gradstats.pruning.stochastic_prune for float32: the C kernel shared with
-the fused prune/quantise (counter-hash uniforms) and the numpy engine it falls back to (PCG64
-uniforms; also float64 and explicit uniforms). They must agree in distribution, the native one
-bit for bit with the torch reference given its own uniforms, whatever the thread count."""
+the fused prune/quantise and the numpy engine it falls back to (also float64 and explicit
+uniforms). Both draw the one stream of gradstats.ops.random: bit for bit the torch reference
+given those uniforms, whatever the thread count (tests/ops/test_random.py checks every engine)."""
 from __future__ import annotations
 
 import math
@@ -17,6 +17,7 @@ import torch
 from gradstats.ops.fused import prune_quantize
 from gradstats.ops.triton.prune import stochastic_prune_torch
 from gradstats.ops import cpu as _cpu
+from gradstats.ops import random as _rng
 from gradstats.pruning import prune, stochastic_prune, threshold
 
 
@@ -64,7 +65,7 @@ def test_native_equals_the_reference_with_its_hash_uniforms(native, n, a):
     x = lognormal(n, math.log(a), 2.0, seed=n)
     x[: min(n, len(SPECIAL))] = torch.tensor(SPECIAL[: min(n, len(SPECIAL))])
     y = stochastic_prune(x, a, generator=torch.Generator().manual_seed(5))
-    u = torch.from_numpy(_cpu.native_uniforms(_seed_of(5), n))
+    u = _rng.uniforms(_seed_of(5), n)
     a32 = float(torch.tensor(a))
     ref = stochastic_prune_torch(x, a32, uniforms=u)
     nan = x.isnan()
@@ -77,7 +78,7 @@ def test_native_equals_the_reference_with_its_hash_uniforms(native, n, a):
 
 
 def test_native_uniforms_are_uniform():
-    u = _cpu.native_uniforms(2 ** 40 + 12345, 1_000_000).astype(np.float64)
+    u = _rng.reference_uniforms(2 ** 40 + 12345, 0, 1_000_000).astype(np.float64)
     assert 0.0 <= u.min() and u.max() < 1.0
     assert abs(u.mean() - 0.5) < 5 * math.sqrt(1 / 12 / u.size)
     counts = np.bincount((u * 64).astype(int), minlength=64)
@@ -86,26 +87,20 @@ def test_native_uniforms_are_uniform():
     assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 5 / math.sqrt(u.size)
 
 
-def test_native_uniforms_beyond_2_31_entries(native):
-    """Entries 2^31 apart draw different uniforms (the hash is keyed with i >> 31 from 2^31 on),
-    and the kernel's own uniforms (its test entry point, made of the same hash functions as its
-    loop) are the mirror's on both sides of 2^31 and 2^32 (below 2^31 the kernel's pruning equals
-    the mirror's uniforms: the test above)."""
-    import ctypes
+def test_native_words_beyond_2_32_entries(native):
+    """The kernel's own words (its test entry point, made of the functions of its loop) are the
+    reference's on both sides of 2^31, 2^32 and 2^33, and entries 2^32 apart draw different ones."""
+    from gradstats.ops.native import random_bits
 
-    from gradstats.ops.native import function
-
-    draw = function("prune_quant", "gs_prune_uniforms",
-                    [ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
-    draw.restype = None
-    seed = _seed_of(3)
-    for start in (0, 2 ** 31 - 8, 2 ** 32 - 8, 5 * 2 ** 31 + 4093):
-        got = np.empty(4096, np.float32)
+    draw = random_bits()
+    seed = _rng.stream(_seed_of(3), _rng.PRUNE)
+    for start in (0, 2 ** 31 - 8, 2 ** 32 - 8, 2 ** 33 - 4093, 5 * 2 ** 31 + 4093):
+        got = np.empty(4096, np.uint32)
         draw(seed, start, got.size, got.ctypes.data)
-        np.testing.assert_array_equal(got, _cpu.native_uniforms(seed, got.size, start=start))
-    low = _cpu.native_uniforms(seed, 4096)
+        np.testing.assert_array_equal(got, _rng.reference_bits(seed, start, got.size))
+    low = _rng.reference_bits(seed, 0, 4096)
     for k in (1, 2, 3):
-        far = _cpu.native_uniforms(seed, 4096, start=k * 2 ** 31)
+        far = _rng.reference_bits(seed, k * 2 ** 32, 4096)
         assert np.mean(far == low) < 0.01, k      # not the stream of entries 0..4095 again
 
 
@@ -148,32 +143,33 @@ def test_reproducible_and_one_kernel_with_prune_quantize(path):
         assert c.zeros == int((y1 == 0).sum())
 
 
-def test_fallback_and_float64_draw_the_pcg64_stream(monkeypatch):
+def test_fallback_and_float64_draw_the_one_stream(monkeypatch):
     n = 100_003
     x = lognormal(n, 0.0, 2.0, seed=3)
-    key = tuple(torch.randint(0, 2 ** 62, (4,), generator=torch.Generator().manual_seed(2)).tolist())
-    # float64 takes the numpy engine whether or not the kernel is compiled
+    seed = _seed_of(2)
+    # float64 takes the numpy engine whether or not the kernel is compiled (53-bit uniforms)
     x64 = x.double()
     y64 = stochastic_prune(x64, 1.5, generator=torch.Generator().manual_seed(2))
-    u64 = torch.from_numpy(_cpu.uniforms(key, n, np.float64))
+    u64 = _rng.uniforms(seed, n, torch.float64)
     assert torch.equal(y64, stochastic_prune_torch(x64, 1.5, uniforms=u64))
+    native = stochastic_prune(x, 1.5, generator=torch.Generator().manual_seed(2))
     monkeypatch.setattr(_cpu, "native_kernel", lambda: None)
     y = stochastic_prune(x, 1.5, generator=torch.Generator().manual_seed(2))
-    u = torch.from_numpy(_cpu.uniforms(key, n, np.float32))
-    assert torch.equal(y, stochastic_prune_torch(x, 1.5, uniforms=u))
+    assert torch.equal(y, stochastic_prune_torch(x, 1.5, uniforms=_rng.uniforms(seed, n)))
+    assert torch.equal(y.view(torch.int32), native.view(torch.int32))  # the same as the C kernel
 
 
 def test_gradstats_native_0_falls_back_to_the_numpy_engine():
     code = textwrap.dedent("""
         import numpy as np, torch
         from gradstats.ops.triton.prune import stochastic_prune_torch
-        from gradstats.ops import cpu as _cpu
+        from gradstats.ops import cpu as _cpu, random as _rng
         from gradstats.pruning import stochastic_prune
         assert _cpu.native_kernel() is None
         x = torch.randn(70_000, generator=torch.Generator().manual_seed(0)).mul(2).exp()
         y = stochastic_prune(x, 2.0, generator=torch.Generator().manual_seed(2))
-        key = tuple(torch.randint(0, 2 ** 62, (4,), generator=torch.Generator().manual_seed(2)).tolist())
-        u = torch.from_numpy(_cpu.uniforms(key, x.numel(), np.float32))
+        seed = _rng.draw_seed(torch.Generator().manual_seed(2))
+        u = _rng.uniforms(seed, x.numel())
         assert torch.equal(y, stochastic_prune_torch(x, 2.0, uniforms=u))
         print("ok")
     """)

@@ -400,23 +400,17 @@ def test_stochastic_fast_and_generic_paths_agree_bitwise(fmt):
 
 
 def test_random_bits_hash_matches_numpy_and_looks_random():
-    u32 = np.uint32
-    k1, k2 = -123456789, 987654321
-    lo = 2 ** 32 - 3000  # crosses the 32-bit wrap of the counter
+    from gradstats.ops import random as R
+
+    seed = 0x0123456789ABCDEF
+    lo = 2 ** 32 - 3000  # crosses the 2**32 boundary of the counter (a new segment key)
     out = torch.empty(6000, dtype=torch.int32)
-    Q._hash_bits(lo, (k1, k2), Q._iota(6000, torch.device("cpu")), out, torch.empty_like(out), 23)
-    with np.errstate(over="ignore"):
-        h = (np.arange(lo, lo + 6000, dtype=np.uint64) % 2 ** 32).astype(u32) + u32(k1 % 2 ** 32)
-        h *= u32(0x7FEB352D)
-        h ^= h >> u32(16)
-        h = h * u32(0x846CA68B) + u32(k2 % 2 ** 32)
-        h ^= h >> u32(15)
-        h *= u32(0x9E3779B1)
-    np.testing.assert_array_equal(out.numpy().astype(u32), h >> u32(9))
+    Q._hash_bits(lo, seed, Q._iota(6000, torch.device("cpu")), out, torch.empty_like(out), 23)
+    np.testing.assert_array_equal(out.numpy().astype(np.uint32), R.reference_bits(seed, lo, 6000) >> np.uint32(9))
     # statistics of one stream: uniform, no serial correlation, independent pairs
     n = 1 << 20
     r = torch.empty(n, dtype=torch.int32)
-    Q._hash_bits(0, (12345, -777), Q._iota(n, torch.device("cpu")), r, torch.empty_like(r), 23)
+    Q._hash_bits(0, 12345, Q._iota(n, torch.device("cpu")), r, torch.empty_like(r), 23)
     u = r.double() / 2 ** 23
     assert abs(u.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / n)
     c = u - u.mean()

@@ -4,11 +4,12 @@ float32/float64 array.
 Stochastic pruning of float32 arrays goes through the C kernel of
 ``gradstats/ops/native/prune_quant.c`` in its prune-only mode (:func:`native_stochastic_prune`),
 the same kernel that prunes and quantises in the apply module's backward pass: one read of
-``x``, one write, the uniform made in registers from a counter-based hash of
-``(seed, index)`` (:func:`native_uniforms` reproduces it), blocks spread over OpenMP threads.
-The result depends on the seed alone, not on the number of threads.
+``x``, one write, the uniform made in registers from the counter-based stream of
+``(seed, index)`` (:func:`gradstats.ops.random.uniforms` reproduces it), blocks spread over OpenMP threads.
+The result depends on the seed alone, not on the number of threads. float64 arrays take the
+kernel's float64 twin (``gs_stochastic_prune_f64``, 53-bit uniforms).
 
-Without a C compiler (or with ``GRADSTATS_NATIVE=0``), for float64, for explicit uniforms,
+Without a C compiler (or with ``GRADSTATS_NATIVE=0``), for explicit uniforms,
 and for the statistics and histogram sweeps, the numpy engine below is used. Whole-tensor
 torch ops on the CPU each stream the full tensor through memory, and torch's generator fills
 uniforms on one thread; a stochastic prune written that way makes about eight passes over the
@@ -17,11 +18,10 @@ short sequence of numpy ufuncs (which release the GIL) on per-thread scratch buf
 blocks are spread over a small thread pool. Memory sees one read of ``x`` per sweep and one
 write of the output.
 
-Random numbers of the numpy engine: one PCG64 stream per call, its 128-bit state and
-increment given by the caller (drawn from a torch generator). Block ``k`` jumps to its own
-place in the stream (``advance``), so the uniforms do not depend on the block size or the
-number of threads: they are exactly ``numpy.random.Generator(bitgen).random(n, dtype)`` for
-that stream (:func:`uniforms`).
+Random numbers (both engines): the one counter-based stream of :mod:`gradstats.ops.random`,
+the pruning stream of the seed at each element's index (24-bit uniforms for float32, 53-bit for
+float64), so the C kernel, the numpy engine, the torch path and the Triton kernel give the same
+bits for the same seed, whatever the block size or the number of threads.
 """
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from gradstats.ops import random as _rng
 
 #: elements per block (float32: 256 KiB, a fraction of a core's L2 cache)
 BLOCK = 1 << 16
@@ -72,21 +74,13 @@ def _scratch(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return bufs[key]
 
 
-def _bitgen(state: dict[str, Any]) -> np.random.PCG64:
-    bg = getattr(_local, "bitgen", None)
-    if bg is None:
-        bg = _local.bitgen = np.random.PCG64(0)
-    bg.state = state
-    return bg
-
-
-def pcg_state(key: tuple[int, int, int, int]) -> dict[str, Any]:
-    """A PCG64 state from four 62-bit integers: 128-bit state and (odd) increment. Cheaper than
-    seeding through a SeedSequence, which matters for the many small tensors of a backward."""
-    k0, k1, k2, k3 = (int(v) for v in key)
-    return {"bit_generator": "PCG64",
-            "state": {"state": (k0 << 66 | k1) % 2 ** 128, "inc": ((k2 << 66 | k3) * 2 + 1) % 2 ** 128},
-            "has_uint32": 0, "uinteger": 0}
+def _uscratch(wide: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Per-thread uint32 scratch (two words) and, for float64 uniforms, a uint64 one."""
+    bufs = getattr(_local, "ubufs", None)
+    if bufs is None or bufs[0].shape[0] < BLOCK or (wide and bufs[2] is None):
+        bufs = _local.ubufs = (np.empty(BLOCK, np.uint32), np.empty(BLOCK, np.uint32),
+                               np.empty(BLOCK, np.uint64) if wide else None)
+    return bufs
 
 
 # --------------------------------------------------------------------------- statistics sweep
@@ -179,12 +173,12 @@ def log2_histogram(x: np.ndarray, mbits: int = 2) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- stochastic prune
-def stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, *,
-                     key: tuple[int, int, int, int] | None = None,
+def stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, *, seed: int | None = None,
                      uniforms: np.ndarray | None = None) -> None:
     """``out = T_a(x)``: ``x`` where ``|x| >= a``, else ``sign(x) * a`` when ``u * a < |x|``
-    and 0 otherwise, with ``u`` the uniforms given or drawn from the PCG64 stream of ``key``
-    (the numpy engine; :func:`native_stochastic_prune` is the float32 path when compiled).
+    and 0 otherwise, with ``u`` the uniforms given or those of the user seed ``seed``
+    (:func:`gradstats.ops.random.reference_uniforms`; the numpy engine,
+    :func:`native_stochastic_prune` is the float32 path when compiled, with the same result).
 
     Every block reads its part of ``x`` before writing its part of ``out``, so ``out`` may be
     ``x`` itself. Pruned entries are zeros of either sign; NaN stays NaN, inf stays inf.
@@ -193,7 +187,10 @@ def stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, *,
     dt = x.dtype
     f32 = dt == np.float32
     av = dt.type(a)
-    state = pcg_state(key) if uniforms is None else None
+    if uniforms is None:
+        if seed is None:
+            raise ValueError("stochastic_prune: give seed or uniforms")
+        sp, sl = _rng.stream(seed, _rng.PRUNE), _rng.stream(seed, _rng.PRUNE_LOW)
     ibits, sign = (np.int32, _SIGN32) if f32 else (np.int64, _SIGN64)
     # u * a for u = r * 2^-k, computed as r * (a * 2^-k) (both exact scalings) when a * 2^-k
     # stays a normal number; otherwise the uniform is formed first
@@ -209,19 +206,25 @@ def stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, *,
         if uniforms is not None:
             np.multiply(uniforms[s:e], av, out=u)
         else:
-            bg = _bitgen(state)
-            if f32:
-                bg.advance(s // 2)  # two float32 draws per 64-bit output
-                raw = bg.random_raw((e - s + 1) // 2).view(np.uint32)[: e - s]
-                np.right_shift(raw, 8, out=raw)
-            else:
-                bg.advance(s)
-                raw = bg.random_raw(e - s)
-                np.right_shift(raw, 11, out=raw)
-            np.copyto(u, raw, casting="unsafe")
-            if direct:
+            b0, b1, wide = _uscratch(not f32)
+            b0, b1 = b0[: e - s], b1[: e - s]
+            _rng.np_bits_into(sp, s, b0, b1)
+            np.right_shift(b0, np.uint32(8), out=b0)
+            if f32 and direct:  # b0 < 2**24 converts exactly: one float32 pass for r * (a * 2^-24)
+                np.multiply(b0, scaled, out=u, dtype=np.float32, casting="unsafe")
+            elif f32:
+                np.copyto(u, b0, casting="unsafe")
+            else:  # 53 bits: (b0 >> 8) << 29 | (b1 >> 3), b1 from the PRUNE_LOW stream
+                r = wide[: e - s]
+                np.copyto(r, b0, casting="unsafe")
+                np.left_shift(r, np.uint64(29), out=r)
+                _rng.np_bits_into(sl, s, b0, b1)
+                np.right_shift(b0, np.uint32(3), out=b0)
+                np.bitwise_or(r, b0, out=r)
+                np.copyto(u, r, casting="unsafe")
+            if direct and not f32:
                 np.multiply(u, scaled, out=u)
-            else:
+            elif not direct:
                 np.multiply(u, dt.type(2.0 ** -mant), out=u)
                 np.multiply(u, av, out=u)
         np.abs(xc, out=w)
@@ -255,13 +258,6 @@ def hard_prune(x: np.ndarray, a: float, out: np.ndarray) -> None:
     _map(block, n)
 
 
-def uniforms(key: tuple[int, int, int, int], n: int, dtype: np.dtype) -> np.ndarray:
-    """The uniforms :func:`stochastic_prune` draws for ``key`` (for tests and reproduction)."""
-    bg = np.random.PCG64(0)
-    bg.state = pcg_state(key)
-    return np.random.Generator(bg).random(n, dtype=dtype)
-
-
 # --------------------------------------------------------------------------- native kernel
 def native_kernel() -> Any:
     """The C prune/quantise kernel (:func:`gradstats.ops.native.prune_quant`), or None when it
@@ -272,59 +268,27 @@ def native_kernel() -> Any:
 
 
 def native_stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, seed: int) -> None:
-    """``out = T_a(x)`` for a flat float32 ``x`` by the C kernel (prune only, no rounding):
-    ``x`` where ``|x| >= a``, else ``sign(x) * a`` when ``u * a < |x|`` (``u * a`` rounded to
-    float32) and 0 otherwise, with ``u = native_uniforms(seed, n)``; ``a`` must be a float32
-    value > 0. Pruned entries are zeros of ``x``'s sign; NaN stays NaN, inf stays inf. ``out``
+    """``out = T_a(x)`` for a flat float32 or float64 ``x`` by the C kernel (prune only, no
+    rounding): ``x`` where ``|x| >= a``, else ``sign(x) * a`` when ``u * a < |x|`` (``u * a``
+    rounded to ``x``'s dtype) and 0 otherwise, with ``u`` the uniforms of the user seed ``seed``
+    (:func:`gradstats.ops.random.uniforms`: 24 bits for float32, 53 for float64, as the numpy
+    engine); ``a`` must be a value of ``x``'s dtype > 0. Pruned entries are zeros of ``x``'s sign; NaN stays NaN, inf stays inf. ``out``
     may be ``x``. Spread over ``torch.get_num_threads()`` OpenMP threads; the result does not
     depend on their number. Raises RuntimeError when the kernel is unavailable (check
     :func:`native_kernel` first)."""
-    fn = native_kernel()
-    if fn is None:
+    if native_kernel() is None:
         raise RuntimeError("the native prune kernel is not available (no C compiler or GRADSTATS_NATIVE=0)")
-    if x.dtype != np.float32 or out.dtype != np.float32 or x.shape != out.shape or x.ndim != 1:
-        raise ValueError("native_stochastic_prune expects flat float32 arrays of one length")
+    if x.dtype not in (np.float32, np.float64) or out.dtype != x.dtype or x.shape != out.shape or x.ndim != 1:
+        raise ValueError("native_stochastic_prune expects flat float32 or float64 arrays of one length and dtype")
+    if x.dtype == np.float64:
+        from gradstats.ops.native import prune_f64
+
+        prune_f64()(x.ctypes.data, out.ctypes.data, x.shape[0], float(a), _rng.stream(seed, _rng.PRUNE),
+                    _rng.stream(seed, _rng.PRUNE_LOW), _workers())
+        return
+    fn = native_kernel()
     counts = np.zeros(4, np.int64)
     rc = fn(x.ctypes.data, out.ctypes.data, x.shape[0], float(a), 1.0, 0, 0, 0, 0.0, 1, 0, 1,
-            int(seed) % 2 ** 64, _workers(), counts.ctypes.data)
+            _rng.stream(seed, _rng.PRUNE), _rng.stream(seed, _rng.ROUND), _workers(), counts.ctypes.data)
     if rc != 0:  # pragma: no cover - the prune-only mode accepts every argument it is given here
         raise RuntimeError(f"the native prune kernel rejected its arguments (code {rc})")
-
-
-def _mix32(h: np.ndarray) -> np.ndarray:
-    """The 32-bit finaliser of the kernel's hash (MurmurHash3's fmix32), in place, wrapping."""
-    h ^= h >> np.uint32(16)
-    h *= np.uint32(0x85EBCA6B)
-    h ^= h >> np.uint32(13)
-    h *= np.uint32(0xC2B2AE35)
-    h ^= h >> np.uint32(16)
-    return h
-
-
-def native_uniforms(seed: int, n: int, start: int = 0) -> np.ndarray:
-    """The float32 uniforms :func:`native_stochastic_prune` uses for ``seed`` at indices
-    ``start..start+n-1`` (for tests and reproduction): ``h = fmix32(2 i + seed_lo) ^ seed_hi ^
-    k(i)``, then ``u = (fmix32(h) >> 8) * 2^-24``, in 32-bit arithmetic, with ``seed_lo``/``seed_hi``
-    the low and high 32 bits of ``seed`` and ``k(i) = fmix32((i >> 31) * 0x9E3779B9 + seed_hi)``
-    from index 2^31 on, 0 below (so no two indices of a tensor share a hash input).
-
-    Example:
-        >>> u = native_uniforms(7, 5)
-        >>> u.dtype, bool(((u >= 0) & (u < 1)).all())
-        (dtype('float32'), True)
-    """
-    seed = int(seed) % 2 ** 64
-    seed_hi = np.uint32(seed >> 32)
-    idx = np.arange(start, start + n, dtype=np.int64)
-    h = (idx & 0xFFFFFFFF).astype(np.uint32)
-    h *= np.uint32(2)
-    h += np.uint32(seed & 0xFFFFFFFF)
-    _mix32(h)
-    h ^= seed_hi
-    hi = (idx >> 31).astype(np.uint32)
-    if hi.any():
-        key = hi * np.uint32(0x9E3779B9) + seed_hi
-        _mix32(key)
-        h ^= np.where(hi > 0, key, np.uint32(0))
-    _mix32(h)
-    return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)

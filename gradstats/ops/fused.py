@@ -4,11 +4,12 @@ runs in the backward pass.
 ``prune_quantize(x, threshold, fmt, ...)`` is ``quantize(stochastic_prune(x, threshold), fmt)``
 with the counts a training log needs (zeros, entries pruned, entries flushed to zero by
 rounding, entries saturated). On the CPU one fused C kernel (:mod:`gradstats.ops.native`) does
-it in a single pass over the data and is bit-identical to :func:`gradstats.quantize` for
-nearest and toward-zero rounding (stochastic rounding draws its own random bits: equal in
-distribution, not bit for bit); block scaling, other devices, and machines without a C
+it in a single pass over the data; block scaling, other devices, and machines without a C
 compiler go through :func:`gradstats.ops.stochastic_prune` and :func:`gradstats.quantize`
-(their Triton kernels on CUDA).
+(their Triton kernels on CUDA). Both draw their random bits from the one stream of
+:mod:`gradstats.ops.random` (pruning and rounding streams of one seed), so for the same seed the
+fused kernel equals ``quantize(stochastic_prune(x, a, seed=s), fmt, seed=s)`` bit for bit, for
+every rounding.
 
 Example:
     >>> import torch
@@ -26,6 +27,7 @@ from typing import Any, Optional, Union
 import torch
 
 from gradstats.formats import FPFormat
+from gradstats.ops import random as _rng
 
 ROUNDING_CODES = {"nearest": 0, "stochastic": 1, "toward_zero": 2}
 
@@ -72,21 +74,20 @@ def _native_ok(fmt: Optional[FPFormat], scale: float) -> bool:
             and fmt.emin <= 104 and scale > 0)
 
 
-def _seed(generator: Optional[torch.Generator]) -> int:
-    return int(torch.randint(0, 2 ** 62, (1,), generator=generator).item())
-
-
 def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, None], *,
                    scale: float = 1.0, rounding: str = "nearest",
                    generator: Optional[torch.Generator] = None, block_size: Optional[int] = None,
                    scale_format: str = "e8m0", scale_rounding: str = "floor",
-                   out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, CompressCounts]:
+                   out: Optional[torch.Tensor] = None,
+                   seed: Optional[int] = None) -> tuple[torch.Tensor, CompressCounts]:
     """Stochastic pruning at ``threshold`` (0 = none), then rounding to ``fmt`` (None = none)
     at ``scale`` with ``rounding``, saturating at the format's max. Returns ``(result, counts)``.
 
     ``scale`` multiplies before rounding and divides after (exact for powers of two);
     ``block_size`` uses shared block scales instead (``scale`` is then ignored): ``scale_format``
     ``"e8m0"`` (MX, rounded as ``scale_rounding`` says) or ``"e4m3"`` (NVFP4), as :func:`gradstats.quantize`.
+    ``seed`` (an int in ``[0, 2**64)``) or ``generator`` (one seed drawn from it) seeds both the
+    pruning and the rounding streams.
 
     Example:
         >>> import torch
@@ -103,6 +104,13 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, 
     if not (scale > 0):
         raise ValueError(f"scale must be a positive number, got {scale}")
     fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    stochastic = threshold > 0 or (fmt is not None and rounding == "stochastic")
+    if seed is not None:
+        seed = _rng.resolve_seed(seed, generator, "prune_quantize")
+    elif stochastic:
+        seed = _rng.draw_seed(generator)
     n = x.numel()
     fn = _native() if x.device.type == "cpu" and x.dtype == torch.float32 else None
     if fn is not None and block_size is None and _native_ok(fmt, scale) and n > 0:
@@ -113,8 +121,8 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, 
         rc = fn(xc.data_ptr(), res.data_ptr(), n, float(threshold), float(scale), int(q),
                 fmt.man_bits if q else 0, fmt.emin if q else 0, fmt.max if q else 0.0,
                 int(fmt.subnormals) if q else 1, ROUNDING_CODES[rounding],
-                int(fmt.has_negative_zero) if q else 1, _seed(generator),
-                torch.get_num_threads(), counts.data_ptr())
+                int(fmt.has_negative_zero) if q else 1, _rng.stream(seed or 0, _rng.PRUNE),
+                _rng.stream(seed or 0, _rng.ROUND), torch.get_num_threads(), counts.data_ptr())
         if rc != 0:  # pragma: no cover - arguments are validated above
             raise RuntimeError("the fused prune/quantise kernel rejected its arguments")
         c = counts.tolist()
@@ -124,25 +132,25 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, 
                 out.copy_(result)
             result = out
         return result, CompressCounts(n, c[0], c[1], c[2], c[3])
-    return _composed(x, threshold, fmt, scale, rounding, generator, block_size, out, scale_format, scale_rounding)
+    return _composed(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format, scale_rounding)
 
 
-def _composed(x, threshold, fmt, scale, rounding, generator, block_size, out, scale_format="e8m0",
+def _composed(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format="e8m0",
               scale_rounding="floor"):
-    """Reference path: the pruning and quantisation operators one after the other."""
+    """Reference path: the pruning and quantisation operators one after the other, with one seed."""
     from gradstats.ops.prune import stochastic_prune
     from gradstats.ops.quantization import quantize
 
     nonzero_in = x != 0
-    y = stochastic_prune(x, threshold, generator=generator) if threshold > 0 else x
+    y = stochastic_prune(x, threshold, seed=seed) if threshold > 0 else x
     pruned = int((nonzero_in & (y == 0)).sum())
     saturated = underflow = 0
     if fmt is not None:
         if block_size is not None:
-            z = quantize(y, fmt, rounding=rounding, generator=generator, block_size=block_size,
+            z = quantize(y, fmt, rounding=rounding, seed=seed, block_size=block_size,
                          scale_format=scale_format, scale_rounding=scale_rounding)
         else:
-            z = quantize(y, fmt, scale=scale, rounding=rounding, generator=generator)
+            z = quantize(y, fmt, scale=scale, rounding=rounding, seed=seed)
             saturated = int(((y.abs() * scale) > fmt.max).sum())
         underflow = int(((y != 0) & (z == 0)).sum())
         y = z

@@ -1,11 +1,12 @@
 """Unbiased stochastic pruning and hard thresholding of tensors, on every engine.
 
 Engines: on the CPU, float32 tensors are pruned by the C kernel that the fused prune/quantise also
-runs (``gradstats/ops/native/prune_quant.c``, prune-only); float64 tensors, explicit ``uniforms=``, and
-machines without a C compiler (or with ``GRADSTATS_NATIVE=0``) use the cache-blocked numpy engine of
-:mod:`gradstats.ops.cpu`. On CUDA the Triton kernel of :mod:`gradstats.ops.triton.prune` runs when
+runs (``gradstats/ops/native/prune_quant.c``, prune-only), float64 tensors by its float64 twin;
+explicit ``uniforms=`` and machines without a C compiler (or with ``GRADSTATS_NATIVE=0``) use the
+cache-blocked numpy engine of :mod:`gradstats.ops.cpu`. On CUDA the Triton kernel of :mod:`gradstats.ops.triton.prune` runs when
 Triton is installed; everything else (other dtypes, other devices) goes through the plain torch
-reference path. Thresholds for a target sparsity are the analysis stage's
+reference path. All of them draw the one random stream of :mod:`gradstats.ops.random`, so a seed
+gives the same result on each. Thresholds for a target sparsity are the analysis stage's
 (:func:`gradstats.pruning.threshold`, :func:`gradstats.pruning.prune`).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from gradstats.ops import cpu as _cpu
+from gradstats.ops import random as _rng
 from gradstats.ops.triton import prune as kprune
 from gradstats.ops.triton import use_triton
 
@@ -59,30 +61,27 @@ def check_generator(generator: Any) -> None:
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
 
 
-def _draw(generator: torch.Generator | None, k: int = 1) -> list[int]:
-    """``k`` 62-bit integers drawn from ``generator`` (or torch's default generator)."""
-    dev = generator.device if generator is not None else torch.device("cpu")
-    return torch.randint(0, 2 ** 62, (k,), generator=generator, device=dev).tolist()
-
-
 def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Generator | None = None,
-                     out: torch.Tensor | None = None, uniforms: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
+                     seed: int | None = None) -> torch.Tensor:
     """Unbiased stochastic pruning at ``threshold`` ``a``: entries with ``|x| >= a`` are kept;
     each smaller entry becomes ``sign(x) * a`` with probability ``|x| / a`` and 0 otherwise, so
     ``E[T(x)] = x`` and the variance added to an entry is ``a|x| - x^2``.
 
-    ``generator`` makes the result reproducible (its state is advanced); ``out`` receives the
-    result (it may be ``x`` itself, for in-place pruning); ``uniforms`` (a tensor of ``x``'s
-    shape with values in [0, 1)) replaces the random draws: an entry is kept when
-    ``u * a < |x|``. The threshold is first rounded to ``x``'s dtype. Pruned entries are zeros
-    (of either sign); inf is kept, NaN stays NaN. Half-precision tensors are computed in float32.
+    ``seed`` (an int in ``[0, 2**64)``) or ``generator`` (one seed is drawn from it; its state
+    is advanced; torch's default generator when neither is given) makes the result
+    reproducible; ``out`` receives the result (it may be ``x`` itself, for in-place pruning);
+    ``uniforms`` (a tensor of ``x``'s shape with values in [0, 1)) replaces the random draws: an
+    entry is kept when ``u * a < |x|``. The threshold is first rounded to ``x``'s dtype. Pruned
+    entries are zeros of ``x``'s sign; inf is kept, NaN stays NaN. Half-precision tensors are
+    computed in float32.
 
-    Random draws: float32 CPU tensors take one seed from the generator and hash it with each
-    entry's index in the C kernel shared with :func:`gradstats.ops.fused.prune_quantize` (so
-    ``prune_quantize(x, a, None, generator=g)`` gives the same values); the result does not
-    depend on ``torch.get_num_threads()``. Without a C compiler, and for float64, a PCG64
-    stream keyed by four draws from the generator is used instead (equal in distribution, not
-    bit for bit). CUDA tensors use the Triton kernel's hash (:mod:`gradstats.ops.triton.prune`).
+    Random draws: the pruning stream of :mod:`gradstats.ops.random` for the seed, at each
+    entry's flat index (``u = (bits >> 8) * 2**-24``; float64 tensors take a 53-bit uniform from
+    two words), on every engine: the C kernel shared with :func:`gradstats.ops.fused.prune_quantize`
+    (float32 on the CPU; float64 has a C twin), the numpy engine (no C compiler), the Triton kernel (CUDA)
+    and the torch reference path (other devices and dtypes) give the same result, bit for bit,
+    for the same seed and input, whatever the number of threads.
 
     Example:
         >>> import torch
@@ -97,6 +96,8 @@ def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Gene
     check_tensor(x)
     check_out(out, x)
     check_generator(generator)
+    if seed is not None:
+        seed = _rng.resolve_seed(seed, generator, "stochastic_prune")
     a = _check_threshold(threshold)
     if uniforms is not None:
         if not isinstance(uniforms, torch.Tensor) or uniforms.shape != x.shape:
@@ -116,22 +117,28 @@ def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Gene
         xc = x.detach().contiguous().reshape(-1)
         direct = out is not None and out.is_contiguous()
         res = out if direct else torch.empty_like(xc)
-        if uniforms is None and x.dtype == torch.float32 and _cpu.native_kernel() is not None:
-            _cpu.native_stochastic_prune(xc.numpy(), a, res.reshape(-1).numpy(), _draw(generator)[0])
+        s = _seed(seed, generator) if uniforms is None else None
+        if uniforms is None and _cpu.native_kernel() is not None:
+            _cpu.native_stochastic_prune(xc.numpy(), a, res.reshape(-1).numpy(), s)
         else:
             u = None
             if uniforms is not None:
                 u = uniforms.detach().to(x.dtype).contiguous().reshape(-1).numpy()
-            _cpu.stochastic_prune(xc.numpy(), a, res.reshape(-1).numpy(),
-                                  key=None if u is not None else tuple(_draw(generator, 4)), uniforms=u)
+            _cpu.stochastic_prune(xc.numpy(), a, res.reshape(-1).numpy(), seed=s, uniforms=u)
         if direct:
             return out  # type: ignore[return-value]
         res = res.reshape(x.shape)
         return out.copy_(res) if out is not None else res
     if use_triton(dev) and x.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        return kprune.stochastic_prune(x, a, seed=None if uniforms is not None else _draw(generator)[0],
+        return kprune.stochastic_prune(x, a, seed=None if uniforms is not None else _seed(seed, generator),
                                        uniforms=uniforms, out=out)
-    return kprune.stochastic_prune_torch(x, a, generator=generator, uniforms=uniforms, out=out)
+    return kprune.stochastic_prune_torch(x, a, uniforms=uniforms, out=out,
+                                         seed=None if uniforms is not None else _seed(seed, generator))
+
+
+def _seed(seed: int | None, generator: torch.Generator | None) -> int:
+    """The call's seed: ``seed`` (validated) or one draw from ``generator``."""
+    return seed if seed is not None else _rng.draw_seed(generator)
 
 
 def hard_prune(x: torch.Tensor, threshold: float, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -40,7 +40,8 @@ import torch
 
 from gradstats.formats import FPFormat, parse
 from gradstats.ops.consts import _BF16, _EXP, _FP16, _FP32, _QNAN, Consts as _Consts, consts as _consts
-from gradstats.ops.random import hash_bits as _hash_bits, iota as _iota, random_key as _random_key
+from gradstats.ops.random import ROUND as _ROUND, draw_seed as _draw_seed, hash_bits as _hash_bits, iota as _iota
+from gradstats.ops.random import resolve_seed as _resolve_seed, stream as _stream
 from gradstats.ops.triton import use_triton
 
 __all__ = ["quantize", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS",
@@ -81,6 +82,7 @@ def quantize(
     block_dim: int = -1,
     scale_format: str = "e8m0",
     scale_rounding: str = "floor",
+    seed: Optional[int] = None,
 ) -> torch.Tensor:
     """Round ``x`` to the values of ``fmt`` and return them in ``x``'s dtype (quantise-dequantise).
 
@@ -99,7 +101,8 @@ def quantize(
             NaN in gives NaN out (also for formats that have no NaN code: see ``docs/formats.md``);
             fnuz maps -0 to +0. The unsigned fnu formats map x < 0 to NaN (there is no code for
             it, even when it would round to 0) and +-0 to +0, or to NaN in ``e8m0fnu``, which has no zero.
-        generator: random source of stochastic rounding (default: torch's global generator).
+        generator: random source of stochastic rounding (default: torch's global generator): one
+            seed is drawn from it per call.
         block_size: shared-scale blocks of this many consecutive elements along ``block_dim``
             (OCP MX uses 32, NVFP4 16); the last block may be partial.
         block_dim: dimension along which blocks run.
@@ -109,6 +112,11 @@ def quantize(
         scale_rounding: how an ``"e8m0"`` block scale is rounded (:data:`SCALE_ROUNDINGS`:
             ``"floor"``, the OCP rule and the default; ``"ceil"``, ``"even"``, ``"rceil"``), bit for bit
             torchao's ``ScaleCalculationMode`` of the same name.
+        seed: the seed of stochastic rounding (an int in ``[0, 2**64)``) instead of ``generator``;
+            the random bits are the :data:`~gradstats.ops.random.ROUND` stream of
+            :mod:`gradstats.ops.random` at each element's flat index (of the blocked layout with
+            ``block_size``), so one seed gives bit-identical results on the CPU and in the Triton
+            kernel, and :func:`gradstats.ops.fused.prune_quantize` with the same seed rounds alike.
 
     Returns:
         A new tensor, same shape, dtype and device as ``x``.
@@ -126,9 +134,18 @@ def quantize(
     """
     fmt, scale = _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format)
     _check_scale_rounding(scale_rounding)
+    rng = generator
+    if seed is not None:
+        rng = _resolve_seed(seed, generator, "quantize")
     with torch.no_grad():  # quantise-dequantise is not differentiable; results never track gradients
-        return _quantize(x.detach(), fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format,
+        return _quantize(x.detach(), fmt, scale, rounding, overflow, rng, block_size, block_dim, scale_format,
                          scale_rounding)
+
+
+def _round_stream(rng) -> int:
+    """The stream seed of stochastic rounding from ``rng``: a user seed (int), or a generator (or
+    None, torch's default generator) from which one seed is drawn."""
+    return _stream(rng if isinstance(rng, int) else _draw_seed(rng), _ROUND)
 
 
 def _check_scale_rounding(scale_rounding: str) -> None:
@@ -327,7 +344,7 @@ def _round_flat(v, fmt, s, rounding, overflow, generator, rbits, out_dtype):
     chunk = CHUNK if cpu else n
     key = None
     if rounding == "stochastic" and rbits is None:
-        key = _random_key(generator, v.device)
+        key = _round_stream(generator)
     if rounding == "toward_zero" or not (c.fast_nearest if rounding == "nearest" else c.fast):
         out = torch.empty(n, dtype=out_dtype, device=v.device)
         for lo in range(0, n, chunk):
@@ -435,7 +452,8 @@ def _overflow_fast(y, tmp, c):
 
 def _round_generic(v, c, s, rounding, overflow, generator, rbits, *, key=None, lo=0):
     """Exact integer algorithm for every case (int64 on the float32 bit pattern, float64 rebuild) on
-    float32 ``v``; ``lo`` is the flat index of ``v[0]`` (the counter of the random bits)."""
+    float32 ``v``; ``lo`` is the flat index of ``v[0]`` (the counter of the random bits); ``key`` the
+    rounding stream's seed (else one is drawn from ``generator``: a generator, None or a user seed)."""
     fmt = c.fmt
     w = v * s if s is not None else v
     b = w.view(torch.int32).to(torch.int64)
@@ -449,7 +467,7 @@ def _round_generic(v, c, s, rounding, overflow, generator, rbits, *, key=None, l
     if rounding == "stochastic":
         if rbits is None:
             rbits = torch.empty(a.shape, dtype=torch.int32, device=a.device)
-            key = _random_key(generator, a.device) if key is None else key
+            key = _round_stream(generator) if key is None else key
             _hash_bits(lo, key, _iota(a.numel(), a.device), rbits, torch.empty_like(rbits), 23)
         R = rbits.to(torch.int64)
     if not fmt.has_zero:
@@ -514,9 +532,6 @@ def _round_generic(v, c, s, rounding, overflow, generator, rbits, *, key=None, l
     return y
 
 
-# ---------------------------------------------------------------------------------------------
-# random bits of stochastic rounding
-# ---------------------------------------------------------------------------------------------
 # ---------------------------------------------------------------------------------------------
 # block scaling
 # ---------------------------------------------------------------------------------------------

@@ -142,9 +142,33 @@ def prune_quant() -> Any:
     :func:`gradstats.pruning.stochastic_prune`. Arguments: ``x``, ``out`` (addresses; ``out``
     may be ``x``), ``n``, threshold ``a`` (0 = no pruning), ``scale``, ``quant``,
     ``man_bits``, ``emin``, ``maxv``, ``subnormals``, ``rounding`` (0 nearest, 1 stochastic,
-    2 toward zero), ``neg_zero``, ``seed``, ``nthreads``, ``counts`` (address of 4 int64);
-    returns 0, or a negative code for arguments it rejects."""
+    2 toward zero), ``neg_zero``, ``prune_seed``, ``round_seed`` (the stream seeds of
+    :func:`gradstats.ops.random.stream` for pruning and rounding), ``nthreads``, ``counts``
+    (address of 4 int64); returns 0, or a negative code for arguments it rejects."""
     return function("prune_quant", "gs_prune_quantize_f32",
                     [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-                     ctypes.c_int, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p])
+                     ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p])
+
+
+@functools.lru_cache(maxsize=1)
+def prune_f64() -> Any:
+    """``gs_stochastic_prune_f64(x, out, n, a, prune_seed, low_seed, nthreads)`` of
+    ``prune_quant.c`` (float64 stochastic pruning with 53-bit uniforms from the PRUNE and
+    PRUNE_LOW streams of :mod:`gradstats.ops.random`; ``out`` may be ``x``), or None."""
+    return function("prune_quant", "gs_stochastic_prune_f64",
+                    [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_uint64,
+                     ctypes.c_uint64, ctypes.c_int])
+
+
+@functools.lru_cache(maxsize=1)
+def random_bits() -> Any:
+    """``gs_random_bits(seed, start, n, out)`` of ``prune_quant.c``: the kernel's words of stream
+    seed ``seed`` at indices ``start .. start + n - 1`` into ``out`` (uint32 address), or None."""
+    lib = load("prune_quant")
+    if lib is None:
+        return None
+    fn = lib.gs_random_bits
+    fn.restype = None
+    fn.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return fn

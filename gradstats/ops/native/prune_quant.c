@@ -17,18 +17,22 @@
  *   adding half an ulp less one plus the kept lsb (ties to even), or uniform random bits
  *   (stochastic); a carry moves into the exponent;
  * - w < 2^emin (its subnormal range), step 2^(emin-M): nearest is (w + C) - C with
- *   C = 2^(emin-M+23), whose ulp is that step; stochastic and toward zero truncate w/step + u;
+ *   C = 2^(emin-M+23), whose ulp is that step; toward zero truncates w/step; stochastic offsets
+ *   w by 2^emin and then rounds as in the normal range;
  * - without subnormals only 0 and 2^emin exist below 2^emin.
  * This needs emin - M >= -126 (every format with at most 8 exponent bits and the usual bias).
  *
- * The uniforms come from a counter-based hash of (seed, index): reproducible and independent
- * of the thread count; 24-bit uniforms for pruning and subnormal rounding, 23-M random bits
- * for stochastic rounding in the normal range. The index enters as 2 i + seed_lo in 32-bit
- * arithmetic, and from 2^31 on also as a key of i >> 31 xored into seed_hi (high_key; 0 below
- * 2^31, whose uniforms are as they always were), so no two entries of a tensor share a hash input.
+ * The random bits are the one counter-based stream of gradstats/ops/random.py (its numpy
+ * reference_bits defines it word by word): a 32-bit word per (stream seed, element index),
+ * reproducible and independent of the thread count. The caller passes two stream seeds derived
+ * from the user's seed, one for pruning and one for rounding. Pruning keeps an entry when
+ * u * a < |v| with u = (word >> 8) * 2^-24; stochastic rounding adds the top 23 - M bits of the
+ * rounding word below the kept mantissa bits and truncates, below 2^emin after offsetting w by
+ * 2^emin (so the grid is fixed), exactly as gradstats.quantize does; so the fused kernel equals
+ * pruning then quantising with the same seed, bit for bit.
  *
  * With quant = 0 this is also the CPU float32 path of gradstats.pruning.stochastic_prune
- * (gradstats/ops/cpu.py: native_uniforms reproduces the pruning uniforms there).
+ * (gradstats/ops/cpu.py; gradstats.ops.random.uniforms reproduces the pruning uniforms).
  */
 #include <stdint.h>
 #include <string.h>
@@ -38,25 +42,32 @@
 
 #define BLOCK 4096
 
-static inline uint32_t mix32(uint32_t h) {
-    h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
-    return h;
+/* The SplitMix64 finaliser: the segment key of 2^32 indices is mix64(mix64(seed) + hi * golden). */
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
 }
 
-/* The key of entries i >= 2^31, from i >> 31 (0 below). Constant over a block: BLOCK divides 2^31. */
-static inline uint32_t high_key(int64_t i, uint32_t seed_hi) {
-    uint32_t hi = (uint32_t)(i >> 31);
-    return hi ? mix32(hi * 0x9e3779b9u + seed_hi) : 0u;
+/* The keys (k1, k2) of the segment of index i; `premixed` is mix64(stream seed). */
+static inline void seg_key(uint64_t premixed, int64_t i, uint32_t *k1, uint32_t *k2) {
+    uint64_t k = mix64(premixed + (uint64_t)(i >> 32) * 0x9e3779b97f4a7c15ull);
+    *k1 = (uint32_t)k; *k2 = (uint32_t)(k >> 32);
 }
 
-/* The hash of entry i from which its pruning uniform and its rounding bits derive. */
-static inline uint32_t entry_hash(int64_t i, uint32_t seed_lo, uint32_t keyed_hi) {
-    return mix32((uint32_t)i * 2u + seed_lo) ^ keyed_hi;
+/* The 32-bit word of the low index word c under the segment keys: a keyed multiply-xorshift hash,
+ * a bijection of c for fixed keys. */
+static inline uint32_t word(uint32_t c, uint32_t k1, uint32_t k2) {
+    uint32_t h = (c + k1) * 0x7feb352du;
+    h ^= h >> 16;
+    h = h * 0x846ca68bu + k2;
+    h ^= h >> 15;
+    return h * 0x9e3779b1u;
 }
 
-/* The 24-bit pruning uniform in [0, 1) of an entry's hash. */
-static inline float prune_uniform(uint32_t base) {
-    return (float)(mix32(base) >> 8) * (1.0f / 16777216.0f);
+/* The 24-bit pruning uniform in [0, 1) of a word. */
+static inline float prune_uniform(uint32_t b) {
+    return (float)(b >> 8) * (1.0f / 16777216.0f);
 }
 
 static inline float f_of(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
@@ -70,7 +81,7 @@ static inline float sel(int c, float a, float b) {
 typedef struct {
     float a, scale, maxv;
     int man_bits, emin, neg_zero;
-    uint32_t seed_lo, seed_hi;
+    uint64_t prune_mix, round_mix;  /* mix64 of the two stream seeds */
 } params_t;
 
 static inline __attribute__((always_inline)) void
@@ -88,16 +99,19 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
     const float inv_step = 1.0f / step;
     const float magic = f_of((uint32_t)(p->emin - p->man_bits + 23 + 127) << 23);
     const uint32_t zero_sign = p->neg_zero ? 0x80000000u : 0u;
-    const uint32_t seed_lo = p->seed_lo, keyed_hi = p->seed_hi ^ high_key(lo, p->seed_hi);
+    const uint32_t e0bits = (uint32_t)(p->emin + 127) << 23;
+    uint32_t pk1, pk2, rk1, rk2;   /* a block never straddles a multiple of 2^32: BLOCK divides it */
+    seg_key(p->prune_mix, lo, &pk1, &pk2);
+    seg_key(p->round_mix, lo, &rk1, &rk2);
     for (int64_t j = 0; j < m; j++) {
-        uint32_t base = entry_hash(lo + j, seed_lo, keyed_hi);
+        const uint32_t c = (uint32_t)(lo + j);
         float v = x[j];
         uint32_t vb = u_of(v);
         uint32_t sign = vb & 0x80000000u;
         float w = f_of(vb & 0x7fffffffu);
         int isnan_ = v != v;
         if (PRUNE) {
-            float u = prune_uniform(base);
+            float u = prune_uniform(word(c, pk1, pk2));
             int small = w < a;
             int up = u * a < w;
             npruned += small & !up & (w != 0.f);
@@ -108,7 +122,7 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
             float ws = w * scale;
             int over = ws > maxv;
             nover += over;
-            uint32_t rnd = mix32(base ^ 0x68e31da4u);
+            uint32_t rnd = ROUNDING == 1 ? word(c, rk1, rk2) : 0u;
             uint32_t wb = u_of(ws);
             uint32_t add;
             if (ROUNDING == 0) add = half + ((wb >> drop) & 1u);
@@ -119,24 +133,29 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
             if (SUBNORMALS) {
                 if (ROUNDING == 0) {
                     rs = (ws + magic) - magic;
+                } else if (ROUNDING == 1) {
+                    /* offset by 2^emin (float32 rounds to nearest even on the grid 2^(emin-23)),
+                     * add the random bits, truncate, remove the offset (exact) */
+                    float t = ws + min_normal;
+                    rs = f_of((u_of(t) + add) & ~low) - min_normal;
                 } else {
-                    float uq = ROUNDING == 1 ? (float)(rnd & 0xffffffu) * (1.0f / 16777216.0f) : 0.f;
                     float q = sel(ws < min_normal, ws * inv_step, 0.f);  /* < 2^M there: exact */
-                    rs = (float)(int32_t)(q + uq) * step;
+                    rs = (float)(int32_t)q * step;
                 }
             } else {
                 if (ROUNDING == 0) {
                     rs = sel(ws > half_min_normal, min_normal, 0.f);
                 } else if (ROUNDING == 1) {
-                    float uq = (float)(rnd & 0xffffffu) * (1.0f / 16777216.0f);
-                    rs = sel(uq * min_normal < ws, min_normal, 0.f);
+                    /* ws / 2^(emin-23) rounded to nearest even, plus 23 random bits, carries */
+                    uint32_t q = u_of(ws + min_normal) - e0bits;
+                    rs = sel(q + (rnd >> 9) >= 0x800000u, min_normal, 0.f);
                 } else {
                     rs = 0.f;
                 }
             }
             float res = sel(ws < min_normal, rs, rn);
             res = sel(over | (res > maxv), maxv, res);              /* saturate, inf included */
-            nunder += (res == 0.f) & (w != 0.f);
+            nunder += (res == 0.f) & (w != 0.f) & !isnan_;  /* NaN is never an underflow */
             r = res * inv_scale;
         }
         uint32_t rb = u_of(r);
@@ -168,10 +187,11 @@ static const runner_t RUNNERS[2][2][3][2] = {
 
 int gs_prune_quantize_f32(const float *x, float *out, int64_t n, float a, float scale, int quant,
                           int man_bits, int emin, float maxv, int subnormals, int rounding,
-                          int neg_zero, uint64_t seed, int nthreads, int64_t *counts) {
+                          int neg_zero, uint64_t prune_seed, uint64_t round_seed, int nthreads,
+                          int64_t *counts) {
     if (rounding < 0 || rounding > 2) return -1;
     if (quant && (man_bits < 0 || man_bits > 23 || emin - man_bits < -126 || emin > 127)) return -2;
-    params_t p = {a, scale, maxv, man_bits, emin, neg_zero, (uint32_t)seed, (uint32_t)(seed >> 32)};
+    params_t p = {a, scale, maxv, man_bits, emin, neg_zero, mix64(prune_seed), mix64(round_seed)};
     runner_t run = RUNNERS[a > 0.f][quant != 0][rounding][subnormals != 0];
     int64_t total[4] = {0, 0, 0, 0};
     int64_t nblocks = (n + BLOCK - 1) / BLOCK;
@@ -200,12 +220,56 @@ int gs_prune_quantize_f32(const float *x, float *out, int64_t n, float a, float 
     return 0;
 }
 
-/* The pruning uniforms of entries start .. start + n - 1 for `seed` (what the kernel draws for
+/* The words of stream seed `seed` at indices start .. start + n - 1 (what the kernel draws for
  * them, whatever the tensor's length): for tests and reproduction. */
-void gs_prune_uniforms(uint64_t seed, int64_t start, int64_t n, float *out) {
-    uint32_t seed_lo = (uint32_t)seed, seed_hi = (uint32_t)(seed >> 32);
+void gs_random_bits(uint64_t seed, int64_t start, int64_t n, uint32_t *out) {
+    uint64_t pm = mix64(seed);
+    uint32_t k1 = 0, k2 = 0;
     for (int64_t j = 0; j < n; j++) {
         int64_t i = start + j;
-        out[j] = prune_uniform(entry_hash(i, seed_lo, seed_hi ^ high_key(i, seed_hi)));
+        if (j == 0 || (i & 0xffffffffll) == 0) seg_key(pm, i, &k1, &k2);
+        out[j] = word((uint32_t)i, k1, k2);
     }
+}
+
+/* Stochastic pruning of a float64 array (no rounding): x where |x| >= a (NaN and inf too), else
+ * a zero of x's sign or sign(x) * a, the latter when u * a < |x| (product rounded to float64) with
+ * the 53-bit uniform u = ((p >> 8) * 2^29 + (q >> 3)) * 2^-53, p and q the words of the two stream
+ * seeds (gradstats.ops.random: PRUNE and PRUNE_LOW). out may be x. Independent of nthreads. */
+static void block_f64(const double *restrict x, double *restrict out, int64_t lo, int64_t m, double a,
+                      uint64_t pmix, uint64_t qmix) {
+    uint32_t pk1, pk2, qk1, qk2;
+    seg_key(pmix, lo, &pk1, &pk2);
+    seg_key(qmix, lo, &qk1, &qk2);
+    for (int64_t j = 0; j < m; j++) {
+        const uint32_t c = (uint32_t)(lo + j);
+        uint64_t r = ((uint64_t)(word(c, pk1, pk2) >> 8) << 29) | (word(c, qk1, qk2) >> 3);
+        double u = (double)(int64_t)r * 0x1p-53;
+        double v = x[j];
+        uint64_t vb; memcpy(&vb, &v, 8);
+        uint64_t sign = vb & 0x8000000000000000ull;
+        uint64_t wb = vb & 0x7fffffffffffffffull;
+        double w; memcpy(&w, &wb, 8);
+        double up = u * a < w ? a : 0.0;
+        uint64_t ub; memcpy(&ub, &up, 8);
+        ub |= sign;
+        double t; memcpy(&t, &ub, 8);
+        out[j] = w < a ? t : v;
+    }
+}
+
+int gs_stochastic_prune_f64(const double *x, double *out, int64_t n, double a, uint64_t prune_seed,
+                            uint64_t low_seed, int nthreads) {
+    uint64_t pmix = mix64(prune_seed), qmix = mix64(low_seed);
+    int64_t nblocks = (n + BLOCK - 1) / BLOCK;
+    if (nthreads < 1) nthreads = 1;
+#ifdef _OPENMP
+    if (n < 65536) nthreads = 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+#endif
+    for (int64_t k = 0; k < nblocks; k++) {
+        int64_t lo = k * BLOCK, m = n - lo < BLOCK ? n - lo : BLOCK;
+        block_f64(x + lo, out + lo, lo, m, a, pmix, qmix);
+    }
+    return 0;
 }

@@ -5,16 +5,14 @@ Both compute, for threshold ``a`` and a uniform ``u`` per entry,
 
     T(x) = x                if not |x| < a        (kept; also inf and NaN)
            copysign(a, x)   if u * a < |x| < a    (rounded up, probability |x|/a)
-           0                otherwise
+           0                otherwise (a zero of x's sign)
 
 with ``u * a`` rounded to the compute dtype (float32, or float64 for float64 tensors) before the
 comparison. Given the same uniforms (``uniforms=``) the kernel and the reference agree bit for
-bit. Without them the kernel makes ``u`` from a counter-based hash of ``(seed, index)``
-(the SplitMix64 output function on ``seed + (index + 1) * 0x9E3779B97F4A7C15``; its top 24 bits
-for float32, 53 for float64): a result is reproducible from ``(seed, x)``, costs no extra memory
-pass, and :func:`hash_uniforms` reproduces the very same uniforms on the CPU (so the seeded
-kernel, too, can be checked bit for bit). The reference draws ``torch.rand`` from a torch
-generator unless given uniforms.
+bit. Without them both make ``u`` from the one counter-based stream of :mod:`gradstats.ops.random`
+(the pruning stream of the seed at each element's flat index: 24-bit uniforms, 53-bit for
+float64), so the same seed gives the same result on every engine (the C kernel and the numpy
+engine of the CPU included); :func:`gradstats.ops.random.uniforms` gives those uniforms.
 
 Example:
     >>> import torch
@@ -27,41 +25,13 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
+from gradstats.ops import random as _rng
 from gradstats.ops.triton import interpreting
 
 #: elements per Triton program
 BLOCK = 2048
-
-
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
-
-
-def hash_uniforms(seed: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The uniforms the kernel draws for ``seed`` at indices ``0..n-1`` (computed on the CPU
-    in numpy's wrapping uint64 arithmetic).
-
-    Example:
-        >>> u = hash_uniforms(7, 5)
-        >>> u.shape, bool(((u >= 0) & (u < 1)).all())
-        (torch.Size([5]), True)
-    """
-    u64 = np.uint64
-    z = np.arange(1, n + 1, dtype=u64)
-    z *= u64(_GOLDEN)
-    z += u64(seed % 2 ** 64)
-    z ^= z >> u64(30)
-    z *= u64(_MIX1)
-    z ^= z >> u64(27)
-    z *= u64(_MIX2)
-    z ^= z >> u64(31)
-    if dtype == torch.float64:
-        return torch.from_numpy((z >> u64(11)).astype(np.float64) * 2.0 ** -53)
-    return torch.from_numpy((z >> u64(40)).astype(np.float32) * np.float32(2.0 ** -24))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,18 +39,22 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def stochastic_prune_torch(x: torch.Tensor, a: float, *, generator: torch.Generator | None = None,
-                           uniforms: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           uniforms: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                           seed: int | None = None) -> torch.Tensor:
     """The reference path in plain torch ops (any device and floating dtype; half precision is
-    computed in float32). ``a`` should already be representable in ``x.dtype``."""
+    computed in float32). ``a`` should already be representable in ``x.dtype``. Without
+    ``uniforms`` the uniforms of ``seed`` (else of one seed drawn from ``generator``) are used:
+    :func:`gradstats.ops.random.uniforms`, as every other engine."""
     cd = _compute_dtype(x.dtype)
     xf = x.detach().to(cd)
     if uniforms is None:
-        u = torch.rand(x.shape, generator=generator, device=x.device, dtype=cd)
+        s = _rng.resolve_seed(seed, generator, "stochastic_prune")
+        u = _rng.uniforms(s, x.numel(), cd, x.device).reshape(x.shape)
     else:
         u = uniforms.to(device=x.device, dtype=cd)
     ax = xf.abs()
-    up = torch.where(u * a < ax, torch.copysign(torch.full_like(xf, a), xf), torch.zeros_like(xf))
+    # rounded up to a, or pruned to a zero of x's sign (as the CPU engines)
+    up = torch.copysign(torch.where(u * a < ax, torch.full_like(xf, a), torch.zeros_like(xf)), xf)
     y = torch.where(ax < a, up, xf).to(x.dtype)
     if out is None:
         return y
@@ -92,8 +66,8 @@ def _kernel(interpret: bool):  # noqa: ARG001 - the cache key: Triton decides at
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["seed"])
-    def prune_kernel(x_ptr, u_ptr, a_ptr, out_ptr, n, seed,
+    @triton.jit(do_not_specialize=["n", "k1", "k2", "j1", "j2"])
+    def prune_kernel(x_ptr, u_ptr, a_ptr, out_ptr, n, k1, k2, j1, j2,
                      BLOCK: tl.constexpr, HAS_U: tl.constexpr, F64: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -107,18 +81,33 @@ def _kernel(interpret: bool):  # noqa: ARG001 - the cache key: Triton decides at
         if HAS_U:
             u = tl.load(u_ptr + offs, mask=mask, other=0.0)
         else:
-            # SplitMix64 output function of seed + (index + 1) * golden (uint64, wrapping)
-            z = seed.to(tl.uint64) + (offs.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15
-            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-            z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-            z = z ^ (z >> 31)
+            # the word of gradstats.ops.random at counter c + offs: k1 = c_lo + (the segment's k1),
+            # k2 its second key (int32, wrapping; ">> s & mask" is the logical shift)
+            c = offs.to(tl.int32)
+            h = (c + k1) * 0x7FEB352D
+            h = h ^ ((h >> 16) & 0xFFFF)
+            h = h * (-2073254261) + k2
+            h = h ^ ((h >> 15) & 0x1FFFF)
+            h = h * (-1640531535)
+            u24 = (h >> 8) & 0xFFFFFF
             if F64:
-                u = (z >> 11).to(tl.float64) * 1.1102230246251565e-16
+                g = (c + j1) * 0x7FEB352D  # the low word, from the PRUNE_LOW stream
+                g = g ^ ((g >> 16) & 0xFFFF)
+                g = g * (-2073254261) + j2
+                g = g ^ ((g >> 15) & 0x1FFFF)
+                g = g * (-1640531535)
+                u = (u24.to(tl.float64) * 5.960464477539063e-08
+                     + ((g >> 3) & 0x1FFFFFFF).to(tl.float64) * 1.1102230246251565e-16)
             else:
-                u = (z >> 40).to(tl.float32) * 5.960464477539063e-08
+                u = u24.to(tl.float32) * 5.960464477539063e-08
         ax = tl.abs(xf)
         ua = u * a
-        up = tl.where(ua < ax, tl.where(xf < 0, -a, a), 0.0)
+        if F64:
+            neg = xf.to(tl.int64, bitcast=True) < 0
+        else:
+            neg = xf.to(tl.int32, bitcast=True) < 0
+        up = tl.where(ua < ax, a, 0.0)
+        up = tl.where(neg, -up, up)  # a zero of x's sign when pruned (as the CPU engines)
         y = tl.where(ax < a, up, xf)
         tl.store(out_ptr + offs, y.to(x_ptr.dtype.element_ty), mask=mask)
 
@@ -127,10 +116,10 @@ def _kernel(interpret: bool):  # noqa: ARG001 - the cache key: Triton decides at
 
 def stochastic_prune(x: torch.Tensor, a: float, *, seed: int | None = None,
                      uniforms: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Stochastic pruning through the Triton kernel. Give either ``seed`` (uniforms from the
-    counter hash, see :func:`hash_uniforms`) or ``uniforms`` (a tensor of ``x``'s shape).
-    ``out`` may be ``x``.
+                     out: torch.Tensor | None = None, index_start: int = 0) -> torch.Tensor:
+    """Stochastic pruning through the Triton kernel. Give either ``seed`` (a user seed: the
+    uniforms of :func:`gradstats.ops.random.uniforms`) or ``uniforms`` (a tensor of ``x``'s shape).
+    ``out`` may be ``x``. ``index_start`` offsets the counters (for tests of far indices).
 
     Example (on a CUDA device, or on the CPU with ``TRITON_INTERPRET=1``)::
 
@@ -143,11 +132,24 @@ def stochastic_prune(x: torch.Tensor, a: float, *, seed: int | None = None,
     direct = out is not None and out.is_contiguous()
     res = out if direct else torch.empty_like(xc)
     a_t = torch.tensor([a], dtype=cd, device=x.device)
-    u = uniforms.detach().to(device=x.device, dtype=cd).contiguous() if uniforms is not None else xc
+    u = uniforms.detach().to(device=x.device, dtype=cd).contiguous().view(-1) if uniforms is not None else None
     n = xc.numel()
-    grid = ((n + BLOCK - 1) // BLOCK,)
-    _kernel(interpreting())[grid](xc, u, a_t, res, n, int(seed or 0), BLOCK=BLOCK,
-                                  HAS_U=uniforms is not None, F64=cd == torch.float64)
+    xf, rf = xc.view(-1), res.view(-1)
+    sp = _rng.stream(seed, _rng.PRUNE) if seed is not None else 0
+    sl = _rng.stream(seed, _rng.PRUNE_LOW) if seed is not None else 0
+    pos = 0
+    while pos < n:  # one launch per 2**32 segment of the counter (each has its own key)
+        ctr = index_start + pos
+        m = min(n - pos, (1 << 32) - (ctr & 0xFFFFFFFF))
+        k1 = k2 = j1 = j2 = 0
+        if seed is not None:
+            (p1, p2), (q1, q2) = _rng.segment_key(sp, ctr >> 32), _rng.segment_key(sl, ctr >> 32)
+            k1, k2, j1, j2 = _rng._s32(ctr + p1), _rng._s32(p2), _rng._s32(ctr + q1), _rng._s32(q2)
+        grid = ((m + BLOCK - 1) // BLOCK,)
+        _kernel(interpreting())[grid](xf[pos:pos + m], u[pos:pos + m] if u is not None else xf, a_t,
+                                      rf[pos:pos + m], m, k1, k2, j1, j2, BLOCK=BLOCK,
+                                      HAS_U=uniforms is not None, F64=cd == torch.float64)
+        pos += m
     if direct:
         return out  # type: ignore[return-value]
     res = res.reshape(x.shape)

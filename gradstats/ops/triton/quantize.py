@@ -5,8 +5,9 @@ The kernel reads ``x`` in its own dtype, applies an optional scale (a float, or 
 writes ``x``'s dtype. Rounding is done on the int32 pattern only (no float arithmetic on
 subnormals, so a device that flushes subnormals gets the same bits); values below ``2**emin`` are
 rebuilt by a float subtraction of two normal numbers or, when the result is a float32 subnormal, by
-an integer shift. Stochastic rounding draws its bits from the same keyed counter hash as the torch
-path, so CPU and GPU give identical results for the same generator state.
+an integer shift. Stochastic rounding draws its bits from the one counter-based stream of
+:mod:`gradstats.ops.random` (the rounding stream of the seed, at each element's flat index), as the
+torch path does, so CPU and GPU give identical results for the same seed or generator state.
 
 The torch path (``gradstats.ops.quantization``) is the reference; ``tests/test_quant_triton.py`` runs this kernel
 on the CPU under ``TRITON_INTERPRET=1`` and compares bit for bit. The kernel is built on first use
@@ -46,19 +47,19 @@ def supports(fmt: FPFormat) -> bool:
     return fmt.special != "fnu" and triton_available()
 
 
-def _kernel_src(X, Y, S, KEY, RB, n, scale_f, s_div, s_mod, k1, k2,
+def _kernel_src(X, Y, S, RB, start, n, scale_f, s_div, s_mod, k1, k2,
                 M: tl.constexpr, MSUB: tl.constexpr, E0F: tl.constexpr, MAXBITS: tl.constexpr,
                 OVFBITS: tl.constexpr, ROUNDING: tl.constexpr, SCALE_MODE: tl.constexpr,
                 SCALE_DIV: tl.constexpr, KEY_MODE: tl.constexpr, FNUZ: tl.constexpr,
                 T_SUB: tl.constexpr, SH_SUB: tl.constexpr, C0F: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)  # within this launch (X, Y begin at element start)
     mask = offs < n
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if SCALE_MODE == 1:
         x = x * scale_f
     if SCALE_MODE == 2:
-        sv = tl.load(S + (offs // s_div) % s_mod, mask=mask, other=1.0)
+        sv = tl.load(S + ((start + offs) // s_div) % s_mod, mask=mask, other=1.0)
         if SCALE_DIV:
             x = tl.math.div_rn(x, sv)
         else:
@@ -75,9 +76,9 @@ def _kernel_src(X, Y, S, KEY, RB, n, scale_f, s_div, s_mod, k1, k2,
         if KEY_MODE == 2:
             r23 = tl.load(RB + offs, mask=mask, other=0)
         else:
-            if KEY_MODE == 1:
-                k1 = tl.load(KEY)
-                k2 = tl.load(KEY + 1)
+            # the word of gradstats.ops.random at counter c + offs, with k1 = c_lo + (the segment's
+            # k1) and k2 its second key (int32; one launch never leaves a 2**32 segment); int32
+            # arithmetic wraps, ">> s & mask" is the logical shift
             h = (offs.to(tl.int32) + k1) * 0x7FEB352D
             h = h ^ ((h >> 16) & 0xFFFF)
             h = h * (-2073254261) + k2
@@ -131,7 +132,7 @@ def _kernel_src(X, Y, S, KEY, RB, n, scale_f, s_div, s_mod, k1, k2,
 def _kernel(interpret: bool):
     import triton
 
-    return triton.jit(_kernel_src, do_not_specialize=["n", "scale_f", "s_div", "s_mod", "k1", "k2"])
+    return triton.jit(_kernel_src, do_not_specialize=["start", "n", "scale_f", "s_div", "s_mod", "k1", "k2"])
 
 
 def _scale_index(scale: torch.Tensor, shape: torch.Size):
@@ -156,14 +157,18 @@ def quantize_triton(
     scale: Union[float, torch.Tensor, None] = None,
     rounding: str = "nearest",
     overflow: str = "saturate",
-    generator: Optional[torch.Generator] = None,
+    generator=None,
     scale_div: bool = False,
     rbits: Optional[torch.Tensor] = None,
+    index_start: int = 0,
 ) -> torch.Tensor:
     """Quantise ``x`` with the Triton kernel (arguments as :func:`gradstats.ops.quantization.quantize`, validated).
 
     ``scale_div=True`` divides by a tensor ``scale`` first and multiplies after (block scaling).
-    ``rbits`` (int32, one per element, in ``[0, 2**23)``) replaces the hash bits of stochastic rounding.
+    ``rbits`` (int32, one per element, in ``[0, 2**23)``) replaces the hash bits of stochastic rounding;
+    ``generator`` is a ``torch.Generator``, None (torch's default generator) or a user seed (int): the
+    bits are then those of the rounding stream of :mod:`gradstats.ops.random`, as on the CPU, at
+    counters ``index_start + i`` for the flat index ``i`` (``index_start`` is for tests of far counters).
 
     Example (CUDA, or the CPU with ``TRITON_INTERPRET=1`` set before the first call):
         >>> from gradstats.formats import parse
@@ -171,7 +176,8 @@ def quantize_triton(
         [0.1015625, 448.0]
     """
     from gradstats.ops.consts import consts as _consts
-    from gradstats.ops.random import random_key as _random_key
+    from gradstats.ops.quantization import _round_stream
+    from gradstats.ops.random import _s32, segment_key
 
     c = _consts(fmt)
     xc = x.contiguous()
@@ -186,25 +192,32 @@ def quantize_triton(
         mode = 2
     elif scale is not None:
         scale_f, mode = float(scale), 1
-    key_t, k1, k2, key_mode, RB = dummy, 0, 0, 0, dummy
+    key_mode, RB, rseed = 0, dummy, None
     if rounding == "stochastic":
         if rbits is not None:
             RB, key_mode = rbits.reshape(-1).to(device=x.device, dtype=torch.int32).contiguous(), 2
         else:
-            key = _random_key(generator, x.device)
-            if isinstance(key, torch.Tensor):
-                key_t, key_mode = key, 1
-            else:
-                k1, k2 = key
+            rseed = _round_stream(generator)
     ovf = c.MAXBITS if overflow == "saturate" else c.ovf_bits
     sub_exp = fmt.emin - c.Msub  # exponent of the smallest step below 2**emin
     t_sub = 1 << min(-126 - sub_exp, 24) if sub_exp < -126 else 0
     sh_sub = min(max(sub_exp + 149, 0), 30)
-    grid = (-(-n // BLOCK),)
-    _kernel(interpreting())[grid](
-        xc, y, S, key_t, RB, n, scale_f, s_div, s_mod, k1, k2,
-        M=c.M, MSUB=c.Msub, E0F=c.E0F, MAXBITS=c.MAXBITS, OVFBITS=ovf, ROUNDING=_ROUNDING[rounding],
-        SCALE_MODE=mode, SCALE_DIV=bool(scale_div), KEY_MODE=key_mode, FNUZ=fmt.special == "fnuz",
-        T_SUB=t_sub, SH_SUB=sh_sub, C0F=fmt.min_normal, BLOCK=BLOCK,
-    )
+    xf, yf = xc.view(-1), y.view(-1)
+    pos = 0
+    while pos < n:  # one launch per 2**32 segment of the counter (each has its own key)
+        ctr = index_start + pos
+        m = min(n - pos, (1 << 32) - (ctr & 0xFFFFFFFF))
+        k1 = k2 = 0
+        if rseed is not None:
+            sk1, sk2 = segment_key(rseed, ctr >> 32)
+            k1, k2 = _s32(ctr + sk1), _s32(sk2)
+        grid = (-(-m // BLOCK),)
+        _kernel(interpreting())[grid](
+            xf[pos:pos + m], yf[pos:pos + m], S, RB[pos:pos + m] if key_mode == 2 else RB, pos, m, scale_f,
+            s_div, s_mod, k1, k2,
+            M=c.M, MSUB=c.Msub, E0F=c.E0F, MAXBITS=c.MAXBITS, OVFBITS=ovf, ROUNDING=_ROUNDING[rounding],
+            SCALE_MODE=mode, SCALE_DIV=bool(scale_div), KEY_MODE=key_mode, FNUZ=fmt.special == "fnuz",
+            T_SUB=t_sub, SH_SUB=sh_sub, C0F=fmt.min_normal, BLOCK=BLOCK,
+        )
+        pos += m
     return y.view(x.shape)
