@@ -32,8 +32,8 @@ from typing import Callable
 
 import torch
 
-from gradstats.ops.triton.prune import stochastic_prune_torch
 from gradstats.ops import cpu as _cpu
+from gradstats.ops.triton.prune import stochastic_prune_torch
 from gradstats.pruning import exact_threshold, hard_prune, prune, stochastic_prune, threshold
 from gradstats.stats import tensor_stats
 
@@ -70,7 +70,7 @@ def methods(x: torch.Tensor, S: float, device: str) -> dict[str, Callable[[], to
     m = {
         "ours": lambda: prune(x, S, generator=g),
         "ours, hard": lambda: prune(x, S, stochastic=False),
-        "ours, histogram": lambda: prune(x, S, method="histogram", generator=g),
+        "ours, histogram": lambda: prune(x, S, threshold_rule="histogram", generator=g),
     }
     if device == "cpu":
         m["ours, numpy engine"] = without_native_prune(lambda: prune(x, S, generator=g))

@@ -27,41 +27,26 @@ from __future__ import annotations
 
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
+from gradstats import _threads
 from gradstats.ops import random as _rng
 
 #: elements per block (float32: 256 KiB, a fraction of a core's L2 cache)
 BLOCK = 1 << 16
 
 _local = threading.local()
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 _SIGN32 = np.int32(-2 ** 31)
 _SIGN64 = np.int64(-2 ** 63)
 
 
-def _workers() -> int:
-    return max(1, torch.get_num_threads())
-
-
-def _get_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers != _workers():  # type: ignore[attr-defined]
-            _pool = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="gradstats-prune")
-        return _pool
-
-
 def _map(fn: Callable[[int], Any], n: int) -> list[Any]:
     k = (n + BLOCK - 1) // BLOCK
-    if k <= 1 or _workers() == 1 or threading.current_thread().name.startswith("gradstats-prune"):
+    if k <= 1 or _threads.workers() == 1 or _threads.in_worker():
         return [fn(i) for i in range(k)]
-    return list(_get_pool().map(fn, range(k)))
+    return list(_threads.pool().map(fn, range(k)))
 
 
 def _scratch(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -284,11 +269,11 @@ def native_stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, seed: int)
         from gradstats.ops.native import prune_f64
 
         prune_f64()(x.ctypes.data, out.ctypes.data, x.shape[0], float(a), _rng.stream(seed, _rng.PRUNE),
-                    _rng.stream(seed, _rng.PRUNE_LOW), _workers())
+                    _rng.stream(seed, _rng.PRUNE_LOW), _threads.workers())
         return
     fn = native_kernel()
     counts = np.zeros(4, np.int64)
     rc = fn(x.ctypes.data, out.ctypes.data, x.shape[0], float(a), 1.0, 0, 0, 0, 0.0, 1, 0, 1,
-            _rng.stream(seed, _rng.PRUNE), _rng.stream(seed, _rng.ROUND), _workers(), counts.ctypes.data)
+            _rng.stream(seed, _rng.PRUNE), _rng.stream(seed, _rng.ROUND), _threads.workers(), counts.ctypes.data)
     if rc != 0:  # pragma: no cover - the prune-only mode accepts every argument it is given here
         raise RuntimeError(f"the native prune kernel rejected its arguments (code {rc})")

@@ -29,19 +29,20 @@ Example:
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
-import os
-from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
-from gradstats.formats import FPFormat, parse
-from gradstats.ops.consts import _BF16, _EXP, _FP16, _FP32, _QNAN, Consts as _Consts, consts as _consts
-from gradstats.ops.random import ROUND as _ROUND, draw_seed as _draw_seed, hash_bits as _hash_bits, iota as _iota
-from gradstats.ops.random import resolve_seed as _resolve_seed, stream as _stream
+from gradstats import _threads
+from gradstats.formats import ROUNDINGS, FPFormat, parse
+from gradstats.ops.consts import _BF16, _EXP, _FP16, _FP32
+from gradstats.ops.consts import consts as _consts
+from gradstats.ops.random import hash_bits as _hash_bits
+from gradstats.ops.random import iota as _iota
+from gradstats.ops.random import resolve_seed as _resolve_seed
+from gradstats.ops.random import rounding_stream as _round_stream
 from gradstats.ops.triton import use_triton
 
 __all__ = ["quantize", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS",
@@ -49,7 +50,6 @@ __all__ = ["quantize", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERF
 
 log = logging.getLogger(__name__)
 
-ROUNDINGS = ("nearest", "stochastic", "toward_zero")
 OVERFLOWS = ("saturate", "nonfinite")
 SCALE_FORMATS = ("e8m0", "e4m3")
 #: how an MX (E8M0) block scale is rounded from the block's largest magnitude ``amax`` (OCP MX
@@ -140,12 +140,6 @@ def quantize(
     with torch.no_grad():  # quantise-dequantise is not differentiable; results never track gradients
         return _quantize(x.detach(), fmt, scale, rounding, overflow, rng, block_size, block_dim, scale_format,
                          scale_rounding)
-
-
-def _round_stream(rng) -> int:
-    """The stream seed of stochastic rounding from ``rng``: a user seed (int), or a generator (or
-    None, torch's default generator) from which one seed is drawn."""
-    return _stream(rng if isinstance(rng, int) else _draw_seed(rng), _ROUND)
 
 
 def _check_scale_rounding(scale_rounding: str) -> None:
@@ -355,7 +349,7 @@ def _round_flat(v, fmt, s, rounding, overflow, generator, rbits, out_dtype):
     out = torch.empty(n, dtype=out_dtype, device=v.device)
     args = (v, out, c, s, rounding == "nearest", overflow == "saturate", rbits, key, chunk, not cpu)
     nchunks = -(-n // chunk)
-    workers = min(THREADS if THREADS else torch.get_num_threads(), nchunks // 4) if cpu else 1
+    workers = min(THREADS if THREADS else torch.get_num_threads(), nchunks // 4) if cpu and not _threads.in_worker() else 1
     if workers <= 1:
         _fast_chunks(0, n, *args)
         return out
@@ -367,11 +361,8 @@ def _round_flat(v, fmt, s, rounding, overflow, generator, rbits, out_dtype):
     return out
 
 
-@functools.lru_cache(maxsize=1)
 def _pool():
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="gradstats-quant")
+    return _threads.pool()
 
 
 def _fast_chunks(start, stop, v, out, c, s, nearest, sat, rbits, key, chunk, fix_nan_always):

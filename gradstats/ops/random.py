@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 __all__ = ["reference_bits", "reference_uniforms", "bits", "uniforms", "stream", "segment_key", "mix64",
-           "resolve_seed", "draw_seed", "hash_bits", "iota", "PRUNE", "ROUND", "PRUNE_LOW"]
+           "resolve_seed", "draw_seed", "rounding_stream", "hash_bits", "iota", "PRUNE", "ROUND", "PRUNE_LOW"]
 
 #: domains of the operators' streams (see :func:`stream`)
 PRUNE, ROUND, PRUNE_LOW = 0, 1, 2
@@ -120,6 +120,12 @@ def draw_seed(generator: Optional[torch.Generator]) -> int:
 
 
 # --------------------------------------------------------------------------- the reference (numpy)
+def rounding_stream(rng: Any) -> int:
+    """The stream seed of stochastic rounding from ``rng``: a user seed (int), or a generator (or
+    None, torch's default generator) from which one seed is drawn."""
+    return stream(rng if isinstance(rng, int) else draw_seed(rng), ROUND)
+
+
 def reference_bits(seed: int, start: int = 0, n: int | None = None, *, index=None) -> np.ndarray:
     """The reference: the 32 bits (``uint32``) of ``seed`` at indices ``start .. start + n - 1``
     (or at the int64/uint64 array ``index``), as the module docstring defines them.

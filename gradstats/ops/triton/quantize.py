@@ -9,7 +9,7 @@ an integer shift. Stochastic rounding draws its bits from the one counter-based 
 :mod:`gradstats.ops.random` (the rounding stream of the seed, at each element's flat index), as the
 torch path does, so CPU and GPU give identical results for the same seed or generator state.
 
-The torch path (``gradstats.ops.quantization``) is the reference; ``tests/test_quant_triton.py`` runs this kernel
+The torch path (``gradstats.ops.quantization``) is the reference; ``tests/ops/test_quantization_triton.py`` runs this kernel
 on the CPU under ``TRITON_INTERPRET=1`` and compares bit for bit. The kernel is built on first use
 (``triton.jit`` is applied then), so setting ``TRITON_INTERPRET=1`` before the first call suffices.
 
@@ -176,8 +176,8 @@ def quantize_triton(
         [0.1015625, 448.0]
     """
     from gradstats.ops.consts import consts as _consts
-    from gradstats.ops.quantization import _round_stream
     from gradstats.ops.random import _s32, segment_key
+    from gradstats.ops.random import rounding_stream as _round_stream
 
     c = _consts(fmt)
     xc = x.contiguous()

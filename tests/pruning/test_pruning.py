@@ -12,13 +12,22 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy import integrate, special, stats as sps
+from scipy import integrate, special
+from scipy import stats as sps
 
 from gradstats import pruning
-from gradstats.ops.triton.prune import stochastic_prune_torch
-from gradstats.pruning import (added_variance, allocate, exact_threshold, expected_sparsity,
-                               predicted_cosine, prune, stochastic_prune, threshold)
 from gradstats.ops import cpu as _cpu
+from gradstats.ops.triton.prune import stochastic_prune_torch
+from gradstats.pruning import (
+    added_variance,
+    allocate,
+    exact_threshold,
+    expected_sparsity,
+    predicted_cosine,
+    prune,
+    stochastic_prune,
+    threshold,
+)
 from gradstats.stats import lognormal_moments, tensor_stats
 
 SIGMAS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
@@ -62,9 +71,9 @@ def test_sparsity_matches_quadrature(model):
             dist, kw = sps.halfnorm(scale=1.7), dict(scale=1.7)
         else:
             dist, kw = sps.expon(scale=0.8), dict(scale=0.8)
-        got = expected_sparsity(a, model=model, **kw)
+        got = expected_sparsity(a, threshold_rule=model, **kw)
         assert got == pytest.approx(_numeric_sparsity(dist, a), abs=1e-8)
-        assert expected_sparsity(a, model=model, stochastic=False, **kw) == pytest.approx(dist.cdf(a), abs=1e-12)
+        assert expected_sparsity(a, threshold_rule=model, stochastic=False, **kw) == pytest.approx(dist.cdf(a), abs=1e-12)
 
 
 def test_bell_models_match_the_brief_formulas():
@@ -72,8 +81,8 @@ def test_bell_models_match_the_brief_formulas():
     for a in (0.01, 0.2, 1.0, 3.0):
         normal = (2 * special.ndtr(a / s) - 1) - s * math.sqrt(2 / math.pi) / a * (1 - math.exp(-a * a / (2 * s * s)))
         laplace = 1 - (b / a) * (1 - math.exp(-a / b))
-        assert expected_sparsity(a, model="normal", scale=s) == pytest.approx(normal, abs=1e-13)
-        assert expected_sparsity(a, model="laplace", scale=b) == pytest.approx(laplace, abs=1e-13)
+        assert expected_sparsity(a, threshold_rule="normal", scale=s) == pytest.approx(normal, abs=1e-13)
+        assert expected_sparsity(a, threshold_rule="laplace", scale=b) == pytest.approx(laplace, abs=1e-13)
 
 
 @settings(max_examples=150, deadline=None)
@@ -82,13 +91,13 @@ def test_bell_models_match_the_brief_formulas():
        model=st.sampled_from(["lognormal", "normal", "laplace"]), stochastic=st.booleans())
 def test_threshold_inverts_expected_sparsity(target, mu, sigma, p0, model, stochastic):
     kw = dict(mu=mu, sigma=sigma) if model == "lognormal" else dict(scale=math.exp(mu))
-    a = threshold(target, model=model, stochastic=stochastic, p0=p0, **kw)
+    a = threshold(target, threshold_rule=model, stochastic=stochastic, p0=p0, **kw)
     if target <= p0:
         assert a == 0.0
-        assert expected_sparsity(a, model=model, p0=p0, **kw) == pytest.approx(p0)
+        assert expected_sparsity(a, threshold_rule=model, p0=p0, **kw) == pytest.approx(p0)
     else:
         assert a > 0 or target < 1e-300  # a target of a denormal size may underflow to 0
-        s = expected_sparsity(a, model=model, stochastic=stochastic, p0=p0, **kw)
+        s = expected_sparsity(a, threshold_rule=model, stochastic=stochastic, p0=p0, **kw)
         assert abs(s - target) <= 1e-9
 
 
@@ -103,8 +112,8 @@ def test_one_layer_in_floats_equals_the_array_path(target, mu, sigma, p0, model,
     amax = math.exp(mu + top)
     cond = dict(amax=amax, mean_abs=mean_frac * amax)
     for extra in ({}, cond):
-        one = threshold(target, model=model, stochastic=stochastic, p0=p0, **kw, **extra)
-        arr = threshold(np.array([target]), model=model, stochastic=stochastic, p0=p0, **kw, **extra)
+        one = threshold(target, threshold_rule=model, stochastic=stochastic, p0=p0, **kw, **extra)
+        arr = threshold(np.array([target]), threshold_rule=model, stochastic=stochastic, p0=p0, **kw, **extra)
         assert isinstance(one, float) and one == arr[0]
 
 
@@ -133,22 +142,22 @@ def test_sources_stats_row_series_dataframe_and_fit_result():
     mu, sigma = lognormal_moments(row)
     p0 = row["n_zero"] / row["n"]
     want = threshold(0.85, mu=mu, sigma=sigma, p0=p0)
-    assert threshold(0.85, row, model="lognormal") == pytest.approx(want, rel=1e-12)
+    assert threshold(0.85, row, threshold_rule="lognormal") == pytest.approx(want, rel=1e-12)
     series = pd.Series({k: v for k, v in row.items() if k != "hist"})
     assert threshold(0.85, series) == pytest.approx(want, rel=1e-12)
     df = pd.DataFrame([series, series])
     assert np.allclose(threshold(0.85, df), want, rtol=1e-12)
     # bell-shaped scales from the sums, over the non-zero entries
     nz = x[x != 0].double()
-    assert threshold(0.85, row, model="normal") == pytest.approx(
-        threshold(0.85, scale=float(nz.square().mean().sqrt()), p0=p0, model="normal"), rel=1e-5)
-    assert threshold(0.85, row, model="laplace") == pytest.approx(
-        threshold(0.85, scale=float(nz.abs().mean()), p0=p0, model="laplace"), rel=1e-5)
+    assert threshold(0.85, row, threshold_rule="normal") == pytest.approx(
+        threshold(0.85, scale=float(nz.square().mean().sqrt()), p0=p0, threshold_rule="normal"), rel=1e-5)
+    assert threshold(0.85, row, threshold_rule="laplace") == pytest.approx(
+        threshold(0.85, scale=float(nz.abs().mean()), p0=p0, threshold_rule="laplace"), rel=1e-5)
     fit = SimpleNamespace(params={"lognormal": {"mu": mu, "sigma": sigma}, "normal": {"scale": 0.1},
                                   "laplace": {"scale": 0.05}}, zero_fraction=p0)
     assert threshold(0.85, fit) == pytest.approx(want, rel=1e-12)
-    assert threshold(0.85, fit, model="laplace") == pytest.approx(
-        threshold(0.85, scale=0.05, p0=p0, model="laplace"))
+    assert threshold(0.85, fit, threshold_rule="laplace") == pytest.approx(
+        threshold(0.85, scale=0.05, p0=p0, threshold_rule="laplace"))
     assert np.allclose(threshold(0.85, [fit, fit]), want)
     # explicit values take precedence over the source
     assert threshold(0.85, row, p0=0.0) == pytest.approx(threshold(0.85, mu=mu, sigma=sigma))
@@ -158,13 +167,13 @@ def test_naive_quantile_undershoots_and_bell_models_misjudge_lognormal_layers():
     for sigma in (1.0, 2.0, 3.0):
         for S in (0.5, 0.85, 0.95):
             a = threshold(S, mu=0.0, sigma=sigma)
-            naive = threshold(S, mu=0.0, sigma=sigma, model="naive_lognormal")
+            naive = threshold(S, mu=0.0, sigma=sigma, threshold_rule="naive_lognormal")
             assert naive == pytest.approx(math.exp(sigma * special.ndtri(S)), rel=1e-12)
             assert naive < a
             assert expected_sparsity(naive, mu=0.0, sigma=sigma) < S - 0.02
     # normal fitted to a heavy-tailed lognormal layer (E g^2 = exp(2 sigma^2)) overshoots
     sigma = 2.5
-    an = threshold(0.85, scale=math.exp(sigma ** 2), model="normal")
+    an = threshold(0.85, scale=math.exp(sigma ** 2), threshold_rule="normal")
     assert expected_sparsity(an, mu=0.0, sigma=sigma) > 0.99
 
 
@@ -187,12 +196,12 @@ def test_cosine_and_added_variance_match_quadrature(model):
         dist, kw = sps.expon(scale=0.6), dict(scale=0.6)
     for a in (0.1, 0.7, 2.0):
         ratio, var = _quad_cost(dist, a)
-        assert predicted_cosine(a, model=model, **kw) == pytest.approx(1 / math.sqrt(ratio), rel=1e-7)
-        assert added_variance(a, model=model, **kw) == pytest.approx(var, rel=1e-6)
-        assert added_variance(a, model=model, p0=0.25, **kw) == pytest.approx(0.75 * var, rel=1e-6)
-        assert added_variance(a, model=model, relative=True, **kw) == pytest.approx(ratio - 1, rel=1e-6)
-    assert predicted_cosine(0.0, model=model, **kw) == 1.0
-    assert added_variance(0.0, model=model, **kw) == 0.0
+        assert predicted_cosine(a, family=model, **kw) == pytest.approx(1 / math.sqrt(ratio), rel=1e-7)
+        assert added_variance(a, family=model, **kw) == pytest.approx(var, rel=1e-6)
+        assert added_variance(a, family=model, p0=0.25, **kw) == pytest.approx(0.75 * var, rel=1e-6)
+        assert added_variance(a, family=model, relative=True, **kw) == pytest.approx(ratio - 1, rel=1e-6)
+    assert predicted_cosine(0.0, family=model, **kw) == 1.0
+    assert added_variance(0.0, family=model, **kw) == 0.0
 
 
 # ----------------------------------------------------------------------------- operator
@@ -332,23 +341,23 @@ def test_prune_hits_the_target_on_lognormal_tensors():
     x = lognormal_samples(1_000_000, -11.0, 2.2, seed=5, p0=0.25)
     g = torch.Generator().manual_seed(0)
     for S in (0.5, 0.85, 0.95):
-        y, a = prune(x, S, method="lognormal", generator=g, return_threshold=True)
+        y, a = prune(x, S, threshold_rule="lognormal", generator=g, return_threshold=True)
         assert float((y == 0).double().mean()) == pytest.approx(S, abs=0.002)
-        assert a == pytest.approx(float(threshold(S, tensor_stats(x), model="lognormal")), rel=1e-4)
-        yh = prune(x, S, method="lognormal", stochastic=False)
+        assert a == pytest.approx(float(threshold(S, tensor_stats(x), threshold_rule="lognormal")), rel=1e-4)
+        yh = prune(x, S, threshold_rule="lognormal", stochastic=False)
         assert float((yh == 0).double().mean()) == pytest.approx(S, abs=0.002)
-        ye = prune(x, S, method="exact", stochastic=False)
+        ye = prune(x, S, threshold_rule="exact", stochastic=False)
         assert abs(int((ye == 0).sum()) - round(S * x.numel())) <= 1
-        ys = prune(x, S, method="exact", generator=g)
+        ys = prune(x, S, threshold_rule="exact", generator=g)
         assert float((ys == 0).double().mean()) == pytest.approx(S, abs=0.002)
     # the naive rule undershoots under the stochastic operator
-    yn = prune(x, 0.85, method="naive_lognormal", generator=g)
+    yn = prune(x, 0.85, threshold_rule="naive_lognormal", generator=g)
     assert float((yn == 0).double().mean()) < 0.83
     # a tensor with inf/NaN takes the robust statistics path
     xb = x.clone()
     xb[:10] = float("inf")
     xb[10:20] = float("nan")
-    yb = prune(xb, 0.85, method="lognormal", generator=g)
+    yb = prune(xb, 0.85, threshold_rule="lognormal", generator=g)
     assert torch.isnan(yb[10:20]).all() and torch.isinf(yb[:10]).all()
     assert float((yb == 0).double().mean()) == pytest.approx(0.85, abs=0.003)
     yb = prune(xb, 0.85, generator=g)     # the default rule counts them and leaves them alone
@@ -397,24 +406,24 @@ def test_histogram_rule_inverts_itself_and_hits_targets():
     v = x.abs().double()
     for S in (0.3, 0.5, 0.85, 0.95, 0.99):
         for sto in (True, False):
-            a = threshold(S, row, model="histogram", stochastic=sto)
-            assert float(expected_sparsity(a, row, model="histogram", stochastic=sto)) == \
+            a = threshold(S, row, threshold_rule="histogram", stochastic=sto)
+            assert float(expected_sparsity(a, row, threshold_rule="histogram", stochastic=sto)) == \
                 pytest.approx(S, abs=1e-9)
         # binade bins with log-uniform interpolation: close to the sample's own sparsity
-        a = threshold(S, row, model="histogram")
+        a = threshold(S, row, threshold_rule="histogram")
         emp = float(torch.where(v < a, 1 - v / a, torch.zeros_like(v)).mean())
         assert emp == pytest.approx(S, abs=0.004)
-        y, a4 = prune(x, S, method="histogram", generator=torch.Generator().manual_seed(1),
+        y, a4 = prune(x, S, threshold_rule="histogram", generator=torch.Generator().manual_seed(1),
                       return_threshold=True)
         emp4 = float(torch.where(v < a4, 1 - v / a4, torch.zeros_like(v)).mean())
         assert emp4 == pytest.approx(S, abs=5e-4)
         assert float((y == 0).double().mean()) == pytest.approx(S, abs=0.002)
-        yh = prune(x, S, method="histogram", stochastic=False)
+        yh = prune(x, S, threshold_rule="histogram", stochastic=False)
         assert float((yh == 0).double().mean()) == pytest.approx(S, abs=0.002)
-    assert threshold(0.1, row, model="histogram") == 0.0  # the zeros reach it
-    assert np.allclose(threshold(0.9, [row, row], model="histogram"),
-                       threshold(0.9, row, model="histogram"))
-    assert float((prune(x.double(), 0.9, method="histogram") == 0).double().mean()) == \
+    assert threshold(0.1, row, threshold_rule="histogram") == 0.0  # the zeros reach it
+    assert np.allclose(threshold(0.9, [row, row], threshold_rule="histogram"),
+                       threshold(0.9, row, threshold_rule="histogram"))
+    assert float((prune(x.double(), 0.9, threshold_rule="histogram") == 0).double().mean()) == \
         pytest.approx(0.9, abs=0.002)
 
 
@@ -429,7 +438,7 @@ def test_histogram_rule_on_a_skewed_distribution_beats_the_lognormal_fit():
     for S in (0.5, 0.8, 0.9):
         errs = {}
         for rule in ("lognormal", "histogram"):
-            a = threshold(S, row, model=rule)
+            a = threshold(S, row, threshold_rule=rule)
             errs[rule] = abs(float(torch.where(v < a, 1 - v / a, torch.zeros_like(v)).mean()) - S)
         assert errs["histogram"] < 0.005 < errs["lognormal"]
 
@@ -450,21 +459,21 @@ def test_the_default_rule_is_the_histogram_rule_everywhere():
     from gradstats.plan import Rule
 
     assert pruning.DEFAULT_RULE == "histogram" and pruning.DEFAULT_RULE in pruning.RULES
-    assert inspect.signature(prune).parameters["method"].default == "histogram"
+    assert inspect.signature(prune).parameters["threshold_rule"].default == "histogram"
     assert Rule().threshold_rule == "histogram" and Rule(sparsity=0.85).threshold_rule == "histogram"
     x = _skewed()
     row = tensor_stats(x)
     df = pd.DataFrame([row, row])
     for S in (0.5, 0.9):
         a = threshold(S, row)
-        assert a == threshold(S, row, model="histogram")
-        assert a != threshold(S, row, model="lognormal")
-        assert np.array_equal(threshold(S, df), threshold(S, df, model="histogram"))
+        assert a == threshold(S, row, threshold_rule="histogram")
+        assert a != threshold(S, row, threshold_rule="lognormal")
+        assert np.array_equal(threshold(S, df), threshold(S, df, threshold_rule="histogram"))
         assert np.array_equal(threshold(S, [row, row]), [a, a])
-        assert expected_sparsity(a, row) == expected_sparsity(a, row, model="histogram")
+        assert expected_sparsity(a, row) == expected_sparsity(a, row, threshold_rule="histogram")
         # prune counts its own quarter-binade histogram: the same threshold and draws as named
         y, ad = prune(x, S, generator=torch.Generator().manual_seed(2), return_threshold=True)
-        yh, ah = prune(x, S, method="histogram", generator=torch.Generator().manual_seed(2),
+        yh, ah = prune(x, S, threshold_rule="histogram", generator=torch.Generator().manual_seed(2),
                        return_threshold=True)
         assert ad == ah and torch.equal(y, yh)
         assert float((y == 0).double().mean()) == pytest.approx(S, abs=0.003)
@@ -472,16 +481,16 @@ def test_the_default_rule_is_the_histogram_rule_everywhere():
     mu, sigma = lognormal_moments(row)
     p0 = row["n_zero"] / row["n"]
     assert threshold(0.9, mu=mu, sigma=sigma, p0=p0) == threshold(0.9, mu=mu, sigma=sigma, p0=p0,
-                                                                  model="lognormal")
-    assert threshold(0.9, row, p0=0.0) == threshold(0.9, row, p0=0.0, model="lognormal")
+                                                                  threshold_rule="lognormal")
+    assert threshold(0.9, row, p0=0.0) == threshold(0.9, row, p0=0.0, threshold_rule="lognormal")
     no_hist = {k: v for k, v in row.items() if k not in ("hist", "top_abs")}
-    assert threshold(0.9, no_hist) == threshold(0.9, no_hist, model="lognormal")
+    assert threshold(0.9, no_hist) == threshold(0.9, no_hist, threshold_rule="lognormal")
     fit = SimpleNamespace(params={"lognormal": {"mu": mu, "sigma": sigma}}, zero_fraction=p0)
-    assert threshold(0.9, fit) == threshold(0.9, fit, model="lognormal")
+    assert threshold(0.9, fit) == threshold(0.9, fit, threshold_rule="lognormal")
     assert expected_sparsity(1e-4, mu=mu, sigma=sigma) == expected_sparsity(1e-4, mu=mu, sigma=sigma,
-                                                                            model="lognormal")
+                                                                            threshold_rule="lognormal")
     with pytest.raises(ValueError, match="source"):   # asked for by name, the histogram needs one
-        threshold(0.9, mu=mu, sigma=sigma, model="histogram")
+        threshold(0.9, mu=mu, sigma=sigma, threshold_rule="histogram")
 
 
 def test_histogram_rule_of_a_row_takes_its_largest_values_exactly():
@@ -535,19 +544,19 @@ def test_bad_input_raises_clear_errors():
         (lambda: threshold(0.5, mu=float("nan"), sigma=1.0), "mu"),
         (lambda: threshold(0.5, mu=float("inf"), sigma=1.0), "mu"),
         (lambda: threshold(0.5), "mu and sigma"),
-        (lambda: threshold(0.5, scale=-1.0, model="normal"), "scale"),
-        (lambda: threshold(0.5, mu=0.0, sigma=1.0, model="cauchy"), "model"),
+        (lambda: threshold(0.5, scale=-1.0, threshold_rule="normal"), "scale"),
+        (lambda: threshold(0.5, mu=0.0, sigma=1.0, threshold_rule="cauchy"), "threshold_rule"),
         (lambda: threshold(0.5, mu=0.0, sigma=1.0, p0=1.0), "p0"),
         (lambda: expected_sparsity(-1.0, mu=0.0, sigma=1.0), "threshold"),
         (lambda: threshold(0.5, tensor_stats(torch.zeros(0))), "empty"),
-        (lambda: threshold(0.5, tensor_stats(torch.zeros(5)), model="lognormal"), "non-zero"),
+        (lambda: threshold(0.5, tensor_stats(torch.zeros(5)), threshold_rule="lognormal"), "non-zero"),
         (lambda: threshold(0.5, {"foo": 1}), "statistics row"),
-        (lambda: threshold(0.5, model="histogram"), "source"),
-        (lambda: threshold(0.5, {"n": 4, "n_zero": 0}, model="histogram"), "hist"),
-        (lambda: threshold(1.5, tensor_stats(torch.ones(3)), model="histogram"), "target"),
+        (lambda: threshold(0.5, threshold_rule="histogram"), "source"),
+        (lambda: threshold(0.5, {"n": 4, "n_zero": 0}, threshold_rule="histogram"), "hist"),
+        (lambda: threshold(1.5, tensor_stats(torch.ones(3)), threshold_rule="histogram"), "target"),
         (lambda: prune(torch.zeros(0), 0.5), "empty"),
         (lambda: prune(torch.ones(3), 1.0), "target"),
-        (lambda: prune(torch.ones(3), 0.5, method="topk"), "method"),
+        (lambda: prune(torch.ones(3), 0.5, threshold_rule="topk"), "threshold_rule"),
         (lambda: prune([1.0, 2.0], 0.5), "torch.Tensor"),
         (lambda: prune(torch.ones(3, dtype=torch.int32), 0.5), "floating"),
         (lambda: stochastic_prune(torch.zeros(0), 0.1), "empty"),
@@ -638,7 +647,7 @@ def test_allocation_floors_weights_and_edges():
     assert al.to_dict()["budget"] == 0.8
     for model in ("normal", "laplace"):
         alm = allocate({"u": {"scale": 1e-3, "p0": 0.2, "n": 1000}, "v": {"scale": 1e-5, "n": 3000}},
-                       0.9, model=model)
+                       0.9, threshold_rule=model)
         assert alm.achieved == pytest.approx(0.9, abs=1e-10)
 
 
@@ -670,7 +679,7 @@ def _load_experiment():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "experiments" / "pruning_real.py"
+    path = Path(__file__).resolve().parents[2] / "experiments" / "pruning_real.py"
     spec = importlib.util.spec_from_file_location("pruning_real", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

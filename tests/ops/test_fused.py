@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import gradstats.ops.fused as compress
-from gradstats.ops.fused import prune_quantize
 from gradstats.formats import FPFormat
+from gradstats.ops.fused import prune_quantize
 from gradstats.ops.quantization import quantize
 
 FORMATS = ["e4m3fn", "e5m2", "e3m2fn", "e2m3fn", "e2m1fn", "e4m3", "e6m1", "e3m3", "e4m3fnuz",

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from gradstats.ops.fused import prune_quantize
-from gradstats.ops.triton.prune import stochastic_prune_torch
 from gradstats.ops import cpu as _cpu
 from gradstats.ops import random as _rng
+from gradstats.ops.fused import prune_quantize
+from gradstats.ops.triton.prune import stochastic_prune_torch
 from gradstats.pruning import prune, stochastic_prune, threshold
 
 
@@ -240,7 +240,7 @@ def test_bad_input_gives_clear_errors_on_both_paths(path):
         (lambda: stochastic_prune(x, 0.1, generator=7), "generator"),
         (lambda: prune(x, 0.5, generator="seed"), "generator"),
         (lambda: prune(x, 1.0), "target"),
-        (lambda: prune(x, 0.5, method="topk"), "method"),
+        (lambda: prune(x, 0.5, threshold_rule="topk"), "threshold_rule"),
     ]
     for fn, word in cases:
         with pytest.raises(ValueError, match=word):
@@ -257,7 +257,7 @@ def test_new_and_given_outputs_agree():
 @pytest.mark.parametrize("threads_n", [1, 2])
 def test_native_log2_histogram_equals_the_numpy_sweep(native, threads, threads_n):
     """The C counting kernel of the histogram rule: the same counts as the numpy sweep, specials
-    (zeros, subnormals, inf, NaN) included, whatever the thread count; prune(method="histogram")
+    (zeros, subnormals, inf, NaN) included, whatever the thread count; prune(threshold_rule="histogram")
     hits its targets with it."""
     from gradstats.pruning import operator
 
@@ -271,5 +271,5 @@ def test_native_log2_histogram_equals_the_numpy_sweep(native, threads, threads_n
         assert fn(x.data_ptr(), x.numel(), mbits, counts.ctypes.data, threads_n) == 0
         np.testing.assert_array_equal(counts, _cpu.log2_histogram(x.numpy(), mbits))
     assert fn(x.data_ptr(), x.numel(), 7, counts.ctypes.data, 1) != 0       # out of range: refused
-    y = prune(x[len(SPECIAL):], 0.85, method="histogram", generator=torch.Generator().manual_seed(1))
+    y = prune(x[len(SPECIAL):], 0.85, threshold_rule="histogram", generator=torch.Generator().manual_seed(1))
     assert float((y == 0).double().mean()) == pytest.approx(0.85, abs=0.002)
