@@ -52,9 +52,10 @@ def plot_layer_histograms(run: Any, *, step: int | None = None, layers: str | Se
         6
     """
     from gradstats.plots.study.distributions import plot_layer_histograms as draw
-    from gradstats.study import grid_layers, layer_fit, open_run_or_path, pick_step
+    from gradstats.run import as_run
+    from gradstats.study import grid_layers, layer_fit, pick_step
 
-    run = open_run_or_path(run)
+    run = as_run(run)
     step = pick_step(run, step)
     names = grid_layers(run, layers)
     stats = run.stats()
@@ -129,9 +130,10 @@ def plot_moments_over_steps(run: Any, *, kind: str = "grad", layers: str | Seque
         ['mean of log2|g|', 'std of log2|g|  (binades)']
     """
     from gradstats.plots.study.distributions import plot_moments_over_steps as draw
-    from gradstats.study import moments_over_steps, open_run_or_path
+    from gradstats.run import as_run
+    from gradstats.study import moments_over_steps
 
-    run = open_run_or_path(run)
+    run = as_run(run)
     df = moments_over_steps(run, kind=kind, layers=layers)
     if df.empty:
         raise ValueError(f"the run at {run.path} has no {kind!r} statistics")
@@ -449,9 +451,9 @@ def write_figures(run: Any, out_dir: str | os.PathLike[str], *, plans: Mapping[i
     from tqdm.auto import tqdm
 
     from gradstats.plots.style import savefig
-    from gradstats.study import open_run_or_path
+    from gradstats.run import as_run
 
-    run = open_run_or_path(run)
+    run = as_run(run)
     names = list(FIGURES) if only is None else list(only)
     unknown = [n for n in names if n not in FIGURES]
     if unknown:

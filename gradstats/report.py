@@ -37,6 +37,7 @@ import numpy as np
 import pandas as pd
 
 from gradstats.pruning.allocation import output_layer
+from gradstats.run import as_run
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,6 @@ SPARSITIES = (0.85, 0.9)
 #: bit widths of the recommended formats
 BITS = (8, 6, 4)
 _LN2 = math.log(2.0)
-
-
-def _open(run: Any) -> Any:
-    from gradstats.study import open_run_or_path
-
-    return open_run_or_path(run)
 
 
 def _pct(s: float) -> str:
@@ -262,7 +257,7 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     from gradstats.plan.recommend import recommend_each
     from gradstats.run.select import select_layers
 
-    run = _open(run)
+    run = as_run(run)
     sps = tuple(float(s) for s in sparsities)
     bts = tuple(int(b) for b in bits)
     if not sps or not bts:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from gradstats.run import as_run
 
 log = logging.getLogger(__name__)
 
@@ -27,29 +28,12 @@ _LN2 = math.log(2.0)
 MAX_GRID_LAYERS = 12
 
 
-def open_run_or_path(run: Any) -> Any:
-    """``run`` itself if it is a :class:`gradstats.Run`, else the run opened at that path.
-
-    Example:
-        >>> import gradstats
-        >>> open_run_or_path(gradstats.zoo.data.data_dir() / "sample-run").layers[:2]
-        ['conv1', 'bn1']
-    """
-    from gradstats.run import Run, open_run
-
-    if isinstance(run, Run):
-        return run
-    if isinstance(run, (str, os.PathLike)):
-        return open_run(run)
-    raise ValueError(f"expected a gradstats Run or the path of a run directory, got {type(run).__name__}")
-
-
 def grid_layers(run: Any, layers: str | Sequence[str] | None, *, cap: int | None = MAX_GRID_LAYERS) -> list[str]:
     """The run's layers selected by ``layers`` (None: all, evenly thinned to ``cap``).
 
     Example:
         >>> import gradstats
-        >>> grid_layers(open_run_or_path(gradstats.zoo.data.data_dir() / "sample-run"), "conv*")
+        >>> grid_layers(as_run(gradstats.zoo.data.data_dir() / "sample-run"), "conv*")
         ['conv1', 'conv2']
     """
     from gradstats.run.select import select_layers
@@ -70,7 +54,7 @@ def sampled_steps(run: Any, kind: str = "grad") -> list[int]:
         >>> sampled_steps(gradstats.zoo.data.data_dir() / "sample-run")[:1]
         [0]
     """
-    run = open_run_or_path(run)
+    run = as_run(run)
     idx = run.sample_index()
     return sorted(int(s) for s in idx[idx["kind"] == kind]["step"].unique()) if len(idx) else []
 
@@ -81,7 +65,7 @@ def pick_step(run: Any, step: int | None, kind: str = "grad") -> int:
 
     Example:
         >>> import gradstats
-        >>> run = open_run_or_path(gradstats.zoo.data.data_dir() / "sample-run")
+        >>> run = as_run(gradstats.zoo.data.data_dir() / "sample-run")
         >>> pick_step(run, None) == sampled_steps(run)[-1]
         True
     """
@@ -110,7 +94,7 @@ def layer_values(run: Any, layer: str, step: int, kind: str = "grad") -> Any:
     """
     import torch
 
-    run = open_run_or_path(run)
+    run = as_run(run)
     idx = run.sample_index()
     if not len(idx):
         return None
@@ -135,7 +119,7 @@ def layer_fit(run: Any, layer: str, step: int, kind: str = "grad") -> Any:
     """
     from gradstats.fitting import fit, fit_stats
 
-    run = open_run_or_path(run)
+    run = as_run(run)
     x = layer_values(run, layer, step, kind)
     if x is not None:
         return fit(x)
@@ -157,7 +141,7 @@ def layer_fits(run: Any, *, step: int | None = None, kind: str = "grad",
         >>> list(fits)[:2]
         ['conv1', 'bn1']
     """
-    run = open_run_or_path(run)
+    run = as_run(run)
     step = pick_step(run, step, kind)
     out = {}
     for name in grid_layers(run, layers, cap=None):
@@ -182,7 +166,7 @@ def fits_at(run_or_fits: Any, step: int | None = None, kind: str = "grad",
     """
     if isinstance(run_or_fits, Mapping):
         return dict(run_or_fits), ""
-    run = open_run_or_path(run_or_fits)
+    run = as_run(run_or_fits)
     st = pick_step(run, step, kind)
     return layer_fits(run, step=st, kind=kind, layers=grid_layers(run, layers)), f"step {st}"
 
@@ -201,7 +185,7 @@ def goodness_of_fit(run: Any, *, steps: Sequence[int] | None = None, kind: str =
     """
     import pandas as pd
 
-    run = open_run_or_path(run)
+    run = as_run(run)
     if steps is None:
         steps = sampled_steps(run, kind) or [pick_step(run, None, kind)]
     rows = []
@@ -237,7 +221,7 @@ def moments_over_steps(run: Any, *, kind: str = "grad", layers: str | Sequence[s
 
     from gradstats.stats import lognormal_moments, merge_stats
 
-    run = open_run_or_path(run)
+    run = as_run(run)
     names = grid_layers(run, layers, cap=None)
     st = run.stats(kinds=[kind])
     st = st[st["layer"].isin(names)]
@@ -287,7 +271,7 @@ def sparsity_check(run: Any, *, targets: Sequence[float] = SPARSITY_TARGETS, rul
     from gradstats import pruning
     from gradstats.stats import lognormal_moments, tensor_stats
 
-    run = open_run_or_path(run)
+    run = as_run(run)
     if steps is None:
         steps = sampled_steps(run, "grad")
     if not steps:
@@ -343,7 +327,7 @@ def error_check(run: Any, *, steps: Sequence[int] | None = None, bits: Sequence[
     from gradstats.fpanalysis import measured_error
     from gradstats.plan.recommend import recommend_each
 
-    run = open_run_or_path(run)
+    run = as_run(run)
     if steps is None:
         st = run.stats(kinds=["grad"])
         have = set(int(s) for s in st["step"].unique()) if len(st) else set()
