@@ -49,7 +49,7 @@ import torch
 from gradstats.formats import FPFormat, parse
 from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis._pieces import _N_ERR, PARTS, build, coef_matrices
-from gradstats.stats import HIST_MIN_EXP
+from gradstats.stats import HIST_MIN_EXP, split_top
 
 __all__ = ["HistogramLaw", "expected_error_from_stats", "best_format_from_stats", "HistogramChoice", "SHAPES",
            "TOP_FIELD"]
@@ -136,19 +136,9 @@ class HistogramLaw:
         if t.size == 0:
             return cls._continuous(c, c.sum(), min_exp, amax, shape)
         n = c.sum()
-        hi_edge = math.ldexp(1.0, int(nz[-1]) + 1 + min_exp)
         if amax is not None and not math.isclose(float(amax), t[0], rel_tol=1e-6):
             raise ValueError(f"top[0]={t[0]} is not amax={amax}: pass the largest |g| of the same tensor in both")
-        # binade of each top value, checked against the counts: top must be the k largest entries
-        j = np.floor(np.log2(t)).astype(np.int64) - min_exp
-        if j.min() < 0 or j.max() >= c.size or t[0] >= hi_edge:
-            raise ValueError(f"top values {t[:3]} lie outside the histogram's binades "
-                             f"[{math.ldexp(1.0, min_exp)}, {hi_edge}): pass the largest |g| of the same tensor")
-        tc = np.bincount(j, minlength=c.size).astype(np.float64)
-        rest = c - tc
-        if (rest < 0).any() or (rest[j.min() + 1:] != 0).any():
-            raise ValueError(f"top ({t.size} values) is not the {t.size} largest |g| of the tensor the histogram "
-                             "counts (more values in a binade than it holds, or a larger value missing)")
+        rest, _ = split_top(c, t, min_exp=min_exp)       # top must be the k largest entries
         atoms, w_atom = t, 1.0 / float(n)
         if rest.sum() == 0:
             return cls(np.zeros(1), np.zeros(0), np.zeros(0), atoms, w_atom)

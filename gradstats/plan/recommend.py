@@ -29,9 +29,9 @@ Example:
 """
 from __future__ import annotations
 
-import fnmatch
 import logging
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, Union
@@ -108,15 +108,20 @@ def _select_layers(run, layers: str | Sequence[str] | None) -> list[str]:
                              f"attention; its layers: {names}); pass layers= (names or globs) to choose among "
                              "them, or gradstats.layers.register_matmul_type() for a custom type")
         return chosen
-    pats = [layers] if isinstance(layers, str) else list(layers)
-    if not pats or not all(isinstance(p, str) for p in pats):
-        raise ValueError(f"layers must be None, a glob, or a non-empty list of names/globs, got {layers!r}")
-    chosen = []
-    for p in pats:
-        hit = [n for n in names if fnmatch.fnmatchcase(n, p)]
+    from gradstats.run.select import layer_matcher
+
+    pats = [layers] if isinstance(layers, (str, re.Pattern)) else list(layers)
+    if not pats or not all(isinstance(p, (str, re.Pattern)) for p in pats):
+        raise ValueError(f"layers must be None, a glob, 're:PATTERN', a compiled regex, or a non-empty list of "
+                         f"them, got {layers!r}")
+    chosen: set[str] = set()
+    for p in pats:                      # each pattern must match: a typo is an error, not a silent no-op
+        match = layer_matcher(p)
+        hit = [n for n in names if match(n)]
         if not hit:
-            raise ValueError(f"layers: {p!r} matches no traced layer of the run (its layers: {names})")
-        chosen += [n for n in hit if n not in chosen]
+            raise ValueError(f"layers: {getattr(p, 'pattern', p)!r} matches no traced layer of the run "
+                             f"(its layers: {names})")
+        chosen.update(hit)
     return [n for n in names if n in chosen]
 
 

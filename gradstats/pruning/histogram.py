@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from gradstats.stats import HIST_MIN_EXP
+from gradstats.stats import HIST_MIN_EXP, split_top
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,24 +85,14 @@ class LogHistogram:
         if "hist" not in row:
             raise ValueError("the histogram rule needs the statistics row's 'hist' field (binade "
                              "counts of log2|g|); this row has none")
-        h = np.asarray(row["hist"], dtype=np.float64).copy()
         n, n_zero = int(row["n"]), int(row["n_zero"])
         t = np.zeros(0)
         if top is None:
             top = row["top_abs"] if "top_abs" in row else ()
         if top is not None and not (isinstance(top, float) and math.isnan(top)):
             t = np.abs(np.asarray(top, dtype=np.float64).reshape(-1))
-            t = np.sort(t[np.isfinite(t) & (t > 0)])
-        if t.size:
-            _, ex = np.frexp(t)
-            j = ex.astype(np.int64) - 1 - HIST_MIN_EXP
-            if j.min() < 0 or j.max() >= h.size:
-                raise ValueError(f"top_abs values {t[-3:]} lie outside the histogram's binades")
-            np.subtract.at(h, j, 1.0)
-            if (h < 0).any() or h[j.min() + 1:].any():
-                raise ValueError(f"top_abs ({t.size} values) is not the {t.size} largest |g| of the "
-                                 "tensor the row's 'hist' counts (more values in a binade than it "
-                                 "holds, or a larger value missing)")
+            t = t[np.isfinite(t) & (t > 0)]
+        h, t = split_top(row["hist"], t)
         e = np.arange(h.size) + HIST_MIN_EXP
         keep = h > 0
         if not keep.any():

@@ -375,3 +375,33 @@ def lognormal_moments(stats: Mapping[str, Any]) -> tuple[float, float]:
     mu = float(stats["sum_ln_abs"]) / m
     var = max(float(stats["sum_ln_abs_sq"]) / m - mu * mu, 0.0)
     return mu, math.sqrt(var)
+
+
+def split_top(counts: Any, top: Any, *, min_exp: int = HIST_MIN_EXP) -> tuple[np.ndarray, np.ndarray]:
+    """Take a row's largest magnitudes ``top`` (positive, finite) out of its binade counts: returns
+    ``(rest, top_sorted)``, the counts of the other entries and ``top`` ascending. The one reading of
+    ``hist`` with ``top_abs`` that the histogram rule (:class:`gradstats.pruning.LogHistogram`) and the
+    format analysis (:class:`gradstats.fpanalysis.HistogramLaw`) share. ``ValueError`` when ``top`` is
+    not the largest entries of the tensor the counts describe.
+
+    Example:
+        >>> import torch
+        >>> row = tensor_stats(torch.tensor([0.5, 1.0, 1.5, 3.0]))
+        >>> rest, top = split_top(row["hist"], [3.0, 1.5])
+        >>> int(rest.sum()), top.tolist()
+        (2, [1.5, 3.0])
+    """
+    h = np.asarray(counts, dtype=np.float64).reshape(-1).copy()
+    t = np.sort(np.asarray(top, dtype=np.float64).reshape(-1))
+    if t.size == 0:
+        return h, t
+    _, ex = np.frexp(t)                                  # exact floor(log2 t) + 1, even at powers of two
+    j = ex.astype(np.int64) - 1 - min_exp
+    if j.min() < 0 or j.max() >= h.size:
+        raise ValueError(f"top values {t[-3:].tolist()} lie outside the histogram's binades "
+                         f"[2^{min_exp}, 2^{min_exp + h.size}): pass the largest |g| of the same tensor")
+    np.subtract.at(h, j, 1.0)
+    if (h < 0).any() or h[j.min() + 1:].any():
+        raise ValueError(f"top ({t.size} values) is not the {t.size} largest |g| of the tensor the histogram "
+                         "counts (more values in a binade than it holds, or a larger value missing)")
+    return h, t

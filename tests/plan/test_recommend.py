@@ -528,3 +528,14 @@ def test_rounding_default_without_the_training_objective(cnn_run):
     assert recommend(run, bits=6, objective="mse").defaults.rounding == "stochastic"
     assert recommend(run, bits=8, objective="mse").defaults.rounding == "nearest"
     assert recommend(run, bits=4, granularity="mx").defaults.rounding == "stochastic"
+
+
+def test_recommend_takes_the_one_layer_pattern_language(cnn_run):
+    """Globs, 're:PATTERN' and compiled regexes, as everywhere else (gradstats.run.select)."""
+    import re
+
+    run = cnn_run[1]
+    assert [e.layer for e in recommend(run, bits=8, layers="re:conv[12]").entries] == ["conv1", "conv2"]
+    assert [e.layer for e in recommend(run, bits=8, layers=[re.compile("fc.")]).entries] == ["fc1", "fc2"]
+    with pytest.raises(ValueError, match="'re:nope' matches no traced layer"):
+        recommend(run, bits=8, layers=["conv1", "re:nope"])
