@@ -49,7 +49,7 @@ import torch
 from gradstats.formats import FPFormat, parse
 from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis._pieces import _N_ERR, PARTS, build, coef_matrices
-from gradstats.stats import HIST_MIN_EXP, split_top
+from gradstats.stats import HIST_MIN_EXP, StatsRow, split_top
 
 __all__ = ["HistogramLaw", "expected_error_from_stats", "best_format_from_stats", "HistogramChoice", "SHAPES",
            "TOP_FIELD"]
@@ -172,7 +172,7 @@ class HistogramLaw:
         return cls(edges, w, slopes)
 
     @classmethod
-    def from_stats(cls, stats: Mapping[str, Any], *, shape: str = "slope", top: Any = None) -> "HistogramLaw":
+    def from_stats(cls, stats: StatsRow | Mapping[str, Any], *, shape: str = "slope", top: Any = None) -> "HistogramLaw":
         """From a statistics row (``hist`` and ``max_abs``; :func:`gradstats.stats.tensor_stats`).
         ``top``: the tensor's largest magnitudes (see :meth:`from_counts`); ``None`` reads them from
         the row's :data:`TOP_FIELD` if it has one; ``()`` uses the histogram alone."""
@@ -336,7 +336,7 @@ def _scan_range(fmt: FPFormat, h: HistogramLaw, window: int) -> np.ndarray:
     return np.arange(lo, hi + 1, dtype=np.float64)
 
 
-def expected_error_from_stats(fmt: Union[FPFormat, str], stats: Mapping[str, Any], *, scale: float = 1.0,
+def expected_error_from_stats(fmt: Union[FPFormat, str], stats: StatsRow | Mapping[str, Any], *, scale: float = 1.0,
                               rounding: str = "nearest", criterion: str = "mse",
                               shape: str = "slope", top: Any = None) -> dict[str, float]:
     """Predicted error of ``fmt`` at ``scale`` on the tensor a statistics row describes (its binade
@@ -375,7 +375,7 @@ def expected_error_from_stats(fmt: Union[FPFormat, str], stats: Mapping[str, Any
     return out
 
 
-def best_format_from_stats(bits: int, stats: Mapping[str, Any], *,
+def best_format_from_stats(bits: int, stats: StatsRow | Mapping[str, Any], *,
                            candidates: Union[None, str, Sequence[Union[FPFormat, str]]] = None,
                            rounding: str = "nearest", criterion: str = "mse", window: int = 12,
                            shape: str = "slope", top: Any = None) -> HistogramChoice:

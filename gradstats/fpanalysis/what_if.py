@@ -51,6 +51,7 @@ import pandas as pd
 
 from gradstats.formats import FPFormat, amax_scale, parse
 from gradstats.fpanalysis.histogram import HistogramLaw
+from gradstats.stats import StatsRow
 
 __all__ = ["what_if", "what_if_stats", "predict_from_stats", "WHAT_IF_COLUMNS"]
 
@@ -116,7 +117,7 @@ def _check_rounding(rounding: str) -> None:
         raise ValueError(f"rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
 
 
-def predict_from_stats(stats: Mapping[str, Any], fmt: Union[FPFormat, str], *, scale: Union[str, float] = "amax",
+def predict_from_stats(stats: StatsRow | Mapping[str, Any], fmt: Union[FPFormat, str], *, scale: Union[str, float] = "amax",
                        rounding: str = "nearest", block_size: Optional[int] = None,
                        scale_format: str = "e8m0") -> dict[str, float]:
     """What quantising the tensor a statistics row describes (``hist``, ``max_abs``, ``top_abs``,

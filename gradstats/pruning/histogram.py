@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from gradstats.stats import HIST_MIN_EXP, split_top
+from gradstats.stats import HIST_MIN_EXP, StatsRow, split_top
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,7 +65,7 @@ class LogHistogram:
     atoms: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @classmethod
-    def from_stats(cls, row: Mapping[str, Any], *, top: Any = None) -> "LogHistogram":
+    def from_stats(cls, row: StatsRow | Mapping[str, Any], *, top: Any = None) -> "LogHistogram":
         """From a statistics row: its binade counts (``hist``), with the row's largest
         magnitudes (``top``; ``None`` reads ``top_abs``, ``()`` uses none) as exact atoms taken
         out of their binades, and the end bins cut to the data's range: the highest remaining

@@ -45,7 +45,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, TypedDict
 
 import numpy as np
 import torch
@@ -67,6 +67,29 @@ SCALAR_FIELDS = COUNT_FIELDS + SUM_FIELDS + ("min_abs", "max_abs")
 TOP_K = 64
 #: length of a statistics vector (:func:`tensor_stats_vector`)
 VECTOR_LEN = len(SCALAR_FIELDS) + HIST_BINS + TOP_K
+
+
+
+class StatsRow(TypedDict, total=False):
+    """The statistics row of one tensor (or of several, merged with :func:`merge_stats`): what
+    :func:`tensor_stats` returns, what a run stores per (step, layer, kind, call, rank) and what
+    every analysis reads (thresholds, format choice, what-if, fits from statistics). A plain ``dict``
+    at run time; rows read from a run carry their key columns too. ``top_abs`` is absent from rows
+    of runs written before it existed."""
+
+    n: int
+    n_zero: int
+    n_nonfinite: int
+    sum: float
+    sum_abs: float
+    sum_sq: float
+    sum_ln_abs: float
+    sum_ln_abs_sq: float
+    min_abs: float
+    max_abs: float
+    hist: np.ndarray
+    top_abs: np.ndarray
+
 
 _SUBNORMAL_FIELD = 0
 _NONFINITE_FIELD = 255
@@ -276,8 +299,8 @@ def tensor_stats_vector(g: torch.Tensor, *, full: bool = True) -> torch.Tensor:
     return v
 
 
-def vector_to_stats(v: torch.Tensor | np.ndarray) -> dict[str, Any]:
-    """Turn a vector from :func:`tensor_stats_vector` into a statistics dict (on the host)."""
+def vector_to_stats(v: torch.Tensor | np.ndarray) -> StatsRow:
+    """Turn a vector from :func:`tensor_stats_vector` into a :class:`StatsRow` (on the host)."""
     arr = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
     k = len(SCALAR_FIELDS)
     out: dict[str, Any] = {}
@@ -285,11 +308,11 @@ def vector_to_stats(v: torch.Tensor | np.ndarray) -> dict[str, Any]:
         out[name] = int(arr[i]) if name in COUNT_FIELDS else float(arr[i])
     out["hist"] = arr[k:k + HIST_BINS].astype(np.int64)
     out["top_abs"] = arr[k + HIST_BINS:k + HIST_BINS + TOP_K].astype(np.float32)
-    return out
+    return StatsRow(**out)  # type: ignore[typeddict-item]
 
 
-def tensor_stats(g: torch.Tensor) -> dict[str, Any]:
-    """Statistics of one tensor as a dict (see the module docstring for the fields).
+def tensor_stats(g: torch.Tensor) -> StatsRow:
+    """Statistics of one tensor as a :class:`StatsRow` (see the module docstring for the fields).
 
     Example:
         >>> import torch
@@ -304,12 +327,12 @@ def tensor_stats(g: torch.Tensor) -> dict[str, Any]:
     return vector_to_stats(tensor_stats_vector(g))
 
 
-def n_nonzero(stats: Mapping[str, Any]) -> int:
+def n_nonzero(stats: StatsRow | Mapping[str, Any]) -> int:
     """Number of non-zero finite entries (the support of the lognormal fit)."""
     return int(stats["n"]) - int(stats["n_zero"]) - int(stats["n_nonfinite"])
 
 
-def merge_stats(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+def merge_stats(rows: Iterable[StatsRow | Mapping[str, Any]]) -> StatsRow:
     """Combine statistics of disjoint pieces of data (batches, calls, ranks) exactly:
     counts and sums add, minima and maxima combine, histograms add, and the largest magnitudes
     are the ``TOP_K`` largest of all rows' (rows without ``top_abs``, from runs written before
@@ -337,7 +360,7 @@ def merge_stats(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     out["hist"] = np.sum([np.asarray(r["hist"], dtype=np.int64) for r in rows], axis=0)
     if all(_has_top(r) for r in rows):
         out["top_abs"] = merge_top([r["top_abs"] for r in rows])
-    return out
+    return StatsRow(**out)  # type: ignore[typeddict-item]
 
 
 def _has_top(row: Mapping[str, Any]) -> bool:
@@ -360,7 +383,7 @@ def merge_top(tops: Iterable[Any], k: int = TOP_K) -> np.ndarray:
     return out
 
 
-def lognormal_moments(stats: Mapping[str, Any]) -> tuple[float, float]:
+def lognormal_moments(stats: StatsRow | Mapping[str, Any]) -> tuple[float, float]:
     """``(mu, sigma)`` of ``ln|g|`` (the MLE) from the sums; NaN when there are no non-zero
     finite entries.
 

@@ -14,15 +14,15 @@ import torch
 from gradstats.apply import Applied, apply
 from gradstats.fitting import FitResult, fit, fit_run
 from gradstats.formats import FPFormat, parse
-from gradstats.fpanalysis import best_format, crossover_table
-from gradstats.fpanalysis.what_if import what_if
+from gradstats.fpanalysis import best_format, best_format_from_stats, crossover_table
+from gradstats.fpanalysis.what_if import predict_from_stats, what_if
 from gradstats.ops import hard_prune, prune_quantize, quantize, stochastic_prune
 from gradstats.plan import Plan, PlanEntry, Rule
 from gradstats.plan.recommend import layer_moments, recommend, recommend_each
 from gradstats.pruning import allocate, threshold
 from gradstats.run import Run, as_run, open_run
 from gradstats.run.select import select_layers, select_steps
-from gradstats.stats import tensor_stats
+from gradstats.stats import StatsRow, merge_stats, tensor_stats
 from gradstats.tracer import Tracer, trace
 from gradstats.zoo.data import data_dir
 
@@ -50,8 +50,13 @@ def main() -> None:
 
     result: FitResult = fit(x)
     fits: pd.DataFrame = fit_run(run, progress=False)
-    row = tensor_stats(x)
+    row: StatsRow = tensor_stats(x)
+    merged: StatsRow = merge_stats([row, row])
+    n: int = merged["n"]
     a = float(threshold(0.8, row))
+    pick = best_format_from_stats(8, merged)
+    w_row: dict[str, float] = predict_from_stats(row, "e4m3fn")
+    assert n == 2 * x.numel() and pick is not None and "underflow" in w_row
     assert result is not None and len(fits) > 0 and a > 0
 
     plan: Plan = recommend(run, bits=8, sparsity=0.5)
