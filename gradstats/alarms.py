@@ -24,7 +24,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
+import numpy as np
 import pandas as pd
+
+from gradstats.stats.law import flushed_fraction
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +66,16 @@ class Alarms:
     _record: Optional[Callable[[list[dict[str, Any]]], None]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        from gradstats.formats import parse_list
+        from gradstats.formats import PREDICTED_ROUNDINGS, parse_list
 
         if self.zero_steps is not None and (isinstance(self.zero_steps, bool) or not isinstance(self.zero_steps, int)
                                             or self.zero_steps < 1):
             raise ValueError(f"zero_steps must be a positive int or None, got {self.zero_steps!r}")
         if not 0.0 <= float(self.flush_bound) <= 1.0:
             raise ValueError(f"flush_bound must be a fraction in [0, 1], got {self.flush_bound!r}")
+        if self.rounding not in PREDICTED_ROUNDINGS:
+            raise ValueError(f"rounding must be one of {PREDICTED_ROUNDINGS} (what the watched formats' flush is "
+                             f"predicted for), got {self.rounding!r}")
         self.watch = [str(f) for f in parse_list(self.watch)]
         self.kinds = tuple(self.kinds)
 
@@ -98,15 +104,21 @@ class Alarms:
                         new += self._raise(int(step), layer, kind, "zero", run,
                                            f"all-zero gradient for {run} steps in a row")
             if self.watch:
-                from gradstats.fpanalysis.what_if import what_if_stats
-
                 finite = part[part["n_nonfinite"] == 0]
-                if len(finite):
-                    w = what_if_stats(finite, self.watch, rounding=self.rounding)
-                    for r in w[w["underflow"] > self.flush_bound].itertuples():
-                        new += self._raise(int(r.step), r.layer, kind, f"flush:{r.format}", float(r.underflow),
-                                           f"{r.format} ({self.rounding}, amax scale) would flush {r.underflow:.0%} of "
-                                           f"the non-zero entries to zero (bound {self.flush_bound:.0%})")
+                order = {name: i for i, name in enumerate(dict.fromkeys(finite["layer"]))}
+                groups = sorted(finite.groupby(["step", "layer"]), key=lambda kv: (kv[0][0], order[kv[0][1]]))
+                for (step, layer), g in groups:
+                    rows = g.to_dict("records")
+                    nz = np.array([int(r["n"]) - int(r["n_zero"]) for r in rows], dtype=np.float64)
+                    if nz.sum() <= 0:
+                        continue
+                    for fmt in self.watch:   # the what-if underflow (gradstats.what_if), from the same law
+                        u = float(np.sum(nz * [flushed_fraction(r, fmt, rounding=self.rounding) for r in rows])
+                                  / nz.sum())
+                        if u > self.flush_bound:
+                            new += self._raise(int(step), layer, kind, f"flush:{fmt}", u,
+                                               f"{fmt} ({self.rounding}, amax scale) would flush {u:.0%} of "
+                                               f"the non-zero entries to zero (bound {self.flush_bound:.0%})")
         if new and self._record is not None:
             self._record(new)
 

@@ -52,6 +52,7 @@ import pandas as pd
 from gradstats.formats import FPFormat, amax_scale, parse
 from gradstats.fpanalysis.histogram import HistogramLaw
 from gradstats.stats import StatsRow
+from gradstats.stats.law import law_flushed
 
 __all__ = ["what_if", "what_if_stats", "predict_from_stats", "WHAT_IF_COLUMNS"]
 
@@ -149,6 +150,7 @@ def predict_from_stats(stats: StatsRow | Mapping[str, Any], fmt: Union[FPFormat,
                 raise ValueError(f"scale must be 'amax' or a positive number, got {scale!r}")
         pc = _pieces(law, grid, s, rounding)
         c = {k: float(pc[k].sum()) for k in _SUMS} | {"mean": pc["mean"], "energy": pc["energy"]}
+        c["flushed"] = law_flushed(law, f, s, rounding)   # the one home of the flush law (the alarms use it)
         log2_scale = math.log2(s)
     else:
         if isinstance(block_size, bool) or int(block_size) < 1:

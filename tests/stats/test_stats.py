@@ -268,3 +268,29 @@ def test_rows_written_in_place_equal_vectors():
         assert not stats_mod.kernel_applies(x)
         with pytest.raises(ValueError, match="contiguous float32 CPU tensor"):
             stats_mod.write_stats(x, rows.claim())
+
+
+def test_the_flushed_fraction_is_what_ifs_underflow():
+    """stats.law.flushed_fraction (the tracer's alarms) and what_if's underflow are one law: equal to
+    rounding error, per tensor, for every rounding and several formats and spreads; and the flush is
+    what quantize measures on the tensor to within the law's error."""
+    import gradstats
+    from gradstats.fpanalysis.what_if import predict_from_stats
+    from gradstats.stats.law import flushed_fraction
+
+    g = torch.Generator().manual_seed(0)
+    for sigma in (1.0, 2.5, 4.0):
+        x = torch.exp(-12 + sigma * torch.randn(50_000, generator=g)) * torch.randn(50_000, generator=g).sign()
+        x[::7] = 0.0
+        row = tensor_stats(x)
+        nz = x != 0
+        for fmt in ("e4m3fn", "e5m2", "e2m1fn", "e3m2fn"):
+            for rounding in ("nearest", "stochastic"):
+                u = flushed_fraction(row, fmt, rounding=rounding)
+                assert u == pytest.approx(predict_from_stats(row, fmt, rounding=rounding)["underflow"], abs=1e-12)
+            q = gradstats.quantize(x, fmt, scale=gradstats.formats.amax_scale(gradstats.FPFormat.parse(fmt),
+                                                                             float(x.abs().max())))
+            measured = float(((q == 0) & nz).sum() / nz.sum())
+            assert flushed_fraction(row, fmt) == pytest.approx(measured, abs=0.02), (sigma, fmt)
+    with pytest.raises(ValueError, match="rounding"):
+        flushed_fraction(row, "e4m3fn", rounding="toward_zero")
