@@ -49,10 +49,10 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from gradstats.formats import FPFormat, amax_scale, parse
+from gradstats.formats import FPFormat, parse
 from gradstats.fpanalysis.histogram import HistogramLaw
 from gradstats.stats import StatsRow
-from gradstats.stats.law import law_flushed
+from gradstats.stats.law import law_flushed, tensor_scale
 
 __all__ = ["what_if", "what_if_stats", "predict_from_stats", "WHAT_IF_COLUMNS"]
 
@@ -140,14 +140,7 @@ def predict_from_stats(stats: StatsRow | Mapping[str, Any], fmt: Union[FPFormat,
     law = HistogramLaw.from_stats(stats)
     grid = _grid(f)
     if block_size is None:
-        if isinstance(scale, str):
-            if scale != "amax":
-                raise ValueError(f"scale must be 'amax' or a positive number (the multiplier), got {scale!r}")
-            s = amax_scale(f, float(stats["max_abs"]))
-        else:
-            s = float(scale)
-            if not (s > 0 and math.isfinite(s)):
-                raise ValueError(f"scale must be 'amax' or a positive number, got {scale!r}")
+        s = tensor_scale(f, scale, float(stats["max_abs"]))
         pc = _pieces(law, grid, s, rounding)
         c = {k: float(pc[k].sum()) for k in _SUMS} | {"mean": pc["mean"], "energy": pc["energy"]}
         c["flushed"] = law_flushed(law, f, s, rounding)   # the one home of the flush law (the alarms use it)

@@ -24,7 +24,7 @@ import torch
 from gradstats.formats import FPFormat, amax_scale, parse
 from gradstats.stats import HIST_MIN_EXP, StatsRow, split_top
 
-__all__ = ["HistogramLaw", "flushed_fraction", "law_flushed", "SHAPES", "TOP_FIELD", "MAX_SLOPE"]
+__all__ = ["HistogramLaw", "flushed_fraction", "law_flushed", "tensor_scale", "SHAPES", "TOP_FIELD", "MAX_SLOPE"]
 
 
 def _expm1_ratio(c: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -222,15 +222,25 @@ def flushed_fraction(row: StatsRow | Mapping[str, Any], fmt: Union[FPFormat, str
     n, nz = int(row.get("n", 0)), int(row.get("n", 0)) - int(row.get("n_zero", 0))
     if nz <= 0 or n <= 0 or not np.asarray(row.get("hist", [])).sum():
         return 0.0
+    return law_flushed(HistogramLaw.from_stats(row), f, tensor_scale(f, scale, float(row["max_abs"])), rounding)
+
+
+def tensor_scale(fmt: FPFormat, scale: Union[str, float], amax: float) -> float:
+    """The per-tensor multiplier ``scale`` names: ``"amax"``, the largest power of two that keeps ``amax``
+    representable in ``fmt`` (as ``apply`` does), or a positive number itself.
+
+    Example:
+        >>> tensor_scale(parse("e4m3fn"), "amax", 1.0), tensor_scale(parse("e4m3fn"), 0.5, 1.0)
+        (256.0, 0.5)
+    """
     if isinstance(scale, str):
         if scale != "amax":
             raise ValueError(f"scale must be 'amax' or a positive number (the multiplier), got {scale!r}")
-        s = amax_scale(f, float(row["max_abs"]))
-    else:
-        s = float(scale)
-        if not (s > 0 and math.isfinite(s)):
-            raise ValueError(f"scale must be 'amax' or a positive number, got {scale!r}")
-    return law_flushed(HistogramLaw.from_stats(row), f, s, rounding)
+        return amax_scale(fmt, amax)
+    s = float(scale)
+    if not (s > 0 and math.isfinite(s)):
+        raise ValueError(f"scale must be 'amax' or a positive number, got {scale!r}")
+    return s
 
 
 def law_flushed(law: "HistogramLaw", fmt: FPFormat, scale: float, rounding: str) -> float:
