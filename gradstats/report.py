@@ -38,6 +38,7 @@ import pandas as pd
 
 from gradstats.pruning.allocation import output_layer
 from gradstats.run import as_run
+from gradstats.study import plan_errors
 
 log = logging.getLogger(__name__)
 
@@ -186,36 +187,6 @@ def _no_statistics(run: Any, names: Sequence[str]) -> dict[str, str]:
                 "gradient") for n in names if n not in have}
 
 
-def _measured_errors(run: Any, plans: Mapping[int, Any], step: int) -> pd.DataFrame:
-    """Predicted against measured quantisation error of each planned layer at ``step`` (the
-    recommended format at its scale applied to the step's raw samples), as
-    :func:`gradstats.study.error_check` computes it, for the plans of the analysis (the
-    formats do not depend on the target sparsity). Layers without samples there are left out."""
-    from gradstats.fpanalysis import measured_error
-    from gradstats.run import RunCorruptError
-    from gradstats.study import layer_values
-
-    rows = []
-    for b, plan in plans.items():
-        for e in plan.entries:
-            pr = e.predicted
-            if pr is None or pr.scale is None:
-                continue
-            try:
-                x = layer_values(run, e.layer, int(step), "grad")
-                if x is None:
-                    continue
-                meas = measured_error(x, e.format, scale=pr.scale)
-            except (RunCorruptError, ValueError) as exc:
-                log.info("no measured error for %s at step %s: %s", e.layer, step, exc)
-                continue
-            rows.append({"layer": e.layer, "step": int(step), "bits": int(b), "format": str(e.format),
-                         "log2_scale": math.log2(pr.scale), "sigma_log2": pr.sigma / _LN2,
-                         "predicted": pr.error, "measured": meas})
-    return pd.DataFrame(rows, columns=["layer", "step", "bits", "format", "log2_scale", "sigma_log2",
-                                       "predicted", "measured"])
-
-
 def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterable[int] = BITS,
             progress: bool = False, context: Mapping[str, str] | None = None,
             layers: str | re.Pattern | Sequence[str] | None = None) -> Analysis:
@@ -300,7 +271,7 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     bar.update()
     bar.set_postfix_str("errors")
     measure = has_samples and plan_step not in damaged  # the samples of the plans' own step
-    errors = _measured_errors(run, plans[sps[0]] if measure else {}, plan_step)
+    errors = plan_errors(run, plans[sps[0]] if measure else {}, plan_step)
     bar.update()
     table = _layer_table(run, names, verdicts, plans, plan_step, sps, bts, at_step)
     bar.update()

@@ -322,9 +322,7 @@ def error_check(run: Any, *, steps: Sequence[int] | None = None, bits: Sequence[
         'e4m3fn'
     """
     import pandas as pd
-    import torch
 
-    from gradstats.fpanalysis import measured_error
     from gradstats.plan.recommend import recommend_each
 
     run = as_run(run)
@@ -333,31 +331,63 @@ def error_check(run: Any, *, steps: Sequence[int] | None = None, bits: Sequence[
         have = set(int(s) for s in st["step"].unique()) if len(st) else set()
         both = [s for s in sampled_steps(run, "grad") if s in have]
         steps = both[-1:]
-    rows = []
+    tables = []
     for s in steps:
         try:
             plans = recommend_each(run, bits=list(bits), steps=int(s))
         except ValueError as exc:
             log.info("no recommendation at step %s: %s", s, exc)
             continue
-        for b, plan in plans.items():
-            rules = plan.resolve([e.layer for e in plan.entries])
-            for e in plan.entries:
-                x = layer_values(run, e.layer, int(s), "grad")
-                pr = e.predicted
-                if x is None or pr is None or pr.scale is None:
+        tables.append(plan_errors(run, plans, int(s)))
+    if tables:
+        return pd.concat(tables, ignore_index=True)
+    return pd.DataFrame([], columns=ERROR_COLUMNS)
+
+
+#: the columns of :func:`error_check` and :func:`plan_errors`
+ERROR_COLUMNS = ["layer", "step", "bits", "format", "log2_scale", "sigma_log2", "predicted", "measured"]
+
+
+def plan_errors(run: Any, plans: Mapping[int, Any], step: int) -> Any:
+    """Predicted against measured quantisation error of each entry of ``plans`` (``{bits: Plan}``) at
+    ``step``: the planned format at its predicted scale, with the plan's own rounding (the prediction is
+    for it), applied to the step's raw samples. Layers without intact samples there are left out.
+
+    Example:
+        >>> import gradstats
+        >>> run = gradstats.open_run(gradstats.zoo.data.data_dir() / "sample-run")
+        >>> step = sampled_steps(run, "grad")[-1]
+        >>> t = plan_errors(run, gradstats.recommend_each(run, bits=[8], steps=step), step)
+        >>> list(t.columns[:4]), bool((t["measured"] > 0).all())
+        (['layer', 'step', 'bits', 'format'], True)
+    """
+    import pandas as pd
+    import torch
+
+    from gradstats.fpanalysis import measured_error
+    from gradstats.run import RunCorruptError
+
+    run = as_run(run)
+    rows = []
+    for b, plan in plans.items():
+        rules = plan.resolve([e.layer for e in plan.entries])
+        for e in plan.entries:
+            pr = e.predicted
+            if pr is None or pr.scale is None:
+                continue
+            try:
+                x = layer_values(run, e.layer, int(step), "grad")
+                if x is None:
                     continue
-                try:   # with the plan's own rounding (the prediction is for it)
-                    meas = measured_error(x, e.format, scale=pr.scale, rounding=rules[e.layer].rounding,
-                                          generator=torch.Generator().manual_seed(0))
-                except ValueError as exc:
-                    log.info("no measured error for %s at step %s: %s", e.layer, s, exc)
-                    continue
-                rows.append({"layer": e.layer, "step": int(s), "bits": int(b), "format": str(e.format),
-                             "log2_scale": math.log2(pr.scale), "sigma_log2": pr.sigma / _LN2,
-                             "predicted": pr.error, "measured": meas})
-    return pd.DataFrame(rows, columns=["layer", "step", "bits", "format", "log2_scale", "sigma_log2",
-                                       "predicted", "measured"])
+                meas = measured_error(x, e.format, scale=pr.scale, rounding=rules[e.layer].rounding,
+                                      generator=torch.Generator().manual_seed(0))
+            except (RunCorruptError, ValueError) as exc:
+                log.info("no measured error for %s at step %s: %s", e.layer, step, exc)
+                continue
+            rows.append({"layer": e.layer, "step": int(step), "bits": int(b), "format": str(e.format),
+                         "log2_scale": math.log2(pr.scale), "sigma_log2": pr.sigma / _LN2,
+                         "predicted": pr.error, "measured": meas})
+    return pd.DataFrame(rows, columns=ERROR_COLUMNS)
 
 
 def plan_moments(plans: Mapping[int, Any]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
