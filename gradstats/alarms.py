@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from gradstats.stats.law import flushed_fraction
+from gradstats.stats.law import HistogramLaw, law_flushed, tensor_scale
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class Alarms:
     #: alarms raised so far: (layer, kind, alarm) -> the first record
     raised: dict = field(default_factory=dict, repr=False)
     _zero_run: dict = field(default_factory=dict, repr=False)
+    _formats: list = field(default_factory=list, repr=False)
     _record: Optional[Callable[[list[dict[str, Any]]], None]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -76,7 +77,8 @@ class Alarms:
         if self.rounding not in PREDICTED_ROUNDINGS:
             raise ValueError(f"rounding must be one of {PREDICTED_ROUNDINGS} (what the watched formats' flush is "
                              f"predicted for), got {self.rounding!r}")
-        self.watch = [str(f) for f in parse_list(self.watch)]
+        self._formats = parse_list(self.watch)
+        self.watch = [str(f) for f in self._formats]
         self.kinds = tuple(self.kinds)
 
     def bind(self, record: Callable[[list[dict[str, Any]]], None]) -> "Alarms":
@@ -108,13 +110,15 @@ class Alarms:
                 order = {name: i for i, name in enumerate(dict.fromkeys(finite["layer"]))}
                 groups = sorted(finite.groupby(["step", "layer"]), key=lambda kv: (kv[0][0], order[kv[0][1]]))
                 for (step, layer), g in groups:
-                    rows = g.to_dict("records")
-                    nz = np.array([int(r["n"]) - int(r["n_zero"]) for r in rows], dtype=np.float64)
-                    if nz.sum() <= 0:
+                    rows = [r for r in g.to_dict("records") if int(r["n"]) > int(r["n_zero"]) and np.sum(r["hist"])]
+                    if not rows:
                         continue
-                    for fmt in self.watch:   # the what-if underflow (gradstats.what_if), from the same law
-                        u = float(np.sum(nz * [flushed_fraction(r, fmt, rounding=self.rounding) for r in rows])
-                                  / nz.sum())
+                    nz = np.array([int(r["n"]) - int(r["n_zero"]) for r in rows], dtype=np.float64)
+                    laws = [HistogramLaw.from_stats(r) for r in rows]   # one law per row, for every format
+                    for fmt in self._formats:  # the what-if underflow (gradstats.what_if), from the same law
+                        flushed = [law_flushed(law, fmt, tensor_scale(fmt, "amax", float(r["max_abs"])), self.rounding)
+                                   for law, r in zip(laws, rows)]
+                        u = float(np.sum(nz * flushed) / nz.sum())
                         if u > self.flush_bound:
                             new += self._raise(int(step), layer, kind, f"flush:{fmt}", u,
                                                f"{fmt} ({self.rounding}, amax scale) would flush {u:.0%} of "
