@@ -97,15 +97,9 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def edges(mods: dict[str, Module]) -> dict[str, set[str]]:
-    """Module -> modules it needs loaded: its imports, and a submodule needs its parent packages."""
-    graph: dict[str, set[str]] = {m: set(mod.imports) for m, mod in mods.items()}
-    return graph
-
-
 def cycles(mods: dict[str, Module]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan), each sorted."""
-    graph = edges(mods)
+    graph = {m: set(mod.imports) for m, mod in mods.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     on: set[str] = set()

@@ -23,7 +23,8 @@ Example:
 """
 from __future__ import annotations
 
-from gradstats.fitting._compare import FAMILIES, MAGNITUDE_MODEL, MIN_NONZERO, VUONG_ALPHA
+from gradstats.families import FAMILIES, MAGNITUDE_MODEL
+from gradstats.fitting._compare import MIN_NONZERO, VUONG_ALPHA
 from gradstats.fitting._exact import SUBSAMPLE_CONFIDENCE, fit
 from gradstats.fitting._result import FitResult
 from gradstats.fitting._run import failed_groups, fit_run, layer_verdicts

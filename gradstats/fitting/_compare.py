@@ -20,9 +20,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-import torch  # noqa: F401 - the fit paths' tensors
-
-from gradstats.families import FAMILIES, MAGNITUDE_MODEL, N_PARAMS, cdf64, log_density64, mean_loglik  # noqa: F401
+from gradstats.families import FAMILIES, N_PARAMS
 
 #: two-sided level at which the Vuong test is said to separate two families
 VUONG_ALPHA = 0.05

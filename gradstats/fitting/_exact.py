@@ -26,7 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from gradstats.fitting._compare import FAMILIES, MIN_NONZERO, check_families, too_few_message
+from gradstats.families import FAMILIES
+from gradstats.fitting._compare import MIN_NONZERO, check_families, too_few_message
 from gradstats.fitting._parallel import CHUNK, _chunks, _map, default_workers, torch_single_thread
 from gradstats.fitting._result import FitResult, assemble
 from gradstats.fitting._signed import _signed
@@ -224,7 +225,7 @@ def _exact_ks(a: torch.Tensor, family: str, p: dict[str, float], ext: tuple[torc
     """KS distance ``max(max_i (i+1)/m - F_i, max_i F_i - i/m)`` (0-based i) of sorted ``a``,
     exact in float64: only chunks whose working-precision extreme could hold the true
     extreme are recomputed."""
-    from gradstats.fitting._compare import cdf64
+    from gradstats.families import cdf64
 
     m = a.numel()
     mins, maxs = ext

@@ -7,7 +7,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from gradstats.fitting._compare import MAGNITUDE_MODEL, information_criteria, mean_loglik, ranking, vuong
+from gradstats.families import MAGNITUDE_MODEL, mean_loglik
+from gradstats.fitting._compare import information_criteria, ranking, vuong
 
 _PAIRS = (("lognormal", "normal"), ("lognormal", "laplace"), ("normal", "laplace"))
 

@@ -9,7 +9,8 @@ from typing import Any, Iterable, Sequence
 import pandas as pd
 import torch
 
-from gradstats.fitting._compare import FAMILIES, check_families
+from gradstats.families import FAMILIES
+from gradstats.fitting._compare import check_families
 from gradstats.fitting._exact import fit
 from gradstats.fitting._parallel import default_workers, torch_single_thread
 from gradstats.fitting._result import FitResult, failed_rows

@@ -24,7 +24,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from gradstats.fitting._compare import FAMILIES, MIN_NONZERO, cdf64, check_families, too_few_message
+from gradstats.families import FAMILIES, cdf64
+from gradstats.fitting._compare import MIN_NONZERO, check_families, too_few_message
 from gradstats.fitting._result import FitResult, assemble
 from gradstats.stats import COUNT_FIELDS, HIST_BINS, HIST_MIN_EXP, SUM_FIELDS, lognormal_moments, merge_stats
 

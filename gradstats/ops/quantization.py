@@ -354,15 +354,12 @@ def _round_flat(v, fmt, s, rounding, overflow, generator, rbits, out_dtype):
         _fast_chunks(0, n, *args)
         return out
     per = -(-nchunks // workers) * chunk
-    futures = [_pool().submit(_fast_chunks, k * per, min((k + 1) * per, n), *args) for k in range(1, workers)]
+    futures = [_threads.pool().submit(_fast_chunks, k * per, min((k + 1) * per, n), *args) for k in range(1, workers)]
     _fast_chunks(0, min(per, n), *args)
     for f in futures:
         f.result()
     return out
 
-
-def _pool():
-    return _threads.pool()
 
 
 def _fast_chunks(start, stop, v, out, c, s, nearest, sat, rbits, key, chunk, fix_nan_always):

@@ -38,6 +38,7 @@ from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
+from gradstats._compat import renamed_kwargs
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
 from gradstats.run import as_run
 from gradstats.stats import lognormal_moments, merge_stats
@@ -254,13 +255,14 @@ def _fmt(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
+@renamed_kwargs(model="format_rule")
 def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
               granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "latest",
               threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
               layers: str | Sequence[str] | None = None, format_rule: str = "lognormal",
               objective: str = "training", bias_bound: float | None = None,
               output_layer: str | bool | None = None,
-              prune_at: str | bool | None = None, **renamed: Any) -> Plan:
+              prune_at: str | bool | None = None, step: Any = None) -> Plan:
     """Recommend a per-layer plan from a traced run's statistics.
 
     Args:
@@ -337,28 +339,27 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
         >>> r.format.bits, r.rounding, r.scale, r.sparsity, 0.4 < r.predicted.sparsity < 0.6
         (8, 'stochastic', 'amax', 0.5, True)
     """
-    if isinstance(bits, (list, tuple, range)):
+    several = isinstance(bits, (list, tuple, range))
+    if several:
         warnings.warn("recommend(bits=[...]) returning {bits: Plan} is now recommend_each(bits=[...]); "
                       "recommend returns one Plan. The old form goes in the next release",
-                      DeprecationWarning, stacklevel=2)
-        return recommend_each(run, bits=bits, sparsity=sparsity, granularity=granularity, rounding=rounding,
-                              steps=steps, threshold_rule=threshold_rule, candidates=candidates, layers=layers,
-                              format_rule=format_rule, objective=objective, bias_bound=bias_bound,
-                              output_layer=output_layer, prune_at=prune_at, **renamed)
-    (width,), _ = _bits_list(bits)
-    return recommend_each(run, bits=[width], sparsity=sparsity, granularity=granularity, rounding=rounding,
-                          steps=steps, threshold_rule=threshold_rule, candidates=candidates, layers=layers,
-                          format_rule=format_rule, objective=objective, bias_bound=bias_bound,
-                          output_layer=output_layer, prune_at=prune_at, **renamed)[width]
+                      DeprecationWarning, stacklevel=3)
+    widths, _ = _bits_list(bits)
+    plans = recommend_each(run, bits=widths, sparsity=sparsity, granularity=granularity, rounding=rounding,
+                           steps=_old_step(step) if step is not None else steps, threshold_rule=threshold_rule,
+                           candidates=candidates, layers=layers, format_rule=format_rule, objective=objective,
+                           bias_bound=bias_bound, output_layer=output_layer, prune_at=prune_at)
+    return plans if several else plans[widths[0]]  # type: ignore[return-value]
 
 
+@renamed_kwargs(model="format_rule")
 def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | None = None,
                    granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "latest",
                    threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
                    layers: str | Sequence[str] | None = None, format_rule: str = "lognormal",
                    objective: str = "training", bias_bound: float | None = None,
                    output_layer: str | bool | None = None,
-                   prune_at: str | bool | None = None, **renamed: Any) -> dict[int, Plan]:
+                   prune_at: str | bool | None = None, step: Any = None) -> dict[int, Plan]:
     """:func:`recommend` for each width of ``bits``: ``{bits: Plan}`` in the order given, the run read
     once (the arguments are :func:`recommend`'s).
 
@@ -374,14 +375,8 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | None = No
     from gradstats import fpanalysis
     from gradstats._version import __version__  # noqa: F401 - provenance
 
-    if "model" in renamed:
-        warnings.warn("recommend: model= is now format_rule=; the old name goes in the next release",
-                      DeprecationWarning, stacklevel=3)
-        format_rule = renamed.pop("model")
-    if "step" in renamed:
-        steps = _old_step(renamed.pop("step"))
-    if renamed:
-        raise TypeError(f"recommend() got unexpected keyword arguments {sorted(renamed)}")
+    if step is not None:
+        steps = _old_step(step)
     model = format_rule
     widths, _ = _bits_list(bits)
     if rounding is not None and rounding not in _ROUNDINGS:

@@ -146,7 +146,7 @@ def test_working_precision_extremes_within_proven_tolerance():
         params = {"mu": p["mu"], "sigma": p["sigma"]}
         for f in ext:
             par = {**params, "scale": p["s"] if f == "normal" else p["b"]}
-            F = gradstats.fitting._compare.cdf64(f, a, par) - torch.arange(m, dtype=torch.float64) / m
+            F = gradstats.families.cdf64(f, a, par) - torch.arange(m, dtype=torch.float64) / m
             chunks = F.split(_exact.CHUNK)
             lo64 = torch.stack([c.min() for c in chunks])
             hi64 = torch.stack([c.max() for c in chunks])
