@@ -50,6 +50,9 @@ class Job:
     plan: dict | None = None
     info: dict = field(default_factory=dict)
     prepare: dict = field(default_factory=dict)
+    #: keyword arguments of ``gradstats.apply`` (``warmup=``...) and of the training (``batch_size=``...)
+    apply: dict = field(default_factory=dict)
+    train: dict = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -59,6 +62,10 @@ class Job:
         data = "quick" if self.prepare else "full"
         if self.prepare and self.prepare != QUICK_PREPARE:
             data += "-" + _digest(self.prepare)
+        if self.train:
+            data += "/train-" + _digest(self.train)
+        if self.apply and self.plan is not None:
+            data += "/apply-" + _digest(self.apply)
         # the baseline is shared by every experiment
         if self.plan is None:
             return f"baseline/{self.model}/{self.label}/seed{self.seed}/steps{self.steps}/{data}"
@@ -93,11 +100,11 @@ def run_job(job: Job) -> dict[str, Any]:
     t0 = time.perf_counter()
     applied = None
     if job.plan is not None:
-        applied = gradstats.apply(task.model, gradstats.Plan.from_dict(job.plan), seed=job.seed)
+        applied = gradstats.apply(task.model, gradstats.Plan.from_dict(job.plan), seed=job.seed, **job.apply)
     row: dict[str, Any] = {"key": job.key, "experiment": job.experiment, "label": job.label,
                            "model": job.model, "seed": job.seed, "steps": job.steps, **job.info}
     try:
-        res = task.run(job.steps, schedule="cosine", progress=False)
+        res = task.run(job.steps, **{"schedule": "cosine", "progress": False, **job.train})
     except Exception as exc:  # a failure is a result: recorded with its message, the others go on
         return {**row, "test_accuracy": math.nan, "test_loss": math.nan, "final_train_loss": math.nan,
                 "diverged": False, "steps_done": 0, "wall_s": round(time.perf_counter() - t0, 2),
@@ -121,8 +128,13 @@ def run_job(job: Job) -> dict[str, Any]:
         for name, g in df.groupby("layer", sort=False):
             ln = g["n"].astype(float)
             tot = float(ln.sum())
-            layers[name] = {"n": tot, "achieved_sparsity": float((g["achieved_sparsity"] * ln).sum() / tot)
-                            if tot else math.nan, "target_sparsity": float(g["target_sparsity"].mean())}
+            def weighted(col: str) -> float:
+                return float((g[col] * ln).sum() / tot) if tot else math.nan
+
+            layers[name] = {"n": tot, "achieved_sparsity": weighted("achieved_sparsity"),
+                            "target_sparsity": float(g["target_sparsity"].mean()),
+                            "underflow_fraction": weighted("underflow_fraction"),
+                            "overflow_fraction": weighted("overflow_fraction")}
         row["layers"] = layers
     else:
         row.update(achieved_sparsity=math.nan, underflow_fraction=0.0, overflow_fraction=0.0, planned_layers=0)
@@ -207,7 +219,7 @@ def save_results(args: argparse.Namespace, name: str, table: pd.DataFrame, jobs:
         "environment": environment(), "table": table.to_dict("records"), "jobs": jobs.to_dict("records")})
 
 
-def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0) -> "Any":
+def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0, train_kw: dict | None = None) -> "Any":
     """Trace the plain model for ``steps`` steps (statistics every step): the run that global scales
     and recommendations are derived from."""
     import atexit
@@ -220,7 +232,8 @@ def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0) -> "An
     path = Path(tempfile.mkdtemp(prefix=f"gradstats-calib-{model}-"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)      # the process's own scratch run
     with gradstats.trace(task.model, path, every=1, sample_every=[], seed=seed) as tracer:
-        task.run(steps, schedule="cosine", progress=False, callback=lambda s, loss: tracer.step())
+        task.run(steps, **{"schedule": "cosine", "progress": False, **(train_kw or {})},
+                 callback=lambda s, loss: tracer.step())
     return gradstats.open_run(path)
 
 

@@ -1,0 +1,343 @@
+"""The study at scale: what the default plans cost, judged by paired confidence intervals against a
+non-inferiority margin stated in advance.
+
+The protocol (also stated in ``docs/RESULTS.md``, before the tables):
+
+* **Training.** The CNN with BatchNorm on full Fashion-MNIST (60k/10k), 3 epochs (1,407 SGD steps
+  at batch 128, cosine schedule to zero); ResNet-20 on the same data, 2 epochs (938 steps); the
+  character transformer (4 layers, d_model 128) on Shakespeare, 1,200 AdamW steps at batch 16
+  (cosine after 30 warm-up steps), where its validation loss has levelled off.
+* **Pairing.** Every configuration is trained with the seeds of its model (CNN: 5, the others: 3);
+  seed ``s`` fixes the initialisation and the minibatch order, for the baseline and every
+  configuration alike, and the stochastic pruning and rounding streams.
+* **Plans** are made once, from a calibration trace of the plain model (its first 50 steps, seed
+  0), and kept in ``scale_plans.json``: later sittings train exactly the plans the first one made.
+* **Test.** Per configuration the paired differences ``d_s = treatment_s - baseline_s`` (accuracy in
+  points; for the transformer, ``baseline_loss_s - loss_s`` in nats, so that positive is better
+  for both); their mean and a 95% confidence interval (t distribution, n-1 degrees of freedom).
+  *No loss* when the interval's lower end is above the margin: -0.3 points of accuracy, -0.01
+  nats of validation loss. The old "within one standard deviation of the baseline" is reported
+  beside it for comparison with the earlier tables only.
+* **Placement.** *default*: what ``Plan.uniform`` and ``recommend`` choose (every matmul layer
+  but the output layer, from the first step); *study*: the convolutions' outputs only (the
+  classifier in full precision), after a warm-up (pruning: half an epoch; formats: one epoch);
+  *every layer*: the output layer included.
+
+Jobs run in priority order (``--tiers``): tier A holds the study's two claims and the pushes past
+them on every model, B the pruning table's other rows, C the hand-picked formats and placements.
+Every finished job is appended to ``scale_jobs.jsonl``; a rerun trains only what is missing, so
+the study runs across several sittings. ``--remaining`` prints what is left and an estimate of
+its time and trains nothing.
+
+    python experiments/scale_study.py [--quick] [--out DIR] [--workers N] [--tiers A B C]
+                                      [--models cnn resnet20 transformer] [--remaining]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pandas as pd  # noqa: E402
+from _accuracy import QUICK_PREPARE, RESULTS, Job, calibrate, environment, global_scale, load_rows, run_jobs, write_json  # noqa: E402
+
+EXPERIMENT = "scale"
+CALIBRATION_STEPS = 50
+
+#: per model: training steps, seeds, the metric and its margin, and the data and training settings
+PROTOCOL = {
+    "cnn": dict(steps=1407, epochs=3, seeds=(0, 1, 2, 3, 4), metric="accuracy", margin=-0.3,
+                prepare={}, train={}, epoch_steps=469),
+    "resnet20": dict(steps=938, epochs=2, seeds=(0, 1, 2), metric="accuracy", margin=-0.3,
+                     prepare={}, train={}, epoch_steps=469),
+    "transformer": dict(steps=1200, epochs=None, seeds=(0, 1, 2), metric="loss", margin=-0.01,
+                        prepare={"d_model": 128, "n_layers": 4}, train={"batch_size": 16}, epoch_steps=300),
+}
+#: the quick version (tests): tiny data, a few steps, two seeds (a paired interval needs two)
+QUICK = {
+    "cnn": dict(steps=6, seeds=(0, 1), prepare=QUICK_PREPARE, train={}, epoch_steps=2),
+    "resnet20": dict(steps=3, seeds=(0, 1), prepare=QUICK_PREPARE, train={}, epoch_steps=1),
+    "transformer": dict(steps=4, seeds=(0, 1), prepare={"d_model": 32, "n_layers": 1}, train={"batch_size": 4},
+                        epoch_steps=1),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the study: its table, tier, label, how it is placed, and what it is."""
+
+    model: str
+    table: str          # "pruning", "lowprec", "push", "placement"
+    tier: str           # "A", "B", "C"
+    label: str
+    placement: str = "default"
+    sparsity: float | None = None
+    bits: int | None = None
+    block: str | None = None          # None (per tensor), "mx", "nvfp4"
+    rule: str | None = None           # threshold rule, format choice
+    rounding: str | None = None
+
+
+def configurations(model: str) -> list[Config]:
+    """Every configuration of ``model``, in the order the jobs run."""
+    C = lambda *a, **k: Config(model, *a, **k)  # noqa: E731
+    base = [C("baseline", "A", "baseline")]
+    headline = [
+        C("pruning", "A", "Plan.uniform(sparsity=0.85)", sparsity=0.85, rule="histogram"),
+        C("lowprec", "A", "recommend(bits=6)", bits=6),
+        C("pruning", "A", "Plan.uniform(sparsity=0.9)", sparsity=0.9, rule="histogram"),
+        C("lowprec", "A", "recommend(bits=4, granularity='nvfp4')", bits=4, block="nvfp4"),
+    ]
+    if model != "cnn":
+        extra = [C("push", "A", "recommend(bits=6, sparsity=0.85)", sparsity=0.85, bits=6)] \
+            if model == "transformer" else []
+        return base + headline + extra
+    return base + headline + [
+        # tier A: past the study
+        C("push", "A", "recommend(bits=6, sparsity=0.85)", sparsity=0.85, bits=6),
+        C("lowprec", "A", "recommend(bits=5, candidates='any')", bits=5, rule="any"),
+        C("pruning", "A", "Plan.uniform(sparsity=0.95)", sparsity=0.95, rule="histogram"),
+        C("lowprec", "A", "recommend(bits=4, granularity='mx')", bits=4, block="mx"),
+        C("lowprec", "A", "recommend(bits=4)", bits=4),
+        C("lowprec", "A", "recommend(bits=8)", bits=8),
+        C("push", "A", "recommend(bits=4, granularity='nvfp4', sparsity=0.9)", sparsity=0.9, bits=4, block="nvfp4"),
+        # tier B: the rest of the pruning table
+        *[C("pruning", "B", f"Plan.uniform(sparsity={s})", sparsity=s, rule="histogram") for s in (0.5, 0.7, 0.8)],
+        *[C("pruning", "B", f"Plan.uniform(sparsity={s}, threshold_rule='{r}')", sparsity=s, rule=r)
+          for s in (0.85, 0.9) for r in ("lognormal", "exact", "normal", "laplace")
+          if not (s == 0.9 and r in ("normal", "laplace"))],
+        *[C("pruning", "B", f"allocated {s}", sparsity=s, rule="allocated") for s in (0.85, 0.9)],
+        # tier C: hand-picked formats of the same width, one global scale, MX at 8 bits, placements
+        C("lowprec", "C", "e3m2fn nearest, lognormal scale", bits=6, rule="hand", rounding="nearest"),
+        C("lowprec", "C", "e3m2fn stochastic, amax scale", bits=6, rule="hand", rounding="stochastic"),
+        C("lowprec", "C", "e2m3fn stochastic, amax scale", bits=6, rule="hand", rounding="stochastic"),
+        C("lowprec", "C", "e2m1fn stochastic, amax scale", bits=4, rule="hand", rounding="stochastic"),
+        C("lowprec", "C", "e3m2fn nearest, one global scale", bits=6, rule="global", rounding="nearest"),
+        C("lowprec", "C", "recommend(bits=8, granularity='mx')", bits=8, block="mx"),
+        C("placement", "C", "Plan.uniform(sparsity=0.85), study placement", placement="study", sparsity=0.85),
+        C("placement", "C", "recommend(bits=6), study placement", placement="study", bits=6),
+        C("placement", "C", "Plan.uniform(sparsity=0.85), every layer", placement="every layer", sparsity=0.85),
+        C("placement", "C", "recommend(bits=6), every layer", placement="every layer", bits=6),
+    ]
+
+
+def make_plan(cfg: Config, calib, layers: dict[str, list[str]]) -> tuple[dict, dict]:
+    """``(Plan.to_dict(), apply keyword arguments)`` for a configuration (not the baseline)."""
+    import gradstats
+    from gradstats.pruning import allocate
+
+    lay = {"default": None, "study": layers["conv"], "every layer": layers["every"]}[cfg.placement]
+    out_kw = {"output_layer": False} if cfg.placement == "every layer" else {}
+    apply_kw: dict = {}
+    if cfg.placement == "study":      # pruning after half an epoch, formats after one
+        apply_kw["warmup"] = layers["epoch_steps"] // (2 if cfg.bits is None else 1)
+    if cfg.rule == "hand":
+        fmt = cfg.label.split()[0]
+        scale = "lognormal" if cfg.rounding == "nearest" else "amax"
+        plan = gradstats.Plan.uniform(format=fmt, rounding=cfg.rounding, scale=scale, layers=layers["default"])
+    elif cfg.rule == "global":
+        fmt = cfg.label.split()[0]
+        s = global_scale(fmt, calib, layers["default"])
+        plan = gradstats.Plan.uniform(format=fmt, rounding="nearest", scale="fixed", scale_value=s,
+                                      layers=layers["default"])
+    elif cfg.rule == "allocated":
+        st = calib.stats(kinds=["grad"])
+        a = allocate(st[st["layer"].isin(layers["default"])], cfg.sparsity, layer_info=calib)
+        plan = gradstats.Plan.uniform(layers=layers["default"]).with_allocation(a)
+    elif cfg.bits is not None:
+        kw: dict = {"granularity": cfg.block} if cfg.block else {}
+        if cfg.rule == "any":          # no hardware has a 5-bit float: every split of 5 bits
+            kw["candidates"] = "any"
+        if cfg.sparsity is not None:
+            kw["sparsity"] = cfg.sparsity
+        if lay is not None:
+            kw["layers"] = lay
+        plan = gradstats.recommend(calib, bits=cfg.bits, **kw, **out_kw)
+    else:
+        kw = {} if cfg.rule in (None, "histogram") else {"threshold_rule": cfg.rule}
+        if lay is not None:
+            kw["layers"] = lay
+        plan = gradstats.Plan.uniform(sparsity=cfg.sparsity, **kw, **out_kw)
+    return plan.to_dict(), apply_kw
+
+
+def model_layers(model: str, prepare_kw: dict) -> dict:
+    """The layer sets of the placements: default, the convolutions, every matmul layer."""
+    import gradstats
+    from gradstats.zoo.training import prepare
+
+    m = prepare(model, seed=0, **prepare_kw).model
+    default = list(gradstats.Plan.uniform().resolve(m))
+    every = list(gradstats.Plan.uniform(output_layer=False).resolve(m))
+    conv = [n for n, mod in m.named_modules() if type(mod).__name__.startswith("Conv") and n in every] or default
+    return {"default": default, "every": every, "conv": conv}
+
+
+def plans_for(model: str, proto: dict, configs: list[Config], path: Path) -> dict[str, tuple[dict, dict]]:
+    """The plans of ``configs``, made once from the calibration trace and kept in ``path`` (JSON):
+    a later sitting reuses them, so that every seed of a configuration trains the same plan."""
+    import torch
+
+    store = json.loads(path.read_text()) if path.exists() else {}
+    key = lambda cfg: f"{cfg.model}/{cfg.label}/{json.dumps(proto['prepare'], sort_keys=True)}"  # noqa: E731
+    missing = [c for c in configs if c.table != "baseline" and key(c) not in store]
+    if missing:
+        torch.set_num_threads(1)              # the calibration is then the same on every machine
+        calib = calibrate(model, prepare_kw=proto["prepare"], steps=proto.get("calibration_steps", CALIBRATION_STEPS),
+                          train_kw=proto["train"])
+        layers = {**model_layers(model, proto["prepare"]), "epoch_steps": proto["epoch_steps"]}
+        for cfg in missing:
+            plan, apply_kw = make_plan(cfg, calib, layers)
+            store[key(cfg)] = {"plan": plan, "apply": apply_kw}
+        write_json(path, store)
+    return {c.label: ((store[key(c)]["plan"], store[key(c)]["apply"]) if c.table != "baseline" else (None, {}))
+            for c in configs}
+
+
+def study_jobs(args: argparse.Namespace) -> list[Job]:
+    """Every job of the selected models and tiers, in priority order: tier by tier, and within a
+    tier configuration by configuration (the study's two claims first), model by model, seed by
+    seed."""
+    jobs: list[tuple[tuple, Job]] = []
+    for model in args.models:
+        proto = {**PROTOCOL[model], **(QUICK[model] if args.quick else {})}
+        configs = [c for c in configurations(model) if c.tier in args.tiers or c.table == "baseline"]
+        plans = plans_for(model, proto, configs, args.out / ("scale_plans_quick.json" if args.quick else "scale_plans.json"))
+        for i, cfg in enumerate(configs):
+            plan, apply_kw = plans[cfg.label]
+            info = {"table": cfg.table, "tier": cfg.tier, "placement": cfg.placement, "target_sparsity": cfg.sparsity,
+                    "bits": cfg.bits, "block": cfg.block, "rule": cfg.rule, "rounding": cfg.rounding}
+            for s in proto["seeds"]:
+                order = ("ABC".index(cfg.tier), i, args.models.index(model), s)
+                jobs.append((order, Job(EXPERIMENT, cfg.label, model, s, proto["steps"], plan, info,
+                                        dict(proto["prepare"]), apply_kw, dict(proto["train"]))))
+    return [j for _, j in sorted(jobs, key=lambda t: t[0])]
+
+
+def remaining(jobs: list[Job], path: Path) -> pd.DataFrame:
+    """What is left: per model and tier, the jobs not yet in ``path`` and their estimated core time
+    (the median wall time of the finished jobs of the same model and length, with or without a
+    plan; 1.2x the baseline's for a plan not yet timed)."""
+    done = load_rows(path)
+    rows = [{"model": j.model, "tier": j.info.get("tier", "A"), "planned": j.plan is not None,
+             "steps": j.steps, "done": j.key in done,
+             "wall_s": done[j.key].get("wall_s") if j.key in done else math.nan} for j in jobs]
+    df = pd.DataFrame(rows)
+    med = df[df["done"]].groupby(["model", "steps", "planned"])["wall_s"].median().to_dict()
+    fallback = {"cnn": 0.11, "resnet20": 0.33, "transformer": 0.18}    # s per step, one thread, measured
+
+    def estimate(r) -> float:
+        if (r["model"], r["steps"], r["planned"]) in med:
+            return med[(r["model"], r["steps"], r["planned"])]
+        if r["planned"] and (r["model"], r["steps"], False) in med:
+            return 1.2 * med[(r["model"], r["steps"], False)]
+        return fallback.get(r["model"], 0.3) * r["steps"] * (1.2 if r["planned"] else 1.0)
+
+    df["estimate_s"] = df.apply(estimate, axis=1)
+    left = df[~df["done"]]
+    return (left.groupby(["model", "tier"]).agg(jobs=("done", "size"), core_hours=("estimate_s", "sum"))
+            .assign(core_hours=lambda t: t["core_hours"] / 3600).reset_index())
+
+
+def paired_table(df: pd.DataFrame, protocol: dict) -> pd.DataFrame:
+    """Per (model, configuration): seeds, mean metric, the mean paired difference to the baseline
+    with its 95% interval (t), *no loss* (the lower end above the margin), the old within-one-std
+    column, and the achieved sparsity, underflow and saturation (size-weighted over training)."""
+    from scipy import stats as st
+
+    rows = []
+    ok = df[df["error"].isna()] if "error" in df else df
+    for model, g in ok.groupby("model", sort=False):
+        proto = protocol[model]
+        loss = proto["metric"] == "loss"
+        value = (g["test_loss"] if loss else 100 * g["test_accuracy"]).astype(float)
+        g = g.assign(value=value)
+        wide = g.pivot_table(index="seed", columns="label", values="value")
+        if "baseline" not in wide:
+            continue
+        base = wide["baseline"]
+        for label in dict.fromkeys(g["label"]):
+            d = ((base - wide[label]) if loss else (wide[label] - base)).dropna()
+            n = len(d)
+            mean = float(d.mean()) if n else math.nan
+            sd = float(d.std(ddof=1)) if n > 1 else math.nan
+            half = float(st.t.ppf(0.975, n - 1)) * sd / math.sqrt(n) if n > 1 else math.nan
+            lo, hi = mean - half, mean + half
+            gl = g[g["label"] == label]
+            first = gl.iloc[0]
+            bmean, bstd = float(base.mean()), float(base.std(ddof=1)) if len(base) > 1 else 0.0
+            vmean = float(wide[label].mean())
+            within = (vmean <= bmean + bstd) if loss else (vmean >= bmean - bstd)
+            rows.append({
+                "model": model, "table": first.get("table", "baseline"), "tier": first.get("tier", "A"),
+                "label": label, "placement": first.get("placement", "default"),
+                "target_sparsity": first.get("target_sparsity"), "bits": first.get("bits"),
+                "block": first.get("block"), "rule": first.get("rule"),
+                "seeds": n, "seeds_planned": len(proto["seeds"]), "metric": proto["metric"],
+                "value_mean": vmean, "value_std": float(wide[label].std(ddof=1)) if n > 1 else math.nan,
+                "diff_mean": mean, "diff_sd": sd, "ci_low": lo, "ci_high": hi, "margin": proto["margin"],
+                "no_loss": (bool(lo > proto["margin"]) if n > 1 else None) if label != "baseline" else None,
+                "within_1std": bool(within),
+                "achieved_sparsity": float(gl["achieved_sparsity"].mean()),
+                "underflow": float(gl["underflow_fraction"].mean()), "overflow": float(gl["overflow_fraction"].mean()),
+                "wall_s": float(gl["wall_s"].sum()), "diverged": int(gl["diverged"].sum())})
+    return pd.DataFrame(rows)
+
+
+def aggressiveness(r: pd.Series) -> tuple:
+    """How far a configuration goes: fewer bits and more sparsity rank higher (for "the most
+    aggressive configuration that passed")."""
+    bits = r["bits"] if r["bits"] == r["bits"] and r["bits"] is not None else 32
+    sp = r["target_sparsity"] if r["target_sparsity"] == r["target_sparsity"] and r["target_sparsity"] is not None else 0
+    return (32 - bits) / 28 + sp, -bits
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny data and steps, two seeds (the tests)")
+    ap.add_argument("--out", default=str(RESULTS), help="directory of the results")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each)")
+    ap.add_argument("--tiers", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C"])
+    ap.add_argument("--models", nargs="+", default=list(PROTOCOL), choices=list(PROTOCOL))
+    ap.add_argument("--remaining", action="store_true", help="print what is left to train and its estimated time")
+    args = ap.parse_args(argv)
+    args.out = Path(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    args = parse_args(argv)
+    jobs_path = args.out / ("scale_jobs_quick.jsonl" if args.quick else "scale_jobs.jsonl")
+    t0 = time.perf_counter()
+    jobs = study_jobs(args)
+    left = remaining(jobs, jobs_path)
+    print(f"# {len(jobs)} jobs; remaining:" if len(left) else f"# {len(jobs)} jobs, all finished")
+    if len(left):
+        print(left.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+        print(f"# total remaining: {int(left['jobs'].sum())} jobs, about {left['core_hours'].sum():.1f} core-hours "
+              f"({left['core_hours'].sum() / max(args.workers, 1):.1f} h with {args.workers} workers)", flush=True)
+    if args.remaining:
+        return left
+    df = run_jobs(jobs, jobs_path, workers=args.workers, desc="scale study")
+    protocol = {m: {**PROTOCOL[m], **(QUICK[m] if args.quick else {})} for m in args.models}
+    table = paired_table(df, protocol)
+    print(table[["model", "label", "seeds", "value_mean", "diff_mean", "ci_low", "ci_high", "no_loss"]]
+          .to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    name = "scale_study_quick" if args.quick else "scale_study"
+    write_json(args.out / f"{name}.json", {
+        "command": "python experiments/scale_study.py" + (" --quick" if args.quick else ""),
+        "protocol": {m: {k: v for k, v in p.items() if k != "prepare" or v} for m, p in protocol.items()},
+        "calibration_steps": CALIBRATION_STEPS, "tiers": args.tiers,
+        "wall_s": round(time.perf_counter() - t0, 1), "environment": environment(),
+        "table": table.to_dict("records"), "jobs": df.to_dict("records")})
+    return table
+
+
+if __name__ == "__main__":
+    main()
