@@ -77,7 +77,8 @@ bench: venv
 # the study's experiments (hours on a CPU; not part of `make test`): raw results in
 # experiments/results/, tables in docs/RESULTS.md
 experiments: venv
-	for e in distributions pruning_accuracy lowprec_accuracy push allocation_accuracy recommend_accuracy \
+	$(PY) experiments/scale_study.py --remaining
+	for e in scale_study near_lognormal distributions pruning_accuracy lowprec_accuracy push allocation_accuracy recommend_accuracy \
 	         criteria_correlation threshold_training pruning_real fpanalysis_real; do \
 		echo "== experiments/$$e.py"; $(PY) experiments/$$e.py || exit 1; done
 	$(PY) experiments/report.py

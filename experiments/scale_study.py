@@ -297,6 +297,132 @@ def aggressiveness(r: pd.Series) -> tuple:
     return (32 - bits) / 28 + sp, -bits
 
 
+def load_results(out: Path, *, quick: bool = False) -> tuple[pd.DataFrame, dict]:
+    """The finished jobs of the study (the raw JSON lines, whatever has run so far) that belong to
+    the current protocol, and the stored plans: what ``report.py`` renders."""
+    jobs_path = out / ("scale_jobs_quick.jsonl" if quick else "scale_jobs.jsonl")
+    plans_path = out / ("scale_plans_quick.json" if quick else "scale_plans.json")
+    plans = json.loads(plans_path.read_text()) if plans_path.exists() else {}
+    rows = list(load_rows(jobs_path).values())
+    keep = []
+    for r in rows:
+        proto = {**PROTOCOL.get(r["model"], {}), **(QUICK.get(r["model"], {}) if quick else {})}
+        labels = {c.label for c in configurations(r["model"])} if proto else set()
+        if proto and r["steps"] == proto["steps"] and r["seed"] in proto["seeds"] and r["label"] in labels:
+            keep.append(r)
+    df = pd.DataFrame(keep)
+    if len(df) and "error" not in df:
+        df["error"] = None
+    return df, plans
+
+
+def plan_formats(plans: dict, model: str, label: str) -> str:
+    """The formats a stored plan puts on its layers ("e3m2fn", "e2m1fn/e3m2fn"; "-": none)."""
+    for key, v in plans.items():
+        if key.startswith(f"{model}/{label}/"):
+            plan = v["plan"]
+            fmts = {e.get("format") for e in plan.get("layers", []) if e.get("format")}
+            if plan.get("defaults", {}).get("format"):
+                fmts.add(plan["defaults"]["format"])
+            return "/".join(sorted(fmts)) or "-"
+    return "-"
+
+
+def plan_predictions(plans: dict, model: str, label: str) -> pd.DataFrame:
+    """The per-layer predictions a stored recommended plan carries (error, bias, flushed...)."""
+    for key, v in plans.items():
+        if key.startswith(f"{model}/{label}/"):
+            return pd.DataFrame([{"layer": e["layer"], "format": e.get("format"), **e["predicted"]}
+                                 for e in v["plan"].get("layers", []) if "predicted" in e])
+    return pd.DataFrame()
+
+
+def criterion_ranking(table: pd.DataFrame, plans: dict) -> pd.DataFrame:
+    """Per model: Spearman's rank correlation, over the recommended quantising plans, between the
+    paired loss (minus the mean difference) and each criterion the plans predicted (mean over
+    layers of the relative error, |bias| and flushed fraction)."""
+    from scipy import stats as st
+
+    out = []
+    sel = (table["table"] == "lowprec") & table["label"].str.startswith("recommend") & (table["placement"] == "default")
+    for model, g in table[sel].groupby("model"):
+        rows = []
+        for _, r in g.iterrows():
+            pred = plan_predictions(plans, model, r["label"])
+            if len(pred):
+                col = lambda c: pred[c].abs().mean() if c in pred else math.nan  # noqa: E731
+                rows.append({"loss": -r["diff_mean"], "error": col("error"), "bias": col("bias"),
+                             "flushed": col("flushed")})
+        d = pd.DataFrame(rows)
+        if len(d) >= 3:
+            rho = {}
+            for c in ("error", "bias", "flushed"):
+                dc = d[[c, "loss"]].dropna()
+                rho[f"rho_{c}"] = float(st.spearmanr(dc[c], dc["loss"])[0]) if len(dc) >= 3 else math.nan
+            out.append({"model": model, "plans": len(d), **rho})
+    return pd.DataFrame(out)
+
+
+def most_aggressive(table: pd.DataFrame) -> pd.DataFrame:
+    """Per model: the configurations that passed the non-inferiority test, most aggressive first
+    (fewest bits, then most sparsity; the placement study's rows excluded)."""
+    ok = table[(table["no_loss"] == True) & (table["seeds"] == table["seeds_planned"])  # noqa: E712
+               & (table["placement"] == "default")].copy()
+    ok["rank"] = ok.apply(lambda r: aggressiveness(r)[0], axis=1)
+    return ok.sort_values(["model", "rank"], ascending=[True, False])
+
+
+def plot_forest(table: pd.DataFrame, path: Path) -> Path:
+    """One panel per model: each configuration's mean paired difference and 95% interval, the
+    margin as a dashed line; intervals wholly above the margin are drawn in the passing colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = table[(table["label"] != "baseline") & (table["seeds"] > 1)]
+    models = list(dict.fromkeys(t["model"]))
+    if not models:                       # nothing beside the baseline has two seeds yet
+        fig, ax = plt.subplots(figsize=(6, 1.5))
+        ax.text(0.5, 0.5, "no configuration with two paired seeds yet", ha="center", va="center")
+        ax.set_axis_off()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+    heights = [max(2.0, 0.28 * (t["model"] == m).sum() + 1.0) for m in models]
+    fig, axes = plt.subplots(len(models), 1, figsize=(8.5, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, model in zip(axes[:, 0], models):
+        g = t[t["model"] == model].iloc[::-1]
+        y = range(len(g))
+        unit = "nats (baseline loss - loss)" if g["metric"].iloc[0] == "loss" else "accuracy points"
+        colours = ["#1b7837" if v is True else ("#b2182b" if v is False else "#999999") for v in g["no_loss"]]
+        margin = float(g["margin"].iloc[0])
+        left = max(min(g["ci_low"].min(), margin) * 1.08, 10 * margin)   # far failures: clipped, labelled
+        right = min(max(g["ci_high"].max(), -margin) * 1.08, -6 * margin)
+        for yi, (_, r), c in zip(y, g.iterrows(), colours):
+            lo_c, hi_c, m_c = max(r["ci_low"], left), min(r["ci_high"], right), min(max(r["diff_mean"], left), right)
+            ax.plot([lo_c, hi_c], [yi, yi], color=c, lw=2, solid_capstyle="butt")
+            ax.plot([m_c], [yi], "o", color=c, ms=4)
+            if r["ci_low"] < left or r["ci_high"] > right:      # clipped: the numbers beside it
+                ax.annotate(f"{r['diff_mean']:+.2f} [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}] (clipped)",
+                            (left, yi), xytext=(3, 3.5), textcoords="offset points", fontsize=6, color=c)
+        ax.axvline(margin, ls="--", color="k", lw=1, label=f"margin {margin:+g}")
+        ax.axvline(0, color="#888888", lw=0.8)
+        ax.set_xlim(left, right)
+        ax.set_ylim(-0.7, len(g) - 0.3)
+        ax.set_yticks(list(y))
+        ax.set_yticklabels([f"{lab} ({n}/{p} seeds)" if n < p else lab for lab, n, p in
+                            zip(g["label"], g["seeds"], g["seeds_planned"])], fontsize=7)
+        ax.set_title(f"{model}: paired difference to the baseline, 95% interval", fontsize=9)
+        ax.set_xlabel(unit, fontsize=8)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny data and steps, two seeds (the tests)")

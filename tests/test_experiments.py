@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
@@ -17,6 +18,7 @@ def _load(name: str):
     sys.path.insert(0, str(EXPERIMENTS))
     spec = importlib.util.spec_from_file_location(f"exp_{name}", EXPERIMENTS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod              # dataclasses resolve their annotations through it
     spec.loader.exec_module(mod)
     return mod
 
@@ -142,10 +144,12 @@ def test_results_document_is_current(tmp_path):
     """docs/RESULTS.md is exactly what experiments/report.py renders from the committed results."""
     mod = _load("report")
     root = EXPERIMENTS.parent
-    text = mod.main(["--results", str(EXPERIMENTS / "results"), "--out", str(tmp_path / "RESULTS.md")])
+    text = mod.main(["--results", str(EXPERIMENTS / "results"), "--out", str(tmp_path / "RESULTS.md"),
+                     "--figures", str(tmp_path)])
     assert (root / "docs" / "RESULTS.md").read_text() == text
-    for section in ("## 1. Distributions", "## 2. Accuracy under stochastic pruning",
-                    "## 3. Accuracy with low-precision", "## 4. Past the study"):
+    for section in ("## 1. The study at scale: protocol", "### 1.1 The study's two claims",
+                    "## 2. Distributions", "## 3. Accuracy under stochastic pruning",
+                    "## 4. Accuracy with low-precision", "## 5. Past the study"):
         assert section in text
     assert "No results yet" not in text
 
@@ -162,3 +166,81 @@ def test_threshold_training_quick(out):
     for kind in ("conv", "linear", "attention", "all layers"):
         assert table.loc[("histogram", kind), "mean_abs_miss"] < table.loc[("lognormal", kind), "mean_abs_miss"]
     assert table.loc[("histogram", "all layers"), "cases"] == len(layers) / 2
+
+
+def test_scale_study_paired_interval_and_margin():
+    """The study's test, on hand-made jobs: the paired 95% interval is scipy's t interval of the
+    per-seed differences; "no loss" only when its lower end clears the margin; the transformer's
+    loss is turned so that positive is better; a configuration short of its seeds is not judged."""
+    from scipy import stats as st
+
+    mod = _load("scale_study")
+    base = [91.0, 90.6, 91.3, 90.9, 91.1]
+    good = [b + d for b, d in zip(base, [0.1, -0.1, 0.05, 0.0, 0.02])]       # small, consistent
+    bad = [b + d for b, d in zip(base, [-0.2, -0.5, -0.1, -0.6, -0.4])]
+    rows = []
+    for label, vals in (("baseline", base), ("good", good), ("bad", bad)):
+        for seed, v in enumerate(vals):
+            rows.append({"model": "cnn", "label": label, "seed": seed, "test_accuracy": v / 100, "test_loss": 0.3,
+                         "achieved_sparsity": 0.0, "underflow_fraction": 0.0, "overflow_fraction": 0.0,
+                         "wall_s": 1.0, "diverged": False, "error": None, "table": "pruning", "tier": "A",
+                         "placement": "default", "target_sparsity": 0.85, "bits": None, "block": None,
+                         "rule": None})
+    for label, vals in (("baseline", [2.00, 2.02, 1.98]), ("worse", [2.03, 2.05, 2.01])):
+        for seed, v in enumerate(vals):
+            rows.append({**rows[0], "model": "transformer", "label": label, "seed": seed, "test_loss": v})
+    rows.append({**rows[0], "label": "partial", "seed": 0})
+    protocol = {"cnn": {**mod.PROTOCOL["cnn"]}, "transformer": {**mod.PROTOCOL["transformer"]}}
+    t = mod.paired_table(pd.DataFrame(rows), protocol).set_index(["model", "label"])
+    d = [g - b for g, b in zip(good, base)]
+    lo, hi = st.t.interval(0.95, len(d) - 1, loc=sum(d) / len(d), scale=st.sem(d))
+    g = t.loc[("cnn", "good")]
+    assert g["ci_low"] == pytest.approx(lo, abs=1e-9) and g["ci_high"] == pytest.approx(hi, abs=1e-9)
+    assert g["no_loss"] is True and t.loc[("cnn", "bad"), "no_loss"] is False
+    assert t.loc[("cnn", "bad"), "within_1std"] == (sum(bad) / 5 >= sum(base) / 5 - pd.Series(base).std())
+    w = t.loc[("transformer", "worse")]
+    assert w["diff_mean"] == pytest.approx(-0.03) and w["no_loss"] is False   # 0.03 nats worse: below -0.01
+    assert t.loc[("cnn", "partial"), "seeds"] == 1 and t.loc[("cnn", "partial"), "no_loss"] is None
+
+
+def test_scale_study_quick(out):
+    """Tier A of the study on every model, tiny: plans made once and reused, every job on record,
+    a rerun trains nothing, and the report renders the claims, tables and the interval figure."""
+    mod = _load("scale_study")
+    table = mod.main(["--quick", "--out", str(out), "--tiers", "A"])
+    assert set(table["model"]) == {"cnn", "resnet20", "transformer"}
+    cnn = table[table["model"] == "cnn"].set_index("label")
+    assert {"Plan.uniform(sparsity=0.85)", "recommend(bits=6)", "recommend(bits=4, granularity='nvfp4')"} <= set(cnn.index)
+    assert (cnn["seeds"] == 2).all() and cnn.loc["baseline", "diff_mean"] == 0
+    assert abs(cnn.loc["Plan.uniform(sparsity=0.9)", "achieved_sparsity"] - 0.9) < 0.02
+    assert cnn.loc["recommend(bits=6)", "underflow"] > 0                       # it quantises
+    plans = json.loads((out / "scale_plans_quick.json").read_text())
+    assert all(v["plan"]["schema"] == "gradstats.plan" for v in plans.values())
+    lines = (out / "scale_jobs_quick.jsonl").read_text().splitlines()
+    assert len(lines) == sum(len(mod.QUICK[m]["seeds"]) * len([c for c in mod.configurations(m) if c.tier == "A"])
+                             for m in mod.PROTOCOL)
+    left = mod.main(["--quick", "--out", str(out), "--tiers", "A", "--remaining"])
+    assert len(left) == 0
+    mod.main(["--quick", "--out", str(out), "--tiers", "A"])
+    assert (out / "scale_jobs_quick.jsonl").read_text().splitlines() == lines
+    report = _load("report")
+    text, core = report.section_scale(out, quick=True, figures=out)
+    assert "### 1.1 The study's two claims" in text and "### 1.4 Past the study" in text and core > 0
+    assert "85% gradient sparsity" in text and "FP6 gradients" in text
+    assert (out / "scale_study.png").stat().st_size > 10_000
+
+
+def test_near_lognormal_quick(out):
+    """Per model and layer type: the shape of ln|g| and both rules' errors; the histogram rule
+    misses its pruning target by less than the lognormal on every layer type that plans prune
+    (the output layers, which they leave alone, can go either way: a transformer's logit gradient
+    has an excess kurtosis of ln|g| near 60)."""
+    mod = _load("near_lognormal")
+    summary = mod.main(["--quick", "--out", str(out)])
+    assert {"cnn", "resnet20", "transformer"} == set(summary["model"])
+    assert {"conv", "linear"} <= set(summary[summary["model"] == "cnn"]["type"])
+    assert {"attention", "mlp", "output"} <= set(summary[summary["model"] == "transformer"]["type"])
+    planned = summary[summary["type"] != "output"]
+    assert (planned["miss_histogram"] <= planned["miss_lognormal"]).all()
+    payload = json.loads((out / "near_lognormal.json").read_text())
+    assert len(payload["worst"]) == 2 * 3 and payload["tensors"]
