@@ -3,10 +3,12 @@
 ``"json"``: per layer the format (canonical name and its defining numbers), the scale rule and
 a scale any code can use, rounding, blocks and pruning: plain data with no gradstats types.
 
-``"torchao"``: the ``torchao.float8`` counterpart, a ``Float8LinearConfig``-like dict per
-``nn.Linear`` layer with the casts of ``grad_output`` (the neural gradient) for the two
-backward GEMMs. Only what torchao can express is mapped; the rest is reported (see
-``docs/plan-format.md`` for the mapping and how to build the torchao objects from it).
+``"torchao"``: the torchao counterpart per ``nn.Linear`` layer: for per-tensor float8 a
+``Float8LinearConfig``-like dict with the casts of ``grad_output`` (the neural gradient) for the
+two backward GEMMs; for MX blocks (32 values, E8M0 scales, e4m3fn elements) torchao's MXFP8
+training recipe (``{"recipe": "mxfp8", "scale_calculation_mode": ...}``). Only what torchao can
+express is mapped; the rest is reported (see ``docs/plan-format.md`` for the mapping and how to
+build the torchao objects from it).
 
 What a target cannot express is reported once, as a ``UserWarning`` (``warnings.warn``): a
 lossy export the caller asked for, which they may have to make up for in their own code
@@ -33,6 +35,8 @@ EXPORT_SCHEMA = "gradstats.plan.export"
 EXPORT_VERSION = 1
 #: float8 dtypes torchao.float8 casts to (fnuz: ROCm)
 TORCHAO_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+#: MX block scale roundings torchao's MXFP8 training takes (its ScaleCalculationMode), by gradstats' name
+TORCHAO_MX_SCALE_ROUNDINGS = ("floor", "rceil", "even", "ceil")
 
 _ALIASES = {"json": "json", "torchao": "torchao", "torchao.float8": "torchao"}
 
@@ -108,16 +112,14 @@ def _torchao_layer(name: str, r: Rule, types: tuple[str, ...] | None,
     notes: list[str] = []
     if r.format is None:
         dtype = None
+    elif r.block_size is not None:
+        return _torchao_mx_layer(name, r, skipped, dropped)
     else:
         td = r.format.torch_dtype
         dtype = None if td is None else str(td).removeprefix("torch.")
         if dtype not in TORCHAO_DTYPES:
             skipped[name] = (f"format {r.format} has no torchao.float8 counterpart (it casts to "
                              f"{', '.join(TORCHAO_DTYPES[:2])}; fnuz on ROCm)")
-            return None
-        if r.block_size is not None:
-            skipped[name] = (f"block scaling (block_size {r.block_size}) has no torchao.float8 counterpart "
-                             "(it scales per tensor or per row)")
             return None
         if r.scale != "amax":
             notes.append(f"scale rule {r.scale!r}: torchao scales dynamically by the step's amax "
@@ -140,6 +142,30 @@ def _torchao_layer(name: str, r: Rule, types: tuple[str, ...] | None,
         cfg["cast_config_input_for_grad_weight"] = _cast(None)
     cfg["round_scales_to_power_of_2"] = True
     return cfg
+
+
+def _torchao_mx_layer(name: str, r: Rule, skipped: dict[str, str], dropped: dict[str, list[str]]
+                      ) -> dict[str, Any] | None:
+    """A block-scaled rule as torchao's MXFP8 training recipe (``MXFP8TrainingOpConfig``): blocks
+    of 32 along the contraction dimension, E8M0 scales, e4m3fn elements, in both backward GEMMs."""
+    if r.scale_format == "e4m3":
+        skipped[name] = ("NVFP4 blocks (E4M3 scales) have no torchao training config (torchao's NVFP4 "
+                         "configs quantise inference only)")
+        return None
+    if r.block_size != 32 or r.scale_format != "e8m0" or str(r.format) != "e4m3fn":
+        skipped[name] = (f"{r.format} in blocks of {r.block_size} ({r.scale_format} scales): torchao's MX "
+                         "training (MXFP8) casts gradients to e4m3fn in blocks of 32 with E8M0 scales only")
+        return None
+    mode = r.scale_rounding or "floor"
+    notes: list[str] = []
+    if r.rounding != "nearest":
+        notes.append(f"rounding {r.rounding!r}: torchao's MX casts round to nearest")
+    if r.prunes:
+        notes.append(f"sparsity {r.sparsity} ({r.threshold_rule} threshold): torchao does not prune gradients")
+    notes.append("torchao's MXFP8 recipe also casts the forward input and weight to MXFP8 e4m3fn")
+    dropped[name] = notes
+    return {"recipe": "mxfp8", "scale_calculation_mode": mode, "block_size": 32, "elem_dtype": "float8_e4m3fn",
+            "wgrad_with_hp": False}
 
 
 def export(plan: "Plan", target: str, model: Any = None, *, path: str | os.PathLike[str] | None = None,

@@ -423,11 +423,17 @@ def test_export_torchao():
                  PlanEntry("b", format="e4m3fn", rounding="stochastic", sparsity=0.5),
                  PlanEntry("c", format=None, sparsity=0.9),
                  PlanEntry("d", format="e4m3"),       # ieee e4m3 (max 240): no torch dtype
-                 PlanEntry("e", format="e4m3fn", scale="amax", block_size=32),
+                 PlanEntry("e", format="e4m3fn", scale="amax", block_size=32, scale_rounding="rceil"),
+                 PlanEntry("f", format="e5m2", scale="amax", block_size=32),
                  PlanEntry("conv", format="e5m2")])
+    model.add_module("f", nn.Linear(2, 2))
     with pytest.warns(UserWarning, match="not expressible"):
         doc = plan.export("torchao", model)
-    assert doc["target"] == "torchao.float8" and sorted(doc["configs"]) == ["a", "b", "c"]
+    assert doc["target"] == "torchao.float8" and sorted(doc["configs"]) == ["a", "b", "c", "e"]
+    # MX e4m3fn blocks of 32: torchao's MXFP8 training recipe, with the plan's scale rounding
+    assert doc["configs"]["e"] == {"recipe": "mxfp8", "scale_calculation_mode": "rceil", "block_size": 32,
+                                   "elem_dtype": "float8_e4m3fn", "wgrad_with_hp": False}
+    assert any("forward input and weight" in s for s in doc["dropped"]["e"])
     dyn = {"scaling_type": "dynamic", "scaling_granularity": "tensorwise"}
     assert doc["configs"]["a"] == {"cast_config_grad_output": {**dyn, "target_dtype": "float8_e5m2"},
                                    "cast_config_grad_output_for_grad_weight": {**dyn, "target_dtype": "float8_e5m2"},
@@ -437,8 +443,8 @@ def test_export_torchao():
     assert doc["configs"]["c"] == {"cast_config_grad_output": off, "cast_config_grad_output_for_grad_weight": off,
                                    "cast_config_weight_for_grad_input": off,
                                    "cast_config_input_for_grad_weight": off, "round_scales_to_power_of_2": True}
-    assert set(doc["skipped"]) == {"conv", "d", "e"} and "nn.Linear modules only" in doc["skipped"]["conv"]
-    assert "no torchao.float8 counterpart" in doc["skipped"]["d"] and "block" in doc["skipped"]["e"]
+    assert set(doc["skipped"]) == {"conv", "d", "f"} and "nn.Linear modules only" in doc["skipped"]["conv"]
+    assert "no torchao.float8 counterpart" in doc["skipped"]["d"] and "e4m3fn in blocks of 32" in doc["skipped"]["f"]
     assert "a" not in doc["dropped"]
     assert any("stochastic" in s for s in doc["dropped"]["b"]) and any("sparsity 0.5" in s for s in doc["dropped"]["b"])
     assert any("lognormal" in s for s in doc["dropped"]["b"])
