@@ -499,6 +499,29 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
         lines.append(f"- **{model}**: most aggressive that passed: {top}; loss not excluded: "
                      + (", ".join(f"`{x}`" for x in fails) or "none") + f" ({len(judged)} judged)")
     out.append("\n" + "\n".join(lines) + "\n")
+    pva = ss.predicted_vs_achieved(df, plans, table)
+    ss.plot_predicted(pva, (figures or res) / "scale_predicted.png")
+    fails = pva[pva["passed"] == False] if len(pva) else pva  # noqa: E712
+    out.append("\nPredicted against achieved, per layer, for every planned configuration (the failures in red):\n\n"
+               "![predicted vs achieved](../experiments/results/scale_predicted.png)\n")
+    if len(fails):
+        rows = []
+        for (model, label), g in fails.groupby(["model", "label"], sort=False):
+            w = g.loc[(g["underflow"] - g["predicted_flushed"].fillna(0)).abs().idxmax()]
+            rows.append({"model": model, "label": label, "layers": len(g),
+                         "formats": "/".join(sorted({f for f in g["format"] if isinstance(f, str)})) or "-",
+                         "pred": g["predicted_flushed"].mean(), "under": g["underflow"].mean(),
+                         "target": g["target_sparsity"].mean(), "achieved": g["achieved_sparsity"].mean(),
+                         "worst": f"{w['layer']}: {w['predicted_flushed']:.3f} -> {w['underflow']:.3f}"
+                         if w["predicted_flushed"] == w["predicted_flushed"] else f"{w['layer']}: - -> {w['underflow']:.3f}"})
+        out.append("\nThe configurations that did not pass, over their planned layers: the mean flushed fraction the "
+                   "plan predicted and the underflow training measured, the mean target and achieved sparsity, and "
+                   "the layer where prediction and measurement differ most (predicted -> measured).\n\n"
+                   + md_table(pd.DataFrame(rows), {"model": "model", "label": "configuration", "layers": "layers",
+                                                   "formats": "formats", "pred": "predicted flushed",
+                                                   "under": "underflow", "target": "target sparsity",
+                                                   "achieved": "achieved sparsity", "worst": "worst layer"},
+                              {"pred": 3, "under": 3, "target": 2, "achieved": 3}))
     place = t[t["table"] == "placement"]
     if len(place):
         out.append("\n### 1.5 Placement\n\nThe same plans placed as the study did (convolutions only, after a "

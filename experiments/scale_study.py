@@ -60,11 +60,41 @@ PROTOCOL = {
 }
 #: the quick version (tests): tiny data, a few steps, two seeds (a paired interval needs two)
 QUICK = {
-    "cnn": dict(steps=6, seeds=(0, 1), prepare=QUICK_PREPARE, train={}, epoch_steps=2),
-    "resnet20": dict(steps=3, seeds=(0, 1), prepare=QUICK_PREPARE, train={}, epoch_steps=1),
+    "cnn": dict(steps=6, seeds=(0, 1), prepare=QUICK_PREPARE, train={}, epoch_steps=2, calibration_steps=3),
+    "resnet20": dict(steps=3, seeds=(0, 1), prepare=QUICK_PREPARE, train={}, epoch_steps=1, calibration_steps=3),
     "transformer": dict(steps=4, seeds=(0, 1), prepare={"d_model": 32, "n_layers": 1}, train={"batch_size": 4},
-                        epoch_steps=1),
+                        epoch_steps=1, calibration_steps=3),
 }
+
+
+#: the larger scale where a GPU is available (``--gpu``; one prepared run within a 15-minute device
+#: budget): the CNN for 8 epochs with 6 seeds, a ResNet-18 (CIFAR-style, Fashion-MNIST at 32x32) for
+#: 4 epochs with 3 seeds; the devices' own results, not mixed with the CPU tables
+PROTOCOL_GPU = {
+    "cnn": dict(steps=3750, epochs=8, seeds=(0, 1, 2, 3, 4, 5), metric="accuracy", margin=-0.3,
+                prepare={}, train={}, epoch_steps=469),
+    "resnet18": dict(steps=1876, epochs=4, seeds=(0, 1, 2), metric="accuracy", margin=-0.3,
+                     prepare={}, train={}, epoch_steps=469),
+}
+
+
+def protocol_of(args: argparse.Namespace, model: str) -> dict:
+    """The protocol a command line asks for: CPU or GPU, full or quick (``--quick``), on ``--device``."""
+    if args.gpu:
+        proto = {**PROTOCOL_GPU[model]}
+        if args.quick:
+            proto.update(steps=3, seeds=(0, 1), prepare=dict(QUICK_PREPARE), epoch_steps=2, calibration_steps=2)
+        if args.device != "cpu":
+            proto["prepare"] = {**proto["prepare"], "device": args.device}
+        if args.data_root and not args.quick:
+            proto["prepare"] = {**proto["prepare"], "root": args.data_root}
+        return proto
+    return {**PROTOCOL[model], **(QUICK[model] if args.quick else {})}
+
+
+def suffix(args: argparse.Namespace) -> str:
+    """The results files' suffix: "", "_quick", "_gpu", "_gpu_quick"."""
+    return ("_gpu" if args.gpu else "") + ("_quick" if args.quick else "")
 
 
 @dataclass(frozen=True)
@@ -205,9 +235,9 @@ def study_jobs(args: argparse.Namespace) -> list[Job]:
     seed."""
     jobs: list[tuple[tuple, Job]] = []
     for model in args.models:
-        proto = {**PROTOCOL[model], **(QUICK[model] if args.quick else {})}
+        proto = protocol_of(args, model)
         configs = [c for c in configurations(model) if c.tier in args.tiers or c.table == "baseline"]
-        plans = plans_for(model, proto, configs, args.out / ("scale_plans_quick.json" if args.quick else "scale_plans.json"))
+        plans = plans_for(model, proto, configs, args.out / f"scale_plans{suffix(args)}.json")
         for i, cfg in enumerate(configs):
             plan, apply_kw = plans[cfg.label]
             info = {"table": cfg.table, "tier": cfg.tier, "placement": cfg.placement, "target_sparsity": cfg.sparsity,
@@ -229,7 +259,7 @@ def remaining(jobs: list[Job], path: Path) -> pd.DataFrame:
              "wall_s": done[j.key].get("wall_s") if j.key in done else math.nan} for j in jobs]
     df = pd.DataFrame(rows)
     med = df[df["done"]].groupby(["model", "steps", "planned"])["wall_s"].median().to_dict()
-    fallback = {"cnn": 0.11, "resnet20": 0.33, "transformer": 0.18}    # s per step, one thread, measured
+    fallback = {"cnn": 0.09, "resnet20": 0.33, "transformer": 0.21, "resnet18": 0.05}  # s per step, measured
 
     def estimate(r) -> float:
         if (r["model"], r["steps"], r["planned"]) in med:
@@ -423,15 +453,85 @@ def plot_forest(table: pd.DataFrame, path: Path) -> Path:
     return path
 
 
+def predicted_vs_achieved(df: pd.DataFrame, plans: dict, table: pd.DataFrame) -> pd.DataFrame:
+    """Per (model, configuration, layer) of every planned job kind: what the plan predicted (the
+    flushed fraction of a recommended format; the target sparsity of a pruning rule) beside what
+    training achieved (underflow, achieved sparsity; size-weighted over the run, mean over seeds),
+    and whether the configuration passed."""
+    verdict = {(r["model"], r["label"]): r["no_loss"] for _, r in table.iterrows()}
+    rows = []
+    for (model, label), g in df[df["label"] != "baseline"].groupby(["model", "label"], sort=False):
+        per = [j for j in g["layers"] if isinstance(j, dict)] if "layers" in g else []
+        if not per:
+            continue
+        pred = plan_predictions(plans, model, label)
+        pred = pred.set_index("layer") if len(pred) else pd.DataFrame()
+        for layer in per[0]:
+            vals = [p[layer] for p in per if layer in p]
+            row = {"model": model, "label": label, "layer": layer, "passed": verdict.get((model, label)),
+                   "target_sparsity": vals[0].get("target_sparsity"),
+                   "achieved_sparsity": float(pd.Series([v["achieved_sparsity"] for v in vals]).mean()),
+                   "underflow": float(pd.Series([v.get("underflow_fraction", math.nan) for v in vals]).mean()),
+                   "predicted_flushed": float(pred.loc[layer, "flushed"]) if layer in pred.index and "flushed" in pred
+                   else math.nan,
+                   "format": pred.loc[layer, "format"] if layer in pred.index else None}
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def plot_predicted(pva: pd.DataFrame, path: Path) -> Path:
+    """Two panels: per layer, the flushed fraction a recommended plan predicted against the
+    underflow its training measured, and the target sparsity against the achieved one; configurations
+    that did not pass the test in red, those that passed in green, pending in grey."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.4))
+    colour = lambda v: "#1b7837" if v is True else ("#b2182b" if v is False else "#999999")  # noqa: E731
+    marks = {"cnn": "o", "resnet20": "s", "transformer": "^"}
+    # formats alone (with pruning, the pruned values never reach the format to be flushed)
+    q = pva[pva["predicted_flushed"].notna() & pva["target_sparsity"].isna()] if len(pva) else pva
+    pr = pva[pva["target_sparsity"].notna() & pva["predicted_flushed"].isna()] if len(pva) else pva
+    for ax, d, x, y, title in ((axes[0], q, "predicted_flushed", "underflow", "recommended formats: flushed fraction"),
+                               (axes[1], pr, "target_sparsity", "achieved_sparsity", "pruning: sparsity")):
+        for model, g in d.groupby("model") if len(d) else []:
+            ax.scatter(g[x], g[y], c=[colour(v) for v in g["passed"]], marker=marks.get(model, "o"), s=22,
+                       alpha=0.8, edgecolors="none")
+            ax.scatter([], [], c="#555555", marker=marks.get(model, "o"), s=22, label=model)
+        ax.plot([0, 1], [0, 1], color="#888888", lw=0.8, ls="--")
+        ax.set_xlim(-0.02, 1.02)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("predicted (plan)" if x == "predicted_flushed" else "target")
+        ax.set_ylabel("measured in training (size-weighted, mean over seeds)")
+        ax.set_title(title, fontsize=9)
+        if len(d):
+            ax.legend(fontsize=7, title="red: loss not excluded; green: no loss", title_fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny data and steps, two seeds (the tests)")
     ap.add_argument("--out", default=str(RESULTS), help="directory of the results")
     ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each)")
     ap.add_argument("--tiers", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C"])
-    ap.add_argument("--models", nargs="+", default=list(PROTOCOL), choices=list(PROTOCOL))
+    ap.add_argument("--models", nargs="+", default=None, choices=sorted(set(PROTOCOL) | set(PROTOCOL_GPU)),
+                    help="default: every model of the protocol")
+    ap.add_argument("--gpu", action="store_true", help="the larger-scale protocol for a GPU (PROTOCOL_GPU)")
+    ap.add_argument("--device", default="cuda", help="with --gpu: the device to train on (default cuda)")
+    ap.add_argument("--data-root", default=None, help="with --gpu: a directory with the Fashion-MNIST IDX files "
+                    "(where the Debian package is not installed)")
     ap.add_argument("--remaining", action="store_true", help="print what is left to train and its estimated time")
     args = ap.parse_args(argv)
+    known = PROTOCOL_GPU if args.gpu else PROTOCOL
+    args.models = args.models or list(known)
+    if any(m not in known for m in args.models):
+        ap.error(f"--models: the {'GPU ' if args.gpu else ''}protocol has {sorted(known)}, got {args.models}")
     args.out = Path(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     return args
@@ -439,7 +539,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
-    jobs_path = args.out / ("scale_jobs_quick.jsonl" if args.quick else "scale_jobs.jsonl")
+    jobs_path = args.out / f"scale_jobs{suffix(args)}.jsonl"
     t0 = time.perf_counter()
     jobs = study_jobs(args)
     left = remaining(jobs, jobs_path)
@@ -451,13 +551,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if args.remaining:
         return left
     df = run_jobs(jobs, jobs_path, workers=args.workers, desc="scale study")
-    protocol = {m: {**PROTOCOL[m], **(QUICK[m] if args.quick else {})} for m in args.models}
+    protocol = {m: protocol_of(args, m) for m in args.models}
     table = paired_table(df, protocol)
     print(table[["model", "label", "seeds", "value_mean", "diff_mean", "ci_low", "ci_high", "no_loss"]]
           .to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    name = "scale_study_quick" if args.quick else "scale_study"
-    write_json(args.out / f"{name}.json", {
-        "command": "python experiments/scale_study.py" + (" --quick" if args.quick else ""),
+    write_json(args.out / f"scale_study{suffix(args)}.json", {
+        "command": "python experiments/scale_study.py" + (" --gpu" if args.gpu else "") + (" --quick" if args.quick else ""),
         "protocol": {m: {k: v for k, v in p.items() if k != "prepare" or v} for m, p in protocol.items()},
         "calibration_steps": CALIBRATION_STEPS, "tiers": args.tiers,
         "wall_s": round(time.perf_counter() - t0, 1), "environment": environment(),
