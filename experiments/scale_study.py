@@ -291,6 +291,7 @@ def paired_table(df: pd.DataFrame, protocol: dict) -> pd.DataFrame:
         if "baseline" not in wide:
             continue
         base = wide["baseline"]
+        bmean, bstd = float(base.mean()), float(base.std(ddof=1)) if len(base) > 1 else 0.0
         for label in dict.fromkeys(g["label"]):
             d = ((base - wide[label]) if loss else (wide[label] - base)).dropna()
             n = len(d)
@@ -300,7 +301,6 @@ def paired_table(df: pd.DataFrame, protocol: dict) -> pd.DataFrame:
             lo, hi = mean - half, mean + half
             gl = g[g["label"] == label]
             first = gl.iloc[0]
-            bmean, bstd = float(base.mean()), float(base.std(ddof=1)) if len(base) > 1 else 0.0
             vmean = float(wide[label].mean())
             within = (vmean <= bmean + bstd) if loss else (vmean >= bmean - bstd)
             rows.append({
@@ -346,25 +346,25 @@ def load_results(out: Path, *, quick: bool = False) -> tuple[pd.DataFrame, dict]
     return df, plans
 
 
+def stored_plan(plans: dict, model: str, label: str) -> dict | None:
+    """The ``Plan.to_dict()`` stored for ``(model, label)`` in a plans file, or None."""
+    return next((v["plan"] for key, v in plans.items() if key.startswith(f"{model}/{label}/")), None)
+
+
 def plan_formats(plans: dict, model: str, label: str) -> str:
     """The formats a stored plan puts on its layers ("e3m2fn", "e2m1fn/e3m2fn"; "-": none)."""
-    for key, v in plans.items():
-        if key.startswith(f"{model}/{label}/"):
-            plan = v["plan"]
-            fmts = {e.get("format") for e in plan.get("layers", []) if e.get("format")}
-            if plan.get("defaults", {}).get("format"):
-                fmts.add(plan["defaults"]["format"])
-            return "/".join(sorted(fmts)) or "-"
-    return "-"
+    plan = stored_plan(plans, model, label) or {}
+    fmts = {e.get("format") for e in plan.get("layers", []) if e.get("format")}
+    if plan.get("defaults", {}).get("format"):
+        fmts.add(plan["defaults"]["format"])
+    return "/".join(sorted(fmts)) or "-"
 
 
 def plan_predictions(plans: dict, model: str, label: str) -> pd.DataFrame:
     """The per-layer predictions a stored recommended plan carries (error, bias, flushed...)."""
-    for key, v in plans.items():
-        if key.startswith(f"{model}/{label}/"):
-            return pd.DataFrame([{"layer": e["layer"], "format": e.get("format"), **e["predicted"]}
-                                 for e in v["plan"].get("layers", []) if "predicted" in e])
-    return pd.DataFrame()
+    plan = stored_plan(plans, model, label) or {}
+    return pd.DataFrame([{"layer": e["layer"], "format": e.get("format"), **e["predicted"]}
+                         for e in plan.get("layers", []) if "predicted" in e])
 
 
 def criterion_ranking(table: pd.DataFrame, plans: dict) -> pd.DataFrame:

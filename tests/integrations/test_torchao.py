@@ -21,6 +21,21 @@ def _mlp():
                                torch.nn.Linear(64, 16))
 
 
+def _grads_at(model: torch.nn.Module, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients at ``model[layer]``'s input and output after a backward pass from ``x``."""
+    seen = {}
+
+    def keep(module, inputs, output):
+        inputs[0].retain_grad()
+        output.retain_grad()
+        seen["x"], seen["y"] = inputs[0], output
+
+    handle = model[layer].register_forward_hook(keep)
+    model(x).square().mean().backward()
+    handle.remove()
+    return seen["x"].grad, seen["y"].grad
+
+
 def _q(x: torch.Tensor, fmt: str) -> torch.Tensor:
     s = amax_scale(parse(fmt), float(x.abs().max()))
     return quantize(x * s, fmt) / s
@@ -30,21 +45,12 @@ def _q(x: torch.Tensor, fmt: str) -> torch.Tensor:
 def test_the_input_gradient_is_quantize_g_times_quantize_w(fmt):
     model = convert(_mlp(), gradstats.Plan.uniform(format=fmt, scale="amax"), emulate=True)
     assert [type(m).__name__ for m in model] == ["Float8Linear", "ReLU", "Float8Linear", "ReLU", "Linear"]
-    seen = {}
-
-    def keep(module, inputs, output):
-        inputs[0].retain_grad()
-        output.retain_grad()
-        seen["x"], seen["y"] = inputs[0], output
-
-    model[2].register_forward_hook(keep)
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
-    model(x).square().mean().backward()
-    g, w = seen["y"].grad, model[2].weight.detach()
+    dx, g = _grads_at(model, 2, torch.randn(8, 32, generator=torch.Generator().manual_seed(1)))
+    w = model[2].weight.detach()
     expected = _q(g, fmt) @ _q(w, "e4m3fn")            # torchao casts the weight for grad_input to e4m3fn
-    torch.testing.assert_close(seen["x"].grad, expected, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(dx, expected, rtol=1e-5, atol=1e-9)
     # and not the unquantised product: the cast is really there
-    assert not torch.allclose(seen["x"].grad, g @ w, rtol=1e-4, atol=0)
+    assert not torch.allclose(dx, g @ w, rtol=1e-4, atol=0)
 
 
 def test_a_recommended_8_bit_plan_converts_and_trains(tmp_path):
@@ -103,21 +109,11 @@ def test_an_mx_plan_is_torchaos_mxfp8_training_bit_for_bit(mode):
     assert type(model[2].weight).__name__ == "MXFP8TrainingWeightWrapperTensor"
     assert type(model[4].weight).__name__ == "Parameter"          # the output layer stays as it was
     w = model[2].weight.detach().clone()
-    seen = {}
-
-    def keep(module, inputs, output):
-        inputs[0].retain_grad()
-        output.retain_grad()
-        seen["x"], seen["y"] = inputs[0], output
-
-    model[2].register_forward_hook(keep)
-    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(2))
-    model(x).square().mean().backward()
-    g = seen["y"].grad
+    dx, g = _grads_at(model, 2, torch.randn(32, 32, generator=torch.Generator().manual_seed(2)))
     wq = quantize(w.t().contiguous(), "e4m3fn", block_size=32, scale_rounding=mode).t()
     expected = quantize(g, "e4m3fn", block_size=32, scale_rounding=mode) @ wq
-    torch.testing.assert_close(seen["x"].grad, expected, rtol=1e-6, atol=0)
-    assert not torch.allclose(seen["x"].grad, g @ w, rtol=1e-4, atol=0)
+    torch.testing.assert_close(dx, expected, rtol=1e-6, atol=0)
+    assert not torch.allclose(dx, g @ w, rtol=1e-4, atol=0)
 
 
 def test_a_recommended_mx_plan_converts_and_nvfp4_is_listed(tmp_path):
