@@ -162,37 +162,40 @@ def _pass2(a: torch.Tensor, lo: int, hi: int, p: dict[str, float], *, vuong: boo
         k = e - st
         u = torch.log(ch, out=bu[:k]).sub_(mu).mul_(inv_sigma)
         if vuong:
+            # sums of products through torch's cascade reduction, not ``torch.dot``: BLAS dot
+            # products accumulate per SIMD lane, with an error that differs by CPU
             u2 = torch.mul(u, u, out=bu2[:k])
-            out["s3"] += float(torch.dot(u2, u))
-            out["s4"] += float(torch.dot(u2, u2))
+            out["s3"] += float(torch.mul(u2, u, out=bd[:k]).sum())
+            out["s4"] += float(torch.mul(u2, u2, out=bd[:k]).sum())
             # centred per-sample log-likelihoods: P (lognormal), -Q (half-normal), -R (exponential)
             P = torch.sub(u2, 1.0, out=bP[:k]).mul_(0.5).add_(u, alpha=sigma).neg_()
             Q = torch.mul(ch, inv_s, out=bt[:k]).square_().sub_(1.0).mul_(0.5)
             R = torch.mul(ch, inv_b, out=bF[:k]).sub_(1.0)
             d = torch.add(P, Q, out=bd[:k])
-            out["v"][0] += float(torch.dot(d, d))
+            out["v"][0] += float(d.square_().sum())
             d = torch.add(P, R, out=bd[:k])
-            out["v"][1] += float(torch.dot(d, d))
+            out["v"][1] += float(d.square_().sum())
             d = torch.sub(R, Q, out=bd[:k])
-            out["v"][2] += float(torch.dot(d, d))
+            out["v"][2] += float(d.square_().sum())
         if not ks:
             continue
         ramp = torch.add(ramp0[:k], st / m, out=bd[:k])
         # lognormal: F = Phi(u) = erfc(-u/sqrt2)/2; Anderson-Darling needs ln Phi(u), ln Phi(-u)
         t = torch.mul(u, -1.0 / _SQRT2, out=bt[:k])
         F = torch.erfc(t, out=bF[:k]).mul_(0.5)
+        # the logs in float64: a float32 log's rounding can be biased (by ~0.01 ulp on some
+        # CPUs), and m weighted terms turn a bias into an error that grows with m
+        f64 = torch.float64
         if float(u[0]) < -12.0 or float(u[-1]) > 12.0:  # deep tails (sorted): log-CDF directly
-            A = torch.special.log_ndtr(u)
-            B = torch.special.log_ndtr(-u)
+            A64 = torch.special.log_ndtr(u.to(f64))
+            B64 = torch.special.log_ndtr(-u.to(f64))
         else:
-            A = torch.log(F, out=bP[:k])
+            A64 = F.to(f64, copy=True).log_()
             if float(F[-1]) <= 0.5:  # 1 - F >= 1/2 holds its precision
-                B = torch.neg(F, out=bu2[:k]).log1p_()
+                B64 = F.to(f64, copy=True).neg_().log1p_()
             else:
-                B = torch.erfc(t.neg_(), out=bu2[:k]).mul_(0.5).log_()
-        w0 = (2.0 * st + 1.0) / m
-        A64 = A.to(torch.float64)  # weights up to 2m: accumulate in float64
-        B64 = B.to(torch.float64)
+                B64 = torch.erfc(t.neg_(), out=bu2[:k]).to(f64, copy=True).mul_(0.5).log_()
+        w0 = (2.0 * st + 1.0) / m   # weights up to 2m: accumulate in float64
         out["ad"] += (w0 * float(A64.sum()) + 2.0 / m * float(torch.dot(jr[:k], A64))
                       + (2.0 - w0) * float(B64.sum()) - 2.0 / m * float(torch.dot(jr[:k], B64)))
         for fam in FAMILIES:

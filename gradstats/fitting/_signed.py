@@ -91,7 +91,7 @@ def _signed(x: torch.Tensor) -> tuple[dict[str, float], int]:
     buf = torch.empty(min(CHUNK, nf), dtype=x.dtype, device=x.device)
     for s, e in _chunks(0, nf):
         d = torch.sub(x[s:e], mean, out=buf[:e - s])
-        ss += float(torch.dot(d, d))
+        ss += float(d.square().sum())  # cascade sum: BLAS dot accumulates per lane
         d = torch.sub(x[s:e], med, out=buf[:e - s]).abs_()
         sa += float(d.sum())
     return {"normal_loc": mean, "normal_std": math.sqrt(ss / nf),

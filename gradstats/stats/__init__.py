@@ -155,6 +155,11 @@ def _reduce(x: torch.Tensor) -> torch.Tensor:
         amin = torch.where(nz, a, math.inf).min()
         has_sub = (not on_cpu) or int(counts[_SUBNORMAL_FIELD]) > int(n_zero)
     hist = _histogram(a, field, counts, has_sub)
+    # sums of squares through torch's own (cascade) reduction, not ``torch.dot``: BLAS dot
+    # products accumulate per SIMD lane, with an error that grows with n and differs by CPU
+    sum_lg = lg.sum().to(f64)
+    sum_lg_sq = lg.square_().sum().to(f64)   # ``lg`` is ours: square it in place
+    sum_sq = xs.square().sum().to(f64)
     nan = torch.tensor(math.nan, dtype=f64, device=x.device)
     has_nz = n_nz > 0
     scalars = torch.stack([
@@ -163,9 +168,9 @@ def _reduce(x: torch.Tensor) -> torch.Tensor:
         n_nonfinite.to(device=x.device),
         xs.sum().to(f64),
         as_.sum().to(f64),
-        torch.dot(xs, xs).to(f64),
-        lg.sum().to(f64),
-        torch.dot(lg, lg).to(f64),
+        sum_sq,
+        sum_lg,
+        sum_lg_sq,
         torch.where(has_nz, amin.to(f64), nan),
         torch.where(has_nz, as_.max().to(f64), nan),
     ])
