@@ -270,6 +270,9 @@ def fashion_mnist_sources(root: str | os.PathLike | None = None) -> list[tuple[s
     return out
 
 
+_SUBSET_WARNED: list[bool] = []
+
+
 def load_fashion_mnist(
     root: str | os.PathLike | None = None,
     *,
@@ -336,6 +339,11 @@ def load_fashion_mnist(
             x = x.sub_(FASHION_MEAN).div_(FASHION_STD)
         x = _pad(x, size)
         log.info("Fashion-MNIST %s: %d images from the %s (%s)", split, len(y), name, directory)
+        if name == SUBSET and source == "auto" and root is None and not _SUBSET_WARNED:
+            _SUBSET_WARNED.append(True)          # once per process: a fallback a study must not miss
+            log.warning("the full Fashion-MNIST set is not installed: using the committed subset (6,000 train, "
+                        "1,000 test images). For the full set: apt-get install dataset-fashion-mnist, or "
+                        "root=DIR with the IDX files; source='subset' silences this")
         return ImageDataset(x, y, "fashion-mnist", split, name, directory, FASHION_CLASSES)
     looked = ", ".join(str(d) for _, d in candidates) or "nowhere (no committed data directory found)"
     raise FileNotFoundError(f"Fashion-MNIST {split} split not found (looked in {looked}). {HOW_TO_GET_FASHION}")

@@ -125,6 +125,18 @@ def test_corrupt_or_inconsistent_files_name_the_file(tmp_path):
         D.load_fashion_mnist(tmp_path)
 
 
+def test_fallback_to_the_subset_is_logged_once(tmp_path, monkeypatch, caplog):
+    """source='auto' without the full set says so (once): a study must not train on the subset unaware."""
+    monkeypatch.setattr(D, "DEBIAN_FASHION_MNIST", tmp_path / "absent")
+    monkeypatch.setattr(D, "_SUBSET_WARNED", [])
+    with caplog.at_level("WARNING", logger=D.log.name):
+        assert D.load_fashion_mnist(split="test").source == "committed subset"
+        D.load_fashion_mnist(split="train")
+        D.load_fashion_mnist(split="test", source="subset")
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "committed subset" in r.getMessage()]
+    assert len(warned) == 1 and "apt-get install dataset-fashion-mnist" in warned[0].getMessage()
+
+
 def test_search_order_and_fallback(tmp_path, monkeypatch):
     """Debian path first, else the committed subset; with neither, a clear error."""
     monkeypatch.setattr(D, "DEBIAN_FASHION_MNIST", tmp_path / "absent")
