@@ -1,5 +1,6 @@
-"""``gradstats export PLAN --to json|torchao [--model RUN] [-o FILE]``: a saved plan resolved per
-layer in another stack's terms (:meth:`gradstats.Plan.export`), printed or written as JSON."""
+"""``gradstats export PLAN --to json|torchao|te [--model RUN] [-o FILE]``: a saved plan resolved per
+layer in another stack's terms (:meth:`gradstats.Plan.export`), printed or written as JSON (YAML:
+``te``, Transformer Engine's debug config for nvdlfw-inspect)."""
 from __future__ import annotations
 
 import argparse
@@ -7,13 +8,14 @@ import json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="export a saved plan per layer for another stack (json, torchao)")
+    p = sub.add_parser("export", help="export a saved plan per layer for another stack (json, torchao, te)")
     p.add_argument("plan", help="a plan file (gradstats recommend ... -o plan.json)")
-    p.add_argument("--to", default="json", choices=["json", "torchao"], help="the target (default json)")
+    p.add_argument("--to", default="json", choices=["json", "torchao", "te"],
+                   help="the target (default json; te: Transformer Engine's nvdlfw-inspect YAML)")
     p.add_argument("--model", default=None,
                    help="a run directory whose layers resolve the plan's patterns (needed for torchao and for "
                         "plans with patterns)")
-    p.add_argument("-o", "--out", default=None, help="write the export here (JSON); default: print it")
+    p.add_argument("-o", "--out", default=None, help="write the export here (JSON; YAML for te); default: print it")
     p.add_argument("--strict", action="store_true", help="fail when the target cannot express part of the plan")
     p.set_defaults(func=run)
 
@@ -32,6 +34,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {w.message}")
     if args.out:
         print(f"{args.to} export of {args.plan}: {args.out}")
+    elif args.to == "te":
+        from gradstats.plan._export import te_yaml
+
+        print(te_yaml(doc), end="")
     else:
         print(json.dumps(doc, indent=2))
     return 0

@@ -10,6 +10,10 @@ training recipe (``{"recipe": "mxfp8", "scale_calculation_mode": ...}``). Only w
 express is mapped; the rest is reported (see ``docs/plan-format.md`` for the mapping and how to
 build the torchao objects from it).
 
+``"te"``: a Transformer Engine debug config for nvdlfw-inspect (one section per layer: FakeQuant
+of the gradient to the layer's FP8 format, or its gradient GEMMs kept in high precision, and the
+gradient's statistics logged; :mod:`gradstats.plan._export_te`), written as YAML with ``path=``.
+
 What a target cannot express is reported once, as a ``UserWarning`` (``warnings.warn``): a
 lossy export the caller asked for, which they may have to make up for in their own code
 (``strict=True`` makes it a ``ValueError``). It is not logged as well, so it shows once with
@@ -29,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from gradstats.plan._plan import Plan
 
 #: targets of :meth:`gradstats.plan.Plan.export`
-EXPORT_TARGETS = ("json", "torchao")
+EXPORT_TARGETS = ("json", "torchao", "te")
 #: schema name and version of an export document
 EXPORT_SCHEMA = "gradstats.plan.export"
 EXPORT_VERSION = 1
@@ -38,7 +42,8 @@ TORCHAO_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m
 #: MX block scale roundings torchao's MXFP8 training takes (its ScaleCalculationMode), by gradstats' name
 TORCHAO_MX_SCALE_ROUNDINGS = ("floor", "rceil", "even", "ceil")
 
-_ALIASES = {"json": "json", "torchao": "torchao", "torchao.float8": "torchao"}
+_ALIASES = {"json": "json", "torchao": "torchao", "torchao.float8": "torchao", "te": "te",
+            "transformer_engine": "te"}
 
 
 def _resolved(plan: "Plan", model: Any, need_types: bool) -> list[tuple[str, Rule, tuple[str, ...] | None]]:
@@ -182,6 +187,23 @@ def export(plan: "Plan", target: str, model: Any = None, *, path: str | os.PathL
         doc: dict[str, Any] = {"schema": EXPORT_SCHEMA, "version": EXPORT_VERSION, "target": "json",
                                "provenance": prov,
                                "layers": {name: _json_layer(r) for name, r, _ in resolved}}
+    elif target == "te":
+        from gradstats.layers import module_candidates
+        from gradstats.plan._export_te import section_name, te_section
+
+        rules: dict[str, Rule | None] = {name: r for name, r, _ in resolved}
+        out = plan.output_layer_of(model) if model is not None else (
+            plan.output_layer if plan.output_layer not in (None, "auto") else None)
+        if out is not None and out not in rules:
+            rules[out] = None              # the plan leaves it in high precision
+        types = dict(module_candidates(model)) if model is not None else {}
+        config = {}
+        for name, r in rules.items():
+            sec = te_section(name, r, types.get(name), skipped, dropped)
+            if sec is not None:
+                config[section_name(len(config), name)] = sec
+        doc = {"schema": EXPORT_SCHEMA, "version": EXPORT_VERSION, "target": "transformer_engine",
+               "provenance": prov, "config": config, "skipped": skipped, "dropped": dropped}
     else:
         configs = {}
         for name, r, types in resolved:
@@ -200,5 +222,26 @@ def export(plan: "Plan", target: str, model: Any = None, *, path: str | os.PathL
     if path is not None:
         from gradstats.run import atomic_write_bytes
 
-        atomic_write_bytes(Path(path), (json.dumps(doc, indent=2, allow_nan=False) + "\n").encode())
+        atomic_write_bytes(Path(path), (te_yaml(doc) if target == "te" else
+                                        json.dumps(doc, indent=2, allow_nan=False) + "\n").encode())
     return doc
+
+
+def te_yaml(doc: dict[str, Any]) -> str:
+    """A ``"te"`` export document as the YAML file nvdlfw-inspect reads: its sections, after comments
+    that say where the plan came from and what Transformer Engine could not express."""
+    from gradstats.plan._export_te import to_yaml
+
+    prov = doc.get("provenance") or {}
+    head = [f"Transformer Engine debug config (nvdlfw-inspect) from a gradstats plan ({EXPORT_SCHEMA} v{EXPORT_VERSION})"]
+    if prov:
+        head.append(f"plan: {prov.get('generator') or ''} from {prov.get('source') or 'unknown'}".rstrip())
+    for what, per in (("skipped", {n: [why] for n, why in doc["skipped"].items()}), ("dropped", doc["dropped"])):
+        by_note: dict[str, list[str]] = {}
+        for n, notes in per.items():
+            for note in notes:
+                by_note.setdefault(note, []).append(n)
+        head += [f"{what} at {', '.join(names)}: {note}" for note, names in by_note.items()]
+    head.append("use: nvdlfw_inspect.api.initialize(config_file=THIS_FILE, feature_dirs=[TE's "
+                "transformer_engine/debug/features])")
+    return to_yaml(doc["config"], head)

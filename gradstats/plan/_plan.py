@@ -501,12 +501,14 @@ class Plan:
         """The plan resolved per layer in another stack's terms (a JSON-ready dict).
 
         ``target``: ``"json"`` (per layer: format name and fields, scale rule and value,
-        rounding, blocks, pruning) or ``"torchao"`` (``torchao.float8`` ``Float8LinearConfig``
-        fields per linear layer: the ``grad_output`` casts; see ``docs/plan-format.md``).
+        rounding, blocks, pruning), ``"torchao"`` (``torchao.float8`` ``Float8LinearConfig``
+        fields per linear layer: the ``grad_output`` casts) or ``"te"`` (a Transformer Engine
+        debug config for nvdlfw-inspect under ``"config"``, written as YAML with ``path``); see
+        ``docs/plan-format.md``.
         ``model``: anything :meth:`resolve` takes; ``None`` uses the plan's exact layer names
         (no patterns allowed). What the target cannot express is listed under ``"dropped"``
         (per layer) and ``"skipped"`` (layers left out), with a warning; ``strict`` raises instead.
-        ``path``: also write the result there as JSON.
+        ``path``: also write the result there (JSON; YAML for ``"te"``).
 
         Example:
             >>> plan = Plan([PlanEntry("fc", format="e5m2", scale="amax")])

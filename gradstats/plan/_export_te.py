@@ -1,0 +1,126 @@
+"""The Transformer Engine target of :meth:`gradstats.plan.Plan.export` (``"te"``): a debug config
+for NVIDIA's nvdlfw-inspect, the tool through which Transformer Engine (TE) lets a YAML file
+change and watch, layer by layer, what its low-precision recipes do.
+
+One section per layer, matched by a regex on the layer's name (``(^|\\.)NAME$``: the name, with
+any prefix a wrapper adds):
+
+- a layer the plan quantises to FP8 (``e4m3fn``, ``e5m2``; per tensor, or MX blocks of 32 with
+  E8M0 scales): TE's ``FakeQuant`` on the ``gradient`` tensor of the two backward GEMMs
+  (``dgrad``, ``wgrad``) with the matching ``quant_format`` (``FP8E4M3``, ``FP8E5M2``,
+  ``MXFP8E4M3``, ``MXFP8E5M2``). FakeQuant quantises and dequantises the gradient and runs those
+  GEMMs in high precision: the plan's numerics per layer, not FP8's speed (TE's recipes choose one
+  gradient format for every layer; a per-layer choice is what FakeQuant is for);
+- a layer the plan leaves in high precision (the output layer, a rule without a format):
+  ``DisableQuantizationGEMM`` for ``dgrad`` and ``wgrad``, so that its gradient GEMMs stay in
+  high precision whatever the recipe;
+- on both: ``LogTensorStats`` of the gradient (``min``, ``max``, ``mean``, ``std``, ``cur_amax``,
+  ``dynamic_range``, and with blocks ``max_blockwise_dynamic_range``), every step.
+
+What TE cannot express is reported, as for the other targets: formats other than FP8 (FP6, FP4,
+NVFP4 blocks have no FakeQuant format), convolutions (TE quantises its Linear-type modules),
+pruning, stochastic rounding, lognormal and fixed scales, scale shifts (TE's current scaling maps
+the amax onto the format's maximum exactly, with a scale that is not a power of two), and the
+E8M0 rounding rule of MX blocks (TE's MXFP8 quantiser applies its own).
+
+The names, keys and values are those of TE's ``transformer_engine/debug/features`` (TE 2.x:
+``FakeQuant``, ``DisableQuantizationGEMM``, ``LogTensorStats``); nvdlfw-inspect checks the feature
+names when it loads the file, TE the keys and values when a layer first calls them.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gradstats.plan._rules import Rule
+
+#: the namespace TE registers its debug features under
+TE_NAMESPACE = "transformer_engine"
+#: the GEMMs TE's features select by name; those that consume the neural gradient
+TE_GEMMS = ("fprop", "dgrad", "wgrad")
+TE_GRADIENT_GEMMS = ("dgrad", "wgrad")
+#: FakeQuant's quant_format per (gradstats format, block size)
+TE_FAKE_QUANT = {("e4m3fn", None): "FP8E4M3", ("e5m2", None): "FP8E5M2",
+                 ("e4m3fn", 32): "MXFP8E4M3", ("e5m2", 32): "MXFP8E5M2"}
+#: the statistics of the gradient each section logs (TE's LogTensorStats; plus the largest
+#: per-block dynamic range where the plan has blocks)
+TE_LOG_STATS = ("min", "max", "mean", "std", "cur_amax", "dynamic_range")
+#: torch's convolutions: no TE counterpart
+_CONVOLUTIONS = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")
+
+
+def layer_regex(name: str) -> str:
+    """The ``layer_name_regex_pattern`` of a layer: its name at the end, after any prefix.
+
+    Example:
+        >>> import re
+        >>> bool(re.search(layer_regex("blocks.0.fc1"), "model.blocks.0.fc1")), bool(re.search(layer_regex("fc1"), "fc10"))
+        (True, False)
+    """
+    return r"(^|\.)" + re.escape(name) + "$"
+
+
+def _log(block: int | None) -> dict[str, Any]:
+    stats: list[Any] = list(TE_LOG_STATS)
+    if block is not None:
+        stats.append({"max_blockwise_dynamic_range": {"block_size": int(block), "dims": 1}})
+    return {"enabled": True, "tensors": ["gradient"], "stats": stats, "freq": 1}
+
+
+def te_section(name: str, r: Rule | None, types: tuple[str, ...] | None, skipped: dict[str, str],
+               dropped: dict[str, list[str]]) -> dict[str, Any] | None:
+    """The section of one layer (``r`` None: a layer the plan leaves in high precision), or None
+    with the reason in ``skipped``."""
+    if types and any(t in _CONVOLUTIONS for t in types):
+        skipped[name] = (f"{types[0]}: Transformer Engine quantises its Linear-type modules (te.Linear, "
+                         "LayerNormLinear, LayerNormMLP...), not convolutions")
+        return None
+    features: dict[str, Any]
+    notes: list[str] = []
+    block = None
+    if r is None or r.format is None:
+        features = {"DisableQuantizationGEMM": {"enabled": True, "gemms": list(TE_GRADIENT_GEMMS)}}
+    else:
+        block = r.block_size
+        fmt = TE_FAKE_QUANT.get((str(r.format), block))
+        if fmt is None or (block is not None and r.scale_format != "e8m0"):
+            what = f"{r.format}" + (f" in blocks of {block} ({r.scale_format} scales)" if block else " per tensor")
+            skipped[name] = (f"{what}: Transformer Engine's FakeQuant has FP8E4M3, FP8E5M2 per tensor and "
+                             "MXFP8E4M3, MXFP8E5M2 (blocks of 32, E8M0) only")
+            return None
+        features = {"FakeQuant": {"enabled": True, "gemms": list(TE_GRADIENT_GEMMS), "tensors": ["gradient"],
+                                  "quant_format": fmt}}
+        if block is None:
+            if r.scale != "amax":
+                notes.append(f"scale rule {r.scale!r}: TE scales each step's gradient by its amax")
+            else:
+                notes.append("amax scale: TE maps the amax onto the format's maximum exactly (a scale that is "
+                             "not a power of two)" + (f"; scale_shift {r.scale_shift} dropped" if r.scale_shift else ""))
+        elif r.scale_rounding not in (None, "floor"):
+            notes.append(f"scale_rounding {r.scale_rounding!r}: TE's MXFP8 quantiser rounds its E8M0 scales its "
+                         "own way")
+        if r.rounding != "nearest":
+            notes.append(f"rounding {r.rounding!r}: TE's FakeQuant rounds to nearest")
+    if r is not None and r.prunes:
+        notes.append(f"sparsity {r.sparsity} ({r.threshold_rule} threshold): Transformer Engine does not prune "
+                     "gradients")
+    if notes:
+        dropped[name] = notes
+    features["LogTensorStats"] = _log(block)
+    return {"enabled": True, "layers": {"layer_name_regex_pattern": layer_regex(name)}, TE_NAMESPACE: features}
+
+
+def section_name(i: int, name: str) -> str:
+    """A YAML key for layer ``name`` (the i-th section): ``gradstats_3_blocks_0_fc1``."""
+    return f"gradstats_{i}_" + re.sub(r"\W+", "_", name).strip("_")
+
+
+def to_yaml(config: dict[str, Any], header: list[str]) -> str:
+    """The config as YAML (PyYAML), after ``header`` lines as comments."""
+    try:
+        import yaml
+    except ImportError as e:  # pragma: no cover - PyYAML comes with the te extra
+        raise ImportError("the 'te' export writes YAML through PyYAML: pip install pyyaml "
+                          "(or pip install 'gradstats[te]')") from e
+    head = "".join(f"# {line}\n" for line in header)
+    return head + yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100)
