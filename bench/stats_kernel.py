@@ -10,6 +10,10 @@ them, one tensor after another, as the tracer does in a step:
   native, full          the C kernel as built for this CPU (AVX-512 where it has it):
                         scalar statistics, binade counts and top 64
   native, scalars       the same, scalar statistics alone (``full=False``: apply's refresh)
+  native, full + blocks the same pass also counting every block of 16 and of 32 (per-block
+                        dynamic ranges: ``trace(..., blocks=(16, 32))``)
+  torch, blocks sampled ``gradstats.stats.blocks.blocks_stats(g, (16, 32), sample=2048)``: what
+                        the tracer runs for blocks without the kernel (a GPU), for scale
   native portable, full the C kernel's portable loop (what CPUs without AVX-512 run)
   torch ops, full       the same statistics from torch reductions (the reference path; what runs
                         without a C compiler)
@@ -27,10 +31,12 @@ import statistics
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 from _common import describe, fixed_batches
 
 import gradstats.stats as stats_mod  # noqa: E402
+from gradstats.stats.blocks import blocks_stats  # noqa: E402
 from gradstats.zoo.models import build_model  # noqa: E402
 
 
@@ -62,6 +68,25 @@ def with_kernel(kernel, full: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     return run
 
 
+def with_blocks(kernel) -> Callable[[torch.Tensor], None]:
+    rows = stats_mod.VectorRows()
+    counts = np.zeros((2, 65), np.int64)
+
+    def run(g: torch.Tensor) -> None:
+        saved = stats_mod._native_kernel
+        stats_mod._native_kernel = lambda: kernel
+        try:
+            stats_mod.write_stats(g.contiguous(), rows.claim(), blocks=counts)
+            rows.take()
+        finally:
+            stats_mod._native_kernel = saved
+    return run
+
+
+def blocks_sampled(g: torch.Tensor) -> None:
+    blocks_stats(g, (16, 32), sample=2048)
+
+
 def histc_only(g: torch.Tensor) -> torch.Tensor:
     a = g.detach().reshape(-1).abs()
     return torch.histc(torch.log2(a[a > 0]), bins=277, min=-149, max=128)
@@ -79,10 +104,12 @@ def main() -> None:
         rows["native, full"] = with_kernel(native, True)
         rows["native, scalars"] = with_kernel(native, False)
         rows["native portable, full"] = with_kernel(portable, True)
+        rows["native, full + blocks"] = with_blocks(native)
+    rows["torch, blocks sampled"] = blocks_sampled
     rows["torch ops, full"] = with_kernel(None, True)
     rows["torch.histc only"] = histc_only
     print(f"statistics kernel: {describe()}, batch {args.batch}, medians of {args.repeats} interleaved repeats")
-    print(f"{'model':<10} {'values':>8} {'row':<24} {'ms/step':>8} {'ns/value':>9} {'x torch':>8}")
+    print(f"{'model':<10} {'values':>8} {'row':<26} {'ms/step':>8} {'ns/value':>9} {'x torch':>8}")
     for name in args.models:
         grads = gradients(name, args.batch)
         n = sum(g.numel() for g in grads)
@@ -95,7 +122,7 @@ def main() -> None:
                 times[label].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in times.items()}
         for label, t in med.items():
-            print(f"{name:<10} {n / 1e6:7.2f}M {label:<24} {t * 1e3:8.2f} {t / n * 1e9:9.3f} "
+            print(f"{name:<10} {n / 1e6:7.2f}M {label:<26} {t * 1e3:8.2f} {t / n * 1e9:9.3f} "
                   f"{med['torch ops, full'] / t:8.2f}")
 
 

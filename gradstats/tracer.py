@@ -40,6 +40,7 @@ from gradstats.layers import module_types
 from gradstats.run import FORMAT_VERSION, RunWriter, atomic_write_json, last_committed_step, sample_key
 from gradstats.run.select import layer_matcher
 from gradstats.stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
+from gradstats.stats.blocks import BLOCK_SIZES, RANGE_BINS
 from gradstats.wrappers import named_layers, unwrap
 
 log = logging.getLogger(__name__)
@@ -505,16 +506,26 @@ class Tracer:
         # with or without grad mode
         vec = None
         if do_stats:
+            want_blocks = self.blocks is not None and kind == "grad"
+            counts = found = None
             if kernel_applies(t):     # the common case on the CPU: the kernel writes a row in place
+                if want_blocks and set(self.blocks) & set(BLOCK_SIZES):   # and counts every block of those
+                    counts = np.zeros((2, 1 + RANGE_BINS), np.int64)
                 with self._lock:      # (held while it writes: a flush never takes a half-written row)
-                    write_stats(t, self._rows.claim())
+                    write_stats(t, self._rows.claim(), blocks=counts)
                     self._row_keys.append((step, layer, kind, call))
             else:
                 vec = tensor_stats_vector(t)
-            if self.blocks is not None and kind == "grad":
-                from gradstats.stats.blocks import blocks_stats
+            if want_blocks:
+                from gradstats.stats.blocks import blocks_stats, kernel_block_stats
 
-                found = blocks_stats(t, self.blocks, sample=self.block_sample, generator=self._generator(t.device))
+                done = [b for b in self.blocks if b in BLOCK_SIZES] if counts is not None else []
+                rest = [b for b in self.blocks if b not in done]
+                by_size = dict(zip(done, kernel_block_stats(counts, t.numel(), done))) if done else {}
+                if rest:
+                    by_size.update(zip(rest, blocks_stats(t, rest, sample=self.block_sample,
+                                                          generator=self._generator(t.device))))
+                found = [by_size[b] for b in self.blocks]
                 rows = [{"step": step, "layer": layer, "kind": kind, "call": call, "block_size": b, **st}
                         for b, st in zip(self.blocks, found)]
                 with self._lock:
@@ -694,10 +705,12 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
         blocks: block sizes (``(16, 32)``: NVFP4 and MX) of per-block statistics of each neural
             gradient on the steps statistics are taken: the blocks' dynamic ranges, into the run's
             ``"blocks"`` table (:mod:`gradstats.stats.blocks`; :func:`gradstats.stats.blocks.flushed_blocks`
-            turns them into the fraction of blocks a block-scaled format flushes). Opt-in.
-        block_sample: blocks counted per tensor and block size, a uniform random sample (default
-            2048: a cost that does not grow with the tensor, fractions within 1.1 points); None:
-            every block (a few passes over the tensor).
+            turns them into the fraction of blocks a block-scaled format flushes). Opt-in. On the
+            CPU, blocks of 16 and 32 are counted, every one of them, in the statistics kernel's own
+            pass (while each part of the tensor is in L1; ``bench/trace_overhead.py`` measures it).
+        block_sample: elsewhere (a GPU, other block sizes, no C compiler): blocks counted per tensor
+            and block size, a uniform random sample (default 2048: a cost that does not grow with
+            the tensor, fractions within 1.1 points); None: every block (a few passes over the tensor).
 
     Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
 

@@ -188,7 +188,7 @@ def _native_kernel(portable: bool = False):
 
     return function("stats", "gs_stats_f32",
                     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                     ctypes.c_int, ctypes.c_int], defines=("GS_PORTABLE",) if portable else ())
+                     ctypes.c_int, ctypes.c_int, ctypes.c_void_p], defines=("GS_PORTABLE",) if portable else ())
 
 
 def has_native_kernel() -> bool:
@@ -203,12 +203,15 @@ def kernel_applies(x: torch.Tensor) -> bool:
             and _native_kernel() is not None)
 
 
-def write_stats(x: torch.Tensor, address: int, *, full: bool = True) -> None:
+def write_stats(x: torch.Tensor, address: int, *, full: bool = True, blocks: np.ndarray | None = None) -> None:
     """Write the statistics vector of ``x`` (see :func:`tensor_stats_vector`) at ``address``:
     ``VECTOR_LEN`` float64 values that the caller owns, such as a row of :class:`VectorRows`.
     The C kernel writes every field in place: no allocation, no tensor operation, the least a
     capture in a training step can cost. ``x`` must satisfy :func:`kernel_applies`.
-    ``full=False``: the scalar fields only (the rest is left as it was).
+    ``full=False``: the scalar fields only (the rest is left as it was). ``blocks``: a
+    C-contiguous int64 array of shape ``(2, 1 + RANGE_BINS)`` that the same pass fills with the
+    per-block statistics of blocks of 16 and 32 (:func:`gradstats.stats.blocks.kernel_block_stats`
+    reads them; overwritten).
 
     Example:
         >>> rows = VectorRows()
@@ -220,12 +223,20 @@ def write_stats(x: torch.Tensor, address: int, *, full: bool = True) -> None:
     if not kernel_applies(x):
         raise ValueError("write_stats needs a non-empty contiguous float32 CPU tensor and the C "
                          "kernel (see kernel_applies); use tensor_stats_vector for anything else")
+    bh = None
+    if blocks is not None:
+        if not (isinstance(blocks, np.ndarray) and blocks.dtype == np.int64 and blocks.shape == (2, 65)
+                and blocks.flags.c_contiguous and blocks.flags.writeable):
+            raise ValueError("blocks must be a writeable C-contiguous int64 numpy array of shape (2, 65) "
+                             "(blocks of 16 and 32: zero blocks, then 64 range bins)")
+        blocks[...] = 0
+        bh = blocks.ctypes.data
     k = len(SCALAR_FIELDS)
     if full:
         _native_kernel()(x.data_ptr(), x.numel(), address, address + 8 * k, address + 8 * (k + HIST_BINS),
-                         TOP_K, torch.get_num_threads())
+                         TOP_K, torch.get_num_threads(), bh)
     else:
-        _native_kernel()(x.data_ptr(), x.numel(), address, None, None, 0, torch.get_num_threads())
+        _native_kernel()(x.data_ptr(), x.numel(), address, None, None, 0, torch.get_num_threads(), bh)
 
 
 class VectorRows:

@@ -7,10 +7,13 @@ For a block size ``B`` (entries in memory order, the last block padded with zero
 count of each *dynamic range* ``floor(log2 max|x|) - floor(log2 min|x|)`` over the block's
 non-zero entries, in binades (``0..RANGE_BINS - 1``, the last bin holding everything wider).
 ``gradstats.trace(..., blocks=(16, 32))`` records them per captured gradient into the run's
-``"blocks"`` table (opt-in), from a uniform random sample of 2048 blocks per tensor by default
-(``block_sample=``, drawn with replacement; None counts every block, at a few passes over the
-tensor): the fractions it gives then carry a sampling error of at most 1.1 points (one standard
-error). Exponents are read from the float32 bit pattern: float32 subnormals count as zeros.
+``"blocks"`` table (opt-in). On the CPU the statistics kernel counts every block of 16 and of 32
+in the same pass as the other statistics (:func:`kernel_block_stats`: exact, ``n_sampled ==
+n_blocks``); elsewhere (a GPU, other block sizes) from a uniform random sample of 2048 blocks
+per tensor by default (``block_sample=``, drawn with replacement; None counts every block, at a
+few passes over the tensor): the fractions it gives then carry a sampling error of at most 1.1
+points (one standard error). Exponents are read from the float32 bit pattern: float32 subnormals
+(and inf, NaN) count as zeros.
 
 What a block-scaled format flushes follows from the range (:func:`flushed_blocks`): with the
 block's largest entry at the top of the format, an entry ``r`` binades below it is flushed when
@@ -33,12 +36,40 @@ import torch
 
 from gradstats.formats import FPFormat, parse
 
-__all__ = ["block_stats", "blocks_stats", "flushed_blocks", "RANGE_BINS", "BLOCK_SIZES"]
+__all__ = ["block_stats", "blocks_stats", "kernel_block_stats", "flushed_blocks", "RANGE_BINS", "BLOCK_SIZES"]
 
 #: bins of the dynamic-range histogram (binades 0..RANGE_BINS-1; the last one open)
 RANGE_BINS = 64
-#: the block sizes of the formats users target: NVFP4 16, OCP MX 32
+#: the block sizes of the formats users target: NVFP4 16, OCP MX 32 (those the statistics kernel
+#: counts in its own pass, in this order)
 BLOCK_SIZES = (16, 32)
+
+
+def kernel_block_stats(counts: np.ndarray, numel: int, block_sizes: Iterable[int] = BLOCK_SIZES) -> list[dict[str, Any]]:
+    """The rows of :func:`blocks_stats` (every block counted) from the counts the statistics kernel
+    wrote (:func:`gradstats.stats.write_stats` with ``blocks=``: per size in :data:`BLOCK_SIZES`, the
+    blocks without a normal entry, then the :data:`RANGE_BINS` range counts), for ``block_sizes``
+    (a subset of :data:`BLOCK_SIZES`).
+
+    Example:
+        >>> import torch
+        >>> from gradstats.stats import kernel_applies, write_stats, VectorRows
+        >>> x = torch.tensor([1.0, 2.0 ** -12, 0.0, 0.0] * 8 + [0.0] * 32)
+        >>> counts = np.zeros((2, 1 + RANGE_BINS), np.int64)
+        >>> rows = VectorRows()
+        >>> if kernel_applies(x):
+        ...     write_stats(x, rows.claim(), blocks=counts)
+        ...     assert kernel_block_stats(counts, x.numel()) == blocks_stats(x, (16, 32))
+    """
+    out = []
+    for b in block_sizes:
+        if b not in BLOCK_SIZES:
+            raise ValueError(f"the statistics kernel counts blocks of {BLOCK_SIZES} only, got {b!r}")
+        c = counts[BLOCK_SIZES.index(b)]
+        n = -(-int(numel) // b)
+        out.append({"n_blocks": n, "n_sampled": n, "n_zero_blocks": int(c[0]),
+                    "range_hist": [int(v) for v in c[1:]]})
+    return out
 
 
 def block_stats(x: torch.Tensor, block_size: int, *, sample: int | None = None,

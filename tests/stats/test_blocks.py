@@ -35,6 +35,50 @@ def test_block_stats_match_a_direct_count(b):
     assert block_stats(x, b) == _reference(x.numpy(), b)      # 5000 is no multiple of 16: a padded block
 
 
+def _kernel_cases():
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 15, 16, 17, 33, 2047, 2048, 2049, 4096 + 48, 70_001, 300_000):
+        x = torch.randn(n, generator=g) * torch.exp(3 * torch.randn(n, generator=g))
+        x[::7] = 0.0
+        x[::13] = 1e-42                                       # subnormals count as zeros
+        x[3::29] = math.inf
+        x[5::31] = math.nan                                   # inf and NaN too
+        if n >= 4096:
+            x[: n // 32 * 32].view(-1, 16)[::3] = 0.0         # whole zero blocks of 16 beside full ones
+            x[1000:1100] = 0.0
+        yield n, x
+    yield "ranges", torch.exp2(torch.arange(-126.0, 128.0)).repeat(4) * torch.rand(1016, generator=g)
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_statistics_kernel_counts_every_block_exactly(build, threads, monkeypatch):
+    """The statistics pass's own block counts (AVX-512 and portable builds, one and two threads)
+    equal blocks_stats counting every block, on tails, zero blocks, subnormals, inf and NaN."""
+    import gradstats.stats as S
+    from gradstats.stats.blocks import kernel_block_stats, blocks_stats
+
+    kernel = S._native_kernel(portable=build == "portable")
+    if kernel is None:
+        pytest.skip("no C compiler here: blocks_stats alone counts blocks")
+    monkeypatch.setattr(S, "_native_kernel", lambda: kernel)
+    rows = S.VectorRows()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, x in _kernel_cases():
+            counts = np.full((2, 1 + RANGE_BINS), 7, np.int64)   # overwritten, not added to
+            S.write_stats(x, rows.claim(), blocks=counts)
+            assert kernel_block_stats(counts, x.numel()) == blocks_stats(x, (16, 32)), n
+            assert kernel_block_stats(counts, x.numel(), (32,)) == blocks_stats(x, (32,)), n
+    finally:
+        torch.set_num_threads(saved)
+    with pytest.raises(ValueError, match="shape"):
+        S.write_stats(torch.ones(4), rows.claim(), blocks=np.zeros((2, 64), np.int64))
+    with pytest.raises(ValueError, match="counts blocks of"):
+        kernel_block_stats(counts, 10, (8,))
+
+
 def _measured_flushed(x: torch.Tensor, fmt: str, b: int, scale_format: str) -> float:
     n = (x.numel() // b) * b
     xb = x[:n]
@@ -72,6 +116,29 @@ def test_the_tracer_records_them_and_they_bound_what_formats_flush(tmp_path):
                 assert bounds["low"] == bounds["high"]             # exact for power-of-two scales
             checked += 1
     assert checked == 9
+
+
+def test_the_tracer_counts_every_block_in_the_statistics_pass_on_the_cpu(tmp_path):
+    """blocks=(16, 32) with the default block_sample: where the C kernel takes the statistics, it
+    counts every block (n_sampled == n_blocks), equal to counting them afterwards; other block sizes
+    (and a GPU) take the sample."""
+    from gradstats.stats import has_native_kernel
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 3000), torch.nn.ReLU(), torch.nn.Linear(3000, 5))
+    with gradstats.trace(model, tmp_path / "run", sample_every=[0], samples=None, blocks=(16, 32, 8)) as tr:
+        model(torch.randn(40, 8)).square().sum().backward()
+        tr.step()
+    run = gradstats.open_run(tmp_path / "run")
+    t = run.table("blocks")
+    x = run.samples("0", 0)
+    for b in (16, 32):
+        row = t[(t.layer == "0") & (t.block_size == b)].iloc[0]
+        full = block_stats(x, b)
+        if has_native_kernel():
+            assert row["n_sampled"] == row["n_blocks"] == full["n_blocks"]
+            assert list(row["range_hist"]) == full["range_hist"] and row["n_zero_blocks"] == full["n_zero_blocks"]
+    row8 = t[(t.layer == "0") & (t.block_size == 8)].iloc[0]
+    assert row8["n_blocks"] == 15_000 and row8["n_sampled"] < row8["n_blocks"]      # a sample of them
 
 
 def test_a_sample_of_blocks_estimates_the_fractions():

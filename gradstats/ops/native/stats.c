@@ -10,7 +10,15 @@
  *   hist[0..277): counts of floor(log2|x|) from 2^-149 to 2^127 (non-zero finite entries), as
  *                 doubles (exact below 2^53), so that the caller's vector takes them in place;
  *                 hist == NULL skips them;
- *   top[0..k): the k largest non-zero finite |x|, descending (NaN where there are fewer).
+ *   top[0..k): the k largest non-zero finite |x|, descending (NaN where there are fewer);
+ *   bh[0..2*(RANGE_BINS+1)) (bh == NULL skips them): per-block statistics for blocks of 16 and of
+ *                 32 consecutive entries (the last block padded with zeros): for each size the
+ *                 blocks without a normal finite entry, then the counts of the blocks' dynamic
+ *                 ranges floor(log2 max|x|) - floor(log2 min|x|) over their normal finite entries,
+ *                 in binades 0..RANGE_BINS-1 (the last bin open): from the exponent fields of the
+ *                 bit patterns (subnormals, inf and NaN count as zeros), as
+ *                 gradstats.stats.blocks counts them; added to bh (the caller zeroes it). Taken
+ *                 per BLOCK while it is in L1, after the block's first pass.
  *
  * Two implementations of one block (BLOCK elements) give the same counts, extremes and top k
  * and sums that agree to float32 rounding:
@@ -66,6 +74,7 @@
 #endif
 
 #define MAX_TOP 256
+#define RANGE_BINS 64    /* per-block dynamic ranges: binades 0..63, the last open */
 #define CAND_CAP 1024    /* candidates for the top k gathered before a selection (AVX-512 loop) */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && !defined(GS_PORTABLE)
@@ -108,6 +117,38 @@ static void heap_push(acc_t *acc, uint32_t b) {
 }
 
 static inline float bits_to_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+
+/* one block's dynamic range (hi, lo: the largest and least exponent field of its normal finite
+ * entries; hi 0: none) into h: h[0] the blocks without one, h[1 + range] the others */
+static inline void add_range(int64_t *h, int hi, int lo) {
+    if (hi == 0) { h[0]++; return; }
+    int r = hi - lo;
+    h[1 + (r < RANGE_BINS ? r : RANGE_BINS - 1)]++;
+}
+
+/* The block statistics of x[0..m) (m a multiple of 32 but for the array's last BLOCK, which
+ * starts at a multiple of 32): blocks of 16 into bh[0..RANGE_BINS], of 32 into the rest. */
+static void __attribute__((unused)) block_ranges(const float *restrict x, int64_t m, int64_t *restrict bh) {
+    int hi32 = 0, lo32 = 255;
+    for (int64_t s = 0; s < m; s += 16) {
+        int64_t e = s + 16 < m ? s + 16 : m;
+        int hi = 0, lo = 255;
+        for (int64_t i = s; i < e; i++) {
+            uint32_t b; memcpy(&b, &x[i], 4);
+            int f = (int)((b >> 23) & 0xffu);
+            if (f == 0 || f == 255) continue;
+            hi = f > hi ? f : hi;
+            lo = f < lo ? f : lo;
+        }
+        add_range(bh, hi, lo);
+        hi32 = hi > hi32 ? hi : hi32;
+        lo32 = lo < lo32 ? lo : lo32;
+        if (((s / 16) & 1) || e == m) {       /* a block of 32 complete (or the array's last) */
+            add_range(bh + RANGE_BINS + 1, hi32, lo32);
+            hi32 = 0; lo32 = 255;
+        }
+    }
+}
 
 /* ln(1 + f) = f - f^2/2 + f^3 P(f) on f in [sqrt(1/2) - 1, sqrt(2) - 1]: P of degree 7, fitted to
  * the relative error of ln(1 + f) (at most 1.2 float32 ulps over the interval in float32 Horner) */
@@ -570,12 +611,118 @@ static void block_stats_avx512(const float *restrict x, int64_t m, int64_t ahead
 #endif
 
 
+#if GS_AVX512
+/* index vectors of the reduction tree below: level h (8, 4, 2, 1) puts in output lane j the two
+ * partials lo, hi of group q = j / h (offset r = j % h) of A (q < 8 / h) or B */
+static __m512i TREE_LO[4], TREE_HI[4], EVEN16, ODD16;
+static void tree_init(void) {
+    int32_t lo[16], hi[16];
+    for (int l = 0, h = 8; l < 4; l++, h /= 2) {
+        for (int j = 0; j < 16; j++) {
+            int q = j / h, r = j % h, from_b = q >= 8 / h, qq = q % (8 / h);
+            lo[j] = 16 * from_b + qq * 2 * h + r;
+            hi[j] = 16 * from_b + qq * 2 * h + h + r;
+        }
+        TREE_LO[l] = _mm512_loadu_si512(lo);
+        TREE_HI[l] = _mm512_loadu_si512(hi);
+    }
+    for (int j = 0; j < 16; j++) { lo[j] = (2 * j) % 16; hi[j] = (2 * j + 1) % 16; }
+    EVEN16 = _mm512_loadu_si512(lo);
+    ODD16 = _mm512_loadu_si512(hi);
+}
+
+/* the 16 vectors v[0..16) -> one vector whose lane j is the maximum (max != 0) or minimum of v[j] */
+static inline __m512i tree16(__m512i *v, int max) {
+    for (int l = 0, n = 16; l < 4; l++, n /= 2)
+        for (int i = 0; i < n / 2; i++) {
+            __m512i a = _mm512_permutex2var_epi32(v[2 * i], TREE_LO[l], v[2 * i + 1]);
+            __m512i b = _mm512_permutex2var_epi32(v[2 * i], TREE_HI[l], v[2 * i + 1]);
+            v[i] = max ? _mm512_max_epu32(a, b) : _mm512_min_epu32(a, b);
+        }
+    return v[0];
+}
+
+/* block_ranges, 16 blocks of 16 at a time: the exponent fields of 16 vectors (0 where not normal
+ * finite, for the maxima; 255 for the minima) reduced lane-wise by a tree of permutes into one
+ * vector per statistic, adjacent lanes paired for the blocks of 32; the rest of the chunk one
+ * vector at a time. Range counts go to four interleaved copies (runs of one range would queue
+ * on one counter), summed into bh at the end. */
+static void block_ranges_avx512(const float *restrict x, int64_t m, int64_t *restrict bh) {
+    const __m512i EXP = _mm512_set1_epi32(0xff), E255 = _mm512_set1_epi32(255), Z = _mm512_setzero_si512();
+    const __m512i TOPBIN = _mm512_set1_epi32(RANGE_BINS - 1);
+    int64_t nvec = (m + 15) / 16, nfull = m / 16;
+    __mmask16 tail = (m % 16) ? (__mmask16)((1u << (m % 16)) - 1u) : (__mmask16)0xffff;
+    int64_t h4[4][2][RANGE_BINS + 1];
+    memset(h4, 0, sizeof h4);
+    int64_t v = 0;
+    const __m512i ABS = _mm512_set1_epi32(0x7fffffff), ONE = _mm512_set1_epi32(1);
+    for (; v + 16 <= nfull; v += 16) {
+        __m512i hi[16], lo[16];
+        /* fast: the maxima of the fields (zeros and subnormals have 0), the minima of field - 1
+         * (0 wraps to the largest unsigned value), then + 1 */
+        for (int i = 0; i < 16; i++) {
+            __m512i f = _mm512_srli_epi32(_mm512_and_si512(_mm512_loadu_si512(x + 16 * (v + i)), ABS), 23);
+            hi[i] = f;
+            lo[i] = _mm512_sub_epi32(f, ONE);
+        }
+        __m512i H = tree16(hi, 1), Lm1 = tree16(lo, 0);   /* least field - 1 (all ones: none) */
+        if (__builtin_expect(_mm512_cmpeq_epi32_mask(H, E255) != 0, 0)) {
+            /* inf or NaN among them (rare): again, with those counted as zeros */
+            for (int i = 0; i < 16; i++) {
+                __m512i f = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(x + 16 * (v + i)), 23), EXP);
+                __mmask16 nrm = _mm512_mask_cmpneq_epi32_mask(_mm512_cmpneq_epi32_mask(f, Z), f, E255);
+                hi[i] = _mm512_maskz_mov_epi32(nrm, f);
+                lo[i] = _mm512_mask_mov_epi32(E255, nrm, f);
+            }
+            H = tree16(hi, 1);
+            Lm1 = _mm512_sub_epi32(tree16(lo, 0), ONE);
+        }
+        __m512i H32 = _mm512_max_epu32(_mm512_permutexvar_epi32(EVEN16, H), _mm512_permutexvar_epi32(ODD16, H));
+        __m512i L32 = _mm512_add_epi32(_mm512_min_epu32(_mm512_permutexvar_epi32(EVEN16, Lm1),
+                                                        _mm512_permutexvar_epi32(ODD16, Lm1)), ONE);
+        __m512i L = _mm512_add_epi32(Lm1, ONE);
+        /* bin: 0 for a block without a normal entry, else 1 + min(range, RANGE_BINS - 1) */
+        __m512i b16 = _mm512_maskz_add_epi32(_mm512_cmpneq_epi32_mask(H, Z),
+                                             _mm512_min_epu32(_mm512_sub_epi32(H, L), TOPBIN), _mm512_set1_epi32(1));
+        __m512i b32 = _mm512_maskz_add_epi32(_mm512_cmpneq_epi32_mask(H32, Z),
+                                             _mm512_min_epu32(_mm512_sub_epi32(H32, L32), TOPBIN), _mm512_set1_epi32(1));
+        int32_t c16[16], c32[16];
+        _mm512_storeu_si512(c16, b16);
+        _mm512_storeu_si512(c32, b32);
+        for (int j = 0; j < 16; j++) h4[j & 3][0][c16[j]]++;
+        for (int j = 0; j < 8; j++) h4[j & 3][1][c32[j]]++;
+    }
+    int hi32 = 0, lo32 = 255;
+    for (; v < nvec; v++) {
+        __m512i raw = v < nfull ? _mm512_loadu_si512(x + 16 * v) : _mm512_maskz_loadu_epi32(tail, x + 16 * v);
+        __m512i f = _mm512_and_si512(_mm512_srli_epi32(raw, 23), EXP);
+        __mmask16 nrm = _mm512_mask_cmpneq_epi32_mask(_mm512_cmpneq_epi32_mask(f, Z), f, E255);
+        int hi = 0, lo = 255;
+        if (nrm) {
+            hi = (int)_mm512_mask_reduce_max_epu32(nrm, f);
+            lo = (int)_mm512_mask_reduce_min_epu32(nrm, f);
+        }
+        add_range(bh, hi, lo);
+        hi32 = hi > hi32 ? hi : hi32;
+        lo32 = lo < lo32 ? lo : lo32;
+        if ((v & 1) || v == nvec - 1) {
+            add_range(bh + RANGE_BINS + 1, hi32, lo32);
+            hi32 = 0; lo32 = 255;
+        }
+    }
+    for (int c = 0; c < 4; c++)
+        for (int s = 0; s < 2; s++)
+            for (int j = 0; j < RANGE_BINS + 1; j++) bh[s * (RANGE_BINS + 1) + j] += h4[c][s][j];
+}
+#endif
+
 static int cmp_desc(const void *a, const void *b) {
     uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
     return x < y ? 1 : (x > y ? -1 : 0);
 }
 
-int gs_stats_f32(const float *x, int64_t n, double *out, double *hist, double *top, int k, int nthreads) {
+int gs_stats_f32(const float *x, int64_t n, double *out, double *hist, double *top, int k, int nthreads,
+                 int64_t *bh) {
     if (k < 0 || k > MAX_TOP) return 1;
     acc_t total;
     memset(&total, 0, sizeof total);
@@ -584,6 +731,9 @@ int gs_stats_f32(const float *x, int64_t n, double *out, double *hist, double *t
     total.count_hist = hist != NULL;
     int64_t nblocks = (n + BLOCK - 1) / BLOCK;
     if (nthreads < 1) nthreads = 1;
+#if GS_AVX512
+    if (bh != NULL) tree_init();       /* before the threads start: they only read the tables */
+#endif
 #ifdef _OPENMP
     if (n < 65536) nthreads = 1;
 #pragma omp parallel num_threads(nthreads)
@@ -594,6 +744,8 @@ int gs_stats_f32(const float *x, int64_t n, double *out, double *hist, double *t
         acc.minb = 0x7fffffffu;
         acc.k = k;
         acc.count_hist = hist != NULL;
+        int64_t lbh[2 * (RANGE_BINS + 1)];
+        memset(lbh, 0, sizeof lbh);
 #if GS_AVX512
         vacc_t va;      /* everything but the buffers (ring, ring2, cand: written before read) */
         memset(&va, 0, offsetof(vacc_t, ring));
@@ -612,8 +764,10 @@ int gs_stats_f32(const float *x, int64_t n, double *out, double *hist, double *t
 #if GS_AVX512
             int64_t part_end = kend * BLOCK < n ? kend * BLOCK : n;
             block_stats_avx512(x + lo, m, part_end - lo - m, &acc, &va);
+            if (bh != NULL) block_ranges_avx512(x + lo, m, lbh);      /* the block still in L1 */
 #else
             block_stats(x + lo, m, &acc);
+            if (bh != NULL) block_ranges(x + lo, m, lbh);
 #endif
         }
 #if GS_AVX512
@@ -639,6 +793,8 @@ int gs_stats_f32(const float *x, int64_t n, double *out, double *hist, double *t
             for (int j = 0; j < HIST_COPIES; j++)
                 for (int b = 0; b < HIST_BINS; b++) total.hist[0][b] += acc.hist[j][b];
             for (int j = 0; j < acc.ntop; j++) heap_push(&total, acc.top[j]);
+            if (bh != NULL)
+                for (int j = 0; j < 2 * (RANGE_BINS + 1); j++) bh[j] += lbh[j];
         }
     }
     double nnz = (double)n - total.n_zero - total.n_nonfinite;
