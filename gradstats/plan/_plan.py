@@ -516,6 +516,12 @@ class Plan:
             'e5m2'
             >>> plan.export("torchao", {"fc": "Linear"})["configs"]["fc"]["cast_config_grad_output"]
             {'scaling_type': 'dynamic', 'scaling_granularity': 'tensorwise', 'target_dtype': 'float8_e5m2'}
+            >>> import warnings
+            >>> with warnings.catch_warnings():
+            ...     warnings.simplefilter("ignore")    # the note: TE's amax scale is not a power of two
+            ...     te = plan.export("te", {"fc": "Linear"})["config"]["gradstats_0_fc"]["transformer_engine"]
+            >>> te["FakeQuant"]["quant_format"], te["FakeQuant"]["gemms"]
+            ('FP8E5M2', ['dgrad', 'wgrad'])
         """
         from gradstats.plan._export import export
 
