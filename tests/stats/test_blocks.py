@@ -56,7 +56,7 @@ def test_statistics_kernel_counts_every_block_exactly(build, threads, monkeypatc
     """The statistics pass's own block counts (AVX-512 and portable builds, one and two threads)
     equal blocks_stats counting every block, on tails, zero blocks, subnormals, inf and NaN."""
     import gradstats.stats as S
-    from gradstats.stats.blocks import kernel_block_stats, blocks_stats
+    from gradstats.stats.blocks import blocks_stats, kernel_block_stats
 
     kernel = S._native_kernel(portable=build == "portable")
     if kernel is None:
