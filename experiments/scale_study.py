@@ -133,19 +133,19 @@ def configurations(model: str) -> list[Config]:
         C("pruning", "A", "Plan.uniform(sparsity=0.9)", sparsity=0.9, rule="histogram"),
         C("lowprec", "A", "recommend(bits=4, granularity='nvfp4')", bits=4, block="nvfp4"),
     ]
-    if model != "cnn":
-        extra = [C("push", "A", "recommend(bits=6, sparsity=0.85)", sparsity=0.85, bits=6)] \
-            if model == "transformer" else []
-        if model == "transformer":    # why the defaults fail here: the rounding, the width, the optimizer
-            sgd = (("optimizer", "sgd"), ("lr", TRANSFORMER_SGD_LR))
-            extra += [
-                C("diagnosis", "A", "recommend(bits=6, rounding='stochastic')", bits=6, rounding="stochastic"),
-                C("diagnosis", "A", "recommend(bits=8)", bits=8),
-                C("diagnosis", "A", "baseline [sgd]", train=sgd),
-                C("diagnosis", "A", "recommend(bits=6) [sgd]", bits=6, train=sgd),
-                C("diagnosis", "A", "Plan.uniform(sparsity=0.85) [sgd]", sparsity=0.85, rule="histogram", train=sgd),
-            ]
-        return base + headline + extra
+    if model == "resnet20":
+        return base + headline
+    if model == "transformer":    # why the defaults fail here (the rounding, the width, the optimizer), first
+        sgd = (("optimizer", "sgd"), ("lr", TRANSFORMER_SGD_LR))
+        diagnosis = [
+            C("diagnosis", "A", "recommend(bits=6, rounding='stochastic')", bits=6, rounding="stochastic"),
+            C("diagnosis", "A", "recommend(bits=8)", bits=8),
+            C("diagnosis", "A", "baseline [sgd]", train=sgd),
+            C("diagnosis", "A", "recommend(bits=6) [sgd]", bits=6, train=sgd),
+            C("diagnosis", "A", "Plan.uniform(sparsity=0.85) [sgd]", sparsity=0.85, rule="histogram", train=sgd),
+        ]
+        return base + headline[:3] + diagnosis + headline[3:] + [
+            C("push", "A", "recommend(bits=6, sparsity=0.85)", sparsity=0.85, bits=6)]
     return base + headline + [
         # tier A: past the study
         C("push", "A", "recommend(bits=6, sparsity=0.85)", sparsity=0.85, bits=6),
