@@ -70,7 +70,12 @@ class Job:
         if self.plan is None:
             return f"baseline/{self.model}/{self.label}/seed{self.seed}/steps{self.steps}/{data}"
         return (f"{self.experiment}/{self.model}/{self.label}/seed{self.seed}/steps{self.steps}/{data}/"
-                f"plan-{_digest(_enforced(self.plan))}")
+                f"plan-{plan_digest(self.plan)}")
+
+
+def plan_digest(plan: dict) -> str:
+    """The digest of what of a ``Plan.to_dict()`` apply enforces (the end of a planned job's key)."""
+    return _digest(_enforced(plan))
 
 
 def _enforced(plan: dict) -> dict:

@@ -57,7 +57,7 @@ from gradstats.fpanalysis.histogram import (
                      expected_error_from_stats,
 )
 from gradstats.fpanalysis.scale import ScaleResult, optimal_scale
-from gradstats.fpanalysis.training import BIAS_BOUND, OBJECTIVES, TrainingChoice, choose_for_training
+from gradstats.fpanalysis.training import BIAS_BOUND, FLUSH_BOUND, OBJECTIVES, TrainingChoice, choose_for_training
 from gradstats.fpanalysis.what_if import predict_from_stats, what_if
 
 __all__ = ["expected_error", "optimal_scale", "best_format", "crossover_table", "candidate_formats",
@@ -65,5 +65,5 @@ __all__ = ["expected_error", "optimal_scale", "best_format", "crossover_table", 
            "ErrorResult", "ScaleResult", "BestFormat", "FormatChoice", "CrossoverTable", "AUTHORS_TABLE",
            "measured_error", "check_prediction", "energy_moments", "PredictionCheck", "PARTS", "FRACTIONS",
            "best_format_from_stats", "expected_error_from_stats", "HistogramLaw", "HistogramChoice",
-           "choose_for_training", "TrainingChoice", "BIAS_BOUND", "OBJECTIVES",
+           "choose_for_training", "TrainingChoice", "BIAS_BOUND", "FLUSH_BOUND", "OBJECTIVES",
            "batchnorm_inputs", "weight_gradient_alignment", "AlignmentResult", "what_if", "predict_from_stats"]

@@ -11,9 +11,15 @@ So the choice here is constrained: among the candidate formats, both roundings a
 scales ``s = amax_scale(fmt, amax) * 2**shift`` (the scale relative to the tensor's running
 maximum, the way :func:`gradstats.apply` enforces it), take the smallest predicted relative MSE
 whose predicted magnitude bias ``|E[|Q(g)| - |g|]| / E|g|`` (:attr:`ErrorResult.bias`:
-flush-to-zero and saturation, conditioned on the tensor's maximum) is at most ``bias_bound``.
-Stochastic rounding removes the bias inside the range, so a feasible choice always exists at the
-amax scale; nearest rounding wins where it can keep the bias small, since its noise is lower.
+flush-to-zero and saturation, conditioned on the tensor's maximum) is at most ``bias_bound``
+and, for round-to-nearest, whose predicted flushed fraction of the non-zero entries is at most
+``flush_bound``. The magnitude bias weighs each flushed value by its size, so a wide layer can
+lose a third of its entries to zero within a 1% bias; SGD shrugs that off (the large values carry
+its step), Adam does not (it normalises each weight's step: measured, a transformer trained with
+AdamW lost 0.94 nats with those plans and nothing with the same formats rounded stochastically,
+``docs/RESULTS.md`` 1.4.1). Stochastic rounding removes the bias inside the range and keeps every
+value in expectation, so a feasible choice always exists at the amax scale; nearest rounding wins
+where it keeps both small, since its noise is lower.
 
 Example:
     >>> c = choose_for_training(6, mu=-12.0, sigma=2.3, amax=2e-2, numel=1e5)
@@ -32,10 +38,14 @@ from gradstats.formats import FPFormat, amax_scale, parse
 from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis.error import expected_error
 
-__all__ = ["choose_for_training", "TrainingChoice", "BIAS_BOUND", "OBJECTIVES"]
+__all__ = ["choose_for_training", "TrainingChoice", "BIAS_BOUND", "FLUSH_BOUND", "OBJECTIVES"]
 
 #: default bound on the predicted relative magnitude bias: 1% shrinkage of every weight gradient
 BIAS_BOUND = 0.01
+#: default bound on the predicted fraction of the non-zero entries that round-to-nearest flushes to
+#: zero: under an adaptive optimiser (Adam) every weight's step is normalised, so a small gradient
+#: flushed is a lost step however little it weighs in the magnitude bias
+FLUSH_BOUND = 0.01
 #: the objectives :func:`gradstats.recommend` knows: this module's, and the plain relative MSE
 OBJECTIVES = ("training", "mse")
 #: shifts (binades) of the scale relative to the amax scale that are searched
@@ -62,7 +72,7 @@ class TrainingChoice:
         flushed_mass: predicted fraction of ``E|g|`` carried by the values that become zero.
         saturated: predicted fraction of entries clipped to the format's maximum.
         feasible: whether the bias bound was met (otherwise the smallest ``|bias|`` was taken).
-        bias_bound, names: the setting.
+        bias_bound, flush_bound, names: the setting.
     """
 
     format: Any
@@ -77,6 +87,7 @@ class TrainingChoice:
     feasible: Any
     bias_bound: float = BIAS_BOUND
     names: Optional[list] = None
+    flush_bound: Optional[float] = FLUSH_BOUND
     _fields: tuple = field(default=("scale_shift", "scale", "error", "bias", "flushed", "flushed_mass",
                                     "saturated", "feasible"), repr=False)
 
@@ -100,7 +111,7 @@ class TrainingChoice:
         fm = self.format
         d["format"] = [str(f) for f in fm] if isinstance(fm, list) else str(fm)
         d["rounding"] = self.rounding
-        d["bias_bound"], d["names"] = self.bias_bound, self.names
+        d["bias_bound"], d["flush_bound"], d["names"] = self.bias_bound, self.flush_bound, self.names
         return d
 
 
@@ -122,10 +133,12 @@ def choose_for_training(bits: int, *, mu: P.ArrayLike, sigma: P.ArrayLike, amax:
                         candidates: Union[None, str, Iterable[Any]] = None,
                         roundings: Sequence[str] = _ROUNDINGS, bias_bound: float = BIAS_BOUND,
                         shifts: Sequence[int] = SHIFTS, threshold: P.ArrayLike | None = None,
-                        names: Optional[Sequence[str]] = None) -> TrainingChoice:
+                        names: Optional[Sequence[str]] = None,
+                        flush_bound: Optional[float] = FLUSH_BOUND) -> TrainingChoice:
     """Per layer, the format of ``bits`` bits, the rounding and the scale (relative to the
     tensor's maximum) with the smallest predicted relative MSE whose predicted magnitude bias is
-    within ``bias_bound`` (see the module doc). Vectorised over layers.
+    within ``bias_bound`` and, rounding to nearest, whose predicted flushed fraction of the
+    non-zero entries is within ``flush_bound`` (see the module doc). Vectorised over layers.
 
     Args:
         bits: the width.
@@ -136,6 +149,9 @@ def choose_for_training(bits: int, *, mu: P.ArrayLike, sigma: P.ArrayLike, amax:
             :func:`~gradstats.fpanalysis.preset_formats` (default ``"ocp"``: the formats hardware has).
         roundings: the roundings allowed (``"nearest"``, ``"stochastic"``).
         bias_bound: the largest ``|bias|`` accepted (default :data:`BIAS_BOUND`).
+        flush_bound: the largest predicted fraction of the non-zero entries that round-to-nearest may
+            flush (default :data:`FLUSH_BOUND`, 1%); None: no bound (the choice before it, which
+            suits SGD but not Adam).
         shifts: the scale shifts (binades) searched.
         threshold: the pruning threshold applied before quantising, per layer (optional): then
             nearest rounding is only considered at scales that keep the threshold representable
@@ -149,11 +165,16 @@ def choose_for_training(bits: int, *, mu: P.ArrayLike, sigma: P.ArrayLike, amax:
         >>> c = choose_for_training(8, mu=[-12.0, -8.0], sigma=[1.2, 3.0], amax=[1e-3, 5.0], numel=1e5,
         ...                         candidates=["e4m3fn", "e5m2"])
         >>> [str(f) for f in c.format], list(c.rounding), [int(k) for k in c.scale_shift]
-        (['e4m3fn', 'e4m3fn'], ['nearest', 'nearest'], [0, 0])
+        (['e4m3fn', 'e4m3fn'], ['nearest', 'stochastic'], [0, 0])
+
+    (the wide second layer: to nearest, e4m3fn would flush more than 1% of its values)
     """
     bits = P.check_bits(bits)
     if not (isinstance(bias_bound, (int, float)) and not isinstance(bias_bound, bool) and bias_bound > 0):
         raise ValueError(f"bias_bound must be a positive fraction (e.g. 0.01), got {bias_bound!r}")
+    if flush_bound is not None and not (isinstance(flush_bound, (int, float)) and not isinstance(flush_bound, bool)
+                                        and 0 <= flush_bound <= 1):
+        raise ValueError(f"flush_bound must be None or a fraction in [0, 1] (e.g. 0.01), got {flush_bound!r}")
     roundings = list(roundings)
     bad = [r for r in roundings if r not in _ROUNDINGS]
     if bad or not roundings:
@@ -192,6 +213,9 @@ def choose_for_training(bits: int, *, mu: P.ArrayLike, sigma: P.ArrayLike, amax:
                                    rounding=rounding, amax=am, numel=nn)
                 err, bias = np.atleast_1d(r.total), np.atleast_1d(r.bias)
                 fits = ok & (np.abs(bias) <= bias_bound)
+                if flush_bound is not None and rounding == "nearest":
+                    nonzero = np.maximum(1.0 - p0_, 1e-300)
+                    fits &= np.atleast_1d(r.flushed) / nonzero <= flush_bound
                 # a feasible choice beats any infeasible one; among feasible, the smaller error;
                 # among infeasible (none found yet), the smaller |bias|
                 better = (fits & (~feasible | (err < best["obj"] * (1 - 1e-9)))) | (
@@ -213,9 +237,9 @@ def choose_for_training(bits: int, *, mu: P.ArrayLike, sigma: P.ArrayLike, amax:
                               scale_shift=int(vals["scale_shift"][0]),
                               **{k: float(v[0]) for k, v in vals.items() if k != "scale_shift"},
                               feasible=bool(feasible[0]), bias_bound=float(bias_bound),
-                              names=list(names) if names is not None else None)
+                              names=list(names) if names is not None else None, flush_bound=flush_bound)
     return TrainingChoice(format=pick["format"], rounding=pick["rounding"],
                           scale_shift=vals["scale_shift"].astype(int),
                           **{k: v for k, v in vals.items() if k != "scale_shift"},
                           feasible=feasible, bias_bound=float(bias_bound),
-                          names=list(names) if names is not None else None)
+                          names=list(names) if names is not None else None, flush_bound=flush_bound)

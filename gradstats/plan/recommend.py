@@ -41,6 +41,7 @@ import numpy as np
 from gradstats._compat import renamed_kwargs
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
 from gradstats.run import as_run
+from gradstats.fpanalysis.training import FLUSH_BOUND
 from gradstats.stats import lognormal_moments, merge_stats
 
 log = logging.getLogger(__name__)
@@ -261,7 +262,7 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
               threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
               layers: str | Sequence[str] | None = None, format_rule: str = "lognormal",
               objective: str = "training", bias_bound: float | None = None,
-              output_layer: str | bool | None = None,
+              flush_bound: float | None = FLUSH_BOUND, output_layer: str | bool | None = None,
               prune_at: str | bool | None = None, step: Any = None) -> Plan:
     """Recommend a per-layer plan from a traced run's statistics.
 
@@ -321,6 +322,11 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
             rounding above.
         bias_bound: the largest predicted ``|bias|`` accepted by the training objective (default
             :data:`gradstats.fpanalysis.BIAS_BOUND`, 0.01).
+        flush_bound: the training objective's largest predicted fraction of a layer's non-zero
+            gradient values that round-to-nearest may flush to zero (default
+            :data:`gradstats.fpanalysis.FLUSH_BOUND`, 0.01; beyond it the layer rounds stochastically):
+            the bias bound weighs a flushed value by its size, which suits SGD, while Adam normalises
+            every weight's step (``docs/RESULTS.md`` 1.4.1). None: no such bound.
 
     Returns a :class:`~gradstats.plan.Plan` whose defaults hold the shared settings (scale rule,
     rounding, blocks, sparsity, threshold rule) and whose entries, one per layer by exact name,
@@ -348,7 +354,8 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
     plans = recommend_each(run, bits=widths, sparsity=sparsity, granularity=granularity, rounding=rounding,
                            steps=_old_step(step) if step is not None else steps, threshold_rule=threshold_rule,
                            candidates=candidates, layers=layers, format_rule=format_rule, objective=objective,
-                           bias_bound=bias_bound, output_layer=output_layer, prune_at=prune_at)
+                           bias_bound=bias_bound, flush_bound=flush_bound, output_layer=output_layer,
+                           prune_at=prune_at)
     return plans if several else plans[widths[0]]  # type: ignore[return-value]
 
 
@@ -358,7 +365,7 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | None = No
                    threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
                    layers: str | Sequence[str] | None = None, format_rule: str = "lognormal",
                    objective: str = "training", bias_bound: float | None = None,
-                   output_layer: str | bool | None = None,
+                   flush_bound: float | None = FLUSH_BOUND, output_layer: str | bool | None = None,
                    prune_at: str | bool | None = None, step: Any = None) -> dict[int, Plan]:
     """:func:`recommend` for each width of ``bits``: ``{bits: Plan}`` in the order given, the run read
     once (the arguments are :func:`recommend`'s).
@@ -433,7 +440,7 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | None = No
             tc = fpanalysis.choose_for_training(
                 b, mu=mom.mu, sigma=mom.sigma, p0=mom.p0, amax=mom.amax, numel=numel,
                 candidates=[f for f in fmts_ if f.bits == b] or fmts_,
-                roundings=[rounding] if rounding else _ROUNDINGS, bias_bound=bias_bound,
+                roundings=[rounding] if rounding else _ROUNDINGS, bias_bound=bias_bound, flush_bound=flush_bound,
                 threshold=np.where(np.isfinite(thr), thr, 0.0) if sparsity else None, names=mom.layers)
             fmts, scales, errors = list(tc.format), np.asarray(tc.scale), np.asarray(tc.error)
             roundings = list(tc.rounding)
@@ -470,6 +477,7 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | None = No
                f"rounding={rounding!r}, steps={steps!r}, threshold_rule={threshold_rule!r}"
                + (f", format_rule={model!r}" if model != "lognormal" else "")
                + f", objective={objective!r}"
+               + (f", flush_bound={flush_bound!r}" if training else "")
                + f", candidates={cands if isinstance(cands, str) else [str(c) for c in cands]!r})")
         prov = Provenance.now(source=str(r.path), generator=gen, steps=mom.steps)
         plans[b] = Plan(entries, defaults, prov, output_layer=skip,
