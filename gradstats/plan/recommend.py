@@ -39,9 +39,9 @@ from typing import Any, Iterable, Sequence, Union
 import numpy as np
 
 from gradstats._compat import renamed_kwargs
+from gradstats.fpanalysis.training import FLUSH_BOUND
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
 from gradstats.run import as_run
-from gradstats.fpanalysis.training import FLUSH_BOUND
 from gradstats.stats import lognormal_moments, merge_stats
 
 log = logging.getLogger(__name__)
