@@ -452,9 +452,10 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
     out.append("\n![paired differences](../experiments/results/scale_study.png)\n")
     ss.plot_forest(table, (figures or res) / "scale_study.png")
     # the two claims
-    claims = t[t["label"].isin(["Plan.uniform(sparsity=0.85)", "recommend(bits=6)"])].copy()
-    claims["claim"] = claims["label"].map({"Plan.uniform(sparsity=0.85)": "85% gradient sparsity",
-                                           "recommend(bits=6)": "FP6 gradients"})
+    names = {"Plan.uniform(sparsity=0.85)": "85% gradient sparsity", "recommend(bits=6)": "FP6 gradients",
+             "recommend(bits=6, flush_bound=None)": "FP6 gradients, the earlier default (no flush bound)"}
+    claims = t[t["label"].isin(list(names))].copy()
+    claims["claim"] = claims["label"].map(names)
     claims["by"] = [("-" if v.startswith("pending") else f"{lo - m:+.{3 if met == 'loss' else 2}f}")
                     for v, lo, m, met in zip(claims["verdict"], claims["ci_low"], claims["margin"], claims["metric"])]
     out.append("\n### 1.1 The study's two claims, with the default settings\n\n"
@@ -520,8 +521,11 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
                    "rows on every model are those trained before the change.\n\n"
                    + md_table(diag, {"label": "configuration", "formats": "formats", "value": "validation loss",
                                      "delta": "paired Δ (nats)", "ci": "95% CI", "verdict": "verdict",
-                                     "achieved_sparsity": "achieved sparsity", "underflow": "underflow"},
-                              {"achieved_sparsity": 3, "underflow": 3}))
+                                     "achieved_sparsity": "achieved sparsity", "underflow": "underflow",
+                                     "diverged": "diverged (seeds)"},
+                              {"achieved_sparsity": 3, "underflow": 3})
+                   + "\nA diverged seed (the loss went to infinity or NaN) has no value: a configuration is paired "
+                     "on the seeds where both it and its baseline trained.\n")
     pva = ss.predicted_vs_achieved(df, plans, table)
     ss.plot_predicted(pva, (figures or res) / "scale_predicted.png")
     fails = pva[pva["passed"] == False] if len(pva) else pva  # noqa: E712

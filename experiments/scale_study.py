@@ -505,7 +505,8 @@ def predicted_vs_achieved(df: pd.DataFrame, plans: dict, table: pd.DataFrame) ->
     flushed fraction of a recommended format; the target sparsity of a pruning rule) beside what
     training achieved (underflow, achieved sparsity; size-weighted over the run, mean over seeds),
     and whether the configuration passed."""
-    verdict = {(r["model"], r["label"]): r["no_loss"] for _, r in table.iterrows()}
+    verdict = {(r["model"], r["label"]): r["no_loss"] if r["seeds"] == r["seeds_planned"] else None
+               for _, r in table.iterrows()}          # pending: not judged
     rows = []
     for (model, label), g in df[df["label"].map(baseline_of) != df["label"]].groupby(["model", "label"], sort=False):
         per = [j for j in g["layers"] if isinstance(j, dict)] if "layers" in g else []
