@@ -27,6 +27,7 @@ backward pass leaves them; in-situ numbers in RESULTS.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from typing import Callable
@@ -36,7 +37,7 @@ import torch
 from _common import describe, fixed_batches
 
 import gradstats.stats as stats_mod  # noqa: E402
-from gradstats.stats.blocks import blocks_stats  # noqa: E402
+from gradstats.stats.blocks import BLOCK_SIZES, RANGE_BINS, blocks_stats  # noqa: E402
 from gradstats.zoo.models import build_model  # noqa: E402
 
 
@@ -57,29 +58,32 @@ def gradients(name: str, batch: int) -> list[torch.Tensor]:
     return grads
 
 
+@contextlib.contextmanager
+def using(kernel):
+    """``gradstats.stats`` with ``kernel`` (None: the torch path) as its C kernel, for the block."""
+    saved = stats_mod._native_kernel
+    stats_mod._native_kernel = lambda: kernel
+    try:
+        yield
+    finally:
+        stats_mod._native_kernel = saved
+
+
 def with_kernel(kernel, full: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     def run(g: torch.Tensor) -> torch.Tensor:
-        saved = stats_mod._native_kernel
-        stats_mod._native_kernel = lambda: kernel
-        try:
+        with using(kernel):
             return stats_mod.tensor_stats_vector(g, full=full)
-        finally:
-            stats_mod._native_kernel = saved
     return run
 
 
 def with_blocks(kernel) -> Callable[[torch.Tensor], None]:
     rows = stats_mod.VectorRows()
-    counts = np.zeros((2, 65), np.int64)
+    counts = np.empty((len(BLOCK_SIZES), 1 + RANGE_BINS), np.int64)
 
     def run(g: torch.Tensor) -> None:
-        saved = stats_mod._native_kernel
-        stats_mod._native_kernel = lambda: kernel
-        try:
+        with using(kernel):
             stats_mod.write_stats(g.contiguous(), rows.claim(), blocks=counts)
-            rows.take()
-        finally:
-            stats_mod._native_kernel = saved
+        rows.take()
     return run
 
 

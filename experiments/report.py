@@ -326,7 +326,7 @@ def _scale_module():
 
 
 def _is_base(label: str) -> bool:
-    return _scale_module().baseline_of(label) == label
+    return _scale_module().is_baseline(label)
 
 
 def _verdict(r) -> str:

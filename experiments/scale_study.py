@@ -253,7 +253,7 @@ def plans_for(model: str, proto: dict, configs: list[Config], path: Path) -> dic
 
     store = json.loads(path.read_text()) if path.exists() else {}
     key = lambda cfg: f"{cfg.model}/{cfg.label}/{json.dumps(proto['prepare'], sort_keys=True)}"  # noqa: E731
-    missing = [c for c in configs if not is_baseline(c) and key(c) not in store]
+    missing = [c for c in configs if not is_baseline(c.label) and key(c) not in store]
     if missing:
         torch.set_num_threads(1)              # the calibration is then the same on every machine
         calib = calibrate(model, prepare_kw=proto["prepare"], steps=proto.get("calibration_steps", CALIBRATION_STEPS),
@@ -263,13 +263,13 @@ def plans_for(model: str, proto: dict, configs: list[Config], path: Path) -> dic
             plan, apply_kw = make_plan(cfg, calib, layers)
             store[key(cfg)] = {"plan": plan, "apply": apply_kw}
         write_json(path, store)
-    return {c.label: ((store[key(c)]["plan"], store[key(c)]["apply"]) if not is_baseline(c) else (None, {}))
+    return {c.label: ((store[key(c)]["plan"], store[key(c)]["apply"]) if not is_baseline(c.label) else (None, {}))
             for c in configs}
 
 
-def is_baseline(cfg: Config) -> bool:
-    """Whether a configuration trains the plain model (the baseline, or one trained another way)."""
-    return baseline_of(cfg.label) == cfg.label
+def is_baseline(label: str) -> bool:
+    """Whether a configuration's label names the plain model (the baseline, or one trained another way)."""
+    return baseline_of(label) == label
 
 
 def study_jobs(args: argparse.Namespace) -> list[Job]:
@@ -279,7 +279,7 @@ def study_jobs(args: argparse.Namespace) -> list[Job]:
     jobs: list[tuple[tuple, Job]] = []
     for model in args.models:
         proto = protocol_of(args, model)
-        configs = [c for c in configurations(model) if c.tier in args.tiers or is_baseline(c)]
+        configs = [c for c in configurations(model) if c.tier in args.tiers or is_baseline(c.label)]
         plans = plans_for(model, proto, configs, args.out / f"scale_plans{suffix(args)}.json")
         for i, cfg in enumerate(configs):
             plan, apply_kw = plans[cfg.label]
@@ -354,7 +354,7 @@ def paired_table(df: pd.DataFrame, protocol: dict) -> pd.DataFrame:
                 "seeds": n, "seeds_planned": len(proto["seeds"]), "metric": proto["metric"],
                 "value_mean": vmean, "value_std": float(wide[label].std(ddof=1)) if n > 1 else math.nan,
                 "diff_mean": mean, "diff_sd": sd, "ci_low": lo, "ci_high": hi, "margin": proto["margin"],
-                "no_loss": (bool(lo > proto["margin"]) if n > 1 else None) if label != baseline_of(label) else None,
+                "no_loss": (bool(lo > proto["margin"]) if n > 1 else None) if not is_baseline(label) else None,
                 "within_1std": bool(within),
                 "achieved_sparsity": float(gl["achieved_sparsity"].mean()),
                 "underflow": float(gl["underflow_fraction"].mean()), "overflow": float(gl["overflow_fraction"].mean()),
@@ -382,7 +382,7 @@ def load_results(out: Path, *, quick: bool = False) -> tuple[pd.DataFrame, dict]
         proto = {**PROTOCOL.get(r["model"], {}), **(QUICK.get(r["model"], {}) if quick else {})}
         labels = {c.label for c in configurations(r["model"])} if proto else set()
         if proto and r["steps"] == proto["steps"] and r["seed"] in proto["seeds"] and r["label"] in labels:
-            plan = stored_plan(plans, r["model"], r["label"]) if baseline_of(r["label"]) != r["label"] else None
+            plan = None if is_baseline(r["label"]) else stored_plan(plans, r["model"], r["label"])
             if plan is not None and not r["key"].endswith("plan-" + plan_digest(plan)):
                 continue                 # trained on a plan the configuration no longer makes (stale)
             keep.append(r)
@@ -457,7 +457,7 @@ def plot_forest(table: pd.DataFrame, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = table[(table["label"].map(baseline_of) != table["label"]) & (table["seeds"] > 1)]
+    t = table[~table["label"].map(is_baseline) & (table["seeds"] > 1)]
     models = list(dict.fromkeys(t["model"]))
     if not models:                       # nothing beside the baseline has two seeds yet
         fig, ax = plt.subplots(figsize=(6, 1.5))
@@ -508,7 +508,7 @@ def predicted_vs_achieved(df: pd.DataFrame, plans: dict, table: pd.DataFrame) ->
     verdict = {(r["model"], r["label"]): r["no_loss"] if r["seeds"] == r["seeds_planned"] else None
                for _, r in table.iterrows()}          # pending: not judged
     rows = []
-    for (model, label), g in df[df["label"].map(baseline_of) != df["label"]].groupby(["model", "label"], sort=False):
+    for (model, label), g in df[~df["label"].map(is_baseline)].groupby(["model", "label"], sort=False):
         per = [j for j in g["layers"] if isinstance(j, dict)] if "layers" in g else []
         if not per:
             continue

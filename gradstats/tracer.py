@@ -510,7 +510,7 @@ class Tracer:
             counts = found = None
             if kernel_applies(t):     # the common case on the CPU: the kernel writes a row in place
                 if want_blocks and set(self.blocks) & set(BLOCK_SIZES):   # and counts every block of those
-                    counts = np.zeros((2, 1 + RANGE_BINS), np.int64)
+                    counts = np.empty((len(BLOCK_SIZES), 1 + RANGE_BINS), np.int64)   # write_stats zeroes it
                 with self._lock:      # (held while it writes: a flush never takes a half-written row)
                     write_stats(t, self._rows.claim(), blocks=counts)
                     self._row_keys.append((step, layer, kind, call))

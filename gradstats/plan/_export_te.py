@@ -36,8 +36,7 @@ from gradstats.plan._rules import Rule
 
 #: the namespace TE registers its debug features under
 TE_NAMESPACE = "transformer_engine"
-#: the GEMMs TE's features select by name; those that consume the neural gradient
-TE_GEMMS = ("fprop", "dgrad", "wgrad")
+#: the GEMMs (of TE's fprop, dgrad, wgrad) that consume the neural gradient
 TE_GRADIENT_GEMMS = ("dgrad", "wgrad")
 #: FakeQuant's quant_format per (gradstats format, block size)
 TE_FAKE_QUANT = {("e4m3fn", None): "FP8E4M3", ("e5m2", None): "FP8E5M2",

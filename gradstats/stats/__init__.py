@@ -225,11 +225,14 @@ def write_stats(x: torch.Tensor, address: int, *, full: bool = True, blocks: np.
                          "kernel (see kernel_applies); use tensor_stats_vector for anything else")
     bh = None
     if blocks is not None:
-        if not (isinstance(blocks, np.ndarray) and blocks.dtype == np.int64 and blocks.shape == (2, 65)
+        from gradstats.stats.blocks import BLOCK_SIZES, RANGE_BINS
+
+        shape = (len(BLOCK_SIZES), 1 + RANGE_BINS)
+        if not (isinstance(blocks, np.ndarray) and blocks.dtype == np.int64 and blocks.shape == shape
                 and blocks.flags.c_contiguous and blocks.flags.writeable):
-            raise ValueError("blocks must be a writeable C-contiguous int64 numpy array of shape (2, 65) "
-                             "(blocks of 16 and 32: zero blocks, then 64 range bins)")
-        blocks[...] = 0
+            raise ValueError(f"blocks must be a writeable C-contiguous int64 numpy array of shape {shape} "
+                             f"(blocks of {BLOCK_SIZES}: zero blocks, then {RANGE_BINS} range bins)")
+        blocks[...] = 0                  # the kernel adds to it
         bh = blocks.ctypes.data
     k = len(SCALAR_FIELDS)
     if full:

@@ -128,7 +128,7 @@ static inline void add_range(int64_t *h, int hi, int lo) {
 
 /* The block statistics of x[0..m) (m a multiple of 32 but for the array's last BLOCK, which
  * starts at a multiple of 32): blocks of 16 into bh[0..RANGE_BINS], of 32 into the rest. */
-static void __attribute__((unused)) block_ranges(const float *restrict x, int64_t m, int64_t *restrict bh) {
+static void block_ranges(const float *restrict x, int64_t m, int64_t *restrict bh) {
     int hi32 = 0, lo32 = 255;
     for (int64_t s = 0; s < m; s += 16) {
         int64_t e = s + 16 < m ? s + 16 : m;
@@ -644,14 +644,13 @@ static inline __m512i tree16(__m512i *v, int max) {
 
 /* block_ranges, 16 blocks of 16 at a time: the exponent fields of 16 vectors (0 where not normal
  * finite, for the maxima; 255 for the minima) reduced lane-wise by a tree of permutes into one
- * vector per statistic, adjacent lanes paired for the blocks of 32; the rest of the chunk one
- * vector at a time. Range counts go to four interleaved copies (runs of one range would queue
+ * vector per statistic, adjacent lanes paired for the blocks of 32; the rest of the chunk by the
+ * portable loop. Range counts go to four interleaved copies (runs of one range would queue
  * on one counter), summed into bh at the end. */
 static void block_ranges_avx512(const float *restrict x, int64_t m, int64_t *restrict bh) {
     const __m512i EXP = _mm512_set1_epi32(0xff), E255 = _mm512_set1_epi32(255), Z = _mm512_setzero_si512();
     const __m512i TOPBIN = _mm512_set1_epi32(RANGE_BINS - 1);
-    int64_t nvec = (m + 15) / 16, nfull = m / 16;
-    __mmask16 tail = (m % 16) ? (__mmask16)((1u << (m % 16)) - 1u) : (__mmask16)0xffff;
+    int64_t nfull = m / 16;
     int64_t h4[4][2][RANGE_BINS + 1];
     memset(h4, 0, sizeof h4);
     int64_t v = 0;
@@ -692,24 +691,8 @@ static void block_ranges_avx512(const float *restrict x, int64_t m, int64_t *res
         for (int j = 0; j < 16; j++) h4[j & 3][0][c16[j]]++;
         for (int j = 0; j < 8; j++) h4[j & 3][1][c32[j]]++;
     }
-    int hi32 = 0, lo32 = 255;
-    for (; v < nvec; v++) {
-        __m512i raw = v < nfull ? _mm512_loadu_si512(x + 16 * v) : _mm512_maskz_loadu_epi32(tail, x + 16 * v);
-        __m512i f = _mm512_and_si512(_mm512_srli_epi32(raw, 23), EXP);
-        __mmask16 nrm = _mm512_mask_cmpneq_epi32_mask(_mm512_cmpneq_epi32_mask(f, Z), f, E255);
-        int hi = 0, lo = 255;
-        if (nrm) {
-            hi = (int)_mm512_mask_reduce_max_epu32(nrm, f);
-            lo = (int)_mm512_mask_reduce_min_epu32(nrm, f);
-        }
-        add_range(bh, hi, lo);
-        hi32 = hi > hi32 ? hi : hi32;
-        lo32 = lo < lo32 ? lo : lo32;
-        if ((v & 1) || v == nvec - 1) {
-            add_range(bh + RANGE_BINS + 1, hi32, lo32);
-            hi32 = 0; lo32 = 255;
-        }
-    }
+    /* the rest (fewer than 16 blocks of 16; v * 16 a multiple of 32, so blocks of 32 stay aligned) */
+    if (16 * v < m) block_ranges(x + 16 * v, m - 16 * v, bh);
     for (int c = 0; c < 4; c++)
         for (int s = 0; s < 2; s++)
             for (int j = 0; j < RANGE_BINS + 1; j++) bh[s * (RANGE_BINS + 1) + j] += h4[c][s][j];
