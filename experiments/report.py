@@ -552,8 +552,10 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
     place = t[t["table"] == "placement"]
     if len(place):
         out.append("\n### 1.5 Placement\n\nThe same plans placed as the study did (convolutions only, after a "
-                   "warm-up) and on every layer (the output layer included); the default placement's rows are "
-                   "in 1.2 and 1.3.\n\n" + md_table(place, {"model": "model", "label": "configuration",
+                   "warm-up: half an epoch for pruning, one for formats) and on every layer (the output layer "
+                   "included); the default placement's rows are in 1.2 and 1.3. ResNet-20's planned layers are "
+                   "all convolutions and the transformer has none (its study placement keeps the default "
+                   "layers), so on those two models the row differs from the default by the warm-up alone.\n\n" + md_table(place, {"model": "model", "label": "configuration",
                                                              "delta": "paired Δ", "ci": "95% CI", "verdict": "verdict",
                                                              "achieved_sparsity": "achieved sparsity",
                                                              "underflow": "underflow"},
