@@ -78,7 +78,7 @@ bench: venv
 # experiments/results/, tables in docs/RESULTS.md
 experiments: venv
 	$(PY) experiments/scale_study.py --remaining
-	for e in scale_study near_lognormal distributions pruning_accuracy lowprec_accuracy push allocation_accuracy recommend_accuracy \
+	for e in scale_study flush_drift near_lognormal distributions pruning_accuracy lowprec_accuracy push allocation_accuracy recommend_accuracy \
 	         criteria_correlation threshold_training pruning_real fpanalysis_real; do \
 		echo "== experiments/$$e.py"; $(PY) experiments/$$e.py || exit 1; done
 	$(PY) experiments/report.py

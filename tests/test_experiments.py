@@ -244,3 +244,25 @@ def test_near_lognormal_quick(out):
     assert (planned["miss_histogram"] <= planned["miss_lognormal"]).all()
     payload = json.loads((out / "near_lognormal.json").read_text())
     assert len(payload["worst"]) == 2 * 3 and payload["tensors"]
+
+
+def test_flush_drift_quick(out):
+    """The flushed fraction per layer and tenth of training, measured and predicted, for each
+    model's default FP6 plan: every planned layer has its rows, the fractions are fractions, the
+    plan's prediction is the stored plan's, and the round-to-nearest layers are counted."""
+    mod = _load("flush_drift")
+    summary = mod.main(["--quick", "--out", str(out)])
+    assert list(summary["model"]) == ["cnn", "resnet20", "transformer"]
+    payload = json.loads((out / "flush_drift_quick.json").read_text())
+    phases = pd.DataFrame(payload["phases_table"])
+    plans = json.loads((out / "scale_plans_quick.json").read_text())
+    for model, g in phases.groupby("model"):
+        plan = next(v["plan"] for k, v in plans.items() if k.startswith(f"{model}/{mod.LABEL}/"))
+        assert set(g["layer"]) == {e["layer"] for e in plan["layers"]}
+        stored = {e["layer"]: e["predicted"]["flushed"] for e in plan["layers"]}
+        assert all(abs(p - stored[lay]) < 1e-12 for lay, p in zip(g["layer"], g["plan_prediction"]))
+        near = {e["layer"] for e in plan["layers"]
+                if (e.get("rounding") or plan["defaults"]["rounding"]) == "nearest"}
+        assert int(summary.set_index("model").loc[model, "nearest_layers"]) == len(near)
+    assert phases[["measured", "running_prediction"]].apply(lambda c: c.between(0, 1)).all().all()
+    assert (summary["value"].notna()).all() and (out / "flush_drift_quick.png").stat().st_size > 10_000
