@@ -352,6 +352,23 @@ def _scale_rows(t: pd.DataFrame) -> pd.DataFrame:
     return t
 
 
+def _table_cost(df: pd.DataFrame, rows: pd.DataFrame, protocol: dict) -> str:
+    """The footer of one table of section 1: its command, seeds and the core time of its jobs (the
+    baselines, shared by every table, counted apart)."""
+    keys = set(zip(rows["model"], rows["label"]))
+    mine = df[[(m, lab) in keys for m, lab in zip(df["model"], df["label"])]]
+    base = df[df["label"].map(_is_base) & df["model"].isin(rows["model"].unique())]
+    mine = mine[~mine["label"].map(_is_base)]
+    models = list(dict.fromkeys(rows["model"]))
+    planned = {(c.model, c.label): c.tier for m in models for c in _scale_module().configurations(m)}
+    tiers = " ".join(sorted({planned[k] for k in keys if k in planned} | {"A"}))
+    seeds = "; ".join(f"{m} {min(protocol[m]['seeds'])}-{max(protocol[m]['seeds'])}" for m in models)
+    return (f"\n*Command*: `python experiments/scale_study.py --models {' '.join(models)} --tiers {tiers}` "
+            f"(reuses finished jobs). *Seeds* (paired): {seeds}. *Wall time*: this table's {len(mine)} jobs took "
+            f"{mine['wall_s'].sum() / 3600:.2f} core hours (a row shown in two tables counts in both), the "
+            f"baselines they are paired with another {base['wall_s'].sum() / 3600:.2f} (shared by every table).\n")
+
+
 def section_flush_drift(p: dict) -> str:
     """1.4.2: the flushed fraction over training against the plans' calibration-time predictions."""
     s = pd.DataFrame(p["summary"])
@@ -495,7 +512,8 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
                "fails by that much).\n\n"
                + md_table(claims, {"model": "model", "claim": "claim", "label": "configuration", "formats": "formats",
                                    "delta": "paired Δ", "ci": "95% CI", "verdict": "verdict", "by": "by",
-                                   "achieved_sparsity": "achieved sparsity"}, {"achieved_sparsity": 3}))
+                                   "achieved_sparsity": "achieved sparsity"}, {"achieved_sparsity": 3})
+               + _table_cost(df, claims, protocol))
     cols_p = {"model": "model", "label": "configuration", "target": "target", "delta": "paired Δ", "ci": "95% CI",
               "verdict": "verdict", "old": "within 1 std", "achieved_sparsity": "achieved sparsity"}
     sel = lambda name: t[(t["table"] == name) & (t["placement"] == "default")]  # noqa: E731
@@ -503,7 +521,8 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
                "its defaults (the histogram threshold rule) unless the row names a rule; *allocated*: per-layer "
                "targets from `pruning.allocate` at that element-weighted budget. Achieved sparsity: the fraction "
                "of zeros after pruning, over every call of the training, weighted by size.\n\n"
-               + md_table(sel("pruning"), cols_p, {"achieved_sparsity": 3}))
+               + md_table(sel("pruning"), cols_p, {"achieved_sparsity": 3})
+               + _table_cost(df, sel("pruning"), protocol))
     cols_q = {"model": "model", "label": "configuration", "formats": "formats", "delta": "paired Δ",
               "ci": "95% CI", "verdict": "verdict", "old": "within 1 std", "underflow": "underflow",
               "overflow": "saturated"}
@@ -511,7 +530,8 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
                "`granularity='mx'`: blocks of 32 with E8M0 scales, `'nvfp4'`: blocks of 16 with E4M3 scales), "
                "against hand-picked formats of the same width on the same layers and one global scale. "
                "Underflow: the fraction of non-zero gradient values flushed to zero; saturated: clipped to "
-               "the format's largest value.\n\n" + md_table(sel("lowprec"), cols_q, {"underflow": 3, "overflow": 4}))
+               "the format's largest value.\n\n" + md_table(sel("lowprec"), cols_q, {"underflow": 3, "overflow": 4})
+               + _table_cost(df, sel("lowprec"), protocol))
     rank = ss.criterion_ranking(table, plans)
     if len(rank):
         out.append("\nWhich criterion predicted the ranking: Spearman's ρ, over each model's recommended "
@@ -525,7 +545,8 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
                "(`recommend(bits=..., sparsity=...)`).\n\n"
                + md_table(push, {"model": "model", "label": "configuration", "formats": "formats", "delta": "paired Δ",
                                  "ci": "95% CI", "verdict": "verdict", "achieved_sparsity": "achieved sparsity",
-                                 "underflow": "underflow"}, {"achieved_sparsity": 3, "underflow": 3}))
+                                 "underflow": "underflow"}, {"achieved_sparsity": 3, "underflow": 3})
+               + _table_cost(df, push, protocol))
     best = ss.most_aggressive(table)
     lines = []
     for model in dict.fromkeys(t["model"]):
@@ -557,7 +578,7 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
                                      "diverged": "diverged (seeds)"},
                               {"achieved_sparsity": 3, "underflow": 3})
                    + "\nA diverged seed (the loss went to infinity or NaN) has no value: a configuration is paired "
-                     "on the seeds where both it and its baseline trained.\n")
+                     "on the seeds where both it and its baseline trained.\n" + _table_cost(df, diag, protocol))
     pva = ss.predicted_vs_achieved(df, plans, table)
     ss.plot_predicted(pva, (figures or res) / "scale_predicted.png")
     fails = pva[pva["passed"] == False] if len(pva) else pva  # noqa: E712
@@ -595,7 +616,8 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
                                                              "delta": "paired Δ", "ci": "95% CI", "verdict": "verdict",
                                                              "achieved_sparsity": "achieved sparsity",
                                                              "underflow": "underflow"},
-                                                      {"achieved_sparsity": 3, "underflow": 3}))
+                                                      {"achieved_sparsity": 3, "underflow": 3})
+                   + _table_cost(df, place, protocol))
     return "\n".join(out), core
 
 
