@@ -93,8 +93,9 @@ def _digest(obj: Any) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def run_job(job: Job) -> dict[str, Any]:
-    """Train ``job.model`` for ``job.steps`` steps with the job's plan; the result row."""
+def train(job: Job) -> tuple[Any, Any]:
+    """Train ``job.model`` for ``job.steps`` steps with the job's plan applied (one torch thread);
+    the training's result and the applied plan (None for a baseline), its hooks removed."""
     import torch
 
     import gradstats
@@ -102,22 +103,28 @@ def run_job(job: Job) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     task = prepare(job.model, seed=job.seed, **job.prepare)
-    t0 = time.perf_counter()
     applied = None
     if job.plan is not None:
         applied = gradstats.apply(task.model, gradstats.Plan.from_dict(job.plan), seed=job.seed, **job.apply)
+    try:
+        return task.run(job.steps, **{"schedule": "cosine", "progress": False, **job.train}), applied
+    finally:
+        if applied is not None:
+            applied.remove()
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Train ``job.model`` for ``job.steps`` steps with the job's plan; the result row."""
+    t0 = time.perf_counter()
     row: dict[str, Any] = {"key": job.key, "experiment": job.experiment, "label": job.label,
                            "model": job.model, "seed": job.seed, "steps": job.steps, **job.info}
     try:
-        res = task.run(job.steps, **{"schedule": "cosine", "progress": False, **job.train})
+        res, applied = train(job)
     except Exception as exc:  # a failure is a result: recorded with its message, the others go on
         return {**row, "test_accuracy": math.nan, "test_loss": math.nan, "final_train_loss": math.nan,
                 "diverged": False, "steps_done": 0, "wall_s": round(time.perf_counter() - t0, 2),
                 "achieved_sparsity": math.nan, "underflow_fraction": math.nan, "overflow_fraction": math.nan,
                 "planned_layers": 0, "error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        if applied is not None:
-            applied.remove()
     row.update(test_accuracy=res.test_accuracy, test_loss=res.test_loss,
                final_train_loss=float(pd.Series(res.losses[-20:]).mean()) if res.losses else math.nan,
                diverged=bool(res.diverged), steps_done=res.steps, wall_s=round(time.perf_counter() - t0, 2))
@@ -306,5 +313,5 @@ def environment() -> dict[str, Any]:
             "machine": platform.machine(), "cpus": os.cpu_count()}
 
 
-__all__ = ["Job", "run_job", "run_jobs", "aggregate", "compare_to_baseline", "save_results", "calibrate", "global_scale", "parse_args",
+__all__ = ["Job", "train", "run_job", "run_jobs", "aggregate", "compare_to_baseline", "save_results", "calibrate", "global_scale", "parse_args",
            "write_json", "environment"]

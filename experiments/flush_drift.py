@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pandas as pd  # noqa: E402
-from _accuracy import RESULTS, environment, load_rows, write_json  # noqa: E402
+from _accuracy import RESULTS, Job, environment, load_rows, train, write_json  # noqa: E402
 from scale_study import PROTOCOL, QUICK, configurations, plans_for  # noqa: E402
 
 LABEL = "recommend(bits=6)"
@@ -43,20 +43,10 @@ PHASES = 10
 def run_model(model: str, proto: dict, plans_path: Path) -> tuple[pd.DataFrame, dict, float]:
     """Train seed 0 of ``model`` with its default FP6 plan; the per-call history, the plan (as a
     dict) and the final metric (test accuracy in %, or validation loss)."""
-    import torch
-
-    import gradstats
-    from gradstats.zoo.training import prepare
-
     cfg = next(c for c in configurations(model) if c.label == LABEL)
     plan, apply_kw = plans_for(model, proto, [cfg], plans_path)[LABEL]
-    torch.set_num_threads(1)
-    task = prepare(model, seed=0, **proto["prepare"])
-    applied = gradstats.apply(task.model, gradstats.Plan.from_dict(plan), seed=0, **apply_kw)
-    try:
-        res = task.run(proto["steps"], **{"schedule": "cosine", "progress": False, **proto["train"]})
-    finally:
-        applied.remove()
+    res, applied = train(Job("flush_drift", LABEL, model, seed=0, steps=proto["steps"], plan=plan,
+                             prepare=proto["prepare"], apply=apply_kw, train=proto["train"]))
     value = res.test_loss if proto["metric"] == "loss" else 100 * res.test_accuracy
     return applied.to_dataframe(), plan, float(value)
 

@@ -554,7 +554,8 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
         judged = t[(t["model"] == model) & ~t["label"].map(_is_base) & ~t["verdict"].str.startswith("pending")
                    & (t["table"] != "diagnosis")]
         fails = judged[judged["verdict"] == "loss not excluded"]["label"].tolist()
-        top = ", ".join(f"`{lab}`" for lab in b["label"].head(3)) or "none yet"
+        pending = (t[t["model"] == model]["verdict"].str.startswith("pending")).any()
+        top = ", ".join(f"`{lab}`" for lab in b["label"].head(3)) or ("none yet" if pending else "none")
         lines.append(f"- **{model}**: most aggressive that passed: {top}; loss not excluded: "
                      + (", ".join(f"`{x}`" for x in fails) or "none") + f" ({len(judged)} judged)")
     out.append("\n" + "\n".join(lines) + "\n")
