@@ -93,9 +93,10 @@ def _digest(obj: Any) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def train(job: Job) -> tuple[Any, Any]:
+def train(job: Job) -> tuple[Any, Any, float]:
     """Train ``job.model`` for ``job.steps`` steps with the job's plan applied (one torch thread);
-    the training's result and the applied plan (None for a baseline), its hooks removed."""
+    the training's result, the applied plan (None for a baseline; its hooks removed) and the
+    seconds from applying the plan to the end of training (the model's preparation not counted)."""
     import torch
 
     import gradstats
@@ -103,11 +104,13 @@ def train(job: Job) -> tuple[Any, Any]:
 
     torch.set_num_threads(1)
     task = prepare(job.model, seed=job.seed, **job.prepare)
+    t0 = time.perf_counter()
     applied = None
     if job.plan is not None:
         applied = gradstats.apply(task.model, gradstats.Plan.from_dict(job.plan), seed=job.seed, **job.apply)
     try:
-        return task.run(job.steps, **{"schedule": "cosine", "progress": False, **job.train}), applied
+        res = task.run(job.steps, **{"schedule": "cosine", "progress": False, **job.train})
+        return res, applied, time.perf_counter() - t0
     finally:
         if applied is not None:
             applied.remove()
@@ -115,11 +118,11 @@ def train(job: Job) -> tuple[Any, Any]:
 
 def run_job(job: Job) -> dict[str, Any]:
     """Train ``job.model`` for ``job.steps`` steps with the job's plan; the result row."""
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()   # for a failed job; a trained one reports train()'s own time
     row: dict[str, Any] = {"key": job.key, "experiment": job.experiment, "label": job.label,
                            "model": job.model, "seed": job.seed, "steps": job.steps, **job.info}
     try:
-        res, applied = train(job)
+        res, applied, seconds = train(job)
     except Exception as exc:  # a failure is a result: recorded with its message, the others go on
         return {**row, "test_accuracy": math.nan, "test_loss": math.nan, "final_train_loss": math.nan,
                 "diverged": False, "steps_done": 0, "wall_s": round(time.perf_counter() - t0, 2),
@@ -127,7 +130,7 @@ def run_job(job: Job) -> dict[str, Any]:
                 "planned_layers": 0, "error": f"{type(exc).__name__}: {exc}"}
     row.update(test_accuracy=res.test_accuracy, test_loss=res.test_loss,
                final_train_loss=float(pd.Series(res.losses[-20:]).mean()) if res.losses else math.nan,
-               diverged=bool(res.diverged), steps_done=res.steps, wall_s=round(time.perf_counter() - t0, 2))
+               diverged=bool(res.diverged), steps_done=res.steps, wall_s=round(seconds, 2))
     if applied is not None:
         df = applied.to_dataframe()
         n = df["n"].astype(float)

@@ -45,7 +45,7 @@ def run_model(model: str, proto: dict, plans_path: Path) -> tuple[pd.DataFrame, 
     dict) and the final metric (test accuracy in %, or validation loss)."""
     cfg = next(c for c in configurations(model) if c.label == LABEL)
     plan, apply_kw = plans_for(model, proto, [cfg], plans_path)[LABEL]
-    res, applied = train(Job("flush_drift", LABEL, model, seed=0, steps=proto["steps"], plan=plan,
+    res, applied, _ = train(Job("flush_drift", LABEL, model, seed=0, steps=proto["steps"], plan=plan,
                              prepare=proto["prepare"], apply=apply_kw, train=proto["train"]))
     value = res.test_loss if proto["metric"] == "loss" else 100 * res.test_accuracy
     return applied.to_dataframe(), plan, float(value)

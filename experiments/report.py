@@ -356,9 +356,10 @@ def _table_cost(df: pd.DataFrame, rows: pd.DataFrame, protocol: dict) -> str:
     """The footer of one table of section 1: its command, seeds and the core time of its jobs (the
     baselines, shared by every table, counted apart)."""
     keys = set(zip(rows["model"], rows["label"]))
-    mine = df[[(m, lab) in keys for m, lab in zip(df["model"], df["label"])]]
-    base = df[df["label"].map(_is_base) & df["model"].isin(rows["model"].unique())]
-    mine = mine[~mine["label"].map(_is_base)]
+    is_base = df["label"].map(_is_base)
+    listed = pd.Series([(m, lab) in keys for m, lab in zip(df["model"], df["label"])], index=df.index)
+    mine = df[listed & ~is_base]
+    base = df[is_base & df["model"].isin(rows["model"].unique())]
     models = list(dict.fromkeys(rows["model"]))
     planned = {(c.model, c.label): c.tier for m in models for c in _scale_module().configurations(m)}
     tiers = " ".join(sorted({planned[k] for k in keys if k in planned} | {"A"}))
