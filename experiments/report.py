@@ -333,6 +333,8 @@ def _verdict(r) -> str:
     if _is_base(r["label"]):
         return "-"
     if r["seeds"] < r["seeds_planned"]:
+        if r.get("seeds_finished", 0) >= r["seeds_planned"]:     # every job ran; some diverged
+            return f"not judged ({r['seeds']} of {r['seeds_planned']} seeds paired, the rest diverged)"
         return f"pending ({r['seeds']}/{r['seeds_planned']} seeds)"
     return "**no loss**" if r["no_loss"] else "loss not excluded"
 
@@ -368,6 +370,66 @@ def _table_cost(df: pd.DataFrame, rows: pd.DataFrame, protocol: dict) -> str:
             f"(reuses finished jobs). *Seeds* (paired): {seeds}. *Wall time*: this table's {len(mine)} jobs took "
             f"{mine['wall_s'].sum() / 3600:.2f} core hours (a row shown in two tables counts in both), the "
             f"baselines they are paired with another {base['wall_s'].sum() / 3600:.2f} (shared by every table).\n")
+
+
+def _why_failures(t: pd.DataFrame, pva: pd.DataFrame) -> str:
+    """What the failure table says, in words, from its own numbers: pruning that reached its target
+    and still lost, formats that flushed more than their plan predicted."""
+    parts = []
+    prune_rows = pva[pva["target_sparsity"].notna() & pva["predicted_flushed"].isna()]
+    prune = prune_rows[prune_rows["passed"] == False]  # noqa: E712
+    if len(prune):
+        rule = {(r["model"], r["label"]): r["rule"] for _, r in t.iterrows()}
+        named = [rule.get((m, lab)) in ("lognormal", "exact", "normal", "laplace")    # a rule the row names
+                 for m, lab in zip(prune["model"], prune["label"])]
+        missed, default_rule = prune[named], prune[[not x for x in named]]   # the named rule's threshold can miss
+        short = (default_rule["target_sparsity"] - default_rule["achieved_sparsity"]).max()
+        over = default_rule[default_rule["achieved_sparsity"] - default_rule["target_sparsity"] > 0.01]
+        extra = "; ".join(f"{r['model']} {r['layer']} {r['achieved_sparsity']:.3f} at {r['target_sparsity']:.2f} "
+                          f"({r['label']})" for _, r in over.drop_duplicates(["model", "layer"]).iterrows())
+        miss = missed.groupby(["model", "label"], sort=False)[["target_sparsity", "achieved_sparsity"]].mean()
+        miss_text = "; ".join(f"`{lab}` on {m}: {v['achieved_sparsity']:.3f} for {v['target_sparsity']:.2f}"
+                              for (m, lab), v in miss.iterrows())
+        layers = lambda m: pva[(pva["model"] == m) & (pva["label"] == "Plan.uniform(sparsity=0.85)")]["layer"].nunique()  # noqa: E731
+        lost = sorted(set(prune[prune["label"] == "Plan.uniform(sparsity=0.85)"]["model"]))
+        kept = sorted(set(prune_rows[(prune_rows["label"] == "Plan.uniform(sparsity=0.85)")
+                                     & (prune_rows["passed"] == True)]["model"]))  # noqa: E712
+        warm = []
+        for m in lost:
+            d = t[(t["model"] == m) & t["label"].isin(["Plan.uniform(sparsity=0.85)",
+                                                        "Plan.uniform(sparsity=0.85), study placement"])]
+            if len(d) == 2:
+                a, b = (float(d[d["label"] == lab]["diff_mean"].iloc[0]) for lab in
+                        ("Plan.uniform(sparsity=0.85)", "Plan.uniform(sparsity=0.85), study placement"))
+                warm.append(f"{m} {a:+.3g} -> {b:+.3g}")
+        text = ("*Pruning alone*, with the default (histogram) rule, reached its target on the layers of every "
+                "failing configuration ("
+                + ("no layer ends below it" if not short >= 5e-4 else f"no layer ends more than {short:.3f} below it")
+                + (f"; sparser than the target only where the exact zeros (ReLU) alone exceed it: {extra}" if extra else "")
+                + "): there the loss is not a missed threshold but the noise that unbiased stochastic pruning adds "
+                "to the gradient."
+                + (" A rule that misses the layers' distribution prunes more than asked, and that costs: "
+                   + miss_text + " (mean over the planned layers)." if miss_text else ""))
+        if lost:
+            text += (" At 85% it costs on " + ", ".join(f"{m} ({layers(m)} pruned layers)" for m in lost)
+                     + (" and not on " + ", ".join(f"{m} ({layers(m)})" for m in kept) if kept else "")
+                     + ": each pruned layer's gradient feeds every layer below it, so the noise of many pruned "
+                     "layers adds up (our reading; this study does not test it).")
+        if warm:
+            text += " The study's warm-up (1.5) reduces that loss without removing it (" + "; ".join(warm) + ")."
+        parts.append(text)
+    fmt = pva[pva["predicted_flushed"].notna() & pva["target_sparsity"].isna() & (pva["passed"] == False)]  # noqa: E712
+    if len(fmt):
+        ratio = fmt.groupby(["model", "label"])[["underflow", "predicted_flushed"]].mean()
+        ratio = ratio[ratio["predicted_flushed"] >= 0.01]
+        r = ratio["underflow"] / ratio["predicted_flushed"]
+        if len(r):
+            parts.append(
+                "*Formats*: the recommended plans that did not pass and were predicted to flush at least 1% "
+                f"flushed more in training than their calibration predicted in {int((r > 1).sum())} of {len(r)} "
+                f"cases (measured underflow over predicted flushed fraction, means over layers: median "
+                f"{r.median():.2f}, at most {r.max():.2f}); 1.4.2 follows that drift through training.")
+    return ("\n" + "\n\n".join(parts) + "\n") if parts else ""
 
 
 def section_flush_drift(p: dict) -> str:
@@ -462,7 +524,9 @@ same text), so that no margin or seed count was chosen after seeing a result:
   first, then B (the rest of the pruning table) and C (hand-picked formats, placements). Every
   finished job is appended to `experiments/results/scale_jobs.jsonl` at once; a rerun trains
   only what is missing (`python experiments/scale_study.py --remaining` prints what is left and
-  its estimated time). Rows with fewer seeds than planned are shown as *pending* and not judged.
+  its estimated time). Rows with fewer seeds than planned are shown as *pending* and not judged;
+  a row whose jobs all ran but which pairs with its baseline on fewer seeds than planned (the
+  rest diverged) is shown as *not judged*.
 """
 
 
@@ -491,14 +555,21 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
                      "metric": "test accuracy %" if proto["metric"] == "accuracy" else "validation loss (nats)",
                      "margin": f"{proto['margin']:+g}", "baseline": b["value"],
                      "sd": float(g[~g["label"].map(_is_base)]["diff_sd"].median()),
-                     "jobs": f"{len(d)} / {planned}", "hours": float(d["wall_s"].sum()) / 3600})
+                     "jobs": f"{len(d)} / {planned}", "job_min": float(d["wall_s"].median()) / 60,
+                     "hours": float(d["wall_s"].sum()) / 3600})
+    per = pd.DataFrame(rows)
     out.append("\nPer model: the baseline over its seeds, the median over configurations of the standard "
                "deviation of the paired differences, the jobs finished of those planned (all tiers) and the "
                "core hours they took (one torch thread each, two at a time on 2 cores).\n\n"
-               + md_table(pd.DataFrame(rows), {"model": "model", "steps": "steps", "seeds": "seeds",
-                                               "metric": "metric", "margin": "margin", "baseline": "baseline",
-                                               "sd": "paired sd (median)", "jobs": "jobs done", "hours": "core hours"},
-                          {"sd": 3}))
+               + md_table(per, {"model": "model", "steps": "steps", "seeds": "seeds",
+                                "metric": "metric", "margin": "margin", "baseline": "baseline",
+                                "sd": "paired sd (median)", "jobs": "jobs done", "job_min": "core min per job (median)",
+                                "hours": "core hours"},
+                          {"sd": 3, "job_min": 1}))
+    if not quick:
+        out.append(f"\nIn all, section 1 took {per['hours'].sum():.1f} core hours, about "
+                   f"{per['hours'].sum() / 8:.1f} times the 8 it was sized for; the per-job cost above times "
+                   "the jobs planned is what a rerun costs.\n")
     out.append("\n![paired differences](../experiments/results/scale_study.png)\n")
     ss.plot_forest(table, (figures or res) / "scale_study.png")
     # the two claims
@@ -506,7 +577,7 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
              "recommend(bits=6, flush_bound=None)": "FP6 gradients, the earlier default (no flush bound)"}
     claims = t[t["label"].isin(list(names))].copy()
     claims["claim"] = claims["label"].map(names)
-    claims["by"] = [("-" if v.startswith("pending") else f"{lo - m:+.{3 if met == 'loss' else 2}f}")
+    claims["by"] = [("-" if v.startswith(("pending", "not judged")) else f"{lo - m:+.{3 if met == 'loss' else 2}f}")
                     for v, lo, m, met in zip(claims["verdict"], claims["ci_low"], claims["margin"], claims["metric"])]
     out.append("\n### 1.1 The study's two claims, with the default settings\n\n"
                "*By*: the interval's lower end minus the margin (positive: passes by that much; negative: "
@@ -552,10 +623,10 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
     lines = []
     for model in dict.fromkeys(t["model"]):
         b = best[best["model"] == model]
-        judged = t[(t["model"] == model) & ~t["label"].map(_is_base) & ~t["verdict"].str.startswith("pending")
-                   & (t["table"] != "diagnosis")]
+        mine = t[(t["model"] == model) & (t["table"] != "diagnosis")]
+        judged = mine[~mine["label"].map(_is_base) & ~mine["verdict"].str.startswith(("pending", "not judged"))]
         fails = judged[judged["verdict"] == "loss not excluded"]["label"].tolist()
-        pending = (t[t["model"] == model]["verdict"].str.startswith("pending")).any()
+        pending = mine["verdict"].str.startswith("pending").any()
         top = ", ".join(f"`{lab}`" for lab in b["label"].head(3)) or ("none yet" if pending else "none")
         lines.append(f"- **{model}**: most aggressive that passed: {top}; loss not excluded: "
                      + (", ".join(f"`{x}`" for x in fails) or "none") + f" ({len(judged)} judged)")
@@ -589,21 +660,30 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
     if len(fails):
         rows = []
         for (model, label), g in fails.groupby(["model", "label"], sort=False):
-            w = g.loc[(g["underflow"] - g["predicted_flushed"].fillna(0)).abs().idxmax()]
+            prune_only = g["target_sparsity"].notna().all() and g["predicted_flushed"].isna().all()
+            if prune_only:               # what the plan predicted is the target sparsity itself
+                miss = (g["achieved_sparsity"] - g["target_sparsity"]).abs()
+                w = g.loc[miss.idxmax()]
+                worst = f"{w['layer']}: {w['target_sparsity']:.3f} -> {w['achieved_sparsity']:.3f}"
+            else:
+                w = g.loc[(g["underflow"] - g["predicted_flushed"].fillna(0)).abs().idxmax()]
+                worst = (f"{w['layer']}: {w['predicted_flushed']:.3f} -> {w['underflow']:.3f}"
+                         if w["predicted_flushed"] == w["predicted_flushed"] else f"{w['layer']}: - -> {w['underflow']:.3f}")
             rows.append({"model": model, "label": label, "layers": len(g),
                          "formats": "/".join(sorted({f for f in g["format"] if isinstance(f, str)})) or "-",
                          "pred": g["predicted_flushed"].mean(), "under": g["underflow"].mean(),
                          "target": g["target_sparsity"].mean(), "achieved": g["achieved_sparsity"].mean(),
-                         "worst": f"{w['layer']}: {w['predicted_flushed']:.3f} -> {w['underflow']:.3f}"
-                         if w["predicted_flushed"] == w["predicted_flushed"] else f"{w['layer']}: - -> {w['underflow']:.3f}"})
+                         "worst": worst})
         out.append("\nThe configurations that did not pass, over their planned layers: the mean flushed fraction the "
                    "plan predicted and the underflow training measured, the mean target and achieved sparsity, and "
-                   "the layer where prediction and measurement differ most (predicted -> measured).\n\n"
+                   "the layer where prediction and measurement differ most (predicted -> measured: the flushed "
+                   "fraction for formats; for pruning alone, target -> achieved sparsity).\n\n"
                    + md_table(pd.DataFrame(rows), {"model": "model", "label": "configuration", "layers": "layers",
                                                    "formats": "formats", "pred": "predicted flushed",
                                                    "under": "underflow", "target": "target sparsity",
                                                    "achieved": "achieved sparsity", "worst": "worst layer"},
                               {"pred": 3, "under": 3, "target": 2, "achieved": 3}))
+        out.append(_why_failures(t, pva))
     if (res / "flush_drift.json").exists() and not quick:
         drift = json.loads((res / "flush_drift.json").read_text())
         core += compute_seconds(drift)

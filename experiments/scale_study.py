@@ -177,8 +177,7 @@ def configurations(model: str) -> list[Config]:
         # tier B: the rest of the pruning table
         *[C("pruning", "B", f"Plan.uniform(sparsity={s})", sparsity=s, rule="histogram") for s in (0.5, 0.7, 0.8)],
         *[C("pruning", "B", f"Plan.uniform(sparsity={s}, threshold_rule='{r}')", sparsity=s, rule=r)
-          for s in (0.85, 0.9) for r in ("lognormal", "exact", "normal", "laplace")
-          if not (s == 0.9 and r in ("normal", "laplace"))],
+          for s in (0.85, 0.9) for r in ("lognormal", "exact", "normal", "laplace")],
         *[C("pruning", "B", f"allocated {s}", sparsity=s, rule="allocated") for s in (0.85, 0.9)],
         # tier C: the study's hand-picked FP6 and placement first (what the earlier table compared),
         # then the other hand-picked formats of the same width, one global scale, MX at 8 bits
@@ -342,6 +341,8 @@ def paired_table(df: pd.DataFrame, protocol: dict) -> pd.DataFrame:
             bmean, bstd = float(base.mean()), float(base.std(ddof=1)) if len(base) > 1 else 0.0
             d = ((base - wide[label]) if loss else (wide[label] - base)).dropna()
             n = len(d)
+            done = g[g["label"].isin([label, baseline_of(label)])].groupby("seed")["label"].nunique()
+            finished = int((done == (1 if label == baseline_of(label) else 2)).sum())
             mean = float(d.mean()) if n else math.nan
             sd = float(d.std(ddof=1)) if n > 1 else math.nan
             half = float(st.t.ppf(0.975, n - 1)) * sd / math.sqrt(n) if n > 1 else math.nan
@@ -355,7 +356,8 @@ def paired_table(df: pd.DataFrame, protocol: dict) -> pd.DataFrame:
                 "label": label, "placement": first.get("placement", "default"),
                 "target_sparsity": first.get("target_sparsity"), "bits": first.get("bits"),
                 "block": first.get("block"), "rule": first.get("rule"),
-                "seeds": n, "seeds_planned": len(proto["seeds"]), "metric": proto["metric"],
+                "seeds": n, "seeds_planned": len(proto["seeds"]), "seeds_finished": finished,
+                "metric": proto["metric"],
                 "value_mean": vmean, "value_std": float(wide[label].std(ddof=1)) if n > 1 else math.nan,
                 "diff_mean": mean, "diff_sd": sd, "ci_low": lo, "ci_high": hi, "margin": proto["margin"],
                 "no_loss": (bool(lo > proto["margin"]) if n > 1 else None) if not is_baseline(label) else None,
