@@ -168,6 +168,18 @@ def test_threshold_training_quick(out):
     assert table.loc[("histogram", "all layers"), "cases"] == len(layers) / 2
 
 
+def test_scale_study_power_columns():
+    """The per-model power columns: the half-width is the t interval's at n seeds, and the seeds a
+    configuration with no effect needs are the fewest whose half-width is below the margin's size."""
+    from scipy import stats as st
+
+    report = _load("report")
+    assert report._half_width(0.2, 4) == pytest.approx(st.t.ppf(0.975, 3) * 0.2 / 2)
+    n = int(report._seeds_to_pass(0.222, 0.3))
+    assert report._half_width(0.222, n) < 0.3 <= report._half_width(0.222, n - 1)
+    assert report._seeds_to_pass(1.0, 0.01, most=50) == "> 50"
+
+
 def test_scale_study_paired_interval_and_margin():
     """The study's test, on hand-made jobs: the paired 95% interval is scipy's t interval of the
     per-seed differences; "no loss" only when its lower end clears the margin; the transformer's
@@ -200,6 +212,9 @@ def test_scale_study_paired_interval_and_margin():
     assert t.loc[("cnn", "bad"), "within_1std"] == (sum(bad) / 5 >= sum(base) / 5 - pd.Series(base).std())
     w = t.loc[("transformer", "worse")]
     assert w["diff_mean"] == pytest.approx(-0.03) and w["no_loss"] is False   # 0.03 nats worse: below -0.01
+    # "loss" only when the whole interval is below the margin: every seed 0.03 nats worse is one; the
+    # CNN's "bad" (mean -0.36, interval reaching above -0.3) is not, and neither is "good"
+    assert w["loss"] is True and t.loc[("cnn", "bad"), "loss"] is False and g["loss"] is False
     assert t.loc[("cnn", "partial"), "seeds"] == 1 and t.loc[("cnn", "partial"), "no_loss"] is None
 
 
