@@ -386,6 +386,37 @@ def _table_cost(df: pd.DataFrame, rows: pd.DataFrame, protocol: dict) -> str:
             f"baselines they are paired with another {base['wall_s'].sum() / 3600:.2f} (shared by every table).\n")
 
 
+def _halves_text(t: pd.DataFrame, pva: pd.DataFrame) -> str:
+    """The test of that reading, where it ran: 85% on half of ResNet-20's layers at a time."""
+    lab = "Plan.uniform(sparsity=0.85)"
+    rows = {h: t[(t["model"] == "resnet20") & (t["label"] == f"{lab}, {h}")] for h in ("input half", "output half")}
+    whole = t[(t["model"] == "resnet20") & (t["label"] == lab)]
+    judged = lambda d: len(d) and not str(d["verdict"].iloc[0]).startswith(("pending", "not judged"))  # noqa: E731
+    if not (judged(whole) and all(judged(d) for d in rows.values())):
+        return " (Our reading; the rows that test it, 85% on half of ResNet-20's layers at a time, are pending.)"
+    n = {h: pva[(pva["model"] == "resnet20") & (pva["label"] == f"{lab}, {h}")]["layer"].nunique() for h in rows}
+    a = float(whole["diff_mean"].iloc[0])
+    part = "; ".join(f"the {n[h]} nearest the {h.split()[0]} {float(d['diff_mean'].iloc[0]):+.2f} {d['ci'].iloc[0]}"
+                     for h, d in rows.items())
+    total = sum(float(d["diff_mean"].iloc[0]) for d in rows.values())
+    return (f" Tested on ResNet-20 by pruning half of its layers at 85% (1.5): {part}, against {a:+.2f} with all "
+            f"{layers_of(pva, 'resnet20', lab)}: "
+            + (f"the halves' losses add up to {total:+.2f}, less than the whole's: the noise compounds across "
+               "pruned layers." if total > a else
+               f"the halves' losses add up to {total:+.2f}, about the whole's or more: the losses add, they do not "
+               "compound.")
+            + (" The half nearest the output costs more: its noise reaches every layer below it" if
+               float(rows["output half"]["diff_mean"].iloc[0]) < float(rows["input half"]["diff_mean"].iloc[0])
+               else " The half nearest the input costs more, though the other half's noise reaches more layers")
+            + (" (in the means; the two intervals overlap)." if
+               float(rows["output half"]["ci_high"].iloc[0]) > float(rows["input half"]["ci_low"].iloc[0])
+               and float(rows["input half"]["ci_high"].iloc[0]) > float(rows["output half"]["ci_low"].iloc[0]) else "."))
+
+
+def layers_of(pva: pd.DataFrame, model: str, label: str) -> int:
+    return int(pva[(pva["model"] == model) & (pva["label"] == label)]["layer"].nunique())
+
+
 def _why_failures(t: pd.DataFrame, pva: pd.DataFrame) -> str:
     """What the failure table says, in words, from its own numbers: pruning that reached its target
     and still lost, formats that flushed more than their plan predicted."""
@@ -428,7 +459,7 @@ def _why_failures(t: pd.DataFrame, pva: pd.DataFrame) -> str:
             text += (" At 85% it costs on " + ", ".join(f"{m} ({layers(m)} pruned layers)" for m in lost)
                      + (" and not on " + ", ".join(f"{m} ({layers(m)})" for m in kept) if kept else "")
                      + ": each pruned layer's gradient feeds every layer below it, so the noise of many pruned "
-                     "layers adds up (our reading; this study does not test it).")
+                     "layers could add up." + _halves_text(t, pva))
         if warm:
             text += " The study's warm-up (1.5) reduces that loss without removing it (" + "; ".join(warm) + ")."
         parts.append(text)
@@ -541,7 +572,8 @@ same text), so that no margin or seed count was chosen after seeing a result:
   first, then B (the rest of the pruning table; on ResNet-20 and the transformer 50% and 70%
   sparsity and ResNet-20 at 8 bits, rows added after their 85% and 90% rows had failed, to find
   where they start to lose: margin and seeds as stated here) and C (hand-picked formats,
-  placements). Every
+  placements; on ResNet-20 85% on half of its layers at a time, added to test why its 85% row
+  lost). Every
   finished job is appended to `experiments/results/scale_jobs.jsonl` at once; a rerun trains
   only what is missing (`python experiments/scale_study.py --remaining` prints what is left and
   its estimated time). Rows with fewer seeds than planned are shown as *pending* and not judged;
@@ -729,7 +761,10 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
                    "warm-up: half an epoch for pruning, one for formats) and on every layer (the output layer "
                    "included); the default placement's rows are in 1.2 and 1.3. ResNet-20's planned layers are "
                    "all convolutions and the transformer has none (its study placement keeps the default "
-                   "layers), so on those two models the row differs from the default by the warm-up alone.\n\n" + md_table(place, {"model": "model", "label": "configuration",
+                   "layers), so on those two models the row differs from the default by the warm-up alone. "
+                   "ResNet-20's *input half* and *output half*: 85% pruning on the first or the last half of its "
+                   "planned layers in the model's order (the first from the input), from the first step, to see "
+                   "where the loss of pruning them all comes from.\n\n" + md_table(place, {"model": "model", "label": "configuration",
                                                              "delta": "paired Δ", "ci": "95% CI", "verdict": "verdict",
                                                              "achieved_sparsity": "achieved sparsity",
                                                              "underflow": "underflow"},

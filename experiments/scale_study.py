@@ -26,7 +26,8 @@ The protocol (also stated in ``docs/RESULTS.md``, before the tables):
 Jobs run in priority order (``--tiers``): tier A holds the study's two claims and the pushes past
 them on every model, B the pruning table's other rows (on ResNet-20 and the transformer: 50% and
 70% sparsity and ResNet-20 at 8 bits, added after their 85% and 90% rows had failed, to find where
-they start to lose), C the hand-picked formats and placements.
+they start to lose), C the hand-picked formats and placements (on ResNet-20 also 85% on half of its
+layers at a time, added to test why its 85% row lost).
 Every finished job is appended to ``scale_jobs.jsonl``; a rerun trains only what is missing, so
 the study runs across several sittings. ``--remaining`` prints what is left and an estimate of
 its time and trains nothing.
@@ -155,8 +156,10 @@ def configurations(model: str) -> list[Config]:
     warm = C("placement", "A", "Plan.uniform(sparsity=0.85), study placement", placement="study", sparsity=0.85)
     # tier B on the two models that lose at 85%: where pruning starts to cost, and 8 bits
     lighter = [C("pruning", "B", f"Plan.uniform(sparsity={s})", sparsity=s, rule="histogram") for s in (0.5, 0.7)]
-    if model == "resnet20":
-        return base + headline + [before, warm] + lighter + [C("lowprec", "B", "recommend(bits=8)", bits=8)]
+    if model == "resnet20":    # tier C: why 85% loses, half the layers at a time (nearest the input, the output)
+        halves = [C("placement", "C", f"Plan.uniform(sparsity=0.85), {h}", placement=h, sparsity=0.85)
+                  for h in ("input half", "output half")]
+        return base + headline + [before, warm] + lighter + [C("lowprec", "B", "recommend(bits=8)", bits=8)] + halves
     if model == "transformer":    # why the earlier default failed here (rounding, width, optimizer), first
         sgd = (("optimizer", "sgd"), ("lr", TRANSFORMER_SGD_LR))
         diagnosis = [
@@ -203,7 +206,9 @@ def make_plan(cfg: Config, calib, layers: dict[str, list[str]]) -> tuple[dict, d
     import gradstats
     from gradstats.pruning import allocate
 
-    lay = {"default": None, "study": layers["conv"], "every layer": layers["every"]}[cfg.placement]
+    half = len(layers["default"]) // 2
+    lay = {"default": None, "study": layers["conv"], "every layer": layers["every"],
+           "input half": layers["default"][:half], "output half": layers["default"][half:]}[cfg.placement]
     out_kw = {"output_layer": False} if cfg.placement == "every layer" else {}
     apply_kw: dict = {}
     if cfg.placement == "study":      # pruning after half an epoch, formats after one
@@ -242,7 +247,8 @@ def make_plan(cfg: Config, calib, layers: dict[str, list[str]]) -> tuple[dict, d
 
 
 def model_layers(model: str, prepare_kw: dict) -> dict:
-    """The layer sets of the placements: default, the convolutions, every matmul layer."""
+    """The layer sets of the placements: default, the convolutions, every matmul layer (each in the
+    model's order, input first)."""
     import gradstats
     from gradstats.zoo.training import prepare
 

@@ -168,6 +168,29 @@ def test_threshold_training_quick(out):
     assert table.loc[("histogram", "all layers"), "cases"] == len(layers) / 2
 
 
+def test_scale_study_every_plan_resolves(tmp_path):
+    """Every configuration of every tier has a plan that resolves on its model (tier A trains in
+    test_scale_study_quick; B and C are checked here without training); ResNet-20's two halves split
+    the default layers in the model's order, the input half first."""
+    import gradstats
+    from gradstats.zoo.training import prepare
+
+    mod = _load("scale_study")
+    for model in ("resnet20", "cnn"):
+        proto = {**mod.PROTOCOL[model], **mod.QUICK[model]}
+        configs = mod.configurations(model)
+        plans = mod.plans_for(model, proto, configs, tmp_path / f"{model}.json")
+        net = prepare(model, seed=0, **proto["prepare"]).model
+        default = list(gradstats.Plan.uniform().resolve(net))
+        for cfg in configs:
+            if not mod.is_baseline(cfg.label):
+                assert gradstats.Plan.from_dict(plans[cfg.label][0]).resolve(net), cfg.label
+        if model == "resnet20":
+            first, last = (list(gradstats.Plan.from_dict(plans[f"Plan.uniform(sparsity=0.85), {h}"][0]).resolve(net))
+                           for h in ("input half", "output half"))
+            assert first == default[:len(default) // 2] and last == default[len(default) // 2:]
+
+
 def test_scale_study_power_columns():
     """The per-model power columns: the half-width is the t interval's at n seeds, and the seeds a
     configuration with no effect needs are the fewest whose half-width is below the margin's size."""
