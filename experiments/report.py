@@ -329,18 +329,16 @@ def _is_base(label: str) -> bool:
     return _scale_module().is_baseline(label)
 
 
-def _half_width(sd: float, n: int) -> float:
-    """The 95% t-interval's half-width of a mean of ``n`` paired differences of standard deviation ``sd``."""
-    from scipy import stats as st
-
-    return float(st.t.ppf(0.975, n - 1)) * sd / math.sqrt(n) if n > 1 and sd == sd else math.nan
-
-
 def _seeds_to_pass(sd: float, margin: float, most: int = 200) -> str:
     """The fewest seeds whose interval half-width at ``sd`` is below ``margin`` (a configuration with
     no effect then passes, on average): the power a model's noise leaves the test."""
-    n = next((k for k in range(2, most + 1) if _half_width(sd, k) < margin), None)
+    n = next((k for k in range(2, most + 1) if _scale_module().half_width(sd, k) < margin), None)
     return str(n) if n is not None else f"> {most}"
+
+
+def _judged(verdict: str) -> bool:
+    """Whether a row of section 1 carries a verdict (not *pending*, not *not judged*)."""
+    return not verdict.startswith(("pending", "not judged"))
 
 
 def _verdict(r) -> str:
@@ -389,31 +387,27 @@ def _table_cost(df: pd.DataFrame, rows: pd.DataFrame, protocol: dict) -> str:
 def _halves_text(t: pd.DataFrame, pva: pd.DataFrame) -> str:
     """The test of that reading, where it ran: 85% on half of ResNet-20's layers at a time."""
     lab = "Plan.uniform(sparsity=0.85)"
-    rows = {h: t[(t["model"] == "resnet20") & (t["label"] == f"{lab}, {h}")] for h in ("input half", "output half")}
-    whole = t[(t["model"] == "resnet20") & (t["label"] == lab)]
-    judged = lambda d: len(d) and not str(d["verdict"].iloc[0]).startswith(("pending", "not judged"))  # noqa: E731
-    if not (judged(whole) and all(judged(d) for d in rows.values())):
+    res = t[t["model"] == "resnet20"].set_index("label")
+    names = [lab, f"{lab}, input half", f"{lab}, output half"]
+    if not all(n in res.index and _judged(res.loc[n, "verdict"]) for n in names):
         return " (Our reading; the rows that test it, 85% on half of ResNet-20's layers at a time, are pending.)"
-    n = {h: pva[(pva["model"] == "resnet20") & (pva["label"] == f"{lab}, {h}")]["layer"].nunique() for h in rows}
-    a = float(whole["diff_mean"].iloc[0])
-    part = "; ".join(f"the {n[h]} nearest the {h.split()[0]} {float(d['diff_mean'].iloc[0]):+.2f} {d['ci'].iloc[0]}"
-                     for h, d in rows.items())
-    total = sum(float(d["diff_mean"].iloc[0]) for d in rows.values())
+    whole, first, last = (res.loc[n] for n in names)
+    part = "; ".join(f"the {_layers_of(pva, 'resnet20', f'{lab}, {h}')} nearest the {h.split()[0]} "
+                     f"{r['diff_mean']:+.2f} {r['ci']}" for h, r in (("input half", first), ("output half", last)))
+    total, a = first["diff_mean"] + last["diff_mean"], whole["diff_mean"]
+    overlap = last["ci_high"] > first["ci_low"] and first["ci_high"] > last["ci_low"]
     return (f" Tested on ResNet-20 by pruning half of its layers at 85% (1.5): {part}, against {a:+.2f} with all "
-            f"{layers_of(pva, 'resnet20', lab)}: "
-            + (f"the halves' losses add up to {total:+.2f}, less than the whole's: the noise compounds across "
-               "pruned layers." if total > a else
-               f"the halves' losses add up to {total:+.2f}, about the whole's or more: the losses add, they do not "
-               "compound.")
-            + (" The half nearest the output costs more: its noise reaches every layer below it" if
-               float(rows["output half"]["diff_mean"].iloc[0]) < float(rows["input half"]["diff_mean"].iloc[0])
+            f"{_layers_of(pva, 'resnet20', lab)}: the halves' losses add up to {total:+.2f}, "
+            + ("less than the whole's: the noise compounds across pruned layers." if total > a else
+               "about the whole's or more: the losses add, they do not compound.")
+            + (" The half nearest the output costs more: its noise reaches every layer below it"
+               if last["diff_mean"] < first["diff_mean"]
                else " The half nearest the input costs more, though the other half's noise reaches more layers")
-            + (" (in the means; the two intervals overlap)." if
-               float(rows["output half"]["ci_high"].iloc[0]) > float(rows["input half"]["ci_low"].iloc[0])
-               and float(rows["input half"]["ci_high"].iloc[0]) > float(rows["output half"]["ci_low"].iloc[0]) else "."))
+            + (" (in the means; the two intervals overlap)." if overlap else "."))
 
 
-def layers_of(pva: pd.DataFrame, model: str, label: str) -> int:
+def _layers_of(pva: pd.DataFrame, model: str, label: str) -> int:
+    """How many layers a configuration planned."""
     return int(pva[(pva["model"] == model) & (pva["label"] == label)]["layer"].nunique())
 
 
@@ -435,7 +429,6 @@ def _why_failures(t: pd.DataFrame, pva: pd.DataFrame) -> str:
         miss = missed.groupby(["model", "label"], sort=False)[["target_sparsity", "achieved_sparsity"]].mean()
         miss_text = "; ".join(f"`{lab}` on {m}: {v['achieved_sparsity']:.3f} for {v['target_sparsity']:.2f}"
                               for (m, lab), v in miss.iterrows())
-        layers = lambda m: pva[(pva["model"] == m) & (pva["label"] == "Plan.uniform(sparsity=0.85)")]["layer"].nunique()  # noqa: E731
         lost = sorted(set(prune[prune["label"] == "Plan.uniform(sparsity=0.85)"]["model"]))
         kept = sorted(set(prune_rows[(prune_rows["label"] == "Plan.uniform(sparsity=0.85)")
                                      & (prune_rows["passed"] == True)]["model"]))  # noqa: E712
@@ -456,8 +449,9 @@ def _why_failures(t: pd.DataFrame, pva: pd.DataFrame) -> str:
                 + (" A rule that misses the layers' distribution prunes more than asked, and that costs: "
                    + miss_text + " (mean over the planned layers)." if miss_text else ""))
         if lost:
-            text += (" At 85% it costs on " + ", ".join(f"{m} ({layers(m)} pruned layers)" for m in lost)
-                     + (" and not on " + ", ".join(f"{m} ({layers(m)})" for m in kept) if kept else "")
+            n85 = lambda m: _layers_of(pva, m, "Plan.uniform(sparsity=0.85)")  # noqa: E731
+            text += (" At 85% it costs on " + ", ".join(f"{m} ({n85(m)} pruned layers)" for m in lost)
+                     + (" and not on " + ", ".join(f"{m} ({n85(m)})" for m in kept) if kept else "")
                      + ": each pruned layer's gradient feeds every layer below it, so the noise of many pruned "
                      "layers could add up." + _halves_text(t, pva))
         if warm:
@@ -612,7 +606,7 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
                      "metric": "test accuracy %" if proto["metric"] == "accuracy" else "validation loss (nats)",
                      "margin": f"{proto['margin']:+g}", "baseline": b["value"],
                      "sd": sd_med,
-                     "sd0": sd_null, "half": _half_width(sd_null, len(proto["seeds"])),
+                     "sd0": sd_null, "half": ss.half_width(sd_null, len(proto["seeds"])),
                      "need": _seeds_to_pass(sd_null, abs(proto["margin"])),
                      "jobs": f"{len(d)} / {planned}", "job_min": float(d["wall_s"].median()) / 60,
                      "hours": float(d["wall_s"].sum()) / 3600})
@@ -642,7 +636,7 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
              "recommend(bits=6, flush_bound=None)": "FP6 gradients, the earlier default (no flush bound)"}
     claims = t[t["label"].isin(list(names))].copy()
     claims["claim"] = claims["label"].map(names)
-    claims["by"] = [("-" if v.startswith(("pending", "not judged")) else f"{lo - m:+.{3 if met == 'loss' else 2}f}")
+    claims["by"] = [("-" if not _judged(v) else f"{lo - m:+.{3 if met == 'loss' else 2}f}")
                     for v, lo, m, met in zip(claims["verdict"], claims["ci_low"], claims["margin"], claims["metric"])]
     out.append("\n### 1.1 The study's two claims, with the default settings\n\n"
                "*By*: the interval's lower end minus the margin (positive: passes by that much; negative: "
@@ -689,7 +683,7 @@ def section_scale(res: Path, *, quick: bool = False, figures: Path | None = None
     for model in dict.fromkeys(t["model"]):
         b = best[best["model"] == model]
         mine = t[(t["model"] == model) & (t["table"] != "diagnosis")]
-        judged = mine[~mine["label"].map(_is_base) & ~mine["verdict"].str.startswith(("pending", "not judged"))]
+        judged = mine[~mine["label"].map(_is_base) & mine["verdict"].map(_judged)]
         lost = judged[judged["verdict"] == "**loss**"]["label"].tolist()
         fails = judged[judged["verdict"] == "loss not excluded"]["label"].tolist()
         pending = mine["verdict"].str.startswith("pending").any()

@@ -330,12 +330,18 @@ def remaining(jobs: list[Job], path: Path) -> pd.DataFrame:
             .assign(core_hours=lambda t: t["core_hours"] / 3600).reset_index())
 
 
+def half_width(sd: float, n: int) -> float:
+    """The half-width of the 95% t interval of a mean of ``n`` paired differences of standard
+    deviation ``sd`` (NaN below two seeds)."""
+    from scipy import stats as st
+
+    return float(st.t.ppf(0.975, n - 1)) * sd / math.sqrt(n) if n > 1 else math.nan
+
+
 def paired_table(df: pd.DataFrame, protocol: dict) -> pd.DataFrame:
     """Per (model, configuration): seeds, mean metric, the mean paired difference to the baseline
     with its 95% interval (t), *no loss* (the lower end above the margin), the old within-one-std
     column, and the achieved sparsity, underflow and saturation (size-weighted over training)."""
-    from scipy import stats as st
-
     rows = []
     ok = df[df["error"].isna()] if "error" in df else df
     for model, g in ok.groupby("model", sort=False):
@@ -355,7 +361,7 @@ def paired_table(df: pd.DataFrame, protocol: dict) -> pd.DataFrame:
             finished = int((done == (1 if label == baseline_of(label) else 2)).sum())
             mean = float(d.mean()) if n else math.nan
             sd = float(d.std(ddof=1)) if n > 1 else math.nan
-            half = float(st.t.ppf(0.975, n - 1)) * sd / math.sqrt(n) if n > 1 else math.nan
+            half = half_width(sd, n)
             lo, hi = mean - half, mean + half
             gl = g[g["label"] == label]
             first = gl.iloc[0]

@@ -196,10 +196,10 @@ def test_scale_study_power_columns():
     configuration with no effect needs are the fewest whose half-width is below the margin's size."""
     from scipy import stats as st
 
-    report = _load("report")
-    assert report._half_width(0.2, 4) == pytest.approx(st.t.ppf(0.975, 3) * 0.2 / 2)
+    report, mod = _load("report"), _load("scale_study")
+    assert mod.half_width(0.2, 4) == pytest.approx(st.t.ppf(0.975, 3) * 0.2 / 2)
     n = int(report._seeds_to_pass(0.222, 0.3))
-    assert report._half_width(0.222, n) < 0.3 <= report._half_width(0.222, n - 1)
+    assert mod.half_width(0.222, n) < 0.3 <= mod.half_width(0.222, n - 1)
     assert report._seeds_to_pass(1.0, 0.01, most=50) == "> 50"
 
 
