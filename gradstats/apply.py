@@ -9,11 +9,16 @@ refresh: :func:`gradstats.stats.tensor_stats_vector`), refreshes thresholds and 
 ``refresh_every`` gradients, and records what each call achieved (sparsity, underflow,
 saturation) beside what the model predicted.
 
-It also watches for a plan that silently destroys a layer's gradient and warns once per layer
-and kind (logger ``gradstats.apply``, level WARNING; listed in ``Applied.summary()["alerts"]``):
-achieved sparsity above the target by more than :data:`SPARSITY_MARGIN`, more than
-:data:`UNDERFLOW_BOUND` of the non-zero values flushed to zero by the format, and a gradient
-that is all zeros for :data:`ZERO_CALLS` calls in a row. Beside each call's achieved sparsity,
+It also watches for a layer that leaves what its plan promised, from the counts and sums the fused
+pass returns anyway (:class:`gradstats.ops.fused.CompressCounts`), and warns once per layer and
+kind (logger ``gradstats.apply``, level WARNING; listed in ``Applied.summary()["alerts"]`` and, with
+``log_to=``, the run's ``"applied_alerts"`` table): non-finite values in the incoming gradient
+(a NaN loss), more entries clipped at the format's maximum than :data:`OVERFLOW_BOUND` (or the
+plan's own prediction, if larger), a magnitude gain ``<out, g> / <g, g>`` off 1 by more than
+:data:`BIAS_BOUND` beyond the call's sampling noise (in one call, or over all calls so far),
+rounding to nearest that flushes more than :data:`UNDERFLOW_BOUND` of the non-zero values,
+achieved sparsity above the target by more than :data:`SPARSITY_MARGIN`, and a gradient that is
+all zeros for :data:`ZERO_CALLS` calls in a row. Beside each call's achieved sparsity,
 underflow, saturation (and, when measured, error) it records what the lognormal model predicts
 for them at the running statistics; with ``fallback=`` (opt-in, a :class:`Fallback`) a layer
 whose gradient drifts past a bound has its rule changed a step at a time (stochastic rounding,
@@ -65,15 +70,23 @@ _F = {name: i for i, name in enumerate(SCALAR_FIELDS)}
 #: threshold rules hit their targets within about 0.03 (docs/apply.md), so a larger excess is the
 #: format flushing what pruning kept, or a threshold model that does not fit the layer.
 SPARSITY_MARGIN = 0.05
-#: Alert "underflow": more than this fraction of the non-zero values that reach the rounding
-#: are flushed to zero by the format. Flushing most non-zero values is a systematic shrinkage of
-#: the layer's weight gradient (the bias accuracy loss ranked with); see docs/apply.md.
-UNDERFLOW_BOUND = 0.5
+#: Alert "underflow": rounding to nearest flushes more than this fraction of the layer's non-zero
+#: gradient values to zero (beyond sampling noise): the flush bound that ``recommend`` plans with
+#: (:data:`gradstats.fpanalysis.FLUSH_BOUND`). Flushing is a systematic shrinkage of the layer's
+#: weight gradient, and under Adam a lost step for every flushed value; see docs/apply.md.
+UNDERFLOW_BOUND = 0.01
+#: Alert "overflow": more than this fraction of a call's entries saturated at the format's maximum
+#: (or more than the plan predicted, if it predicted more), beyond sampling noise
+OVERFLOW_BOUND = 0.001
+#: Alert "gain": the magnitude gain ``<out, g> / <g, g>`` of a call, or of all calls so far, is off 1
+#: by more than this beyond five standard errors of its own random draws (the bias bound of
+#: ``recommend``: pruning and stochastic rounding are unbiased, so a gain off 1 is flushing or clipping)
+BIAS_BOUND = 0.01
 #: Alert "zero_gradient": the gradient leaving the layer was all zeros for this many calls in
 #: a row (nothing reaches its weights: the symptom of a broken low-precision kernel or scale).
 ZERO_CALLS = 3
 #: the kinds of alert, in the order ``Applied.summary()`` lists them
-ALERT_KINDS = ("sparsity", "underflow", "zero_gradient")
+ALERT_KINDS = ("nonfinite", "overflow", "gain", "underflow", "sparsity", "zero_gradient")
 #: version of the layout of :meth:`Applied.state_dict` (version 1, without the predictions and
 #: the fallback state, still loads)
 STATE_VERSION = 2
@@ -81,7 +94,7 @@ STATE_VERSION = 2
 _STATE_FIELDS = ("seq", "mu", "m2", "p0", "amax", "rms", "mean_abs", "threshold",
                  "predicted_sparsity", "scale", "zero_run")
 #: fields added in state dict version 2 (defaults when loading version 1)
-_STATE_FIELDS_V2 = ("predicted_underflow", "predicted_overflow", "predicted_error", "fallback_run")
+_STATE_FIELDS_V2 = ("predicted_underflow", "predicted_overflow", "predicted_error", "fallback_run", "gain_sums")
 #: the actions a :class:`Fallback` can take, in the order of the default ladder
 FALLBACK_ACTIONS = ("stochastic", "widen", "full", "dense")
 #: ``fallback=`` names: shorthands for a :class:`Fallback` with these actions
@@ -215,6 +228,7 @@ class _LayerState:
     predicted_overflow: float = math.nan    # flushed and saturated, and the relative error
     predicted_error: float = math.nan       # of the output, at the running statistics
     fallback_run: int = 0           # consecutive drifting calls
+    gain_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])   # dot, norm2, noise2 over calls
     fallback_done: list[int] = field(default_factory=list)   # indices of the Fallback actions taken
 
     @property
@@ -380,7 +394,9 @@ class Applied:
                  sparsity_margin: Optional[float] = SPARSITY_MARGIN,
                  underflow_bound: Optional[float] = UNDERFLOW_BOUND,
                  zero_calls: Optional[int] = ZERO_CALLS,
-                 fallback: Union[Fallback, str, None] = None) -> None:
+                 fallback: Union[Fallback, str, None] = None,
+                 overflow_bound: Optional[float] = OVERFLOW_BOUND,
+                 bias_bound: Optional[float] = BIAS_BOUND) -> None:
         from gradstats.plan import Plan
 
         if not isinstance(model, nn.Module):
@@ -409,6 +425,9 @@ class Applied:
         if zero_calls is not None and (not isinstance(zero_calls, int) or isinstance(zero_calls, bool)
                                        or zero_calls < 1):
             raise ValueError(f"zero_calls must be None (no check) or a positive int, got {zero_calls!r}")
+        for nm, v in (("overflow_bound", overflow_bound), ("bias_bound", bias_bound)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0):
+                raise ValueError(f"{nm} must be None (no check) or a fraction in [0, 1), got {v!r}")
         fallback = _as_fallback(fallback)
         root = unwrap(model)            # DDP, DataParallel, FSDP, torch.compile: the user's names
         self.plan = plan
@@ -430,6 +449,8 @@ class Applied:
         self.sparsity_margin = sparsity_margin
         self.underflow_bound = underflow_bound
         self.zero_calls = zero_calls
+        self.overflow_bound = overflow_bound
+        self.bias_bound = bias_bound
         self.generator = torch.Generator().manual_seed(seed)
         self.history: list[dict[str, Any]] = []
         self.state = {n: _LayerState() for n in self.rules}
@@ -568,7 +589,10 @@ class Applied:
                    "predicted_underflow": st.predicted_underflow if q else 0.0,
                    "overflow_fraction": counts.saturated / n,
                    "predicted_overflow": st.predicted_overflow if q else 0.0,
-                   "error": err, "predicted_error": st.predicted_error, "fallback": "",
+                   "gain": counts.gain, "gain_se": counts.gain_se, "bias": counts.bias,
+                   "nonfinite": counts.nonfinite,
+                   "error": counts.error if math.isnan(err) else err, "predicted_error": st.predicted_error,
+                   "fallback": "",
                    "mu": st.mu, "sigma": st.sigma, "p0": st.p0, "amax": st.amax}
         if self.fallback is not None and counts.n:
             action = self._drift(name, st, counts, err)
@@ -582,7 +606,38 @@ class Applied:
         return out.to(g.dtype)
 
     def _check(self, name: str, st: _LayerState, c: CompressCounts) -> None:
-        """The alerts, from the counts the kernel returns anyway: a few integer operations."""
+        """The alerts, from the counts and sums the kernel returns anyway: a few scalar operations."""
+        rule = self.rules[name]
+        if c.nonfinite and "nonfinite" not in st.alerts:
+            self._alert(name, st, "nonfinite", (
+                f"{c.nonfinite} of the {c.n} values of the incoming gradient are NaN or inf (call {st.seq}): a NaN "
+                "or overflowing loss upstream (check the loss, the learning rate, the loss scale); the plan "
+                "cannot do what it says on them"))
+        if rule.quantizes and self.overflow_bound is not None and "overflow" not in st.alerts and c.saturated:
+            pred = getattr(self.plan_rules[name].predicted, "overflow", None) if name in self.plan_rules else None
+            bound = max(self.overflow_bound, pred or 0.0)
+            sat = (c.saturated - c.nonfinite) / c.n
+            if sat > bound + 3 * math.sqrt(max(bound, 1.0 / c.n) / c.n):
+                self._alert(name, st, "overflow", (
+                    f"{sat:.2%} of the values were clipped at {rule.format}'s maximum (call {st.seq}; bound "
+                    f"{bound:g}{', the plan predicted ' + format(pred, '.2%') if pred else ''}): the scale puts the "
+                    "largest values (or the threshold pruning rounds up to) above the format's range. Use "
+                    "scale='amax' without a positive scale_shift, or check the plan with plan.verify(run)"))
+        if self.bias_bound is not None and "gain" not in st.alerts and c.norm2 > 0 and math.isfinite(c.dot):
+            gs = st.gain_sums
+            gs[0] += c.dot
+            gs[1] += c.norm2
+            gs[2] += max(c.noise2, 0.0)
+            cum_gain, cum_se = gs[0] / gs[1], math.sqrt(gs[2]) / gs[1]
+            for g_, se, what in ((c.gain, c.gain_se, "in this call"), (cum_gain, cum_se, "over all calls so far")):
+                if abs(g_ - 1) > self.bias_bound + 5 * se:
+                    self._alert(name, st, "gain", (
+                        f"the gradient's magnitude gain <out, g>/<g, g> is {g_:.3f} {what} (call {st.seq}; bound "
+                        f"1 +- {self.bias_bound:g}, standard error {se:.3g}): the plan "
+                        f"{'shrinks' if g_ < 1 else 'inflates'} this layer's gradient systematically ("
+                        f"{c.saturated / c.n:.2%} clipped, {c.underflow / c.n:.2%} flushed). Use "
+                        "rounding='stochastic' and scale='amax', or check the plan with plan.verify(run)"))
+                    break
         if c.zeros == c.n:
             st.zero_run += 1
             if self.zero_calls is not None and st.zero_run >= self.zero_calls and "zero_gradient" not in st.alerts:
@@ -592,16 +647,16 @@ class Applied:
                     "gradient, the format's range at this scale, or the low-precision kernel"))
         else:
             st.zero_run = 0
-        rule = self.rules[name]
         if (c.underflow and self.underflow_bound is not None and "underflow" not in st.alerts
                 and rule.rounding != "stochastic"):      # stochastic flushes are unbiased: noise, not shrinkage
-            reaching = c.n - c.zeros + c.underflow          # non-zero entries that reached the rounding
-            if c.underflow > self.underflow_bound * reaching:
+            nonzero_in = c.n - (c.zeros - c.pruned - c.underflow)    # the non-zero values of the input
+            b = self.underflow_bound
+            if c.underflow > b * nonzero_in + 3 * math.sqrt(max(b, 1.0 / nonzero_in) * nonzero_in):
                 where = (f"with blocks of {rule.block_size}" if rule.block_size is not None
                          else f"at scale 2^{math.log2(st.scale):g}")
                 self._alert(name, st, "underflow", (
-                    f"{c.underflow / reaching:.1%} of the non-zero values reaching {rule.format} {where} "
-                    f"were flushed to zero (call {st.seq}; bound {self.underflow_bound}): "
+                    f"{c.underflow / nonzero_in:.1%} of the layer's non-zero values were flushed to zero by "
+                    f"rounding to nearest {rule.format} {where} (call {st.seq}; bound {self.underflow_bound}): "
                     "a systematic shrinkage of this layer's gradient. Use rounding='stochastic', a larger "
                     "scale (scale='amax'), or a format with more exponent bits"))
         if rule.prunes and self.sparsity_margin is not None and "sparsity" not in st.alerts:
@@ -622,6 +677,8 @@ class Applied:
     def _alert(self, name: str, st: _LayerState, kind: str, msg: str) -> None:
         st.alerts[kind] = msg
         log.warning("gradstats.apply: layer %r: %s", name, msg)
+        if self.log_to is not None:
+            self.log_to.log_rows("applied_alerts", [{"layer": name, "seq": st.seq, "kind": kind, "message": msg}])
 
     def _drift(self, name: str, st: _LayerState, c: CompressCounts, err: float) -> str:
         """Compare the call with its bounds; after ``patience`` drifting calls in a row, change the
@@ -792,31 +849,46 @@ class Applied:
         return pd.DataFrame(self.history)
 
     def summary(self) -> pd.DataFrame:
-        """Per layer: calls, format (the last call's), mean target, predicted and achieved
-        sparsity, mean underflow and overflow fractions, last mu and sigma (of ln|g|), and
-        ``alerts``: the kinds of alert that fired for the layer (``"sparsity, underflow"``; ``""``
-        if none); then predicted against achieved: the mean ``predicted_underflow``,
-        ``predicted_overflow``, ``error`` (where measured) and ``predicted_error``, the plan's own
-        ``plan_sparsity`` and ``plan_error`` (its :class:`~gradstats.plan.Prediction`, where the
-        plan carries one; NaN otherwise), the rule in force (``rounding``) and ``fallbacks``: the
-        actions a fallback took (``"stochastic, widen"``; ``""`` if none)."""
+        """Per layer, predicted beside achieved for each quantity of the whole operator (pruning
+        *and* rounding, what leaves the layer; fractions of all entries):
+
+        - ``plan_<q>``: what the plan predicted when it was made (its :class:`~gradstats.plan.Prediction`
+          from ``recommend``'s calibration steps; NaN where the plan carries none);
+        - ``predicted_<q>``: the lognormal model at this training's running statistics, threshold
+          and scale (mean over calls);
+        - ``achieved_<q>``: measured on each call (mean over calls);
+
+        for ``sparsity``, ``underflow`` (non-zero values after pruning that rounding flushed to zero),
+        ``overflow`` (clipped at the format's maximum), ``gain`` (``<out, g> / <g, g>``: 1 is
+        unbiased) and ``error`` (``|out - g|^2 / |g|^2``). Also ``calls``, ``format`` and ``rounding``
+        (the last call's rule), ``target_sparsity``, the last ``mu`` and ``sigma`` (of ln|g|),
+        ``alerts`` (the kinds that fired, ``"overflow, gain"``; ``""`` if none) and ``fallbacks``
+        (the actions a fallback took)."""
         df = self.to_dataframe()
         if df.empty:
             return df
         agg = df.groupby("layer", sort=False).agg(
-            calls=("seq", "size"), format=("format", "last"), target_sparsity=("target_sparsity", "mean"),
+            calls=("seq", "size"), format=("format", "last"), rounding=("rounding", "last"),
+            target_sparsity=("target_sparsity", "mean"),
             predicted_sparsity=("predicted_sparsity", "mean"), achieved_sparsity=("achieved_sparsity", "mean"),
-            underflow_fraction=("underflow_fraction", "mean"), overflow_fraction=("overflow_fraction", "mean"),
-            mu=("mu", "last"), sigma=("sigma", "last"),
-            predicted_underflow=("predicted_underflow", "mean"), predicted_overflow=("predicted_overflow", "mean"),
-            error=("error", "mean"), predicted_error=("predicted_error", "mean"), rounding=("rounding", "last"))
+            predicted_underflow=("predicted_underflow", "mean"), achieved_underflow=("underflow_fraction", "mean"),
+            predicted_overflow=("predicted_overflow", "mean"), achieved_overflow=("overflow_fraction", "mean"),
+            achieved_gain=("gain", "mean"),
+            predicted_error=("predicted_error", "mean"), achieved_error=("error", "mean"),
+            mu=("mu", "last"), sigma=("sigma", "last"))
+        agg["predicted_gain"] = math.nan       # the running model predicts no gain; the plan does
         order = [n for n in self.rules if n in agg.index]            # model order
         out = agg.loc[order].reset_index()
-        alerts = [", ".join(k for k in ALERT_KINDS if k in self.state[n].alerts) for n in order]
-        out.insert(out.columns.get_loc("sigma") + 1, "alerts", alerts)
         pred = [self.plan_rules[n].predicted for n in order]
-        out["plan_sparsity"] = [math.nan if p is None or p.sparsity is None else p.sparsity for p in pred]
-        out["plan_error"] = [math.nan if p is None or p.error is None else p.error for p in pred]
+
+        def plan_col(field_: str) -> list[float]:
+            return [math.nan if p is None or getattr(p, field_) is None else float(getattr(p, field_)) for p in pred]
+
+        for q, field_ in (("sparsity", "sparsity"), ("underflow", "flushed"), ("overflow", "overflow"),
+                          ("gain", "gain"), ("error", "error")):
+            out.insert(out.columns.get_loc(f"predicted_{q}"), f"plan_{q}", plan_col(field_))
+        out.insert(out.columns.get_loc("sigma") + 1, "alerts",
+                   [", ".join(k for k in ALERT_KINDS if k in self.state[n].alerts) for n in order])
         out["fallbacks"] = [", ".join(r["action"] for r in self.fallbacks if r["layer"] == n) for n in order]
         return out
 
@@ -863,7 +935,9 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
           sparsity_margin: Optional[float] = SPARSITY_MARGIN,
           underflow_bound: Optional[float] = UNDERFLOW_BOUND,
           zero_calls: Optional[int] = ZERO_CALLS,
-          fallback: Union[Fallback, str, None] = None) -> Applied:
+          fallback: Union[Fallback, str, None] = None,
+          overflow_bound: Optional[float] = OVERFLOW_BOUND,
+          bias_bound: Optional[float] = BIAS_BOUND) -> Applied:
     """Enforce ``plan`` on the neural gradients of ``model`` in the backward pass.
 
     Args:
@@ -889,9 +963,13 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
         record: keep per-call records (``Applied.history``).
         sparsity_margin: warn when a call's achieved sparsity exceeds the layer's target by
             more than this (beyond sampling noise); None: no check.
-        underflow_bound: warn when more than this fraction of the non-zero values reaching
-            a round-to-nearest format are flushed to zero (a systematic shrinkage; stochastic
-            rounding's flushes are unbiased and not checked); None: no check.
+        underflow_bound: warn when rounding to nearest flushes more than this fraction of the
+            layer's non-zero values to zero (beyond sampling noise; a systematic shrinkage;
+            stochastic rounding's flushes are unbiased and not checked); None: no check.
+        overflow_bound: warn when more than this fraction of a call's entries are clipped at the
+            format's maximum (or more than the plan predicted, if more); None: no check.
+        bias_bound: warn when the magnitude gain ``<out, g> / <g, g>`` of a call, or of all calls
+            so far, is off 1 by more than this beyond five standard errors; None: no check.
         zero_calls: warn when a layer's enforced gradient is all zeros this many calls in a
             row; None: no check.
         fallback: None (off, the default), a :class:`Fallback`, or a name of
@@ -919,4 +997,5 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
     """
     return Applied(model, plan, refresh_every=refresh_every, warmup=warmup, ema=ema, log_to=log_to,
                    seed=seed, sync_stats=sync_stats, record=record, sparsity_margin=sparsity_margin,
-                   underflow_bound=underflow_bound, zero_calls=zero_calls, fallback=fallback)
+                   underflow_bound=underflow_bound, zero_calls=zero_calls, fallback=fallback,
+                   overflow_bound=overflow_bound, bias_bound=bias_bound)

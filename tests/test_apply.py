@@ -402,7 +402,9 @@ def alerts_logged(caplog):
     for r in caplog.records:
         if r.name == "gradstats.apply" and r.levelname == "WARNING":
             msg = r.getMessage()
-            kind = ("underflow" if "flushed to zero" in msg else "sparsity" if "achieved sparsity" in msg
+            kind = ("gain" if "magnitude gain" in msg else "overflow" if "clipped at" in msg
+                    else "nonfinite" if "NaN or inf" in msg
+                    else "underflow" if "flushed to zero" in msg else "sparsity" if "achieved sparsity" in msg
                     else "zero_gradient" if "all zeros" in msg else "other")
             out.append((r.args[0], kind))
     return out
@@ -423,10 +425,10 @@ def test_alerts_fire_once_per_layer_on_a_flushing_format(caplog):
     with caplog.at_level("WARNING", logger="gradstats.apply"):
         h = run_steps(Net(), plan)
     logged = alerts_logged(caplog)
-    assert sorted(logged) == [("fc2", "sparsity"), ("fc2", "underflow"), ("fc2", "zero_gradient")]
+    assert sorted(logged) == [("fc2", "gain"), ("fc2", "sparsity"), ("fc2", "underflow"), ("fc2", "zero_gradient")]
     assert "2^-2" in h.alerts["fc2"]["underflow"] and "3 calls in a row" in h.alerts["fc2"]["zero_gradient"]
     s = h.summary()
-    assert s.set_index("layer").loc["fc2", "alerts"] == "sparsity, underflow, zero_gradient"
+    assert s.set_index("layer").loc["fc2", "alerts"] == "gain, underflow, sparsity, zero_gradient"
     assert s["achieved_sparsity"].iloc[0] == 1.0
 
 
@@ -434,12 +436,12 @@ def test_each_alert_on_its_own(caplog):
     # the sparsity check alone (the underflow one off): the format's flushing still shows as excess
     plan = Plan([PlanEntry("fc1", format="e3m2fn", scale="fixed", scale_value=2.0 ** 2, sparsity=0.3)])
     with caplog.at_level("WARNING", logger="gradstats.apply"):
-        h = run_steps(Net(), plan, underflow_bound=None, zero_calls=None)
+        h = run_steps(Net(), plan, underflow_bound=None, zero_calls=None, bias_bound=None)
     assert alerts_logged(caplog) == [("fc1", "sparsity")] and "format flushed" in h.alerts["fc1"]["sparsity"]
     # a looser margin keeps it quiet
     caplog.clear()
     with caplog.at_level("WARNING", logger="gradstats.apply"):
-        run_steps(Net(), plan, sparsity_margin=0.99, underflow_bound=None, zero_calls=None)
+        run_steps(Net(), plan, sparsity_margin=0.99, underflow_bound=None, zero_calls=None, bias_bound=None)
     assert alerts_logged(caplog) == []
 
     # a layer whose incoming gradient is zero: only the all-zero alert, at the ZERO_CALLS-th call

@@ -142,9 +142,18 @@ def format_table(plan) -> str:
             + (f", sparsity {d.sparsity} ({d.threshold_rule} threshold)" if d.sparsity is not None else ""))
     foot = ("mu_log2, sigma_log2: mean and std of log2|g| (non-zero entries); log2_scale: the scale at "
             "which pred_error = E[(Q(g)-g)^2]/E[g^2] (snr_db = -10 log10 of it) and pred_bias = "
-            "E[|Q(g)|-|g|]/E|g| are predicted; log2_floor: the amax scale (scale rule amax: the plan's "
-            "scale is log2_scale - log2_floor binades from it at every step)")
-    return f"{head}\n{text}\n{foot}"
+            "E[|Q(g)|-|g|]/E|g| are predicted, pruning and rounding together; log2_floor: the amax scale "
+            "(scale rule amax: the plan's scale is log2_scale - log2_floor binades from it at every step)")
+    out_text = f"{head}\n{text}\n{foot}"
+    if plan.checks:
+        from gradstats.plan.checks import format_checks
+
+        steps = plan.checks[0].get("calibration_steps", [])
+        out_text += (f"\n\nchecked on calibration steps {steps}: predicted from each step's statistics / replayed "
+                     "on its stored samples (the exact operator, the plan's seed); means over the steps, the later "
+                     "ones weighted more; flushed: share of the non-zero values; gain: <out, g>/<g, g>\n"
+                     + format_checks(plan.checks))
+    return out_text
 
 
 def run(args: argparse.Namespace) -> int:

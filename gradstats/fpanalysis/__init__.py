@@ -47,6 +47,7 @@ from gradstats.fpanalysis.choice import (
                      candidate_formats,
                      preset_formats,
 )
+from gradstats.fpanalysis.composed import ComposedPrediction, predict_composed
 from gradstats.fpanalysis.crossover import AUTHORS_TABLE, CrossoverTable, crossover_table
 from gradstats.fpanalysis.empirical import PredictionCheck, check_prediction, energy_moments, measured_error
 from gradstats.fpanalysis.error import ErrorResult, expected_error
@@ -66,4 +67,5 @@ __all__ = ["expected_error", "optimal_scale", "best_format", "crossover_table", 
            "measured_error", "check_prediction", "energy_moments", "PredictionCheck", "PARTS", "FRACTIONS",
            "best_format_from_stats", "expected_error_from_stats", "HistogramLaw", "HistogramChoice",
            "choose_for_training", "TrainingChoice", "BIAS_BOUND", "FLUSH_BOUND", "OBJECTIVES",
-           "batchnorm_inputs", "weight_gradient_alignment", "AlignmentResult", "what_if", "predict_from_stats"]
+           "batchnorm_inputs", "weight_gradient_alignment", "AlignmentResult", "what_if", "predict_from_stats",
+           "ComposedPrediction", "predict_composed"]

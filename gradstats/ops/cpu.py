@@ -272,8 +272,9 @@ def native_stochastic_prune(x: np.ndarray, a: float, out: np.ndarray, seed: int)
                     _rng.stream(seed, _rng.PRUNE_LOW), _threads.workers())
         return
     fn = native_kernel()
-    counts = np.zeros(4, np.int64)
+    counts = np.zeros(5, np.int64)
     rc = fn(x.ctypes.data, out.ctypes.data, x.shape[0], float(a), 1.0, 0, 0, 0, 0.0, 1, 0, 1,
-            _rng.stream(seed, _rng.PRUNE), _rng.stream(seed, _rng.ROUND), _threads.workers(), counts.ctypes.data)
+            _rng.stream(seed, _rng.PRUNE), _rng.stream(seed, _rng.ROUND), _threads.workers(), counts.ctypes.data,
+            None)
     if rc != 0:  # pragma: no cover - the prune-only mode accepts every argument it is given here
         raise RuntimeError(f"the native prune kernel rejected its arguments (code {rc})")

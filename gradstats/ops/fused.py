@@ -3,7 +3,8 @@ runs in the backward pass.
 
 ``prune_quantize(x, threshold, fmt, ...)`` is ``quantize(stochastic_prune(x, threshold), fmt)``
 with the counts a training log needs (zeros, entries pruned, entries flushed to zero by
-rounding, entries saturated). On the CPU one fused C kernel (:mod:`gradstats.ops.native`) does
+rounding, entries saturated, non-finite inputs) and, over the finite entries, the sums that give
+the call's magnitude gain ``<out, g> / <g, g>``, its relative error and magnitude bias. On the CPU one fused C kernel (:mod:`gradstats.ops.native`) does
 it in a single pass over the data; block scaling, other devices, and machines without a C
 compiler go through :func:`gradstats.ops.stochastic_prune` and :func:`gradstats.quantize`
 (their Triton kernels on CUDA). Both draw their random bits from the one stream of
@@ -21,6 +22,7 @@ Example:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
@@ -41,15 +43,46 @@ class CompressCounts:
     pruned: int         #: non-zero entries set to zero by pruning
     underflow: int      #: non-zero entries flushed to zero by rounding
     saturated: int      #: entries whose scaled magnitude exceeded the format's max
+    nonfinite: int = 0  #: entries of the input that are NaN or inf (left out of the sums below)
+    dot: float = math.nan        #: ``sum g * out`` over the finite entries
+    norm2: float = math.nan      #: ``sum g**2``
+    err2: float = math.nan       #: ``sum (out - g)**2``
+    noise2: float = math.nan     #: ``sum g**2 (out - g)**2``: the plug-in variance of ``dot - norm2``
+    abs_out: float = math.nan    #: ``sum |out|``
+    abs_in: float = math.nan     #: ``sum |g|``
 
     @property
     def sparsity(self) -> float:
         """Fraction of zeros in the result."""
         return self.zeros / self.n if self.n else 0.0
 
+    @property
+    def gain(self) -> float:
+        """The magnitude gain ``<out, g> / <g, g>``: 1 for an operator that neither shrinks nor
+        inflates the gradient (unbiased pruning and rounding), below 1 where values are flushed or
+        saturated (NaN for a zero gradient)."""
+        return self.dot / self.norm2 if self.norm2 > 0 else math.nan
+
+    @property
+    def gain_se(self) -> float:
+        """The standard error of :attr:`gain` from the call's own random draws (pruning and
+        stochastic rounding act on each entry independently): ``sqrt(noise2) / norm2``."""
+        return math.sqrt(max(self.noise2, 0.0)) / self.norm2 if self.norm2 > 0 else math.nan
+
+    @property
+    def error(self) -> float:
+        """The relative error ``|out - g|^2 / |g|^2`` (pruning and rounding together)."""
+        return self.err2 / self.norm2 if self.norm2 > 0 else math.nan
+
+    @property
+    def bias(self) -> float:
+        """The relative magnitude bias ``(sum |out| - sum |g|) / sum |g|`` (negative: shrinkage)."""
+        return self.abs_out / self.abs_in - 1.0 if self.abs_in > 0 else math.nan
+
     def to_dict(self) -> dict[str, float]:
-        """Plain dict: the counts and the sparsity."""
-        return {**asdict(self), "sparsity": self.sparsity}
+        """Plain dict: the counts, the sums, and the sparsity, gain, error and bias they give."""
+        return {**asdict(self), "sparsity": self.sparsity, "gain": self.gain, "gain_se": self.gain_se,
+                "error": self.error, "bias": self.bias}
 
     def to_dataframe(self) -> Any:
         """pandas view: one row."""
@@ -116,13 +149,14 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, 
     if fn is not None and block_size is None and _native_ok(fmt, scale) and n > 0:
         xc = x.contiguous()
         res = out if out is not None and out.is_contiguous() else torch.empty_like(xc)
-        counts = torch.zeros(4, dtype=torch.int64)
+        counts = torch.zeros(5, dtype=torch.int64)
+        sums = torch.zeros(6, dtype=torch.float64)
         q = fmt is not None
         rc = fn(xc.data_ptr(), res.data_ptr(), n, float(threshold), float(scale), int(q),
                 fmt.man_bits if q else 0, fmt.emin if q else 0, fmt.max if q else 0.0,
                 int(fmt.subnormals) if q else 1, ROUNDING_CODES[rounding],
                 int(fmt.has_negative_zero) if q else 1, _rng.stream(seed or 0, _rng.PRUNE),
-                _rng.stream(seed or 0, _rng.ROUND), torch.get_num_threads(), counts.data_ptr())
+                _rng.stream(seed or 0, _rng.ROUND), torch.get_num_threads(), counts.data_ptr(), sums.data_ptr())
         if rc != 0:  # pragma: no cover - arguments are validated above
             raise RuntimeError("the fused prune/quantise kernel rejected its arguments")
         c = counts.tolist()
@@ -131,7 +165,7 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, 
             if res is not out:
                 out.copy_(result)
             result = out
-        return result, CompressCounts(n, c[0], c[1], c[2], c[3])
+        return result, CompressCounts(n, *c, *sums.tolist())
     return _composed(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format, scale_rounding)
 
 
@@ -149,15 +183,34 @@ def _composed(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_f
         if block_size is not None:
             z = quantize(y, fmt, rounding=rounding, seed=seed, block_size=block_size,
                          scale_format=scale_format, scale_rounding=scale_rounding)
+            saturated = _block_saturated(y, fmt, block_size, scale_format, scale_rounding)
         else:
             z = quantize(y, fmt, scale=scale, rounding=rounding, seed=seed)
             saturated = int(((y.abs() * scale) > fmt.max).sum())
         underflow = int(((y != 0) & (z == 0)).sum())
         y = z
     zeros = int((y == 0).sum())
+    fin = torch.isfinite(x)
+    xd = torch.where(fin, x, 0).double().reshape(-1)
+    od = torch.where(fin, y, 0).double().reshape(-1)
+    d = od - xd
+    sums = [float(torch.dot(xd, od)), float(torch.dot(xd, xd)), float(torch.dot(d, d)),
+            float(torch.dot(xd * xd, d * d)), float(od.abs().sum()), float(xd.abs().sum())]
+    nonfinite = int(x.numel() - int(fin.sum()))
     if out is not None:
         out.copy_(y)
         y = out
     elif y is x:
         y = x.clone()
-    return y, CompressCounts(x.numel(), zeros, pruned, underflow, saturated)
+    return y, CompressCounts(x.numel(), zeros, pruned, underflow, saturated, nonfinite, *sums)
+
+
+def _block_saturated(y: torch.Tensor, fmt: FPFormat, block_size: int, scale_format: str, scale_rounding: str) -> int:
+    """Entries whose magnitude over their block's decode scale exceeds the format's max (clipped):
+    MX's floor scale leaves a block's largest value up to ``2**(emax + 1)`` (above e2m1fn's 6, for one),
+    and NVFP4's e4m3 scale may round down."""
+    from gradstats.ops.quantization import _scales_of_blocks, _to_blocks
+
+    xb, _ = _to_blocks(y.reshape(-1, y.shape[-1]) if y.dim() else y.reshape(1, 1), block_size, -1)
+    X = _scales_of_blocks(xb, fmt, scale_format, scale_rounding)
+    return int(((xb.abs() / torch.where(X > 0, X, 1.0) > fmt.max) & (X > 0)).sum())

@@ -37,7 +37,9 @@ from gradstats.plan._rules import (
                      Rule,
                      amax_scale,
 )
+from gradstats.plan.checks import OVERFLOW_BOUND, Verification, verify
 
 __all__ = ["Plan", "PlanEntry", "Rule", "Prediction", "Provenance", "INHERIT", "SCHEMA",
            "SCHEMA_VERSION", "SCALE_RULES", "ROUNDINGS", "THRESHOLD_RULES", "SCALE_FORMATS",
-           "RULE_FIELDS", "CONV_LINEAR_TYPES", "EXPORT_TARGETS", "amax_scale"]
+           "RULE_FIELDS", "CONV_LINEAR_TYPES", "EXPORT_TARGETS", "amax_scale", "verify", "Verification",
+           "OVERFLOW_BOUND"]

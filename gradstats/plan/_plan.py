@@ -109,6 +109,10 @@ class Plan:
     provenance: Provenance | None = field(default_factory=Provenance.now)
     output_layer: str | None = None
     prune_at: str | None = None
+    #: per planned layer, what its rule was predicted to do and did when replayed on the run's
+    #: samples (:meth:`verify`'s per-layer rows, JSON-ready; ``recommend`` fills it), with ``note``:
+    #: why the layer's first choice was replaced, if it was
+    checks: tuple = ()
 
     def __post_init__(self) -> None:
         if self.output_layer is not None and (not isinstance(self.output_layer, str) or not self.output_layer):
@@ -134,6 +138,9 @@ class Plan:
             object.__setattr__(self, "provenance", Provenance.from_dict(self.provenance))
         elif self.provenance is not None and not isinstance(self.provenance, Provenance):
             raise ValueError(f"provenance must be a Provenance, a dict or None, got {type(self.provenance).__name__}")
+        if not isinstance(self.checks, (list, tuple)) or not all(isinstance(c, Mapping) for c in self.checks):
+            raise ValueError(f"checks must be a list of per-layer check records (dicts), got {self.checks!r}")
+        object.__setattr__(self, "checks", tuple(dict(c) for c in self.checks))
         # each entry completed by the defaults alone must be a valid rule
         for i, e in enumerate(entries):
             self._complete([e], f"layers[{i}] ({e.layer!r}) with the defaults")
@@ -146,7 +153,8 @@ class Plan:
                 threshold_rule: str | None = None, block_size: int | None = None,
                 scale_format: str | None = None, scale_rounding: str | None = None,
                 source: str | os.PathLike[str] | None = None,
-                output_layer: str | bool | None = None, prune_at: str | bool | None = None) -> "Plan":
+                output_layer: str | bool | None = None, prune_at: str | bool | None = None,
+                scale_shift: int = 0) -> "Plan":
         """The same rule on every selected layer.
 
         ``layers``: names or globs (``"re:..."`` for a regex); ``None`` selects every matmul layer
@@ -164,8 +172,9 @@ class Plan:
         bias SGD does not average away; ``docs/fpanalysis.md``), nearest otherwise; ``scale``
         ``"amax"`` with stochastic rounding (unbiased to the smallest value; the tensor's maximum
         lands in the top binade), ``"lognormal"`` with nearest; ``threshold_rule`` the
-        :class:`Rule` default (``"histogram"``). The rule goes into the plan's ``defaults``; each
-        entry names layers only.
+        :class:`Rule` default (``"histogram"``); ``scale_shift`` (binades above the amax scale, with
+        ``scale="amax"``) 0. The rule goes into the plan's ``defaults``; each entry names layers only.
+        :meth:`verify` checks what the plan does on a traced run.
 
         Example:
             >>> import torch
@@ -187,7 +196,7 @@ class Plan:
         kw = {} if threshold_rule is None else {"threshold_rule": threshold_rule}
         defaults = Rule(format=fmt, sparsity=sparsity, rounding=rounding, scale=scale,
                         scale_value=scale_value, block_size=block_size, scale_format=scale_format,
-                        scale_rounding=scale_rounding, **kw)
+                        scale_rounding=scale_rounding, scale_shift=scale_shift, **kw)
         if layers is None:
             from gradstats.layers import matmul_types
 
@@ -444,7 +453,8 @@ class Plan:
                                              if k != "predicted"}),
                 "layers": [e.to_dict() for e in self.entries],
                 **({"output_layer": self.output_layer} if self.output_layer is not None else {}),
-                **({"prune_at": self.prune_at} if self.prune_at is not None else {})}
+                **({"prune_at": self.prune_at} if self.prune_at is not None else {}),
+                **({"checks": [dict(c) for c in self.checks]} if self.checks else {})}
 
     @classmethod
     def from_dict(cls, d: Any) -> "Plan":
@@ -460,8 +470,8 @@ class Plan:
         if v > SCHEMA_VERSION:
             raise ValueError(f"plan schema version {v} is newer than this gradstats reads "
                              f"(version {SCHEMA_VERSION}); upgrade gradstats")
-        _check_keys(d, ("schema", "version", "provenance", "defaults", "layers", "output_layer", "prune_at"),
-                    "plan")
+        _check_keys(d, ("schema", "version", "provenance", "defaults", "layers", "output_layer", "prune_at",
+                        "checks"), "plan")
         layers = d.get("layers", [])
         if not isinstance(layers, list):
             raise ValueError(f"plan: 'layers' must be a list of entries, got {type(layers).__name__}")
@@ -469,7 +479,7 @@ class Plan:
         return cls(entries=[PlanEntry.from_dict(e, f"layers[{i}]") for i, e in enumerate(layers)],
                    defaults=_defaults_from_dict(d.get("defaults", {})),
                    provenance=None if prov is None else Provenance.from_dict(prov),
-                   output_layer=d.get("output_layer"), prune_at=d.get("prune_at"))
+                   output_layer=d.get("output_layer"), prune_at=d.get("prune_at"), checks=d.get("checks", ()))
 
     def to_json(self) -> str:
         """The plan document as indented JSON text."""
@@ -526,6 +536,27 @@ class Plan:
         from gradstats.plan._export import export
 
         return export(self, target, model, path=path, strict=strict)
+
+    def verify(self, run: Any, *, steps: Any = "auto", seed: int = 0, bias_bound: float | None = None,
+               flush_bound: float | None = None, overflow_bound: float | None = None) -> Any:
+        """Check the plan against a traced run: per planned layer and calibration step, what its
+        operator (pruning, then rounding) is predicted to do and what it does when replayed on the
+        run's stored samples, against the bounds on clipping, magnitude gain and bias, and flushing
+        (:func:`gradstats.plan.checks.verify`; a :class:`~gradstats.plan.checks.Verification`, whose
+        ``table()`` prints it).
+
+        Example:
+            >>> import tempfile, torch, gradstats
+            >>> m = torch.nn.Sequential(torch.nn.Linear(16, 64))
+            >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
+            ...     m(torch.randn(32, 16)).exp().sum().backward(); t.step()
+            >>> Plan.uniform(format="e5m2", rounding="stochastic", output_layer=False).verify(t.path).ok
+            True
+        """
+        from gradstats.plan.checks import OVERFLOW_BOUND, verify
+
+        return verify(self, run, steps=steps, seed=seed, bias_bound=bias_bound, flush_bound=flush_bound,
+                      overflow_bound=OVERFLOW_BOUND if overflow_bound is None else overflow_bound)
 
     def to_torchao(self, model: Any, *, emulate: bool = False, strict: bool = False) -> list:
         """The plan as real ``torchao.float8`` objects: ``[(Float8LinearConfig, module_filter_fn)]``,

@@ -123,6 +123,11 @@ class Prediction:
         bias: predicted relative magnitude bias ``E[|Q(g)| - |g|] / E|g|`` of the quantisation
             (negative: shrinkage; :attr:`gradstats.fpanalysis.ErrorResult.bias`).
         flushed: predicted fraction of the entries a non-zero value of which becomes zero.
+        overflow: predicted fraction of the entries saturated at the format's maximum.
+        gain: predicted magnitude gain ``E[out g] / E[g^2]`` (1: neither shrunk nor inflated).
+
+    Recommended plans predict for the composed operator, pruning then rounding
+    (:mod:`gradstats.fpanalysis.composed`), averaged over the calibration steps.
 
     Example:
         >>> Prediction(error=1e-3, sigma=2.0).to_dict()
@@ -139,6 +144,8 @@ class Prediction:
     amax: float | None = None
     bias: float | None = None
     flushed: float | None = None
+    overflow: float | None = None
+    gain: float | None = None
 
     def __post_init__(self) -> None:
         w = "predicted"
@@ -146,7 +153,8 @@ class Prediction:
                                       ("mu", None, None, False), ("sigma", 0.0, None, False),
                                       ("p0", 0.0, 1.0, False), ("scale", 0.0, None, True),
                                       ("threshold", 0.0, None, False), ("amax", 0.0, None, False),
-                                      ("bias", None, None, False), ("flushed", 0.0, 1.0, False)):
+                                      ("bias", None, None, False), ("flushed", 0.0, 1.0, False),
+                                      ("overflow", 0.0, 1.0, False), ("gain", None, None, False)):
             object.__setattr__(self, name, _opt_float(getattr(self, name), name, w, lo=lo, hi=hi,
                                                       lo_open=lo_open))
 
@@ -361,6 +369,9 @@ def _check_fields(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             out[k] = _choice(v, "scale rule", SCALE_RULES, where)
         elif k == "scale_value":
             out[k] = _opt_float(v, "scale_value", where, lo=0.0, lo_open=True)
+            if out[k] is not None and not 2.0 ** -127 <= out[k] <= 2.0 ** 127:
+                raise _err(where, f"scale_value must lie in [2**-127, 2**127] (the multipliers quantize accepts: "
+                                  f"g * scale must stay a float32), got {out[k]:g}")
         elif k == "scale_shift":
             if isinstance(v, bool) or not isinstance(v, int) or not -64 <= v <= 64:
                 raise _err(where, f"scale_shift must be an int number of binades in -64..64, got {v!r}")

@@ -258,12 +258,12 @@ def _fmt(x: float) -> float | None:
 
 @renamed_kwargs(model="format_rule")
 def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
-              granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "latest",
+              granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "auto",
               threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
               layers: str | Sequence[str] | None = None, format_rule: str = "lognormal",
               objective: str = "training", bias_bound: float | None = None,
               flush_bound: float | None = FLUSH_BOUND, output_layer: str | bool | None = None,
-              prune_at: str | bool | None = None, step: Any = None) -> Plan:
+              prune_at: str | bool | None = None, check: bool = True, step: Any = None) -> Plan:
     """Recommend a per-layer plan from a traced run's statistics.
 
     Args:
@@ -278,8 +278,10 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
         rounding: ``"nearest"`` or ``"stochastic"`` (the errors are predicted for it), or None
             (default): per layer, what the objective chooses (``objective="training"`` with
             per-tensor scales); otherwise stochastic for 6 bits or fewer, nearest above.
-        steps: which statistics, merged: ``"latest"`` (each layer's latest step), an int, a ``range`` or
-            ``slice``, or a list of steps (:mod:`gradstats.run.select`).
+        steps: which statistics, merged: ``"auto"`` (default: up to four steps spread over the run, at
+            1/4, 1/2, 3/4 and the end of the steps holding samples, so that drift over training is seen;
+            :func:`gradstats.plan.checks.calibration_steps`), ``"latest"`` (each layer's latest step), an
+            int, a ``range`` or ``slice``, or a list of steps (:mod:`gradstats.run.select`).
         threshold_rule: the pruning threshold rule; None: the :class:`~gradstats.plan.Rule` default
             (``"histogram"``, the most accurate sort-free rule on real gradients), or
             ``"lognormal"``, ``"naive_lognormal"``, ``"normal"``, ``"laplace"``, ``"exact"``.
@@ -328,6 +330,15 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
             the bias bound weighs a flushed value by its size, which suits SGD, while Adam normalises
             every weight's step (``docs/RESULTS.md`` 1.4.1). None: no such bound.
 
+    With ``check`` (default) every planned layer's rule is checked on each calibration step
+    (:mod:`gradstats.plan.checks`): the composed operator, pruning then rounding, predicted from the
+    step's statistics and replayed on its stored samples with the plan's seed. A layer whose replay
+    clips more than 0.1% of its values, moves the magnitude gain or bias by more than ``bias_bound``,
+    or (to nearest) flushes more than ``flush_bound`` of its non-zero values takes the next choice
+    (no saturating scale shift, stochastic rounding, the amax scale, another format of the width,
+    full precision) and the plan records why; the per-layer table of predicted against replayed is
+    the plan's ``checks`` (``gradstats recommend`` prints it).
+
     Returns a :class:`~gradstats.plan.Plan` whose defaults hold the shared settings (scale rule,
     rounding, blocks, sparsity, threshold rule) and whose entries, one per layer by exact name,
     hold the chosen format and the :class:`~gradstats.plan.Prediction` (error, sparsity, mu,
@@ -355,18 +366,19 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
                            steps=_old_step(step) if step is not None else steps, threshold_rule=threshold_rule,
                            candidates=candidates, layers=layers, format_rule=format_rule, objective=objective,
                            bias_bound=bias_bound, flush_bound=flush_bound, output_layer=output_layer,
-                           prune_at=prune_at)
+                           prune_at=prune_at, check=check)
     return plans if several else plans[widths[0]]  # type: ignore[return-value]
 
 
 @renamed_kwargs(model="format_rule")
 def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | None = None,
-                   granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "latest",
+                   granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "auto",
                    threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
                    layers: str | Sequence[str] | None = None, format_rule: str = "lognormal",
                    objective: str = "training", bias_bound: float | None = None,
                    flush_bound: float | None = FLUSH_BOUND, output_layer: str | bool | None = None,
-                   prune_at: str | bool | None = None, step: Any = None) -> dict[int, Plan]:
+                   prune_at: str | bool | None = None, check: bool = True,
+                   step: Any = None) -> dict[int, Plan]:
     """:func:`recommend` for each width of ``bits``: ``{bits: Plan}`` in the order given, the run read
     once (the arguments are :func:`recommend`'s).
 
@@ -422,6 +434,12 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | None = No
     from gradstats.plan._plan import default_prune_at, pruned_layers
 
     prune_at = default_prune_at(prune_at, default_selection)
+    cal_steps = None
+    if isinstance(steps, str) and steps == "auto":
+        from gradstats.plan.checks import calibration_steps
+
+        cal_steps = calibration_steps(r, _select_layers(r, layers), steps="auto")
+        steps = cal_steps
     mom = _moments(r, steps=steps, layers=layers, kind="grad")
     thr, pred_sp = _pruning(mom, sparsity, threshold_rule)
     if sparsity is not None and prune_at is not None:
@@ -482,6 +500,15 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | None = No
         prov = Provenance.now(source=str(r.path), generator=gen, steps=mom.steps)
         plans[b] = Plan(entries, defaults, prov, output_layer=skip,
                         prune_at=prune_at if sparsity is not None else None)
+        if check:
+            from gradstats.formats import FPFormat
+            from gradstats.plan.checks import calibration_steps, repair
+
+            chk = cal_steps or calibration_steps(r, mom.layers, steps=steps)
+            pool = cands if isinstance(cands, list) else fpanalysis.preset_formats(
+                cands, b, granularity="tensor" if block_size is None else granularity)
+            plans[b] = repair(plans[b], r, chk, candidates=[FPFormat.parse(c) for c in pool],
+                              bias_bound=bias_bound, flush_bound=flush_bound)
     if default_selection:
         from gradstats.layers import log_unplanned
 

@@ -144,11 +144,12 @@ def prune_quant() -> Any:
     ``man_bits``, ``emin``, ``maxv``, ``subnormals``, ``rounding`` (0 nearest, 1 stochastic,
     2 toward zero), ``neg_zero``, ``prune_seed``, ``round_seed`` (the stream seeds of
     :func:`gradstats.ops.random.stream` for pruning and rounding), ``nthreads``, ``counts``
-    (address of 4 int64); returns 0, or a negative code for arguments it rejects."""
+    (address of 5 int64), ``sums`` (address of 6 float64, or None); returns 0, or a negative code for arguments it rejects."""
     return function("prune_quant", "gs_prune_quantize_f32",
                     [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-                     ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p])
+                     ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p,
+                     ctypes.c_void_p])
 
 
 @functools.lru_cache(maxsize=1)

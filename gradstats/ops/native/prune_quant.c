@@ -10,7 +10,11 @@
  *      sign (zeros are +0 in formats without -0). NaN stays NaN.
  * and counts: out[0] zeros in the result, out[1] non-zero entries set to zero by pruning,
  * out[2] non-zero entries flushed to zero by rounding (underflow), out[3] entries whose
- * scaled magnitude exceeded maxv (saturated, overflow).
+ * scaled magnitude exceeded maxv (saturated, overflow), out[4] non-finite entries of x (NaN, inf);
+ * and, when sums is not NULL, over the finite entries (double accumulators): sums[0] = sum x*o,
+ * sums[1] = sum x^2, sums[2] = sum (o - x)^2, sums[3] = sum x^2 (o - x)^2, sums[4] = sum |o|,
+ * sums[5] = sum |x|: the magnitude gain <o, x> / <x, x>, its sampling noise, the relative error and
+ * the magnitude bias of the call, measured in the same pass.
  *
  * Rounding works on the float32 bit pattern of w:
  * - w >= 2^emin (the format's normal range): the low 23-M mantissa bits are dropped after
@@ -86,8 +90,10 @@ typedef struct {
 
 static inline __attribute__((always_inline)) void
 block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, const params_t *p,
-          int64_t *restrict cnt, const int PRUNE, const int QUANT, const int ROUNDING, const int SUBNORMALS) {
-    int32_t nzero = 0, npruned = 0, nunder = 0, nover = 0;   /* per block: m <= BLOCK */
+          int64_t *restrict cnt, double *restrict acc, const int PRUNE, const int QUANT, const int ROUNDING,
+          const int SUBNORMALS) {
+    int32_t nzero = 0, npruned = 0, nunder = 0, nover = 0, nnonfin = 0;   /* per block: m <= BLOCK */
+    double sxo = 0.0, sxx = 0.0, sdd = 0.0, sxd = 0.0, sao = 0.0, sax = 0.0;
     const float a = p->a, scale = p->scale, inv_scale = 1.0f / p->scale, maxv = p->maxv;
     const int drop = 23 - p->man_bits;
     const uint32_t low = drop > 0 ? ((1u << drop) - 1u) : 0u;
@@ -164,20 +170,26 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
         o = sel(isnan_, v, o);
         out[j] = o;
         nzero += o == 0.f;
+        int fin = (vb & 0x7f800000u) != 0x7f800000u;
+        nnonfin += !fin;
+        double xd = fin ? (double)v : 0.0, od = fin ? (double)o : 0.0, d = od - xd;
+        sxo += xd * od; sxx += xd * xd; sdd += d * d; sxd += xd * xd * d * d;
+        sao += od < 0 ? -od : od; sax += xd < 0 ? -xd : xd;
     }
-    cnt[0] += nzero; cnt[1] += npruned; cnt[2] += nunder; cnt[3] += nover;
+    cnt[0] += nzero; cnt[1] += npruned; cnt[2] += nunder; cnt[3] += nover; cnt[4] += nnonfin;
+    acc[0] += sxo; acc[1] += sxx; acc[2] += sdd; acc[3] += sxd; acc[4] += sao; acc[5] += sax;
 }
 
 /* one specialised copy of the loop per combination of the switches */
 #define VARIANT(PR, QU, RO, SU) \
     static void run_##PR##QU##RO##SU(const float *x, float *out, int64_t lo, int64_t m, \
-                                     const params_t *p, int64_t *cnt) { \
-        block_run(x, out, lo, m, p, cnt, PR, QU, RO, SU); }
+                                     const params_t *p, int64_t *cnt, double *acc) { \
+        block_run(x, out, lo, m, p, cnt, acc, PR, QU, RO, SU); }
 #define VARIANTS(PR, QU) VARIANT(PR, QU, 0, 0) VARIANT(PR, QU, 0, 1) VARIANT(PR, QU, 1, 0) \
     VARIANT(PR, QU, 1, 1) VARIANT(PR, QU, 2, 0) VARIANT(PR, QU, 2, 1)
 VARIANTS(0, 0) VARIANTS(0, 1) VARIANTS(1, 0) VARIANTS(1, 1)
 
-typedef void (*runner_t)(const float *, float *, int64_t, int64_t, const params_t *, int64_t *);
+typedef void (*runner_t)(const float *, float *, int64_t, int64_t, const params_t *, int64_t *, double *);
 static const runner_t RUNNERS[2][2][3][2] = {
     {{{run_0000, run_0001}, {run_0010, run_0011}, {run_0020, run_0021}},
      {{run_0100, run_0101}, {run_0110, run_0111}, {run_0120, run_0121}}},
@@ -188,12 +200,13 @@ static const runner_t RUNNERS[2][2][3][2] = {
 int gs_prune_quantize_f32(const float *x, float *out, int64_t n, float a, float scale, int quant,
                           int man_bits, int emin, float maxv, int subnormals, int rounding,
                           int neg_zero, uint64_t prune_seed, uint64_t round_seed, int nthreads,
-                          int64_t *counts) {
+                          int64_t *counts, double *sums) {
     if (rounding < 0 || rounding > 2) return -1;
     if (quant && (man_bits < 0 || man_bits > 23 || emin - man_bits < -126 || emin > 127)) return -2;
     params_t p = {a, scale, maxv, man_bits, emin, neg_zero, mix64(prune_seed), mix64(round_seed)};
     runner_t run = RUNNERS[a > 0.f][quant != 0][rounding][subnormals != 0];
-    int64_t total[4] = {0, 0, 0, 0};
+    int64_t total[5] = {0, 0, 0, 0, 0};
+    double totals[6] = {0, 0, 0, 0, 0, 0};
     int64_t nblocks = (n + BLOCK - 1) / BLOCK;
     if (nthreads < 1) nthreads = 1;
 #ifdef _OPENMP
@@ -201,22 +214,25 @@ int gs_prune_quantize_f32(const float *x, float *out, int64_t n, float a, float 
 #pragma omp parallel num_threads(nthreads)
 #endif
     {
-        int64_t c[4] = {0, 0, 0, 0};
+        int64_t c[5] = {0, 0, 0, 0, 0};
+        double acc[6] = {0, 0, 0, 0, 0, 0};
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
         for (int64_t k = 0; k < nblocks; k++) {
             int64_t lo = k * BLOCK, m = n - lo < BLOCK ? n - lo : BLOCK;
-            run(x + lo, out + lo, lo, m, &p, c);
+            run(x + lo, out + lo, lo, m, &p, c, acc);
         }
 #ifdef _OPENMP
 #pragma omp critical
 #endif
         {
-            for (int j = 0; j < 4; j++) total[j] += c[j];
+            for (int j = 0; j < 5; j++) total[j] += c[j];
+            for (int j = 0; j < 6; j++) totals[j] += acc[j];
         }
     }
-    for (int j = 0; j < 4; j++) counts[j] = total[j];
+    for (int j = 0; j < 5; j++) counts[j] = total[j];
+    if (sums) for (int j = 0; j < 6; j++) sums[j] = totals[j];
     return 0;
 }
 

@@ -1,0 +1,492 @@
+"""Check a plan against a run: each layer's operator predicted and replayed on the run's own samples.
+
+For every planned layer and calibration step, :func:`verify` sets the threshold and scale the way
+:func:`gradstats.apply` sets them from that step's statistics (the plan's threshold rule; the scale
+rule at ``max(amax, threshold)``, since pruning rounds small values *up* to the threshold), then
+
+- **predicts** what the composed operator does (:func:`gradstats.fpanalysis.composed.predict_composed`,
+  from the step's binade histogram and top magnitudes; per-tensor scales), and
+- **replays** it: the exact operator (:func:`gradstats.prune_quantize`, the plan's seed) on the
+  step's stored samples, counting what it did.
+
+A layer *fails* where the prediction, or the replay beyond its sampling noise (three standard
+errors), breaks a bound: more than ``overflow_bound`` of the entries clipped at the
+format's maximum, a magnitude gain ``<Q(g), g> / <g, g>`` or bias off 1 (0) by more than
+``bias_bound``, or, rounding to nearest, more than ``flush_bound`` of the non-zero values flushed to
+zero. :func:`gradstats.recommend` runs this on every layer it plans and takes its next choice where
+a layer fails; ``plan.verify(run)`` checks any plan, a hand-edited one too.
+
+Block-scaled rules (MX, NVFP4) are replayed on the samples in the order stored, a uniform random
+sample: their blocks hold exchangeable entries, not the tensor's neighbours, so the replay is an
+estimate for blocks (rows of different magnitudes make real blocks more uniform); per-tensor rules
+are replayed exactly.
+
+Example:
+    >>> import tempfile, torch, gradstats
+    >>> m = torch.nn.Sequential(torch.nn.Linear(64, 256))
+    >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
+    ...     for _ in range(2):
+    ...         m(torch.randn(32, 64)).sin().sum().backward(); t.step()
+    >>> bad = gradstats.Plan.uniform(format="e2m3fn", rounding="nearest", sparsity=0.85, scale="amax",
+    ...                              scale_shift=1, output_layer=False)
+    >>> v = bad.verify(t.path)
+    >>> v.ok, v.per_layer().loc[0, "replayed_overflow"] > 0.1
+    (False, True)
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+log = logging.getLogger(__name__)
+
+__all__ = ["verify", "Verification", "OVERFLOW_BOUND", "QUANTITIES", "calibration_steps", "operator_settings"]
+
+#: the largest fraction of a layer's entries a plan may clip at its format's maximum
+OVERFLOW_BOUND = 0.001
+#: what is predicted and replayed, per layer and step (fractions of all entries, except ``flushed``:
+#: of the non-zero input entries; ``error`` relative to ``E g^2``)
+QUANTITIES = ("sparsity", "underflow", "flushed", "overflow", "gain", "bias", "error")
+#: how many calibration steps ``steps="auto"`` takes, spread over the run, the later ones denser
+AUTO_STEPS = 4
+
+
+def calibration_steps(run: Any, layers: Sequence[str], *, kind: str = "grad", steps: Any = "auto") -> list[int]:
+    """The steps a plan is calibrated and checked on. ``"auto"``: up to :data:`AUTO_STEPS` steps spread
+    over the run, at 1/4, 1/2, 3/4 and the end of the steps that hold samples of every layer (of the
+    steps with statistics where none do), so that drift over training is seen; ``"latest"``: each
+    layer's latest step; otherwise :mod:`gradstats.run.select`'s step grammar.
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=2) as t:
+        ...     for _ in range(9):
+        ...         m(torch.randn(8, 4)).square().sum().backward(); t.step()
+        >>> calibration_steps(gradstats.open_run(t.path), ["0"])
+        [2, 4, 6, 8]
+    """
+    from gradstats.run.select import select_steps
+
+    df = run.stats(kinds=[kind])
+    df = df[df["layer"].isin(list(layers))]
+    have = sorted(int(s) for s in df["step"].unique())
+    if not have:
+        raise ValueError(f"the run at {run.path} has no {kind!r} statistics for layers {list(layers)[:5]}")
+    if steps is None or (isinstance(steps, str) and steps == "latest"):
+        return [have[-1]]
+    if isinstance(steps, str) and steps == "auto":
+        idx = run.sample_index()
+        if len(idx):
+            idx = idx[(idx["kind"] == kind) & idx["layer"].isin(list(layers))]
+            counts = idx.groupby("step")["layer"].nunique()
+            full = sorted(int(s) for s, c in counts.items() if c == len(set(layers)) and int(s) in set(have))
+        else:
+            full = []
+        pool = full or have
+        picks = sorted({pool[max(0, math.ceil(q * len(pool)) - 1)] for q in (0.25, 0.5, 0.75, 1.0)})
+        return picks[-AUTO_STEPS:]
+    return select_steps(have, steps)
+
+
+def step_weights(steps: Sequence[int]) -> np.ndarray:
+    """Weights of the calibration steps in a plan's predictions: proportional to their rank, so the
+    later steps count more (``[1, 2, 3, 4] / 10`` for four).
+
+    Example:
+        >>> step_weights([10, 20, 30, 40]).tolist()
+        [0.1, 0.2, 0.3, 0.4]
+    """
+    w = np.arange(1, len(steps) + 1, dtype=np.float64)
+    return w / w.sum()
+
+
+def operator_settings(rule: Any, row: Any, samples: Optional[torch.Tensor] = None) -> tuple[float, float]:
+    """``(threshold, scale)`` that :func:`gradstats.apply` sets for a tensor whose statistics row is
+    ``row``: the rule's threshold for its sparsity (0 without pruning; the ``"exact"`` rule from the
+    samples where given, else the histogram rule) and its per-tensor scale at ``max(amax, threshold)``
+    (1 for block-scaled rules and no format).
+
+    Example:
+        >>> import torch
+        >>> from gradstats.plan import Rule
+        >>> from gradstats.stats import tensor_stats
+        >>> operator_settings(Rule(format="e4m3fn", scale="amax"), tensor_stats(torch.tensor([1.0, -3.0])))
+        (0.0, 128.0)
+    """
+    from gradstats import pruning
+    from gradstats.stats import lognormal_moments
+
+    a = 0.0
+    if rule.prunes:
+        if rule.threshold_rule == "exact" and samples is not None:
+            a = float(pruning.exact_threshold(samples, rule.sparsity, stochastic=True))
+        else:
+            how = "histogram" if rule.threshold_rule == "exact" else rule.threshold_rule
+            a = float(np.asarray(pruning.threshold(np.array([rule.sparsity]), [row], threshold_rule=how))[0])
+        if not (math.isfinite(a) and a >= 0):
+            a = 0.0
+    scale = 1.0
+    if rule.quantizes and rule.block_size is None:
+        amax = float(row["max_abs"])
+        mu, sigma = lognormal_moments(row)
+        scale = rule.scale_for(mu=mu, sigma=max(sigma, 1e-6) if math.isfinite(sigma) else 1e-6,
+                               amax=max(amax, a))
+    return a, scale
+
+
+def replay(rule: Any, x: torch.Tensor, threshold: float, scale: float, *, seed: int = 0) -> dict[str, float]:
+    """The exact operator of ``rule`` at ``threshold`` and ``scale`` on the values ``x``: what it did
+    (:data:`QUANTITIES`) and the standard errors of the gain and the bias (``gain_se``, ``bias_se``)."""
+    from gradstats.ops.fused import prune_quantize
+
+    x = x.detach().float().reshape(-1)
+    q = rule.quantize_kwargs() if rule.quantizes else {"fmt": None, "rounding": rule.rounding}
+    out, c = prune_quantize(x, threshold, q.pop("fmt"), scale=scale, seed=seed, **q)
+    n = max(c.n, 1)
+    nz = max(int((x != 0).sum()), 1)
+    da = (out.abs() - x.abs()).double()
+    bias_se = float(torch.sqrt((da * da).sum())) / c.abs_in if c.abs_in > 0 else math.nan
+    return {"sparsity": c.zeros / n, "underflow": c.underflow / n, "flushed": c.underflow / nz,
+            "overflow": c.saturated / n, "gain": c.gain, "bias": c.bias, "error": c.error,
+            "gain_se": c.gain_se, "bias_se": bias_se, "n": c.n, "nonzero": nz}
+
+
+def predict(rule: Any, row: Any, threshold: float, scale: float) -> dict[str, float]:
+    """The composed operator's prediction (:data:`QUANTITIES`) for a tensor of statistics ``row``
+    (block-scaled rules: blocks of exchangeable entries, :func:`gradstats.fpanalysis.composed.composed_blocks`)."""
+    from gradstats.fpanalysis.composed import predict_composed
+
+    blocks = ({"block_size": rule.block_size, "scale_format": rule.scale_format,
+               "scale_rounding": rule.scale_rounding} if rule.quantizes and rule.block_size is not None else {})
+    try:
+        p = predict_composed(row, rule.format if rule.quantizes else None, threshold=threshold, scale=scale,
+                             rounding=rule.rounding, **blocks)
+    except ValueError:
+        return {k: math.nan for k in QUANTITIES}
+    return {k: getattr(p, k) for k in QUANTITIES}
+
+
+def problems(rule: Any, got: dict[str, float], *, bias_bound: float, flush_bound: Optional[float],
+             overflow_bound: float) -> list[str]:
+    """What breaks a bound in ``got`` (replayed, or predicted: standard errors 0), beyond three
+    standard errors; [] when nothing does."""
+    out = []
+    n = float(got.get("n", math.inf) or math.inf)
+    ov = got["overflow"]
+    # per-tensor scales only: a block scale rule clips some blocks' maxima by design (MX's floor rule up
+    # to 2**(emax + 1), NVFP4's e4m3 scale rounded down), a small loss the gain and bias bounds judge
+    if rule.quantizes and rule.block_size is None and math.isfinite(ov) and \
+            ov > overflow_bound + 3 * math.sqrt(overflow_bound / n):
+        out.append(f"clips {ov:.2%} of the values at the format's maximum (bound {overflow_bound:g})")
+    gse = got.get("gain_se", 0.0) or 0.0
+    if math.isfinite(got["gain"]) and abs(got["gain"] - 1) > bias_bound + 3 * (gse if math.isfinite(gse) else 0):
+        out.append(f"magnitude gain {got['gain']:.3f} (bound 1 +- {bias_bound:g})")
+    bse = got.get("bias_se", 0.0) or 0.0
+    if math.isfinite(got["bias"]) and abs(got["bias"]) > bias_bound + 3 * (bse if math.isfinite(bse) else 0):
+        out.append(f"magnitude bias {got['bias']:+.3f} (bound {bias_bound:g})")
+    if flush_bound is not None and rule.quantizes and rule.rounding == "nearest":
+        nz = float(got.get("nonzero", math.inf) or math.inf)
+        fl = got["flushed"]
+        if math.isfinite(fl) and fl > flush_bound + 3 * math.sqrt(flush_bound / nz):
+            out.append(f"rounding to nearest flushes {fl:.2%} of the non-zero values (bound {flush_bound:g})")
+    return out
+
+
+@dataclass
+class Verification:
+    """Predicted against replayed, per layer and calibration step (:func:`verify`).
+
+    Attributes:
+        rows: one dict per (layer, step): ``layer``, ``step``, ``rule``, ``threshold``, ``scale``,
+            ``samples`` (replayed values; 0: not replayed), ``predicted_<q>`` and ``replayed_<q>`` for
+            each quantity of :data:`QUANTITIES`, ``ok`` and ``problems``.
+        bias_bound, flush_bound, overflow_bound: the bounds checked.
+    """
+
+    rows: list[dict[str, Any]]
+    bias_bound: float
+    flush_bound: Optional[float]
+    overflow_bound: float
+    steps: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Whether every layer passed at every step."""
+        return all(r["ok"] for r in self.rows)
+
+    @property
+    def failures(self) -> dict[str, str]:
+        """Per failing layer, what failed (at the step where it first did)."""
+        out: dict[str, str] = {}
+        for r in self.rows:
+            if not r["ok"] and r["layer"] not in out:
+                out[r["layer"]] = f"step {r['step']}: " + "; ".join(r["problems"])
+        return out
+
+    def to_dataframe(self) -> "pd.DataFrame":
+        """One row per (layer, step)."""
+        import pandas as pd
+
+        df = pd.DataFrame(self.rows)
+        if len(df):
+            df["problems"] = ["; ".join(p) for p in df["problems"]]
+        return df
+
+    def per_layer(self) -> "pd.DataFrame":
+        """One row per layer: the predictions and replays averaged over the steps with the weights of
+        :func:`step_weights` (the later steps count more), ``worst_*`` the extreme over steps of the
+        replayed overflow, flushed share and gain, ``ok`` (every step passed) and ``problems``."""
+        import pandas as pd
+
+        out: list[dict[str, Any]] = []
+        if not self.rows:
+            return pd.DataFrame(out)
+        for layer, g in self.to_dataframe().groupby("layer", sort=False):
+            g = g.sort_values("step")
+            w = step_weights(list(g["step"]))
+            row: dict[str, Any] = {"layer": layer, "rule": g["rule"].iloc[-1], "steps": len(g),
+                                   "samples": int(g["samples"].sum())}
+            for q in QUANTITIES:
+                for side in ("predicted", "replayed"):
+                    v = g[f"{side}_{q}"].to_numpy(dtype=np.float64)
+                    m = np.isfinite(v)
+                    row[f"{side}_{q}"] = float(np.dot(w[m], v[m]) / w[m].sum()) if m.any() else math.nan
+            rep = g["replayed_gain"].to_numpy(dtype=np.float64)
+            row["worst_overflow"] = float(np.nanmax(g["replayed_overflow"])) if g["samples"].sum() else math.nan
+            row["worst_flushed"] = float(np.nanmax(g["replayed_flushed"])) if g["samples"].sum() else math.nan
+            row["worst_gain"] = float(rep[np.nanargmax(np.abs(rep - 1))]) if np.isfinite(rep).any() else math.nan
+            row["ok"] = bool(g["ok"].all())
+            row["problems"] = next((p for p in g["problems"] if p), "")
+            out.append(row)
+        return pd.DataFrame(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: the bounds, the steps and the rows."""
+        return {"bias_bound": self.bias_bound, "flush_bound": self.flush_bound,
+                "overflow_bound": self.overflow_bound, "steps": list(self.steps),
+                "rows": [dict(r) for r in self.rows]}
+
+    def table(self) -> str:
+        """The per-layer table as text: predicted / replayed for each quantity, and what failed."""
+        return format_checks(self.per_layer().to_dict("records"))
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def format_checks(records: Sequence[dict[str, Any]]) -> str:
+    """Text table of per-layer check records (:meth:`Verification.per_layer` rows, or a plan's ``checks``)."""
+    head = (f"{'layer':<28} {'sparsity':>13} {'flushed':>15} {'overflow':>15} {'gain':>13} {'error':>15}  "
+            "verdict")
+    lines = [head, f"{'':<28} {'pred / replay':>13} {'pred / replay':>15} {'pred / replay':>15} "
+                   f"{'pred / replay':>13} {'pred / replay':>15}"]
+
+    def pair(r: dict[str, Any], q: str, fmt: str) -> str:
+        def f(v: Any) -> str:
+            return "-" if v is None or not math.isfinite(v) else format(v, fmt)
+
+        return f"{f(r.get(f'predicted_{q}'))} / {f(r.get(f'replayed_{q}'))}"
+
+    for r in records:
+        verdict = "ok" if r.get("ok") else "FAILS: " + str(r.get("problems", ""))
+        if r.get("note"):
+            verdict += f" ({r['note']})"
+        lines.append(f"{str(r['layer'])[:28]:<28} {pair(r, 'sparsity', '.3f'):>13} {pair(r, 'flushed', '.4f'):>15} "
+                     f"{pair(r, 'overflow', '.4f'):>15} {pair(r, 'gain', '.3f'):>13} {pair(r, 'error', '.3g'):>15}  "
+                     f"{verdict}")
+    return "\n".join(lines)
+
+
+def check_layer(run: Any, layer: str, rule: Any, steps: Sequence[int], *, rows: dict[int, Any] | None = None,
+                kind: str = "grad", seed: int = 0, bias_bound: float, flush_bound: Optional[float],
+                overflow_bound: float) -> list[dict[str, Any]]:
+    """The rows of :class:`Verification` for one layer and rule."""
+    out = []
+    idx = run.sample_index()
+    for step in steps:
+        row = (rows or {}).get(step)
+        if row is None:
+            continue
+        has = len(idx) and ((idx["layer"] == layer) & (idx["kind"] == kind) & (idx["step"] == step)
+                            & (idx["call"] == 0)).any()
+        x = run.samples(layer, step, kind=kind, call=0) if has else None
+        a, s = operator_settings(rule, row, x)
+        pred = predict(rule, row, a, s)
+        rep = replay(rule, x, a, s, seed=seed + step) if x is not None and x.numel() else None
+        # the replay (within its sampling noise) and the noise-free prediction must both hold
+        probs = ["predicted: " + p for p in problems(rule, {**pred, "n": math.inf}, bias_bound=bias_bound,
+                                                     flush_bound=flush_bound, overflow_bound=overflow_bound)]
+        if rep is not None:
+            probs += ["replayed: " + p for p in problems(rule, rep, bias_bound=bias_bound, flush_bound=flush_bound,
+                                                         overflow_bound=overflow_bound)]
+        rec = {"layer": layer, "step": int(step), "rule": rule.describe(), "threshold": a, "scale": s,
+               "samples": 0 if rep is None else int(rep["n"]),
+               **{f"predicted_{q}": pred[q] for q in QUANTITIES},
+               **{f"replayed_{q}": (rep[q] if rep is not None else math.nan) for q in QUANTITIES},
+               "ok": not probs, "problems": probs}
+        out.append(rec)
+    return out
+
+
+def step_rows(run: Any, layers: Sequence[str], steps: Sequence[int], kind: str = "grad") -> dict[str, dict[int, Any]]:
+    """Per layer and step, the statistics row of the layer's first call (rank 0 or the lowest)."""
+    df = run.stats(kinds=[kind])
+    df = df[df["layer"].isin(list(layers)) & df["step"].isin(list(steps))]
+    if "call" in df.columns:
+        df = df[df["call"] == 0]
+    if "rank" in df.columns and len(df):
+        df = df[df["rank"] == df["rank"].min()]
+    out: dict[str, dict[int, Any]] = {n: {} for n in layers}
+    for rec in df.to_dict("records"):
+        out[rec["layer"]][int(rec["step"])] = rec
+    return out
+
+
+def verify(plan: Any, run: Any, *, steps: Any = "auto", kind: str = "grad", seed: int = 0,
+           bias_bound: Optional[float] = None, flush_bound: Optional[float] = None,
+           overflow_bound: float = OVERFLOW_BOUND) -> Verification:
+    """Check ``plan`` against ``run``: per planned layer and calibration step (``steps``, see
+    :func:`calibration_steps`), the composed operator predicted from the step's statistics and
+    replayed on its stored samples, against the bounds (the module doc). ``bias_bound`` and
+    ``flush_bound`` default to :data:`gradstats.fpanalysis.BIAS_BOUND` and ``FLUSH_BOUND`` (0.01 each).
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> m = torch.nn.Sequential(torch.nn.Linear(16, 64))
+        >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
+        ...     m(torch.randn(32, 16)).exp().sum().backward(); t.step()
+        >>> v = gradstats.Plan.uniform(format="e4m3fn", scale="amax", rounding="stochastic",
+        ...                            output_layer=False).verify(t.path)
+        >>> v.ok, list(v.per_layer()["layer"])
+        (True, ['0'])
+    """
+    from gradstats.fpanalysis.training import BIAS_BOUND, FLUSH_BOUND
+    from gradstats.run import as_run
+
+    r = as_run(run)
+    rules = {n: rule for n, rule in plan.resolve(r, strict=False).items() if not rule.is_identity}
+    bias_bound = BIAS_BOUND if bias_bound is None else float(bias_bound)
+    flush_bound = FLUSH_BOUND if flush_bound is None else flush_bound
+    if not rules:
+        return Verification([], bias_bound, flush_bound, overflow_bound, [])
+    chosen = calibration_steps(r, list(rules), kind=kind, steps=steps)
+    per = step_rows(r, list(rules), chosen, kind)
+    rows: list[dict[str, Any]] = []
+    for name, rule in rules.items():
+        rows += check_layer(r, name, rule, chosen, rows=per[name], kind=kind, seed=seed, bias_bound=bias_bound,
+                            flush_bound=flush_bound, overflow_bound=overflow_bound)
+    return Verification(rows, bias_bound, flush_bound, overflow_bound, chosen)
+
+
+def _alternatives(rule: Any, candidates: Sequence[Any]) -> list[tuple[Any, str]]:
+    """The choices tried, in order, when ``rule`` fails its check: the same format without the scale
+    shift that saturates, rounded stochastically (unbiased, also below the smallest value), at the
+    plain amax scale, the other candidate formats of the width that way, then no rounding at all."""
+    out: list[tuple[Any, str]] = []
+    if not rule.quantizes:
+        return out
+    per_tensor = rule.block_size is None
+    if per_tensor and rule.scale == "amax" and rule.scale_shift > 0:
+        out.append((rule.replace(scale_shift=0), "scale shift 0"))
+    if not per_tensor and rule.scale_format == "e8m0" and rule.scale_rounding in (None, "floor"):
+        out.append((rule.replace(scale_rounding="rceil"), "MX scales rounded up (rceil: no block maximum clipped)"))
+    if rule.rounding != "stochastic":
+        out.append((rule.replace(rounding="stochastic"), "stochastic rounding"))
+    if per_tensor and (rule.scale != "amax" or rule.scale_shift != 0):
+        out.append((rule.replace(rounding="stochastic", scale="amax", scale_value=None, scale_shift=0),
+                    "stochastic rounding at the amax scale"))
+    for f in candidates:
+        if f != rule.format and f.bits == rule.format.bits:
+            kw = {"scale": "amax", "scale_value": None, "scale_shift": 0} if per_tensor else {}
+            out.append((rule.replace(format=f, rounding="stochastic", **kw), f"{f} with stochastic rounding"))
+    out.append((rule.replace(format=None, block_size=None, scale_format=None, scale_rounding=None, scale="lognormal",
+                             scale_value=None, scale_shift=0), "full precision"))
+    return out
+
+
+def _prediction_fields(per: dict[str, Any]) -> dict[str, Any]:
+    """Prediction fields from a per-layer check row: the model's numbers, the replay's where the model
+    has none (block scales)."""
+    def pick(q: str) -> Optional[float]:
+        for side in ("predicted", "replayed"):
+            v = per.get(f"{side}_{q}")
+            if v is not None and math.isfinite(v):
+                return float(v)
+        return None
+
+    out = {"sparsity": pick("sparsity"), "error": pick("error"), "bias": pick("bias"),
+           "flushed": pick("underflow"), "overflow": pick("overflow"), "gain": pick("gain")}
+    if out["sparsity"] is not None:
+        out["sparsity"] = min(max(out["sparsity"], 0.0), 1.0)
+    return out
+
+
+def _json_row(per: dict[str, Any], steps: Sequence[int], note: str) -> dict[str, Any]:
+    row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in per.items()}
+    row["calibration_steps"] = [int(s) for s in steps]
+    row["note"] = note
+    return row
+
+
+def repair(plan: Any, run: Any, steps: Sequence[int], *, candidates: Sequence[Any], seed: int = 0,
+           bias_bound: float, flush_bound: Optional[float], overflow_bound: float = OVERFLOW_BOUND,
+           kind: str = "grad") -> Any:
+    """``plan`` with every planned layer checked (:func:`check_layer` on ``steps``): a layer that fails
+    gets the first of :func:`_alternatives` that passes, as an entry naming it exactly, with the note
+    of why; its :class:`~gradstats.plan.Prediction` takes the composed operator's numbers. The
+    per-layer rows go into the plan's ``checks``. Used by :func:`gradstats.recommend`."""
+    import dataclasses
+
+    from gradstats.plan._rules import INHERIT, PlanEntry, Prediction
+
+    rules = {n: rule for n, rule in plan.resolve(run, strict=False).items() if not rule.is_identity}
+    per_rows = step_rows(run, list(rules), steps, kind)
+    bounds = {"bias_bound": bias_bound, "flush_bound": flush_bound, "overflow_bound": overflow_bound}
+    extra: list[Any] = []
+    checks: list[dict[str, Any]] = []
+    by_layer = {e.layer: e for e in plan.entries}
+    for name, rule in rules.items():
+        recs = check_layer(run, name, rule, steps, rows=per_rows[name], kind=kind, seed=seed, **bounds)
+        note, chosen = "", rule
+        if recs and not all(r["ok"] for r in recs):
+            first = next(r for r in recs if not r["ok"])
+            why = f"{rule.describe()} failed at step {first['step']}: " + "; ".join(first["problems"])
+            for alt, label in _alternatives(rule, candidates):
+                alt_recs = check_layer(run, name, alt, steps, rows=per_rows[name], kind=kind, seed=seed, **bounds)
+                if all(r["ok"] for r in alt_recs):
+                    recs, chosen, note = alt_recs, alt, f"{why} -> {label}"
+                    break
+            else:
+                note = f"{why}; no alternative passed: kept"
+            log.warning("gradstats.recommend: layer %s: %s", name, note)
+        if not recs:
+            continue
+        per = Verification(recs, bias_bound, flush_bound, overflow_bound, list(steps)).per_layer().to_dict("records")[0]
+        checks.append(_json_row(per, steps, note))
+        old = by_layer.get(name)
+        base = old.predicted if old is not None and isinstance(old.predicted, Prediction) else Prediction()
+        pred = dataclasses.replace(base, **{k: v for k, v in _prediction_fields(per).items() if v is not None})
+        if chosen is not rule or old is not None:
+            fields = {"format": chosen.format, "predicted": pred}
+            if chosen is not rule:
+                fields.update(rounding=chosen.rounding, scale=chosen.scale, scale_value=chosen.scale_value,
+                              scale_shift=chosen.scale_shift)
+                if chosen.format is None:
+                    fields.update(block_size=None, scale_format=None, scale_rounding=None)
+            if old is not None:
+                keep = {k: getattr(old, k) for k in ("rounding", "scale_shift")
+                        if k not in fields and getattr(old, k) is not INHERIT}
+                fields = {**keep, **fields}
+            extra.append(PlanEntry(name, **fields))
+    new = {e.layer: e for e in extra}
+    entries = [new.pop(e.layer, e) if e.types is None else e for e in plan.entries] + list(new.values())
+    return dataclasses.replace(plan, entries=tuple(entries), checks=tuple(checks))
