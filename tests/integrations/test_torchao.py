@@ -118,8 +118,8 @@ def test_an_mx_plan_is_torchaos_mxfp8_training_bit_for_bit(mode):
 
 def test_a_recommended_mx_plan_converts_and_nvfp4_is_listed(tmp_path):
     """A recommended MX plan for the CNN converts its hidden linear layer and trains a step under
-    torchao; a layer whose features are not multiples of 32 and NVFP4 blocks (no torchao training
-    config) are skipped with the reason."""
+    torchao; a layer whose features are not multiples of 32 and NVFP4 blocks (torchao's NVFP4
+    training does not quantise the gradient as the plan does) are skipped with the reason."""
     pytest.importorskip("torchao.prototype.moe_training")
     from gradstats.zoo.models import build_model
     from gradstats.zoo.training import prepare
