@@ -12,6 +12,21 @@ import pandas as pd
 from gradstats.stats import HIST_MIN_EXP, lognormal_moments, merge_stats
 
 LN2 = math.log(2.0)
+#: the section every logged key is under (``gradstats/<layer>/<name>``), apart from the user's own keys
+PREFIX = "gradstats"
+#: W&B's step metric of gradstats' keys: gradstats' step, not the run's ``_step``
+STEP_KEY = f"{PREFIX}/step"
+
+
+def tag(kind: str, layer: str, name: str) -> str:
+    """The key a statistic is logged under: ``gradstats/<layer>/<name>`` for the neural gradient,
+    ``gradstats/<kind>/<layer>/<name>`` for other kinds.
+
+    Example:
+        >>> tag("grad", "fc1", "amax"), tag("wgrad", "fc1", "underflow/e4m3fn")
+        ('gradstats/fc1/amax', 'gradstats/wgrad/fc1/underflow/e4m3fn')
+    """
+    return f"{PREFIX}/{layer}/{name}" if kind == "grad" else f"{PREFIX}/{kind}/{layer}/{name}"
 
 
 def merged_rows(stats: pd.DataFrame) -> list[tuple[int, str, dict[str, Any]]]:

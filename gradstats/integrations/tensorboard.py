@@ -1,10 +1,14 @@
 """TensorBoard: the statistics of a run as scalars and histograms, live or after the fact.
 
-Per layer and step: ``<layer>/mean_log2``, ``<layer>/std_log2`` (of ``log2|g|`` over the non-zero
-entries), ``<layer>/zero_fraction``, ``<layer>/amax``, for each watched format
-``<layer>/underflow/<fmt>`` and ``<layer>/overflow/<fmt>`` (:func:`gradstats.what_if`, from the
-statistics), and the histogram ``<layer>/log2_abs`` (the binade counts, one bucket per binade).
-Tags carry the kind when it is not the neural gradient (``wgrad/<layer>/...``).
+Per layer and step: ``gradstats/<layer>/mean_log2``, ``gradstats/<layer>/std_log2`` (of
+``log2|g|`` over the non-zero entries), ``gradstats/<layer>/zero_fraction``,
+``gradstats/<layer>/amax``, for each watched format ``gradstats/<layer>/underflow/<fmt>`` and
+``gradstats/<layer>/overflow/<fmt>`` (:func:`gradstats.what_if`, from the statistics), and the
+histogram ``gradstats/<layer>/log2_abs`` (the binade counts, one bucket per binade). Tags carry
+the kind when it is not the neural gradient (``gradstats/wgrad/<layer>/...``). Every tag is under
+``gradstats/`` and each value is at gradstats' own step (TensorBoard keeps a step per tag), so
+the sink can share a log directory with the training's own ``SummaryWriter``: separate tags, its
+own event file, nothing of either lost.
 
 * live: ``gradstats.trace(model, "runs/x", sinks=[TensorBoardSink("tb/x", formats="e4m3fn,e2m1fn")])``
   (or ``sinks=`` of a trainer callback): written on the tracer's writer thread after each commit;
@@ -18,8 +22,8 @@ Example:
     >>> n = export_run(gradstats.zoo.data.data_dir() / "sample-run", logdir, formats=["e4m3fn"], layers="fc2")
     >>> from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     >>> acc = EventAccumulator(logdir, size_guidance={"scalars": 0}); _ = acc.Reload()
-    >>> sorted(acc.Tags()["scalars"])[:2], len(acc.Scalars("fc2/amax")) == len(gradstats.open_run(gradstats.zoo.data.data_dir() / "sample-run").steps)
-    (['fc2/amax', 'fc2/mean_log2'], True)
+    >>> sorted(acc.Tags()["scalars"])[:2], len(acc.Scalars("gradstats/fc2/amax")) == len(gradstats.open_run(gradstats.zoo.data.data_dir() / "sample-run").steps)
+    (['gradstats/fc2/amax', 'gradstats/fc2/mean_log2'], True)
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import pandas as pd
 
-from gradstats.integrations._metrics import check_formats, log2_histogram, merged_rows, run_stats, scalars
+from gradstats.integrations._metrics import check_formats, log2_histogram, merged_rows, run_stats, scalars, tag
 
 __all__ = ["TensorBoardSink", "export_run"]
 
@@ -43,10 +47,6 @@ def _writer(logdir: Union[str, os.PathLike[str]]) -> Any:
         raise ImportError("gradstats.integrations.tensorboard needs the tensorboard package "
                           "(pip install tensorboard)") from exc
     return SummaryWriter(log_dir=str(logdir))
-
-
-def _prefix(kind: str) -> str:
-    return "" if kind == "grad" else f"{kind}/"
 
 
 class TensorBoardSink:
@@ -68,7 +68,7 @@ class TensorBoardSink:
         >>> with gradstats.trace(m, tempfile.mkdtemp(), sinks=[TensorBoardSink(logdir, formats="e4m3fn")]) as t:
         ...     m(torch.randn(8, 4)).square().sum().backward(); t.step()
         >>> from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-        >>> acc = EventAccumulator(logdir); _ = acc.Reload(); "0/underflow/e4m3fn" in acc.Tags()["scalars"]
+        >>> acc = EventAccumulator(logdir); _ = acc.Reload(); "gradstats/0/underflow/e4m3fn" in acc.Tags()["scalars"]
         True
     """
 
@@ -116,15 +116,14 @@ def write_stats(writer: Any, stats: pd.DataFrame, *, formats: Sequence[str] = ()
         part = stats[stats["kind"] == kind]
         if not len(part):
             continue
-        pre = _prefix(kind)
         for r in scalars(part, formats=formats, block_size=block_size, rounding=rounding).itertuples():
-            writer.add_scalar(f"{pre}{r.layer}/{r.tag}", r.value, global_step=int(r.step))
+            writer.add_scalar(tag(kind, r.layer, r.tag), r.value, global_step=int(r.step))
             n += 1
         if histograms:
             for step, layer, m in merged_rows(part):
                 h = log2_histogram(m)
                 if h is not None:
-                    writer.add_histogram_raw(f"{pre}{layer}/log2_abs", global_step=step, **h)
+                    writer.add_histogram_raw(tag(kind, layer, "log2_abs"), global_step=step, **h)
     return n
 
 

@@ -13,9 +13,16 @@ the model. Only what torchao expresses is mapped:
   blocks of 32 with E8M0 scales, the plan's ``scale_rounding`` as torchao's
   ``ScaleCalculationMode`` (``floor``, ``rceil``, ``even``, ``ceil``; bit for bit).
 
-Pruning, stochastic rounding, other scale rules, NVFP4 blocks (torchao has no NVFP4 training
-config) and formats without a float8 dtype are listed as dropped or skipped (a ``UserWarning``;
-``strict=True`` raises).
+Pruning, stochastic rounding, other scale rules, NVFP4 blocks and formats without a float8 dtype
+are listed as dropped or skipped (a ``UserWarning``; ``strict=True`` raises).
+
+torchao's named float8 recipes (``Float8LinearConfig.from_recipe_name``) and what each can keep
+of a plan are in :data:`RECIPES`: a per-tensor ``e4m3fn``/``e5m2`` plan with ``"amax"`` scales is
+the ``tensorwise`` recipe with the plan's gradient dtype and power-of-two scales (the default,
+``recipe="tensorwise"``: :func:`recipe_overrides` says which fields differ from the recipe);
+``recipe="rowwise"`` or ``"rowwise_with_gw_hp"`` takes torchao's recipe as it is on the planned
+layers and lists what of the plan it changes. :func:`recipe_table` says per layer which
+torchao recipe keeps the plan's meaning, if one does.
 
 ``emulate=True`` runs the low-precision GEMMs in high precision on the dequantised values
 (torchao's emulation, which works on the CPU): what the tests use to check that the input
@@ -36,13 +43,52 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-__all__ = ["to_torchao", "convert"]
+__all__ = ["RECIPES", "convert", "recipe_overrides", "recipe_table", "to_torchao"]
+
+#: torchao's training recipes a plan maps to, by name (``Float8LinearConfig.from_recipe_name`` for
+#: the float8 ones): what each does to the neural gradient ``g`` (``grad_output``: ``granularity``,
+#: ``dtype``, ``power_of_2`` scales, ``grad_weight`` GEMM in float8 or high precision; the tests
+#: check these against the installed torchao), which plan fields it keeps and which it cannot.
+RECIPES: dict[str, dict[str, Any]] = {
+    "tensorwise": {
+        "granularity": "tensorwise", "dtype": "float8_e5m2", "power_of_2": False, "grad_weight": "float8",
+        "keeps": "format e5m2 (e4m3fn by setting the two grad_output casts' dtype), scale 'amax' with "
+                 "scale_shift 0 (by round_scales_to_power_of_2=True: torchao's power-of-two amax scale is "
+                 "gradstats' 'amax' rule), format null (the backward GEMMs' casts disabled)",
+        "cannot": "scale 'lognormal' or 'fixed', scale_shift != 0, rounding other than 'nearest', sparsity, "
+                  "blocks"},
+    "rowwise": {
+        "granularity": "axiswise", "dtype": "float8_e4m3fn", "power_of_2": True, "grad_weight": "float8",
+        "keeps": "format e4m3fn, rounding 'nearest'",
+        "cannot": "one scale per tensor or per block (it scales each row of g for the grad_input GEMM and "
+                  "each column for the grad_weight GEMM: two casts of g, where a plan has one), format e5m2, "
+                  "sparsity; it casts the forward rowwise too"},
+    "rowwise_with_gw_hp": {
+        "granularity": "axiswise", "dtype": "float8_e4m3fn", "power_of_2": True, "grad_weight": "high precision",
+        "keeps": "format e4m3fn and rounding 'nearest' in the grad_input GEMM",
+        "cannot": "one scale per tensor or per block (a scale per row of g), the grad_weight GEMM's cast (it "
+                  "keeps g in high precision there), format e5m2, sparsity; it casts the forward rowwise too"},
+    "mxfp8": {
+        "keeps": "format e4m3fn in blocks of 32 with e8m0 scales and their scale_rounding (torchao's "
+                 "ScaleCalculationMode: floor, rceil, even, ceil), bit for bit, in both backward GEMMs",
+        "cannot": "other block sizes or element formats, rounding other than 'nearest', sparsity; it casts the "
+                  "forward input and weight to MXFP8 too (MXFP8TrainingOpConfig)"},
+    "nvfp4": {
+        "keeps": "nothing exactly: not mapped",
+        "cannot": "an NVFP4 plan (e2m1fn, blocks of 16, e4m3 scales): torchao's NVFP4TrainingConfig "
+                  "(prototype, Triton kernels on CUDA only) always rounds g stochastically and casts a random "
+                  "Hadamard rotation of g for the grad_weight GEMM, not g; check again when a newer torchao is "
+                  "pinned"},
+}
+#: the float8 recipes ``to_torchao(recipe=...)`` builds from
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def _torchao() -> Any:
@@ -101,15 +147,105 @@ def _mx_config(cfg: dict[str, Any], emulate: bool) -> Any:
         wgrad_with_hp=bool(cfg["wgrad_with_hp"] or emulate))
 
 
-def to_torchao(plan: Any, model: Any, *, emulate: bool = False, strict: bool = False
+def recipe_overrides(cfg: dict[str, Any], recipe: str = "tensorwise") -> tuple[dict[str, Any], list[str]]:
+    """``(overrides, notes)``: the ``Float8LinearConfig`` fields that make torchao's ``recipe``
+    (``Float8LinearConfig.from_recipe_name``) the float8 config ``cfg`` of a plan's torchao export,
+    and what of the plan the recipe does not keep (empty for ``tensorwise``, which keeps a
+    per-tensor plan; for the rowwise recipes the overrides only disable the gradient casts of a
+    layer the plan leaves in high precision).
+
+    Example:
+        >>> import gradstats, torch
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> cfg = gradstats.Plan.uniform(format="e5m2", scale="amax").export("torchao", m)["configs"]["0"]
+        >>> sorted(recipe_overrides(cfg)[0]), recipe_overrides(cfg, "rowwise")[1][0][:22]
+        (['round_scales_to_power_of_2'], 'per-tensor scale of g:')
+    """
+    f8 = _torchao()
+    if recipe not in FLOAT8_RECIPES:
+        raise ValueError(f"recipe must be one of torchao's float8 recipes {list(FLOAT8_RECIPES)}, got {recipe!r}")
+    base = f8.Float8LinearConfig.from_recipe_name(recipe)
+    go = cfg["cast_config_grad_output"]
+    if go["scaling_type"] == "disabled":            # the plan keeps this layer's gradient in high precision
+        off = f8.CastConfig(scaling_type=f8.ScalingType.DISABLED)
+        return {k: off for k in ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight",
+                                 "cast_config_weight_for_grad_input", "cast_config_input_for_grad_weight")}, []
+    dtype = getattr(torch, go["target_dtype"])
+    if recipe == "tensorwise":
+        want = {k: _cast(f8, v) for k, v in cfg.items() if k.startswith("cast_config_")}
+        want["round_scales_to_power_of_2"] = bool(cfg.get("round_scales_to_power_of_2"))
+        return {k: v for k, v in want.items() if getattr(base, k) != v}, []
+    notes = [f"per-tensor scale of g: torchao's {recipe} recipe scales each row of g (a power of two each)"
+             + ("" if recipe == "rowwise_with_gw_hp" else " for the grad_input GEMM and each column for the "
+                "grad_weight GEMM")]
+    if base.cast_config_grad_output.target_dtype != dtype:
+        notes.append(f"format {go['target_dtype'].removeprefix('float8_')}: the {recipe} recipe casts g to "
+                     f"{str(base.cast_config_grad_output.target_dtype).removeprefix('torch.float8_')}")
+    if base.cast_config_grad_output_for_grad_weight.scaling_type is f8.ScalingType.DISABLED:
+        notes.append(f"the {recipe} recipe keeps g in high precision for the grad_weight GEMM")
+    notes.append(f"the {recipe} recipe casts the forward input and weight rowwise too")
+    return {}, notes
+
+
+def recipe_table(plan: Any, model: Any) -> Any:
+    """Per layer of the plan resolved on ``model``: which torchao recipe (:data:`RECIPES`) keeps
+    the plan's meaning for its gradient (``recipe``: ``"tensorwise"``, ``"mxfp8"`` or None),
+    whether exactly (``exact``: nothing of the gradient's treatment dropped), and the notes of
+    what is not kept. A ``pandas.DataFrame``; warns nothing (the table is the report).
+
+    Example:
+        >>> import gradstats, torch
+        >>> m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+        >>> recipe_table(gradstats.Plan.uniform(format="e5m2", scale="amax"), m)[["layer", "recipe", "exact"]]
+          layer      recipe  exact
+        0     0  tensorwise   True
+    """
+    import warnings
+
+    import pandas as pd
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        doc = plan.export("torchao", model)
+    rows = []
+    for name in [*doc["configs"], *doc["skipped"]]:
+        cfg = doc["configs"].get(name)
+        if cfg is None:
+            why = doc["skipped"][name]
+            if "NVFP4" in why:
+                why += f" (torchao {_version()}; check again when a newer torchao is pinned)"
+            notes = [why]
+            rows.append((name, None, False, notes))
+            continue
+        notes = [n for n in doc["dropped"].get(name, []) if "forward" not in n]
+        rows.append((name, "mxfp8" if cfg.get("recipe") == "mxfp8" else "tensorwise", not notes, notes))
+    return pd.DataFrame(rows, columns=["layer", "recipe", "exact", "notes"])
+
+
+def _version() -> str:
+    try:
+        import torchao
+
+        return str(torchao.__version__)
+    except ImportError:                                 # pragma: no cover - depends on the environment
+        return "not installed"
+
+
+def to_torchao(plan: Any, model: Any, *, emulate: bool = False, strict: bool = False, recipe: str = "tensorwise"
                ) -> list[tuple[Any, Callable[[nn.Module, str], bool]]]:
     """``[(config, module_filter_fn), ...]``: one pair per distinct config of the plan resolved on
     ``model`` (anything :meth:`gradstats.Plan.resolve` takes), a ``Float8LinearConfig`` or an
     ``MXFP8TrainingOpConfig``; each filter selects the layers (by their names in ``model``) that
-    config is for. ``emulate``: torchao's emulated GEMMs (CPU). Example: see the module."""
+    config is for. ``emulate``: torchao's emulated GEMMs (CPU). ``recipe``: the torchao float8
+    recipe per-tensor layers are built from (:data:`FLOAT8_RECIPES`; ``"tensorwise"`` keeps the
+    plan, the rowwise ones list what they change, as :func:`recipe_overrides`). Example: see the
+    module."""
     f8 = _torchao()
+    if recipe not in FLOAT8_RECIPES:
+        raise ValueError(f"recipe must be one of torchao's float8 recipes {list(FLOAT8_RECIPES)}, got {recipe!r}")
     doc = plan.export("torchao", model, strict=strict)
     configs = _mx_shapes(doc["configs"], model, strict)
+    changed: dict[str, list[str]] = {}
     groups: dict[str, list[str]] = {}
     for name, cfg in configs.items():
         groups.setdefault(json.dumps(cfg, sort_keys=True), []).append(name)
@@ -120,22 +256,34 @@ def to_torchao(plan: Any, model: Any, *, emulate: bool = False, strict: bool = F
         if cfg.get("recipe") == "mxfp8":
             out.append((_mx_config(cfg, emulate), lambda module, fqn, chosen=chosen: fqn in chosen))
             continue
-        kw = {k: _cast(f8, v) for k, v in cfg.items() if k.startswith("cast_config_")}
-        config = f8.Float8LinearConfig(**kw, round_scales_to_power_of_2=bool(cfg.get("round_scales_to_power_of_2")),
-                                       emulate=emulate)
+        overrides, notes = recipe_overrides(cfg, recipe)
+        for n in notes:
+            for name in names:
+                changed.setdefault(name, []).append(n)
+        config = dataclasses.replace(f8.Float8LinearConfig.from_recipe_name(recipe), **overrides, emulate=emulate)
         out.append((config, lambda module, fqn, chosen=chosen: fqn in chosen))
+    if changed:
+        msg = f"export to torchao's {recipe} recipe: not expressible there:\n  " + "\n  ".join(
+            f"{n}: {note}" for n, notes in changed.items() for note in dict.fromkeys(notes))
+        if strict:
+            raise ValueError(msg)
+        import warnings
+
+        warnings.warn(msg, stacklevel=2)
     return out
 
 
-def convert(model: nn.Module, plan: Any, *, emulate: bool = False, strict: bool = False) -> nn.Module:
+def convert(model: nn.Module, plan: Any, *, emulate: bool = False, strict: bool = False,
+            recipe: str = "tensorwise") -> nn.Module:
     """Convert ``model``'s planned linear layers with torchao's own API, in place as torchao does
     (``torchao.float8.convert_to_float8_training`` for float8 configs,
-    ``torchao.quantization.quantize_`` for MXFP8 ones), and return it. Example: see the module."""
+    ``torchao.quantization.quantize_`` for MXFP8 ones), and return it; ``recipe`` as
+    :func:`to_torchao`. Example: see the module."""
     f8 = _torchao()
     from gradstats.wrappers import unwrap
 
     root = unwrap(model)
-    for config, keep in to_torchao(plan, root, emulate=emulate, strict=strict):
+    for config, keep in to_torchao(plan, root, emulate=emulate, strict=strict, recipe=recipe):
         if isinstance(config, f8.Float8LinearConfig):
             f8.convert_to_float8_training(root, config=config, module_filter_fn=keep)
         else:

@@ -154,8 +154,9 @@ def _torchao_mx_layer(name: str, r: Rule, skipped: dict[str, str], dropped: dict
     """A block-scaled rule as torchao's MXFP8 training recipe (``MXFP8TrainingOpConfig``): blocks
     of 32 along the contraction dimension, E8M0 scales, e4m3fn elements, in both backward GEMMs."""
     if r.scale_format == "e4m3":
-        skipped[name] = ("NVFP4 blocks (E4M3 scales) have no torchao training config (torchao's NVFP4 "
-                         "configs quantise inference only)")
+        skipped[name] = ("NVFP4 blocks (E4M3 scales): torchao's NVFP4 training (NVFP4TrainingConfig) always "
+                         "rounds the gradient stochastically and casts a random Hadamard rotation of it for the "
+                         "grad_weight GEMM, not the plan's quantisation of the gradient")
         return None
     if r.block_size != 32 or r.scale_format != "e8m0" or str(r.format) != "e4m3fn":
         skipped[name] = (f"{r.format} in blocks of {r.block_size} ({r.scale_format} scales): torchao's MX "

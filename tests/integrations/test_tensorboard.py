@@ -48,17 +48,17 @@ def test_export_reads_back_with_the_values_of_the_run(tmp_path):
     tags = set(acc.Tags()["scalars"])
     for layer in ("0", "2", "4"):
         for t in ("mean_log2", "std_log2", "zero_fraction", "amax", "underflow/e4m3fn", "overflow/e2m1fn"):
-            assert f"{layer}/{t}" in tags
+            assert f"gradstats/{layer}/{t}" in tags
     assert n == len(run.steps) * 3 * (4 + 2 * 2)
     st = run.stats(kinds=["grad"])
     row = st[(st.layer == "2") & (st.step == 1)].iloc[0]
     mu, sigma = lognormal_moments(row)
-    got = {e.step: e.value for e in acc.Scalars("2/mean_log2")}
+    got = {e.step: e.value for e in acc.Scalars("gradstats/2/mean_log2")}
     assert sorted(got) == run.steps and math.isclose(got[1], mu / math.log(2), rel_tol=1e-6)
     w = gradstats.what_if(run, "e2m1fn").set_index(["step", "layer"])
-    under = {e.step: e.value for e in acc.Scalars("2/underflow/e2m1fn")}
+    under = {e.step: e.value for e in acc.Scalars("gradstats/2/underflow/e2m1fn")}
     assert math.isclose(under[1], w.loc[(1, "2"), "underflow"], rel_tol=1e-6, abs_tol=1e-7)
-    hist = acc.Histograms("2/log2_abs")
+    hist = acc.Histograms("gradstats/2/log2_abs")
     assert len(hist) == len(run.steps)
     h = hist[1].histogram_value
     assert int(h.num) == int(row["n"] - row["n_zero"]) and sum(h.bucket) == h.num
@@ -70,10 +70,51 @@ def test_the_live_sink_writes_what_the_export_writes(tmp_path):
     export_run(run, tmp_path / "offline", formats=["e4m3fn"])
     live, offline = _read(tmp_path / "live"), _read(tmp_path / "offline")
     assert set(live.Tags()["scalars"]) == set(offline.Tags()["scalars"])
-    for tag in ("0/amax", "4/underflow/e4m3fn", "2/std_log2"):
+    for tag in ("gradstats/0/amax", "gradstats/4/underflow/e4m3fn", "gradstats/2/std_log2"):
         a, b = live.Scalars(tag), offline.Scalars(tag)
         assert [e.step for e in a] == [e.step for e in b] == [0, 1, 2]
         np.testing.assert_allclose([e.value for e in a], [e.value for e in b], rtol=1e-6)
+
+
+def test_beside_the_users_own_summary_writer_on_the_same_logdir_nothing_is_lost(tmp_path):
+    """The training logs into the same log directory with its own SummaryWriter (per micro-batch,
+    two a step, and a tag of its own named like a layer's statistic): gradstats' tags are its own,
+    under gradstats/, at its own steps, every one of them there, and the user's series untouched."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    logdir = tmp_path / "tb"
+    user = SummaryWriter(str(logdir))
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mine = {}
+    with gradstats.trace(model, tmp_path / "run", optimizer=opt, flush_secs=0,
+                         sinks=[TensorBoardSink(logdir, histograms=False)]):
+        for i in range(30):
+            opt.zero_grad()
+            for k in range(2):
+                x = torch.randn(32, 16, generator=torch.Generator().manual_seed(2 * i + k))
+                loss = model(x).square().mean()
+                loss.backward()
+                user.add_scalar("loss", loss.item(), global_step=2 * i + k)
+                mine[2 * i + k] = float(model[0].weight.detach().abs().max())
+                user.add_scalar("0/amax", mine[2 * i + k], global_step=2 * i + k)      # the user's own
+            opt.step()
+    user.close()
+    run = gradstats.open_run(tmp_path / "run")
+    assert run.steps == list(range(30))
+    acc = _read(logdir)
+    tags = set(acc.Tags()["scalars"])
+    assert {"loss", "0/amax"} <= tags
+    assert [e.step for e in acc.Scalars("loss")] == list(range(60))
+    np.testing.assert_allclose([e.value for e in acc.Scalars("0/amax")], [mine[s] for s in range(60)], rtol=1e-6)
+    ours = {t for t in tags if t.startswith("gradstats/")}
+    assert ours == {f"gradstats/{layer}/{t}" for layer in ("0", "2", "4")
+                    for t in ("mean_log2", "std_log2", "zero_fraction", "amax")}
+    st = run.stats(kinds=["grad"])
+    for t in ours:
+        assert [e.step for e in acc.Scalars(t)] == run.steps, t
+    amax = st[st.layer == "0"].groupby("step")["max_abs"].max()
+    np.testing.assert_allclose([e.value for e in acc.Scalars("gradstats/0/amax")], amax.to_numpy(), rtol=1e-6)
 
 
 def test_a_failing_sink_never_costs_the_run(tmp_path, caplog):
@@ -100,5 +141,5 @@ def test_the_command_line(tmp_path, capsys):
                  "--no-histograms"]) == 0
     assert "scalars written" in capsys.readouterr().out
     acc = _read(tmp_path / "tb")
-    assert "0/underflow/e5m2" in acc.Tags()["scalars"] and not acc.Tags()["histograms"]
+    assert "gradstats/0/underflow/e5m2" in acc.Tags()["scalars"] and not acc.Tags()["histograms"]
     assert main(["tensorboard", str(run.path), "--logdir", str(tmp_path / "x"), "--layers", "nope"]) == 2

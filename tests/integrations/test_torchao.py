@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("torchao.float8")
 import gradstats  # noqa: E402
 from gradstats.formats import amax_scale, parse  # noqa: E402
-from gradstats.integrations.torchao import convert  # noqa: E402
+from gradstats.integrations.torchao import convert, to_torchao  # noqa: E402
 from gradstats.ops.quantization import quantize  # noqa: E402
 
 
@@ -118,8 +118,8 @@ def test_an_mx_plan_is_torchaos_mxfp8_training_bit_for_bit(mode):
 
 def test_a_recommended_mx_plan_converts_and_nvfp4_is_listed(tmp_path):
     """A recommended MX plan for the CNN converts its hidden linear layer and trains a step under
-    torchao; a layer whose features are not multiples of 32 and NVFP4 blocks (no torchao training
-    config) are skipped with the reason."""
+    torchao; a layer whose features are not multiples of 32 and NVFP4 blocks (torchao's NVFP4
+    training does not quantise the gradient as the plan does) are skipped with the reason."""
     pytest.importorskip("torchao.prototype.moe_training")
     from gradstats.zoo.models import build_model
     from gradstats.zoo.training import prepare
@@ -149,3 +149,92 @@ def test_a_recommended_mx_plan_converts_and_nvfp4_is_listed(tmp_path):
     mlp = build_model("mlp", seed=0)                                  # 784 inputs: not a multiple of 32
     with pytest.warns(UserWarning, match="multiples of 32"):
         assert gradstats.Plan.uniform(format="e4m3fn", block_size=32).to_torchao(mlp) == []
+
+
+# -- torchao's named float8 recipes -------------------------------------------------------------------
+
+def test_what_recipes_says_of_each_float8_recipe_is_what_the_installed_torchao_builds():
+    """RECIPES' claims about the gradient (granularity, dtype, power-of-two scales, the grad_weight
+    GEMM) against Float8LinearConfig.from_recipe_name; only the recipes gradstats maps to are read,
+    so a torchao release that adds recipes passes."""
+    from torchao.float8.config import Float8LinearConfig, Float8LinearRecipeName, ScalingType
+
+    from gradstats.integrations.torchao import FLOAT8_RECIPES, RECIPES
+
+    assert set(FLOAT8_RECIPES) <= {r.value for r in Float8LinearRecipeName}
+    for name in FLOAT8_RECIPES:
+        c, claim = Float8LinearConfig.from_recipe_name(name), RECIPES[name]
+        assert c.cast_config_grad_output.scaling_granularity.value == claim["granularity"], name
+        assert str(c.cast_config_grad_output.target_dtype) == f"torch.{claim['dtype']}", name
+        assert c.round_scales_to_power_of_2 is claim["power_of_2"], name
+        hp = c.cast_config_grad_output_for_grad_weight.scaling_type is ScalingType.DISABLED
+        assert hp is (claim["grad_weight"] == "high precision"), name
+    assert {"keeps", "cannot"} <= set(RECIPES["mxfp8"]) and "check again" in RECIPES["nvfp4"]["cannot"]
+
+
+@pytest.mark.parametrize("fmt, differs", [("e5m2", set()), ("e4m3fn", {"cast_config_grad_output",
+                                                                      "cast_config_grad_output_for_grad_weight"})])
+def test_a_per_tensor_plan_is_the_tensorwise_recipe_with_power_of_two_scales(fmt, differs):
+    """A per-tensor e5m2 plan with amax scales is torchao's tensorwise recipe with only
+    round_scales_to_power_of_2 set (gradstats' amax rule); an e4m3fn plan also sets the two
+    grad_output casts' dtype, nothing else of them."""
+    import dataclasses
+
+    from torchao.float8.config import Float8LinearConfig
+
+    from gradstats.integrations.torchao import recipe_table
+
+    plan = gradstats.Plan.uniform(format=fmt, scale="amax")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                          # nothing of the plan is lost
+        (config, keep), = plan.to_torchao(_mlp(), emulate=True)
+    base = Float8LinearConfig.from_recipe_name("tensorwise")
+    other = {f.name for f in dataclasses.fields(base) if getattr(config, f.name) != getattr(base, f.name)}
+    assert other == differs | {"round_scales_to_power_of_2", "emulate"}
+    assert config.round_scales_to_power_of_2 and base.round_scales_to_power_of_2 is False
+    for name in differs:
+        a, b = getattr(config, name), getattr(base, name)
+        assert str(a.target_dtype) == f"torch.float8_{fmt}"
+        assert (a.scaling_type, a.scaling_granularity) == (b.scaling_type, b.scaling_granularity)
+    table = recipe_table(plan, _mlp())
+    assert table["layer"].tolist() == ["0", "2"] and set(table["recipe"]) == {"tensorwise"} and table["exact"].all()
+
+
+def test_the_rowwise_recipes_are_torchaos_and_say_what_of_the_plan_they_change():
+    """recipe="rowwise" (or "rowwise_with_gw_hp") is torchao's recipe as it is, with what it
+    changes of the plan listed; converted (emulated), the model trains a step."""
+    import dataclasses
+
+    from torchao.float8.config import Float8LinearConfig
+
+    plan = gradstats.Plan.uniform(format="e4m3fn", scale="amax")
+    for recipe in ("rowwise", "rowwise_with_gw_hp"):
+        with pytest.warns(UserWarning, match="scales each row of g"):
+            (config, _), = to_torchao(plan, _mlp(), emulate=True, recipe=recipe)
+        assert config == dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+        with pytest.raises(ValueError, match=f"torchao's {recipe} recipe: not expressible"):
+            to_torchao(plan, _mlp(), recipe=recipe, strict=True)
+    with pytest.warns(UserWarning, match="high precision for the grad_weight GEMM"):
+        to_torchao(plan, _mlp(), recipe="rowwise_with_gw_hp")
+    with pytest.warns(UserWarning, match="casts g to e4m3fn"):
+        to_torchao(gradstats.Plan.uniform(format="e5m2", scale="amax"), _mlp(), recipe="rowwise")
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        to_torchao(plan, _mlp(), recipe="blockwise")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model = convert(_mlp(), plan, emulate=True, recipe="rowwise")
+    model(torch.randn(8, 32)).square().mean().backward()
+    assert type(model[2]).__name__ == "Float8Linear" and torch.isfinite(model[2].weight.grad).all()
+
+
+def test_the_recipe_table_names_mx_and_says_why_nvfp4_is_not_mapped():
+    pytest.importorskip("torchao.prototype.moe_training")
+    from gradstats.integrations.torchao import recipe_table
+
+    mx = recipe_table(gradstats.Plan.uniform(format="e4m3fn", block_size=32, scale_rounding="rceil"), _mlp())
+    assert set(mx["recipe"]) == {"mxfp8"} and mx["exact"].all()       # the forward casts are not the gradient's
+    nv = recipe_table(gradstats.Plan.uniform(format="e2m1fn", block_size=16, scale_format="e4m3"), _mlp())
+    assert nv["recipe"].isna().all() and not nv["exact"].any()
+    assert all("Hadamard" in n[0] and "check again when a newer torchao is pinned" in n[0] for n in nv["notes"])
+    stochastic = recipe_table(gradstats.Plan.uniform(format="e5m2", scale="amax", rounding="stochastic"), _mlp())
+    assert set(stochastic["recipe"]) == {"tensorwise"} and not stochastic["exact"].any()
