@@ -42,7 +42,7 @@ def build_run(path: Path, steps: int, layers: int) -> gradstats.run.Run:
     model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(64, 64), nn.Tanh())])
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
-    with gradstats.trace(model, path, every=1, sample_every=None) as tr:
+    with gradstats.trace(model, path, every=1, sample_every=None, alarms=False, flush_secs=60.0) as tr:
         for _ in range(steps):
             x = torch.randn(64, 64, generator=g)
             opt.zero_grad()

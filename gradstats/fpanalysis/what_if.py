@@ -535,6 +535,10 @@ def _predict_rows(rows: pd.DataFrame, fmt: FPFormat, *, rounding: str, block_siz
     out[empty, :4] = 0.0
     tab = _tables(fmt, rounding)
     live = np.flatnonzero(~empty)
+    # rows of similar binade spans together: a chunk's arrays are as wide as its widest row
+    nzb = hist[live] > 0
+    span = hist.shape[1] - np.argmax(nzb[:, ::-1], axis=1) - np.argmax(nzb, axis=1)
+    live = live[np.argsort(span, kind="stable")]
     for s0 in range(0, live.size, chunk):
         r = live[s0:s0 + chunk]
         out[r] = _predict_chunk(hist[r], top[r], max_abs[r], n[r], nz[r], fmt, tab, rounding, block_size)
@@ -556,8 +560,9 @@ def _predict_chunk(hist, top, max_abs, n, nz, fmt, tab, rounding, block_size) ->
     unit = {"flushed": 0, "saturated": 0, "sq": 2, "signed": 1}          # the power of the lower edge
     a = np.exp2(J.astype(np.float64))
     scale_of = {q: wn * a ** unit[q] for q in _SUMS}
-    Q = {q: sum(G[k].reshape(R * W, -1) @ tab["coef"][q][k] for k in range(3)).reshape(R, W, -1) for q in _SUMS}
-    M = Q["flushed"].shape[2]
+    M = tab["coef"]["flushed"][0].shape[1]
+    Q = {q: sum((G[k].reshape(R * W, -1) @ cm for k, cm in tab["coef"][q].items() if cm.any()),
+                np.zeros((R * W, M))).reshape(R, W, M) for q in _SUMS}
 
     def binade_terms(m: np.ndarray) -> dict[str, np.ndarray]:           # m: (R, W, ...) scaled binades
         shape = m.shape
