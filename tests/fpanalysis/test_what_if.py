@@ -165,3 +165,25 @@ def test_the_command_line_and_the_figure(cnn_run, tmp_path, capsys):
     fig = plot_what_if(what_if(cnn_run, ["e4m3fn", "e2m1fn"]), value="underflow")
     assert len([a for a in fig.axes if a.get_title()]) == 2
     fig.savefig(tmp_path / "what_if.png")
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("block", [None, 32])
+@pytest.mark.parametrize("which", ["cnn_run", "gpt2_run"])
+def test_all_rows_at_once_equal_row_by_row(request, which, rounding, block):
+    """what_if predicts every (step, layer) row at once; each equals predict_from_stats of its row."""
+    run = request.getfixturevalue(which)
+    st = run.stats(kinds=["grad"])
+    df = what_if(run, FORMATS, rounding=rounding, block_size=block)
+    assert len(df) == len(st.groupby(["step", "layer"])) * len(FORMATS)
+    checked = 0
+    for _, x in st[st.call == 0].iterrows():
+        if len(st[(st.step == x.step) & (st.layer == x.layer)]) != 1:
+            continue
+        for fmt in FORMATS:
+            ref = predict_from_stats(x.to_dict(), fmt, rounding=rounding, block_size=block)
+            got = df[(df.step == x.step) & (df.layer == x.layer) & (df.format == fmt)].iloc[0]
+            for col in ("underflow", "overflow", "rel_mse", "bias", "log2_scale"):
+                assert got[col] == pytest.approx(ref[col], rel=1e-9, abs=1e-12, nan_ok=True), (x.layer, fmt, col)
+            checked += 1
+    assert checked >= 8 * len(FORMATS)
