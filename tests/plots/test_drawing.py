@@ -70,8 +70,9 @@ def test_layer_histograms_draw_the_fits_given():
     fig = plot_layer_histograms({"conv1": {"grad": _fit(), "act": _fit("normal")},
                                  "fc1": {"grad": _fit(), "act": ValueError("sigma = 0 of the values")}}, step=3)
     assert isinstance(fig, Figure) and len(fig.axes) == 4
-    assert [ax.get_title() for ax in fig.axes[:2]] == ["neural gradient g", "activation (layer output)"]
-    assert fig.axes[0].get_ylabel() == "conv1\ndensity / binade"
+    assert [ax.texts[-1].get_text() for ax in fig.axes[:2]] == ["neural gradient g", "activation (layer output)"]
+    assert [ax.get_title(loc="left") for ax in fig.axes[::2]] == ["conv1", "fc1"]
+    assert fig.axes[0].get_ylabel() == "density / binade"
     assert fig.axes[2].get_xlabel() == "log2 |x|  (binades)"
     assert "step 3" in fig._suptitle.get_text()
     assert len(fig.axes[0].lines) == 3                     # the three densities
