@@ -109,12 +109,12 @@ def _undrawn_tick_labels(fig) -> set[int]:
             continue
         for axis in (ax.xaxis, ax.yaxis):
             lo, hi = sorted(axis.get_view_interval())
-            eps = 1e-9 * max(abs(hi - lo), 1e-300)
+            lo, hi = lo - 1e-9 * abs(lo), hi + 1e-9 * abs(hi)
             for ticks, locs in ((axis.majorTicks, axis.get_majorticklocs()),
                                 (axis.minorTicks, axis.get_minorticklocs())):
                 for k, tick in enumerate(ticks):
                     every |= {id(tick.label1), id(tick.label2)}
-                    if k < len(locs) and lo - eps <= locs[k] <= hi + eps:
+                    if k < len(locs) and lo <= locs[k] <= hi:
                         drawn |= {id(tick.label1), id(tick.label2)}
     return every - drawn
 
