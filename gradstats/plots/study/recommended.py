@@ -139,7 +139,9 @@ def plot_layer_format_ranges(best: Mapping[int, Any], *, crossovers: Mapping[int
 
     ``best``: ``{bits: BestFormat}`` (:func:`gradstats.fpanalysis.best_format` at the plans' ``mu``,
     ``sigma``, ``p0``); ``crossovers``: ``{bits: CrossoverTable}`` of the bands behind each row
-    (a width without one is drawn without bands).
+    (a width without one is drawn without bands): where each of the candidates is best for an
+    unbounded lognormal (:func:`gradstats.figures.format_bands`), as the caption says. A layer
+    outside the band of its own format is ringed.
 
     Example:
         >>> from gradstats.fpanalysis import best_format
@@ -157,7 +159,17 @@ def plot_layer_format_ranges(best: Mapping[int, Any], *, crossovers: Mapping[int
     first = next(iter(best.values()))
     n = np.atleast_1d(np.asarray(first.sigma)).size
     use_style()
-    fig, axes = plt.subplots(len(best), 1, figsize=(8.0, len(best) * (1.2 + 0.3 * n) + 0.4),
+    import textwrap
+
+    names = first.names or [str(i) for i in range(n)]
+    width = 7.4 + 0.075 * max(map(len, names))
+    caption = textwrap.fill("Shaded bands: where each of the plan's formats is the best of them for an unbounded "
+                            "lognormal of that σ. Dots: each layer's choice as recommend makes it, given its "
+                            "observed maximum (a bounded upper tail needs fewer exponent bits).",
+                            int(width * 11)) if any(crossovers.values()) else ""
+    foot = 0.12 + 0.17 * (caption.count("\n") + 1) if caption else 0.0
+    fig, axes = plt.subplots(len(best), 1, figsize=(width,
+                                                    len(best) * (1.5 + 0.3 * n) + 0.4 + foot),
                              squeeze=False, sharex=True)
     for ax, b in zip(axes[:, 0], best):
         # the dots: each layer's choice given its observed maximum, as recommend makes it (ranked
@@ -166,6 +178,9 @@ def plot_layer_format_ranges(best: Mapping[int, Any], *, crossovers: Mapping[int
         plot_layer_formats(best[b], crossovers=crossovers.get(b), ax=ax)
         if ax is not axes[-1, 0]:
             ax.set_xlabel("")
+    if caption:   # below the last axis label, inside the layout
+        axes[-1, 0].annotate(caption, (0.5, 0.0), xycoords="axes fraction", xytext=(0, -40), textcoords="offset points",
+                             ha="center", va="top", fontsize="x-small", color="0.25")
     fig.tight_layout()
     return fig
 
