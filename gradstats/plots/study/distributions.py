@@ -21,7 +21,16 @@ from typing import Any, Mapping
 import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from gradstats.plots.style import FAMILY_COLORS, FAMILY_LABELS, KIND_LABELS, LN2, SYMBOLS, use_style
+from gradstats.plots.style import (
+    FAMILY_COLORS,
+    FAMILY_LABELS,
+    KIND_LABELS,
+    LAYER_COLORS,
+    LN2,
+    SYMBOLS,
+    layer_styles,
+    use_style,
+)
 
 
 def _log2_density(family: str, t: np.ndarray, params: Mapping[str, float]) -> np.ndarray:
@@ -33,12 +42,6 @@ def _log2_density(family: str, t: np.ndarray, params: Mapping[str, float]) -> np
 def _grid(n: int, ncols: int) -> tuple[int, int]:
     ncols = max(1, min(ncols, n))
     return int(math.ceil(n / ncols)), ncols
-
-
-def _layer_palette(n: int) -> list[Any]:
-    import seaborn as sns
-
-    return sns.color_palette("colorblind" if n <= 10 else "husl", n)
 
 
 def _name_ticks(ax: Any, names: list[str], span_in: float) -> None:
@@ -309,19 +312,21 @@ def plot_moments_over_steps(table: Any, *, kind: str = "grad") -> Any:
     if df.empty:
         raise ValueError(f"no {kind!r} statistics to draw")
     names = list(dict.fromkeys(df["layer"]))
-    colors = _layer_palette(len(names))
+    # colours that stay apart; past seven layers, each colour again with another dash pattern
+    dashes = ("-", "--", "-.", ":")
+    styles = [(c, dashes[k // len(LAYER_COLORS) % len(dashes)]) for k, (c, _) in enumerate(layer_styles(len(names)))]
     use_style()
     # the legend below the panels: as many columns of names as fit across the figure
     ncol = max(1, min(len(names), int(15.5 / (0.6 + 0.075 * max(map(len, names))))))
     rows = math.ceil(len(names) / ncol)
-    below = 0.6 + 0.2 * rows
+    below = 0.45 + 0.2 * rows
     fig, axes = plt.subplots(1, 3, figsize=(15.5, 4.4 + below))
     sym = SYMBOLS.get(kind, "x")
-    for name, c in zip(names, colors):
+    for name, (c, ls) in zip(names, styles):
         g = df[df["layer"] == name]
         few = len(g) < 30
         for ax, col in zip(axes, ("mean_log2", "std_log2", "zero_fraction")):
-            ax.plot(g["step"], g[col], color=c, lw=1.4, marker="o" if few else None, ms=3, label=name)
+            ax.plot(g["step"], g[col], color=c, ls=ls, lw=1.4, marker="o" if few else None, ms=3, label=name)
     axes[0].set_ylabel(f"mean of log2|{sym}|")
     axes[0].set_title("Location (binades): each layer sits elsewhere")
     axes[1].set_ylabel(f"std of log2|{sym}|  (binades)")
