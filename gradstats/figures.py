@@ -30,7 +30,8 @@ __all__ = ["write_figures", "FIGURES", "plot_layer_histograms", "plot_qq", "plot
            "plot_moments_over_steps", "plot_sparsity_check", "plot_cosine_check", "plot_format_map",
            "plot_layer_format_ranges", "plot_error_vs_bits_for_layers", "plot_optimal_split", "plot_error_check",
            "plot_error_vs_exponent_bits", "plot_threshold_vs_sigma", "plot_cosine_vs_sparsity",
-           "threshold_vs_sigma", "cosine_vs_sparsity", "layer_format_choices", "crossovers_for"]
+           "threshold_vs_sigma", "cosine_vs_sparsity", "layer_format_choices", "crossovers_for",
+           "format_bands"]
 
 _LN2 = math.log(2.0)
 #: the widths and setting of the error-against-exponent-bits panels
@@ -220,6 +221,45 @@ def crossovers_for(best: Any) -> Any:
                            step=0.05 if xmax < 8 else 0.1)
 
 
+def format_bands(best: Any) -> Any:
+    """The sigma ranges where each of a :class:`~gradstats.fpanalysis.BestFormat`'s candidates is
+    the best of them for an unbounded lognormal, at its setting (rounding, scale rule), over the
+    layers' sigma range: the bands against which :func:`plot_layer_format_ranges` draws each
+    layer's choice (every split's bands: :func:`crossovers_for`). A
+    :class:`~gradstats.fpanalysis.CrossoverTable` holding ``ranges`` only, or None under block
+    scaling. A layer whose choice lies outside its band was moved there by what the bands leave
+    out: its observed maximum (``best.amax``), which bounds the upper tail.
+
+    Example:
+        >>> from gradstats.fpanalysis import best_format
+        >>> b = best_format(6, mu=[-9.0], sigma=[2.0], candidates=["e2m3fn", "e3m2fn"])
+        >>> [r["format"] for r in format_bands(b).ranges]
+        ['e2m3fn', 'e3m2fn']
+    """
+    from gradstats.fpanalysis import CrossoverTable, best_format
+
+    if best.block_size is not None:
+        return None
+    sig = np.atleast_1d(np.asarray(best.sigma, dtype=np.float64)) / _LN2
+    xmax = max(float(sig.max()) * 1.15, 1.0) * 1.15     # the drawing's right edge
+    grid = np.arange(0.05, xmax + 0.05, 0.025)
+    # the choice depends on sigma alone (up to the power-of-two rounding of the scale); mu puts
+    # the values' energy, at exp(mu + 2 sigma^2), at 1, where every scale is representable
+    s_ln = grid * _LN2
+    on = best_format(int(best.bits), mu=-2.0 * s_ln ** 2, sigma=s_ln, candidates=list(best.candidates),
+                     rounding=best.rounding, criterion=best.criterion, power_of_two=best.power_of_two)
+    fmts = [str(f) for f in on.format]
+    starts = [0] + [k for k in range(1, len(fmts)) if fmts[k] != fmts[k - 1]]
+    ranges = tuple({"bits": int(best.bits), "exp_bits": on.format[a].exp_bits, "man_bits": on.format[a].man_bits,
+                    "format": fmts[a], "sigma_lo": float(grid[a]) if a else float(grid[0]),
+                    "sigma_hi": float(grid[starts[n + 1]]) if n + 1 < len(starts) else float(grid[-1]),
+                    "open_end": n + 1 == len(starts)} for n, a in enumerate(starts))
+    return CrossoverTable(ranges, (), {"sigma_range": (float(grid[0]), float(grid[-1])),
+                                       "candidates": [str(c) for c in best.candidates],
+                                       "rounding": best.rounding, "power_of_two": best.power_of_two},
+                          grid, {})
+
+
 def layer_format_choices(plans: Mapping[int, Any]) -> dict[int, Any]:
     """``{bits: BestFormat}``: each planned layer's format ranked at the plans' ``mu``, ``sigma``,
     ``p0`` (and observed maximum, per-tensor scales), among the formats the plan of that width
@@ -246,8 +286,10 @@ def layer_format_choices(plans: Mapping[int, Any]) -> dict[int, Any]:
 
 def plot_layer_format_ranges(plans: Mapping[int, Any]) -> Any:
     """Per bit width, each planned layer's std of ``log2|g|`` with its chosen format over the
-    sigma ranges where each split is best (:func:`gradstats.plots.study.recommended.plot_layer_format_ranges`
-    of :func:`layer_format_choices` and :func:`crossovers_for`).
+    sigma ranges where each of the plan's formats is best for an unbounded lognormal
+    (:func:`gradstats.plots.study.recommended.plot_layer_format_ranges` of
+    :func:`layer_format_choices` and :func:`format_bands`). A layer outside the band of its own
+    format is ringed: its observed maximum moved the choice.
 
     Example:
         >>> import gradstats
@@ -258,7 +300,7 @@ def plot_layer_format_ranges(plans: Mapping[int, Any]) -> Any:
     from gradstats.plots.study.recommended import plot_layer_format_ranges as draw
 
     best = layer_format_choices(plans)
-    return draw(best, crossovers={b: crossovers_for(r) for b, r in best.items()})
+    return draw(best, crossovers={b: format_bands(r) for b, r in best.items()})
 
 
 def _error_vs_bits(sigma: float, *, bits: Iterable[int] = _ERROR_BITS, special: str = "fn",
@@ -513,7 +555,8 @@ FIGURES: dict[str, tuple[Any, str]] = {
     "format_map": (lambda c: plot_format_map(_ctx_plans(c), measured=_ctx_errors(c)),
                    "recommended FP8/FP6/FP4 format per layer, predicted and measured SNR"),
     "format_ranges": (lambda c: plot_layer_format_ranges(_ctx_plans(c)),
-                      "each layer's std of log2|g| against the sigma ranges where each split is best"),
+                      "each layer's std of log2|g| and chosen format against the sigma ranges where each of "
+                      "the plan's formats is best"),
     "error_vs_exponent_bits": (lambda c: plot_error_vs_bits_for_layers(_ctx_plans(c)),
                                "predicted error vs exponent bits, FP4 to FP8, at the narrowest and widest "
                                "layer's sigma"),

@@ -167,7 +167,10 @@ def plot_layer_formats(best: Any, *, crossovers: Any = None, ax: Any = None,
     """Per-layer sigma (std of log2|g|) with the format :func:`~gradstats.fpanalysis.best_format`
     chose, one row per layer; the sigma ranges where each split is best (continuous scale, this
     width: the ``ranges`` of the :class:`~gradstats.fpanalysis.CrossoverTable` ``crossovers``) are
-    shaded behind. Layers far to the right are where low precision struggles.
+    shaded behind. Layers far to the right are where low precision struggles. A layer whose
+    format is not that of the band at its sigma is ringed in red, and the title says why when the
+    result was ranked given the layers' observed maximum (``best.amax``): the maximum bounds the
+    upper tail that the bands, drawn for an unbounded lognormal, assume.
     ``BestFormat.plot()`` computes the table for the layers' sigma range.
 
     Example:
@@ -189,7 +192,7 @@ def plot_layer_formats(best: Any, *, crossovers: Any = None, ax: Any = None,
     fmts = best.format if isinstance(best.format, list) else [best.format]
     errs = np.atleast_1d(np.asarray(best.error, dtype=np.float64))
     if ax is None:
-        fig, ax = plt.subplots(figsize=(7.2, 0.9 + 0.28 * n))
+        fig, ax = plt.subplots(figsize=(6.6 + 0.075 * max(map(len, names)), 0.9 + 0.28 * n))
     else:
         fig = ax.figure
     cand = [str(c) for c in best.candidates]
@@ -203,11 +206,23 @@ def plot_layer_formats(best: Any, *, crossovers: Any = None, ax: Any = None,
             if right - r["sigma_lo"] > 0.09 * xmax:
                 ax.text(0.5 * (r["sigma_lo"] + right), -0.9, r["format"], ha="center", va="bottom",
                         fontsize=7, color="0.3")
+    bands = list(crossovers.ranges) if crossovers is not None and crossovers is not False else []
+
+    def band_of(x: float) -> str | None:
+        for r in bands:
+            if r["sigma_lo"] <= x < r["sigma_hi"] or (r["open_end"] and x >= r["sigma_lo"]):
+                return str(r["format"])
+        return None
+
     y = np.arange(n)
+    ringed = 0
     for i in range(n):
         f = str(fmts[i])
         ax.plot([sig[i]], [y[i]], "o", ms=7, color=pal.get(f, "black"), mec="black", mew=0.4)
-        ax.annotate(f"{f}  {-10 * math.log10(errs[i]):.0f} dB", (sig[i], y[i]), xytext=(6, 0),
+        if bands and band_of(sig[i]) not in (None, f):   # outside the band of its own format
+            ax.plot([sig[i]], [y[i]], "o", ms=12, mfc="none", mec="#d7301f", mew=1.4)
+            ringed += 1
+        ax.annotate(f"{f}  {-10 * math.log10(errs[i]):.0f} dB", (sig[i], y[i]), xytext=(8, 0),
                     textcoords="offset points", va="center", fontsize=7)
     ax.set_yticks(y, names)
     ax.set_ylim(n - 0.5, -1.2)
@@ -215,8 +230,11 @@ def plot_layer_formats(best: Any, *, crossovers: Any = None, ax: Any = None,
     ax.set_xlabel("σ = std of log2|g| (binades)")
     scale = f"blocks of {best.block_size}, {best.scale_format} scales" if best.block_size else \
         ("power-of-two scale" if best.power_of_two else "best scale")
-    ax.set_title(f"Per-layer σ and the chosen FP{best.bits} format ({scale}; SNR = -10 log10 relative MSE)",
-                 fontsize="small")
+    title = f"FP{best.bits}: each layer's σ and chosen format ({scale}; dB: SNR = -10 log10 rel. MSE)"
+    if ringed:
+        why = ":\nthe observed maximum bounds the upper tail that the bands assume" if getattr(best, "amax", None) is not None else ""
+        title += f"\nringed ({ringed}): outside the band of the layer's own format{why}"
+    ax.set_title(title, fontsize="small")
     return _finish(fig, path)
 
 

@@ -27,6 +27,38 @@ SYMBOLS = {"grad": "g", "act": "a", "weight": "w", "wgrad": "dW"}
 LN2 = math.log(2.0)
 
 
+#: colours told apart at a glance, also by colour-blind readers (Paul Tol's "bright" scheme):
+#: one per layer, cycled with :data:`LAYER_MARKERS` when there are more layers
+LAYER_COLORS = ("#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb")
+#: marker shapes that tell apart layers of the same colour
+LAYER_MARKERS = ("o", "s", "D", "^", "v", "P", "X")
+
+
+def layer_styles(n: int) -> list[tuple[str, str]]:
+    """``n`` distinct (colour, marker) pairs, one per layer: the colours of :data:`LAYER_COLORS`
+    first, then each again with the next marker shape (7 colours x 7 markers = 49 layers before a
+    pair repeats).
+
+    Example:
+        >>> layer_styles(8)[0], layer_styles(8)[7]
+        (('#4477aa', 'o'), ('#4477aa', 's'))
+    """
+    k = len(LAYER_COLORS)
+    return [(LAYER_COLORS[i % k], LAYER_MARKERS[(i // k) % len(LAYER_MARKERS)]) for i in range(n)]
+
+
+def legend_columns(n: int, room_in: float, fontsize_pt: float = 8.0) -> int:
+    """How many columns a legend of ``n`` one-line entries needs to fit a height of ``room_in``
+    inches at ``fontsize_pt`` (an entry takes about 1.75 font heights).
+
+    Example:
+        >>> legend_columns(6, 4.0), legend_columns(49, 4.0)
+        (1, 3)
+    """
+    per_col = max(1, int(room_in * 72 / (1.75 * fontsize_pt)))
+    return max(1, math.ceil(n / per_col))
+
+
 def use_style() -> None:
     """Apply the gradstats figure style (seaborn 'whitegrid', readable sizes).
 

@@ -70,8 +70,9 @@ def test_layer_histograms_draw_the_fits_given():
     fig = plot_layer_histograms({"conv1": {"grad": _fit(), "act": _fit("normal")},
                                  "fc1": {"grad": _fit(), "act": ValueError("sigma = 0 of the values")}}, step=3)
     assert isinstance(fig, Figure) and len(fig.axes) == 4
-    assert [ax.get_title() for ax in fig.axes[:2]] == ["neural gradient g", "activation (layer output)"]
-    assert fig.axes[0].get_ylabel() == "conv1\ndensity / binade"
+    assert [ax.texts[-1].get_text() for ax in fig.axes[:2]] == ["neural gradient g", "activation (layer output)"]
+    assert [ax.get_title(loc="left") for ax in fig.axes[::2]] == ["conv1", "fc1"]
+    assert fig.axes[0].get_ylabel() == "density / binade"
     assert fig.axes[2].get_xlabel() == "log2 |x|  (binades)"
     assert "step 3" in fig._suptitle.get_text()
     assert len(fig.axes[0].lines) == 3                     # the three densities
@@ -247,7 +248,22 @@ def test_layer_formats_shades_only_the_table_given():
     assert not bare.axes[0].patches and len(bare.axes[0].lines) == 2
     shaded = plot_layer_formats(b, crossovers=_crossovers(8))
     assert len(shaded.axes[0].patches) == 2
-    assert "FP8 format (best scale" in shaded.axes[0].get_title()
+    assert "FP8: each layer's σ and chosen format (best scale" in shaded.axes[0].get_title()
+
+
+def test_layer_formats_rings_a_layer_outside_the_band_of_its_format_and_says_why():
+    from gradstats.plots.fpanalysis import plot_layer_formats
+
+    # sigma of log2|g| 1.44 and 3.6: e1m6fn and e2m5fn chosen, both in the e3m4fn band (from 1.0 on)
+    b = _best(8, [1.0, 2.5], names=["fc1", "conv1"])
+    ax = plot_layer_formats(b, crossovers=_crossovers(8)).axes[0]
+    rings = [ln for ln in ax.lines if ln.get_markerfacecolor() == "none"]
+    assert len(rings) == 2 and "ringed (2)" in ax.get_title() and "maximum" not in ax.get_title()
+    b.amax = np.array([1.0, 2.0])            # ranked given the observed maximum: the title says so
+    b.format = [b.format[0], FPFormat(3, 4, special="fn")]   # conv1 now in its band
+    ax = plot_layer_formats(b, crossovers=_crossovers(8)).axes[0]
+    assert len([ln for ln in ax.lines if ln.get_markerfacecolor() == "none"]) == 1
+    assert "ringed (1)" in ax.get_title() and "observed maximum bounds the upper tail" in ax.get_title()
 
 
 def test_predicted_vs_measured_one_group_per_hue():

@@ -21,7 +21,16 @@ from typing import Any, Mapping
 import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from gradstats.plots.style import FAMILY_COLORS, FAMILY_LABELS, KIND_LABELS, LN2, SYMBOLS, use_style
+from gradstats.plots.style import (
+    FAMILY_COLORS,
+    FAMILY_LABELS,
+    KIND_LABELS,
+    LAYER_COLORS,
+    LN2,
+    SYMBOLS,
+    layer_styles,
+    use_style,
+)
 
 
 def _log2_density(family: str, t: np.ndarray, params: Mapping[str, float]) -> np.ndarray:
@@ -35,10 +44,15 @@ def _grid(n: int, ncols: int) -> tuple[int, int]:
     return int(math.ceil(n / ncols)), ncols
 
 
-def _layer_palette(n: int) -> list[Any]:
-    import seaborn as sns
-
-    return sns.color_palette("colorblind" if n <= 10 else "husl", n)
+def _name_ticks(ax: Any, names: list[str], span_in: float) -> None:
+    """Layer names as x tick labels over ``span_in`` inches: level when few and short, else
+    upright, in a font no taller than the spacing of the ticks allows."""
+    ax.set_xticks(np.arange(len(names)))
+    if len(names) <= 6 and max(map(len, names), default=0) * len(names) <= 60:
+        ax.set_xticklabels(names)
+        return
+    size = min(9.0, 0.75 * span_in * 72 / max(len(names), 1))
+    ax.set_xticklabels(names, rotation=90, fontsize=size)
 
 
 def _hist_panel(ax: Any, res: Any, kind: str) -> None:
@@ -77,15 +91,16 @@ def plot_layer_histograms(fits: Mapping[str, Mapping[str, Any]], *, step: int) -
 
     ``fits``: ``{layer: {kind: FitResult}}`` (rows in the mapping's order, columns the kinds in
     order of appearance), as :func:`gradstats.study.layer_fit` gives them at ``step`` (the step
-    named in the title); a value that is an exception instead of a fit (nothing could be fitted
+    named in the title; each row's first panel is titled with the layer's name, each column headed
+    by the kind); a value that is an exception instead of a fit (nothing could be fitted
     there) leaves its panel with a note.
 
     Example:
         >>> import torch, gradstats
         >>> r = gradstats.fit(torch.randn(5_000).exp())
         >>> fig = plot_layer_histograms({"fc1": {"grad": r, "act": ValueError("sigma = 0")}}, step=0)
-        >>> len(fig.axes), fig.axes[0].get_title()
-        (2, 'neural gradient g')
+        >>> len(fig.axes), fig.axes[0].get_title(loc="left"), fig.axes[0].texts[-1].get_text()
+        (2, 'fc1', 'neural gradient g')
     """
     import matplotlib.pyplot as plt
 
@@ -94,7 +109,9 @@ def plot_layer_histograms(fits: Mapping[str, Mapping[str, Any]], *, step: int) -
     if not names or not kinds:
         raise ValueError("no layer and kind to draw")
     use_style()
-    fig, axes = plt.subplots(len(names), len(kinds), figsize=(4.2 * len(kinds) + 0.6, 2.55 * len(names) + 0.9),
+    # inches from the top: the title, then the legend, then the column headers, then the panels
+    head = 1.0
+    fig, axes = plt.subplots(len(names), len(kinds), figsize=(4.2 * len(kinds) + 0.6, 2.75 * len(names) + head),
                              squeeze=False)
     for i, name in enumerate(names):
         for j, kind in enumerate(kinds):
@@ -107,24 +124,28 @@ def plot_layer_histograms(fits: Mapping[str, Mapping[str, Any]], *, step: int) -
                 ax.text(0.5, 0.5, f"{msg}\n(no spread in log2|{SYMBOLS.get(kind, 'x')}|)", ha="center",
                         va="center", transform=ax.transAxes, fontsize="small", color="0.35")
                 ax.set_yticks([])
-            if i == 0:
-                ax.set_title(KIND_LABELS.get(kind, kind), fontsize="medium", fontweight="bold")
+            if i == 0:   # column header, above the first row's layer name
+                ax.annotate(KIND_LABELS.get(kind, kind), (0.5, 1.0), xycoords="axes fraction", xytext=(0, 20),
+                            textcoords="offset points", ha="center", va="bottom", fontsize="medium",
+                            fontweight="bold")
             if i == len(names) - 1:
                 ax.set_xlabel("log2 |x|  (binades)")
-            if j == 0:
-                ax.set_ylabel(f"{name}\ndensity / binade", fontsize="small")
+            if j == 0:   # the layer's name reads across its row, however long
+                ax.set_title(name, loc="left", fontsize="small", fontweight="bold")
+                ax.set_ylabel("density / binade", fontsize="small")
+    h = fig.get_figheight()
     fig.suptitle(f"Where the values lie, per layer (step {step}): gradients span many binades, "
-                 f"weights and activations few", fontsize="large")
+                 f"weights and activations few", fontsize="large", y=1 - 0.12 / h, va="top")
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     handles = [Patch(facecolor="0.78", edgecolor="0.45", label="data (non-zero values)")]
     handles += [Line2D([], [], color=FAMILY_COLORS[f], lw=1.6, label=FAMILY_LABELS[f] + " fit")
                 for f in ("lognormal", "normal", "laplace")]
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / fig.get_figheight()))
     fig.legend(handles=handles, loc="upper center", ncol=4, frameon=False, fontsize="small",
-               bbox_to_anchor=(0.5, 1 - 0.42 / fig.get_figheight()),
+               bbox_to_anchor=(0.5, 1 - 0.5 / h),
                title="solid: best fit by likelihood; dashed: the others", title_fontsize="x-small")
+    fig.tight_layout(rect=(0, 0, 1, 1 - head / h))
     return fig
 
 
@@ -217,7 +238,9 @@ def plot_goodness_of_fit(table: Any) -> Any:
     names = list(dict.fromkeys(df["layer"]))
     x = np.arange(len(names))
     use_style()
-    fig, (ax, vx) = plt.subplots(1, 2, figsize=(min(max(11.0, 1.6 * len(names) + 4), 20.0), 4.8))
+    width = min(max(11.0, 0.4 * len(names) + 4), 20.0)
+    longest = max(map(len, names))
+    fig, (ax, vx) = plt.subplots(1, 2, figsize=(width, 4.8 + (0.075 * longest if len(names) > 6 else 0.0)))
     fams = [f for f in ("lognormal", "normal", "laplace") if f"ks_{f}" in df]
     off = {f: (i - (len(fams) - 1) / 2) * 0.22 for i, f in enumerate(fams)}
     for fam in fams:
@@ -233,8 +256,7 @@ def plot_goodness_of_fit(table: Any) -> Any:
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_xticks(x)
-    ax.set_xticklabels(names, rotation=30 if len(names) > 6 else 0, ha="right" if len(names) > 6 else "center")
+    _name_ticks(ax, names, width / 2 - 1.1)
     ax.set_ylabel("KS distance on |g|  (log scale)")
     ax.set_title("Kolmogorov-Smirnov distance (lower is better)")
     ax.legend(fontsize="small", loc="best")
@@ -258,8 +280,7 @@ def plot_goodness_of_fit(table: Any) -> Any:
     else:
         vx.text(0.5, 0.5, "Vuong's test needs raw samples\n(this run has statistics only)", ha="center",
                 va="center", transform=vx.transAxes)
-    vx.set_xticks(x)
-    vx.set_xticklabels(names, rotation=30 if len(names) > 6 else 0, ha="right" if len(names) > 6 else "center")
+    _name_ticks(vx, names, width / 2 - 1.1)
     vx.set_ylabel("Vuong effect size z/sqrt(n)")
     vx.set_title("Likelihood ratio per value (> 0: lognormal fits better)")
     steps = sorted(df["step"].unique())
@@ -291,15 +312,21 @@ def plot_moments_over_steps(table: Any, *, kind: str = "grad") -> Any:
     if df.empty:
         raise ValueError(f"no {kind!r} statistics to draw")
     names = list(dict.fromkeys(df["layer"]))
-    colors = _layer_palette(len(names))
+    # colours that stay apart; past seven layers, each colour again with another dash pattern
+    dashes = ("-", "--", "-.", ":")
+    styles = [(c, dashes[k // len(LAYER_COLORS) % len(dashes)]) for k, (c, _) in enumerate(layer_styles(len(names)))]
     use_style()
-    fig, axes = plt.subplots(1, 3, figsize=(15.5, 4.4))
+    # the legend below the panels: as many columns of names as fit across the figure
+    ncol = max(1, min(len(names), int(15.5 / (0.6 + 0.075 * max(map(len, names))))))
+    rows = math.ceil(len(names) / ncol)
+    below = 0.45 + 0.2 * rows
+    fig, axes = plt.subplots(1, 3, figsize=(15.5, 4.4 + below))
     sym = SYMBOLS.get(kind, "x")
-    for name, c in zip(names, colors):
+    for name, (c, ls) in zip(names, styles):
         g = df[df["layer"] == name]
         few = len(g) < 30
         for ax, col in zip(axes, ("mean_log2", "std_log2", "zero_fraction")):
-            ax.plot(g["step"], g[col], color=c, lw=1.4, marker="o" if few else None, ms=3, label=name)
+            ax.plot(g["step"], g[col], color=c, ls=ls, lw=1.4, marker="o" if few else None, ms=3, label=name)
     axes[0].set_ylabel(f"mean of log2|{sym}|")
     axes[0].set_title("Location (binades): each layer sits elsewhere")
     axes[1].set_ylabel(f"std of log2|{sym}|  (binades)")
@@ -309,9 +336,11 @@ def plot_moments_over_steps(table: Any, *, kind: str = "grad") -> Any:
     axes[2].set_title("Zeros (point mass, not in the fit)")
     for ax in axes:
         ax.set_xlabel("training step")
-    axes[2].legend(fontsize="small", loc="center left", bbox_to_anchor=(1.02, 0.5), title="layer")
     fig.suptitle(f"{KIND_LABELS.get(kind, kind).capitalize()} statistics over training", fontsize="large")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, below / fig.get_figheight(), 1, 1))
+    handles, labels = axes[2].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize="small", title="layer",
+               title_fontsize="small", frameon=False, bbox_to_anchor=(0.5, 0.0))
     return fig
 
 

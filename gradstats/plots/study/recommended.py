@@ -19,8 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from gradstats.plots.study.distributions import _layer_palette
-from gradstats.plots.style import LN2, use_style
+from gradstats.plots.style import LN2, layer_styles, legend_columns, use_style
 
 
 def _prediction(entry: Any) -> Any:
@@ -33,13 +32,13 @@ def plot_format_map(plans: Any, *, measured: Any = None, title: str | None = Non
     """A per-layer map of the recommended formats: one row per layer, one column per bit width;
     each cell names the chosen ``ExMy`` format and its power-of-two scale, coloured by its
     exponent bits, with the predicted signal-to-quantisation-noise ratio
-    (``-10 log10(MSE / E[g^2])``). The row labels give each layer's std of ``log2|g|``: wider
+    (``-10 log10(MSE / E[g^2])``), one short line each, so that a cell's text stays in its cell. The row labels give each layer's std of ``log2|g|``: wider
     layers need more exponent bits.
 
     ``plans``: ``{bits: Plan}`` as :func:`gradstats.recommend` returns for a list of widths, or one
     :class:`~gradstats.plan.Plan` (any object with ``entries`` of ``layer``, ``format``,
     ``predicted``). ``measured``: optional table of :func:`gradstats.study.error_check` (columns
-    ``layer, bits, measured``): each cell then also gives the SNR measured on the run's samples,
+    ``layer, bits, measured``): each cell then also gives, on a third line, the SNR measured on the run's samples,
     and a cell whose measured error is over twice the prediction (or whose values are all lost) is
     outlined in red.
 
@@ -92,7 +91,8 @@ def plot_format_map(plans: Any, *, measured: Any = None, title: str | None = Non
     cmap = ListedColormap(cols[:emax])
     norm = BoundaryNorm(np.arange(0.5, emax + 1.5), cmap.N)
     use_style()
-    fig, ax = plt.subplots(figsize=(2.3 * len(widths) + 3.2, 0.62 * len(layers) + 1.6))
+    longest = max(map(len, layers)) + (18 if sigma else 0)
+    fig, ax = plt.subplots(figsize=(2.0 * len(widths) + 1.6 + 0.075 * longest, (0.72 if meas else 0.56) * len(layers) + 1.6))
     im = ax.imshow(np.ma.masked_invalid(ebits), cmap=cmap, norm=norm, aspect="auto")
     for i, name in enumerate(layers):
         for j, b in enumerate(widths):
@@ -104,16 +104,18 @@ def plot_format_map(plans: Any, *, measured: Any = None, title: str | None = Non
             txt = str(e.format)
             if pr is not None and pr.scale:
                 txt += f"  x2^{int(round(math.log2(pr.scale)))}"
+            # one short line each (format and scale, predicted, measured): a cell's text stays in its cell
             if pr is not None and pr.error:
-                txt += f"\nSNR {-10 * math.log10(pr.error):.1f} dB"
+                txt += f"\npredicted {-10 * math.log10(pr.error):.1f} dB"
             m = meas.get((name, int(b)))
             if m is not None:
                 snr = -10 * math.log10(m) if m > 0 else math.inf
-                txt += ", measured exact" if m == 0 else f", measured {0.0 if abs(snr) < 0.05 else snr:.1f}"
+                txt += "\nmeasured exact" if m == 0 else f"\nmeasured {0.0 if abs(snr) < 0.05 else snr:.1f} dB"
                 if m >= 0.99 or (pr is not None and pr.error and m > 2 * pr.error):
                     ax.add_patch(Rectangle((j - 0.47, i - 0.45), 0.94, 0.9, fill=False, ec="#d7301f", lw=2.5))
             dark = np.isfinite(ebits[i, j]) and ebits[i, j] >= 0.6 * emax
-            ax.text(j, i, txt, ha="center", va="center", fontsize="small", color="white" if dark else "black")
+            ax.text(j, i, txt, ha="center", va="center", fontsize="x-small", color="white" if dark else "black",
+                    linespacing=1.15)
     ax.set_xticks(range(len(widths)))
     ax.set_xticklabels([f"FP{b}" for b in widths])
     ax.set_yticks(range(len(layers)))
@@ -137,7 +139,9 @@ def plot_layer_format_ranges(best: Mapping[int, Any], *, crossovers: Mapping[int
 
     ``best``: ``{bits: BestFormat}`` (:func:`gradstats.fpanalysis.best_format` at the plans' ``mu``,
     ``sigma``, ``p0``); ``crossovers``: ``{bits: CrossoverTable}`` of the bands behind each row
-    (a width without one is drawn without bands).
+    (a width without one is drawn without bands): where each of the candidates is best for an
+    unbounded lognormal (:func:`gradstats.figures.format_bands`), as the caption says. A layer
+    outside the band of its own format is ringed.
 
     Example:
         >>> from gradstats.fpanalysis import best_format
@@ -155,7 +159,17 @@ def plot_layer_format_ranges(best: Mapping[int, Any], *, crossovers: Mapping[int
     first = next(iter(best.values()))
     n = np.atleast_1d(np.asarray(first.sigma)).size
     use_style()
-    fig, axes = plt.subplots(len(best), 1, figsize=(8.0, len(best) * (1.2 + 0.3 * n) + 0.4),
+    import textwrap
+
+    names = first.names or [str(i) for i in range(n)]
+    width = 7.4 + 0.075 * max(map(len, names))
+    caption = textwrap.fill("Shaded bands: where each of the plan's formats is the best of them for an unbounded "
+                            "lognormal of that σ. Dots: each layer's choice as recommend makes it, given its "
+                            "observed maximum (a bounded upper tail needs fewer exponent bits).",
+                            int(width * 11)) if any(crossovers.values()) else ""
+    foot = 0.12 + 0.17 * (caption.count("\n") + 1) if caption else 0.0
+    fig, axes = plt.subplots(len(best), 1, figsize=(width,
+                                                    len(best) * (1.5 + 0.3 * n) + 0.4 + foot),
                              squeeze=False, sharex=True)
     for ax, b in zip(axes[:, 0], best):
         # the dots: each layer's choice given its observed maximum, as recommend makes it (ranked
@@ -164,6 +178,9 @@ def plot_layer_format_ranges(best: Mapping[int, Any], *, crossovers: Mapping[int
         plot_layer_formats(best[b], crossovers=crossovers.get(b), ax=ax)
         if ax is not axes[-1, 0]:
             ax.set_xlabel("")
+    if caption:   # below the last axis label, inside the layout
+        axes[-1, 0].annotate(caption, (0.5, 0.0), xycoords="axes fraction", xytext=(0, -40), textcoords="offset points",
+                             ha="center", va="top", fontsize="x-small", color="0.25")
     fig.tight_layout()
     return fig
 
@@ -237,7 +254,7 @@ def plot_cosine_check(table: Any, *, rule: str = "lognormal") -> Any:
     the lognormal closed form predicts it (:func:`gradstats.pruning.predicted_cosine`, x) and as
     measured on the run's samples (y), log-log. Points on the diagonal: the model predicts the
     cost; above it: pruning costs more than predicted (typically a layer whose largest gradients
-    are bounded, so the upper tail is lighter than lognormal). One colour per layer; larger
+    are bounded, so the upper tail is lighter than lognormal). One colour and marker per layer; larger
     markers for higher targets. ``table``: the DataFrame of :func:`gradstats.study.sparsity_check`
     (columns ``layer, step, rule, target, threshold, cosine, predicted_cosine``).
 
@@ -259,33 +276,63 @@ def plot_cosine_check(table: Any, *, rule: str = "lognormal") -> Any:
     t["meas"] = (1.0 - t["cosine"]).clip(lower=floor)
     clipped = (1.0 - t["predicted_cosine"]) < floor
     names = list(dict.fromkeys(t["layer"]))
-    colors = dict(zip(names, _layer_palette(len(names))))
+    styles = dict(zip(names, layer_styles(len(names))))
     targets = sorted(t["target"].unique())
     size = {S: 14 + 46 * i / max(len(targets) - 1, 1) for i, S in enumerate(targets)}
     use_style()
-    fig, ax = plt.subplots(figsize=(8.2, 5.6))
-    for name in names:
-        for clip, marker in ((False, "o"), (True, "<")):
-            g = t[(t["layer"] == name) & (clipped == clip)]
-            if len(g):
-                ax.scatter(g["pred"], g["meas"], s=g["target"].map(size), marker=marker, color=colors[name],
-                           edgecolor="black", lw=0.4, alpha=0.85, label=None if clip else name, zorder=3)
+    # the legend beside the axes, in as many columns as its height needs
+    ncol = legend_columns(len(names) + 3, 4.4, 7.0)
+    col_in = 0.5 + 0.068 * max(max(map(len, names)), 22)
+    note = _unpredicted_note(t[clipped], floor) if clipped.any() else ""
+    width = 6.3 + ncol * col_in
+    if note:
+        import textwrap
+
+        note = textwrap.fill(note, int(width * 15))
+    lines = note.count("\n") + 1 if note else 0
+    fig, ax = plt.subplots(figsize=(width, 5.6 + 0.16 * lines))
     lo, hi = floor / 3, 3.0
+    if clipped.any():   # the cases the model gives no cost: a grey strip at the left edge
+        ax.axvspan(lo, floor * 1.6, color="0.88", lw=0, zorder=0)
+    for name in names:
+        color, marker = styles[name]
+        g = t[t["layer"] == name]
+        ax.scatter(g["pred"], g["meas"], s=g["target"].map(size), marker=marker, color=color,
+                   edgecolor="black", lw=0.4, alpha=0.85, label=name, zorder=3)
     ax.plot([lo, hi], [lo, hi], color="black", lw=0.8, ls="--", label="measured = predicted")
     ax.plot([lo, hi], [lo * 10, hi * 10], color="0.55", lw=0.7, ls=":", label="x10 and x0.1")
     ax.plot([lo, hi], [lo / 10, hi / 10], color="0.55", lw=0.7, ls=":")
-    if clipped.any():
-        ax.scatter([], [], marker="<", color="0.6", edgecolor="black", lw=0.4,
-                   label=f"predicted < {floor:g} (drawn at {floor:g})")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_xlabel("predicted 1 - cosine (lognormal model)")
     ax.set_ylabel("measured 1 - cosine on the run's samples")
-    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0),
-              title=f"layer\n(marker size: target\nsparsity {targets[0]:g}..{targets[-1]:g})", title_fontsize="x-small")
+    handles, labels = ax.get_legend_handles_labels()
+    if clipped.any():
+        from matplotlib.patches import Patch
+
+        handles.append(Patch(color="0.88"))
+        labels.append(f"predicted < {floor:g} (drawn at {floor:g})")
+    ax.legend(handles, labels, fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=ncol,
+              title=f"layer (marker size: target sparsity {targets[0]:g}..{targets[-1]:g})", title_fontsize="x-small")
     ax.set_title(f"Cost of stochastic pruning ({rule} thresholds):\npredicted vs measured "
                  f"({t['step'].nunique()} sampled steps)", fontsize="medium")
-    fig.tight_layout()
+    if note:
+        fig.text(0.01, 0.01, note, ha="left", va="bottom", fontsize="x-small", color="0.25")
+    fig.tight_layout(rect=(0, (0.06 + 0.16 * lines) / fig.get_figheight(), 1, 1))
     return fig
+
+
+def _unpredicted_note(cases: Any, floor: float) -> str:
+    """What the clipped cases (``pred`` < ``floor``) measured, and why the model misses them."""
+    worst = cases.loc[cases["meas"].idxmax()]
+    text = (f"Grey strip: {len(cases)} cases the lognormal model gives no cost (predicted < {floor:g}); "
+            f"measured up to {float(worst['meas']):.2g} ({worst['layer']}).")
+    big = cases[cases["meas"] > 1e-3]
+    if len(big) and "sigma" in cases:
+        s = float((big["sigma"] / LN2).min())
+        text += (f" At std of log2|g| >= {s:.1f} binades the lognormal puts nearly all of E[g²] in an upper"
+                 " tail these gradients lack (their largest values are bounded), so it cannot predict what"
+                 " pruning them costs.")
+    return text
