@@ -1,11 +1,14 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
-# Both create .venv once, install torch==2.13.0 (CPU wheel) first, then gradstats with its dev extra,
-# every other package at the exact version pinned in constraints.txt (so a fresh clone tests what
-# was tested). `make test-latest` runs the same tests in .venv-latest with whatever the registry
-# serves today; `make constraints` rewrites constraints.txt from such an install.
+# Both create .venv once and install torch==2.13.0 (CPU wheel) first, then gradstats with its
+# runtime dependencies (all `make demo` needs; stamp $(RUNTIME)); `make test` and the other targets
+# add the dev extra into the same .venv (stamp $(STAMP)). Every other package comes at the exact
+# version pinned in constraints.txt (so a fresh clone tests what was tested). `make test-latest`
+# runs the same tests in .venv-latest with whatever the registry serves today; `make constraints`
+# rewrites constraints.txt from such an install.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+RUNTIME := $(VENV)/.gradstats-runtime
 STAMP  := $(VENV)/.gradstats-installed
 TORCH  := torch==2.13.0
 LATEST := .venv-latest
@@ -13,18 +16,27 @@ PYTEST_DEFAULT := -m pytest -q -m "not slow and not gpu" -n 2
 
 .PHONY: venv demo test lint typecheck test-latest constraints test-slow test-all bench sample-run figures experiments clean
 
+TORCH_CHECK := import torch, sys; sys.exit(None if torch.__version__.split("+")[0] == "2.13.0" else "torch " + torch.__version__ + " replaced torch==2.13.0: a dependency asked for another torch")
+
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+# torch, then gradstats with its runtime dependencies only: what `make demo` needs
+$(RUNTIME): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "constraints.txt pins versions that need Python >= 3.11 (numpy, scipy, pandas, ...): use PYTHON=python3.11 (remove .venv first), or make test-latest")'
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt $(TORCH)
+	$(PY) -m pip install --quiet -c constraints.txt -e .
+	$(PY) -c '$(TORCH_CHECK)'
+	touch $(RUNTIME)
+
+# the dev extra on top (tests, lint, type check, the integrations' libraries)
+$(STAMP): $(RUNTIME) pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
-	$(PY) -c 'import torch, sys; sys.exit(None if torch.__version__.split("+")[0] == "2.13.0" else "torch " + torch.__version__ + " replaced torch==2.13.0: a dependency asked for another torch")'
+	$(PY) -c '$(TORCH_CHECK)'
 	touch $(STAMP)
 
-demo: venv
+demo: $(RUNTIME)
 	$(VENV)/bin/gradstats demo
 
 # The default test run (CI): the lint, the type check of the public API, then every test except

@@ -39,9 +39,10 @@ import math
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FPFormat", "parse", "parse_list", "REGISTRY", "SPECIALS", "amax_scale"]
 
@@ -215,6 +216,8 @@ class FPFormat:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         """The torch dtype holding exactly these values, if torch has one (``e5m2`` -> ``torch.float8_e5m2``)."""
+        import torch
+
         name = self.standard_name
         return getattr(torch, name, None) if name else None
 
@@ -232,6 +235,8 @@ class FPFormat:
         """
         if self.bits > 16:
             raise ValueError(f"values(): {self} has {self.bits} bits; enumeration is for formats up to 16 bits")
+        import torch
+
         e_codes = torch.arange(2 ** self.exp_bits, dtype=torch.float64).repeat_interleave(2 ** self.man_bits)
         m_codes = torch.arange(2 ** self.man_bits, dtype=torch.float64).repeat(2 ** self.exp_bits)
         frac = m_codes / 2 ** self.man_bits

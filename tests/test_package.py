@@ -130,11 +130,11 @@ def test_constraints_pin_every_dependency_once():
     assert head.startswith("#")
 
 
-def test_makefile_installs_through_the_constraints():
-    mk = (ROOT / "Makefile").read_text()
-    rules = {}  # target -> (prerequisites, recipe lines)
+def _make_rules() -> dict[str, tuple[list[str], list[str]]]:
+    """The Makefile's rules: target -> (prerequisites, recipe lines)."""
+    rules: dict[str, tuple[list[str], list[str]]] = {}
     target = None
-    for line in mk.splitlines():
+    for line in (ROOT / "Makefile").read_text().splitlines():
         if line.startswith("\t") and target:
             rules[target][1].append(line.strip())
         elif re.match(r"^[$()A-Za-z0-9_.-]+:(?!=)", line):
@@ -142,9 +142,14 @@ def test_makefile_installs_through_the_constraints():
             rules[target] = (deps.split(), [])
         elif not line.startswith("\t"):
             target = None
+    return rules
+
+
+def test_makefile_installs_through_the_constraints():
+    rules = _make_rules()
     deps, recipe = rules["$(STAMP)"]
     assert "constraints.txt" in deps and "pyproject.toml" in deps
-    installs = [r for r in recipe if "pip install" in r and "--upgrade pip" not in r]
+    installs = [r for r in recipe + rules["$(RUNTIME)"][1] if "pip install" in r and "--upgrade pip" not in r]
     assert any("-e '.[dev]'" in r for r in installs)
     for r in installs:
         assert "-c constraints.txt" in r, r
@@ -155,3 +160,15 @@ def test_makefile_installs_through_the_constraints():
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make test$", ci, re.M) and "test-latest" not in ci
     assert ".venv-latest" in (ROOT / ".gitignore").read_text()
+
+
+def test_make_demo_installs_the_runtime_only_and_make_test_adds_dev():
+    rules = _make_rules()
+    assert rules["demo"][0] == ["$(RUNTIME)"]                 # not the dev extra (~3 GB more)
+    deps, recipe = rules["$(RUNTIME)"]
+    assert "constraints.txt" in deps and "pyproject.toml" in deps
+    installs = [r for r in recipe if "pip install" in r and "--upgrade pip" not in r]
+    assert "$(TORCH)" in installs[0]                          # torch==2.13.0 first
+    assert installs[-1].endswith("-e .") and not any("[" in r for r in installs)
+    assert "$(RUNTIME)" in rules["$(STAMP)"][0]               # dev goes on top, into the same venv
+    assert rules["venv"][0] == ["$(STAMP)"] and "venv" in rules["test"][0]

@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def _names() -> list[str]:
     from gradstats.figures import FIGURES
+
+    return list(FIGURES)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from gradstats.cli import LazyChoices
 
     p = sub.add_parser("figures", help="write every figure of a run as PNG files",
                        description="Draw the study's figures from a run (distributions, Q-Q, goodness of "
@@ -14,8 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "What each shows: docs/figures.md.")
     p.add_argument("run", help="run directory")
     p.add_argument("-o", "--output", default="figures", metavar="DIR", help="output directory (default figures)")
-    p.add_argument("--only", nargs="+", metavar="NAME", choices=list(FIGURES),
-                   help=f"write only these figures ({', '.join(FIGURES)})")
+    p.add_argument("--only", nargs="+", metavar="NAME", choices=LazyChoices(_names),
+                   help="write only these figures (%(choices)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 

@@ -16,12 +16,19 @@ def _schedule(text: str):
     return int(text)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def _models() -> list[str]:
     from gradstats.zoo.models import list_models
+
+    return list_models()
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from gradstats.cli import LazyChoices
 
     p = sub.add_parser("trace", help="train a built-in model and trace its neural gradients into a run",
                        description="Train a built-in model on built-in data with gradstats.trace attached.")
-    p.add_argument("--model", default="cnn", choices=list_models(), help="built-in model (default cnn)")
+    p.add_argument("--model", default="cnn", metavar="MODEL", choices=LazyChoices(_models),
+                   help="built-in model: %(choices)s (default cnn)")
     p.add_argument("--data", default="fashion-mnist",
                    help="fashion-mnist, digits, shakespeare, or a directory of Fashion-MNIST IDX files")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")

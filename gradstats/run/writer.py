@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 
 from gradstats.run.format import (
     _PART,
@@ -27,6 +26,7 @@ from gradstats.stats import COUNT_FIELDS, HIST_BINS, SCALAR_FIELDS, TOP_K
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    import torch
 
 log = logging.getLogger(__name__)
 

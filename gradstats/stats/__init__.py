@@ -45,10 +45,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from typing import Any, Iterable, Mapping, TypedDict
+import sys
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, TypedDict
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 #: lowest binade of float32: the smallest subnormal is 2**-149
 HIST_MIN_EXP = -149
@@ -100,6 +103,8 @@ def _histogram(a: torch.Tensor, field: torch.Tensor, counts: torch.Tensor,
                n_sub_present: bool) -> torch.Tensor:
     """Binade histogram of the non-zero finite entries of ``a = |x|`` from the counts of the
     biased exponent ``field``; subnormals (field 0) are binned by a second, masked pass."""
+    import torch
+
     hist = counts.new_zeros(HIST_BINS)
     # normal numbers: biased exponent field f in 1..254 is binade f - 127
     hist[1 - 127 - HIST_MIN_EXP: 255 - 127 - HIST_MIN_EXP] = counts[1:255]
@@ -118,6 +123,8 @@ def _reduce(x: torch.Tensor) -> torch.Tensor:
     only the results are widened; counts are exact. On the CPU, tensors without inf/NaN take
     a path of plain arithmetic passes (boolean masks and ``log(0)`` are slow there).
     """
+    import torch
+
     n = x.numel()
     f64 = torch.float64
     if n == 0:
@@ -199,6 +206,8 @@ def has_native_kernel() -> bool:
 def kernel_applies(x: torch.Tensor) -> bool:
     """Whether :func:`write_stats` can take ``x`` as it is: a non-empty contiguous float32 CPU
     tensor, and the C kernel available. (What a tracer checks before claiming a row.)"""
+    import torch
+
     return (x.is_cpu and x.dtype is torch.float32 and x.is_contiguous() and x.numel() > 0
             and _native_kernel() is not None)
 
@@ -214,12 +223,15 @@ def write_stats(x: torch.Tensor, address: int, *, full: bool = True, blocks: np.
     reads them; overwritten).
 
     Example:
+        >>> import torch
         >>> rows = VectorRows()
         >>> x = torch.tensor([0.0, 1.0, -2.0])
         >>> if kernel_applies(x):
         ...     write_stats(x, rows.claim())
         ...     assert rows.take()[0, :3].tolist() == [3.0, 1.0, 0.0]
     """
+    import torch
+
     if not kernel_applies(x):
         raise ValueError("write_stats needs a non-empty contiguous float32 CPU tensor and the C "
                          "kernel (see kernel_applies); use tensor_stats_vector for anything else")
@@ -301,6 +313,8 @@ def tensor_stats_vector(g: torch.Tensor, *, full: bool = True) -> torch.Tensor:
         >>> bool(tensor_stats_vector(torch.ones(3), full=False)[len(SCALAR_FIELDS):].isnan().all())
         True
     """
+    import torch
+
     x = g.detach()
     if x.dtype != torch.float32:
         x = x.float()
@@ -320,7 +334,8 @@ def tensor_stats_vector(g: torch.Tensor, *, full: bool = True) -> torch.Tensor:
 
 def vector_to_stats(v: torch.Tensor | np.ndarray) -> StatsRow:
     """Turn a vector from :func:`tensor_stats_vector` into a :class:`StatsRow` (on the host)."""
-    arr = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+    torch = sys.modules.get("torch")             # a tensor exists only once torch is imported
+    arr = v.detach().cpu().numpy() if torch is not None and isinstance(v, torch.Tensor) else np.asarray(v)
     k = len(SCALAR_FIELDS)
     out: dict[str, Any] = {}
     for i, name in enumerate(SCALAR_FIELDS):
@@ -339,6 +354,8 @@ def tensor_stats(g: torch.Tensor) -> StatsRow:
         >>> s["n_zero"], round(s["sum_ln_abs"], 6)
         (1, -1.386294)
     """
+    import torch
+
     if not isinstance(g, torch.Tensor):
         raise ValueError(f"tensor_stats expects a torch.Tensor, got {type(g).__name__}")
     if not (g.is_floating_point()):
