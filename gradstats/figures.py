@@ -307,7 +307,11 @@ def _error_vs_bits(sigma: float, *, bits: Iterable[int] = _ERROR_BITS, special: 
                    rounding: str = "nearest", power_of_two: bool = False) -> list[Any]:
     from gradstats.fpanalysis import best_format
 
-    return [best_format(b, mu=0.0, sigma=sigma, candidates=special, rounding=rounding, power_of_two=power_of_two)
+    # the relative error at the best scale depends on sigma alone: any mu draws the same curves. The
+    # error weighs LN(mu + 2 sigma^2, sigma) (the energy), so mu = -2 sigma^2 keeps each best scale near
+    # 2^0; mu = 0 put the narrow splits' best scales below 2^-126 (float32's range) from sigma ~ 6.6 on
+    mu = -2.0 * sigma * sigma
+    return [best_format(b, mu=mu, sigma=sigma, candidates=special, rounding=rounding, power_of_two=power_of_two)
             for b in bits]
 
 

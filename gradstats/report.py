@@ -366,7 +366,7 @@ def _text_table(a: Analysis) -> str:
     nl = int((a.table["verdict"] == "lognormal").sum())
     out.append(f"lognormal is the best fit of {nl} of {len(a.table)} layers (majority over {len(a.fit_steps)} "
                f"fitted step(s)); std log2|g| and the plans from step {a.plan_step}; thresholds: stochastic "
-               f"pruning, lognormal rule; formats: best ExMy (saturating, OCP 'fn') at its power-of-two scale "
+               f"pruning, histogram rule (model-free, from each layer's binade histogram); formats: best ExMy (saturating, OCP 'fn') at its power-of-two scale "
                f"2^k (gradients are multiplied by 2^k before the cast); '-': layer not planned (the plans "
                f"cover convolution and linear layers)")
     out += _notes(a)

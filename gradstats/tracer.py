@@ -194,6 +194,9 @@ class Tracer:
                  block_sample: int | None = 2048) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"trace() needs a torch.nn.Module as model, got {type(model).__name__}")
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"trace() needs the path of a run directory (a str or pathlib.Path) as path, "
+                             f"got {type(path).__name__}: trace(model, 'runs/my-run')")
         self.kinds = tuple(kinds)
         bad = [k for k in self.kinds if k not in KINDS]
         if bad or not self.kinds:

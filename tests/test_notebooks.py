@@ -61,3 +61,9 @@ def test_notebook_executes(name, where):
     assert not errors
     images = [o for c in code for o in c.outputs if "image/png" in o.get("data", {})]
     assert images, f"{name} drew no figure"
+    if name == "03_export_a_plan":      # the edit changes what a layer gets: its table says so
+        edit = next(c for c in code if "with_entries" in c.source)
+        table = next(o for o in edit.outputs if "text/plain" in o.get("data", {}))["data"]["text/plain"]
+        lines = table.splitlines()
+        assert lines[0].split()[0] == "format" and lines[0].split()[-1] == "recommended", table
+        assert any(row.split()[1] != row.split()[-1] for row in lines[2:]), table

@@ -81,6 +81,13 @@ def test_summary_and_dict(analysis):
     assert [r["layer"] for r in d["layers"]][:2] == ["conv1", "bn1"] and set(d["plans"]) == {"85", "90"}
 
 
+def test_the_terminal_footnote_names_the_threshold_rule_the_plans_use(analysis):
+    rules = {p.defaults.threshold_rule for ps in analysis.plans.values() for p in ps.values()}
+    assert rules == {"histogram"}
+    text = str(analysis)
+    assert "thresholds: stochastic pruning, histogram rule" in text and "lognormal rule" not in text
+
+
 def test_report_writes_plans_tables_and_markdown(tmp_path):
     import torch  # noqa: F401
 

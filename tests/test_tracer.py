@@ -369,6 +369,11 @@ def test_not_a_module_and_unwritable_path(tmp_path):
         gradstats.trace(nn.Sequential(nn.Linear(2, 2)), blocker / "run").attach()
 
 
+def test_a_path_that_is_not_a_path_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"path of a run directory \(a str or pathlib.Path\).*got int"):
+        gradstats.trace(nn.Sequential(nn.Linear(2, 2)), 123)
+
+
 def test_optimizer_and_manual_step_conflict(tmp_path):
     model = nn.Sequential(nn.Linear(2, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -73,8 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     try:
-        return int(args.func(args) or 0)
+        with logging_redirect_tqdm():      # a warning logged under a progress bar gets its own line
+            return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         print(f"gradstats {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -26,6 +26,13 @@ def run(args: argparse.Namespace) -> int:
     import gradstats
 
     plan = gradstats.Plan.load(args.plan)
+    if args.model is None:                     # the plan's own check speaks Python (model=)
+        pats = [e.layer for e in plan.entries if e.is_pattern]
+        if args.to == "torchao" or pats:
+            why = ("--to torchao needs each layer's module type" if args.to == "torchao" else
+                   f"the plan has pattern entries {pats} to resolve to layer names")
+            raise ValueError(f"{why}: pass --model RUN, a run directory of the model (the one the plan was "
+                             "recommended from will do)")
     model = gradstats.open_run(args.model) if args.model else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)

@@ -39,6 +39,10 @@ def _print_info(r, kind: str) -> None:
           f"{m['gradstats_version']}, torch {m['torch_version']}, world size {m['world_size']}")
     print(f"steps {span}; sampled steps {sorted(idx['step'].unique().tolist())[:10]}"
           f"{' ...' if idx['step'].nunique() > 10 else ''}; {_size(r.path) / 1e6:.2f} MB on disk")
+    held = sorted(r.stats()["kind"].unique().tolist()) if r.steps else []
+    if held and kind not in held:
+        raise ValueError(f"the run holds no {kind!r} statistics: it has {', '.join(map(repr, held))} "
+                         f"(gradstats trace --kinds chooses what is captured); pass --kind {held[0]}")
     s = r.summary(kind=kind)
     s["output_shape"] = s["output_shape"].map(lambda v: "x".join(map(str, v)) if v else "-")
     with pd.option_context("display.width", 160, "display.max_rows", 500, "display.float_format", "{:.3f}".format):

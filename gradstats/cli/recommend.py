@@ -86,7 +86,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="statistics of step N, of steps FIRST:LAST merged, or 'last' (default: each "
                         "layer's latest step)")
     p.add_argument("--layers", default=None,
-                   help="comma list of layer names/globs (default: every traced conv and linear layer)")
+                   help="comma list of layer names/globs (default: every traced matmul layer: convolutions, "
+                        "linear layers, attention, LSTM/GRU/RNN and registered types; --all-layers for the "
+                        "output layer)")
     p.add_argument("--format-rule", "--model", dest="format_rule", default="lognormal",
                    choices=["lognormal", "histogram"],
                    help="choose formats from each layer's lognormal fit or from its binade histogram "

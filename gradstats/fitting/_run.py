@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
@@ -15,7 +16,7 @@ from gradstats.fitting._exact import fit
 from gradstats.fitting._parallel import default_workers, torch_single_thread
 from gradstats.fitting._result import FitResult, failed_rows
 from gradstats.fitting._stats import fit_many_stats
-from gradstats.run import RunCorruptError
+from gradstats.run import RunCorruptError, as_run
 from gradstats.run.select import layer_matcher, layer_stats, select_layers, select_steps  # noqa: F401 - their home
 from gradstats.stats import merge_stats
 
@@ -53,7 +54,7 @@ def fit_run(run: Any, *, layers: str | Iterable[str] | None = None,
     ``status == "ok"``; :func:`failed_groups` lists the others.
 
     Args:
-        run: a :class:`gradstats.Run` (or anything with ``layers``, ``steps``, ``stats()``,
+        run: a :class:`gradstats.Run`, the path of a run directory (or anything with ``layers``, ``steps``, ``stats()``,
             ``sample_index()`` and ``samples(layer, step, kind=, call=, rank=)``).
         layers: None (all), a glob (``"conv*"``), ``"re:PATTERN"``, a compiled regex, or a
             list of names and patterns (the tracer's pattern language).
@@ -80,6 +81,8 @@ def fit_run(run: Any, *, layers: str | Iterable[str] | None = None,
     """
     from tqdm.auto import tqdm
 
+    if isinstance(run, (str, os.PathLike)) or not hasattr(run, "stats"):
+        run = as_run(run)
     fams = check_families(families)
     kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     lay = select_layers(list(run.layers), layers)

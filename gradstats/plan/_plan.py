@@ -337,6 +337,7 @@ class Plan:
         else:
             records = layer_records(target)
         attention = {r.name for r in records if r.is_a("MultiheadAttention")}
+        recommended = self.provenance is not None and str(self.provenance.generator or "").startswith("recommend")
         for r in records:
             planned = r.name in resolved
             if not planned and owners is not None and r.name not in owners:
@@ -350,16 +351,16 @@ class Plan:
                     why = ("never called as a module: MultiheadAttention applies its weights itself; the "
                            "attention module's output is this projection's, and planning it covers it")
                 elif pruned is not None and r.name not in pruned and self.defaults.prunes and not rule.prunes:
-                    why = f"not pruned: prune_at={self.prune_at!r} prunes where the gradient enters a BatchNorm"
+                    why = _not_pruned(self.prune_at)
             elif r.name == skip:
                 why = "the output layer (the logits): left in full precision and unpruned (output_layer=)"
             elif any(_entry_hits(e, r, types=True) for e in self.entries):
                 why = ("its rule leaves the gradient unchanged" if not (pruned is not None and self.defaults.prunes)
                        else f"its rule only prunes, and prune_at={self.prune_at!r} prunes where the gradient "
                             "enters a BatchNorm")
-            elif r.types and not r.matmul and any(e.types is not None and _entry_hits(e, r, types=False)
-                                                 for e in self.entries):
-                why = why_not_matmul(r)
+            elif r.types and not r.matmul and (any(e.types is not None and _entry_hits(e, r, types=False)
+                                                   for e in self.entries) or recommended):
+                why = why_not_matmul(r)     # recommend selects the matmul layers, as the default does
             else:
                 why = "no entry of the plan selects it"
             rows.append({"layer": r.name, "type": r.types[0] if r.types else None, "planned": planned,
@@ -410,10 +411,21 @@ class Plan:
         missing = [self.entries[i] for i, h in enumerate(hits) if h == 0]
         if missing:
             names = [n for n, _ in modules]
-            shown = ", ".join(repr(n) for n in names[:15]) + (" ..." if len(names) > 15 else "")
-            msg = "; ".join(
-                f"layer pattern {e.layer!r}" + (f" with types {list(e.types)}" if e.types else "")
-                + " matches no module" for e in missing) + f" (modules: {shown or 'none'})"
+            if len(self.entries) > 1 and 2 * len(missing) > len(self.entries):   # most entries: say so plainly
+                pats = ", ".join(repr(e.layer) for e in missing[:4]) + (" ..." if len(missing) > 4 else "")
+                from gradstats.layers import matmul_types
+
+                mm = set(matmul_types())        # the model's layers a plan would name, when it has them
+                own = [n for n, t in modules if t and mm.intersection(t)] or names
+                mine = ", ".join(repr(n) for n in own[:6]) + (" ..." if len(own) > 6 else "")
+                msg = (f"the plan seems made for another model: {len(missing)} of its {len(self.entries)} "
+                       f"entries match no module of this one (the plan's {pats}; the model's {mine or 'none'}); "
+                       "load the plan recommended for this model, or recommend one from a run of it")
+            else:
+                shown = ", ".join(repr(n) for n in names[:15]) + (" ..." if len(names) > 15 else "")
+                msg = "; ".join(
+                    f"layer pattern {e.layer!r}" + (f" with types {list(e.types)}" if e.types else "")
+                    + " matches no module" for e in missing) + f" (modules: {shown or 'none'})"
             if strict:
                 raise ValueError(msg)
             warnings.warn(msg, stacklevel=3)      # once: the user's plan needs a look
@@ -424,10 +436,21 @@ class Plan:
         """A pandas view: one row per entry (completed by the defaults), or with ``target`` one
         row per resolved module (with the indices of the ``entries`` that matched it).
 
+        ``sparsity`` is the sparsity the plan applies: None where ``prune_at`` leaves the layer
+        unpruned (with ``target``; without it, on the entries ``recommend`` predicted no sparsity
+        for), and ``sparsity_note`` says why (``""`` where the rule's sparsity applies as it is).
+
         Example:
             >>> Plan.uniform(format="e5m2").to_dataframe()[["layer", "format", "scale"]]
               layer format      scale
             0     *   e5m2  lognormal
+            >>> import torch.nn as nn
+            >>> net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(8),
+            ...                     nn.ReLU(), nn.Linear(8, 2))
+            >>> Plan.uniform(format="e4m3fn", sparsity=0.85).to_dataframe(net)[["layer", "sparsity"]]
+              layer  sparsity
+            0     0      0.85
+            1     3       NaN
         """
         import pandas as pd
 
@@ -435,13 +458,23 @@ class Plan:
         if target is None:
             for i, e in enumerate(self.entries):
                 r = self._complete([e], f"layers[{i}]")
+                note = ""
+                if self.prune_at is not None and r.prunes and (e.is_pattern or "sparsity" not in e.overrides):
+                    if isinstance(e.predicted, Prediction):     # recommended: predicted where it prunes
+                        if e.predicted.sparsity is None:
+                            r, note = dataclasses.replace(r, sparsity=None), _not_pruned(self.prune_at)
+                    else:
+                        note = (f"prune_at={self.prune_at!r}: pruned where the gradient enters a BatchNorm "
+                                "(to_dataframe(model) shows each layer)")
                 rows.append({"layer": e.layer, "match": _kind(e), "types": list(e.types) if e.types else None,
-                             **_rule_row(r)})
+                             **_rule_row(r), "sparsity_note": note})
         else:
             for name, r, idx in self._resolve(target, strict=False):
-                rows.append({"layer": name, "entries": idx, **_rule_row(r)})
+                dropped = not r.prunes and self._complete([self.entries[i] for i in idx], name).prunes
+                rows.append({"layer": name, "entries": idx, **_rule_row(r),
+                             "sparsity_note": _not_pruned(self.prune_at) if dropped else ""})
         cols = ["layer", "match", "types"] if target is None else ["layer", "entries"]
-        cols += list(_rule_row(_DEFAULT_RULE))
+        cols += [*_rule_row(_DEFAULT_RULE), "sparsity_note"]
         df = pd.DataFrame(rows, columns=cols)
         return df.astype({"bits": "Int64", "block_size": "Int64"})
 
@@ -594,6 +627,11 @@ def _entry_hits(e: PlanEntry, record: Any, *, types: bool) -> bool:
     if not types or e.types is None:
         return dataclasses.replace(e, types=None).matches(record.name)
     return bool(record.types) and e.matches(record.name, record.types)
+
+
+def _not_pruned(prune_at: str | None) -> str:
+    """Why a layer a rule would prune is left unpruned (``Plan.explain``, ``Plan.to_dataframe``)."""
+    return f"not pruned: prune_at={prune_at!r} prunes where the gradient enters a BatchNorm"
 
 
 def _rule_row(r: Rule) -> dict[str, Any]:

@@ -180,6 +180,7 @@ def _moments(run, *, steps: Steps, layers, kind: str, skip_empty: bool = True) -
                          f"{' ...' if len(missing) > 8 else ''}; layer {missing[0]!r} has steps "
                          f"{have[:10]}{' ...' if len(have) > 10 else ''}")
     out_layers, mus, sigmas, p0s, amaxs, rows, empty = [], [], [], [], [], [], []
+    nonfinite: dict[str, list[int]] = {}       # layers left out whose gradients were NaN/inf: at which steps
     lo, hi = math.inf, -math.inf
     for n in names:
         g = groups[n]
@@ -193,7 +194,11 @@ def _moments(run, *, steps: Steps, layers, kind: str, skip_empty: bool = True) -
         m["amax_per_capture"] = float(np.nanmedian([float(r["max_abs"]) for r in g]))
         mu, sigma = lognormal_moments(m)
         if skip_empty and not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
-            empty.append(n)
+            bad = sorted({int(r["step"]) for r in g if r.get("n_nonfinite", 0) > 0})
+            if bad:
+                nonfinite[n] = bad
+            else:
+                empty.append(n)
             continue
         lo, hi = min(lo, s0), max(hi, s1)
         out_layers.append(n)
@@ -205,7 +210,14 @@ def _moments(run, *, steps: Steps, layers, kind: str, skip_empty: bool = True) -
     if empty:
         log.warning("no recommendation for layers %s: their gradients have no spread at %s (all zero, "
                     "or one magnitude), so there is nothing to fit", empty, what)
+    if nonfinite:
+        said = "; ".join(f"{n} at steps {b[:6]}{' ...' if len(b) > 6 else ''}" for n, b in nonfinite.items())
+        log.warning("no recommendation for layers %s: their gradients were NaN/inf (%s; a diverged loss?), so "
+                    "there is nothing to fit; choose steps before the divergence with steps=", list(nonfinite), said)
     if not out_layers:
+        if nonfinite:
+            raise ValueError(f"no layer of the run at {run.path} has finite gradients with a spread at {what}: the "
+                             f"gradients were NaN/inf ({said}); pass steps= before the loss diverged")
         raise ValueError(f"no layer of the run at {run.path} has non-zero gradients with a spread at {what}")
     return _Moments(out_layers, np.array(mus), np.array(sigmas), np.array(p0s), np.array(amaxs), rows,
                     (int(lo), int(hi)) if out_layers else (0, 0))

@@ -108,6 +108,9 @@ class Run:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"open_run() needs the path of a run directory (a str or pathlib.Path, the one "
+                             f"gradstats.trace(model, path) wrote), got {type(path).__name__}")
         self.path = Path(path)
         if not self.path.is_dir():
             raise FileNotFoundError(f"no run directory at {self.path}; pass the directory that "

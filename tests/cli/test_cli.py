@@ -1,8 +1,12 @@
 """The command line: trace, info, demo wiring, errors."""
 from __future__ import annotations
 
+import logging
+import re
 import subprocess
 import sys
+
+import torch
 
 import gradstats
 from gradstats.cli import main
@@ -82,3 +86,44 @@ def test_export_a_saved_plan(tmp_path, capsys):
     assert main(["export", str(tmp_path / "plan.json")]) == 0
     assert json.loads(capsys.readouterr().out)["target"] == "json"
     assert main(["export", str(tmp_path / "missing.json")]) == 2
+
+
+def test_info_of_a_kind_the_run_does_not_hold(capsys):
+    run = gradstats.zoo.data.data_dir() / "sample-run"      # grad, act and weight statistics
+    assert main(["info", str(run), "--kind", "wgrad"]) == 2
+    err = capsys.readouterr().err
+    assert "the run holds no 'wgrad' statistics: it has 'act', 'grad', 'weight'" in err
+    assert "nan" not in capsys.readouterr().out
+
+
+def test_export_without_model_names_the_option(tmp_path, capsys):
+    plan = gradstats.recommend(gradstats.zoo.data.data_dir() / "sample-run", bits=8)
+    plan.save(tmp_path / "plan.json")
+    assert main(["export", str(tmp_path / "plan.json"), "--to", "torchao"]) == 2
+    err = capsys.readouterr().err
+    assert "--to torchao needs each layer's module type: pass --model RUN" in err and "model=" not in err
+    gradstats.Plan.uniform(format="e4m3fn").save(tmp_path / "uniform.json")
+    assert main(["export", str(tmp_path / "uniform.json")]) == 2
+    err = capsys.readouterr().err
+    assert "pattern entries ['*']" in err and "--model RUN" in err and "model=" not in err
+
+
+def test_recommend_help_names_every_layer_type_it_plans():
+    res = subprocess.run([sys.executable, "-m", "gradstats", "recommend", "--help"], capture_output=True, text=True)
+    text = " ".join(res.stdout.split())
+    assert "conv and linear" not in text and "LSTM" in text and "attention" in text
+
+
+def test_a_warning_under_a_progress_bar_gets_its_own_line(tmp_path, capsys, monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with gradstats.trace(model, tmp_path / "run", sample_every=None) as tr:   # no raw samples
+        model(torch.randn(8, 4)).square().sum().backward()
+        tr.step()
+    handler = logging.StreamHandler(sys.stderr)                 # the console handler main() sets up
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [handler])
+    assert main(["figures", str(tmp_path / "run"), "-o", str(tmp_path / "f"), "--only", "sparsity"]) == 0
+    err = capsys.readouterr().err
+    assert "figures:" in err                                    # the bar was drawn
+    # the warning starts a line of its own: not glued after the bar's text
+    assert re.search(r"(^|[\r\n])figure sparsity skipped", err), err

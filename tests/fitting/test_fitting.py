@@ -578,3 +578,14 @@ def test_fit_run_reports_a_damaged_sample_file_and_fits_the_rest(tmp_path, damag
     assert bad["status"].str.contains("sha256" if damage == "flip" else "truncated").all()
     assert bad[["mu", "sigma", "ks"]].isna().all().all() and not bad["best"].any()
     assert (good.status == "ok").all() and set(good.step) == {0, 2} and (good.source == "samples").all()
+
+
+def test_fit_run_takes_the_path_of_a_run_as_the_other_verbs_do():
+    path = gradstats.zoo.data.data_dir() / "sample-run"
+    by_path = fit_run(path, layers="conv1", steps=[0], progress=False)
+    by_str = fit_run(str(path), layers="conv1", steps=[0], progress=False)
+    opened = fit_run(gradstats.open_run(path), layers="conv1", steps=[0], progress=False)
+    pd.testing.assert_frame_equal(by_path, opened)
+    pd.testing.assert_frame_equal(by_str, opened)
+    with pytest.raises(ValueError, match="path of a run directory"):
+        fit_run(123)

@@ -524,3 +524,68 @@ def test_prune_at_keeps_pruning_where_the_gradient_enters_a_batchnorm():
     assert Plan.from_dict(plan.to_dict()) == plan and plan.to_dict()["prune_at"] == "auto"
     with pytest.raises(ValueError, match="prune_at must be one of"):
         Plan([], prune_at="everywhere")
+
+
+# --------------------------------------------------------------------------- explaining, views
+class _Proj(nn.Module):
+    """A matmul layer of a type gradstats does not know (not registered)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, n) / n ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+def test_a_recommended_plan_explains_the_layers_it_leaves_out_as_uniform_does(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 16), nn.LayerNorm(16), _Proj(16), nn.Linear(16, 4))
+    with gradstats.trace(model, tmp_path / "run", sample_every=None) as tr:
+        for _ in range(2):
+            model(torch.randint(0, 10, (32,))).square().mean().backward()
+            tr.step()
+    plan = gradstats.recommend(tmp_path / "run", bits=8)
+    why = dict(zip(*plan.explain(model)[["layer", "why"]].T.values))
+    uniform = dict(zip(*Plan.uniform(format="e4m3fn").explain(model)[["layer", "why"]].T.values))
+    assert why["0"].startswith("an embedding") and why["2"].startswith("a normalisation")
+    assert "register_matmul_type(_Proj)" in why["3"]
+    assert {k: why[k] for k in "023"} == {k: uniform[k] for k in "023"}
+    assert "no entry of the plan selects it" not in why.values()
+    # a plan whose entries name layers by hand still says that none names the layer
+    named = Plan([PlanEntry("1", format="e4m3fn")])
+    assert named.explain(model).set_index("layer").loc["2", "why"] == "no entry of the plan selects it"
+
+
+def test_a_plan_made_for_another_model_says_so():
+    plan = gradstats.recommend(gradstats.zoo.data.data_dir() / "sample-run", bits=8)   # the CNN's conv1, conv2, fc1
+    model = build_model("transformer")
+    with pytest.warns(UserWarning, match="seems made for another model") as rec:
+        assert plan.resolve(model, strict=False) == {}
+    text = str(rec[0].message)
+    assert "3 of its 3 entries" in text and "'conv1'" in text and "'blocks.0.attn.q_proj'" in text
+    assert len(text) < 400                                # a few names, not every module
+    with pytest.raises(ValueError, match="seems made for another model"):
+        plan.resolve(model)
+    # one entry of three missing is a typo to name, not another model
+    with pytest.warns(UserWarning, match="layer pattern 'fc9' matches no module"):
+        Plan([PlanEntry("conv1", format="e4m3fn"), PlanEntry("conv2", format="e4m3fn"),
+              PlanEntry("fc9", format="e4m3fn")]).resolve(build_model("cnn"), strict=False)
+
+
+def test_to_dataframe_shows_the_sparsity_applied_and_why():
+    run = gradstats.open_run(gradstats.zoo.data.data_dir() / "sample-run")
+    plan = gradstats.recommend(run, bits=8, sparsity=0.85)
+    assert plan.prune_at == "auto" and plan.pruned_layers_of(run) == ["conv1", "conv2"]
+    for df in (plan.to_dataframe(), plan.to_dataframe(run)):
+        df = df.set_index("layer")
+        assert df.loc["conv1", "sparsity"] == 0.85 and df.loc["conv1", "sparsity_note"] == ""
+        assert pd.isna(df.loc["fc1", "sparsity"])                  # prune_at never prunes fc1
+        assert df.loc["fc1", "sparsity_note"].startswith("not pruned: prune_at='auto'")
+    assert plan.resolve(run)["fc1"].sparsity is None               # what the views say is what applies
+    # an entry naming a layer and its sparsity is pruned wherever it is
+    named = plan.with_entries(PlanEntry("fc1", sparsity=0.5)).to_dataframe(run).set_index("layer")
+    assert named.loc["fc1", "sparsity"] == 0.5 and named.loc["fc1", "sparsity_note"] == ""
+    # a pattern plan says that prune_at decides per layer, and the model resolves it
+    note = Plan.uniform(format="e4m3fn", sparsity=0.85).to_dataframe()["sparsity_note"][0]
+    assert "prune_at='auto'" in note and "to_dataframe(model)" in note

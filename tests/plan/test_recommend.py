@@ -553,3 +553,27 @@ def test_recommend_takes_the_one_layer_pattern_language(cnn_run):
     assert [e.layer for e in recommend(run, bits=8, layers=[re.compile("fc.")]).entries] == ["fc1", "fc2"]
     with pytest.raises(ValueError, match="'re:nope' matches no traced layer"):
         recommend(run, bits=8, layers=["conv1", "re:nope"])
+
+
+def test_recommend_after_nan_gradients_names_them_and_their_steps(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4))
+    with gradstats.trace(model, tmp_path / "nan", sample_every=None) as tr:
+        for step in range(3):
+            loss = model(torch.randn(32, 8)).square().mean()
+            (loss * (float("nan") if step == 2 else 1.0)).backward()    # the loss diverged at step 2
+            tr.step()
+    with pytest.raises(ValueError, match=r"gradients were NaN/inf \(0 at steps \[2\]; 1 at steps \[2\]\)"):
+        recommend(tmp_path / "nan", bits=8)
+    assert len(recommend(tmp_path / "nan", bits=8, steps=1).entries) == 2   # before the divergence
+    # one layer's gradient non-finite (an inf weight above it), the others fine: a warning naming it
+    with torch.no_grad():
+        model[1].weight[0].fill_(float("inf"))
+    with gradstats.trace(model, tmp_path / "inf", sample_every=None) as tr:
+        model(torch.randn(32, 8)).mul(torch.randn(32, 4)).sum().backward()
+        tr.step()
+    with caplog.at_level("WARNING", logger="gradstats.plan.recommend"):
+        plan = recommend(tmp_path / "inf", bits=8, layers=["0", "1"])
+    assert [e.layer for e in plan.entries] == ["1"]
+    assert "layers ['0']: their gradients were NaN/inf (0 at steps [0]" in caplog.text
+    assert "no spread" not in caplog.text

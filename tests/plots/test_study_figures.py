@@ -146,3 +146,19 @@ def test_old_names_forward_with_a_warning(run):
     plt.close(fig)
     with pytest.raises(AttributeError):
         old.nope
+
+
+def test_error_vs_exponent_bits_is_drawn_at_the_widest_sigmas():
+    """The demo's CNN has layers with sigma (of ln|g|) above 6.6, where the narrow splits' best
+    scales at mu = 0 leave float32's range: the figure is drawn there too, and its curves, which
+    depend on sigma alone, are those of mu = 0 wherever mu = 0 can be computed."""
+    from gradstats.fpanalysis import best_format
+
+    for sigma in (6.6, 9.0, 12.0):
+        fig = figures.plot_error_vs_exponent_bits(sigma)
+        assert len(fig.axes[0].lines) == 2 * 5                   # FP4..FP8: a curve and a star each
+    drawn = figures._error_vs_bits(2.5)
+    at_zero = [best_format(b, mu=0.0, sigma=2.5, candidates="fn", rounding="nearest", power_of_two=False)
+               for b in range(4, 9)]
+    for a, b in zip(drawn, at_zero):
+        np.testing.assert_allclose(a.errors, b.errors, rtol=1e-9)

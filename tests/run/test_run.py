@@ -115,6 +115,8 @@ def test_bad_run_directories(tmp_path):
     (tmp_path / "manifest.json").write_text("{broken")
     with pytest.raises(RunCorruptError, match="not valid JSON"):
         gradstats.open_run(tmp_path)
+    with pytest.raises(ValueError, match=r"open_run\(\) needs the path of a run directory.*got Sequential"):
+        gradstats.open_run(nn.Sequential(nn.Linear(2, 2)))     # the model passed for the run
 
 
 CRASH_SCRIPT = textwrap.dedent("""
