@@ -13,9 +13,10 @@ decoder written in plain torch (RMSNorm, SiLU-gated MLP; Shakespeare characters;
    ``<out, g> / <g, g>`` measured by the probes (over all calls), the flushed fraction of the
    non-zero values (largest of a call) and the alerts that fired.
 
-A layer passes when its clipped fraction is at most 0.001, its gain within 0.05 of 1 and its flushed
-fraction within the plan's prediction (flush bound 0.01 for round-to-nearest), or when an alert
-names it. Then a NaN loss under apply must alert.
+A layer passes when its clipped fraction is at most 0.001 (block scales, which clip some blocks'
+maxima by design: at most 1.5 times the plan's prediction plus 0.01), its gain within 0.05 of 1 and
+its flushed fraction within the plan's prediction (flush bound 0.01 for round-to-nearest), or when
+an alert names it. Then a NaN loss under apply must alert.
 
     python experiments/plan_fidelity.py            # about 4 minutes on 2 cores
     python experiments/plan_fidelity.py --quick    # fewer steps, one model (the tests use it)
@@ -219,7 +220,13 @@ def measure(name: str, steps: int, apply_steps: int) -> dict:
             bound = 0.01 if rule.rounding == "nearest" else 1.0
             ok_flush = (pred_flushed is None or flushed <= max(pred_flushed * 1.5 + 0.005, 0.0)
                         or (rule.rounding == "nearest" and flushed <= bound))
-            row["ok"] = bool(row["alerts"]) or (row["clipped"] <= 0.001 and abs(row["gain"] - 1) <= 0.05 and ok_flush)
+            # block scales clip some blocks' maxima by design (NVFP4's e4m3 scale rounded to nearest, by
+            # at most 1/16): there the band of apply's overflow alert around the plan's prediction
+            pred_clip = (plan.resolve(model)[n].predicted.overflow or 0.0) if rule.block_size else 0.0
+            clip_bound = max(0.001, 1.5 * pred_clip + 0.01) if rule.block_size else 0.001
+            row["clip_bound"] = clip_bound
+            row["ok"] = bool(row["alerts"]) or (row["clipped"] <= clip_bound and abs(row["gain"] - 1) <= 0.05
+                                                and ok_flush)
             layers.append(row)
         out["plans"][label] = {"checks": list(plan.checks), "layers": layers,
                                "table": format_checks(plan.checks)}

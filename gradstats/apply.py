@@ -86,7 +86,7 @@ BIAS_BOUND = 0.01
 #: a row (nothing reaches its weights: the symptom of a broken low-precision kernel or scale).
 ZERO_CALLS = 3
 #: the kinds of alert, in the order ``Applied.summary()`` lists them
-ALERT_KINDS = ("nonfinite", "overflow", "gain", "underflow", "sparsity", "zero_gradient")
+ALERT_KINDS = ("nonfinite", "overflow", "gain", "underflow", "drift", "sparsity", "zero_gradient")
 #: version of the layout of :meth:`Applied.state_dict` (version 1, without the predictions and
 #: the fallback state, still loads)
 STATE_VERSION = 2
@@ -613,9 +613,13 @@ class Applied:
                 f"{c.nonfinite} of the {c.n} values of the incoming gradient are NaN or inf (call {st.seq}): a NaN "
                 "or overflowing loss upstream (check the loss, the learning rate, the loss scale); the plan "
                 "cannot do what it says on them"))
+        planned = self.plan_rules[name].predicted if name in self.plan_rules else None
         if rule.quantizes and self.overflow_bound is not None and "overflow" not in st.alerts and c.saturated:
-            pred = getattr(self.plan_rules[name].predicted, "overflow", None) if name in self.plan_rules else None
-            bound = max(self.overflow_bound, pred or 0.0)
+            pred = getattr(planned, "overflow", None)
+            # block scales clip some blocks' maxima by design (by at most 1/16 for NVFP4's e4m3 scales):
+            # a band around the plan's prediction; per-tensor scales: the bound, or the prediction if larger
+            bound = (max(self.overflow_bound, 1.5 * (pred or 0.0) + 0.01) if rule.block_size is not None
+                     else max(self.overflow_bound, pred or 0.0))
             sat = (c.saturated - c.nonfinite) / c.n
             if sat > bound + 3 * math.sqrt(max(bound, 1.0 / c.n) / c.n):
                 self._alert(name, st, "overflow", (
@@ -623,6 +627,16 @@ class Applied:
                     f"{bound:g}{', the plan predicted ' + format(pred, '.2%') if pred else ''}): the scale puts the "
                     "largest values (or the threshold pruning rounds up to) above the format's range. Use "
                     "scale='amax' without a positive scale_shift, or check the plan with plan.verify(run)"))
+        pred_fl = getattr(planned, "flushed", None)
+        if rule.quantizes and pred_fl is not None and "drift" not in st.alerts and c.underflow:
+            fl = c.underflow / c.n
+            band = 2 * pred_fl + 0.01
+            if fl > band + 3 * math.sqrt(band / c.n):
+                self._alert(name, st, "drift", (
+                    f"{fl:.2%} of the values were flushed to zero by rounding (call {st.seq}), where the plan "
+                    f"predicted {pred_fl:.2%} on its calibration steps: the gradient has moved since (its spread "
+                    "or scale changed). Recalibrate: trace a few steps of this part of the training and "
+                    "recommend again, or apply(..., fallback='widen')"))
         if self.bias_bound is not None and "gain" not in st.alerts and c.norm2 > 0 and math.isfinite(c.dot):
             gs = st.gain_sums
             gs[0] += c.dot

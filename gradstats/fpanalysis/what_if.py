@@ -52,7 +52,7 @@ import pandas as pd
 from gradstats.formats import FPFormat, amax_scale, parse
 from gradstats.fpanalysis.histogram import HistogramLaw
 from gradstats.stats import HIST_MIN_EXP, StatsRow
-from gradstats.stats.law import MAX_SLOPE, TOP_FIELD, _expm1_ratio, law_flushed, tensor_scale
+from gradstats.stats.law import MAX_SLOPE, TOP_FIELD, expm1_ratio, law_flushed, tensor_scale
 
 __all__ = ["what_if", "what_if_stats", "predict_from_stats", "WHAT_IF_COLUMNS"]
 
@@ -552,11 +552,11 @@ def _predict_chunk(hist, top, max_abs, n, nz, fmt, tab, rounding, block_size) ->
     cuts, m0, u1 = tab["cuts"], tab["m0"], tab["u1"]
     J = lo[:, None] + np.arange(W)[None, :]                              # (R, W) binade exponents
     width = np.log(ratio)
-    norm = _expm1_ratio(beta, width)
+    norm = expm1_ratio(beta, width)
     wn = np.where(w > 0, w / np.where(w > 0, norm, 1.0), 0.0)
     tau = np.log(np.minimum(cuts[None, None, :], ratio[:, :, None]))     # (R, W, C)
-    G = {k: _expm1_ratio((k + beta)[:, :, None], tau) for k in range(3)}
-    full = {k: _expm1_ratio(k + beta, width) for k in range(3)}
+    G = {k: expm1_ratio((k + beta)[:, :, None], tau) for k in range(3)}
+    full = {k: expm1_ratio(k + beta, width) for k in range(3)}
     unit = {"flushed": 0, "saturated": 0, "sq": 2, "signed": 1}          # the power of the lower edge
     a = np.exp2(J.astype(np.float64))
     scale_of = {q: wn * a ** unit[q] for q in _SUMS}

@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
 import torch
@@ -36,7 +36,8 @@ ROUNDING_CODES = {"nearest": 0, "stochastic": 1, "toward_zero": 2}
 
 @dataclass(frozen=True)
 class CompressCounts:
-    """What one call of :func:`prune_quantize` did to a tensor of ``n`` elements."""
+    """What one call of :func:`prune_quantize` did to a tensor of ``n`` elements. Equality compares
+    the counts; the float64 sums depend on the order of summation (threads, engine) and are left out."""
 
     n: int
     zeros: int          #: zeros in the result (pruned, underflowed, or zero already)
@@ -44,12 +45,12 @@ class CompressCounts:
     underflow: int      #: non-zero entries flushed to zero by rounding
     saturated: int      #: entries whose scaled magnitude exceeded the format's max
     nonfinite: int = 0  #: entries of the input that are NaN or inf (left out of the sums below)
-    dot: float = math.nan        #: ``sum g * out`` over the finite entries
-    norm2: float = math.nan      #: ``sum g**2``
-    err2: float = math.nan       #: ``sum (out - g)**2``
-    noise2: float = math.nan     #: ``sum g**2 (out - g)**2``: the plug-in variance of ``dot - norm2``
-    abs_out: float = math.nan    #: ``sum |out|``
-    abs_in: float = math.nan     #: ``sum |g|``
+    dot: float = field(default=math.nan, compare=False)  #: ``sum g * out`` over the finite entries
+    norm2: float = field(default=math.nan, compare=False)  #: ``sum g**2``
+    err2: float = field(default=math.nan, compare=False)  #: ``sum (out - g)**2``
+    noise2: float = field(default=math.nan, compare=False)  #: ``sum g**2 (out - g)**2``: the plug-in variance of ``dot - norm2``
+    abs_out: float = field(default=math.nan, compare=False)  #: ``sum |out|``
+    abs_in: float = field(default=math.nan, compare=False)  #: ``sum |g|``
 
     @property
     def sparsity(self) -> float:

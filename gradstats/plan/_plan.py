@@ -460,8 +460,8 @@ class Plan:
                 r = self._complete([e], f"layers[{i}]")
                 note = ""
                 if self.prune_at is not None and r.prunes and (e.is_pattern or "sparsity" not in e.overrides):
-                    if isinstance(e.predicted, Prediction):     # recommended: predicted where it prunes
-                        if e.predicted.sparsity is None:
+                    if isinstance(e.predicted, Prediction):     # recommended: a threshold where it prunes
+                        if e.predicted.threshold is None:
                             r, note = dataclasses.replace(r, sparsity=None), _not_pruned(self.prune_at)
                     else:
                         note = (f"prune_at={self.prune_at!r}: pruned where the gradient enters a BatchNorm "

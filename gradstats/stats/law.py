@@ -27,7 +27,7 @@ from gradstats.stats import HIST_MIN_EXP, StatsRow, split_top
 __all__ = ["HistogramLaw", "flushed_fraction", "law_flushed", "tensor_scale", "SHAPES", "TOP_FIELD", "MAX_SLOPE"]
 
 
-def _expm1_ratio(c: np.ndarray, t: np.ndarray) -> np.ndarray:
+def expm1_ratio(c: np.ndarray, t: np.ndarray) -> np.ndarray:
     """``(exp(c t) - 1) / c`` with its limit ``t`` at ``c = 0``."""
     c = np.asarray(c, dtype=np.float64)
     small = np.abs(c) < 1e-12
@@ -181,8 +181,8 @@ class HistogramLaw:
             return out
         e = self.edges[None, :] * s                                    # (S, B+1)
         width = np.log(self.edges[1:] / self.edges[:-1])
-        norm = _expm1_ratio(self.slopes, width)
-        grow = _expm1_ratio(k + self.slopes, width) / norm             # a binade's moment over w a**k
+        norm = expm1_ratio(self.slopes, width)
+        grow = expm1_ratio(k + self.slopes, width) / norm             # a binade's moment over w a**k
         with np.errstate(over="ignore", under="ignore"):
             full = self.weights[None, :] * e[:, :-1] ** k * grow[None, :]
         cum = np.concatenate([np.zeros((s.shape[0], 1)), np.cumsum(full, axis=1)], axis=1)
@@ -191,7 +191,7 @@ class HistogramLaw:
             j = np.clip(np.searchsorted(ei, y, side="right") - 1, 0, len(ei) - 2)
             with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
                 t = np.log(np.clip(y, ei[j], ei[j + 1]) / ei[j])
-                inside = cum[i, j] + self.weights[j] * ei[j] ** k * _expm1_ratio(k + self.slopes[j], t) / norm[j]
+                inside = cum[i, j] + self.weights[j] * ei[j] ** k * expm1_ratio(k + self.slopes[j], t) / norm[j]
             out[i] = np.where(y <= ei[0], 0.0, np.where(y >= ei[-1], cum[i, -1], inside))
         return out
 

@@ -103,3 +103,31 @@ def test_bad_input():
         prune_quantize(torch.ones(3), 0.0, "e4m3fn", scale=0.0)
     with pytest.raises(ValueError, match="floating-point"):
         prune_quantize(torch.ones(3, dtype=torch.int32), 0.0, None)
+
+
+def test_gain_error_and_bias_sums_agree_between_the_kernel_and_the_composed_path(monkeypatch):
+    """The fused pass measures the call's gain <out, g>/<g, g>, error and magnitude bias (float64 sums
+    over the finite entries) and counts non-finite inputs; the reference path gives the same numbers
+    (summed in another order: to 1e-9 relative)."""
+    from gradstats.ops import fused as _fused
+
+    if _fused._native() is None:
+        pytest.skip("no C compiler here")
+    x = torch.randn(50_000, generator=torch.Generator().manual_seed(4)) * 1e-3
+    x[[3, 7]] = torch.tensor([float("nan"), float("inf")])
+    for rounding in ("nearest", "stochastic"):
+        y, c = prune_quantize(x, 1e-3, "e3m2fn", scale=2.0 ** 10, rounding=rounding, seed=9)
+        with monkeypatch.context() as m:
+            m.setattr(_fused, "_native", lambda: None)
+            y2, c2 = prune_quantize(x, 1e-3, "e3m2fn", scale=2.0 ** 10, rounding=rounding, seed=9)
+        assert c == c2 and c.nonfinite == 2
+        for k in ("dot", "norm2", "err2", "noise2", "abs_out", "abs_in"):
+            assert getattr(c, k) == pytest.approx(getattr(c2, k), rel=1e-9), k
+        fin = torch.isfinite(x)
+        xd, od = x[fin].double(), y[fin].double()
+        assert c.gain == pytest.approx(float(xd @ od / (xd @ xd)), rel=1e-9)
+        assert c.error == pytest.approx(float(((od - xd) ** 2).sum() / (xd @ xd)), rel=1e-9)
+        if rounding == "stochastic":                               # pruning and stochastic rounding: unbiased
+            assert abs(c.gain - 1) < 5 * c.gain_se
+        else:                   # the pruned values rounded up to a = 1.024 / 2**10 round to nearest 1.0: a shrinkage
+            assert c.gain < 1 - 5 * c.gain_se

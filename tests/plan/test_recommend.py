@@ -564,8 +564,14 @@ def test_recommend_after_nan_gradients_names_them_and_their_steps(tmp_path, capl
             (loss * (float("nan") if step == 2 else 1.0)).backward()    # the loss diverged at step 2
             tr.step()
     with pytest.raises(ValueError, match=r"gradients were NaN/inf \(0 at steps \[2\]; 1 at steps \[2\]\)"):
-        recommend(tmp_path / "nan", bits=8)
+        recommend(tmp_path / "nan", bits=8, steps="latest")
     assert len(recommend(tmp_path / "nan", bits=8, steps=1).entries) == 2   # before the divergence
+    # the default calibration (steps spread over the run) leaves the diverged step out, and says so
+    with caplog.at_level("WARNING", logger="gradstats.plan.checks"):
+        plan = recommend(tmp_path / "nan", bits=8)
+    assert len(plan.entries) == 2 and plan.provenance.steps[1] < 2
+    assert "leaves out steps [2]: gradients were NaN/inf" in caplog.text
+    caplog.clear()
     # one layer's gradient non-finite (an inf weight above it), the others fine: a warning naming it
     with torch.no_grad():
         model[1].weight[0].fill_(float("inf"))
