@@ -520,17 +520,20 @@ class Tracer:
             else:
                 vec = tensor_stats_vector(t)
             if want_blocks:
-                from gradstats.stats.blocks import blocks_stats, kernel_block_stats
+                from gradstats.stats.blocks import ORIENTATIONS, kernel_block_stats, oriented_block_stats
 
                 done = [b for b in self.blocks if b in BLOCK_SIZES] if counts is not None else []
-                rest = [b for b in self.blocks if b not in done]
-                by_size = dict(zip(done, kernel_block_stats(counts, t.numel(), done))) if done else {}
-                if rest:
-                    by_size.update(zip(rest, blocks_stats(t, rest, sample=self.block_sample,
-                                                          generator=self._generator(t.device))))
-                found = [by_size[b] for b in self.blocks]
-                rows = [{"step": step, "layer": layer, "kind": kind, "call": call, "block_size": b, **st}
-                        for b, st in zip(self.blocks, found)]
+                exact = dict(zip(done, kernel_block_stats(counts, t.numel(), done))) if done else {}
+                last = int(t.shape[-1]) if t.dim() else 1
+                gen = self._generator(t.device)
+                rows = []
+                for b in self.blocks:
+                    for o in ORIENTATIONS:
+                        st = oriented_block_stats(t, b, o, sample=self.block_sample, generator=gen)
+                        if o == "rows" and b in exact and last % b == 0:   # memory order is row order:
+                            st = {**exact[b], "below_hist": st["below_hist"]}   # every block counted
+                        rows.append({"step": step, "layer": layer, "kind": kind, "call": call, "block_size": b,
+                                     "orientation": o, **st})
                 with self._lock:
                     self._pending_tables.setdefault("blocks", []).extend(dict(r, rank=self.rank) for r in rows)
         sample = None
