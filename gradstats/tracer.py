@@ -510,7 +510,7 @@ class Tracer:
         vec = None
         if do_stats:
             want_blocks = self.blocks is not None and kind == "grad"
-            counts = found = None
+            counts = None
             if kernel_applies(t):     # the common case on the CPU: the kernel writes a row in place
                 if want_blocks and set(self.blocks) & set(BLOCK_SIZES):   # and counts every block of those
                     counts = np.empty((len(BLOCK_SIZES), 1 + RANGE_BINS), np.int64)   # write_stats zeroes it

@@ -134,12 +134,14 @@ def blocks_stats(x: torch.Tensor, block_sizes: Iterable[int], *, sample: int | N
 
 
 def flushed_blocks(rows: Iterable[Mapping[str, Any]] | Mapping[str, Any], fmt: FPFormat | str, *,
-                   scale_format: str = "e8m0") -> dict[str, float]:
+                   scale_format: str = "e8m0", orientation: str = "rows") -> dict[str, float]:
     """Bounds on the fraction of the non-zero blocks in which round-to-nearest with block scales
     (``"e8m0"``: MX; ``"e4m3"``: NVFP4-style, the block's largest entry mapped to the format's
     maximum) flushes at least one non-zero entry to zero, from block statistics rows: ``low`` (blocks
     whose range is surely too wide) and ``high`` (blocks whose range may be), and the midpoint
-    ``estimate``.
+    ``estimate``. ``orientation``: only the rows of blocks that run so (:data:`ORIENTATIONS`; a row
+    without an ``orientation``, from a run recorded before blocks had one, counts as ``"rows"``: its
+    blocks ran in memory order, the same blocks when the last dim is a multiple of the block size).
 
     With ``floor(log2 max) = E`` and the smallest non-zero entry in binade ``E - r``, and ``L`` the
     binade of half the format's smallest subnormal (round-to-nearest flushes below ``2**L``): under
@@ -157,7 +159,9 @@ def flushed_blocks(rows: Iterable[Mapping[str, Any]] | Mapping[str, Any], fmt: F
     f = parse(fmt)
     if scale_format not in ("e8m0", "e4m3"):
         raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
+    _check_orientation(orientation)
     rows = [rows] if isinstance(rows, Mapping) else list(rows)
+    rows = [r for r in rows if _orientation_of(r) == orientation]
     hist = np.sum([np.asarray(r["range_hist"], dtype=np.int64) for r in rows], axis=0) if rows else np.zeros(RANGE_BINS)
     total = float(hist.sum())
     if total == 0:
@@ -180,6 +184,11 @@ def flushed_blocks(rows: Iterable[Mapping[str, Any]] | Mapping[str, Any], fmt: F
 ORIENTATIONS = ("rows", "columns", "2d")
 #: bins of the histogram of entries by binades below their block's maximum (the last one open)
 BELOW_BINS = 64
+
+
+def _orientation_of(row: Mapping[str, Any]) -> str:
+    o = row.get("orientation")
+    return o if isinstance(o, str) else "rows"
 
 
 def _check_orientation(orientation: str) -> None:
