@@ -709,14 +709,16 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
             values; ``False``: off; or a :class:`gradstats.alarms.Alarms` (other bounds, formats to
             watch: ``Alarms(watch="e4m3fn,e2m1fn", flush_bound=0.5)``). Checked on the writer thread.
         blocks: block sizes (``(16, 32)``: NVFP4 and MX) of per-block statistics of each neural
-            gradient on the steps statistics are taken: the blocks' dynamic ranges, into the run's
-            ``"blocks"`` table (:mod:`gradstats.stats.blocks`; :func:`gradstats.stats.blocks.flushed_blocks`
-            turns them into the fraction of blocks a block-scaled format flushes). Opt-in. On the
-            CPU, blocks of 16 and 32 are counted, every one of them, in the statistics kernel's own
-            pass (while each part of the tensor is in L1; ``bench/trace_overhead.py`` measures it).
-        block_sample: elsewhere (a GPU, other block sizes, no C compiler): blocks counted per tensor
-            and block size, a uniform random sample (default 2048: a cost that does not grow with
-            the tensor, fractions within 1.1 points); None: every block (a few passes over the tensor).
+            gradient on the steps statistics are taken, in each orientation a GEMM consumes it
+            (rows, columns, ``B x B`` tiles): the blocks' dynamic ranges and the entries' binades
+            below their block's maximum, into the run's ``"blocks"`` table
+            (:mod:`gradstats.stats.blocks`; :func:`gradstats.what_if` reads the MX underflow from
+            them, :func:`gradstats.stats.blocks.flushed_blocks` the fraction of blocks flushed).
+            Opt-in. On the CPU the dynamic ranges of row blocks of 16 and 32 are counted, every one,
+            in the statistics kernel's own pass where the last dim is a multiple of the size.
+        block_sample: blocks counted per tensor, block size and orientation, a uniform random
+            sample (default 2048, ``2048 / B`` tiles: a cost that does not grow with the tensor,
+            fractions within about 1.1 points); None: every block (a few passes over the tensor).
 
     Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
 
