@@ -264,11 +264,13 @@ def oriented_block_stats(x: torch.Tensor, block_size: int, orientation: str = "r
         hi = e.amax(dim=1)
         lo = torch.where(e > 0, e, 255).amin(dim=1)
         live = hi > 0
-        r = (hi - lo)[live].clamp_(0, RANGE_BINS - 1).to(torch.int64)
-        below = (hi[:, None] - e)[e > 0].clamp_(0, BELOW_BINS - 1).to(torch.int64)
+        # one count over both histograms, a spare bin each for what is left out (no masked copies)
+        r = torch.where(live, (hi - lo).clamp_(0, RANGE_BINS - 1), RANGE_BINS)
+        below = torch.where(e > 0, (hi[:, None] - e).clamp_(0, BELOW_BINS - 1), BELOW_BINS)
+        c = torch.bincount(torch.cat([r, below.reshape(-1) + RANGE_BINS + 1]).to(torch.int64),
+                           minlength=RANGE_BINS + BELOW_BINS + 2).cpu().tolist()
         return {"n_blocks": int(n), "n_sampled": int(which.numel()), "n_zero_blocks": int(which.numel() - int(live.sum())),
-                "range_hist": torch.bincount(r, minlength=RANGE_BINS).cpu().tolist(),
-                "below_hist": torch.bincount(below, minlength=BELOW_BINS).cpu().tolist()}
+                "range_hist": c[:RANGE_BINS], "below_hist": c[RANGE_BINS + 1:RANGE_BINS + 1 + BELOW_BINS]}
 
 
 def flush_probability(fmt: FPFormat | str, *, scale_format: str = "e8m0", rounding: str = "nearest") -> np.ndarray:
