@@ -191,7 +191,7 @@ class Tracer:
                  max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
                  resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
                  alarms: Any = True, blocks: Sequence[int] | None = None,
-                 block_sample: int | None = 2048) -> None:
+                 block_sample: int | None = 512) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"trace() needs a torch.nn.Module as model, got {type(model).__name__}")
         if not isinstance(path, (str, os.PathLike)):
@@ -667,7 +667,7 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
           kinds: Iterable[str] = ("grad",), optimizer: torch.optim.Optimizer | None = None,
           max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
           resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
-          alarms: Any = True, blocks: Sequence[int] | None = None, block_sample: int | None = 2048) -> Tracer:
+          alarms: Any = True, blocks: Sequence[int] | None = None, block_sample: int | None = 512) -> Tracer:
     """Trace the neural gradients of ``model`` into the run directory ``path``.
 
     Args:
@@ -717,8 +717,8 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
             Opt-in. On the CPU the dynamic ranges of row blocks of 16 and 32 are counted, every one,
             in the statistics kernel's own pass where the last dim is a multiple of the size.
         block_sample: blocks counted per tensor, block size and orientation, a uniform random
-            sample (default 2048, ``2048 / B`` tiles: a cost that does not grow with the tensor,
-            fractions within about 1.1 points); None: every block (a few passes over the tensor).
+            sample (default 512, ``512 / B`` tiles: a cost that does not grow with the tensor,
+            fractions of blocks within about 2.2 points, of entries closer); None: every block (a few passes over the tensor).
 
     Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
 

@@ -9,8 +9,8 @@ non-zero entries, in binades (``0..RANGE_BINS - 1``, the last bin holding everyt
 ``gradstats.trace(..., blocks=(16, 32))`` records them per captured gradient into the run's
 ``"blocks"`` table (opt-in). On the CPU the statistics kernel counts every block of 16 and of 32
 in the same pass as the other statistics (:func:`kernel_block_stats`: exact, ``n_sampled ==
-n_blocks``); elsewhere (a GPU, other block sizes) from a uniform random sample of 2048 blocks
-per tensor by default (``block_sample=``, drawn with replacement; None counts every block, at a
+n_blocks``); elsewhere (a GPU, other block sizes) from a uniform random sample of 512 blocks
+per tensor and orientation by default (``block_sample=``, drawn with replacement; None counts every block, at a
 few passes over the tensor): the fractions it gives then carry a sampling error of at most 1.1
 points (one standard error). Exponents are read from the float32 bit pattern: float32 subnormals
 (and inf, NaN) count as zeros.
