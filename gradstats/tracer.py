@@ -191,7 +191,7 @@ class Tracer:
                  max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
                  resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
                  alarms: Any = True, blocks: Sequence[int] | None = None,
-                 block_sample: int | None = 2048) -> None:
+                 block_sample: int | None = 512) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"trace() needs a torch.nn.Module as model, got {type(model).__name__}")
         if not isinstance(path, (str, os.PathLike)):
@@ -510,7 +510,7 @@ class Tracer:
         vec = None
         if do_stats:
             want_blocks = self.blocks is not None and kind == "grad"
-            counts = found = None
+            counts = None
             if kernel_applies(t):     # the common case on the CPU: the kernel writes a row in place
                 if want_blocks and set(self.blocks) & set(BLOCK_SIZES):   # and counts every block of those
                     counts = np.empty((len(BLOCK_SIZES), 1 + RANGE_BINS), np.int64)   # write_stats zeroes it
@@ -520,17 +520,20 @@ class Tracer:
             else:
                 vec = tensor_stats_vector(t)
             if want_blocks:
-                from gradstats.stats.blocks import blocks_stats, kernel_block_stats
+                from gradstats.stats.blocks import ORIENTATIONS, kernel_block_stats, oriented_block_stats
 
                 done = [b for b in self.blocks if b in BLOCK_SIZES] if counts is not None else []
-                rest = [b for b in self.blocks if b not in done]
-                by_size = dict(zip(done, kernel_block_stats(counts, t.numel(), done))) if done else {}
-                if rest:
-                    by_size.update(zip(rest, blocks_stats(t, rest, sample=self.block_sample,
-                                                          generator=self._generator(t.device))))
-                found = [by_size[b] for b in self.blocks]
-                rows = [{"step": step, "layer": layer, "kind": kind, "call": call, "block_size": b, **st}
-                        for b, st in zip(self.blocks, found)]
+                exact = dict(zip(done, kernel_block_stats(counts, t.numel(), done))) if done else {}
+                last = int(t.shape[-1]) if t.dim() else 1
+                gen = self._generator(t.device)
+                rows = []
+                for b in self.blocks:
+                    for o in ORIENTATIONS:
+                        st = oriented_block_stats(t, b, o, sample=self.block_sample, generator=gen)
+                        if o == "rows" and b in exact and last % b == 0:   # memory order is row order:
+                            st = {**exact[b], "below_hist": st["below_hist"]}   # every block counted
+                        rows.append({"step": step, "layer": layer, "kind": kind, "call": call, "block_size": b,
+                                     "orientation": o, **st})
                 with self._lock:
                     self._pending_tables.setdefault("blocks", []).extend(dict(r, rank=self.rank) for r in rows)
         sample = None
@@ -664,7 +667,7 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
           kinds: Iterable[str] = ("grad",), optimizer: torch.optim.Optimizer | None = None,
           max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
           resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
-          alarms: Any = True, blocks: Sequence[int] | None = None, block_sample: int | None = 2048) -> Tracer:
+          alarms: Any = True, blocks: Sequence[int] | None = None, block_sample: int | None = 512) -> Tracer:
     """Trace the neural gradients of ``model`` into the run directory ``path``.
 
     Args:
@@ -706,14 +709,16 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
             values; ``False``: off; or a :class:`gradstats.alarms.Alarms` (other bounds, formats to
             watch: ``Alarms(watch="e4m3fn,e2m1fn", flush_bound=0.5)``). Checked on the writer thread.
         blocks: block sizes (``(16, 32)``: NVFP4 and MX) of per-block statistics of each neural
-            gradient on the steps statistics are taken: the blocks' dynamic ranges, into the run's
-            ``"blocks"`` table (:mod:`gradstats.stats.blocks`; :func:`gradstats.stats.blocks.flushed_blocks`
-            turns them into the fraction of blocks a block-scaled format flushes). Opt-in. On the
-            CPU, blocks of 16 and 32 are counted, every one of them, in the statistics kernel's own
-            pass (while each part of the tensor is in L1; ``bench/trace_overhead.py`` measures it).
-        block_sample: elsewhere (a GPU, other block sizes, no C compiler): blocks counted per tensor
-            and block size, a uniform random sample (default 2048: a cost that does not grow with
-            the tensor, fractions within 1.1 points); None: every block (a few passes over the tensor).
+            gradient on the steps statistics are taken, in each orientation a GEMM consumes it
+            (rows, columns, ``B x B`` tiles): the blocks' dynamic ranges and the entries' binades
+            below their block's maximum, into the run's ``"blocks"`` table
+            (:mod:`gradstats.stats.blocks`; :func:`gradstats.what_if` reads the MX underflow from
+            them, :func:`gradstats.stats.blocks.flushed_blocks` the fraction of blocks flushed).
+            Opt-in. On the CPU the dynamic ranges of row blocks of 16 and 32 are counted, every one,
+            in the statistics kernel's own pass where the last dim is a multiple of the size.
+        block_sample: blocks counted per tensor, block size and orientation, a uniform random
+            sample (default 512, ``512 / B`` tiles: a cost that does not grow with the tensor,
+            fractions of blocks within about 2.2 points, of entries closer); None: every block (a few passes over the tensor).
 
     Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
 

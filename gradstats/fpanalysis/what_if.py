@@ -230,7 +230,7 @@ def _nvfp4_blocks(law: HistogramLaw, grid: np.ndarray, fmt: FPFormat, block: int
 
 def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat]]], *,
             block_size: Optional[int] = None, rounding: str = "nearest", scale: Union[str, float] = "amax",
-            scale_format: str = "e8m0",
+            scale_format: str = "e8m0", orientation: str = "rows",
             steps: Union[None, int, Sequence[int]] = None, layers: Union[None, str, Sequence[str]] = None,
             kind: str = "grad") -> pd.DataFrame:
     """What each format would do to each traced tensor of ``run``, from its statistics alone.
@@ -242,13 +242,21 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
             entries, see the module doc): MX with ``scale_format="e8m0"`` (32), NVFP4 with ``"e4m3"`` (16).
         rounding: ``"nearest"`` or ``"stochastic"``.
         scale: ``"amax"`` or a multiplier (per tensor).
+        orientation: with ``block_size``, how the blocks run (:data:`gradstats.stats.blocks.ORIENTATIONS`):
+            ``"rows"`` (along the last dim, as ``quantize``'s ``block_dim=-1``), ``"columns"`` (down
+            the flattened leading dims: the weight-gradient GEMM's) or ``"2d"`` (``B x B`` tiles).
+            Where the run recorded the blocks (``trace(..., blocks=)``) the MX underflow is read from
+            them (``estimate`` ``"blocks"``); elsewhere it is the exchangeable model's, the same for
+            every orientation (``"exchangeable"``).
         steps: None (every step), a step, or a list of steps.
         layers: None (every layer), a glob, ``"re:PATTERN"`` or a list of names/globs.
         kind: which tensors (``"grad"``: the neural gradients).
 
     Returns a DataFrame, one row per (step, layer, format): ``step``, ``layer``, ``format``,
     ``block_size``, ``rounding``, ``n`` (entries, every call and rank of the step), then
-    :data:`WHAT_IF_COLUMNS`. The calls and ranks of a step are each quantised on their own (each has
+    :data:`WHAT_IF_COLUMNS`, ``orientation`` and ``estimate`` (with ``block_size``, which estimate
+    ``underflow`` is: ``"blocks"``, from the recorded blocks of every call and rank of the step,
+    ``"exchangeable"``, or ``"mixed"``; None without blocks). The calls and ranks of a step are each quantised on their own (each has
     its own amax) and combined: fractions weighted by non-zero entries, ``rel_mse`` by energy,
     ``bias`` by magnitude; ``log2_scale`` is the median over them.
 
@@ -272,6 +280,9 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"block_size must be a positive int (an MX block size such as 32) or None, got {block_size!r}")
     from gradstats.run.select import layer_stats
+    from gradstats.stats.blocks import _check_orientation
+
+    _check_orientation(orientation)
 
     st = layer_stats(r, [kind], layers)
     if steps is not None:
@@ -280,15 +291,19 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
     if not len(st):
         raise ValueError(f"no {kind!r} statistics in {r.path} for steps={steps!r}, layers={layers!r}; the run "
                          f"has steps {r.steps[:5]}{' ...' if len(r.steps) > 5 else ''} and layers {r.layers}")
+    blocks = r.table("blocks") if block_size is not None else None
     return what_if_stats(st, fmts, block_size=block_size, rounding=rounding, scale=scale, order=r.layers,
-                         scale_format=scale_format)
+                         scale_format=scale_format, orientation=orientation, blocks=blocks)
 
 
 def what_if_stats(stats: pd.DataFrame, formats: Iterable[Union[str, FPFormat]], *, block_size: Optional[int] = None,
                   rounding: str = "nearest", scale: Union[str, float] = "amax",
-                  order: Optional[Sequence[str]] = None, scale_format: str = "e8m0") -> pd.DataFrame:
+                  order: Optional[Sequence[str]] = None, scale_format: str = "e8m0", orientation: str = "rows",
+                  blocks: Optional[pd.DataFrame] = None) -> pd.DataFrame:
     """:func:`what_if` on a statistics table (rows as ``Run.stats()`` gives them, of one kind), in
     ``order`` of layers (default: as they first appear): what a live sink computes on each commit.
+    ``blocks``: the run's ``"blocks"`` table (``Run.table("blocks")``), whose rows of ``block_size``
+    and ``orientation`` give the MX underflow of the captures they match (see :func:`what_if`).
 
     Example:
         >>> import torch
@@ -303,7 +318,11 @@ def what_if_stats(stats: pd.DataFrame, formats: Iterable[Union[str, FPFormat]], 
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if block_size is not None and scale_format not in ("e8m0", "e4m3"):
         raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
-    cols = ["step", "layer", "format", "block_size", "scale_format", "rounding", "n", *WHAT_IF_COLUMNS]
+    from gradstats.stats.blocks import _check_orientation
+
+    _check_orientation(orientation)
+    cols = ["step", "layer", "format", "block_size", "scale_format", "rounding", "n", *WHAT_IF_COLUMNS,
+            "orientation", "estimate"]
     if not len(stats):
         return pd.DataFrame([], columns=cols)
     rank_of = {n: i for i, n in enumerate(order if order is not None else dict.fromkeys(stats["layer"]))}
@@ -318,9 +337,23 @@ def what_if_stats(stats: pd.DataFrame, formats: Iterable[Union[str, FPFormat]], 
     weights = {"underflow": nz, "overflow": nz, "rel_mse": st["sum_sq"].to_numpy(np.float64),
                "bias": st["sum_abs"].to_numpy(np.float64)}
     n_sum = np.bincount(grp, weights=st["n"].to_numpy(np.float64), minlength=n_g)
+    below = _recorded_blocks(st, blocks, block_size, orientation) if block_size and scale_format == "e8m0" else None
+    if block_size:
+        used = np.bincount(grp, weights=(below[1] if below is not None else np.zeros(len(st))), minlength=n_g)
+        each = np.bincount(grp, minlength=n_g)
+        estimate = np.where(used == each, "blocks", np.where(used == 0, "exchangeable", "mixed")).astype(object)
+    else:
+        estimate = np.full(n_g, None, dtype=object)
     out = []
     for f in fmts:
         p = _predictions(st, f, scale=scale, rounding=rounding, block_size=block_size, scale_format=scale_format)
+        if below is not None and below[1].any():
+            from gradstats.stats.blocks import flush_probability
+
+            h, has = below
+            tot = h.sum(axis=1)
+            from_blocks = h @ flush_probability(f, scale_format="e8m0", rounding=rounding) / np.where(tot > 0, tot, 1.0)
+            p["underflow"] = np.where(has, from_blocks, p["underflow"].to_numpy())
         df = pd.DataFrame({"step": first["step"].to_numpy(), "layer": first["layer"].to_numpy(), "format": str(f),
                            "block_size": block_size, "scale_format": scale_format if block_size else None,
                            "rounding": rounding, "n": n_sum.astype(np.int64), "_g": np.arange(n_g)})
@@ -329,11 +362,38 @@ def what_if_stats(stats: pd.DataFrame, formats: Iterable[Union[str, FPFormat]], 
             den = np.bincount(grp, weights=w, minlength=n_g)
             df[col] = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
         df["log2_scale"] = p["log2_scale"].groupby(grp).median().reindex(range(n_g)).to_numpy()
+        df["orientation"] = orientation if block_size else None
+        df["estimate"] = estimate
         out.append(df)
     res = pd.concat(out, ignore_index=True)
     res["_f"] = np.repeat(np.arange(len(fmts)), n_g)
     res = res.sort_values(["_g", "_f"], kind="stable").drop(columns=["_g", "_f"]).reset_index(drop=True)
     return res[cols]
+
+
+def _recorded_blocks(stats: pd.DataFrame, blocks: Optional[pd.DataFrame], block_size: int,
+                     orientation: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """The ``below_hist`` of the recorded blocks (``block_size``, ``orientation``) of each row of
+    ``stats`` (``(R, BELOW_BINS)``, zeros where none) and whether it has them; None when the table
+    has none (no blocks traced, or a run from before they were recorded by orientation)."""
+    from gradstats.stats.blocks import BELOW_BINS
+
+    if blocks is None or not len(blocks) or "below_hist" not in blocks or "orientation" not in blocks:
+        return None
+    b = blocks[(blocks["block_size"] == block_size) & (blocks["orientation"] == orientation)]
+    if "kind" in b and "kind" in stats:
+        b = b[b["kind"].isin(stats["kind"].unique())]
+    if not len(b):
+        return None
+    keys = [k for k in ("step", "layer", "call", "rank", "kind") if k in b and k in stats]
+    b = b.drop_duplicates(keys, keep="last")
+    pos = {tuple(k): i for i, k in enumerate(b[keys].itertuples(index=False, name=None))}
+    hb = np.stack([np.asarray(h, dtype=np.float64) for h in b["below_hist"]])
+    where = np.array([pos.get(tuple(k), -1) for k in stats[keys].itertuples(index=False, name=None)], dtype=np.int64)
+    has = (where >= 0)
+    h = np.zeros((len(stats), BELOW_BINS))
+    h[has] = hb[where[has]]
+    return h, has & (h.sum(axis=1) > 0)
 
 
 def _predictions(stats: pd.DataFrame, fmt: FPFormat, *, scale: Union[str, float], rounding: str,

@@ -9,8 +9,8 @@ non-zero entries, in binades (``0..RANGE_BINS - 1``, the last bin holding everyt
 ``gradstats.trace(..., blocks=(16, 32))`` records them per captured gradient into the run's
 ``"blocks"`` table (opt-in). On the CPU the statistics kernel counts every block of 16 and of 32
 in the same pass as the other statistics (:func:`kernel_block_stats`: exact, ``n_sampled ==
-n_blocks``); elsewhere (a GPU, other block sizes) from a uniform random sample of 2048 blocks
-per tensor by default (``block_sample=``, drawn with replacement; None counts every block, at a
+n_blocks``); elsewhere (a GPU, other block sizes) from a uniform random sample of 512 blocks
+per tensor and orientation by default (``block_sample=``, drawn with replacement; None counts every block, at a
 few passes over the tensor): the fractions it gives then carry a sampling error of at most 1.1
 points (one standard error). Exponents are read from the float32 bit pattern: float32 subnormals
 (and inf, NaN) count as zeros.
@@ -36,7 +36,8 @@ import torch
 
 from gradstats.formats import FPFormat, parse
 
-__all__ = ["block_stats", "blocks_stats", "kernel_block_stats", "flushed_blocks", "RANGE_BINS", "BLOCK_SIZES"]
+__all__ = ["block_stats", "blocks_stats", "kernel_block_stats", "flushed_blocks", "oriented_block_stats", "flush_probability",
+           "flushed_entries", "RANGE_BINS", "BLOCK_SIZES", "BELOW_BINS", "ORIENTATIONS"]
 
 #: bins of the dynamic-range histogram (binades 0..RANGE_BINS-1; the last one open)
 RANGE_BINS = 64
@@ -133,12 +134,14 @@ def blocks_stats(x: torch.Tensor, block_sizes: Iterable[int], *, sample: int | N
 
 
 def flushed_blocks(rows: Iterable[Mapping[str, Any]] | Mapping[str, Any], fmt: FPFormat | str, *,
-                   scale_format: str = "e8m0") -> dict[str, float]:
+                   scale_format: str = "e8m0", orientation: str = "rows") -> dict[str, float]:
     """Bounds on the fraction of the non-zero blocks in which round-to-nearest with block scales
     (``"e8m0"``: MX; ``"e4m3"``: NVFP4-style, the block's largest entry mapped to the format's
     maximum) flushes at least one non-zero entry to zero, from block statistics rows: ``low`` (blocks
     whose range is surely too wide) and ``high`` (blocks whose range may be), and the midpoint
-    ``estimate``.
+    ``estimate``. ``orientation``: only the rows of blocks that run so (:data:`ORIENTATIONS`; a row
+    without an ``orientation``, from a run recorded before blocks had one, counts as ``"rows"``: its
+    blocks ran in memory order, the same blocks when the last dim is a multiple of the block size).
 
     With ``floor(log2 max) = E`` and the smallest non-zero entry in binade ``E - r``, and ``L`` the
     binade of half the format's smallest subnormal (round-to-nearest flushes below ``2**L``): under
@@ -156,7 +159,9 @@ def flushed_blocks(rows: Iterable[Mapping[str, Any]] | Mapping[str, Any], fmt: F
     f = parse(fmt)
     if scale_format not in ("e8m0", "e4m3"):
         raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
+    _check_orientation(orientation)
     rows = [rows] if isinstance(rows, Mapping) else list(rows)
+    rows = [r for r in rows if _orientation_of(r) == orientation]
     hist = np.sum([np.asarray(r["range_hist"], dtype=np.int64) for r in rows], axis=0) if rows else np.zeros(RANGE_BINS)
     total = float(hist.sum())
     if total == 0:
@@ -170,3 +175,160 @@ def flushed_blocks(rows: Iterable[Mapping[str, Any]] | Mapping[str, Any], fmt: F
     low = float(hist[sure].sum()) / total
     high = float(hist[possible].sum()) / total
     return {"low": low, "high": high, "estimate": (low + high) / 2, "blocks": int(total)}
+
+
+#: how a block-scaled GEMM consumes a gradient ``(..., K)`` viewed as ``(M, K)``: ``"rows"``, blocks
+#: of ``B`` along the last dim (``quantize``'s default ``block_dim=-1``, each row's last block
+#: partial); ``"columns"``, blocks of ``B`` down the ``M`` flattened leading entries (the
+#: weight-gradient GEMM's orientation); ``"2d"``, tiles of ``B x B``
+ORIENTATIONS = ("rows", "columns", "2d")
+#: bins of the histogram of entries by binades below their block's maximum (the last one open)
+BELOW_BINS = 64
+
+
+def _orientation_of(row: Mapping[str, Any]) -> str:
+    o = row.get("orientation")
+    return o if isinstance(o, str) else "rows"
+
+
+def _check_orientation(orientation: str) -> None:
+    if orientation not in ORIENTATIONS:
+        raise ValueError(f"orientation must be one of {ORIENTATIONS} ('rows': blocks along the last dim, as "
+                         f"quantize's block_dim=-1; 'columns': down the leading dims; '2d': B x B tiles), "
+                         f"got {orientation!r}")
+
+
+def _block_index(shape: tuple[int, int], b: int, orientation: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices ``(n, entries)`` into a ``(M, K)`` row-major tensor of the blocks numbered
+    ``blocks`` of an orientation, and which of them lie inside the tensor (the rest: padding)."""
+    M, K = shape
+    dev = blocks.device
+    k = torch.arange(b, device=dev)
+    if orientation == "rows":
+        nk = -(-K // b)
+        r, c = blocks // nk, (blocks % nk) * b
+        col = c[:, None] + k[None, :]
+        return r[:, None] * K + col, col < K
+    if orientation == "columns":
+        rb, c = (blocks // K) * b, blocks % K
+        row = rb[:, None] + k[None, :]
+        return row * K + c[:, None], row < M
+    nk = -(-K // b)
+    r0, c0 = (blocks // nk) * b, (blocks % nk) * b
+    row = (r0[:, None] + k[None, :])[:, :, None]
+    col = (c0[:, None] + k[None, :])[:, None, :]
+    return (row * K + col).reshape(blocks.numel(), -1), ((row < M) & (col < K)).reshape(blocks.numel(), -1)
+
+
+def _n_blocks(shape: tuple[int, int], b: int, orientation: str) -> int:
+    M, K = shape
+    return {"rows": M * -(-K // b), "columns": -(-M // b) * K, "2d": -(-M // b) * -(-K // b)}[orientation]
+
+
+def oriented_block_stats(x: torch.Tensor, block_size: int, orientation: str = "rows", *, sample: int | None = None,
+                         generator: torch.Generator | None = None) -> dict[str, Any]:
+    """Per-block statistics of ``x`` in blocks as a GEMM consumes it (:data:`ORIENTATIONS`; ``x``
+    viewed as ``(M, K)``, ``K`` its last dim): the keys of :func:`block_stats` (``range_hist`` of
+    these blocks) and ``below_hist``, the non-zero entries counted by how many binades each sits
+    below its block's maximum, ``floor(log2 max|x|) - floor(log2|x|)`` (:data:`BELOW_BINS`, the last
+    bin open): what :func:`flushed_entries` turns into the fraction of entries a block-scaled format
+    flushes. ``sample``: that many blocks of rows or columns, ``sample // block_size`` tiles (the
+    same number of entries), drawn uniformly with replacement; None: every block.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 1.0], [2.0 ** -8, 2.0 ** -8]])
+        >>> oriented_block_stats(x, 2, "rows")["below_hist"][:9], oriented_block_stats(x, 2, "columns")["below_hist"][:9]
+        ([4, 0, 0, 0, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0, 0, 0, 2])
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    _check_orientation(orientation)
+    if sample is not None and (isinstance(sample, bool) or not isinstance(sample, int) or sample < 1):
+        raise ValueError(f"sample must be a positive number of blocks or None, got {sample!r}")
+    with torch.no_grad():
+        a = x.detach().reshape(-1)
+        K = int(x.shape[-1]) if x.dim() else 1
+        shape = (a.numel() // max(K, 1), K)
+        n = _n_blocks(shape, block_size, orientation)
+        k = sample if sample is None or orientation != "2d" else max(1, sample // block_size)
+        sampled = k is not None and n > k
+        if sampled:
+            gen = generator if generator is not None else torch.Generator(device=a.device).manual_seed(0)
+            which = torch.randint(0, n, (k,), generator=gen, device=a.device)
+        else:
+            which = torch.arange(n, device=a.device)
+        idx, inside = _block_index(shape, block_size, orientation, which)
+        v = a[idx.clamp_(max=max(a.numel() - 1, 0))] if a.numel() else torch.zeros(idx.shape, device=a.device)
+        e = (v.float().view(torch.int32) & 0x7FFFFFFF) >> 23
+        e = torch.where((e == 255) | ~inside, 0, e)         # inf, NaN and padding count as zeros
+        hi = e.amax(dim=1)
+        lo = torch.where(e > 0, e, 255).amin(dim=1)
+        live = hi > 0
+        # one count over both histograms, a spare bin each for what is left out (no masked copies)
+        r = torch.where(live, (hi - lo).clamp_(0, RANGE_BINS - 1), RANGE_BINS)
+        below = torch.where(e > 0, (hi[:, None] - e).clamp_(0, BELOW_BINS - 1), BELOW_BINS)
+        c = torch.bincount(torch.cat([r, below.reshape(-1) + RANGE_BINS + 1]).to(torch.int64),
+                           minlength=RANGE_BINS + BELOW_BINS + 2).cpu().tolist()
+        return {"n_blocks": int(n), "n_sampled": int(which.numel()), "n_zero_blocks": int(which.numel() - int(live.sum())),
+                "range_hist": c[:RANGE_BINS], "below_hist": c[RANGE_BINS + 1:RANGE_BINS + 1 + BELOW_BINS]}
+
+
+def flush_probability(fmt: FPFormat | str, *, scale_format: str = "e8m0", rounding: str = "nearest") -> np.ndarray:
+    """The probability that a non-zero entry ``d`` binades below its block's maximum
+    (``d = 0..BELOW_BINS - 1``, the index of ``below_hist``) is flushed to zero by block scaling.
+
+    ``"e8m0"`` (MX): the scale ``2**(floor(log2 max) - emax)`` is a power of two, so the scaled entry
+    keeps its mantissa and sits in binade ``emax - d`` of the format. Under round-to-nearest it is
+    flushed exactly when that binade lies wholly below half the smallest subnormal ``u1``:
+    ``d >= emax - log2(u1) + 2`` (an entry in the binade just above, ``[u1/2, u1)``, rounds up to
+    ``u1``, save a tie exactly at ``u1/2``, which rounds to zero: an entry whose mantissa is exactly 1,
+    not counted). Under stochastic rounding an entry ``y < u1`` is flushed with probability ``1 - y/u1``,
+    averaged over its position within its binade taken as log-uniform.
+    ``"e4m3"`` (NVFP4): the block's maximum is mapped to the format's maximum, so an entry becomes
+    ``fmt.max * 2**(-d + f_x - f_m)``, with ``f_x``, ``f_m`` the entry's and the maximum's positions
+    within their binades, taken as independent and log-uniform (``f_x - f_m`` triangular on
+    ``(-1, 1)``); the e4m3 rounding of the block scale (within 6%) and blocks whose scale underflows
+    e4m3 are left out.
+
+    Example:
+        >>> p = flush_probability("e2m1fn")                     # emax 2, u1 = 0.5: flushed from d = 5
+        >>> p[:7].tolist()
+        [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    """
+    f = parse(fmt)
+    if scale_format not in ("e8m0", "e4m3"):
+        raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    u1 = float(f.min_subnormal)
+    g = (np.arange(256) + 0.5) / 256                     # positions within a binade (midpoints)
+    if scale_format == "e8m0":
+        log_top, pos = float(f.emax), g                  # the scaled maximum's binade; the entry's position
+    else:
+        log_top = math.log2(f.max)
+        pos = (g[:, None] - g[None, :]).reshape(-1)      # f_x - f_m
+    d = np.arange(BELOW_BINS, dtype=np.float64)
+    y = np.exp2(log_top - d[:, None] + pos[None, :])     # the scaled entries
+    if rounding == "nearest":
+        p = (y < u1 / 2).astype(np.float64)
+    else:
+        p = np.clip(1.0 - y / u1, 0.0, 1.0)
+    return p.mean(axis=1)
+
+
+def flushed_entries(below_hist: Iterable[int] | np.ndarray, fmt: FPFormat | str, *, scale_format: str = "e8m0",
+                    rounding: str = "nearest") -> float:
+    """The fraction of the non-zero entries that block scaling flushes to zero (the expected fraction
+    under stochastic rounding), from a ``below_hist`` (:func:`oriented_block_stats`; several rows'
+    summed): ``below_hist @ flush_probability(...) / sum(below_hist)``; 0.0 without entries.
+
+    Example:
+        >>> flushed_entries(oriented_block_stats(torch.tensor([[1.0, 2.0 ** -8]]), 2)["below_hist"], "e2m1fn")
+        0.5
+    """
+    h = np.asarray(below_hist, dtype=np.float64)
+    if h.ndim != 1 or h.size != BELOW_BINS:
+        raise ValueError(f"below_hist must hold {BELOW_BINS} counts (entries by binades below their block's "
+                         f"maximum), got shape {h.shape}")
+    total = h.sum()
+    return float(h @ flush_probability(fmt, scale_format=scale_format, rounding=rounding) / total) if total > 0 else 0.0
