@@ -280,9 +280,9 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"block_size must be a positive int (an MX block size such as 32) or None, got {block_size!r}")
     from gradstats.run.select import layer_stats
-    from gradstats.stats.blocks import _check_orientation
+    from gradstats.stats.blocks import check_orientation
 
-    _check_orientation(orientation)
+    check_orientation(orientation)
 
     st = layer_stats(r, [kind], layers)
     if steps is not None:
@@ -318,9 +318,9 @@ def what_if_stats(stats: pd.DataFrame, formats: Iterable[Union[str, FPFormat]], 
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if block_size is not None and scale_format not in ("e8m0", "e4m3"):
         raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
-    from gradstats.stats.blocks import _check_orientation
+    from gradstats.stats.blocks import check_orientation
 
-    _check_orientation(orientation)
+    check_orientation(orientation)
     cols = ["step", "layer", "format", "block_size", "scale_format", "rounding", "n", *WHAT_IF_COLUMNS,
             "orientation", "estimate"]
     if not len(stats):

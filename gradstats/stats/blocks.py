@@ -159,7 +159,7 @@ def flushed_blocks(rows: Iterable[Mapping[str, Any]] | Mapping[str, Any], fmt: F
     f = parse(fmt)
     if scale_format not in ("e8m0", "e4m3"):
         raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
-    _check_orientation(orientation)
+    check_orientation(orientation)
     rows = [rows] if isinstance(rows, Mapping) else list(rows)
     rows = [r for r in rows if _orientation_of(r) == orientation]
     hist = np.sum([np.asarray(r["range_hist"], dtype=np.int64) for r in rows], axis=0) if rows else np.zeros(RANGE_BINS)
@@ -191,7 +191,12 @@ def _orientation_of(row: Mapping[str, Any]) -> str:
     return o if isinstance(o, str) else "rows"
 
 
-def _check_orientation(orientation: str) -> None:
+def check_orientation(orientation: str) -> None:
+    """Raise a ValueError unless ``orientation`` is one of :data:`ORIENTATIONS`.
+
+    Example:
+        >>> check_orientation("rows")
+    """
     if orientation not in ORIENTATIONS:
         raise ValueError(f"orientation must be one of {ORIENTATIONS} ('rows': blocks along the last dim, as "
                          f"quantize's block_dim=-1; 'columns': down the leading dims; '2d': B x B tiles), "
@@ -242,7 +247,7 @@ def oriented_block_stats(x: torch.Tensor, block_size: int, orientation: str = "r
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    _check_orientation(orientation)
+    check_orientation(orientation)
     if sample is not None and (isinstance(sample, bool) or not isinstance(sample, int) or sample < 1):
         raise ValueError(f"sample must be a positive number of blocks or None, got {sample!r}")
     with torch.no_grad():
