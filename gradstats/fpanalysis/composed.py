@@ -31,6 +31,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Union
@@ -93,9 +94,13 @@ def lognormal_moments_fn(mu: float, sigma: float) -> PartialMoments:
     return pm
 
 
+@functools.lru_cache(maxsize=64)
 def _grid(fmt: FPFormat) -> np.ndarray:
+    """The positive representable values of ``fmt``, ascending (read-only, cached)."""
     v = fmt.values().numpy()
-    return v[v > 0]
+    out = v[v > 0].copy()
+    out.setflags(write=False)
+    return out
 
 
 def _pm_capped(pm: PartialMoments, cap: float) -> PartialMoments:
