@@ -143,10 +143,6 @@ def _normalised(pm: PartialMoments) -> PartialMoments:
     return lambda t, k: pm(t, k) / mass
 
 
-#: the raw expectations per non-zero entry that :func:`_raw` returns, in order
-_RAW = ("pruned", "under", "over", "eqx", "eq1", "eq2", "ex1", "ex2")
-
-
 def _raw(pm: PartialMoments, f: FPFormat | None, a: float, scale: Any, rounding: str,
          cap: Any = None) -> np.ndarray:
     """Per non-zero entry of the (normalised) law: P(pruned), P(flushed), P(saturated), E[Q x], E[Q],

@@ -315,17 +315,17 @@ def format_checks(records: Sequence[dict[str, Any]]) -> str:
 
 def check_layer(run: Any, layer: str, rule: Any, steps: Sequence[int], *, rows: dict[int, Any] | None = None,
                 kind: str = "grad", seed: int = 0, bias_bound: float, flush_bound: Optional[float],
-                overflow_bound: float) -> list[dict[str, Any]]:
-    """The rows of :class:`Verification` for one layer and rule."""
+                overflow_bound: float, samples: dict[int, Any] | None = None) -> list[dict[str, Any]]:
+    """The rows of :class:`Verification` for one layer and rule (``samples``: the layer's stored
+    samples per step, :func:`layer_samples`, read once when several rules are checked)."""
     out = []
-    idx = run.sample_index()
+    if samples is None:
+        samples = layer_samples(run, layer, steps, kind)
     for step in steps:
         row = (rows or {}).get(step)
         if row is None:
             continue
-        has = len(idx) and ((idx["layer"] == layer) & (idx["kind"] == kind) & (idx["step"] == step)
-                            & (idx["call"] == 0)).any()
-        x = run.samples(layer, step, kind=kind, call=0) if has else None
+        x = samples.get(step)
         a, s = operator_settings(rule, row, x)
         pred = predict(rule, row, a, s)
         rep = replay(rule, x, a, s, seed=seed + step) if x is not None and x.numel() else None
@@ -342,6 +342,15 @@ def check_layer(run: Any, layer: str, rule: Any, steps: Sequence[int], *, rows: 
                "ok": not probs, "problems": probs}
         out.append(rec)
     return out
+
+
+def layer_samples(run: Any, layer: str, steps: Sequence[int], kind: str = "grad") -> dict[int, torch.Tensor]:
+    """The stored samples of ``layer``'s first call at each of ``steps`` that has them."""
+    idx = run.sample_index()
+    if not len(idx):
+        return {}
+    have = set(idx.loc[(idx["layer"] == layer) & (idx["kind"] == kind) & (idx["call"] == 0), "step"].astype(int))
+    return {int(s): run.samples(layer, int(s), kind=kind, call=0) for s in steps if int(s) in have}
 
 
 def step_rows(run: Any, layers: Sequence[str], steps: Sequence[int], kind: str = "grad") -> dict[str, dict[int, Any]]:
@@ -462,13 +471,15 @@ def repair(plan: Any, run: Any, steps: Sequence[int], *, candidates: Sequence[An
     checks: list[dict[str, Any]] = []
     by_layer = {e.layer: e for e in plan.entries}
     for name, rule in rules.items():
-        recs = check_layer(run, name, rule, steps, rows=per_rows[name], kind=kind, seed=seed, **bounds)
+        xs = layer_samples(run, name, steps, kind)
+        recs = check_layer(run, name, rule, steps, rows=per_rows[name], kind=kind, seed=seed, samples=xs, **bounds)
         note, chosen = "", rule
         if recs and not all(r["ok"] for r in recs):
             first = next(r for r in recs if not r["ok"])
             why = f"{rule.describe()} failed at step {first['step']}: " + "; ".join(first["problems"])
             for alt, label in _alternatives(rule, candidates):
-                alt_recs = check_layer(run, name, alt, steps, rows=per_rows[name], kind=kind, seed=seed, **bounds)
+                alt_recs = check_layer(run, name, alt, steps, rows=per_rows[name], kind=kind, seed=seed,
+                                       samples=xs, **bounds)
                 if all(r["ok"] for r in alt_recs):
                     recs, chosen, note = alt_recs, alt, f"{why} -> {label}"
                     break
