@@ -182,7 +182,7 @@ def measure(name: str, steps: int, apply_steps: int) -> dict:
     out = {"model": name, "plans": {}}
     state = {k: v.clone() for k, v in model.state_dict().items()}
     for label, kw in PLANS.items():
-        plan = gradstats.recommend(path, **kw)
+        plan = gradstats.recommend(path, noise_bound=None, **kw)      # the plans as measured: before the noise bound
         model.load_state_dict(state)
         names = list(plan.resolve(model))
         seen: dict[str, list] = {}

@@ -59,6 +59,7 @@ def jobs(model: str, steps: int, seeds, prepare: dict, calib) -> list[Job]:
                             "rounding": "-", "granularity": "-"}) for j in out]
     for sparsity, bits, gran, rounding in CONFIGS:
         plan = gradstats.recommend(calib, bits=bits, steps=range(0, last + 1), rounding=rounding, sparsity=sparsity,
+                                   noise_bound=None,       # the protocol as run: before the noise bound
                                    granularity=gran, candidates="any")
         fmts = sorted({str(r.format) for r in plan.resolve(calib).values() if r.format is not None})
         label = (f"sparsity {sparsity:g} + " if sparsity else "") + f"FP{bits} {gran} {rounding}"

@@ -236,6 +236,7 @@ def make_plan(cfg: Config, calib, layers: dict[str, list[str]]) -> tuple[dict, d
             kw["candidates"] = "any"
         if cfg.sparsity is not None:
             kw["sparsity"] = cfg.sparsity
+            kw.setdefault("noise_bound", None)     # section 1's protocol was run before the noise bound
         if lay is not None:
             kw["layers"] = lay
         plan = gradstats.recommend(calib, bits=cfg.bits, **kw, **out_kw)

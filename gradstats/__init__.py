@@ -56,10 +56,13 @@ _EXPORTS: dict[str, str] = {
     "apply": "gradstats.apply",
     "Applied": "gradstats.apply",
     "prune_quantize": "gradstats.ops.fused",
+    # what a plan costs
+    "predicted_noise": "gradstats.noise",
+    "noise_probe": "gradstats.noise",
 }
 # stage modules exposed as attributes (``gradstats.pruning.threshold(...)``)
 _SUBMODULES = {"formats", "ops", "stats", "layers", "tracer", "alarms", "run", "fitting", "pruning", "fpanalysis",
-               "plan", "study", "figures", "report", "plots", "zoo", "wrappers", "integrations", "families"}
+               "plan", "noise", "study", "figures", "report", "plots", "zoo", "wrappers", "integrations", "families"}
 # old homes kept for one release: name -> where it lives now (a DeprecationWarning on use)
 _MOVED_EXPORTS = {"build_model": "gradstats.zoo", "list_models": "gradstats.zoo",
                   "load_fashion_mnist": "gradstats.zoo", "load_shakespeare": "gradstats.zoo",

@@ -37,6 +37,7 @@ from torch import nn
 
 from gradstats._version import __version__
 from gradstats.layers import module_types
+from gradstats.noise.record import downstream_layers, node_of, records_noise, weight_grad_terms
 from gradstats.run import FORMAT_VERSION, RunWriter, atomic_write_json, last_committed_step, sample_key
 from gradstats.run.select import layer_matcher
 from gradstats.stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
@@ -191,7 +192,7 @@ class Tracer:
                  max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
                  resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
                  alarms: Any = True, blocks: Sequence[int] | None = None,
-                 block_sample: int | None = 512) -> None:
+                 block_sample: int | None = 512, noise: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"trace() needs a torch.nn.Module as model, got {type(model).__name__}")
         if not isinstance(path, (str, os.PathLike)):
@@ -291,6 +292,13 @@ class Tracer:
         self._written_shapes: dict[str, list[int]] = {}
         self._created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self._attached = False
+        #: record the noise terms of :mod:`gradstats.noise.record` on sampled steps
+        self.noise = bool(noise)
+        self._graph_out: dict[str, Any] = {}
+        self._graph_in: dict[str, Any] = {}
+        self._graph_step: int | None = None
+        self._graph_done: int | None = None
+        self._noise_prev: tuple[int, dict[str, torch.Tensor]] | None = None
 
     # -- lifecycle
     def attach(self) -> "Tracer":
@@ -321,9 +329,8 @@ class Tracer:
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_hook(self._make_forward_hook(name)))
         if self.optimizer is not None:
-            if "weight" in self.kinds or "wgrad" in self.kinds:
-                self._handles.append(self.optimizer.register_step_pre_hook(
-                    lambda *_: self._capture_parameters()))
+            if "weight" in self.kinds or "wgrad" in self.kinds or self.noise:
+                self._handles.append(self.optimizer.register_step_pre_hook(lambda *_: self._before_update()))
             self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self._advance()))
         self._attached = True
         return self
@@ -360,9 +367,40 @@ class Tracer:
         if self.optimizer is not None:
             raise ValueError("this tracer advances on optimizer.step() (optimizer= was given); "
                              "do not call tracer.step() as well")
-        if ("weight" in self.kinds or "wgrad" in self.kinds):
-            self._capture_parameters()
+        self._before_update()
         self._advance()
+
+    def _before_update(self) -> None:
+        """The step's gradients are complete: the parameters and weight gradients it records."""
+        if "weight" in self.kinds or "wgrad" in self.kinds:
+            self._capture_parameters()
+        if self.noise:
+            self._capture_noise_pair()
+
+    def _capture_noise_pair(self) -> None:
+        """SGD's own noise of each recorded layer's weight gradient, from two batches: the weight
+        gradients of a sampled step and of the next, ``|G_s - G_(s+1)|^2 / 2`` (into the ``"noise"``
+        table as ``pair``; one update apart, the model's drift is small next to the minibatch noise)."""
+        step = self.current_step
+        prev = self._noise_prev
+        if prev is not None and prev[0] == step - 1:
+            rows = []
+            for name, g0 in prev[1].items():
+                w = getattr(self.modules[name], "weight", None)
+                g1 = getattr(w, "grad", None)
+                if isinstance(g1, torch.Tensor) and g1.shape == g0.shape:
+                    d2 = float((_local(g1).detach().float() - g0).square().sum())
+                    rows.append({"step": prev[0], "layer": name, "call": -1, "rank": self.rank, "pair": d2 / 2.0})
+            if rows:
+                self.log_rows("noise", rows)
+            self._noise_prev = None
+        if self._active(step)[1] and "grad" in self.kinds:
+            grads = {}
+            for name, module in self.modules.items():
+                w = getattr(module, "weight", None)
+                if records_noise(module) and isinstance(getattr(w, "grad", None), torch.Tensor):
+                    grads[name] = _local(w.grad).detach().float().clone()
+            self._noise_prev = (step, grads) if grads else None
 
     def _advance(self) -> None:
         self._flush(self.current_step)
@@ -480,13 +518,48 @@ class Tracer:
             if "act" in self.kinds:
                 self._record(step, name, "act", call, out.detach(), do_stats, do_samples)
             if "grad" in self.kinds:
+                x = self._noise_input(step, name, call, module, inputs, out) if do_samples else None
+
                 def tensor_hook(grad: torch.Tensor) -> None:
                     if torch.compiler.is_compiling():    # traced (compiled autograd): kept out
                         self._record(step, name, "grad", call, grad, do_stats, do_samples)
                     else:                                # eager, the common case: no wrapper
                         self._record_now(step, name, "grad", call, grad, do_stats, do_samples)
+                        if x is not None:
+                            self._record_noise(step, name, call, module, x, grad)
                 out.register_hook(tensor_hook)
         return forward_hook
+
+    def _noise_input(self, step: int, name: str, call: int, module: nn.Module, inputs: Any,
+                     out: torch.Tensor) -> torch.Tensor | None:
+        """On a sampled step: the layer's input, kept for the noise terms of its gradient
+        (:mod:`gradstats.noise.record`; autograd holds it already), and the autograd nodes of the
+        step's first calls, from which the layers downstream of each are worked out once."""
+        if not self.noise or torch.compiler.is_compiling():
+            return None
+        x = next((t for t in (inputs if isinstance(inputs, tuple) else (inputs,)) if isinstance(t, torch.Tensor)),
+                 None)
+        if self._graph_done is None and call == 0:
+            if self._graph_step is None:
+                self._graph_step = step
+            if step == self._graph_step:
+                self._graph_out[name] = out.grad_fn
+                self._graph_in[name] = node_of(x)
+        return x.detach() if x is not None and records_noise(module) else None
+
+    def _record_noise(self, step: int, layer: str, call: int, module: nn.Module, x: torch.Tensor,
+                      grad: torch.Tensor) -> None:
+        if self._graph_done is None and self._graph_out:       # the whole graph of the step exists now
+            down = downstream_layers(self._graph_out, self._graph_in)
+            self._graph_out, self._graph_in, self._graph_done = {}, {}, step
+            self.log_rows("noise_graph", [{"step": self._graph_step, "layer": n, "downstream": json.dumps(d)}
+                                          for n, d in down.items()])
+        try:
+            terms = weight_grad_terms(module, x, grad, self._generator(grad.device))
+        except RuntimeError as exc:   # a layer whose input is not what its type says: no noise terms
+            log.debug("no noise terms for %s: %s", layer, exc)
+            return
+        self.log_rows("noise", [{"step": step, "layer": layer, "call": call, "rank": self.rank, **terms}])
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -667,7 +740,8 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
           kinds: Iterable[str] = ("grad",), optimizer: torch.optim.Optimizer | None = None,
           max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
           resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
-          alarms: Any = True, blocks: Sequence[int] | None = None, block_sample: int | None = 512) -> Tracer:
+          alarms: Any = True, blocks: Sequence[int] | None = None, block_sample: int | None = 512,
+          noise: bool = True) -> Tracer:
     """Trace the neural gradients of ``model`` into the run directory ``path``.
 
     Args:
@@ -719,6 +793,11 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
         block_sample: blocks counted per tensor, block size and orientation, a uniform random
             sample (default 512, ``512 / B`` tiles: a cost that does not grow with the tensor,
             fractions of blocks within about 2.2 points, of entries closer); None: every block (a few passes over the tensor).
+        noise: on sampled steps, record per Linear and 1-d/2-d convolution call the terms from which
+            :func:`gradstats.noise.predicted_noise` predicts the noise a plan adds to the layer's
+            weight gradient against SGD's own minibatch noise (one extra weight-gradient product per
+            layer on those steps; the ``"noise"`` and ``"noise_graph"`` tables,
+            :mod:`gradstats.noise.record`). Default on.
 
     Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
 
@@ -734,4 +813,4 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, layers: LayerSelect
     return Tracer(model, path, layers=layers, every=every, sample_every=sample_every,
                   samples=samples, kinds=kinds, optimizer=optimizer, max_bytes=max_bytes, seed=seed,
                   flush_secs=flush_secs, resume=resume, start_step=start_step, sinks=sinks, alarms=alarms,
-                  blocks=blocks, block_sample=block_sample)
+                  blocks=blocks, block_sample=block_sample, noise=noise)

@@ -175,11 +175,11 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("ops", ("gradstats.ops",)),
     ("stats", ("gradstats.stats", "gradstats.families")),
     ("run", ("gradstats.run",)),
-    ("capture", ("gradstats.layers", "gradstats.alarms", "gradstats.tracer")),
+    ("capture", ("gradstats.layers", "gradstats.alarms", "gradstats.noise.record", "gradstats.tracer")),
     ("fit", ("gradstats.fitting",)),
     ("analyse", ("gradstats._scalar", "gradstats.pruning", "gradstats.fpanalysis")),
-    ("plan", ("gradstats.plan",)),
-    ("apply", ("gradstats.apply",)),
+    ("plan", ("gradstats.plan", "gradstats.noise.predict")),
+    ("apply", ("gradstats.apply", "gradstats.noise")),
     ("adapters", ("gradstats.integrations",)),
     ("outputs", ("gradstats.plots", "gradstats.study", "gradstats.figures", "gradstats.report", "gradstats.cli",
                  "gradstats.__main__")),
@@ -187,12 +187,13 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
 
 
 def stage(name: str) -> int | None:
-    """Index of a module's stage in :data:`STAGES` (None: the lazy root package)."""
-    best = None
+    """Index of a module's stage in :data:`STAGES` (None: the lazy root package); the longest
+    matching prefix decides (``gradstats.noise.record`` is capture, the rest of the package later)."""
+    best, length = None, -1
     for i, (_, prefixes) in enumerate(STAGES):
         for p in prefixes:
-            if name == p or name.startswith(p + "."):
-                best = i
+            if (name == p or name.startswith(p + ".")) and len(p) > length:
+                best, length = i, len(p)
     return best
 
 

@@ -113,6 +113,12 @@ class Plan:
     #: samples (:meth:`verify`'s per-layer rows, JSON-ready; ``recommend`` fills it), with ``note``:
     #: why the layer's first choice was replaced, if it was
     checks: tuple = ()
+    #: the largest noise ratio per layer ``recommend`` kept the plan within (None: not bounded),
+    #: and per planned layer its requested and granted sparsity, why, and the predicted noise ratio
+    #: (:mod:`gradstats.noise`; JSON-ready dicts with ``layer``, ``requested_sparsity``,
+    #: ``sparsity``, ``sparsity_reason``, ``predicted_noise``)
+    noise_bound: float | None = None
+    noise: tuple = ()
 
     def __post_init__(self) -> None:
         if self.output_layer is not None and (not isinstance(self.output_layer, str) or not self.output_layer):
@@ -141,6 +147,13 @@ class Plan:
         if not isinstance(self.checks, (list, tuple)) or not all(isinstance(c, Mapping) for c in self.checks):
             raise ValueError(f"checks must be a list of per-layer check records (dicts), got {self.checks!r}")
         object.__setattr__(self, "checks", tuple(dict(c) for c in self.checks))
+        if self.noise_bound is not None and (isinstance(self.noise_bound, bool) or
+                                             not isinstance(self.noise_bound, (int, float)) or not self.noise_bound > 0):
+            raise ValueError(f"noise_bound must be None or a positive noise ratio, got {self.noise_bound!r}")
+        if not isinstance(self.noise, (list, tuple)) or not all(isinstance(c, Mapping) and "layer" in c
+                                                                for c in self.noise):
+            raise ValueError(f"noise must be a list of per-layer records (dicts with a 'layer'), got {self.noise!r}")
+        object.__setattr__(self, "noise", tuple(dict(c) for c in self.noise))
         # each entry completed by the defaults alone must be a valid rule
         for i, e in enumerate(entries):
             self._complete([e], f"layers[{i}] ({e.layer!r}) with the defaults")
@@ -475,6 +488,14 @@ class Plan:
                              "sparsity_note": _not_pruned(self.prune_at) if dropped else ""})
         cols = ["layer", "match", "types"] if target is None else ["layer", "entries"]
         cols += [*_rule_row(_DEFAULT_RULE), "sparsity_note"]
+        if self.noise:            # recommend bounded the noise: what each layer asked for, got, and why
+            per = {c["layer"]: c for c in self.noise}
+            for row in rows:
+                c = per.get(row["layer"], {})
+                row.update(requested_sparsity=c.get("requested_sparsity"), sparsity_reason=c.get("sparsity_reason", ""),
+                           predicted_noise=c.get("predicted_noise"), pruning_noise=c.get("pruning_noise"),
+                           noise_bound=self.noise_bound)
+            cols += ["requested_sparsity", "sparsity_reason", "predicted_noise", "pruning_noise", "noise_bound"]
         df = pd.DataFrame(rows, columns=cols)
         return df.astype({"bits": "Int64", "block_size": "Int64"})
 
@@ -487,7 +508,9 @@ class Plan:
                 "layers": [e.to_dict() for e in self.entries],
                 **({"output_layer": self.output_layer} if self.output_layer is not None else {}),
                 **({"prune_at": self.prune_at} if self.prune_at is not None else {}),
-                **({"checks": [dict(c) for c in self.checks]} if self.checks else {})}
+                **({"checks": [dict(c) for c in self.checks]} if self.checks else {}),
+                **({"noise_bound": self.noise_bound} if self.noise_bound is not None else {}),
+                **({"noise": [dict(c) for c in self.noise]} if self.noise else {})}
 
     @classmethod
     def from_dict(cls, d: Any) -> "Plan":
@@ -504,7 +527,7 @@ class Plan:
             raise ValueError(f"plan schema version {v} is newer than this gradstats reads "
                              f"(version {SCHEMA_VERSION}); upgrade gradstats")
         _check_keys(d, ("schema", "version", "provenance", "defaults", "layers", "output_layer", "prune_at",
-                        "checks"), "plan")
+                        "checks", "noise_bound", "noise"), "plan")
         layers = d.get("layers", [])
         if not isinstance(layers, list):
             raise ValueError(f"plan: 'layers' must be a list of entries, got {type(layers).__name__}")
@@ -512,7 +535,8 @@ class Plan:
         return cls(entries=[PlanEntry.from_dict(e, f"layers[{i}]") for i, e in enumerate(layers)],
                    defaults=_defaults_from_dict(d.get("defaults", {})),
                    provenance=None if prov is None else Provenance.from_dict(prov),
-                   output_layer=d.get("output_layer"), prune_at=d.get("prune_at"), checks=d.get("checks", ()))
+                   output_layer=d.get("output_layer"), prune_at=d.get("prune_at"), checks=d.get("checks", ()),
+                   noise_bound=d.get("noise_bound"), noise=d.get("noise", ()))
 
     def to_json(self) -> str:
         """The plan document as indented JSON text."""

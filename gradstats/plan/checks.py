@@ -501,7 +501,7 @@ def repair(plan: Any, run: Any, steps: Sequence[int], *, candidates: Sequence[An
                 if chosen.format is None:
                     fields.update(block_size=None, scale_format=None, scale_rounding=None)
             if old is not None:
-                keep = {k: getattr(old, k) for k in ("rounding", "scale_shift")
+                keep = {k: getattr(old, k) for k in ("rounding", "scale_shift", "sparsity")
                         if k not in fields and getattr(old, k) is not INHERIT}
                 fields = {**keep, **fields}
             extra.append(PlanEntry(name, **fields))

@@ -29,6 +29,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -40,6 +41,7 @@ import numpy as np
 
 from gradstats._compat import renamed_kwargs
 from gradstats.fpanalysis.training import FLUSH_BOUND
+from gradstats.noise.predict import NOISE_BOUND
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
 from gradstats.run import as_run
 from gradstats.stats import lognormal_moments, merge_stats
@@ -52,6 +54,8 @@ __all__ = ["recommend", "layer_moments", "GRANULARITIES"]
 #: an E8M0 power-of-two scale; NVFP4: 16 elements with an E4M3 scale); an int is a block size
 #: with E8M0 scales
 GRANULARITIES = ("tensor", "mx", "nvfp4")
+#: what ``sparsity="auto"`` asks for before the noise bound lowers it per layer
+AUTO_SPARSITY = 0.99
 _BLOCKS = {"tensor": (None, None), "mx": (32, "e8m0"), "nvfp4": (16, "e4m3")}
 #: rounding modes the format analysis predicts
 from gradstats.formats import PREDICTED_ROUNDINGS as _ROUNDINGS  # noqa: E402
@@ -269,21 +273,31 @@ def _fmt(x: float) -> float | None:
 
 
 @renamed_kwargs(model="format_rule")
-def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
+def recommend(run: Any, *, bits: int = 8, sparsity: float | str | None = None,
               granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "auto",
               threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
               layers: str | Sequence[str] | None = None, format_rule: str = "lognormal",
               objective: str = "training", bias_bound: float | None = None,
               flush_bound: float | None = FLUSH_BOUND, output_layer: str | bool | None = None,
-              prune_at: str | bool | None = None, check: bool = True, step: Any = None) -> Plan:
+              prune_at: str | bool | None = None, check: bool = True,
+              noise_bound: float | None = NOISE_BOUND, step: Any = None) -> Plan:
     """Recommend a per-layer plan from a traced run's statistics.
 
     Args:
         run: a :class:`gradstats.run.Run` or the path of a run directory.
         bits: the format width (:func:`recommend_each` makes one plan per width of a list, from one
             read of the run).
-        sparsity: target fraction of zeros in ``[0, 1)`` for every layer (stochastic pruning),
-            or None for no pruning.
+        sparsity: target fraction of zeros in ``[0, 1)`` for every pruned layer (stochastic
+            pruning), a ceiling that ``noise_bound`` lowers per layer where needed; ``"auto"``: the
+            most the noise bound allows (up to 0.99); None for no pruning.
+        noise_bound: the largest noise ratio the plan may add to any planned layer's weight gradient,
+            relative to that gradient's own minibatch noise at the run's batch size, as predicted from
+            the run (:mod:`gradstats.noise`: the plan's pruning and rounding at the layer and at the
+            layers after it, whose noise flows back). Default :data:`gradstats.noise.NOISE_BOUND`
+            (0.02; ``docs/noise.md`` says why); None: not bounded (the requested sparsity on every
+            layer, as before). The plan's ``to_dataframe()`` shows per layer the requested and granted
+            sparsity, the reason and the predicted ratio (``Plan.noise``). A run traced without noise
+            records (``trace(noise=False)``, or an old run) is not bounded, with a warning.
         granularity: ``"tensor"`` (one optimal power-of-two scale per tensor, scale rule
             ``"lognormal"``), ``"mx"`` (blocks of 32, E8M0 scales), ``"nvfp4"`` (blocks of 16,
             E4M3 scales), or a block size; block-scaled plans use the ``"amax"`` scale rule.
@@ -363,10 +377,15 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
         >>> m = torch.nn.Sequential(torch.nn.Linear(16, 16))
         >>> with gradstats.trace(m, tempfile.mkdtemp()) as t:
         ...     m(torch.randn(32, 16)).exp().sum().backward(); t.step()
-        >>> p = recommend(t.path, bits=8, sparsity=0.5, rounding="stochastic", output_layer=False)
+        >>> p = recommend(t.path, bits=8, sparsity=0.5, rounding="stochastic", output_layer=False,
+        ...               noise_bound=None)
         >>> r = p.resolve(m)["0"]
         >>> r.format.bits, r.rounding, r.scale, r.sparsity, 0.4 < r.predicted.sparsity < 0.6
         (8, 'stochastic', 'amax', 0.5, True)
+        >>> bounded = recommend(t.path, bits=8, sparsity=0.5, output_layer=False)   # noise_bound=0.02
+        >>> row = bounded.to_dataframe().iloc[0]
+        >>> bool(row["sparsity"] <= 0.5 and row["pruning_noise"] <= 0.02), float(row["requested_sparsity"])
+        (True, 0.5)
     """
     several = isinstance(bits, (list, tuple, range))
     if several:
@@ -378,19 +397,19 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | None = None,
                            steps=_old_step(step) if step is not None else steps, threshold_rule=threshold_rule,
                            candidates=candidates, layers=layers, format_rule=format_rule, objective=objective,
                            bias_bound=bias_bound, flush_bound=flush_bound, output_layer=output_layer,
-                           prune_at=prune_at, check=check)
+                           prune_at=prune_at, check=check, noise_bound=noise_bound)
     return plans if several else plans[widths[0]]  # type: ignore[return-value]
 
 
 @renamed_kwargs(model="format_rule")
-def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | None = None,
+def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | None = None,
                    granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "auto",
                    threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
                    layers: str | Sequence[str] | None = None, format_rule: str = "lognormal",
                    objective: str = "training", bias_bound: float | None = None,
                    flush_bound: float | None = FLUSH_BOUND, output_layer: str | bool | None = None,
                    prune_at: str | bool | None = None, check: bool = True,
-                   step: Any = None) -> dict[int, Plan]:
+                   noise_bound: float | None = NOISE_BOUND, step: Any = None) -> dict[int, Plan]:
     """:func:`recommend` for each width of ``bits``: ``{bits: Plan}`` in the order given, the run read
     once (the arguments are :func:`recommend`'s).
 
@@ -419,9 +438,21 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | None = No
         bias_bound = fpanalysis.BIAS_BOUND
     if threshold_rule is None:
         threshold_rule = Rule().threshold_rule
-    if sparsity is not None:
+    if noise_bound is not None and (isinstance(noise_bound, bool) or not isinstance(noise_bound, (int, float))
+                                    or not noise_bound > 0):
+        raise ValueError(f"noise_bound must be a positive noise ratio (default {NOISE_BOUND}: the noise a plan adds "
+                         f"to each weight gradient, against SGD's own) or None (not bounded), got {noise_bound!r}")
+    asked = sparsity
+    if isinstance(sparsity, str):
+        if sparsity != "auto":
+            raise ValueError(f"sparsity must be a number in [0, 1), 'auto' or None, got {sparsity!r}")
+        if noise_bound is None:
+            raise ValueError("sparsity='auto' asks for the most the noise bound allows: give a noise_bound "
+                             f"(default {NOISE_BOUND}), or a number as sparsity")
+        sparsity = AUTO_SPARSITY
+    elif sparsity is not None:
         if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity < 1.0:
-            raise ValueError(f"sparsity must be a number in [0, 1) or None, got {sparsity!r}")
+            raise ValueError(f"sparsity must be a number in [0, 1), 'auto' or None, got {sparsity!r}")
         sparsity = float(sparsity)
     Rule(threshold_rule=threshold_rule)  # validates the rule name
     if model not in ("lognormal", "histogram"):
@@ -503,24 +534,44 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | None = No
                 if extra["scale_shift"]:
                     kw["scale_shift"] = extra["scale_shift"]
             entries.append(PlanEntry(name, format=fmts[i], predicted=pred, **kw))
-        gen = (f"recommend(bits={b}, sparsity={sparsity!r}, granularity={granularity!r}, "
+        gen = (f"recommend(bits={b}, sparsity={asked!r}, granularity={granularity!r}, "
                f"rounding={rounding!r}, steps={steps!r}, threshold_rule={threshold_rule!r}"
                + (f", format_rule={model!r}" if model != "lognormal" else "")
                + f", objective={objective!r}"
                + (f", flush_bound={flush_bound!r}" if training else "")
-               + f", candidates={cands if isinstance(cands, str) else [str(c) for c in cands]!r})")
+               + f", candidates={cands if isinstance(cands, str) else [str(c) for c in cands]!r}"
+               + (f", noise_bound={noise_bound!r})" if asked is not None else ")"))
         prov = Provenance.now(source=str(r.path), generator=gen, steps=mom.steps)
         plans[b] = Plan(entries, defaults, prov, output_layer=skip,
                         prune_at=prune_at if sparsity is not None else None)
+        from gradstats.plan.checks import calibration_steps
+
+        chk = cal_steps or calibration_steps(r, mom.layers, steps=steps)
+        if sparsity is not None or noise_bound is not None:
+            from gradstats.noise.predict import bound_plan
+
+            plans[b] = bound_plan(plans[b], r, chk, noise_bound if sparsity is not None else None)
         if check:
             from gradstats.formats import FPFormat
-            from gradstats.plan.checks import calibration_steps, repair
+            from gradstats.plan.checks import repair
 
-            chk = cal_steps or calibration_steps(r, mom.layers, steps=steps)
             pool = cands if isinstance(cands, list) else fpanalysis.preset_formats(
                 cands, b, granularity="tensor" if block_size is None else granularity)
             plans[b] = repair(plans[b], r, chk, candidates=[FPFormat.parse(c) for c in pool],
                               bias_bound=bias_bound, flush_bound=flush_bound)
+            if plans[b].noise:       # the predicted noise of the rules as repaired
+                from gradstats.noise.predict import predicted_noise
+
+                now = {rec["layer"]: rec["noise"] for rec in predicted_noise(r, plans[b], steps=chk).records}
+                plans[b] = dataclasses.replace(plans[b], noise=tuple(
+                    {**c, "predicted_noise": _fmt(now.get(c["layer"], math.nan))} for c in plans[b].noise))
+        if plans[b].noise_bound is not None:
+            cut = [c for c in plans[b].noise if c["sparsity_reason"] == "noise bound"]
+            if cut:
+                log.info("gradstats.recommend: the noise bound %g lowered the sparsity of %d of %d pruned layers "
+                         "(mean granted %.3f); plan.to_dataframe() shows each", noise_bound, len(cut),
+                         sum(1 for c in plans[b].noise if c["requested_sparsity"]),
+                         float(np.mean([c["sparsity"] for c in plans[b].noise if c["requested_sparsity"]])))
     if default_selection:
         from gradstats.layers import log_unplanned
 

@@ -1,0 +1,185 @@
+"""Predicted noise ratio against the measured one, per layer, on six models.
+
+For each model: train ``--steps`` steps with the tracer (the last eight, with the model held fixed,
+are four sampled steps and their pairs: the calibration of a default ``recommend``), then for each plan compare :func:`gradstats.predicted_noise`
+(from the run) with :func:`gradstats.noise_probe` (running the plan on the same model, 8 batches x
+2 draws). Models: the study's CNN with BatchNorm, ResNet-20 and character transformer, an LSTM
+language model, and two that no test uses (a ConvNeXt-style CNN and a Qwen-style decoder,
+``experiments/plan_fidelity.py``).
+
+    python experiments/noise_fidelity.py            # about 10 minutes on 2 cores
+
+Writes ``experiments/results/noise_fidelity.{json,txt}``; resumable per model and plan.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plan_fidelity import ConvNeXtTiny, Decoder  # noqa: E402
+
+import gradstats  # noqa: E402
+
+log = logging.getLogger("noise_fidelity")
+RESULTS = Path(__file__).resolve().parent / "results" / "noise_fidelity.json"
+MODELS = ("cnn", "resnet20", "transformer", "lstm", "convnext", "decoder")
+PLANS = {"Plan.uniform(sparsity=0.85)": lambda path: gradstats.Plan.uniform(sparsity=0.85),
+         "recommend(sparsity=0.85)": lambda path: gradstats.recommend(path, sparsity=0.85),
+         "recommend(sparsity='auto')": lambda path: gradstats.recommend(path, sparsity="auto")}
+
+
+class LSTMLM(nn.Module):
+    """Embedding, a Linear input projection, a one-layer LSTM, a Linear projection and the head."""
+
+    def __init__(self, vocab: int, d: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.inp = nn.Linear(d, d)
+        self.lstm = nn.LSTM(d, d, batch_first=True)
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(torch.tanh(self.inp(self.embed(x))))
+        return self.head(torch.relu(self.proj(h)))
+
+
+def workload(name: str):
+    """(model, optimizer, batch(), loss_fn(model, batch))."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    if name in ("cnn", "resnet20", "convnext"):
+        from gradstats.zoo.data import load_fashion_mnist
+        from gradstats.zoo.models import build_model
+
+        data = load_fashion_mnist(split="train", source="subset", subset=4000)
+        model = ConvNeXtTiny() if name == "convnext" else build_model(name, seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+        def batch():
+            i = torch.randint(0, len(data.labels), (64,), generator=gen)
+            return data.images[i], data.labels[i]
+
+        def loss_fn(m, b):
+            return nn.functional.cross_entropy(m(b[0]), b[1])
+        return model, opt, batch, loss_fn
+    from gradstats.zoo.data import load_shakespeare
+    from gradstats.zoo.models import build_model
+
+    text = load_shakespeare()
+    v = len(text.vocab)
+    model = {"transformer": lambda: build_model("transformer", seed=0, vocab_size=v),
+             "lstm": lambda: LSTMLM(v), "decoder": lambda: Decoder(v)}[name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    def batch():
+        return text.get_batch(16, 64, generator=gen)
+
+    def loss_fn(m, b):
+        out = m(b[0])
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), b[1].reshape(-1))
+    return model, opt, batch, loss_fn
+
+
+def measure(name: str, plans: dict, steps: int, batches: int, draws: int) -> dict:
+    model, opt, batch, loss_fn = workload(name)
+    path = tempfile.mkdtemp(prefix=f"noise-{name}-")
+    fixed = steps - 8                 # the last 8 steps see the same model: 4 sampled steps and their pairs
+    sampled = list(range(fixed, steps, 2))
+    with gradstats.trace(model, path, sample_every=sampled) as t:
+        for s in range(steps):
+            b = batch()
+            opt.zero_grad()
+            loss_fn(model, b).backward()
+            if s < fixed:
+                opt.step()
+            t.step()
+    probe_batches = [batch() for _ in range(batches)]
+    out = {}
+    for label, make in plans.items():
+        plan = make(path)
+        pred = gradstats.predicted_noise(path, plan, steps=sampled).to_dataframe().set_index("layer")
+        meas = gradstats.noise_probe(model, probe_batches, plan, loss_fn, draws=draws).to_dataframe().set_index("layer")
+        down = gradstats.noise.predict.downstream(path)
+        rows = []
+        for layer in pred.index:
+            p, m = pred.loc[layer], meas.loc[layer]
+            additive = (p["error"] + sum(pred.loc[k, "error"] for k in down.get(layer, ()) if k in pred.index)) \
+                * p["q2"] / p["minibatch"]
+            rows.append({"layer": layer, "error": p["error"], "incoming": p["incoming"],
+                         "predicted": p["noise"], "additive": additive, "measured": m["ratio"],
+                         "measured_se": m["added_se"] / m["minibatch"] if m["minibatch"] > 0 else math.nan,
+                         "minibatch_trace": p["minibatch"], "minibatch_probe": m["minibatch"],
+                         "sparsity": plan.resolve(model)[layer].sparsity or 0.0})
+        out[label] = rows
+        log.info("%s %s: median |log2(pred/meas)| %.2f", name, label, _median_log2(rows, "predicted"))
+    return out
+
+
+def _median_log2(rows: list[dict], key: str) -> float:
+    v = [abs(math.log2(r[key] / r["measured"])) for r in rows
+         if r[key] > 0 and r["measured"] > 0 and math.isfinite(r[key]) and math.isfinite(r["measured"])]
+    return float(np.median(v)) if v else math.nan
+
+
+def report(results: dict) -> str:
+    lines = ["# Predicted noise ratio R against the measured one (noise_probe, 8 batches x 2 draws)", ""]
+    lines.append(f"{'model':12s} {'plan':55s} {'layers':>6s} {'med|log2|':>9s} {'add.':>6s} "
+                 f"{'within 2x':>9s} {'max R meas':>10s}")
+    for model, plans in results.items():
+        for label, rows in plans.items():
+            ok = [r for r in rows if math.isfinite(r["predicted"]) and r["measured"] > 0]
+            within = sum(0.5 <= r["predicted"] / r["measured"] <= 2.0 for r in ok)
+            lines.append(f"{model:12s} {label:55s} {len(rows):6d} {_median_log2(rows, 'predicted'):9.2f} "
+                         f"{_median_log2(rows, 'additive'):6.2f} {within:4d}/{len(ok):<4d} "
+                         f"{max((r['measured'] for r in ok), default=math.nan):10.4g}")
+    lines += ["", "Per layer (predicted / measured R; sparsity granted):"]
+    for model, plans in results.items():
+        for label, rows in plans.items():
+            lines.append(f"\n{model} · {label}")
+            for r in rows:
+                lines.append(f"  {r['layer']:28s} sp {r['sparsity']:.3f}  e {r['error']:.4f}  "
+                             f"R {r['predicted']:.4g} / {r['measured']:.4g}  (additive {r['additive']:.4g}; "
+                             f"minibatch trace/probe {r['minibatch_trace']:.3g}/{r['minibatch_probe']:.3g})")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="*", default=list(MODELS))
+    ap.add_argument("--steps", type=int, default=38)
+    ap.add_argument("--batches", type=int, default=8)
+    ap.add_argument("--draws", type=int, default=2)
+    ap.add_argument("--fresh", action="store_true", help="recompute every model")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("gradstats").setLevel(logging.ERROR)
+    results = {} if args.fresh or not RESULTS.exists() else json.loads(RESULTS.read_text())
+    for name in args.models:
+        done = results.get(name, {})
+        todo = {k: v for k, v in PLANS.items() if k not in done}
+        if todo:
+            done.update(measure(name, todo, args.steps, args.batches, args.draws))
+            results[name] = done
+            RESULTS.parent.mkdir(parents=True, exist_ok=True)
+            RESULTS.write_text(json.dumps(results, indent=1, default=float))
+    text = report(results)
+    RESULTS.with_suffix(".txt").write_text(text)
+    print(text.split("\nPer layer")[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""What a plan costs: the noise it adds to each layer's weight gradient, against SGD's own.
+
+For a planned layer ``l`` the *noise ratio* is
+
+    R_l = (e_l + sum_{m downstream of l} e_m) * q2_l / minibatch_l
+
+- ``e_m``: the relative error ``E(out - g)^2 / E g^2`` of layer ``m``'s operator (pruning then
+  rounding), predicted from the stored binade histogram and top magnitudes of its gradient by the
+  composed-operator model (:func:`gradstats.plan.checks.predict`, the exact added variance of
+  stochastic pruning ``|g| (a - |g|)`` below the threshold, no lognormal tail);
+- noise added to a layer's output gradient flows back into every layer before it: the layers
+  downstream of ``l`` (its output feeds their input) are read from the autograd graph the trace
+  recorded, and their relative noise is carried back unchanged (noise is amplified like the
+  gradient it rides on);
+- ``q2_l = sum_r |g_r|^2 |x_r|^2`` turns a relative error of the output gradient into added variance
+  of the weight gradient (independent per entry), and ``minibatch_l`` is that weight gradient's
+  minibatch variance at the run's batch size (both recorded by the trace,
+  :mod:`gradstats.noise.record`).
+
+``R = 1`` doubles the noise SGD already has. :func:`gradstats.noise.noise_probe` measures the same
+ratio by running the plan; ``docs/noise.md`` compares the two and explains the default bound.
+
+Example:
+    >>> import tempfile, torch, gradstats
+    >>> m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
+    ...     for _ in range(2):
+    ...         m(torch.randn(32, 16)).logsumexp(1).mean().backward(); t.step()
+    >>> p = gradstats.Plan.uniform(sparsity=0.9, output_layer=False)
+    >>> df = predicted_noise(t.path, p).to_dataframe()
+    >>> list(df["layer"]), bool((df["noise"] > 0).all())
+    (['0', '2'], True)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+log = logging.getLogger(__name__)
+
+__all__ = ["predicted_noise", "NoisePrediction", "noise_terms", "downstream", "operator_error", "NOISE_BOUND"]
+
+#: the default largest predicted noise ratio per layer (docs/noise.md: every configuration of the
+#: study with a measured ratio up to 0.015 kept its accuracy; every one that lost had 0.32 or more)
+NOISE_BOUND = 0.02
+
+
+def noise_terms(run: Any, layers: Sequence[str], steps: Optional[Sequence[int]] = None) -> "pd.DataFrame":
+    """Per layer, from the run's ``"noise"`` table (on ``steps``, else all): ``q2`` and
+    ``minibatch`` (means over steps, calls added), ``batch`` and ``steps`` (how many). Layers with no
+    record are absent.
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> m = torch.nn.Linear(4, 4)
+        >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
+        ...     m(torch.randn(8, 4)).square().sum().backward(); t.step()
+        >>> list(noise_terms(t.path, [""]).columns)
+        ['q2', 'minibatch', 'batch', 'steps']
+    """
+    import pandas as pd
+
+    from gradstats.run import as_run
+
+    r = as_run(run)
+    df = r.table("noise")
+    cols = ["q2", "minibatch", "batch", "steps"]
+    if df.empty:
+        return pd.DataFrame(columns=cols, dtype=float)
+    df = df[df["layer"].isin(list(layers))]
+    if steps is not None:
+        sel = df[df["step"].isin(list(steps))]
+        df = sel if len(sel) else df
+    if "rank" in df.columns and len(df):
+        df = df[df["rank"] == df["rank"].min()]
+    pairs = df[df["call"] < 0] if "pair" in df.columns else df.iloc[:0]
+    calls = df[df["call"] >= 0]
+    per = calls.groupby(["layer", "step"]).agg(q2=("q2", "sum"), s2=("s2", "sum"), batch=("batch", "max"))
+    b = per["batch"].astype(float)
+    per["signs"] = np.where(b > 1, per["s2"] * b / np.maximum(b - 1.0, 1.0), np.nan)
+    out = per.groupby(level="layer").agg(q2=("q2", "mean"), signs=("signs", "mean"),
+                                         batch=("batch", "max"), steps=("q2", "size"))
+    pair = pairs.groupby("layer")["pair"].mean() if len(pairs) else pd.Series(dtype=float)
+    out["minibatch"] = [float(pair[n]) if n in pair.index and np.isfinite(pair[n]) else float(out.loc[n, "signs"])
+                        for n in out.index]
+    return out[cols]
+
+
+def downstream(run: Any) -> dict[str, list[str]]:
+    """Per traced layer, the traced layers whose input depends on its output (the run's
+    ``"noise_graph"`` table; empty when the trace did not record it).
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
+        ...     m(torch.randn(8, 4)).sum().backward(); t.step()
+        >>> downstream(t.path)
+        {'0': ['2'], '2': []}
+    """
+    from gradstats.run import as_run
+
+    df = as_run(run).table("noise_graph")
+    if df.empty:
+        return {}
+    df = df[df["step"] == df["step"].max()]
+    return {str(rec["layer"]): list(json.loads(rec["downstream"])) for rec in df.to_dict("records")}
+
+
+def operator_error(rule: Any, rows: Sequence[Any], weights: Optional[Sequence[float]] = None) -> float:
+    """The relative error ``E(out - g)^2 / E g^2`` of ``rule``'s operator, predicted on each
+    statistics row (one per calibration step) with the threshold and scale that apply sets from it,
+    averaged with ``weights``. 0 for an identity rule; NaN where nothing can be predicted.
+
+    Example:
+        >>> import torch
+        >>> from gradstats.plan import Rule
+        >>> from gradstats.stats import tensor_stats
+        >>> row = tensor_stats(torch.randn(10000).exp())
+        >>> 0.0 < operator_error(Rule(sparsity=0.5), [row]) < 1.0
+        True
+    """
+    from gradstats.plan.checks import operator_settings, predict
+
+    if rule is None or rule.is_identity or not rows:
+        return 0.0
+    errs = []
+    for row in rows:
+        a, scale = operator_settings(rule, row)
+        errs.append(predict(rule, row, a, scale)["error"])
+    w = np.ones(len(errs)) if weights is None else np.asarray(weights, dtype=float)
+    e = np.asarray(errs, dtype=float)
+    ok = np.isfinite(e)
+    return float(np.sum(w[ok] * e[ok]) / np.sum(w[ok])) if ok.any() else math.nan
+
+
+@dataclass(frozen=True)
+class NoisePrediction:
+    """Per planned layer: ``error`` (its operator's relative error), ``incoming`` (the relative
+    error carried back from the planned layers downstream), ``q2``, ``minibatch``, ``noise``
+    (the ratio ``R``) and ``local_noise`` (``R`` from this layer's own operator alone).
+
+    Example:
+        >>> NoisePrediction([{"layer": "fc", "noise": 0.01}], 0.02).ok
+        True
+    """
+
+    records: list[dict[str, Any]]
+    bound: Optional[float] = None
+    steps: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every layer's predicted ratio within ``bound`` (True without a bound)."""
+        if self.bound is None:
+            return True
+        return all(not (r.get("noise", 0.0) > self.bound) for r in self.records)
+
+    def to_dataframe(self) -> "pd.DataFrame":
+        """One row per layer."""
+        import pandas as pd
+
+        cols = ["layer", "error", "incoming", "q2", "minibatch", "local_noise", "noise"]
+        return pd.DataFrame(self.records, columns=cols)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``{"bound", "steps", "layers": {name: record}}``."""
+        return {"bound": self.bound, "steps": list(self.steps),
+                "layers": {r["layer"]: {k: v for k, v in r.items() if k != "layer"} for r in self.records}}
+
+    def __getitem__(self, layer: str) -> float:
+        for r in self.records:
+            if r["layer"] == layer:
+                return float(r["noise"])
+        raise KeyError(layer)
+
+
+def _combine(errors: dict[str, float], terms: "pd.DataFrame", down: dict[str, list[str]],
+             layers: Sequence[str]) -> list[dict[str, Any]]:
+    recs = []
+    for name in layers:
+        e = errors.get(name, 0.0)
+        inc = float(np.prod([1.0 + errors[m] for m in down.get(name, ()) if math.isfinite(errors.get(m, math.nan))])
+                    - 1.0)
+        if name in terms.index and terms.loc[name, "minibatch"] > 0:
+            c = float(terms.loc[name, "q2"] / terms.loc[name, "minibatch"])
+            q2, mb = float(terms.loc[name, "q2"]), float(terms.loc[name, "minibatch"])
+        else:
+            c = q2 = mb = math.nan
+        recs.append({"layer": name, "error": e, "incoming": inc, "q2": q2, "minibatch": mb,
+                     "local_noise": e * c, "noise": (e + inc) * c})
+    return recs
+
+
+def predicted_noise(run: Any, plan: Any, *, steps: Any = "auto", bound: Optional[float] = None) -> NoisePrediction:
+    """The noise ratio ``R`` (module doc) that ``plan`` is predicted to add to each planned layer
+    of the model traced in ``run``, from the run's statistics and noise records on the calibration
+    ``steps`` (:func:`gradstats.plan.checks.calibration_steps`). Layers the trace holds no noise
+    record of (not a Linear or convolution, or a run traced before these were recorded) get NaN.
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
+        ...     for _ in range(2):
+        ...         m(torch.randn(64, 8)).logsumexp(1).mean().backward(); t.step()
+        >>> lo = predicted_noise(t.path, gradstats.Plan.uniform(sparsity=0.3, output_layer=False))
+        >>> hi = predicted_noise(t.path, gradstats.Plan.uniform(sparsity=0.9, output_layer=False))
+        >>> hi["0"] > lo["0"] > 0
+        True
+    """
+    from gradstats.plan.checks import calibration_steps, step_rows, step_weights
+    from gradstats.run import as_run
+
+    r = as_run(run)
+    rules = {n: rule for n, rule in plan.resolve(r, strict=False).items() if not rule.is_identity}
+    if not rules:
+        return NoisePrediction([], bound)
+    chosen = calibration_steps(r, list(rules), steps=steps)
+    rows = step_rows(r, list(rules), chosen)
+    errors = {}
+    for name, rule in rules.items():
+        have = [s for s in chosen if s in rows[name]]
+        errors[name] = operator_error(rule, [rows[name][s] for s in have], step_weights(have) if have else None)
+    terms = noise_terms(r, list(rules), chosen)
+    missing = [n for n in rules if n not in terms.index]
+    if missing:
+        log.info("no noise record for %d planned layer(s) (%s): their predicted noise is NaN",
+                 len(missing), ", ".join(missing[:5]))
+    return NoisePrediction(_combine(errors, terms, downstream(r), list(rules)), bound, list(chosen))
+
+
+def bound_sparsity(layers: Sequence[str], requested: dict[str, float], error_at: Callable[[str, float], float],
+                   terms: "pd.DataFrame", down: dict[str, list[str]], bound: float,
+                   iterations: int = 10) -> dict[str, dict[str, Any]]:
+    """Per layer, the largest sparsity up to ``requested[layer]`` (layers absent from ``requested``
+    are not pruned) that keeps every layer's predicted ratio within ``bound``.
+
+    Each layer's bound is a budget of relative error ``bound * minibatch / q2`` shared by the layer
+    and the planned layers downstream of it; layers are granted their sparsity from the output
+    backwards, each taking at most an equal share of what is left of every budget it draws on, so no
+    budget is overdrawn. ``error_at(layer, s)`` is the layer's operator error at sparsity ``s``
+    (increasing in ``s``). Returns per layer ``requested``, ``granted``, ``error``, ``reason``.
+
+    Example:
+        >>> import pandas as pd
+        >>> terms = pd.DataFrame({"q2": [1.0, 1.0], "minibatch": [1.0, 1.0]}, index=["a", "b"])
+        >>> out = bound_sparsity(["a", "b"], {"a": 0.9, "b": 0.9}, lambda n, s: s / 10, terms,
+        ...                      {"a": ["b"], "b": []}, 0.02)
+        >>> round(out["b"]["granted"], 2), round(out["a"]["granted"], 2)
+        (0.1, 0.1)
+    """
+    planned = set(layers)
+    contrib = {l: [l] + [m for m in down.get(l, ()) if m in planned] for l in layers}
+    budget, used, left = {}, {}, {}
+    for l in layers:
+        if l in terms.index and terms.loc[l, "q2"] > 0 and terms.loc[l, "minibatch"] > 0:
+            budget[l] = bound * float(terms.loc[l, "minibatch"] / terms.loc[l, "q2"])
+        else:
+            budget[l] = math.inf            # nothing recorded: no bound can be computed
+        used[l], left[l] = 0.0, len(contrib[l])
+    draws_on = {m: [l for l in layers if m in contrib[l]] for m in layers}
+    out: dict[str, dict[str, Any]] = {}
+    fixed = [m for m in layers if m not in requested]
+    pruned = sorted((m for m in layers if m in requested), key=lambda m: len(down.get(m, ())))
+    for m in fixed + pruned:
+        e0 = error_at(m, 0.0)
+        e0 = e0 if math.isfinite(e0) else 0.0
+        want = requested.get(m, 0.0)
+        share = min(((budget[l] - used[l]) / left[l] for l in draws_on[m]), default=math.inf)
+        if m not in requested or want <= 0:
+            s, e, reason = 0.0, e0, "not pruned"
+        elif not math.isfinite(share):
+            s, e, reason = want, error_at(m, want), "no noise record: requested"
+        elif e0 > share:
+            s, e, reason = 0.0, e0, "the rounding alone exceeds the noise bound"
+        else:
+            e_want = error_at(m, want)
+            if e_want <= share:
+                s, e, reason = want, e_want, "requested"
+            else:
+                lo, hi, e = 0.0, want, e0
+                for _ in range(iterations):
+                    mid = 0.5 * (lo + hi)
+                    em = error_at(m, mid)
+                    if em <= share:
+                        lo, e = mid, em
+                    else:
+                        hi = mid
+                s, reason = lo, "noise bound"
+        for l in draws_on[m]:
+            used[l] += e
+            left[l] -= 1
+        out[m] = {"requested": want, "granted": s, "error": e, "reason": reason}
+    return out
+
+
+def rule_at(rule: Any, sparsity: float) -> Any:
+    """``rule`` with its sparsity set to ``sparsity`` (None at 0)."""
+    return replace(rule, sparsity=float(sparsity) if sparsity > 0 else None)
+
+
+def _layer_errors(rules: dict[str, Any], rows: dict[str, dict[int, Any]], steps: Sequence[int]) -> Callable:
+    from gradstats.plan.checks import step_weights
+
+    cache: dict[tuple[str, float], float] = {}
+
+    def error_at(name: str, s: float) -> float:
+        key = (name, round(float(s), 6))
+        if key not in cache:
+            have = [t for t in steps if t in rows[name]]
+            cache[key] = operator_error(rule_at(rules[name], s), [rows[name][t] for t in have],
+                                        step_weights(have) if have else None)
+        return cache[key]
+    return error_at
+
+
+def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float],
+               requested: Optional[float] = None) -> Any:
+    """``plan`` with each pruned layer's sparsity lowered where needed so that the noise ratio its
+    *pruning* adds (over the plan's rounding alone) stays within ``bound`` at every planned layer
+    (:func:`bound_sparsity`), and the plan's ``noise`` records filled: requested and granted
+    sparsity, the reason, ``predicted_noise`` (the whole plan's ratio, rounding included) and
+    ``pruning_noise`` (the part the bound limits; the evidence behind the default bound was measured
+    on pruning alone, ``docs/noise.md``). With ``bound=None`` only the records. ``requested``: the
+    sparsity asked for (default: each rule's).
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> m = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
+        ...     for _ in range(2):
+        ...         m(torch.randn(64, 8)).logsumexp(1).mean().backward(); t.step()
+        >>> p = bound_plan(gradstats.Plan.uniform(sparsity=0.95, output_layer=False), t.path, [0], 1e-3)
+        >>> {c["layer"]: c["sparsity"] < 0.95 for c in p.noise}
+        {'0': True, '2': True}
+    """
+    import dataclasses
+
+    from gradstats.plan import PlanEntry
+    from gradstats.plan.checks import step_rows
+    from gradstats.run import as_run
+
+    r = as_run(run)
+    rules = {n: rule for n, rule in plan.resolve(r, strict=False).items() if not rule.is_identity}
+    if not rules:
+        return plan
+    rows = step_rows(r, list(rules), steps)
+    error_at = _layer_errors(rules, rows, steps)
+    terms = noise_terms(r, list(rules), steps)
+    down = downstream(r)
+    want = {n: (requested if requested is not None else rule.sparsity) for n, rule in rules.items() if rule.prunes}
+    if bound is not None and (terms.empty or not down):
+        log.warning("the run at %s holds no noise records (traced before gradstats recorded them, or with "
+                    "noise=False): the plan's noise is not bounded; trace again to bound it", r.path)
+        bound = None
+    def added_by_pruning(n: str, sp: float) -> float:     # what the bound limits: the pruning's share
+        return max(error_at(n, sp) - error_at(n, 0.0), 0.0)
+
+    if bound is None:
+        granted = {n: {"requested": want.get(n), "granted": want.get(n, 0.0) or 0.0,
+                       "error": error_at(n, want.get(n, 0.0) or 0.0), "reason": "requested" if n in want else
+                       "not pruned"} for n in rules}
+    else:
+        granted = bound_sparsity(list(rules), want, added_by_pruning, terms, down, float(bound))
+    errors = {n: error_at(n, granted[n]["granted"]) for n in rules}
+    preds = {rec["layer"]: rec for rec in _combine(errors, terms, down, list(rules))}
+    pruning = {rec["layer"]: rec for rec in _combine({n: added_by_pruning(n, granted[n]["granted"]) for n in rules},
+                                                      terms, down, list(rules))}
+    records = [{"layer": n, "requested_sparsity": granted[n]["requested"],
+                "sparsity": granted[n]["granted"], "sparsity_reason": granted[n]["reason"],
+                "operator_error": float(errors[n]), "predicted_noise": _num(preds[n]["noise"]),
+                "pruning_noise": _num(pruning[n]["noise"])} for n in rules]
+    entries = list(plan.entries)
+    if bound is not None:
+        by_name = {e.layer: i for i, e in enumerate(entries) if not e.is_pattern}
+        for n, g in granted.items():
+            if n not in want or g["granted"] >= want[n]:
+                continue
+            s = float(g["granted"])
+            if n in by_name:
+                e = entries[by_name[n]]
+                pred = e.predicted
+                if pred is not None and dataclasses.is_dataclass(pred):
+                    pred = dataclasses.replace(pred, sparsity=s)
+                entries[by_name[n]] = dataclasses.replace(e, sparsity=s, predicted=pred)
+            else:
+                entries.append(PlanEntry(n, sparsity=s))
+    return dataclasses.replace(plan, entries=tuple(entries), noise_bound=bound, noise=tuple(records))
+
+
+def _num(v: float) -> Optional[float]:
+    return float(v) if v is not None and math.isfinite(v) else None

@@ -1,0 +1,156 @@
+"""What a trace records so that the noise a plan adds can be predicted (the ``"noise"`` table).
+
+A plan changes a layer's output gradient ``g``; the optimizer sees the weight gradient
+``G = sum_r g_r x_r^T`` (rows ``r``: samples, tokens, spatial positions; ``x_r`` the input row or
+convolution patch). Noise ``d_r`` added to ``g_r`` independently per entry, zero-mean, reaches the
+weight gradient as ``E|sum_r d_r x_r^T|^2 = sum_r E|d_r|^2 |x_r|^2``; with ``E|d_r|^2 = e |g_r|^2``
+(the operator's relative error ``e``) that is ``e * q2`` with
+
+    q2 = sum_r |g_r|^2 |x_r|^2.
+
+SGD's own noise is the minibatch variance of ``G`` at the batch size ``B``, ``tr(Cov)/B`` of the
+per-sample gradients. With per-sample contributions ``G_i`` (``G = sum_i G_i``) and centred
+Rademacher signs ``c_i = s_i - mean(s)``, ``S = sum_i c_i G_i`` is one more weight-gradient
+product and ``E|S|^2 = sum_i |G_i|^2 - |G|^2 / B``, so
+
+    minibatch noise = B / (B - 1) * E|S|^2 =: B / (B - 1) * s2.
+
+Both are recorded per layer call on the trace's sampled steps for :class:`torch.nn.Linear` (the
+first dimension of the input is the sample) and 1-d and 2-d convolutions; ``downstream_layers``
+records which traced layers each layer's gradient flows back from (the autograd graph of one
+step), so that the noise later layers add is carried to the layers before them.
+
+Example:
+    >>> import torch
+    >>> lin = torch.nn.Linear(3, 2)
+    >>> x, g = torch.randn(8, 3), torch.randn(8, 2)
+    >>> t = weight_grad_terms(lin, x, g, torch.Generator().manual_seed(0))
+    >>> t["batch"], round(t["q2"], 6) == round(float((g.square().sum(1) * x.square().sum(1)).sum()), 6)
+    (8, True)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+_CONV = {nn.Conv1d: (F.conv1d, torch.nn.grad.conv1d_weight), nn.Conv2d: (F.conv2d, torch.nn.grad.conv2d_weight)}
+
+
+def records_noise(module: nn.Module) -> bool:
+    """Whether :func:`weight_grad_terms` covers ``module``: a Linear, or a 1-d or 2-d convolution
+    with numeric zero padding.
+
+    Example:
+        >>> records_noise(torch.nn.Linear(2, 2)), records_noise(torch.nn.LSTM(2, 2))
+        (True, False)
+    """
+    if type(module) is nn.Linear or isinstance(module, nn.Linear):
+        return True
+    conv = type(module) in _CONV
+    return conv and module.padding_mode == "zeros" and not isinstance(module.padding, str)
+
+
+def centred_signs(batch: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """``batch`` Rademacher signs minus their mean (float32, on ``device``).
+
+    Example:
+        >>> abs(float(centred_signs(7, torch.Generator().manual_seed(1), torch.device("cpu")).sum())) < 1e-6
+        True
+    """
+    s = torch.randint(0, 2, (batch,), generator=generator, device=generator.device).to(device, torch.float32)
+    s = 2.0 * s - 1.0
+    return s - s.mean()
+
+
+@torch.no_grad()
+def weight_grad_terms(module: nn.Module, x: torch.Tensor, g: torch.Tensor,
+                      generator: torch.Generator) -> dict[str, Any]:
+    """``batch``, ``rows``, ``q2`` and ``s2`` (see the module docstring) of one call of ``module``
+    with input ``x`` and output gradient ``g``.
+
+    Example:
+        >>> conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+        >>> t = weight_grad_terms(conv, torch.randn(4, 2, 5, 5), torch.randn(4, 3, 5, 5), torch.Generator())
+        >>> t["batch"], t["rows"], t["q2"] > 0, t["s2"] >= 0
+        (4, 100, True, True)
+    """
+    batch = int(x.shape[0]) if x.dim() >= 2 else 1
+    c = centred_signs(batch, generator, x.device) if batch > 1 else torch.zeros(1, device=x.device)
+    xf, gf = x.detach().float(), g.detach().float()
+    if isinstance(module, nn.Linear):
+        xr, gr = xf.reshape(-1, xf.shape[-1]), gf.reshape(-1, gf.shape[-1])
+        rows = xr.shape[0]
+        q2 = (gr.square().sum(1) * xr.square().sum(1)).sum()
+        per = c.repeat_interleave(rows // batch) if rows % batch == 0 else c.new_zeros(rows)
+        s2 = ((gr * per[:, None]).T @ xr).square().sum()
+    else:
+        conv, weight_grad = _CONV[type(module)]
+        groups, n = module.groups, xf.shape[0]
+        xs = xf.square().reshape(n, groups, -1, *xf.shape[2:]).sum(2)
+        ones = xf.new_ones(groups, 1, *module.kernel_size)
+        patch = conv(xs, ones, stride=module.stride, padding=module.padding, dilation=module.dilation,
+                     groups=groups)
+        gs = gf.square().reshape(n, groups, -1, *gf.shape[2:]).sum(2)
+        q2 = (gs * patch).sum()
+        rows = n * int(torch.tensor(gf.shape[2:]).prod()) if gf.dim() > 2 else n
+        signed = gf * c.view(-1, *([1] * (gf.dim() - 1)))
+        s2 = weight_grad(xf, module.weight.shape, signed, stride=module.stride, padding=module.padding,
+                         dilation=module.dilation, groups=groups).square().sum()
+    return {"batch": batch, "rows": int(rows), "q2": float(q2), "s2": float(s2)}
+
+
+def node_of(t: Any) -> Any:
+    """The autograd node that produced ``t`` (None for a leaf or a non-tensor)."""
+    return getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+
+
+def downstream_layers(outputs: dict[str, Any], inputs: dict[str, Any]) -> dict[str, list[str]]:
+    """For each layer, the layers whose input depends on its output (so whose gradient noise flows
+    back into its gradient), from the autograd nodes of one forward pass: ``outputs[name]`` the
+    node of the layer's output, ``inputs[name]`` the node of its input (None: a leaf input).
+
+    Example:
+        >>> import torch
+        >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        >>> h = a(torch.randn(1, 2)); y = b(h.relu())
+        >>> downstream_layers({"a": h.grad_fn, "b": y.grad_fn}, {"a": None, "b": h.relu().grad_fn})
+        {'a': ['b'], 'b': []}
+    """
+    names = list(outputs)
+    bit = {}
+    for i, name in enumerate(names):
+        node = outputs[name]
+        if node is not None:
+            bit[node] = bit.get(node, 0) | (1 << i)
+    reach: dict[Any, int] = {}
+    for name in names:               # iterative post-order walk, each node once
+        start = inputs.get(name)
+        if start is None or start in reach:
+            continue
+        stack = [(start, False)]
+        while stack:
+            node, done = stack.pop()
+            if done:
+                mask = bit.get(node, 0)
+                for nxt, _ in node.next_functions:
+                    if nxt is not None:
+                        mask |= reach.get(nxt, 0)
+                reach[node] = mask
+                continue
+            if node in reach:
+                continue
+            stack.append((node, True))
+            for nxt, _ in node.next_functions:
+                if nxt is not None and nxt not in reach:
+                    stack.append((nxt, False))
+    down: dict[str, list[str]] = {n: [] for n in names}
+    for m in names:
+        start = inputs.get(m)
+        mask = reach.get(start, 0) if start is not None else 0
+        for i, l in enumerate(names):
+            if mask >> i & 1 and l != m:
+                down[l].append(m)
+    return down

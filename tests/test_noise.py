@@ -1,0 +1,211 @@
+"""The noise a plan adds against SGD's own: what the trace records, the prediction, the probe, the bound."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import gradstats
+from gradstats.noise.predict import bound_sparsity, downstream, noise_terms
+from gradstats.noise.record import downstream_layers, weight_grad_terms
+
+
+def _per_sample_weight_grads(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Brute force: each sample's contribution to the weight gradient, via autograd."""
+    out = []
+    for i in range(x.shape[0]):
+        module.zero_grad()
+        y = module(x[i:i + 1])
+        y.backward(g[i:i + 1])
+        out.append(module.weight.grad.detach().clone().double())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("make, xshape, gshape", [
+    (lambda: nn.Linear(5, 3), (6, 5), (6, 3)),
+    (lambda: nn.Linear(5, 3), (6, 4, 5), (6, 4, 3)),                       # tokens: rows per sample
+    (lambda: nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2), (5, 4, 7, 7), (5, 6, 4, 4)),
+    (lambda: nn.Conv1d(3, 4, 3, dilation=2), (5, 3, 11), (5, 4, 7)),
+])
+def test_weight_grad_terms_match_brute_force(make, xshape, gshape):
+    torch.manual_seed(0)
+    mod = make()
+    x, g = torch.randn(xshape), torch.randn(gshape)
+    per = _per_sample_weight_grads(mod, x, g)
+    # q2: sum over rows of |g_r|^2 |x_r|^2 = the variance independent unit noise on g adds to G
+    noise_var = 0.0
+    for _ in range(300):
+        d = torch.randn(gshape)
+        mod.zero_grad()
+        mod(x).backward(d)
+        noise_var += float(mod.weight.grad.double().square().sum()) / 300
+    t = weight_grad_terms(mod, x, g, torch.Generator().manual_seed(1))
+    # E|sum_r d_r x_r^T|^2 with unit d = sum_r |x_r|^2 * (outputs per row); q2 weights by |g_r|^2 instead
+    ones = weight_grad_terms(mod, x, torch.ones(gshape), torch.Generator().manual_seed(1))
+    assert ones["q2"] == pytest.approx(noise_var, rel=0.1)
+    assert t["batch"] == xshape[0]
+    # s2: its mean over sign draws is sum_i |G_i - mean|^2 exactly
+    target = float((per - per.mean(0)).square().sum())
+    gen = torch.Generator().manual_seed(2)
+    draws = [weight_grad_terms(mod, x, g, gen)["s2"] for _ in range(1500)]
+    assert np.mean(draws) == pytest.approx(target, rel=0.1)
+
+
+def test_downstream_layers_follow_the_graph_not_the_call_order():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2, self.short = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            y = self.conv2(torch.relu(self.conv1(x)))
+            return self.head(torch.relu(y + self.short(x)))   # shortcut computed after the branch
+
+    m = Block()
+    outs, ins = {}, {}
+    def keep(name):
+        def hook(mod, inputs, out):
+            outs[name], ins[name] = out.grad_fn, inputs[0].grad_fn
+        return hook
+    for name, mod in m.named_children():
+        mod.register_forward_hook(keep(name))
+    m(torch.randn(2, 4, requires_grad=True) * 1.0)
+    down = downstream_layers(outs, ins)
+    assert down == {"conv1": ["conv2", "head"], "conv2": ["head"], "short": ["head"], "head": []}
+
+
+def _mlp_run(tmp_path, steps=4, noise=True, seed=0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    x_all, y_all = torch.randn(2048, 16), torch.randint(0, 8, (2048,))
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch():
+        i = torch.randint(0, 2048, (128,), generator=gen)
+        return x_all[i], y_all[i]
+
+    def loss_fn(model, b):
+        return nn.functional.cross_entropy(model(b[0]), b[1])
+    last = steps - 2
+    with gradstats.trace(m, tmp_path / "run", sample_every=[last], noise=noise) as t:
+        for s in range(steps):
+            opt.zero_grad()
+            loss_fn(m, batch()).backward()
+            if s < last:
+                opt.step()
+            t.step()
+    return m, t.path, batch, loss_fn, last
+
+
+def test_trace_records_terms_pairs_and_graph(tmp_path):
+    _, path, _, _, last = _mlp_run(tmp_path)
+    run = gradstats.open_run(path)
+    tab = run.table("noise")
+    assert set(tab["layer"]) == {"0", "2", "4"}
+    assert (tab.loc[tab["call"] >= 0, "step"] == last).all()
+    assert tab.loc[tab["call"] < 0, "pair"].gt(0).all() and (tab["call"] < 0).sum() == 3
+    assert downstream(path) == {"0": ["2", "4"], "2": ["4"], "4": []}
+    terms = noise_terms(path, ["0", "2", "4"])
+    pairs = tab[tab["call"] < 0].set_index("layer")["pair"]
+    assert terms.loc["2", "minibatch"] == pytest.approx(pairs["2"])      # the pair estimate is preferred
+
+
+def test_trace_noise_off_records_nothing(tmp_path):
+    _, path, _, _, _ = _mlp_run(tmp_path, noise=False)
+    run = gradstats.open_run(path)
+    assert run.table("noise").empty and run.table("noise_graph").empty
+
+
+def test_prediction_within_a_factor_of_two_of_the_probe(tmp_path):
+    """CPU reference: on an MLP (output layer exact, the default) the predicted ratio is within 2x of
+    the measured one per layer."""
+    m, path, batch, loss_fn, last = _mlp_run(tmp_path, steps=6)
+    plan = gradstats.Plan.uniform(sparsity=0.8)
+    pred = gradstats.predicted_noise(path, plan, steps=[last])
+    meas = gradstats.noise_probe(m, [batch() for _ in range(8)], plan, loss_fn, draws=2)
+    for layer in ("0", "2"):
+        assert 0.5 < pred[layer] / meas[layer] < 2.0, (layer, pred[layer], meas[layer])
+    # noise flows back: the first layer carries the later layers' noise
+    df = pred.to_dataframe().set_index("layer")
+    assert df.loc["0", "incoming"] > 0 and df.loc["2", "incoming"] == 0
+
+
+def test_probe_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    m[0].weight.grad = torch.ones_like(m[0].weight)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    batches = [torch.randn(16, 4) for _ in range(3)]
+    p = gradstats.noise_probe(m, batches, gradstats.Plan.uniform(sparsity=0.5, output_layer=False),
+                              lambda model, x: model(x).square().mean())
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert torch.equal(m[0].weight.grad, torch.ones_like(m[0].weight)) and m[3].weight.grad is None
+    assert p["0"] > 0 and p.to_dict()["batches"] == 3
+
+
+def test_probe_rejects_bad_input():
+    m = nn.Linear(2, 2)
+    plan = gradstats.Plan.uniform(sparsity=0.5, output_layer=False)
+    with pytest.raises(ValueError, match="at least 2 batches"):
+        gradstats.noise_probe(m, [torch.randn(2, 2)], plan, lambda mm, x: mm(x).sum())
+    with pytest.raises(ValueError, match="draws"):
+        gradstats.noise_probe(m, [torch.randn(2, 2)] * 2, plan, lambda mm, x: mm(x).sum(), draws=0)
+    with pytest.raises(ValueError, match="scalar training loss"):
+        gradstats.noise_probe(m, [torch.randn(2, 2)] * 2, plan, lambda mm, x: mm(x))
+
+
+def test_bound_sparsity_never_overdraws_a_budget():
+    layers = ["a", "b", "c"]
+    down = {"a": ["b", "c"], "b": ["c"], "c": []}
+    terms = pd.DataFrame({"q2": [4.0, 2.0, 1.0], "minibatch": [1.0, 1.0, 1.0]}, index=layers)
+    out = bound_sparsity(layers, {n: 0.9 for n in layers}, lambda n, s: s ** 2, terms, down, 0.1)
+    for l in layers:
+        total = out[l]["error"] + sum(out[m]["error"] for m in down[l])
+        assert total * terms.loc[l, "q2"] <= 0.1 + 1e-9
+    assert all(0 < out[n]["granted"] < 0.9 and out[n]["reason"] == "noise bound" for n in layers)
+    loose = bound_sparsity(layers, {n: 0.9 for n in layers}, lambda n, s: s ** 2, terms, down, 100.0)
+    assert all(loose[n]["granted"] == 0.9 and loose[n]["reason"] == "requested" for n in layers)
+
+
+def test_recommend_bounds_the_noise_by_default(tmp_path):
+    _, path, _, _, _ = _mlp_run(tmp_path, steps=6)
+    bounded = gradstats.recommend(path, sparsity=0.95, output_layer=False)
+    free = gradstats.recommend(path, sparsity=0.95, output_layer=False, noise_bound=None)
+    df = bounded.to_dataframe().set_index("layer")
+    assert bounded.noise_bound == gradstats.noise.NOISE_BOUND
+    assert (df["pruning_noise"] <= bounded.noise_bound * 1.001).all()
+    assert (df["requested_sparsity"] == 0.95).all() and (df["sparsity"] < 0.95).any()
+    assert set(df["sparsity_reason"]) <= {"noise bound", "requested"}
+    assert (free.to_dataframe()["sparsity"] == 0.95).all() and free.noise_bound is None
+    assert gradstats.Plan.from_dict(bounded.to_dict()) == bounded
+    auto = gradstats.recommend(path, sparsity="auto", output_layer=False).to_dataframe().set_index("layer")
+    assert (auto["pruning_noise"] <= gradstats.noise.NOISE_BOUND * 1.001).all()
+    assert (auto["sparsity"] >= df["sparsity"] - 0.002).all()        # (bisection to 0.001)
+    # the granted sparsity is what apply enforces
+    rules = bounded.resolve(["0", "2", "4"])
+    assert {n: r.sparsity for n, r in rules.items()} == pytest.approx(df["sparsity"].to_dict())
+
+
+def test_recommend_noise_arguments_are_checked(tmp_path):
+    _, path, _, _, _ = _mlp_run(tmp_path)
+    with pytest.raises(ValueError, match="noise_bound"):
+        gradstats.recommend(path, sparsity=0.5, noise_bound=-1)
+    with pytest.raises(ValueError, match="give a noise_bound"):
+        gradstats.recommend(path, sparsity="auto", noise_bound=None)
+    with pytest.raises(ValueError, match="'auto'"):
+        gradstats.recommend(path, sparsity="most")
+
+
+def test_recommend_on_a_run_without_noise_records_warns_and_keeps_the_request(tmp_path, caplog):
+    _, path, _, _, _ = _mlp_run(tmp_path, noise=False)
+    with caplog.at_level("WARNING"):
+        p = gradstats.recommend(path, sparsity=0.9, output_layer=False)
+    assert "no noise records" in caplog.text
+    assert (p.to_dataframe()["sparsity"] == 0.9).all() and p.noise_bound is None
+    assert math.isnan(gradstats.predicted_noise(path, p)["0"])
