@@ -37,7 +37,7 @@ from torch import nn
 
 from gradstats._version import __version__
 from gradstats.layers import module_types
-from gradstats.noise.record import downstream_layers, node_of, records_noise, weight_grad_terms
+from gradstats.noise.record import Propagation, records_noise, weight_grad_terms
 from gradstats.run import FORMAT_VERSION, RunWriter, atomic_write_json, last_committed_step, sample_key
 from gradstats.run.select import layer_matcher
 from gradstats.stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
@@ -294,10 +294,9 @@ class Tracer:
         self._attached = False
         #: record the noise terms of :mod:`gradstats.noise.record` on sampled steps
         self.noise = bool(noise)
-        self._graph_out: dict[str, Any] = {}
-        self._graph_in: dict[str, Any] = {}
+        # the step whose noise propagation is measured (the first sampled one), and the measurement
         self._graph_step: int | None = None
-        self._graph_done: int | None = None
+        self._propagation: Propagation | None = Propagation() if self.noise else None
         self._noise_prev: tuple[int, dict[str, torch.Tensor]] | None = None
 
     # -- lifecycle
@@ -382,6 +381,14 @@ class Tracer:
         gradients of a sampled step and of the next, ``|G_s - G_(s+1)|^2 / 2`` (into the ``"noise"``
         table as ``pair``; one update apart, the model's drift is small next to the minibatch noise)."""
         step = self.current_step
+        prop = self._propagation
+        if prop is not None and step == self._graph_step:
+            graph, gains = prop.finish(step)
+            self._propagation = None                  # once per run
+            if graph:
+                self.log_rows("noise_graph", graph)
+            if gains:
+                self.log_rows("noise_gain", gains)
         prev = self._noise_prev
         if prev is not None and prev[0] == step - 1:
             rows = []
@@ -521,12 +528,17 @@ class Tracer:
                 x = self._noise_input(step, name, call, module, inputs, out) if do_samples else None
 
                 def tensor_hook(grad: torch.Tensor) -> None:
+                    prop = self._propagation
+                    if prop is not None and prop.busy:   # noise sent back by the propagation measurement
+                        return
                     if torch.compiler.is_compiling():    # traced (compiled autograd): kept out
                         self._record(step, name, "grad", call, grad, do_stats, do_samples)
                     else:                                # eager, the common case: no wrapper
                         self._record_now(step, name, "grad", call, grad, do_stats, do_samples)
                         if x is not None:
                             self._record_noise(step, name, call, module, x, grad)
+                        if prop is not None and step == self._graph_step and call == 0:
+                            prop.on_gradient(name, grad, self._generator(grad.device))
                 out.register_hook(tensor_hook)
         return forward_hook
 
@@ -539,21 +551,15 @@ class Tracer:
             return None
         x = next((t for t in (inputs if isinstance(inputs, tuple) else (inputs,)) if isinstance(t, torch.Tensor)),
                  None)
-        if self._graph_done is None and call == 0:
+        if self._propagation is not None and call == 0:
             if self._graph_step is None:
                 self._graph_step = step
             if step == self._graph_step:
-                self._graph_out[name] = out.grad_fn
-                self._graph_in[name] = node_of(x)
+                self._propagation.keep(name, out, x)
         return x.detach() if x is not None and records_noise(module) else None
 
     def _record_noise(self, step: int, layer: str, call: int, module: nn.Module, x: torch.Tensor,
                       grad: torch.Tensor) -> None:
-        if self._graph_done is None and self._graph_out:       # the whole graph of the step exists now
-            down = downstream_layers(self._graph_out, self._graph_in)
-            self._graph_out, self._graph_in, self._graph_done = {}, {}, step
-            self.log_rows("noise_graph", [{"step": self._graph_step, "layer": n, "downstream": json.dumps(d)}
-                                          for n, d in down.items()])
         try:
             terms = weight_grad_terms(module, x, grad, self._generator(grad.device))
         except RuntimeError as exc:   # a layer whose input is not what its type says: no noise terms

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import gradstats
-from gradstats.noise.predict import bound_sparsity, downstream, noise_terms
+from gradstats.noise.predict import bound_sparsity, downstream, gains, incoming_noise, noise_terms
 from gradstats.noise.record import downstream_layers, weight_grad_terms
 
 
@@ -113,13 +113,52 @@ def test_trace_records_terms_pairs_and_graph(tmp_path):
     assert downstream(path) == {"0": ["2", "4"], "2": ["4"], "4": []}
     terms = noise_terms(path, ["0", "2", "4"])
     pairs = tab[tab["call"] < 0].set_index("layer")["pair"]
-    assert terms.loc["2", "minibatch"] == pytest.approx(pairs["2"])      # the pair estimate is preferred
+    assert terms.loc["2", "pair"] == pytest.approx(pairs["2"])
+    assert terms.loc["2", "minibatch"] == min(terms.loc["2", "pair"], terms.loc["2", "signs"])   # the safe side
+
+
+def test_trace_measures_how_noise_flows_back_without_touching_the_step(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(64, 8)
+    m(x).logsumexp(1).mean().backward()
+    plain = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    with gradstats.trace(m, tmp_path / "run", sample_every=1) as t:
+        m(x).logsumexp(1).mean().backward()
+        t.step()
+    assert all(torch.equal(a, p.grad) for a, p in zip(plain, m.parameters()))     # the step is untouched
+    g = gains(t.path)
+    assert set(g) == {("2", "0"), ("4", "0"), ("4", "2")}
+    # the same measurement by hand: noise shaped like layer 4's gradient, sent back to layer 0's output
+    outs = {}
+    hooks = [m[i].register_forward_hook(lambda mod, inp, o, k=str(i): outs.__setitem__(k, o)) for i in (0, 4)]
+    y = m(x).logsumexp(1).mean()
+    g4, g0 = torch.autograd.grad(y, [outs["4"], outs["0"]], retain_graph=True)
+    ratios = []
+    for seed in range(200):
+        xi = torch.randn(g4.shape, generator=torch.Generator().manual_seed(seed))
+        back = torch.autograd.grad(outs["4"], outs["0"], grad_outputs=g4 * xi, retain_graph=True)[0]
+        ratios.append(float(back.square().sum() / g0.square().sum()))
+    for h in hooks:
+        h.remove()
+    assert g[("4", "0")] == pytest.approx(np.mean(ratios), rel=0.5)
+    # nothing the measurement sent back was recorded as a gradient
+    assert len(gradstats.open_run(t.path).stats()) == 3
+
+
+def test_incoming_noise_compounds_through_layers_in_series():
+    down = {"a": ["b", "c"], "b": ["c"], "c": []}
+    g = {("c", "b"): 1.0, ("c", "a"): 1.0, ("b", "a"): 1.0}
+    inc = incoming_noise({"a": 0.5, "b": 0.5, "c": 0.5}, down, g)
+    assert inc == {"c": 0.0, "b": 0.5, "a": pytest.approx(0.5 + 0.5 * 1.5)}
+    assert incoming_noise({"a": 0.5, "b": 0.5, "c": 0.5}, down, {})["a"] == 1.0     # no gains: the plain sum
 
 
 def test_trace_noise_off_records_nothing(tmp_path):
     _, path, _, _, _ = _mlp_run(tmp_path, noise=False)
     run = gradstats.open_run(path)
-    assert run.table("noise").empty and run.table("noise_graph").empty
+    assert run.table("noise").empty and run.table("noise_graph").empty and run.table("noise_gain").empty
 
 
 def test_prediction_within_a_factor_of_two_of_the_probe(tmp_path):
@@ -209,3 +248,13 @@ def test_recommend_on_a_run_without_noise_records_warns_and_keeps_the_request(tm
     assert "no noise records" in caplog.text
     assert (p.to_dataframe()["sparsity"] == 0.9).all() and p.noise_bound is None
     assert math.isnan(gradstats.predicted_noise(path, p)["0"])
+
+
+def test_verify_shows_each_layers_predicted_noise(tmp_path):
+    _, path, _, _, _ = _mlp_run(tmp_path, steps=6)
+    plan = gradstats.Plan.uniform(sparsity=0.9)
+    v = plan.verify(path)
+    per = v.per_layer().set_index("layer")
+    pred = gradstats.predicted_noise(path, plan, steps=v.steps)
+    assert per.loc["0", "predicted_noise"] == pytest.approx(pred["0"]) and pred["0"] > 0
+    assert "noise R" in v.table()

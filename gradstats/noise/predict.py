@@ -2,16 +2,18 @@
 
 For a planned layer ``l`` the *noise ratio* is
 
-    R_l = (e_l + sum_{m downstream of l} e_m) * q2_l / minibatch_l
+    R_l = (i_l + e_l (1 + i_l)) * q2_l / minibatch_l,    i_l = sum_m gain[m, l] e_m (1 + i_m)
 
 - ``e_m``: the relative error ``E(out - g)^2 / E g^2`` of layer ``m``'s operator (pruning then
   rounding), predicted from the stored binade histogram and top magnitudes of its gradient by the
   composed-operator model (:func:`gradstats.plan.checks.predict`, the exact added variance of
   stochastic pruning ``|g| (a - |g|)`` below the threshold, no lognormal tail);
-- noise added to a layer's output gradient flows back into every layer before it: the layers
-  downstream of ``l`` (its output feeds their input) are read from the autograd graph the trace
-  recorded, and their relative noise is carried back unchanged (noise is amplified like the
-  gradient it rides on);
+- ``i_l``: the relative noise that the planned layers ``m`` downstream of ``l`` (its output feeds
+  their input, from the autograd graph the trace recorded) send back into ``l``'s output gradient.
+  ``gain[m, l]`` is measured once by the trace (:class:`gradstats.noise.record.Propagation`: noise
+  shaped like ``g_m`` sent back from ``m`` alone); each operator adds its error to the gradient it
+  receives, noise included, so noise compounds through pruned layers in series. A run without
+  measured gains falls back to ``gain = 1`` and no compounding;
 - ``q2_l = sum_r |g_r|^2 |x_r|^2`` turns a relative error of the output gradient into added variance
   of the weight gradient (independent per entry), and ``minibatch_l`` is that weight gradient's
   minibatch variance at the run's batch size (both recorded by the trace,
@@ -46,7 +48,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["predicted_noise", "NoisePrediction", "noise_terms", "downstream", "operator_error", "NOISE_BOUND"]
+__all__ = ["predicted_noise", "NoisePrediction", "noise_terms", "downstream", "gains", "incoming_noise",
+           "operator_error", "NOISE_BOUND"]
 
 #: the default largest predicted noise ratio per layer (docs/noise.md: every configuration of the
 #: study with a measured ratio up to 0.015 kept its accuracy; every one that lost had 0.32 or more)
@@ -55,8 +58,9 @@ NOISE_BOUND = 0.02
 
 def noise_terms(run: Any, layers: Sequence[str], steps: Optional[Sequence[int]] = None) -> "pd.DataFrame":
     """Per layer, from the run's ``"noise"`` table (on ``steps``, else all): ``q2`` and
-    ``minibatch`` (means over steps, calls added), ``batch`` and ``steps`` (how many). Layers with no
-    record are absent.
+    ``minibatch`` (means over steps, calls added: the smaller of the two estimates of
+    :mod:`gradstats.noise.record`, ``pair`` and ``signs``, the side on which the ratio is not
+    under-stated), ``batch`` and ``steps`` (how many). Layers with no record are absent.
 
     Example:
         >>> import tempfile, torch, gradstats
@@ -64,7 +68,7 @@ def noise_terms(run: Any, layers: Sequence[str], steps: Optional[Sequence[int]] 
         >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
         ...     m(torch.randn(8, 4)).square().sum().backward(); t.step()
         >>> list(noise_terms(t.path, [""]).columns)
-        ['q2', 'minibatch', 'batch', 'steps']
+        ['q2', 'minibatch', 'pair', 'signs', 'batch', 'steps']
     """
     import pandas as pd
 
@@ -72,7 +76,7 @@ def noise_terms(run: Any, layers: Sequence[str], steps: Optional[Sequence[int]] 
 
     r = as_run(run)
     df = r.table("noise")
-    cols = ["q2", "minibatch", "batch", "steps"]
+    cols = ["q2", "minibatch", "pair", "signs", "batch", "steps"]
     if df.empty:
         return pd.DataFrame(columns=cols, dtype=float)
     df = df[df["layer"].isin(list(layers))]
@@ -89,8 +93,11 @@ def noise_terms(run: Any, layers: Sequence[str], steps: Optional[Sequence[int]] 
     out = per.groupby(level="layer").agg(q2=("q2", "mean"), signs=("signs", "mean"),
                                          batch=("batch", "max"), steps=("q2", "size"))
     pair = pairs.groupby("layer")["pair"].mean() if len(pairs) else pd.Series(dtype=float)
-    out["minibatch"] = [float(pair[n]) if n in pair.index and np.isfinite(pair[n]) else float(out.loc[n, "signs"])
-                        for n in out.index]
+    # two estimates: the pair (two batches; right under BatchNorm, whose samples are not independent,
+    # but one draw) and the centred signs (every sample of one batch; over-estimates under BatchNorm).
+    # The smaller is taken: a minibatch noise under-estimated over-states the ratio, the safe side.
+    out["pair"] = [float(pair[n]) if n in pair.index and np.isfinite(pair[n]) else np.nan for n in out.index]
+    out["minibatch"] = np.fmin(out["pair"].to_numpy(float), out["signs"].to_numpy(float))
     return out[cols]
 
 
@@ -183,20 +190,69 @@ class NoisePrediction:
         raise KeyError(layer)
 
 
+def gains(run: Any) -> dict[tuple[str, str], float]:
+    """``{(source, layer): gain}`` from the run's ``"noise_gain"`` table: the relative noise ``layer``'s
+    gradient receives per unit of relative noise added at ``source``'s output gradient, measured once
+    in the trace (:class:`gradstats.noise.record.Propagation`); empty for a run without it.
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
+        ...     m(torch.randn(8, 4)).square().sum().backward(); t.step()
+        >>> list(gains(t.path))
+        [('2', '0')]
+    """
+    from gradstats.run import as_run
+
+    df = as_run(run).table("noise_gain")
+    if df.empty:
+        return {}
+    df = df[df["step"] == df["step"].max()]
+    return {(str(r["source"]), str(r["layer"])): float(r["gain"]) for r in df.to_dict("records")}
+
+
+def _weight(gain: dict[tuple[str, str], float], source: str, layer: str) -> float:
+    """How much of ``source``'s relative noise reaches ``layer`` (1 when the run measured no gains)."""
+    return gain.get((source, layer), 0.0) if gain else 1.0
+
+
+def incoming_noise(errors: dict[str, float], down: dict[str, list[str]],
+                   gain: dict[tuple[str, str], float]) -> dict[str, float]:
+    """Per planned layer, the relative noise its output gradient receives from the planned layers
+    downstream: ``sum_m gain[m, l] * e_m * (1 + incoming_m)`` (each operator adds its relative error
+    to the gradient it receives, noise included; without measured gains, the plain sum of the ``e_m``).
+
+    Example:
+        >>> incoming_noise({"a": 0.1, "b": 0.2}, {"a": ["b"], "b": []}, {("b", "a"): 0.5})
+        {'b': 0.0, 'a': 0.1}
+    """
+    out: dict[str, float] = {}
+    for name in sorted(errors, key=lambda n: len(down.get(n, ()))):       # downstream layers first
+        total = 0.0
+        for m in down.get(name, ()):
+            e = errors.get(m, math.nan)
+            if not math.isfinite(e):
+                continue
+            total += _weight(gain, m, name) * e * (1.0 + out.get(m, 0.0) if gain else 1.0)
+        out[name] = total
+    return out
+
+
 def _combine(errors: dict[str, float], terms: "pd.DataFrame", down: dict[str, list[str]],
-             layers: Sequence[str]) -> list[dict[str, Any]]:
+             layers: Sequence[str], gain: Optional[dict[tuple[str, str], float]] = None) -> list[dict[str, Any]]:
+    inc = incoming_noise({n: errors.get(n, 0.0) for n in layers}, down, gain or {})
     recs = []
     for name in layers:
         e = errors.get(name, 0.0)
-        inc = float(np.prod([1.0 + errors[m] for m in down.get(name, ()) if math.isfinite(errors.get(m, math.nan))])
-                    - 1.0)
         if name in terms.index and terms.loc[name, "minibatch"] > 0:
-            c = float(terms.loc[name, "q2"] / terms.loc[name, "minibatch"])
             q2, mb = float(terms.loc[name, "q2"]), float(terms.loc[name, "minibatch"])
+            c = q2 / mb
         else:
             c = q2 = mb = math.nan
-        recs.append({"layer": name, "error": e, "incoming": inc, "q2": q2, "minibatch": mb,
-                     "local_noise": e * c, "noise": (e + inc) * c})
+        total = inc[name] + e * (1.0 + inc[name])
+        recs.append({"layer": name, "error": e, "incoming": inc[name], "q2": q2, "minibatch": mb,
+                     "local_noise": e * c, "noise": total * c})
     return recs
 
 
@@ -235,17 +291,18 @@ def predicted_noise(run: Any, plan: Any, *, steps: Any = "auto", bound: Optional
     if missing:
         log.info("no noise record for %d planned layer(s) (%s): their predicted noise is NaN",
                  len(missing), ", ".join(missing[:5]))
-    return NoisePrediction(_combine(errors, terms, downstream(r), list(rules)), bound, list(chosen))
+    return NoisePrediction(_combine(errors, terms, downstream(r), list(rules), gains(r)), bound, list(chosen))
 
 
 def bound_sparsity(layers: Sequence[str], requested: dict[str, float], error_at: Callable[[str, float], float],
-                   terms: "pd.DataFrame", down: dict[str, list[str]], bound: float,
-                   iterations: int = 10) -> dict[str, dict[str, Any]]:
+                   terms: "pd.DataFrame", down: dict[str, list[str]], bound: float, iterations: int = 10,
+                   gain: Optional[dict[tuple[str, str], float]] = None) -> dict[str, dict[str, Any]]:
     """Per layer, the largest sparsity up to ``requested[layer]`` (layers absent from ``requested``
     are not pruned) that keeps every layer's predicted ratio within ``bound``.
 
     Each layer's bound is a budget of relative error ``bound * minibatch / q2`` shared by the layer
-    and the planned layers downstream of it; layers are granted their sparsity from the output
+    and the planned layers downstream of it (each weighted by the measured ``gain`` of its noise
+    to the layer, 1 without gains; to first order, as the bound keeps the errors small); layers are granted their sparsity from the output
     backwards, each taking at most an equal share of what is left of every budget it draws on, so no
     budget is overdrawn. ``error_at(layer, s)`` is the layer's operator error at sparsity ``s``
     (increasing in ``s``). Returns per layer ``requested``, ``granted``, ``error``, ``reason``.
@@ -275,7 +332,8 @@ def bound_sparsity(layers: Sequence[str], requested: dict[str, float], error_at:
         e0 = error_at(m, 0.0)
         e0 = e0 if math.isfinite(e0) else 0.0
         want = requested.get(m, 0.0)
-        share = min(((budget[l] - used[l]) / left[l] for l in draws_on[m]), default=math.inf)
+        w = {l: (1.0 if l == m else _weight(gain or {}, m, l)) for l in draws_on[m]}
+        share = min(((budget[l] - used[l]) / (left[l] * w[l]) for l in draws_on[m] if w[l] > 0), default=math.inf)
         if m not in requested or want <= 0:
             s, e, reason = 0.0, e0, "not pruned"
         elif not math.isfinite(share):
@@ -297,7 +355,7 @@ def bound_sparsity(layers: Sequence[str], requested: dict[str, float], error_at:
                         hi = mid
                 s, reason = lo, "noise bound"
         for l in draws_on[m]:
-            used[l] += e
+            used[l] += w[l] * e
             left[l] -= 1
         out[m] = {"requested": want, "granted": s, "error": e, "reason": reason}
     return out
@@ -345,7 +403,6 @@ def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float]
     """
     import dataclasses
 
-    from gradstats.plan import PlanEntry
     from gradstats.plan.checks import step_rows
     from gradstats.run import as_run
 
@@ -357,6 +414,7 @@ def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float]
     error_at = _layer_errors(rules, rows, steps)
     terms = noise_terms(r, list(rules), steps)
     down = downstream(r)
+    gain = gains(r)
     want = {n: (requested if requested is not None else rule.sparsity) for n, rule in rules.items() if rule.prunes}
     if bound is not None and (terms.empty or not down):
         log.warning("the run at %s holds no noise records (traced before gradstats recorded them, or with "
@@ -370,16 +428,17 @@ def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float]
                        "error": error_at(n, want.get(n, 0.0) or 0.0), "reason": "requested" if n in want else
                        "not pruned"} for n in rules}
     else:
-        granted = bound_sparsity(list(rules), want, added_by_pruning, terms, down, float(bound))
+        granted = bound_sparsity(list(rules), want, added_by_pruning, terms, down, float(bound), gain=gain)
     errors = {n: error_at(n, granted[n]["granted"]) for n in rules}
-    preds = {rec["layer"]: rec for rec in _combine(errors, terms, down, list(rules))}
+    preds = {rec["layer"]: rec for rec in _combine(errors, terms, down, list(rules), gain)}
     pruning = {rec["layer"]: rec for rec in _combine({n: added_by_pruning(n, granted[n]["granted"]) for n in rules},
-                                                      terms, down, list(rules))}
+                                                      terms, down, list(rules), gain)}
     records = [{"layer": n, "requested_sparsity": granted[n]["requested"],
                 "sparsity": granted[n]["granted"], "sparsity_reason": granted[n]["reason"],
                 "operator_error": float(errors[n]), "predicted_noise": _num(preds[n]["noise"]),
                 "pruning_noise": _num(pruning[n]["noise"])} for n in rules]
-    entries = list(plan.entries)
+    entries: list[Any] = list(plan.entries)
+    extra: list[dict[str, Any]] = []
     if bound is not None:
         by_name = {e.layer: i for i, e in enumerate(entries) if not e.is_pattern}
         for n, g in granted.items():
@@ -393,8 +452,9 @@ def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float]
                     pred = dataclasses.replace(pred, sparsity=s)
                 entries[by_name[n]] = dataclasses.replace(e, sparsity=s, predicted=pred)
             else:
-                entries.append(PlanEntry(n, sparsity=s))
-    return dataclasses.replace(plan, entries=tuple(entries), noise_bound=bound, noise=tuple(records))
+                extra.append({"layer": n, "sparsity": s})
+    out = dataclasses.replace(plan, entries=tuple(entries), noise_bound=bound, noise=tuple(records))
+    return out.with_entries(*extra) if extra else out
 
 
 def _num(v: float) -> Optional[float]:

@@ -30,6 +30,7 @@ Example:
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -154,3 +155,74 @@ def downstream_layers(outputs: dict[str, Any], inputs: dict[str, Any]) -> dict[s
             if mask >> i & 1 and l != m:
                 down[l].append(m)
     return down
+
+
+class Propagation:
+    """How the noise added at one layer's output gradient reaches the others, measured once in a
+    trace: on one sampled step, when the backward pass reaches layer ``m``, its output gradient
+    ``g_m`` times standard normal noise (a relative error of 1, spread like the gradient) is sent
+    back from ``m`` alone (a reentrant ``torch.autograd.grad`` on the retained graph; the step's own
+    gradients are untouched), and what arrives at every layer ``l`` upstream is compared with
+    ``l``'s own gradient: ``gain[m, l] = |J_ml^T (g_m * xi)|^2 / |g_l|^2``, the relative noise ``l``
+    receives per unit of relative noise at ``m``. One partial backward pass per traced layer, once
+    per run. While it runs, :attr:`busy` is True and the tracer's hooks record nothing.
+
+    Example:
+        >>> import torch
+        >>> a, b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+        >>> p = Propagation()
+        >>> x = torch.randn(16, 4); h = a(x); p.keep("a", h, x); y = b(torch.tanh(h)); p.keep("b", y, h)
+        >>> for name, t in (("b", y), ("a", h)):
+        ...     _ = t.register_hook(lambda g, name=name: p.on_gradient(name, g, torch.Generator().manual_seed(0)))
+        >>> y.square().sum().backward()
+        >>> graph, gains = p.finish(step=0)
+        >>> [r["layer"] for r in graph], [(r["source"], r["layer"]) for r in gains], gains[0]["gain"] > 0
+        (['a', 'b'], [('b', 'a')], True)
+    """
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.nodes_in: dict[str, Any] = {}
+        self.down: dict[str, list[str]] | None = None
+        self.arrived: dict[str, dict[str, float]] = {}
+        self.own: dict[str, float] = {}
+
+    def keep(self, name: str, out: torch.Tensor, x: Any) -> None:
+        """In the forward pass: the layer's output (its first call) and its input's autograd node."""
+        if name not in self.outputs and out.grad_fn is not None:
+            self.outputs[name] = out
+            self.nodes_in[name] = node_of(x)
+
+    @torch.no_grad()
+    def _noise(self, g: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        xi = torch.randn(g.shape, generator=generator, device=generator.device, dtype=torch.float32)
+        return g * xi.to(g.device, g.dtype)
+
+    def on_gradient(self, name: str, g: torch.Tensor, generator: torch.Generator) -> None:
+        """In the backward pass, when layer ``name``'s output gradient ``g`` arrives."""
+        if self.busy or name not in self.outputs or name in self.own:
+            return
+        if self.down is None:       # the step's whole graph exists now: which layer feeds which
+            self.down = downstream_layers({n: t.grad_fn for n, t in self.outputs.items()}, self.nodes_in)
+        self.own[name] = float(g.detach().float().square().sum())
+        ups = [n for n, d in self.down.items() if name in d and n in self.outputs]
+        if not ups or self.own[name] == 0.0:
+            return
+        self.busy = True
+        try:
+            got = torch.autograd.grad(self.outputs[name], [self.outputs[n] for n in ups],
+                                      grad_outputs=self._noise(g.detach(), generator), retain_graph=True,
+                                      allow_unused=True)
+        finally:
+            self.busy = False
+        self.arrived[name] = {n: float(t.detach().float().square().sum()) for n, t in zip(ups, got) if t is not None}
+
+    def finish(self, step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """After the step's backward: the rows of the ``"noise_graph"`` table (layer, downstream)
+        and of the ``"noise_gain"`` table (source, layer, gain); the kept tensors are released."""
+        graph = [{"step": step, "layer": n, "downstream": json.dumps(d)} for n, d in (self.down or {}).items()]
+        gains = [{"step": step, "source": m, "layer": l, "gain": a / self.own[l]}
+                 for m, arr in self.arrived.items() for l, a in arr.items() if self.own.get(l, 0.0) > 0]
+        self.outputs, self.nodes_in = {}, {}
+        return graph, gains

@@ -600,7 +600,8 @@ class Plan:
         operator (pruning, then rounding) is predicted to do and what it does when replayed on the
         run's stored samples, against the bounds on clipping, magnitude gain and bias, and flushing
         (:func:`gradstats.plan.checks.verify`; a :class:`~gradstats.plan.checks.Verification`, whose
-        ``table()`` prints it).
+        ``table()`` prints it), with each layer's predicted noise ratio (``noise``, the
+        ``predicted_noise`` column; :func:`gradstats.noise.predicted_noise`).
 
         Example:
             >>> import tempfile, torch, gradstats
@@ -610,10 +611,15 @@ class Plan:
             >>> Plan.uniform(format="e5m2", rounding="stochastic", output_layer=False).verify(t.path).ok
             True
         """
+        from gradstats.noise.predict import predicted_noise
         from gradstats.plan.checks import OVERFLOW_BOUND, verify
 
-        return verify(self, run, steps=steps, seed=seed, bias_bound=bias_bound, flush_bound=flush_bound,
-                      overflow_bound=OVERFLOW_BOUND if overflow_bound is None else overflow_bound)
+        v = verify(self, run, steps=steps, seed=seed, bias_bound=bias_bound, flush_bound=flush_bound,
+                   overflow_bound=OVERFLOW_BOUND if overflow_bound is None else overflow_bound)
+        if not v.rows:
+            return v
+        noise = predicted_noise(run, self, steps=v.steps).records
+        return dataclasses.replace(v, noise={rec["layer"]: rec["noise"] for rec in noise})
 
     def to_torchao(self, model: Any, *, emulate: bool = False, strict: bool = False) -> list:
         """The plan as real ``torchao.float8`` objects: ``[(Float8LinearConfig, module_filter_fn)]``,

@@ -224,6 +224,10 @@ class Verification:
     flush_bound: Optional[float]
     overflow_bound: float
     steps: list[int] = field(default_factory=list)
+    #: per layer, the noise ratio the whole plan is predicted to add to its weight gradient
+    #: (:func:`gradstats.noise.predicted_noise`, filled by ``Plan.verify``; NaN where the run holds
+    #: no noise records)
+    noise: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -271,6 +275,7 @@ class Verification:
             row["worst_overflow"] = float(np.nanmax(g["replayed_overflow"])) if g["samples"].sum() else math.nan
             row["worst_flushed"] = float(np.nanmax(g["replayed_flushed"])) if g["samples"].sum() else math.nan
             row["worst_gain"] = float(rep[np.nanargmax(np.abs(rep - 1))]) if np.isfinite(rep).any() else math.nan
+            row["predicted_noise"] = self.noise.get(layer, math.nan)
             row["ok"] = bool(g["ok"].all())
             row["problems"] = next((p for p in g["problems"] if p), "")
             out.append(row)
@@ -280,7 +285,7 @@ class Verification:
         """Plain data: the bounds, the steps and the rows."""
         return {"bias_bound": self.bias_bound, "flush_bound": self.flush_bound,
                 "overflow_bound": self.overflow_bound, "steps": list(self.steps),
-                "rows": [dict(r) for r in self.rows]}
+                "rows": [dict(r) for r in self.rows], "noise": dict(self.noise)}
 
     def table(self) -> str:
         """The per-layer table as text: predicted / replayed for each quantity, and what failed."""
@@ -303,13 +308,19 @@ def format_checks(records: Sequence[dict[str, Any]]) -> str:
 
         return f"{f(r.get(f'predicted_{q}'))} / {f(r.get(f'replayed_{q}'))}"
 
+    noise = any("predicted_noise" in r for r in records)
+    if noise:                       # the noise ratio R the whole plan adds (predicted; docs/noise.md)
+        lines[0] = lines[0].replace("  verdict", f" {'noise R':>9}  verdict")
+        lines[1] += f" {'predicted':>9}"
     for r in records:
         verdict = "ok" if r.get("ok") else "FAILS: " + str(r.get("problems", ""))
         if r.get("note"):
             verdict += f" ({r['note']})"
+        v = r.get("predicted_noise")
+        extra = (f" {'-' if v is None or not math.isfinite(v) else format(v, '.3g'):>9}") if noise else ""
         lines.append(f"{str(r['layer'])[:28]:<28} {pair(r, 'sparsity', '.3f'):>13} {pair(r, 'flushed', '.4f'):>15} "
-                     f"{pair(r, 'overflow', '.4f'):>15} {pair(r, 'gain', '.3f'):>13} {pair(r, 'error', '.3g'):>15}  "
-                     f"{verdict}")
+                     f"{pair(r, 'overflow', '.4f'):>15} {pair(r, 'gain', '.3f'):>13} {pair(r, 'error', '.3g'):>15}"
+                     f"{extra}  {verdict}")
     return "\n".join(lines)
 
 
