@@ -116,6 +116,7 @@ def measure(name: str, plans: dict, steps: int, batches: int, draws: int) -> dic
         rows = []
         for layer in pred.index:
             p, m = pred.loc[layer], meas.loc[layer]
+            # the first version's model: noise carried back unchanged (gain 1), no compounding
             additive = (p["error"] + sum(pred.loc[k, "error"] for k in down.get(layer, ()) if k in pred.index)) \
                 * p["q2"] / p["minibatch"]
             rows.append({"layer": layer, "error": p["error"], "incoming": p["incoming"],
@@ -136,7 +137,7 @@ def _median_log2(rows: list[dict], key: str) -> float:
 
 def report(results: dict) -> str:
     lines = ["# Predicted noise ratio R against the measured one (noise_probe, 8 batches x 2 draws)", ""]
-    lines.append(f"{'model':12s} {'plan':55s} {'layers':>6s} {'med|log2|':>9s} {'add.':>6s} "
+    lines.append(f"{'model':12s} {'plan':55s} {'layers':>6s} {'med|log2|':>9s} {'gain=1':>6s} "
                  f"{'within 2x':>9s} {'max R meas':>10s}")
     for model, plans in results.items():
         for label, rows in plans.items():
@@ -151,7 +152,7 @@ def report(results: dict) -> str:
             lines.append(f"\n{model} · {label}")
             for r in rows:
                 lines.append(f"  {r['layer']:28s} sp {r['sparsity']:.3f}  e {r['error']:.4f}  "
-                             f"R {r['predicted']:.4g} / {r['measured']:.4g}  (additive {r['additive']:.4g}; "
+                             f"R {r['predicted']:.4g} / {r['measured']:.4g}  (gain = 1: {r['additive']:.4g}; "
                              f"minibatch trace/probe {r['minibatch_trace']:.3g}/{r['minibatch_probe']:.3g})")
     return "\n".join(lines) + "\n"
 

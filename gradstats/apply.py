@@ -56,6 +56,7 @@ from torch import nn
 
 from gradstats import _scalar
 from gradstats.formats import FPFormat
+from gradstats.noise.record import sending_back
 from gradstats.ops.fused import CompressCounts, prune_quantize
 from gradstats.stats import HIST_BINS, HIST_MIN_EXP, SCALAR_FIELDS, VECTOR_LEN, tensor_stats_vector, vector_to_stats
 from gradstats.wrappers import named_layers, unwrap
@@ -479,7 +480,7 @@ class Applied:
                 return
             out = first_grad_tensor(output)
             if out is not None:
-                out.register_hook(lambda g: self._compress(name, g))
+                out.register_hook(lambda g: None if sending_back() else self._compress(name, g))
         return hook
 
     def _refresh(self, name: str, g: torch.Tensor, refresh: bool) -> None:

@@ -37,7 +37,7 @@ from torch import nn
 
 from gradstats._version import __version__
 from gradstats.layers import module_types
-from gradstats.noise.record import Propagation, records_noise, weight_grad_terms
+from gradstats.noise.record import Propagation, records_noise, sending_back, weight_grad_terms
 from gradstats.run import FORMAT_VERSION, RunWriter, atomic_write_json, last_committed_step, sample_key
 from gradstats.run.select import layer_matcher
 from gradstats.stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
@@ -296,8 +296,11 @@ class Tracer:
         self.noise = bool(noise)
         # the step whose noise propagation is measured (the first sampled one), and the measurement
         self._graph_step: int | None = None
-        self._propagation: Propagation | None = Propagation() if self.noise else None
+        # not under torch.distributed: FSDP frees the parameters a backward pass sent back from one layer
+        # would need, and every rank would have to take part (the prediction then assumes gain 1)
+        self._propagation: Propagation | None = Propagation() if self.noise and self.world_size == 1 else None
         self._noise_prev: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._noise_generators: dict[torch.device, torch.Generator] = {}
 
     # -- lifecycle
     def attach(self) -> "Tracer":
@@ -378,8 +381,9 @@ class Tracer:
 
     def _capture_noise_pair(self) -> None:
         """SGD's own noise of each recorded layer's weight gradient, from two batches: the weight
-        gradients of a sampled step and of the next, ``|G_s - G_(s+1)|^2 / 2`` (into the ``"noise"``
-        table as ``pair``; one update apart, the model's drift is small next to the minibatch noise)."""
+        gradients of a sampled step ``s`` and of the next, ``|G_s - G_(s+1)|^2 / 2`` (into the ``"noise"``
+        table as ``pair``, at step ``s + 1`` with ``of_step = s``; one update apart, the model's drift is
+        small next to the minibatch noise)."""
         step = self.current_step
         prop = self._propagation
         if prop is not None and step == self._graph_step:
@@ -397,7 +401,8 @@ class Tracer:
                 g1 = getattr(w, "grad", None)
                 if isinstance(g1, torch.Tensor) and g1.shape == g0.shape:
                     d2 = float((_local(g1).detach().float() - g0).square().sum())
-                    rows.append({"step": prev[0], "layer": name, "call": -1, "rank": self.rank, "pair": d2 / 2.0})
+                    rows.append({"step": step, "of_step": prev[0], "layer": name, "call": -1, "rank": self.rank,
+                                 "pair": d2 / 2.0})
             if rows:
                 self.log_rows("noise", rows)
             self._noise_prev = None
@@ -529,7 +534,7 @@ class Tracer:
 
                 def tensor_hook(grad: torch.Tensor) -> None:
                     prop = self._propagation
-                    if prop is not None and prop.busy:   # noise sent back by the propagation measurement
+                    if sending_back():                   # noise sent back by a propagation measurement
                         return
                     if torch.compiler.is_compiling():    # traced (compiled autograd): kept out
                         self._record(step, name, "grad", call, grad, do_stats, do_samples)
@@ -538,7 +543,7 @@ class Tracer:
                         if x is not None:
                             self._record_noise(step, name, call, module, x, grad)
                         if prop is not None and step == self._graph_step and call == 0:
-                            prop.on_gradient(name, grad, self._generator(grad.device))
+                            prop.on_gradient(name, grad, self._noise_generator(grad.device))
                 out.register_hook(tensor_hook)
         return forward_hook
 
@@ -561,11 +566,20 @@ class Tracer:
     def _record_noise(self, step: int, layer: str, call: int, module: nn.Module, x: torch.Tensor,
                       grad: torch.Tensor) -> None:
         try:
-            terms = weight_grad_terms(module, x, grad, self._generator(grad.device))
+            terms = weight_grad_terms(module, x, grad, self._noise_generator(grad.device))
         except RuntimeError as exc:   # a layer whose input is not what its type says: no noise terms
             log.debug("no noise terms for %s: %s", layer, exc)
             return
         self.log_rows("noise", [{"step": step, "layer": layer, "call": call, "rank": self.rank, **terms}])
+
+    def _noise_generator(self, device: torch.device) -> torch.Generator:
+        """The noise records' own random stream (the samples' stream is not touched by them)."""
+        gen = self._noise_generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed + 7919 * self.rank + 104729)
+            self._noise_generators[device] = gen
+        return gen
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)

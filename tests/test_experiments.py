@@ -406,3 +406,21 @@ def test_sgd_control_is_quoted_as_measured():
     assert diverged == 2 and len(base) == 3
     assert "The flush bound's reason is the one we give, not yet tested" in doc
     assert f"its baseline diverged on {diverged} of {len(base)} seeds" in doc and "none is judged" in doc
+
+
+def test_noise_fidelity_quick():
+    """The predicted noise ratio beside the measured one, per layer, on a small LSTM language model."""
+    mod = _load("noise_fidelity")
+    plans = {"Plan.uniform(sparsity=0.85)": mod.PLANS["Plan.uniform(sparsity=0.85)"]}
+    rows = mod.measure("lstm", plans, steps=12, batches=3, draws=1)["Plan.uniform(sparsity=0.85)"]
+    assert [r["layer"] for r in rows] == ["inp", "lstm", "proj"]
+    proj = rows[2]
+    assert proj["measured"] > 0 and 0.25 < proj["predicted"] / proj["measured"] < 4
+    assert "med|log2|" in mod.report({"lstm": {"Plan.uniform(sparsity=0.85)": rows}})
+
+
+def test_noise_ranking_reads_every_pruning_row_of_the_results():
+    mod = _load("noise_ranking")
+    rows = mod.pruning_rows()
+    assert len(rows) == 24 and {r["model"] for r in rows} == {"cnn", "resnet20", "transformer"}
+    assert {"model": "resnet20", "label": "Plan.uniform(sparsity=0.85)", "delta": -3.66, "verdict": "**loss**"} in rows

@@ -57,6 +57,26 @@ def _candidates(text: str):
     return [str(f) for f in fmts]
 
 
+def _sparsity(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a sparsity in [0, 1) or 'auto', got {text!r}") from None
+
+
+def _noise_bound(text: str) -> float | str | None:
+    if text == "default":
+        return text
+    if text.lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive noise ratio or 'none', got {text!r}") from None
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "recommend", help="recommend a per-layer plan (format, scale, pruning) from a run",
@@ -66,7 +86,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", help="run directory")
     p.add_argument("--bits", type=_bits, default=[8],
                    help="format width, or a comma list (then -o needs '{bits}' in its name) (default 8)")
-    p.add_argument("--sparsity", type=float, default=None, help="target gradient sparsity in [0, 1)")
+    p.add_argument("--sparsity", type=_sparsity, default=None,
+                   help="target gradient sparsity in [0, 1), a ceiling the noise bound lowers per layer where "
+                        "needed; 'auto': the most the noise bound allows")
+    p.add_argument("--noise-bound", type=_noise_bound, default="default", metavar="R|none",
+                   help="largest noise ratio pruning may add to any planned layer's weight gradient, against "
+                        "SGD's own minibatch noise (default: gradstats.noise.NOISE_BOUND; docs/noise.md); "
+                        "none: not bounded")
     p.add_argument("--granularity", type=_granularity, default="tensor",
                    help="tensor, mx, nvfp4 or a block size (default tensor)")
     p.add_argument("--rounding", default=None, choices=list(PREDICTED_ROUNDINGS),
@@ -135,6 +161,10 @@ def format_table(plan) -> str:
     if plan.defaults.sparsity is not None:
         out["threshold"] = df["predicted_threshold"]
         out["pred_sparsity"] = df["predicted_sparsity"]
+    if plan.noise:
+        out["sparsity"] = df["sparsity"]
+        out["why"] = df["sparsity_reason"]
+        out["noise_R"] = df["predicted_noise"]
     with pd.option_context("display.width", 200, "display.max_rows", 1000):
         text = out.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-")
     d = plan.defaults
@@ -146,6 +176,11 @@ def format_table(plan) -> str:
             "which pred_error = E[(Q(g)-g)^2]/E[g^2] (snr_db = -10 log10 of it) and pred_bias = "
             "E[|Q(g)|-|g|]/E|g| are predicted, pruning and rounding together; log2_floor: the amax scale "
             "(scale rule amax: the plan's scale is log2_scale - log2_floor binades from it at every step)")
+    if plan.noise:
+        foot += ("; sparsity: granted (requested " + f"{d.sparsity}" + ")"
+                 + (f", within the noise bound {plan.noise_bound}" if plan.noise_bound is not None else "")
+                 + "; noise_R: the noise the whole plan is predicted to add to the layer's weight gradient, "
+                   "relative to SGD's own minibatch noise (docs/noise.md)")
     out_text = f"{head}\n{text}\n{foot}"
     if plan.checks:
         from gradstats.plan.checks import format_checks
@@ -159,6 +194,7 @@ def format_table(plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradstats.noise.predict import NOISE_BOUND
     from gradstats.plan.recommend import recommend_each
 
     if len(args.bits) > 1 and args.out and "{bits}" not in args.out:
@@ -168,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
                            rounding=args.rounding, steps=args.steps, threshold_rule=args.threshold_rule,
                            layers=layers, format_rule=args.format_rule, candidates=args.candidates,
                            objective=args.objective, output_layer=False if args.all_layers else None,
-                           prune_at=False if args.prune_everywhere else None)
+                           prune_at=False if args.prune_everywhere else None, noise_bound=NOISE_BOUND if args.noise_bound == "default" else args.noise_bound)
     for b, plan in plans.items():
         print(f"== {b}-bit plan for {args.run}")
         print(format_table(plan))

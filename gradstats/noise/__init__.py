@@ -6,7 +6,16 @@
   (:func:`gradstats.recommend` bounds it by default, ``noise_bound=``);
 - :func:`noise_probe`: the same ratio measured by running the plan on a model.
 """
+from typing import Any
+
 from gradstats.noise.predict import NOISE_BOUND, NoisePrediction, predicted_noise
-from gradstats.noise.probe import NoiseProbe, noise_probe
 
 __all__ = ["predicted_noise", "NoisePrediction", "noise_probe", "NoiseProbe", "NOISE_BOUND"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("noise_probe", "NoiseProbe"):     # the probe runs a model: torch only when used
+        from gradstats.noise import probe
+
+        return getattr(probe, name)
+    raise AttributeError(f"module 'gradstats.noise' has no attribute {name!r}")

@@ -80,6 +80,8 @@ def noise_terms(run: Any, layers: Sequence[str], steps: Optional[Sequence[int]] 
     if df.empty:
         return pd.DataFrame(columns=cols, dtype=float)
     df = df[df["layer"].isin(list(layers))]
+    if "of_step" in df.columns:          # a pair is recorded at the step after the sampled one it is of
+        df = df.assign(step=np.where(df["call"] < 0, df["of_step"], df["step"]).astype(np.int64))
     if steps is not None:
         sel = df[df["step"].isin(list(steps))]
         df = sel if len(sel) else df

@@ -31,11 +31,14 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+log = logging.getLogger(__name__)
 
 _CONV = {nn.Conv1d: (F.conv1d, torch.nn.grad.conv1d_weight), nn.Conv2d: (F.conv2d, torch.nn.grad.conv2d_weight)}
 
@@ -157,6 +160,20 @@ def downstream_layers(outputs: dict[str, Any], inputs: dict[str, Any]) -> dict[s
     return down
 
 
+_SENDING_BACK = [0]
+
+
+def sending_back() -> bool:
+    """True while a :class:`Propagation` sends noise back through a model: hooks that change or
+    record gradients (the tracer's, :func:`gradstats.apply`'s) leave that noise alone.
+
+    Example:
+        >>> sending_back()
+        False
+    """
+    return _SENDING_BACK[0] > 0
+
+
 class Propagation:
     """How the noise added at one layer's output gradient reaches the others, measured once in a
     trace: on one sampled step, when the backward pass reaches layer ``m``, its output gradient
@@ -210,12 +227,19 @@ class Propagation:
         if not ups or self.own[name] == 0.0:
             return
         self.busy = True
+        _SENDING_BACK[0] += 1
         try:
             got = torch.autograd.grad(self.outputs[name], [self.outputs[n] for n in ups],
                                       grad_outputs=self._noise(g.detach(), generator), retain_graph=True,
                                       allow_unused=True)
+        except RuntimeError as exc:      # a graph that cannot be walked twice: no gains, the prediction assumes 1
+            log.warning("gradstats.trace: the noise propagation could not be measured (%s); predicted noise "
+                        "assumes it reaches earlier layers unchanged", str(exc).splitlines()[0])
+            self.arrived, self.outputs = {}, {}
+            return
         finally:
             self.busy = False
+            _SENDING_BACK[0] -= 1
         self.arrived[name] = {n: float(t.detach().float().square().sum()) for n, t in zip(ups, got) if t is not None}
 
     def finish(self, step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import gradstats
@@ -127,3 +128,21 @@ def test_a_warning_under_a_progress_bar_gets_its_own_line(tmp_path, capsys, monk
     assert "figures:" in err                                    # the bar was drawn
     # the warning starts a line of its own: not glued after the bar's text
     assert re.search(r"(^|[\r\n])figure sparsity skipped", err), err
+
+
+def test_recommend_bounds_the_noise_and_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["trace", "--model", "mlp", "--data", "fashion-mnist", "--steps", "6", "--every", "1",
+                 "--sample-every", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["recommend", str(out), "--sparsity", "auto", "--all-layers", "-o", str(tmp_path / "p.json")]) == 0
+    text = capsys.readouterr().out
+    assert "noise_R" in text and "within the noise bound 0.02" in text
+    plan = gradstats.Plan.load(tmp_path / "p.json")
+    assert plan.noise_bound == 0.02 and plan.noise
+    assert main(["recommend", str(out), "--sparsity", "0.9", "--noise-bound", "none", "--all-layers",
+                 "-o", str(tmp_path / "q.json")]) == 0
+    assert gradstats.Plan.load(tmp_path / "q.json").noise_bound is None
+    with pytest.raises(SystemExit):
+        main(["recommend", str(out), "--sparsity", "most"])
+    assert "expected a sparsity in [0, 1) or 'auto'" in capsys.readouterr().err
