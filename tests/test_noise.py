@@ -11,7 +11,7 @@ from torch import nn
 
 import gradstats
 from gradstats.noise.predict import bound_sparsity, downstream, gains, incoming_noise, noise_terms
-from gradstats.noise.record import downstream_layers, weight_grad_terms
+from gradstats.noise.record import centred_signs, downstream_layers, weight_grad_terms
 
 
 def _per_sample_weight_grads(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -48,11 +48,22 @@ def test_weight_grad_terms_match_brute_force(make, xshape, gshape):
     ones = weight_grad_terms(mod, x, torch.ones(gshape), torch.Generator().manual_seed(1))
     assert ones["q2"] == pytest.approx(noise_var, rel=0.1)
     assert t["batch"] == xshape[0]
-    # s2: its mean over sign draws is sum_i |G_i - mean|^2 exactly
+    # s2 is |sum_i c_i G_i|^2 for the centred signs c drawn from the generator, exactly
+    c = centred_signs(xshape[0], torch.Generator().manual_seed(2), torch.device("cpu")).double()
+    expected = float((c.view(-1, *([1] * (per.dim() - 1))) * per).sum(0).square().sum())
+    assert weight_grad_terms(mod, x, g, torch.Generator().manual_seed(2))["s2"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_centred_signs_give_the_spread_of_the_per_sample_gradients():
+    """E|sum_i c_i G_i|^2 = sum_i |G_i - mean G|^2 (= (B - 1) / B * B * the minibatch variance)."""
+    torch.manual_seed(0)
+    mod = nn.Linear(5, 3)
+    x, g = torch.randn(6, 5), torch.randn(6, 3)
+    per = _per_sample_weight_grads(mod, x, g)
     target = float((per - per.mean(0)).square().sum())
     gen = torch.Generator().manual_seed(2)
-    draws = [weight_grad_terms(mod, x, g, gen)["s2"] for _ in range(1500)]
-    assert np.mean(draws) == pytest.approx(target, rel=0.1)
+    draws = [weight_grad_terms(mod, x, g, gen)["s2"] for _ in range(2000)]
+    assert np.mean(draws) == pytest.approx(target, rel=0.08)
 
 
 def test_downstream_layers_follow_the_graph_not_the_call_order():
