@@ -114,10 +114,22 @@ def spearman(x, y, boot: int = 4000, seed: int = 0) -> tuple[float, float, float
     return rho, float(lo), float(hi)
 
 
-def report(results: dict) -> str:
-    rows = [r for model in results.values() for r in model]
+def summary(results: dict) -> dict:
+    """The rows (with ``loss_margins``) and the rank correlations of ``results``."""
+    rows = [dict(r) for model in results.values() for r in model]
     for r in rows:
         r["loss_margins"] = -r["delta"] / abs(PROTOCOL[r["model"]]["margin"])
+    passed = [r for r in rows if "no loss" in r["verdict"] or "non-inferior" in r["verdict"]]
+    lost = [r for r in rows if r["verdict"] == "**loss**"]
+    return {"rows": rows,
+            "predicted": spearman([r["predicted"] for r in rows], [r["loss_margins"] for r in rows]),
+            "measured": spearman([r["measured"] for r in rows], [r["loss_margins"] for r in rows]),
+            "agreement": spearman([r["predicted"] for r in rows], [r["measured"] for r in rows]),
+            "passed_max": max(r["measured"] for r in passed), "lost_min": min(r["measured"] for r in lost)}
+
+
+def report(results: dict) -> str:
+    rows = summary(results)["rows"]
     lines = ["# The noise ratio R of the study's pruning rows (RESULTS.md 1.2) against their loss", "",
              "loss in margins: minus the paired difference over the model's margin (0.3 points, 0.01 nats)", "",
              f"{'model':12s} {'configuration':58s} {'loss/margin':>11s} {'R predicted':>11s} {'R measured':>10s}  verdict"]
