@@ -47,6 +47,8 @@ from gradstats.wrappers import named_layers, unwrap
 log = logging.getLogger(__name__)
 
 KINDS = ("grad", "act", "weight", "wgrad")
+#: the tables of the noise records (:mod:`gradstats.noise.record`): not steps of the run by themselves
+NOISE_TABLES = ("noise", "noise_graph", "noise_gain")
 Schedule = Union[int, Sequence[int], None]
 LayerSelect = Union[None, str, Sequence[str], re.Pattern, Callable[[str, nn.Module], bool]]
 
@@ -684,7 +686,14 @@ class Tracer:
         assert self._writer is not None
         keys = row_keys + [p[:4] for p in pending]
         steps = sorted({k[0] for k in keys} | {int(k.split("|", 1)[0]) for k in samples}
-                       | {int(r["step"]) for trows in tables.values() for r in trows})
+                       | {int(r["step"]) for name, trows in tables.items() if name not in NOISE_TABLES for r in trows})
+        if not steps:
+            if not force:        # noise records alone make no step: they ride with the next commit
+                with self._lock:
+                    for name, trows in tables.items():
+                        self._pending_tables[name] = trows + self._pending_tables.get(name, [])
+                return
+            steps = sorted({int(r.get("of_step", r["step"])) for trows in tables.values() for r in trows})
         fl = self._writer.new_flush(steps)
         fl.tables = tables
         if keys:   # the table is built on the writer thread (Flush.vectors)
