@@ -74,7 +74,8 @@ SPARSITY_MARGIN = 0.05
 #: Alert "underflow": rounding to nearest flushes more than this fraction of the layer's non-zero
 #: gradient values to zero (beyond sampling noise): the flush bound that ``recommend`` plans with
 #: (:data:`gradstats.fpanalysis.FLUSH_BOUND`). Flushing is a systematic shrinkage of the layer's
-#: weight gradient, and under Adam a lost step for every flushed value; see docs/apply.md.
+#: weight gradient (and, our untested hypothesis, under Adam a lost step for every flushed value);
+#: see docs/apply.md.
 UNDERFLOW_BOUND = 0.01
 #: Alert "overflow": more than this fraction of a call's entries saturated at the format's maximum
 #: (or more than the plan predicted, if it predicted more), beyond sampling noise

@@ -353,8 +353,9 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | str | None = None,
         flush_bound: the training objective's largest predicted fraction of a layer's non-zero
             gradient values that round-to-nearest may flush to zero (default
             :data:`gradstats.fpanalysis.FLUSH_BOUND`, 0.01; beyond it the layer rounds stochastically):
-            the bias bound weighs a flushed value by its size, which suits SGD, while Adam normalises
-            every weight's step (``docs/RESULTS.md`` 1.4.1). None: no such bound.
+            the bias bound weighs a flushed value by its size; why flushing costs more than its size (our
+            hypothesis, not yet tested: Adam normalises every weight's step, ``docs/RESULTS.md`` 1.4.1).
+            None: no such bound.
 
     With ``check`` (default) every planned layer's rule is checked on each calibration step
     (:mod:`gradstats.plan.checks`): the composed operator, pruning then rounding, predicted from the
