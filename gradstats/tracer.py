@@ -379,7 +379,19 @@ class Tracer:
         if "weight" in self.kinds or "wgrad" in self.kinds:
             self._capture_parameters()
         if self.noise:
+            self._finish_propagation()
             self._capture_noise_pair()
+
+    def _finish_propagation(self) -> None:
+        """After the step whose noise propagation was measured: its rows, once per run."""
+        prop = self._propagation
+        if prop is not None and self.current_step == self._graph_step:
+            graph, gains = prop.finish(self.current_step)
+            self._propagation = None
+            if graph:
+                self.log_rows("noise_graph", graph)
+            if gains:
+                self.log_rows("noise_gain", gains)
 
     def _capture_noise_pair(self) -> None:
         """SGD's own noise of each recorded layer's weight gradient, from two batches: the weight
@@ -387,14 +399,6 @@ class Tracer:
         table as ``pair``, at step ``s + 1`` with ``of_step = s``; one update apart, the model's drift is
         small next to the minibatch noise)."""
         step = self.current_step
-        prop = self._propagation
-        if prop is not None and step == self._graph_step:
-            graph, gains = prop.finish(step)
-            self._propagation = None                  # once per run
-            if graph:
-                self.log_rows("noise_graph", graph)
-            if gains:
-                self.log_rows("noise_gain", gains)
         prev = self._noise_prev
         if prev is not None and prev[0] == step - 1:
             rows = []
@@ -535,9 +539,9 @@ class Tracer:
                 x = self._noise_input(step, name, call, module, inputs, out) if do_samples else None
 
                 def tensor_hook(grad: torch.Tensor) -> None:
-                    prop = self._propagation
                     if sending_back():                   # noise sent back by a propagation measurement
                         return
+                    prop = self._propagation
                     if torch.compiler.is_compiling():    # traced (compiled autograd): kept out
                         self._record(step, name, "grad", call, grad, do_stats, do_samples)
                     else:                                # eager, the common case: no wrapper

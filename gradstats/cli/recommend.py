@@ -5,6 +5,7 @@ import argparse
 import math
 
 from gradstats.formats import PREDICTED_ROUNDINGS
+from gradstats.noise.predict import NOISE_BOUND
 
 
 def _bits(text: str) -> list[int]:
@@ -66,9 +67,7 @@ def _sparsity(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected a sparsity in [0, 1) or 'auto', got {text!r}") from None
 
 
-def _noise_bound(text: str) -> float | str | None:
-    if text == "default":
-        return text
+def _noise_bound(text: str) -> float | None:
     if text.lower() == "none":
         return None
     try:
@@ -89,9 +88,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sparsity", type=_sparsity, default=None,
                    help="target gradient sparsity in [0, 1), a ceiling the noise bound lowers per layer where "
                         "needed; 'auto': the most the noise bound allows")
-    p.add_argument("--noise-bound", type=_noise_bound, default="default", metavar="R|none",
+    p.add_argument("--noise-bound", type=_noise_bound, default=NOISE_BOUND, metavar="R|none",
                    help="largest noise ratio pruning may add to any planned layer's weight gradient, against "
-                        "SGD's own minibatch noise (default: gradstats.noise.NOISE_BOUND; docs/noise.md); "
+                        f"SGD's own minibatch noise (default {NOISE_BOUND}; docs/noise.md); "
                         "none: not bounded")
     p.add_argument("--granularity", type=_granularity, default="tensor",
                    help="tensor, mx, nvfp4 or a block size (default tensor)")
@@ -194,7 +193,6 @@ def format_table(plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradstats.noise.predict import NOISE_BOUND
     from gradstats.plan.recommend import recommend_each
 
     if len(args.bits) > 1 and args.out and "{bits}" not in args.out:
@@ -204,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                            rounding=args.rounding, steps=args.steps, threshold_rule=args.threshold_rule,
                            layers=layers, format_rule=args.format_rule, candidates=args.candidates,
                            objective=args.objective, output_layer=False if args.all_layers else None,
-                           prune_at=False if args.prune_everywhere else None, noise_bound=NOISE_BOUND if args.noise_bound == "default" else args.noise_bound)
+                           prune_at=False if args.prune_everywhere else None, noise_bound=args.noise_bound)
     for b, plan in plans.items():
         print(f"== {b}-bit plan for {args.run}")
         print(format_table(plan))

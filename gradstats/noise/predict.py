@@ -151,8 +151,27 @@ def operator_error(rule: Any, rows: Sequence[Any], weights: Optional[Sequence[fl
     return float(np.sum(w[ok] * e[ok]) / np.sum(w[ok])) if ok.any() else math.nan
 
 
+class PerLayer:
+    """What the noise results share: ``records`` (one dict per layer, with ``layer``), read by layer
+    name (``result[name]``: the record's :attr:`value` field) and as plain data."""
+
+    records: list[dict[str, Any]]
+    #: the field ``result[layer]`` reads
+    value = "noise"
+
+    def layers_dict(self) -> dict[str, dict[str, Any]]:
+        """``{layer: record without its name}``."""
+        return {r["layer"]: {k: v for k, v in r.items() if k != "layer"} for r in self.records}
+
+    def __getitem__(self, layer: str) -> float:
+        for r in self.records:
+            if r["layer"] == layer:
+                return float(r[self.value])
+        raise KeyError(layer)
+
+
 @dataclass(frozen=True)
-class NoisePrediction:
+class NoisePrediction(PerLayer):
     """Per planned layer: ``error`` (its operator's relative error), ``incoming`` (the relative
     error carried back from the planned layers downstream), ``q2``, ``minibatch``, ``noise``
     (the ratio ``R``) and ``local_noise`` (``R`` from this layer's own operator alone).
@@ -182,14 +201,7 @@ class NoisePrediction:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``{"bound", "steps", "layers": {name: record}}``."""
-        return {"bound": self.bound, "steps": list(self.steps),
-                "layers": {r["layer"]: {k: v for k, v in r.items() if k != "layer"} for r in self.records}}
-
-    def __getitem__(self, layer: str) -> float:
-        for r in self.records:
-            if r["layer"] == layer:
-                return float(r["noise"])
-        raise KeyError(layer)
+        return {"bound": self.bound, "steps": list(self.steps), "layers": self.layers_dict()}
 
 
 def gains(run: Any) -> dict[tuple[str, str], float]:
@@ -275,7 +287,7 @@ def predicted_noise(run: Any, plan: Any, *, steps: Any = "auto", bound: Optional
         >>> hi["0"] > lo["0"] > 0
         True
     """
-    from gradstats.plan.checks import calibration_steps, step_rows, step_weights
+    from gradstats.plan.checks import calibration_steps, step_rows
     from gradstats.run import as_run
 
     r = as_run(run)
@@ -283,11 +295,8 @@ def predicted_noise(run: Any, plan: Any, *, steps: Any = "auto", bound: Optional
     if not rules:
         return NoisePrediction([], bound)
     chosen = calibration_steps(r, list(rules), steps=steps)
-    rows = step_rows(r, list(rules), chosen)
-    errors = {}
-    for name, rule in rules.items():
-        have = [s for s in chosen if s in rows[name]]
-        errors[name] = operator_error(rule, [rows[name][s] for s in have], step_weights(have) if have else None)
+    error_at = _layer_errors(rules, step_rows(r, list(rules), chosen), chosen)
+    errors = {name: error_at(name, rule.sparsity or 0.0) for name, rule in rules.items()}
     terms = noise_terms(r, list(rules), chosen)
     missing = [n for n in rules if n not in terms.index]
     if missing:

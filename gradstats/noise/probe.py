@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch import nn
+
+from gradstats.noise.predict import PerLayer
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -43,7 +45,7 @@ __all__ = ["noise_probe", "NoiseProbe"]
 
 
 @dataclass(frozen=True)
-class NoiseProbe:
+class NoiseProbe(PerLayer):
     """What :func:`noise_probe` measured, per planned layer: ``added`` (mean squared change of the
     weight gradient), ``added_se`` (its standard error over batches), ``minibatch`` (the weight
     gradient's variance across batches), ``ratio`` (``added / minibatch``); and ``batches``,
@@ -58,7 +60,7 @@ class NoiseProbe:
     records: list[dict[str, Any]]
     batches: int
     draws: int
-    extra: dict[str, Any] = field(default_factory=dict)
+    value = "ratio"
 
     def to_dataframe(self) -> "pd.DataFrame":
         """One row per layer: layer, added, added_se, minibatch, ratio."""
@@ -68,14 +70,7 @@ class NoiseProbe:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``{"batches", "draws", "layers": {name: record}}``."""
-        return {"batches": self.batches, "draws": self.draws,
-                "layers": {r["layer"]: {k: v for k, v in r.items() if k != "layer"} for r in self.records}}
-
-    def __getitem__(self, layer: str) -> float:
-        for r in self.records:
-            if r["layer"] == layer:
-                return float(r["ratio"])
-        raise KeyError(layer)
+        return {"batches": self.batches, "draws": self.draws, "layers": self.layers_dict()}
 
 
 def _weight_grads(modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
