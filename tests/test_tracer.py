@@ -513,7 +513,7 @@ def test_trace_config_is_the_keywords_as_one_value(tmp_path):
     assert run.manifest["capture"]["every"] == 2 and run.manifest["capture"]["kinds"] == ["grad", "act"]
     with pytest.raises(ValueError, match=r"every=3\) contradicts the config's every=2"):
         gradstats.trace(m, tmp_path / "b", config=cfg, every=3)
-    with pytest.raises(ValueError, match="config must be a gradstats.TraceConfig"):
+    with pytest.raises(ValueError, match="config must be a gradstats.tracer.TraceConfig"):
         gradstats.trace(m, tmp_path / "b", config={"every": 2})
     with pytest.raises(ValueError, match="kinds must be a non-empty subset"):
         TraceConfig(kinds=("grads",))

@@ -188,7 +188,7 @@ class TraceConfig:
         if unknown:
             raise ValueError(f"unknown trace option(s) {unknown}; TraceConfig takes {list(defaults)}")
         if config is not None and not isinstance(config, cls):
-            raise ValueError(f"config must be a gradstats.TraceConfig or None, got {type(config).__name__}")
+            raise ValueError(f"config must be a gradstats.tracer.TraceConfig or None, got {type(config).__name__}")
         given = {k: v for k, v in keywords.items() if not _same(v, defaults[k])}
         if config is None:
             return cls(**given) if given else cls()
