@@ -37,6 +37,7 @@ import torch
 from _common import describe, fixed_batches
 
 import gradstats.stats as stats_mod  # noqa: E402
+import gradstats.stats.kernel as kernel_mod  # noqa: E402
 from gradstats.stats.blocks import BLOCK_SIZES, RANGE_BINS, blocks_stats  # noqa: E402
 from gradstats.zoo.models import build_model  # noqa: E402
 
@@ -61,12 +62,12 @@ def gradients(name: str, batch: int) -> list[torch.Tensor]:
 @contextlib.contextmanager
 def using(kernel):
     """``gradstats.stats`` with ``kernel`` (None: the torch path) as its C kernel, for the block."""
-    saved = stats_mod._native_kernel
-    stats_mod._native_kernel = lambda: kernel
+    saved = kernel_mod._native_kernel
+    kernel_mod._native_kernel = lambda: kernel
     try:
         yield
     finally:
-        stats_mod._native_kernel = saved
+        kernel_mod._native_kernel = saved
 
 
 def with_kernel(kernel, full: bool) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -102,7 +103,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--batch", type=int, default=128)
     args = ap.parse_args()
-    native, portable = stats_mod._native_kernel(), stats_mod._native_kernel(portable=True)
+    native, portable = kernel_mod._native_kernel(), kernel_mod._native_kernel(portable=True)
     rows: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     if native is not None:
         rows["native, full"] = with_kernel(native, True)

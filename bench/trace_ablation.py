@@ -25,7 +25,7 @@ import torch
 from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time_block
 
 import gradstats  # noqa: E402
-import gradstats.tracer as tracer_module  # noqa: E402
+import gradstats.tracer.capture as tracer_module  # noqa: E402
 from gradstats.stats import VECTOR_LEN  # noqa: E402
 from gradstats.zoo.models import build_model  # noqa: E402
 

@@ -9,6 +9,11 @@ table (nothing is added to the training thread): each alarm is logged once per l
 ``Run.summary()["alarms"]``. ``gradstats.trace(..., alarms=...)`` takes ``True`` (the default:
 zero and non-finite gradients), ``False``, or an :class:`Alarms` with formats to watch.
 
+This module is also the one vocabulary of what can go wrong with a layer's gradient, while tracing
+(alarms) and while a plan is applied (:func:`gradstats.apply`'s alerts): :data:`KINDS` declares each
+kind once (its name, which stage raises it, what it means) and :class:`Alarm` is the record of one
+raised, whichever stage raised it.
+
 Example:
     >>> import tempfile, torch, gradstats
     >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -21,22 +26,109 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
-import pandas as pd
 
 from gradstats.stats.law import HistogramLaw, law_flushed, tensor_scale
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Alarms", "ALARM_KINDS"]
+__all__ = ["Alarm", "AlarmKind", "Alarms", "ALARM_KINDS", "ALERT_KINDS", "KINDS"]
 
-#: the alarms: ``zero`` (all-zero gradient for ``zero_steps`` steps in a row), ``nonfinite`` (NaN
+
+@dataclass(frozen=True)
+class AlarmKind:
+    """One kind of alarm: its name, the stages that raise it (``"trace"``: :class:`Alarms` while
+    tracing; ``"apply"``: :func:`gradstats.apply`'s alerts) and what it means.
+
+    Example:
+        >>> KINDS["nonfinite"].raised_by
+        ('trace', 'apply')
+    """
+
+    name: str
+    raised_by: tuple[str, ...]
+    meaning: str
+
+
+def _kinds(*kinds: AlarmKind) -> dict[str, AlarmKind]:
+    return {k.name: k for k in kinds}
+
+
+#: every kind of alarm, declared once, in the order summaries list them
+KINDS: dict[str, AlarmKind] = _kinds(
+    AlarmKind("zero", ("trace",), "the layer's gradient was all zero for zero_steps steps in a row"),
+    AlarmKind("nonfinite", ("trace", "apply"), "NaN or infinite entries in the gradient"),
+    AlarmKind("flush", ("trace",), "a watched format would flush more than flush_bound of the non-zero entries "
+                                   "to zero (raised as flush:<format>)"),
+    AlarmKind("overflow", ("apply",), "more than overflow_bound of a call's entries saturated at the format's maximum"),
+    AlarmKind("gain", ("apply",), "the magnitude gain <out, g> / <g, g> is off 1 by more than bias_bound"),
+    AlarmKind("underflow", ("apply",), "rounding flushes more than underflow_bound of the non-zero entries"),
+    AlarmKind("drift", ("apply",), "rounding flushed far more than the plan predicted: the gradient has moved since calibration"),
+    AlarmKind("sparsity", ("apply",), "the achieved sparsity exceeds the layer's target by more than the margin"),
+    AlarmKind("zero_gradient", ("apply",), "the gradient leaving the layer was all zeros for zero_calls calls"),
+)
+
+#: the alarms of the tracer: ``zero`` (all-zero gradient for ``zero_steps`` steps in a row), ``nonfinite`` (NaN
 #: or inf entries), ``flush:<fmt>`` (a watched format would flush more than ``flush_bound`` of
 #: the non-zero entries)
-ALARM_KINDS = ("zero", "nonfinite", "flush")
+ALARM_KINDS = tuple(k for k, v in KINDS.items() if "trace" in v.raised_by)
+#: the alerts of :func:`gradstats.apply`, in the order ``Applied.summary()`` lists them
+ALERT_KINDS = tuple(k for k, v in KINDS.items() if "apply" in v.raised_by)
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """One alarm raised on a layer: by the tracer (with its ``step``, the ``tensor`` kind and a
+    ``value``) or by :func:`gradstats.apply` (with the layer's call counter ``seq``).
+
+    Args:
+        kind: a key of :data:`KINDS`, optionally with a detail after a colon (``"flush:e4m3fn"``).
+        layer: the layer's name.
+        message: what happened, in words.
+        step: the training step (tracer).
+        tensor: which tensor of the layer (``"grad"``, ``"act"``, ...).
+        value: the measured quantity (a count, a fraction).
+        seq: the layer's call counter (apply).
+
+    Example:
+        >>> a = Alarm("flush:e4m3fn", "fc", "e4m3fn would flush 80%", step=3, value=0.8)
+        >>> a.base, a.row()["alarm"], Alarm("gain", "fc", "off", seq=7).alert_row()["kind"]
+        ('flush', 'flush:e4m3fn', 'gain')
+    """
+
+    kind: str
+    layer: str
+    message: str
+    step: Optional[int] = None
+    tensor: str = "grad"
+    value: float = math.nan
+    seq: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.base not in KINDS:
+            raise ValueError(f"unknown alarm kind {self.kind!r}: use one of {list(KINDS)} (a detail may follow "
+                             "a colon, as in 'flush:e4m3fn')")
+
+    @property
+    def base(self) -> str:
+        """The kind without its detail (``"flush"`` of ``"flush:e4m3fn"``)."""
+        return self.kind.split(":", 1)[0]
+
+    def row(self) -> dict[str, Any]:
+        """The row of the run's ``"alarms"`` table (step, layer, kind of tensor, alarm, value, message)."""
+        return {"step": self.step, "layer": self.layer, "kind": self.tensor, "alarm": self.kind,
+                "value": float(self.value), "message": self.message}
+
+    def alert_row(self) -> dict[str, Any]:
+        """The row of the run's ``"applied_alerts"`` table (layer, seq, kind, message)."""
+        return {"layer": self.layer, "seq": self.seq, "kind": self.kind, "message": self.message}
 
 
 @dataclass
@@ -130,7 +222,7 @@ class Alarms:
         key = (layer, kind, alarm)
         if key in self.raised:
             return []
-        rec = {"step": step, "layer": layer, "kind": kind, "alarm": alarm, "value": float(value), "message": msg}
+        rec = Alarm(alarm, layer, msg, step=step, tensor=kind, value=float(value)).row()
         self.raised[key] = rec
         log.warning("gradstats alarm: layer %r (%s) at step %d: %s", layer, kind, step, msg)
         return [rec]

@@ -75,3 +75,32 @@ def test_off_and_bad_arguments(tmp_path):
         Alarms(zero_steps=0)
     with pytest.raises(ValueError, match="flush_bound must be a fraction"):
         Alarms(flush_bound=2)
+
+
+def test_one_vocabulary_for_the_tracer_and_apply():
+    """Every kind is declared once in gradstats.alarms.KINDS: the tracer's alarms and apply's alerts
+    are its kinds raised by each stage, in the order summaries list them."""
+    import sys
+
+    from gradstats import alarms
+
+    assert alarms.ALARM_KINDS == ("zero", "nonfinite", "flush")
+    assert alarms.ALERT_KINDS == ("nonfinite", "overflow", "gain", "underflow", "drift", "sparsity", "zero_gradient")
+    assert set(alarms.ALARM_KINDS) | set(alarms.ALERT_KINDS) == set(alarms.KINDS)
+    assert all(k.meaning and set(k.raised_by) <= {"trace", "apply"} for k in alarms.KINDS.values())
+    import gradstats.apply  # noqa: F401  (the module, not the verb)
+    assert sys.modules["gradstats.apply"].ALERT_KINDS == alarms.ALERT_KINDS
+
+
+def test_an_alarm_record_is_the_rows_of_both_tables(tmp_path):
+    from gradstats.alarms import Alarm
+
+    run = _train(tmp_path / "run", [zero] * 3, alarms=Alarms(zero_steps=2))
+    first = run.table("alarms").drop(columns="rank").iloc[0].to_dict()      # the writer adds the rank
+    rec = Alarm(first["alarm"], first["layer"], first["message"], step=int(first["step"]), tensor=first["kind"],
+                value=first["value"])
+    assert rec.row() == {**first, "step": int(first["step"])}
+    assert Alarm("sparsity", "fc", "too sparse", seq=4).alert_row() == \
+        {"layer": "fc", "seq": 4, "kind": "sparsity", "message": "too sparse"}
+    with pytest.raises(ValueError, match="unknown alarm kind 'zeros'"):
+        Alarm("zeros", "fc", "x")

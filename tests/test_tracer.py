@@ -488,3 +488,36 @@ def test_activation_checkpointing_records_each_gradient_once(tmp_path, reentrant
     assert (stats[True]["call"] == 0).all() and len(stats[True]) == len(stats[False]) == 3
     np.testing.assert_allclose(stats[True]["sum_abs"], stats[False]["sum_abs"], rtol=1e-6)
     torch.testing.assert_close(grads[True], grads[False])      # the plan is enforced once, as without
+
+
+def test_trace_config_is_the_keywords_as_one_value(tmp_path):
+    """TraceConfig's defaults are trace's keywords; trace takes a config, the keywords, or both when
+    they agree; a keyword that contradicts the config is a ValueError naming both."""
+    import dataclasses
+    import inspect
+
+    from gradstats.tracer import TraceConfig
+
+    sig = inspect.signature(gradstats.trace).parameters
+    for f in dataclasses.fields(TraceConfig):
+        assert sig[f.name].default == f.default, f.name
+    assert set(sig) - {f.name for f in dataclasses.fields(TraceConfig)} == {"model", "path", "config", "optimizer"}
+    m = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    cfg = TraceConfig(every=2, sample_every=None, kinds=["grad", "act"], flush_secs=0)
+    with gradstats.trace(m, tmp_path / "a", config=cfg, every=2) as t:   # an agreeing keyword is fine
+        for _ in range(4):
+            m(torch.randn(5, 4)).sum().backward(); t.step()
+    assert t.config is cfg and t.kinds == ("grad", "act")
+    run = gradstats.open_run(tmp_path / "a")
+    assert run.steps == [0, 2] and sorted(run.stats()["kind"].unique()) == ["act", "grad"]
+    assert run.manifest["capture"]["every"] == 2 and run.manifest["capture"]["kinds"] == ["grad", "act"]
+    with pytest.raises(ValueError, match=r"every=3\) contradicts the config's every=2"):
+        gradstats.trace(m, tmp_path / "b", config=cfg, every=3)
+    with pytest.raises(ValueError, match="config must be a gradstats.tracer.TraceConfig"):
+        gradstats.trace(m, tmp_path / "b", config={"every": 2})
+    with pytest.raises(ValueError, match="kinds must be a non-empty subset"):
+        TraceConfig(kinds=("grads",))
+    with pytest.raises(ValueError, match="alarms must be True"):
+        TraceConfig(alarms="yes")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.every = 5  # type: ignore[misc]

@@ -2,12 +2,15 @@
 to its end, one step per optimizer step, and a state that travels with the trainer's checkpoints."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 from torch import nn
+
+from gradstats.tracer import TraceConfig
 
 log = logging.getLogger(__name__)
 
@@ -17,9 +20,9 @@ STATE_VERSION = 1
 #: need: they do not clash with the tracer's)
 APPLY_OPTIONS = ("refresh_every", "warmup", "ema", "sync_stats", "record", "sparsity_margin",
                  "underflow_bound", "zero_calls", "fallback")
-#: keyword arguments of :func:`gradstats.trace` a callback passes on
-TRACE_OPTIONS = ("layers", "every", "sample_every", "samples", "kinds", "max_bytes", "seed",
-                 "flush_secs", "sinks", "alarms", "blocks", "block_sample")
+#: keyword arguments of :func:`gradstats.trace` a callback passes on: the fields of
+#: :class:`gradstats.tracer.TraceConfig` but those the session sets (where the run resumes)
+TRACE_OPTIONS = tuple(f.name for f in dataclasses.fields(TraceConfig) if f.name not in ("resume", "start_step"))
 
 
 class TrainingSession:
@@ -29,7 +32,8 @@ class TrainingSession:
         run_dir: the run directory (:func:`gradstats.trace`); None to apply ``plan`` without
             tracing (then ``plan`` is needed).
         plan: a :class:`gradstats.Plan`, the path of a saved plan, or None (trace only).
-        options: keyword arguments of :func:`gradstats.trace` (:data:`TRACE_OPTIONS`) and of
+        options: keyword arguments of :func:`gradstats.trace` (:data:`TRACE_OPTIONS`, validated here
+            into a :class:`gradstats.tracer.TraceConfig`, :attr:`trace_config`) and of
             :func:`gradstats.apply` (:data:`APPLY_OPTIONS`; ``apply_seed`` for apply's seed).
 
     :meth:`begin` at the start of training (with the trainer's step: 0, or the step of the
@@ -57,7 +61,8 @@ class TrainingSession:
                                  f"{type(plan).__name__}")
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.plan = plan
-        self.trace_options = {k: v for k, v in options.items() if k in TRACE_OPTIONS}
+        #: the tracer's options, checked when the callback is made rather than when training starts
+        self.trace_config = TraceConfig(**{k: v for k, v in options.items() if k in TRACE_OPTIONS})
         self.apply_options = {k: v for k, v in options.items() if k in APPLY_OPTIONS}
         if "apply_seed" in options:
             self.apply_options["seed"] = options["apply_seed"]
@@ -89,9 +94,9 @@ class TrainingSession:
                             "the run continues at %d", state["step"], step, step)
         self.step = step
         if self.run_dir is not None:
-            opts = dict(self.trace_options)
             start = step if step > 0 else None
-            self.tracer = Tracer(model, self.run_dir, start_step=start, **opts).attach()
+            config = dataclasses.replace(self.trace_config, start_step=start)
+            self.tracer = Tracer(model, self.run_dir, config=config).attach()
             if state is not None and state.get("tracer") is not None:
                 self.tracer.load_state_dict({**state["tracer"], "step": step})
         if self.plan is not None:

@@ -22,7 +22,7 @@ from gradstats.run.format import (
     _sha256,
     sample_key,
 )
-from gradstats.stats import SCALAR_FIELDS, merge_stats
+from gradstats.stats import STATISTICS, merge_stats
 
 if TYPE_CHECKING:
     import pyarrow.dataset as pads
@@ -273,7 +273,7 @@ class Run:
             raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
         if self._stats_cache is None:
             tables = [t for c in self._commits for t in self._read_parquet(c, "stats/", on_error)]
-            cols = [*KEY_COLUMNS, *SCALAR_FIELDS, "hist", "top_abs"]
+            cols = [*KEY_COLUMNS, *(s.name for s in STATISTICS)]
             df = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=cols)
             df = df.sort_values(list(KEY_COLUMNS), kind="stable").reset_index(drop=True)
             self._stats_cache = df

@@ -22,7 +22,7 @@ from gradstats.run.format import (
     file_metadata,
 )
 from gradstats.run.reader import read_commits
-from gradstats.stats import COUNT_FIELDS, HIST_BINS, SCALAR_FIELDS, TOP_K
+from gradstats.stats import LAYOUT, STATISTICS
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -53,11 +53,11 @@ class Flush:
     start_step: int | None = None
 
 
-def _stats_table(keys: Sequence[tuple[int, int, str, str, int]], scalars: np.ndarray, hist: np.ndarray,
-                 top: np.ndarray | None):
+def _stats_table(keys: Sequence[tuple[int, int, str, str, int]], values: dict[str, np.ndarray]):
     """The one home of the statistics table's schema: key columns ``(step, rank, layer, kind,
-    call)`` per row, the ``SCALAR_FIELDS`` (an ``R x len(SCALAR_FIELDS)`` array), ``hist``
-    (``R x HIST_BINS``) and, unless None, ``top_abs`` (``R x TOP_K``), as an Arrow table."""
+    call)`` per row, then a column per statistic of :data:`gradstats.stats.STATISTICS` in its
+    declared dtype (``values[name]``: an ``R x length`` array; an optional statistic may be
+    absent), a fixed-size list for an array statistic, as an Arrow table."""
     import pyarrow as pa
 
     step, rank, layer, kind, call = (list(c) for c in zip(*keys)) if len(keys) else ([],) * 5
@@ -66,37 +66,40 @@ def _stats_table(keys: Sequence[tuple[int, int, str, str, int]], scalars: np.nda
         "layer": pa.array(layer, pa.string()), "kind": pa.array(kind, pa.string()),
         "call": pa.array(call, pa.int32()),
     }
-    scalars = np.asarray(scalars, dtype=np.float64).reshape(len(keys), len(SCALAR_FIELDS))
-    for i, f in enumerate(SCALAR_FIELDS):
-        col = scalars[:, i]
-        cols[f] = pa.array(col.astype(np.int64) if f in COUNT_FIELDS else col)
-    hist = np.asarray(hist).reshape(len(keys), HIST_BINS).astype(np.int64)
-    cols["hist"] = pa.FixedSizeListArray.from_arrays(pa.array(hist.reshape(-1)), HIST_BINS)
-    if top is not None:
-        top = np.asarray(top).reshape(len(keys), TOP_K).astype(np.float32)
-        cols["top_abs"] = pa.FixedSizeListArray.from_arrays(pa.array(top.reshape(-1)), TOP_K)
+    for st in STATISTICS:
+        if st.name not in values:
+            if not st.optional:
+                raise ValueError(f"statistics rows lack {st.name!r}, which every row must hold")
+            continue
+        v = np.asarray(values[st.name]).reshape(len(keys), st.length).astype(st.dtype)
+        cols[st.name] = pa.array(v[:, 0]) if st.scalar else \
+            pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), st.length)
     return pa.table(cols).replace_schema_metadata(file_metadata("stats"))
 
 
 def rows_to_table(rows: Sequence[dict[str, Any]]) -> "pa.Table":
-    """Statistics rows (dicts with the key columns, the scalar fields, ``hist`` and, when every
-    row has it, ``top_abs``) as an Arrow table with the run's schema."""
+    """Statistics rows (dicts with the key columns and the statistics; an optional one, such as
+    ``top_abs``, only when every row has it) as an Arrow table with the run's schema."""
     keys = [(int(r["step"]), int(r["rank"]), str(r["layer"]), str(r["kind"]), int(r["call"])) for r in rows]
-    scalars = np.array([[r[f] for f in SCALAR_FIELDS] for r in rows], dtype=np.float64)
-    hist = np.stack([np.asarray(r["hist"], dtype=np.int64) for r in rows]) if rows else \
-        np.zeros((0, HIST_BINS), np.int64)
-    top = np.stack([np.asarray(r["top_abs"], dtype=np.float32) for r in rows]) \
-        if rows and all("top_abs" in r for r in rows) else None
-    return _stats_table(keys, scalars, hist, top)
+    values: dict[str, np.ndarray] = {}
+    for st in STATISTICS:
+        if not all(st.name in r for r in rows) or (st.optional and not rows):
+            if st.optional:
+                continue
+            raise ValueError(f"statistics rows lack {st.name!r}, which every row must hold (rows of "
+                             "gradstats.stats.tensor_stats or merge_stats have it)")
+        dt = np.float64 if st.scalar else st.dtype
+        values[st.name] = np.array([np.asarray(r[st.name], dtype=dt).reshape(st.length) for r in rows],
+                                   dtype=dt).reshape(len(rows), st.length)
+    return _stats_table(keys, values)
 
 
 def vectors_to_table(keys: Sequence[tuple[int, int, str, str, int]], vectors: np.ndarray) -> "pa.Table":
     """Statistics vectors (rows of :func:`gradstats.stats.tensor_stats_vector`, stacked) with
     their keys ``(step, rank, layer, kind, call)`` as an Arrow table with the run's schema:
-    columns sliced from the matrix, no Python object per row (the writer thread builds every
-    commit this way, holding the interpreter as briefly as it can)."""
-    k, h = len(SCALAR_FIELDS), len(SCALAR_FIELDS) + HIST_BINS
-    return _stats_table(keys, vectors[:, :k], vectors[:, k:h], vectors[:, h:h + TOP_K])
+    columns sliced from the matrix (:data:`gradstats.stats.LAYOUT`), no Python object per row (the
+    writer thread builds every commit this way, holding the interpreter as briefly as it can)."""
+    return _stats_table(keys, {st.name: vectors[:, LAYOUT[st.name]] for st in STATISTICS})
 
 
 def _side_table(name: str, rows: Sequence[dict[str, Any]]):

@@ -55,7 +55,7 @@ def _kernel_cases():
 def test_statistics_kernel_counts_every_block_exactly(build, threads, monkeypatch):
     """The statistics pass's own block counts (AVX-512 and portable builds, one and two threads)
     equal blocks_stats counting every block, on tails, zero blocks, subnormals, inf and NaN."""
-    import gradstats.stats as S
+    import gradstats.stats.kernel as S
     from gradstats.stats.blocks import blocks_stats, kernel_block_stats
 
     kernel = S._native_kernel(portable=build == "portable")

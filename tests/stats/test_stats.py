@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import gradstats.stats as stats_mod
+import gradstats.stats.kernel as kernel_mod
 from gradstats.stats import (
     HIST_BINS,
     HIST_MIN_EXP,
@@ -25,12 +26,12 @@ def kernel_path(request, monkeypatch):
     """Every test runs on the fused C kernel (as built for this CPU, and its portable loop, which
     CPUs without AVX-512 run) and on the pure-torch path."""
     if request.param == "torch":
-        monkeypatch.setattr(stats_mod, "_native_kernel", lambda: None)
-    elif stats_mod._native_kernel() is None:
+        monkeypatch.setattr(kernel_mod, "_native_kernel", lambda: None)
+    elif kernel_mod._native_kernel() is None:
         pytest.skip("no C compiler here: the torch path is tested instead")
     elif request.param == "native-portable":
-        portable = stats_mod._native_kernel(portable=True)
-        monkeypatch.setattr(stats_mod, "_native_kernel", lambda: portable)
+        portable = kernel_mod._native_kernel(portable=True)
+        monkeypatch.setattr(kernel_mod, "_native_kernel", lambda: portable)
     return request.param
 
 

@@ -1,6 +1,7 @@
 /* Fused streaming statistics of a float32 array: one pass, no allocation.
  *
  * Computes, over x[0..n):
+ *   out[GS_F_*], the offsets defined below:
  *   out[0] n, out[1] n_zero, out[2] n_nonfinite            (as doubles, exact below 2^53)
  *   out[3] sum x, out[4] sum |x|, out[5] sum x^2           (finite entries)
  *   out[6] sum ln|x|, out[7] sum ln^2|x|                   (non-zero finite entries)
@@ -64,6 +65,20 @@
 #include <omp.h>
 #endif
 
+/* where each scalar statistic goes in out[]: the offsets of gradstats/stats/fields.py's declaration
+ * (a test parses these lines and compares them with it; a statistic added there that the sweep must
+ * compute gets its GS_F_ define here and its store below) */
+#define GS_F_N 0
+#define GS_F_N_ZERO 1
+#define GS_F_N_NONFINITE 2
+#define GS_F_SUM 3
+#define GS_F_SUM_ABS 4
+#define GS_F_SUM_SQ 5
+#define GS_F_SUM_LN_ABS 6
+#define GS_F_SUM_LN_ABS_SQ 7
+#define GS_F_MIN_ABS 8
+#define GS_F_MAX_ABS 9
+#define GS_N_SCALARS 10
 #define HIST_MIN_EXP (-149)
 #define HIST_BINS 277
 #define BLOCK 2048
@@ -781,11 +796,11 @@ int gs_stats_f32(const float *x, int64_t n, double *out, double *hist, double *t
         }
     }
     double nnz = (double)n - total.n_zero - total.n_nonfinite;
-    out[0] = (double)n; out[1] = total.n_zero; out[2] = total.n_nonfinite;
-    out[3] = total.sum; out[4] = total.sum_abs; out[5] = total.sum_sq;
-    out[6] = total.sum_ln; out[7] = total.sum_ln_sq;
-    out[8] = nnz > 0 ? (double)bits_to_float(total.minb) : NAN;
-    out[9] = nnz > 0 ? (double)bits_to_float(total.maxb) : NAN;
+    out[GS_F_N] = (double)n; out[GS_F_N_ZERO] = total.n_zero; out[GS_F_N_NONFINITE] = total.n_nonfinite;
+    out[GS_F_SUM] = total.sum; out[GS_F_SUM_ABS] = total.sum_abs; out[GS_F_SUM_SQ] = total.sum_sq;
+    out[GS_F_SUM_LN_ABS] = total.sum_ln; out[GS_F_SUM_LN_ABS_SQ] = total.sum_ln_sq;
+    out[GS_F_MIN_ABS] = nnz > 0 ? (double)bits_to_float(total.minb) : NAN;
+    out[GS_F_MAX_ABS] = nnz > 0 ? (double)bits_to_float(total.maxb) : NAN;
     if (hist != NULL)
         for (int b = 0; b < HIST_BINS; b++) hist[b] = (double)total.hist[0][b];
     qsort(total.top, (size_t)total.ntop, sizeof(uint32_t), cmp_desc);
