@@ -54,25 +54,27 @@ def test_the_scanner_sees_what_it_must():
     assert imports.cycles(fake) == [["gradstats.a", "gradstats.b"]]
 
 
-@pytest.mark.parametrize("old, new", [("gradstats.quant", "gradstats.ops.quantization"),
-                                      ("gradstats.compress", "gradstats.ops.fused"),
-                                      ("gradstats.enforce", "gradstats.apply"),
-                                      ("gradstats.models", "gradstats.zoo.models"),
-                                      ("gradstats.data", "gradstats.zoo.data"),
-                                      ("gradstats.training", "gradstats.zoo.training")])
-def test_old_homes_are_deprecated_aliases_of_the_new(old, new):
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-        mod = importlib.import_module(old)
-    assert mod is importlib.import_module(new)
-
-
-def test_old_top_level_names_warn_and_work():
+@pytest.mark.parametrize("old", ["gradstats.quant", "gradstats.compress", "gradstats.enforce", "gradstats.models",
+                                 "gradstats.data", "gradstats.training", "gradstats.recommendation",
+                                 "gradstats.blocks"])
+def test_old_homes_are_gone(old):
+    """The modules' old homes (kept for one release) no longer import, and no import hook serves them."""
     import gradstats
-    from gradstats import zoo
 
-    with pytest.warns(DeprecationWarning, match="gradstats.zoo.build_model"):
-        assert gradstats.build_model is zoo.build_model
+    sys.modules.pop(old, None)
+    with pytest.raises(ModuleNotFoundError, match=old.replace(".", r"\.")):
+        importlib.import_module(old)
+    assert not any(type(f).__module__ == "gradstats" for f in sys.meta_path)
+    assert old.rpartition(".")[2] not in dir(gradstats)
+
+
+@pytest.mark.parametrize("name", ["build_model", "list_models", "load_fashion_mnist", "load_shakespeare", "train",
+                                  "evaluate", "prepare", "models", "quant"])
+def test_old_top_level_names_are_gone(name):
+    import gradstats
+
+    with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+        getattr(gradstats, name)
 
 
 def test_importing_the_apply_module_keeps_the_verb():
