@@ -375,7 +375,7 @@ def _text_table(a: Analysis) -> str:
 
 def _notes(a: Analysis) -> list[str]:
     """Text lines on what was not analysed: skipped layers, groups not fitted, missing plans."""
-    from gradstats.fitting._run import failure_lines
+    from gradstats.fitting import failure_lines
 
     out = []
     if len(a.failures):

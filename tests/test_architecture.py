@@ -47,7 +47,7 @@ def test_the_scanner_sees_what_it_must():
     mods = imports.scan()
     apply_imports = mods["gradstats.apply"].imports
     assert "gradstats.plan" in apply_imports or "gradstats.plan._plan" in apply_imports
-    assert any(not top for uses in mods["gradstats.plan._export"].imports.values() for _, top, _ in uses)
+    assert any(not top for uses in mods["gradstats.plan.export"].imports.values() for _, top, _ in uses)
     fake = {"a": imports.Module("gradstats.a", Path("a.py"), False, {"gradstats.b": [(1, False, set())]}),
             "b": imports.Module("gradstats.b", Path("b.py"), False, {"gradstats.a": [(1, True, set())]})}
     fake = {m.name: m for m in fake.values()}
