@@ -42,6 +42,54 @@ def test_no_private_name_crosses_a_package():
     assert imports.private_crossings(MODS) == []
 
 
+def test_no_private_module_is_imported_from_another_package():
+    """``a.b._c`` is imported by ``a.b``'s ``__init__``, its modules and subpackages only; the rest of the
+    package goes through a public name."""
+    assert imports.private_module_imports(MODS) == []
+
+
+def _package(tmp_path, files):
+    """A throwaway package named ``gradstats`` (the scanner follows that name only) from ``{path: source}``."""
+    for rel, src in files.items():
+        path = tmp_path / "gradstats" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(src)
+    return imports.scan(tmp_path / "gradstats")
+
+
+def test_the_scanner_sees_dynamic_imports_of_literal_names(tmp_path):
+    """importlib.import_module("x.y"), import_module("x.y") and __import__("x.y") are edges, inside
+    functions too; a computed name is not (the source cannot show it)."""
+    mods = _package(tmp_path, {
+        "__init__.py": "",
+        "a.py": "def f():\n    import importlib\n    return importlib.import_module('gradstats.b')\n",
+        "b.py": "from importlib import import_module\nimport_module('gradstats.c')\n",
+        "c.py": "X = __import__('gradstats.a.x')\n",
+        "d.py": "import importlib\nfor n in ('a', 'b'):\n    importlib.import_module(f'gradstats.{n}')\n"
+                "importlib.import_module('json')\n",
+    })
+    assert set(mods["gradstats.a"].imports) == {"gradstats.b"}
+    assert mods["gradstats.a"].imports["gradstats.b"][0][:2] == (3, False)
+    assert set(mods["gradstats.b"].imports) == {"gradstats.c"}
+    assert set(mods["gradstats.c"].imports) == {"gradstats.a"}       # the longest module of the name
+    assert mods["gradstats.d"].imports == {}
+    assert imports.cycles(mods) == [["gradstats.a", "gradstats.b", "gradstats.c"]]
+
+
+def test_the_scanner_sees_a_private_module_leave_its_package(tmp_path):
+    mods = _package(tmp_path, {
+        "__init__.py": "", "_top.py": "",
+        "p/__init__.py": "from gradstats.p._impl import f\n",
+        "p/_impl.py": "def f():\n    pass\n",
+        "p/public.py": "from . import _impl\n",
+        "p/sub/__init__.py": "from gradstats.p._impl import f\n",
+        "q.py": "import gradstats._top\ndef g():\n    from gradstats.p._impl import f\n",
+        "r.py": "import importlib\nm = importlib.import_module('gradstats.p._impl')\n",
+    })
+    assert imports.private_module_imports(mods) == ["gradstats.q:3 imports gradstats.p._impl",
+                                                    "gradstats.r:2 imports gradstats.p._impl"]
+
+
 def test_the_scanner_sees_what_it_must():
     """The checks above can fail: a function-level import counts, a plot adapter does not."""
     mods = imports.scan()
