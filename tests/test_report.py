@@ -46,7 +46,7 @@ def test_thresholds_reach_their_targets_under_the_model(analysis):
 
     planned = analysis.table[analysis.table["planned"]]
     assert len(planned) and "fc2" not in set(planned["layer"])       # the output layer stays exact
-    rows = layer_moments(SAMPLE, step=analysis.plan_step, layers=list(planned["layer"])).to_dict("records")
+    rows = layer_moments(SAMPLE, steps=analysis.plan_step, layers=list(planned["layer"])).to_dict("records")
     for r, st in zip(planned.to_dict("records"), rows):
         for s in (0.85, 0.9):
             # the default (histogram) rule at the layer's statistics of the plan step
@@ -61,7 +61,7 @@ def test_thresholds_reach_their_targets_under_the_model(analysis):
 def test_std_and_verdicts_come_from_the_run(analysis):
     from gradstats.plan.recommend import layer_moments
 
-    m = layer_moments(SAMPLE, step=analysis.plan_step, layers=["conv2"]).iloc[0]
+    m = layer_moments(SAMPLE, steps=analysis.plan_step, layers=["conv2"]).iloc[0]
     row = analysis.table.set_index("layer").loc["conv2"]
     assert row["std_log2"] == pytest.approx(m["sigma"] / math.log(2), rel=1e-12)
     assert analysis.plan_step == 196 and analysis.fit_steps == [0, 64, 128, 196]

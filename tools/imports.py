@@ -1,8 +1,13 @@
-"""The package's import graph: cycles, stage order and private names crossing packages.
+"""The package's import graph: cycles, stage order, private names and private modules crossing packages.
 
-Every ``import`` in a module counts, at module level or inside a function, with one exception: a
-function named ``plot`` (or ``plot_*``) may import :mod:`gradstats.plots` lazily, the adapter that lets
-a result draw itself without its stage depending on matplotlib.
+Every ``import`` in a module counts, at module level or inside a function, and so does a dynamic import
+of a literal module name (``importlib.import_module("gradstats.figures")``, ``import_module(...)``
+imported from importlib, ``__import__("gradstats.figures")``), with one exception: a function named
+``plot`` (or ``plot_*``) may import :mod:`gradstats.plots` lazily, the adapter that lets a result draw
+itself without its stage depending on matplotlib. A dynamic import of a computed name is not an edge
+the source can show: the root package's lazy ``_EXPORTS`` table maps public names to modules that are
+imported on attribute access (``gradstats.fit``), and ``gradstats.cli`` imports its subcommands by
+name; neither adds an edge here.
 
 Run ``python tools/imports.py`` for a report; ``tests/test_architecture.py`` asserts on the same graph.
 """
@@ -26,8 +31,8 @@ class Module:
     """target module -> [(line, at module level, names imported from it)]"""
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
@@ -56,11 +61,28 @@ def _lazy_plot_adapter(stack: list[ast.AST], target: str) -> bool:
     return False
 
 
+def _dynamic_import(node: ast.AST) -> str | None:
+    """The module a call imports by a literal name: ``importlib.import_module("x.y")``,
+    ``import_module("x.y")`` or ``__import__("x.y")`` (which loads ``x.y``); None for any other call,
+    and for a name computed at run time (an f-string, a variable, a relative name)."""
+    if not (isinstance(node, ast.Call) and node.args):
+        return None
+    f = node.func
+    called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "importlib"):
+        called = None
+    first = node.args[0]
+    if called in ("import_module", "__import__") and isinstance(first, ast.Constant) and isinstance(first.value, str):
+        return None if first.value.startswith(".") else first.value
+    return None
+
+
 def scan(package: Path = PACKAGE) -> dict[str, Module]:
-    """Every module of the package with the gradstats modules it imports."""
+    """Every module of the package with the gradstats modules it imports (statements and dynamic
+    imports of literal names)."""
     mods = {}
     for path in sorted(package.rglob("*.py")):
-        mod = Module(module_name(path), path, path.name == "__init__.py")
+        mod = Module(module_name(path, package.parent), path, path.name == "__init__.py")
         mods[mod.name] = mod
     for mod in mods.values():
         tree = ast.parse(mod.path.read_text(), str(mod.path))
@@ -77,6 +99,8 @@ def scan(package: Path = PACKAGE) -> dict[str, Module]:
                 for a in node.names:                   # ``from . import x``: x may be a module
                     sub = f"{base}.{a.name}"
                     targets.append((sub, set()) if sub in mods else (base, {a.name}))
+            elif (dynamic := _dynamic_import(node)) is not None:
+                targets = [(dynamic, set())]
             for target, names in targets:
                 if not target.startswith("gradstats"):
                     continue
@@ -150,6 +174,23 @@ def private_crossings(mods: dict[str, Module]) -> list[str]:
     return out
 
 
+def private_module_imports(mods: dict[str, Module]) -> list[str]:
+    """Imports of a private module (``a.b._c``) from outside its package ``a.b``: the package's own
+    ``__init__``, its modules and its subpackages may import it; anything else goes through a public
+    name (the package's ``__init__`` or a public module)."""
+    out = []
+    for mod in mods.values():
+        for target, uses in mod.imports.items():
+            parts = target.split(".")
+            for i in range(1, len(parts)):
+                if parts[i].startswith("_") and not parts[i].startswith("__"):
+                    package = ".".join(parts[:i])
+                    if mod.name != package and not mod.name.startswith(package + "."):
+                        out.append(f"{mod.name}:{uses[0][0]} imports {target}")
+                    break
+    return sorted(out)
+
+
 def _top(name: str) -> str:
     parts = name.split(".")
     return ".".join(parts[:2])
@@ -169,7 +210,7 @@ def module_level_plot_imports(mods: dict[str, Module]) -> list[str]:
 
 #: the stages, in data-flow order; a module may import its own stage and earlier ones only
 STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("values", ("gradstats._version", "gradstats._compat", "gradstats._threads", "gradstats._roots", "gradstats.formats",
+    ("values", ("gradstats._version", "gradstats._threads", "gradstats._roots", "gradstats.formats",
                 "gradstats.wrappers")),
     ("testbed", ("gradstats.zoo",)),
     ("ops", ("gradstats.ops",)),
@@ -230,6 +271,10 @@ def main() -> int:
     print(f"private names imported across packages: {len(priv)}")
     for p in priv:
         print("  " + p)
+    priv_mods = private_module_imports(mods)
+    print(f"private modules imported from another package: {len(priv_mods)}")
+    for p in priv_mods:
+        print("  " + p)
     back = backward_imports(mods)
     print(f"imports of a later stage: {len(back)}")
     for b in back:
@@ -237,7 +282,7 @@ def main() -> int:
     unstaged = sorted(m for m in mods if stage(m) is None and m != "gradstats")
     if unstaged:
         print("modules in no stage: " + ", ".join(unstaged))
-    return 1 if cyc or back or unstaged else 0
+    return 1 if cyc or back or unstaged or priv or priv_mods else 0
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         print(f"{args.to} export of {args.plan}: {args.out}")
     elif args.to == "te":
-        from gradstats.plan._export import te_yaml
+        from gradstats.plan.export import te_yaml
 
         print(te_yaml(doc), end="")
     else:

@@ -55,8 +55,7 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from gradstats import open_run
-    from gradstats.fitting import failed_groups, fit_run, layer_verdicts
-    from gradstats.fitting._run import failure_lines
+    from gradstats.fitting import failed_groups, failure_lines, fit_run, layer_verdicts
 
     r = open_run(args.run)
     steps = parse_steps(args.steps, r.steps)

@@ -27,9 +27,9 @@ from gradstats.families import FAMILIES, MAGNITUDE_MODEL
 from gradstats.fitting._compare import MIN_NONZERO, VUONG_ALPHA
 from gradstats.fitting._exact import SUBSAMPLE_CONFIDENCE, fit
 from gradstats.fitting._result import FitResult
-from gradstats.fitting._run import failed_groups, fit_run, layer_verdicts
+from gradstats.fitting._run import failed_groups, failure_lines, fit_run, layer_verdicts
 from gradstats.fitting._stats import fit_many_stats, fit_stats, hist_ks_bounds
 
-__all__ = ["fit", "fit_stats", "fit_run", "layer_verdicts", "failed_groups", "FitResult", "FAMILIES",
+__all__ = ["fit", "fit_stats", "fit_run", "layer_verdicts", "failed_groups", "failure_lines", "FitResult", "FAMILIES",
            "MAGNITUDE_MODEL", "MIN_NONZERO", "VUONG_ALPHA", "SUBSAMPLE_CONFIDENCE", "fit_many_stats",
            "hist_ks_bounds"]

@@ -191,7 +191,15 @@ def steps_text(steps: Sequence[int], limit: int = 8) -> str:
 
 def failure_lines(failed: Any, *, kind: bool = True, source: bool = True) -> list[str]:
     """One indented text line per row of :func:`failed_groups`: layer (and kind), steps (and
-    the source of the fits), and the status saying why."""
+    the source of the fits), and the status saying why.
+
+    Example:
+        >>> import pandas as pd
+        >>> df = pd.DataFrame({"layer": ["a", "a"], "step": [0, 1], "kind": "grad", "family": "lognormal",
+        ...                    "source": "stats", "status": ["error: all zeros"] * 2})
+        >>> failure_lines(failed_groups(df))
+        ['  a (grad), steps 0, 1 [stats]: error: all zeros']
+    """
     out = []
     for r in failed.to_dict("records"):
         what = r["layer"] + (f" ({r['kind']})" if kind else "")

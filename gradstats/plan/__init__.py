@@ -22,7 +22,6 @@ Example:
     >>> {name: (str(r.format), r.sparsity) for name, r in plan.resolve(model).items()}
     {'0': ('e4m3', 0.8), '2': ('e5m2', None)}
 """
-from gradstats.plan._export import EXPORT_TARGETS
 from gradstats.plan._plan import CONV_LINEAR_TYPES, SCHEMA, SCHEMA_VERSION, Plan
 from gradstats.plan._rules import (
                      INHERIT,
@@ -38,6 +37,7 @@ from gradstats.plan._rules import (
                      amax_scale,
 )
 from gradstats.plan.checks import OVERFLOW_BOUND, Verification, verify
+from gradstats.plan.export import EXPORT_TARGETS
 
 __all__ = ["Plan", "PlanEntry", "Rule", "Prediction", "Provenance", "INHERIT", "SCHEMA",
            "SCHEMA_VERSION", "SCALE_RULES", "ROUNDINGS", "THRESHOLD_RULES", "SCALE_FORMATS",

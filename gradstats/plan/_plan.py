@@ -590,7 +590,7 @@ class Plan:
             >>> te["FakeQuant"]["quant_format"], te["FakeQuant"]["gemms"]
             ('FP8E5M2', ['dgrad', 'wgrad'])
         """
-        from gradstats.plan._export import export
+        from gradstats.plan.export import export
 
         return export(self, target, model, path=path, strict=strict)
 

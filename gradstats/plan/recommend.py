@@ -33,13 +33,11 @@ import dataclasses
 import logging
 import math
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
-from gradstats._compat import renamed_kwargs
 from gradstats.fpanalysis.training import FLUSH_BOUND
 from gradstats.noise.predict import NOISE_BOUND
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
@@ -73,17 +71,6 @@ class _Moments:
     amax: np.ndarray        # the maximum of one captured tensor (median over the captures)
     rows: list[dict[str, Any]]
     steps: tuple[int, int]
-
-
-def _old_step(step: Any) -> Any:
-    """``step=`` (the old name of ``steps=``): ``(first, last)`` meant the inclusive range."""
-    warnings.warn("step= is now steps= (None or 'latest': each layer's latest step; an int; a range or "
-                  "slice; a list of steps); step=(first, last) is steps=range(first, last + 1). The old "
-                  "name goes in the next release", DeprecationWarning, stacklevel=3)
-    if isinstance(step, (list, tuple)) and len(step) == 2 and all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in step) and step[0] <= step[1]:
-        return range(int(step[0]), int(step[1]) + 1)
-    return "latest" if step is None else step
 
 
 def _steps_filter(df, steps: Steps):
@@ -132,7 +119,7 @@ def _select_layers(run, layers: str | Sequence[str] | None) -> list[str]:
 
 
 def layer_moments(run: Any, *, steps: Steps = "latest", layers: str | Sequence[str] | None = None,
-                  kind: str = "grad", step: Any = None) -> "Any":
+                  kind: str = "grad") -> "Any":
     """Per-layer ``mu``, ``sigma`` (of ``ln|g|``), ``p0`` and the merged statistics a
     recommendation is made from, as a DataFrame (one row per layer, calls and ranks merged):
     ``amax`` is the largest ``|g|`` of all the captures merged, ``numel`` and
@@ -141,7 +128,7 @@ def layer_moments(run: Any, *, steps: Steps = "latest", layers: str | Sequence[s
 
     ``steps``: ``"latest"`` (each layer's latest captured step), an int, a ``range`` or ``slice``,
     or a list of steps, merged (:mod:`gradstats.run.select`). ``layers``: ``None`` for every traced
-    convolution and linear layer, or names/globs. ``step=`` is the old name of ``steps=``.
+    convolution and linear layer, or names/globs.
 
     Example:
         >>> import tempfile, torch, gradstats
@@ -155,8 +142,6 @@ def layer_moments(run: Any, *, steps: Steps = "latest", layers: str | Sequence[s
     """
     import pandas as pd
 
-    if step is not None:
-        steps = _old_step(step)
     mom = _moments(as_run(run), steps=steps, layers=layers, kind=kind, skip_empty=False)
     rows = []
     for name, mu, sigma, p0, row in zip(mom.layers, mom.mu, mom.sigma, mom.p0, mom.rows):
@@ -272,7 +257,6 @@ def _fmt(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
-@renamed_kwargs(model="format_rule")
 def recommend(run: Any, *, bits: int = 8, sparsity: float | str | None = None,
               granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "auto",
               threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
@@ -280,7 +264,7 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | str | None = None,
               objective: str = "training", bias_bound: float | None = None,
               flush_bound: float | None = FLUSH_BOUND, output_layer: str | bool | None = None,
               prune_at: str | bool | None = None, check: bool = True,
-              noise_bound: float | None = NOISE_BOUND, step: Any = None) -> Plan:
+              noise_bound: float | None = NOISE_BOUND) -> Plan:
     """Recommend a per-layer plan from a traced run's statistics.
 
     Args:
@@ -369,9 +353,7 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | str | None = None,
     Returns a :class:`~gradstats.plan.Plan` whose defaults hold the shared settings (scale rule,
     rounding, blocks, sparsity, threshold rule) and whose entries, one per layer by exact name,
     hold the chosen format and the :class:`~gradstats.plan.Prediction` (error, sparsity, mu,
-    sigma, p0, scale, threshold). Old keyword names, kept for one release: ``model=`` (now
-    ``format_rule=``), ``step=`` (now ``steps=``; ``(first, last)`` is ``range(first, last + 1)``); a list
-    of ``bits`` still gives ``{bits: Plan}`` with a warning (use :func:`recommend_each`).
+    sigma, p0, scale, threshold).
 
     Example:
         >>> import tempfile, torch, gradstats
@@ -388,21 +370,18 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | str | None = None,
         >>> bool(row["sparsity"] <= 0.5 and row["pruning_noise"] <= 0.02), float(row["requested_sparsity"])
         (True, 0.5)
     """
-    several = isinstance(bits, (list, tuple, range))
-    if several:
-        warnings.warn("recommend(bits=[...]) returning {bits: Plan} is now recommend_each(bits=[...]); "
-                      "recommend returns one Plan. The old form goes in the next release",
-                      DeprecationWarning, stacklevel=3)
+    if isinstance(bits, (list, tuple, range)):
+        raise ValueError(f"recommend makes one Plan for one width, got bits={bits!r}; for one plan per width "
+                         f"call recommend_each(run, bits={list(bits)!r}), which returns {{bits: Plan}}")
     widths, _ = _bits_list(bits)
     plans = recommend_each(run, bits=widths, sparsity=sparsity, granularity=granularity, rounding=rounding,
-                           steps=_old_step(step) if step is not None else steps, threshold_rule=threshold_rule,
+                           steps=steps, threshold_rule=threshold_rule,
                            candidates=candidates, layers=layers, format_rule=format_rule, objective=objective,
                            bias_bound=bias_bound, flush_bound=flush_bound, output_layer=output_layer,
                            prune_at=prune_at, check=check, noise_bound=noise_bound)
-    return plans if several else plans[widths[0]]  # type: ignore[return-value]
+    return plans[widths[0]]
 
 
-@renamed_kwargs(model="format_rule")
 def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | None = None,
                    granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "auto",
                    threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
@@ -410,7 +389,7 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
                    objective: str = "training", bias_bound: float | None = None,
                    flush_bound: float | None = FLUSH_BOUND, output_layer: str | bool | None = None,
                    prune_at: str | bool | None = None, check: bool = True,
-                   noise_bound: float | None = NOISE_BOUND, step: Any = None) -> dict[int, Plan]:
+                   noise_bound: float | None = NOISE_BOUND) -> dict[int, Plan]:
     """:func:`recommend` for each width of ``bits``: ``{bits: Plan}`` in the order given, the run read
     once (the arguments are :func:`recommend`'s).
 
@@ -426,8 +405,6 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
     from gradstats import fpanalysis
     from gradstats._version import __version__  # noqa: F401 - provenance
 
-    if step is not None:
-        steps = _old_step(step)
     model = format_rule
     widths, _ = _bits_list(bits)
     if rounding is not None and rounding not in _ROUNDINGS:

@@ -26,17 +26,6 @@ import numpy as np
 from gradstats.plots.style import LN2, savefig, use_style
 
 
-def _moved(name: str, *args: Any, **kw: Any) -> Any:
-    """An old call that asked the drawing to compute its input: computed and drawn by
-    :mod:`gradstats.figures` (for one release, with a warning)."""
-    import importlib
-    import warnings
-
-    warnings.warn(f"{__name__}.{name} draws the results it is given; to compute them from numbers, call "
-                  f"gradstats.figures.{name} (this form goes in the next release)", DeprecationWarning, stacklevel=3)
-    return getattr(importlib.import_module("gradstats.figures"), name)(*args, **kw)
-
-
 def _finish(fig: Any, path: str | os.PathLike[str] | None) -> Any:
     if path is not None:
         savefig(fig, path)
@@ -51,16 +40,15 @@ def _bit_colors(bits: Iterable[int]) -> dict[int, Any]:
     return {b: pal[i] for i, b in enumerate(bits)}
 
 
-def plot_error_vs_exponent_bits(results: Any, *args: Any, ax: Any = None,
-                                path: str | os.PathLike[str] | None = None, **kw: Any) -> Any:
+def plot_error_vs_exponent_bits(results: Any, *, ax: Any = None,
+                                path: str | os.PathLike[str] | None = None) -> Any:
     """Predicted relative MSE of every split of each bit width, each at its best scale, at one
     layer's sigma; the best split of each width is starred.
 
     ``results``: one :class:`~gradstats.fpanalysis.BestFormat` per width, all at the same single
     sigma with every split a candidate (``best_format(bits, mu=0.0, sigma=sigma, candidates="fn",
     power_of_two=False)``); the title reads the sigma, convention, rounding and scale from them.
-    (A number, the old form, is computed by :func:`gradstats.figures.plot_error_vs_exponent_bits`
-    with a warning.)
+    :func:`gradstats.figures.plot_error_vs_exponent_bits` computes them from a sigma and draws them.
 
     Example:
         >>> from gradstats.fpanalysis import best_format
@@ -71,9 +59,9 @@ def plot_error_vs_exponent_bits(results: Any, *args: Any, ax: Any = None,
     import matplotlib.pyplot as plt
 
     if isinstance(results, (int, float)):
-        return _moved("plot_error_vs_exponent_bits", results, *args, ax=ax, path=path, **kw)
-    if args or kw:
-        raise TypeError(f"unexpected arguments {list(kw) or args}: the results carry the setting")
+        raise TypeError(f"plot_error_vs_exponent_bits draws best_format results, got the number {results!r}; "
+                        f"to compute them from a sigma and draw them, call "
+                        f"gradstats.figures.plot_error_vs_exponent_bits({results!r})")
     results = list(results)
     if not results:
         raise ValueError("no best-format result to draw")

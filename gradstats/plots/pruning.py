@@ -41,19 +41,13 @@ THRESHOLD_CURVES = {"lognormal": (RULE_LABELS["lognormal"], {"lw": 2}),
                     "laplace": ("Laplace fit to the layer", {"ls": ":", "lw": 2})}
 
 
-def _moved(name: str, *args: Any, **kw: Any) -> Any:
-    """An old call that asked the drawing to compute its input: computed and drawn by
-    :mod:`gradstats.figures` (for one release, with a warning)."""
-    import importlib
-    import warnings
-
-    warnings.warn(f"{__name__}.{name} draws the table it is given; to compute it from sigmas, call "
-                  f"gradstats.figures.{name} (this form goes in the next release)", DeprecationWarning, stacklevel=3)
-    return getattr(importlib.import_module("gradstats.figures"), name)(*args, **kw)
-
-
 def _is_table(x: Any) -> bool:
     return hasattr(x, "columns") and hasattr(x, "loc")
+
+
+def _not_a_table(name: str, x: Any) -> str:
+    return (f"{name} draws the DataFrame it is given, got {type(x).__name__}; to compute it from sigmas and "
+            f"draw it, call gradstats.figures.{name}(sigmas)")
 
 
 def _finish(fig: Any, path: str | os.PathLike[str] | None) -> Any:
@@ -119,7 +113,7 @@ def plot_achieved_vs_target(table: Any, *, path: str | os.PathLike[str] | None =
     return _finish(fig, path)
 
 
-def plot_threshold_vs_sigma(table: Any = None, targets: Sequence[float] | None = None, *,
+def plot_threshold_vs_sigma(table: Any, targets: Sequence[float] | None = None, *,
                             path: str | os.PathLike[str] | None = None) -> Any:
     """Threshold for a target sparsity, in units of the layer's median ``|g|`` (``e^mu``), as a
     function of sigma for an exactly lognormal layer: the analytic rule, the naive lognormal
@@ -129,8 +123,8 @@ def plot_threshold_vs_sigma(table: Any = None, targets: Sequence[float] | None =
     ``table``: a DataFrame with columns ``sigma`` (of ln|g|), ``target`` and one threshold column
     per rule drawn (``lognormal``, ``naive_lognormal``, ``normal``, ``laplace``; see
     :func:`gradstats.figures.threshold_vs_sigma`); ``targets``: the panels (default: the table's
-    targets). (Sigmas instead of a table, the old form, are computed by
-    :func:`gradstats.figures.plot_threshold_vs_sigma` with a warning.)
+    targets). :func:`gradstats.figures.plot_threshold_vs_sigma` computes the table from sigmas and
+    draws it.
 
     Example:
         >>> import pandas as pd
@@ -143,8 +137,7 @@ def plot_threshold_vs_sigma(table: Any = None, targets: Sequence[float] | None =
     import matplotlib.pyplot as plt
 
     if not _is_table(table):
-        kw = {} if targets is None else {"targets": targets}
-        return _moved("plot_threshold_vs_sigma", table, path=path, **kw)
+        raise TypeError(_not_a_table("plot_threshold_vs_sigma", table))
     use_style()
     targets = list(dict.fromkeys(table["target"])) if targets is None else list(targets)
     fig, axes = plt.subplots(1, len(targets), figsize=(3.4 * len(targets) + 0.8, 4.2),
@@ -164,15 +157,14 @@ def plot_threshold_vs_sigma(table: Any = None, targets: Sequence[float] | None =
     return _finish(fig, path)
 
 
-def plot_cosine_vs_sparsity(curves: Any = None, *, measured: Any = None,
+def plot_cosine_vs_sparsity(curves: Any, *, measured: Any = None,
                             path: str | os.PathLike[str] | None = None) -> Any:
     """Predicted cosine similarity between ``g`` and its stochastic pruning against the target
     sparsity, one curve per sigma (lognormal closed form). ``curves``: a DataFrame with columns
     ``sigma``, ``sparsity``, ``one_minus_cosine`` (``1 - cos``, accurate when tiny; see
     :func:`gradstats.figures.cosine_vs_sparsity`). ``measured``: optional DataFrame with columns
-    ``sigma``, ``sparsity``, ``cosine`` drawn as points (e.g. Monte Carlo or real layers). (Sigmas
-    instead of a table, the old form, are computed by :func:`gradstats.figures.plot_cosine_vs_sparsity`
-    with a warning.)
+    ``sigma``, ``sparsity``, ``cosine`` drawn as points (e.g. Monte Carlo or real layers).
+    :func:`gradstats.figures.plot_cosine_vs_sparsity` computes the curves from sigmas and draws them.
 
     Example:
         >>> import pandas as pd
@@ -185,8 +177,7 @@ def plot_cosine_vs_sparsity(curves: Any = None, *, measured: Any = None,
     import matplotlib.pyplot as plt
 
     if not _is_table(curves):
-        return _moved("plot_cosine_vs_sparsity", *(() if curves is None else (curves,)), measured=measured,
-                      path=path)
+        raise TypeError(_not_a_table("plot_cosine_vs_sparsity", curves))
     use_style()
     sigmas = list(dict.fromkeys(curves["sigma"]))
     fig, (ax, axl) = plt.subplots(1, 2, figsize=(10.0, 4.4))

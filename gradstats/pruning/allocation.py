@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradstats._compat import renamed_kwargs
 from gradstats._roots import bracketed_newton
 from gradstats.families import solve_ratio
 from gradstats.layers import output_layer  # noqa: F401 - its home is gradstats.layers; importable here too
@@ -702,7 +701,6 @@ class _Costs:
         return out
 
 
-@renamed_kwargs(model="threshold_rule")
 def allocate(layers: Any, budget: float, *, cosine_floor: Any = None, weights: Any = None,
              sizes: Any = None, threshold_rule: str | None = None, cap: Any = DEFAULT_CAP,
              output_layer: str | None = "auto", exclude: Any = (), layer_info: Any = None) -> Allocation:

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradstats._compat import renamed_kwargs
 from gradstats.ops import cpu as _cpu
 from gradstats.ops.prune import check_generator, check_out, check_tensor, hard_prune, stochastic_prune
 from gradstats.pruning.thresholds import DEFAULT_RULE, RULES
@@ -142,7 +141,6 @@ def _estimate(x: torch.Tensor, method: str) -> dict[str, Any]:
     return dict(tensor_stats(x))
 
 
-@renamed_kwargs(method="threshold_rule")
 def prune(x: torch.Tensor, target: float, *, threshold_rule: str = DEFAULT_RULE, stochastic: bool = True,
           generator: torch.Generator | None = None, out: torch.Tensor | None = None,
           return_threshold: bool = False) -> Any:

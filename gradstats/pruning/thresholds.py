@@ -22,7 +22,6 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from gradstats._compat import renamed_kwargs
 from gradstats.families import Exponential, Family, HalfNormal, Lognormal, solve_sparsity, solve_sparsity_scalar
 from gradstats.stats import lognormal_moments, n_nonzero
 
@@ -243,7 +242,6 @@ def _rule(model: str | None, source: Any, *explicit: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- public verbs
-@renamed_kwargs(model="threshold_rule")
 def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
                       sigma: ArrayLike | None = None, threshold_rule: str | None = None,
                       stochastic: bool = True, p0: ArrayLike | None = None,
@@ -292,7 +290,6 @@ def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike
     return _wrap(out, (threshold, mu, sigma, p0, scale))
 
 
-@renamed_kwargs(model="threshold_rule")
 def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
               sigma: ArrayLike | None = None, threshold_rule: str | None = None, stochastic: bool = True,
               p0: ArrayLike | None = None, scale: ArrayLike | None = None,
@@ -430,7 +427,6 @@ def _condition_on_amax(a: np.ndarray, s: np.ndarray, amax: ArrayLike, mean_abs: 
     return out
 
 
-@renamed_kwargs(model="family")
 def predicted_cosine(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
                      sigma: ArrayLike | None = None, family: str = "lognormal",
                      p0: ArrayLike | None = None, scale: ArrayLike | None = None) -> Any:
@@ -449,7 +445,6 @@ def predicted_cosine(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike 
     return _wrap(1.0 / np.sqrt(1.0 + d), (threshold, mu, sigma, p0, scale))
 
 
-@renamed_kwargs(model="family")
 def added_variance(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
                    sigma: ArrayLike | None = None, family: str = "lognormal",
                    p0: ArrayLike | None = None, scale: ArrayLike | None = None,

@@ -8,6 +8,11 @@ under ``data/fashion-mnist`` (6,000 train + 1,000 test images). The committed
 environment variable ``GRADSTATS_DATA``. Every loader reports which source it
 used (``.source`` and a log line).
 
+This module holds the image datasets, seeded minibatches and :func:`load_data` (any built-in
+dataset by name); it is the one place to import the data from, so it also serves the names of
+:mod:`gradstats.zoo.files` (``data_dir``, ``read_idx``: where the data lives, how IDX files are
+read) and :mod:`gradstats.zoo.text` (``CharDataset``, ``load_shakespeare``: the characters).
+
 Example:
     >>> from gradstats.zoo.data import load_fashion_mnist
     >>> test = load_fashion_mnist(split="test", source="subset")
@@ -16,12 +21,9 @@ Example:
 """
 from __future__ import annotations
 
-import functools
-import gzip
 import logging
 import os
-import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -31,14 +33,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gradstats.zoo.files import DATA_ENV, FULL_SET, SUBSET, _find, _read, data_dir, read_idx
+from gradstats.zoo.text import CharDataset, load_shakespeare
+
+__all__ = ["ImageDataset", "load_fashion_mnist", "load_digits", "load_images", "fashion_mnist_sources", "minibatches",
+           "load_data", "DATASETS", "IMAGE_DATASETS", "FASHION_CLASSES", "DEBIAN_FASHION_MNIST", "data_dir",
+           "read_idx", "DATA_ENV", "FULL_SET", "SUBSET", "CharDataset", "load_shakespeare"]
+
 log = logging.getLogger(__name__)
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 """Where the Debian package ``dataset-fashion-mnist`` installs the full set."""
-DATA_ENV = "GRADSTATS_DATA"
-"""Environment variable naming the directory that holds the committed data (``data/``)."""
-FULL_SET = "full Debian set"
-SUBSET = "committed subset"
 
 FASHION_CLASSES = (
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
@@ -56,96 +61,6 @@ HOW_TO_GET_FASHION = (
     "https://github.com/zalandoresearch/fashion-mnist; the committed subset lives in the repository's "
     f"data/fashion-mnist, and an installed wheel carries it (or set {DATA_ENV}=<repository>/data)."
 )
-
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-
-
-# ----------------------------------------------------------------------------- locating data
-def data_dir() -> Path | None:
-    """The directory holding the committed data: ``$GRADSTATS_DATA``, else ``data/`` beside the
-    package (a source checkout), else the copy a wheel installs inside the package
-    (``gradstats/_data``).
-
-    Returns ``None`` only when none exists (a build made without the data).
-
-    Example:
-        >>> (data_dir() / "fashion-mnist").is_dir()
-        True
-    """
-    env = os.environ.get(DATA_ENV)
-    if env:
-        path = Path(env).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"{DATA_ENV}={env!r} is not a directory")
-        return path
-    package = Path(__file__).resolve().parents[1]          # gradstats/
-    for path in (package.parent / "data", package / "_data"):
-        if path.is_dir() and (path / "fashion-mnist").is_dir():
-            return path
-    return None
-
-
-def _find(directory: Path, stem: str) -> Path | None:
-    for name in (stem + ".gz", stem):
-        if (directory / name).is_file():
-            return directory / name
-    return None
-
-
-# ----------------------------------------------------------------------------- IDX files
-def read_idx(path: str | os.PathLike) -> np.ndarray:
-    """Read an IDX file (the MNIST format), gzip-compressed or not, into a numpy array.
-
-    Checks the magic number (two zero bytes, a type code, the number of dimensions)
-    and that the payload size matches the header; raises ``ValueError`` naming the
-    file otherwise.
-
-    Example:
-        >>> labels = read_idx(data_dir() / "fashion-mnist" / "t10k-labels-idx1-ubyte.gz")
-        >>> labels.shape, labels.dtype
-        ((1000,), dtype('uint8'))
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"IDX file not found: {path}")
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as exc:
-            raise ValueError(f"{path}: corrupt or truncated gzip data ({exc})") from None
-    if len(raw) < 4:
-        raise ValueError(f"{path}: too short to be an IDX file ({len(raw)} bytes)")
-    zero, code, ndim = struct.unpack(">HBB", raw[:4])
-    if zero != 0 or code not in _IDX_DTYPES or ndim == 0:
-        raise ValueError(
-            f"{path}: bad IDX magic number 0x{raw[:4].hex()} (expected 0x0000 then a type code in "
-            f"{sorted(_IDX_DTYPES)} and a dimension count, e.g. 0x00000803 for images)"
-        )
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise ValueError(f"{path}: truncated IDX header")
-    shape = struct.unpack(f">{ndim}I", raw[4:header])
-    dtype = np.dtype(_IDX_DTYPES[code])
-    expected = int(np.prod(shape)) * dtype.itemsize
-    if len(raw) - header != expected:
-        raise ValueError(
-            f"{path}: IDX payload is {len(raw) - header} bytes but the header {shape} of {dtype} "
-            f"needs {expected} (truncated or corrupt file)"
-        )
-    return np.frombuffer(raw, dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
-
-
-@functools.lru_cache(maxsize=8)
-def _read_idx_cached(path: str, mtime_ns: int, size: int) -> np.ndarray:
-    arr = read_idx(path)
-    arr.setflags(write=False)
-    return arr
-
-
-def _read(path: Path) -> np.ndarray:
-    st = path.stat()
-    return _read_idx_cached(str(path), st.st_mtime_ns, st.st_size)
 
 
 # ----------------------------------------------------------------------------- image datasets
@@ -487,146 +402,6 @@ def minibatches(
             idx = order[start : start + batch_size]
             yield tuple(t[idx] for t in tensors)
         epoch += 1
-
-
-# ----------------------------------------------------------------------------- characters
-@dataclass
-class CharDataset:
-    """A character-level corpus: vocabulary, encode/decode, train/validation split, batches.
-
-    Attributes:
-        text: the whole corpus.
-        vocab: the sorted characters of the corpus (index = token id).
-        data: the corpus encoded as an int64 tensor.
-        train, val: contiguous parts of ``data`` (the last ``val_fraction`` is validation).
-        source: where the text came from.
-
-    Example:
-        >>> ds = CharDataset.from_text("to be or not to be, that is the question. " * 20)
-        >>> ds.decode(ds.encode("to be"))
-        'to be'
-        >>> x, y = ds.get_batch(4, 8, generator=torch.Generator().manual_seed(0))
-        >>> x.shape, bool((x[:, 1:] == y[:, :-1]).all())
-        (torch.Size([4, 8]), True)
-    """
-
-    text: str
-    vocab: str
-    data: Tensor
-    train: Tensor
-    val: Tensor
-    source: str = "text"
-    name: str = "chars"
-
-    @classmethod
-    def from_text(cls, text: str, *, val_fraction: float = 0.1, source: str = "text", name: str = "chars") -> "CharDataset":
-        """Build the vocabulary and the split from a string."""
-        if not isinstance(text, str) or len(text) < 2:
-            raise ValueError("text must be a string of at least 2 characters")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        vocab = "".join(sorted(set(text)))
-        lut = np.full(max(map(ord, vocab)) + 1, -1, dtype=np.int64)
-        lut[[ord(c) for c in vocab]] = np.arange(len(vocab))
-        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        data = torch.from_numpy(lut[codes])
-        n_val = int(len(data) * val_fraction)
-        return cls(text, vocab, data, data[: len(data) - n_val], data[len(data) - n_val :], source, name)
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of distinct characters."""
-        return len(self.vocab)
-
-    def encode(self, s: str) -> Tensor:
-        """Token ids (int64) of a string; characters outside the vocabulary are a ValueError."""
-        stoi = self._stoi
-        try:
-            return torch.tensor([stoi[c] for c in s], dtype=torch.int64)
-        except KeyError as exc:
-            raise ValueError(f"character {exc.args[0]!r} is not in the vocabulary") from None
-
-    def decode(self, ids: Tensor | Sequence[int]) -> str:
-        """The string of a sequence of token ids."""
-        ids = ids.tolist() if isinstance(ids, Tensor) else list(ids)
-        if any(not 0 <= i < len(self.vocab) for i in ids):
-            raise ValueError(f"token ids must be in [0, {len(self.vocab)})")
-        return "".join(self.vocab[i] for i in ids)
-
-    @functools.cached_property
-    def _stoi(self) -> dict[str, int]:
-        return {c: i for i, c in enumerate(self.vocab)}
-
-    def _split(self, split: str) -> Tensor:
-        if split not in ("train", "val"):
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        return self.train if split == "train" else self.val
-
-    def get_batch(
-        self, batch_size: int, seq_len: int, *, split: str = "train", generator: torch.Generator | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """One batch of random windows: inputs ``(B, T)`` and targets shifted by one, int64."""
-        data = self._split(split)
-        if seq_len <= 0 or batch_size <= 0:
-            raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
-        if len(data) <= seq_len:
-            raise ValueError(f"the {split} split has {len(data)} tokens, too few for seq_len={seq_len}")
-        starts = torch.randint(0, len(data) - seq_len, (batch_size,), generator=generator)
-        window = starts[:, None] + torch.arange(seq_len + 1)
-        chunk = data[window]
-        return chunk[:, :-1], chunk[:, 1:]
-
-    def batches(
-        self, batch_size: int, *, seq_len: int = 128, seed: int = 0, split: str = "train", steps: int | None = None
-    ) -> Iterator[tuple[Tensor, Tensor]]:
-        """Seeded endless (or ``steps``-long) stream of :meth:`get_batch` batches."""
-        g = torch.Generator().manual_seed(seed)
-        i = 0
-        while steps is None or i < steps:
-            yield self.get_batch(batch_size, seq_len, split=split, generator=g)
-            i += 1
-
-    def to_dict(self) -> dict:
-        """Summary: name, source, sizes."""
-        return {
-            "name": self.name,
-            "source": self.source,
-            "n_chars": len(self.data),
-            "vocab_size": self.vocab_size,
-            "n_train": len(self.train),
-            "n_val": len(self.val),
-        }
-
-    def __repr__(self) -> str:
-        return f"CharDataset({self.name!r}, chars={len(self.data)}, vocab={self.vocab_size}, source={self.source!r})"
-
-
-def load_shakespeare(path: str | os.PathLike | None = None, *, val_fraction: float = 0.1) -> CharDataset:
-    """Shakespeare's plays as a character dataset (the committed ~1 MB, 8 whole plays, by default).
-
-    ``path`` may name any plain-text file (e.g. the complete works) instead.
-
-    Example:
-        >>> ds = load_shakespeare()
-        >>> ds.vocab_size, len(ds.data) > 1_000_000
-        (76, True)
-    """
-    if path is None:
-        ddir = data_dir()
-        if ddir is None:
-            raise FileNotFoundError(f"no committed data directory found; set {DATA_ENV}=<repository>/data")
-        path, source = ddir / "shakespeare" / "shakespeare.txt", SUBSET
-    else:
-        source = f"file {path}"
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"text file not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
-    log.info("Shakespeare: %d characters from the %s (%s)", len(text), source, path)
-    return CharDataset.from_text(text, val_fraction=val_fraction, source=source, name="shakespeare")
 
 
 DATASETS = ("fashion-mnist", "digits", "shakespeare")

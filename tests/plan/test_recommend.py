@@ -97,10 +97,8 @@ def test_layer_moments_of_a_step_and_of_merged_steps(cnn_run):
     assert (int(merged["first_step"][0]), int(merged["last_step"][0]), int(merged["n"][0])) == (1, 3, g.numel())
     assert layer_moments(run, steps=[1, 2, 3], layers="fc1")["mu"][0] == merged["mu"][0]
     assert layer_moments(run, steps=slice(1, 4), layers="fc1")["mu"][0] == merged["mu"][0]
-    # the old name and its inclusive (first, last) form, for one release
-    with pytest.warns(DeprecationWarning, match="steps=range"):
-        old = layer_moments(run, step=(1, 3), layers="fc1")
-    assert old["mu"][0] == merged["mu"][0]
+    with pytest.raises(TypeError, match="step"):            # the old name of steps= is gone
+        layer_moments(run, step=(1, 3), layers="fc1")
     with pytest.raises(ValueError, match="no step of the run"):
         layer_moments(run, steps=[99], layers="fc1")
 
@@ -362,12 +360,12 @@ def test_recommend_default_chooses_only_formats_that_exist(narrow_run):
     assert _formats(recommend(run, bits=8, format_rule="histogram")) <= {"e4m3fn", "e5m2"}
     plans = recommend_each(run, bits=[8, 6, 4])
     assert _formats(plans[8]) <= {"e4m3fn", "e5m2"} and _formats(plans[4]) == {"e2m1fn"}
-    # recommend returns one Plan; the old list form and model= still work for one release, warning
-    with pytest.warns(DeprecationWarning, match="recommend_each"):
-        old = recommend(run, bits=[8, 4])
-    assert isinstance(old, dict) and [e.format for e in old[4].entries] == [e.format for e in plans[4].entries]
-    with pytest.warns(DeprecationWarning, match="format_rule"):
-        assert _formats(recommend(run, bits=8, model="histogram")) <= {"e4m3fn", "e5m2"}
+    # recommend returns one Plan: a list of widths is recommend_each's, and the error says so
+    with pytest.raises(ValueError, match=r"recommend_each\(run, bits=\[8, 4\]\)"):
+        recommend(run, bits=[8, 4])
+    for old in ({"model": "histogram"}, {"step": 0}):        # the old keyword names are gone
+        with pytest.raises(TypeError, match=next(iter(old))):
+            recommend(run, bits=8, **old)
     with pytest.raises(ValueError, match="bits must be an int"):
         recommend(run, bits="8")
 

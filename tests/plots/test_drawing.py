@@ -300,6 +300,23 @@ def test_cosine_vs_sparsity_draws_the_curves_and_points():
     assert len(ax.collections) == 1 and "points: measured" in fig._suptitle.get_text()
 
 
+@pytest.mark.parametrize("module, name, old", [("fpanalysis", "plot_error_vs_exponent_bits", 2.0),
+                                               ("pruning", "plot_threshold_vs_sigma", [0.5, 1.0]),
+                                               ("pruning", "plot_cosine_vs_sparsity", [1.0, 2.0])])
+def test_a_drawing_given_numbers_names_the_function_that_computes_them(module, name, old):
+    """The old form (numbers the drawing computed from) is gone: the error names the computing twin in
+    gradstats.figures, and nothing is drawn."""
+    import importlib
+
+    import matplotlib.pyplot as plt
+
+    draw = getattr(importlib.import_module(f"gradstats.plots.{module}"), name)
+    before = plt.get_fignums()
+    with pytest.raises(TypeError, match=rf"call gradstats\.figures\.{name}\("):
+        draw(old)
+    assert plt.get_fignums() == before
+
+
 def test_allocation_reads_an_allocation_like_object():
     from gradstats.plots.pruning import plot_allocation
 

@@ -129,23 +129,16 @@ def test_bad_input_gives_clear_errors(run, tmp_path):
         figures.plot_moments_over_steps(tmp_path / "missing")
 
 
-def test_old_names_forward_with_a_warning(run):
-    import matplotlib.pyplot as plt
+@pytest.mark.parametrize("name", ["write_figures", "FIGURES", "goodness_of_fit", "plot_moments_over_steps",
+                                  "sampled_steps", "SPARSITY_RULES"])
+def test_old_names_of_the_drawing_package_are_gone(name):
+    """gradstats.plots.study draws only; the figures of a run and their tables live in gradstats.figures
+    and gradstats.study (the old names here were kept for one release)."""
+    from gradstats.plots import study as drawing
 
-    from gradstats.plots import study as old
-
-    with pytest.warns(DeprecationWarning, match="moved to gradstats.figures.write_figures"):
-        assert old.write_figures is figures.write_figures
-    with pytest.warns(DeprecationWarning, match="moved to gradstats.figures.FIGURES"):
-        assert old.FIGURES is figures.FIGURES
-    with pytest.warns(DeprecationWarning, match="moved to gradstats.study.goodness_of_fit"):
-        assert old.goodness_of_fit is study.goodness_of_fit
-    with pytest.warns(DeprecationWarning):
-        fig = old.plot_moments_over_steps(run, layers=["conv1"])
-    assert len(fig.axes) == 3
-    plt.close(fig)
-    with pytest.raises(AttributeError):
-        old.nope
+    with pytest.raises(AttributeError, match=name):
+        getattr(drawing, name)
+    assert hasattr(figures, name) or hasattr(study, name)
 
 
 def test_error_vs_exponent_bits_is_drawn_at_the_widest_sigmas():

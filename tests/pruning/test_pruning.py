@@ -653,14 +653,15 @@ def test_allocation_floors_weights_and_edges():
 
 # ----------------------------------------------------------------------------- figures
 def test_figures(tmp_path):
+    from gradstats import figures
     from gradstats.plots import pruning as pp
 
     table = pd.DataFrame({"rule": ["lognormal", "lognormal", "normal", "normal"], "layer": ["a", "b"] * 2,
                           "target": [0.5, 0.9, 0.5, 0.9], "achieved": [0.51, 0.9, 0.7, 0.99]})
     paths = [tmp_path / f"{k}.png" for k in ("a", "t", "c", "l")]
     pp.plot_achieved_vs_target(table, path=paths[0])
-    pp.plot_threshold_vs_sigma([0.5, 1.0, 2.0], [0.5, 0.9], path=paths[1])
-    pp.plot_cosine_vs_sparsity([1.0, 2.0], measured=pd.DataFrame(
+    figures.plot_threshold_vs_sigma([0.5, 1.0, 2.0], [0.5, 0.9], path=paths[1])
+    figures.plot_cosine_vs_sparsity([1.0, 2.0], measured=pd.DataFrame(
         {"sigma": [1.0], "sparsity": [0.8], "cosine": [0.7]}), path=paths[2])
     allocate(LAYERS, 0.8, cosine_floor={"a": 0.95}).plot(paths[3])
     for p in paths:

@@ -230,7 +230,15 @@ def export(plan: "Plan", target: str, model: Any = None, *, path: str | os.PathL
 
 def te_yaml(doc: dict[str, Any]) -> str:
     """A ``"te"`` export document as the YAML file nvdlfw-inspect reads: its sections, after comments
-    that say where the plan came from and what Transformer Engine could not express."""
+    that say where the plan came from and what Transformer Engine could not express
+    (``gradstats export PLAN --to te`` prints it).
+
+    Example:
+        >>> from gradstats.plan import Plan
+        >>> doc = Plan.uniform(format="e5m2").export("te", {"fc": "Linear"})
+        >>> te_yaml(doc).splitlines()[0]
+        '# Transformer Engine debug config (nvdlfw-inspect) from a gradstats plan (gradstats.plan.export v1)'
+    """
     from gradstats.plan._export_te import to_yaml
 
     prov = doc.get("provenance") or {}
