@@ -4,14 +4,21 @@ layer in another stack's terms (:meth:`gradstats.Plan.export`), printed or writt
 from __future__ import annotations
 
 import argparse
-import json
+
+
+def _targets() -> list[str]:
+    from gradstats.plan.export import EXPORTERS
+
+    return list(EXPORTERS)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from gradstats.cli import LazyChoices
+
     p = sub.add_parser("export", help="export a saved plan per layer for another stack (json, torchao, te)")
     p.add_argument("plan", help="a plan file (gradstats recommend ... -o plan.json)")
-    p.add_argument("--to", default="json", choices=["json", "torchao", "te"],
-                   help="the target (default json; te: Transformer Engine's nvdlfw-inspect YAML)")
+    p.add_argument("--to", default="json", metavar="TARGET", choices=LazyChoices(_targets),
+                   help="the target: %(choices)s (default json; te: Transformer Engine's nvdlfw-inspect YAML)")
     p.add_argument("--model", default=None,
                    help="a run directory whose layers resolve the plan's patterns (needed for torchao and for "
                         "plans with patterns)")
@@ -24,12 +31,14 @@ def run(args: argparse.Namespace) -> int:
     import warnings
 
     import gradstats
+    from gradstats.plan.export import exporter
 
+    target = exporter(args.to)
     plan = gradstats.Plan.load(args.plan)
     if args.model is None:                     # the plan's own check speaks Python (model=)
         pats = [e.layer for e in plan.entries if e.is_pattern]
-        if args.to == "torchao" or pats:
-            why = ("--to torchao needs each layer's module type" if args.to == "torchao" else
+        if target.needs_types or pats:
+            why = (f"--to {args.to} needs each layer's module type" if target.needs_types else
                    f"the plan has pattern entries {pats} to resolve to layer names")
             raise ValueError(f"{why}: pass --model RUN, a run directory of the model (the one the plan was "
                              "recommended from will do)")
@@ -41,10 +50,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {w.message}")
     if args.out:
         print(f"{args.to} export of {args.plan}: {args.out}")
-    elif args.to == "te":
-        from gradstats.plan.export import te_yaml
-
-        print(te_yaml(doc), end="")
     else:
-        print(json.dumps(doc, indent=2))
+        print(target.text(doc), end="")
     return 0

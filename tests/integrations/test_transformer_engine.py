@@ -17,7 +17,7 @@ import torch
 
 nvdlfw = pytest.importorskip("nvdlfw_inspect")
 import gradstats  # noqa: E402
-from gradstats.plan._export_te import layer_regex  # noqa: E402
+from gradstats.plan.export.transformer_engine import layer_regex  # noqa: E402
 
 STANDINS = '''
 from nvdlfw_inspect.base import BaseConfigAPIMapper, BaseNamespaceAPI

@@ -23,6 +23,8 @@ pruning, stochastic rounding, lognormal and fixed scales, scale shifts (TE's cur
 the amax onto the format's maximum exactly, with a scale that is not a power of two), and the
 E8M0 rounding rule of MX blocks (TE's MXFP8 quantiser applies its own).
 
+With ``path=`` the document is written as the YAML file nvdlfw-inspect reads (:func:`te_yaml`).
+
 The names, keys and values are those of TE's ``transformer_engine/debug/features`` (TE 2.x:
 ``FakeQuant``, ``DisableQuantizationGEMM``, ``LogTensorStats``); nvdlfw-inspect checks the feature
 names when it loads the file, TE the keys and values when a layer first calls them.
@@ -30,9 +32,13 @@ names when it loads the file, TE the keys and values when a layer first calls th
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradstats.plan._rules import Rule
+from gradstats.plan.export.base import EXPORT_SCHEMA, EXPORT_VERSION, Exporter, Resolved, register
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gradstats.plan._plan import Plan
 
 #: the namespace TE registers its debug features under
 TE_NAMESPACE = "transformer_engine"
@@ -123,3 +129,59 @@ def to_yaml(config: dict[str, Any], header: list[str]) -> str:
                           "(or pip install 'gradstats[te]')") from e
     head = "".join(f"# {line}\n" for line in header)
     return head + yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100)
+
+
+@register
+class TransformerEngineExporter(Exporter):
+    """A Transformer Engine debug config for nvdlfw-inspect, written as YAML."""
+
+    name = "te"
+    aliases = ("transformer_engine",)
+    target = "transformer_engine"
+    help = "Transformer Engine's debug config for nvdlfw-inspect (YAML)"
+
+    def body(self, plan: "Plan", model: Any, resolved: list[Resolved], skipped: dict[str, str],
+             dropped: dict[str, list[str]]) -> dict[str, Any]:
+        from gradstats.layers import module_candidates
+
+        rules: dict[str, Rule | None] = {name: r for name, r, _ in resolved}
+        out = plan.output_layer_of(model) if model is not None else (
+            plan.output_layer if plan.output_layer not in (None, "auto") else None)
+        if out is not None and out not in rules:
+            rules[out] = None              # the plan leaves it in high precision
+        types = dict(module_candidates(model)) if model is not None else {}
+        config: dict[str, Any] = {}
+        for name, r in rules.items():
+            sec = te_section(name, r, types.get(name), skipped, dropped)
+            if sec is not None:
+                config[section_name(len(config), name)] = sec
+        return {"config": config, "skipped": skipped, "dropped": dropped}
+
+    def text(self, doc: dict[str, Any]) -> str:
+        return te_yaml(doc)
+
+
+def te_yaml(doc: dict[str, Any]) -> str:
+    """A ``"te"`` export document as the YAML file nvdlfw-inspect reads: its sections, after comments
+    that say where the plan came from and what Transformer Engine could not express
+    (``gradstats export PLAN --to te`` prints it).
+
+    Example:
+        >>> from gradstats.plan import Plan
+        >>> doc = Plan.uniform(format="e5m2").export("te", {"fc": "Linear"})
+        >>> te_yaml(doc).splitlines()[0]
+        '# Transformer Engine debug config (nvdlfw-inspect) from a gradstats plan (gradstats.plan.export v1)'
+    """
+    prov = doc.get("provenance") or {}
+    head = [f"Transformer Engine debug config (nvdlfw-inspect) from a gradstats plan ({EXPORT_SCHEMA} v{EXPORT_VERSION})"]
+    if prov:
+        head.append(f"plan: {prov.get('generator') or ''} from {prov.get('source') or 'unknown'}".rstrip())
+    for what, per in (("skipped", {n: [why] for n, why in doc["skipped"].items()}), ("dropped", doc["dropped"])):
+        by_note: dict[str, list[str]] = {}
+        for n, notes in per.items():
+            for note in notes:
+                by_note.setdefault(note, []).append(n)
+        head += [f"{what} at {', '.join(names)}: {note}" for note, names in by_note.items()]
+    head.append("use: nvdlfw_inspect.api.initialize(config_file=THIS_FILE, feature_dirs=[TE's "
+                "transformer_engine/debug/features])")
+    return to_yaml(doc["config"], head)
