@@ -44,13 +44,16 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FPFormat", "parse", "parse_list", "REGISTRY", "SPECIALS", "amax_scale"]
+__all__ = ["FPFormat", "parse", "parse_list", "REGISTRY", "SPECIALS", "amax_scale", "ROUNDINGS",
+           "PREDICTED_ROUNDINGS", "OVERFLOWS"]
 
 SPECIALS = ("ieee", "fn", "fnuz", "fnu")
 #: the rounding modes of quantisation (:func:`gradstats.quantize`), the one list every stage uses
 ROUNDINGS = ("nearest", "stochastic", "toward_zero")
 #: the rounding modes whose error, bias and underflow the analysis predicts (fpanalysis, recommend, what-if)
 PREDICTED_ROUNDINGS = ("nearest", "stochastic")
+#: what quantisation does with values beyond the format's largest (:func:`gradstats.quantize`)
+OVERFLOWS = ("saturate", "nonfinite")
 _SUFFIX = {"ieee": "", "fn": "fn", "fnuz": "fnuz", "fnu": "fnu"}
 
 

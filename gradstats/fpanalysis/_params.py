@@ -7,15 +7,14 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from gradstats.formats import PREDICTED_ROUNDINGS as ROUNDINGS  # noqa: F401 - the one list, as P.ROUNDINGS
-from gradstats.formats import FPFormat, parse
+# the value layer's names, read by the verbs as P.OVERFLOWS and P.PREDICTED_ROUNDINGS
+from gradstats.formats import OVERFLOWS, PREDICTED_ROUNDINGS, FPFormat, parse  # noqa: F401
+from gradstats.scheme import SCALE_FORMATS
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
 
 
-OVERFLOWS = ("saturate", "nonfinite")
 CRITERIA = ("mse", "elementwise")
-SCALE_FORMATS = ("e8m0", "e4m3")
 
 #: largest sigma (of ln|g|) accepted: std of log2|g| about 17 binades, far beyond gradients (1.5-5)
 SIGMA_MAX = 12.0

@@ -370,7 +370,7 @@ def best_format(
         [('e4m3fn', 1.0), ('e5m2fn', 1.0)]
     """
     bits = P.check_bits(bits)
-    P.check_choice("rounding", rounding, P.ROUNDINGS)
+    P.check_choice("rounding", rounding, P.PREDICTED_ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
     block_size = P.check_block(block_size, scale_format)
     cands = _resolve(candidates, bits, _block_granularity(block_size, scale_format))

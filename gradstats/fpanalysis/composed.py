@@ -39,12 +39,9 @@ from typing import Any, Callable, Mapping, Union
 import numpy as np
 from scipy.special import ndtr
 
-from gradstats.formats import FPFormat, parse
+from gradstats.formats import ROUNDINGS, FPFormat, parse
 
 __all__ = ["ComposedPrediction", "predict_composed", "composed_from_moments", "composed_blocks", "lognormal_moments_fn"]
-
-#: the roundings whose composed effect is modelled
-COMPOSED_ROUNDINGS = ("nearest", "stochastic", "toward_zero")
 
 PartialMoments = Callable[[np.ndarray, int], np.ndarray]
 
@@ -126,8 +123,8 @@ def composed_from_moments(pm: PartialMoments, fmt: Union[FPFormat, str, None], *
 
 
 def _check_args(threshold: float, scale: float, rounding: str, p0: float) -> None:
-    if rounding not in COMPOSED_ROUNDINGS:
-        raise ValueError(f"rounding must be one of {list(COMPOSED_ROUNDINGS)}, got {rounding!r}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
     if not (threshold >= 0 and math.isfinite(threshold)):
         raise ValueError(f"threshold must be a finite number >= 0 (0: no pruning), got {threshold!r}")
     if not (scale > 0 and math.isfinite(scale)):

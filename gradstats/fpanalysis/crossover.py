@@ -227,7 +227,7 @@ def crossover_table(
     bits_t = tuple(P.check_bits(b) for b in bits)
     if not bits_t:
         raise ValueError("bits is empty")
-    P.check_choice("rounding", rounding, P.ROUNDINGS)
+    P.check_choice("rounding", rounding, P.PREDICTED_ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
     block_size = P.check_block(block_size, scale_format)
     if not (0 < sigma_min < sigma_max <= P.SIGMA_MAX / P.LN2) or not 0 < step <= (sigma_max - sigma_min) / 4:

@@ -339,7 +339,7 @@ def expected_error(
         0.022
     """
     fmt = P.check_format(fmt)
-    P.check_choice("rounding", rounding, P.ROUNDINGS)
+    P.check_choice("rounding", rounding, P.PREDICTED_ROUNDINGS)
     P.check_choice("overflow", overflow, P.OVERFLOWS)
     P.check_choice("criterion", criterion, P.CRITERIA)
     block_size = P.check_block(block_size, scale_format)

@@ -189,7 +189,7 @@ def expected_error_from_stats(fmt: Union[FPFormat, str], stats: StatsRow | Mappi
         (0.005882, 0.005882)
     """
     f = P.check_format(parse(fmt))
-    P.check_choice("rounding", rounding, P.ROUNDINGS)
+    P.check_choice("rounding", rounding, P.PREDICTED_ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
     s = float(scale)
     if not (s > 0 and math.isfinite(s)):
@@ -233,7 +233,7 @@ def best_format_from_stats(bits: int, stats: StatsRow | Mapping[str, Any], *,
     from gradstats.fpanalysis.choice import preset_formats
 
     bits = P.check_bits(bits)
-    P.check_choice("rounding", rounding, P.ROUNDINGS)
+    P.check_choice("rounding", rounding, P.PREDICTED_ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
     if candidates is None or isinstance(candidates, str):   # a preset: its per-tensor formats
         cands = preset_formats(candidates or "any", bits, granularity="tensor")

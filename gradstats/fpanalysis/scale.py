@@ -255,7 +255,7 @@ def optimal_scale(
         -1.694
     """
     fmt = P.check_format(fmt)
-    P.check_choice("rounding", rounding, P.ROUNDINGS)
+    P.check_choice("rounding", rounding, P.PREDICTED_ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
     shape, arrs = P.lognormal(mu, sigma, p0, *([("amax", amax)] if amax is not None else []))
     mu_, s_, p0_ = arrs[:3]

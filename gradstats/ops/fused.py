@@ -28,10 +28,11 @@ from typing import Any, Optional, Union
 
 import torch
 
-from gradstats.formats import FPFormat
+from gradstats.formats import ROUNDINGS, FPFormat
 from gradstats.ops import random as _rng
 
-ROUNDING_CODES = {"nearest": 0, "stochastic": 1, "toward_zero": 2}
+#: the kernels' rounding codes: the position in :data:`gradstats.formats.ROUNDINGS`
+ROUNDING_CODES = {name: code for code, name in enumerate(ROUNDINGS)}
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from typing import Optional, Union
 import torch
 
 from gradstats import _threads
-from gradstats.formats import ROUNDINGS, FPFormat, parse
+from gradstats.formats import OVERFLOWS, ROUNDINGS, FPFormat, parse
 from gradstats.ops.consts import _BF16, _EXP, _FP16, _FP32
 from gradstats.ops.consts import consts as _consts
 from gradstats.ops.random import hash_bits as _hash_bits
@@ -44,21 +44,13 @@ from gradstats.ops.random import iota as _iota
 from gradstats.ops.random import resolve_seed as _resolve_seed
 from gradstats.ops.random import rounding_stream as _round_stream
 from gradstats.ops.triton import use_triton
+from gradstats.scheme import SCALE_FORMATS, SCALE_ROUNDINGS
 
 __all__ = ["quantize", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS",
            "SCALE_ROUNDINGS"]
 
 log = logging.getLogger(__name__)
 
-OVERFLOWS = ("saturate", "nonfinite")
-SCALE_FORMATS = ("e8m0", "e4m3")
-#: how an MX (E8M0) block scale is rounded from the block's largest magnitude ``amax`` (OCP MX
-#: and torchao's ``ScaleCalculationMode``): ``"floor"`` ``2**(floor(log2 amax) - emax)`` (the OCP
-#: rule; large values of a block may saturate), ``"ceil"`` ``2**(ceil(log2 amax) - emax)``,
-#: ``"even"`` ``amax`` first rounded to the element's mantissa width (half up), then floor, and
-#: ``"rceil"`` ``2**ceil(log2(amax / fmt.max))`` (no element saturates; torchao's MX training
-#: default, NVIDIA's cuBLAS rule)
-SCALE_ROUNDINGS = ("floor", "ceil", "even", "rceil")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: elements per chunk of the CPU path (buffers of this size stay in cache between passes; at most

@@ -12,24 +12,18 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Mapping, Sequence
 
-from gradstats.formats import PREDICTED_ROUNDINGS, FPFormat
+# rounding modes, block scale formats (MX ``e8m0``, NVFP4 ``e4m3``) and MX scale roundings: the
+# value layer's names (those of :func:`gradstats.quantize`), re-exported as the plan's vocabulary
+from gradstats.formats import PREDICTED_ROUNDINGS, ROUNDINGS, FPFormat
 from gradstats.formats import amax_scale as _amax_scale
-from gradstats.ops.quantization import ROUNDINGS as _ROUNDINGS
-from gradstats.ops.quantization import SCALE_FORMATS as _SCALE_FORMATS
-from gradstats.ops.quantization import SCALE_ROUNDINGS as _SCALE_ROUNDINGS
 from gradstats.pruning import METHODS as _METHODS
+from gradstats.scheme import SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, is_plain_format
 
 #: scale rules: a fixed multiplier, the power of two that maps the step's amax to the format's
 #: max, or the optimal power of two for the running lognormal mu and sigma
 SCALE_RULES = ("fixed", "amax", "lognormal")
-#: rounding modes (those of :func:`gradstats.ops.quantization.quantize`)
-ROUNDINGS: tuple[str, ...] = tuple(_ROUNDINGS)
 #: pruning threshold rules (those of :func:`gradstats.pruning.prune`)
 THRESHOLD_RULES: tuple[str, ...] = tuple(_METHODS)
-#: block scale formats (those of :func:`gradstats.ops.quantization.quantize`): MX ``e8m0``, NVFP4 ``e4m3``
-SCALE_FORMATS: tuple[str, ...] = tuple(_SCALE_FORMATS)
-#: how an MX block scale is rounded (:data:`gradstats.ops.quantization.SCALE_ROUNDINGS`)
-SCALE_ROUNDINGS: tuple[str, ...] = tuple(_SCALE_ROUNDINGS)
 
 _PATTERN_CHARS = re.compile(r"[*?\[]")
 
@@ -186,6 +180,10 @@ class Rule:
 
     Attributes:
         format: an :class:`~gradstats.formats.FPFormat` (a name is parsed), or None: no quantisation.
+            A :class:`~gradstats.scheme.Scheme` or its name (``"nvfp4"``, ``"mxfp8_e4m3"``) is spelled
+            out on construction: its element format, ``block_size``, ``scale_format``,
+            ``scale_rounding``, a non-default ``rounding``, and ``scale="amax"`` with blocks (fields
+            given that contradict it are an error). :attr:`scheme` gives the value back.
         scale: ``"fixed"`` (the multiplier ``scale_value``), ``"amax"`` (per step, the largest power
             of two ``s`` with ``amax * s <= format.max``), or ``"lognormal"`` (the optimal power of
             two for the running mu and sigma, :func:`gradstats.fpanalysis.optimal_scale`). The
@@ -269,25 +267,34 @@ class Rule:
         prune = f"sparsity {self.sparsity:g} ({self.threshold_rule})" if self.prunes else "no pruning"
         return f"{fmt}; {prune}"
 
+    @property
+    def scheme(self) -> Scheme | None:
+        """How the rule quantises, as one :class:`~gradstats.scheme.Scheme` (None without a format).
+
+        Example:
+            >>> Rule(format="nvfp4").scheme, Rule(format="e4m3fn").scheme
+            (Scheme('nvfp4'), Scheme('e4m3fn'))
+            >>> Rule(format="e2m1fn", scale="amax", block_size=32).scheme.preset
+            'mxfp4'
+        """
+        if self.format is None:
+            return None
+        return Scheme(self.format, block_size=self.block_size, scale_format=self.scale_format,
+                      scale_rounding=self.scale_rounding, rounding=self.rounding)
+
     def quantize_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`gradstats.ops.quantization.quantize` for this rule, except ``scale``
-        (which depends on the step: see :meth:`scale_for`).
+        (which depends on the step: see :meth:`scale_for`): :meth:`Scheme.quantize_kwargs` of :attr:`scheme`.
 
         Example:
             >>> Rule(format="e2m1fn", scale="amax", block_size=32).quantize_kwargs()
-            {'fmt': FPFormat('e2m1fn'), 'rounding': 'nearest', 'block_size': 32, 'scale_format': 'e8m0'}
+            {'fmt': FPFormat('e2m1fn'), 'rounding': 'nearest', 'block_size': 32, 'scale_format': 'e8m0', 'scale_rounding': 'floor'}
             >>> Rule(format="e4m3fn", scale="amax", block_size=32, scale_rounding="rceil").quantize_kwargs()["scale_rounding"]
             'rceil'
         """
-        if self.format is None:
+        if self.scheme is None:
             raise ValueError("this rule has no format: nothing is quantised")
-        kw: dict[str, Any] = {"fmt": self.format, "rounding": self.rounding}
-        if self.block_size is not None:
-            kw["block_size"] = self.block_size
-            kw["scale_format"] = self.scale_format
-            if self.scale_rounding is not None:
-                kw["scale_rounding"] = self.scale_rounding
-        return kw
+        return self.scheme.quantize_kwargs()
 
     def scale_for(self, *, mu: float | None = None, sigma: float | None = None,
                   amax: float | None = None) -> float:
@@ -357,8 +364,38 @@ class Rule:
 RULE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Rule))
 
 
+def _spell_scheme(values: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    """``values`` with a scheme given as ``format`` (``"nvfp4"``, a :class:`Scheme`) spelled out as
+    the rule fields it sets; a field given that contradicts the scheme is an error."""
+    v = values.get("format", INHERIT)
+    if v is None or v is INHERIT or is_plain_format(v):
+        return values
+    try:
+        s = Scheme.parse(v)
+    except ValueError as exc:
+        raise _err(where, str(exc)) from None
+    spelled: dict[str, Any] = {"block_size": s.block_size, "scale_format": s.scale_format_name,
+                               "scale_rounding": None if s.scale_rounding == "floor" else s.scale_rounding}
+    # fields whose value given here gives way to the scheme's (unset, or the Rule default)
+    yields: dict[str, tuple[Any, ...]] = {"block_size": (None,), "scale_format": (None,), "scale_rounding": (None,)}
+    if s.rounding != "nearest":
+        spelled["rounding"], yields["rounding"] = s.rounding, ("nearest",)
+    if s.block_size is not None:
+        spelled["scale"], yields["scale"] = "amax", ("lognormal",)
+    out = {**values, "format": s.element}
+    for k, sv in spelled.items():
+        given = values.get(k, INHERIT)
+        if given is INHERIT or given in yields[k] or given == sv:
+            out[k] = sv
+        else:
+            raise _err(where, f"format {str(s)!r} sets {k} {sv!r}; {k} {given!r} contradicts it: remove {k}, "
+                              f"or give the scheme with it (e.g. '{s.element}:block=N:scale=e8m0')")
+    return out
+
+
 def _check_fields(values: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Validate the rule fields present in ``values`` one by one; returns them normalised."""
+    values = _spell_scheme(values, where)
     out: dict[str, Any] = {}
     for k, v in values.items():
         if v is INHERIT:

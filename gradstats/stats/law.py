@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence, Union
 import numpy as np
 import torch
 
-from gradstats.formats import FPFormat, amax_scale, parse
+from gradstats.formats import PREDICTED_ROUNDINGS, FPFormat, amax_scale, parse
 from gradstats.stats import HIST_MIN_EXP, StatsRow, split_top
 
 __all__ = ["HistogramLaw", "flushed_fraction", "law_flushed", "tensor_scale", "SHAPES", "TOP_FIELD", "MAX_SLOPE"]
@@ -216,8 +216,8 @@ def flushed_fraction(row: StatsRow | Mapping[str, Any], fmt: Union[FPFormat, str
         (0.5, 0.0)
     """
     f = parse(fmt)
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be 'nearest' or 'stochastic' (the flushed fraction is predicted for "
+    if rounding not in PREDICTED_ROUNDINGS:
+        raise ValueError(f"rounding must be one of {PREDICTED_ROUNDINGS} (the flushed fraction is predicted for "
                          f"these), got {rounding!r}")
     n, nz = int(row.get("n", 0)), int(row.get("n", 0)) - int(row.get("n_zero", 0))
     if nz <= 0 or n <= 0 or not np.asarray(row.get("hist", [])).sum():
