@@ -30,6 +30,7 @@ from gradstats._version import __version__ as __version__
 _EXPORTS: dict[str, str] = {
     # formats and quantisation
     "FPFormat": "gradstats.formats",
+    "Scheme": "gradstats.scheme",
     "quantize": "gradstats.ops.quantization",
     "block_scales": "gradstats.ops.quantization",
     "mx_shared_exponent": "gradstats.ops.quantization",

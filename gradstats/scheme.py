@@ -41,7 +41,7 @@ from typing import Any, Mapping, Union
 from gradstats.formats import REGISTRY, ROUNDINGS, FPFormat, parse
 
 __all__ = ["Scheme", "PRESETS", "SCALE_FORMATS", "SCALE_ROUNDINGS", "E8M0", "E4M3", "FP32", "scale_format_of",
-           "is_plain_format"]
+           "names_scheme"]
 
 #: the OCP MX block scale type: unsigned powers of two ``2**-127 .. 2**127`` (``float8_e8m0fnu``)
 E8M0: FPFormat = REGISTRY["float8_e8m0fnu"]
@@ -175,16 +175,17 @@ class Scheme:
         return None
 
     def quantize_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`gradstats.quantize` that spell this scheme out.
+        """Keyword arguments of :func:`gradstats.quantize` that spell this scheme out (``scale_rounding``
+        only when not the default ``"floor"``).
 
         Example:
             >>> Scheme.parse("mxfp4").quantize_kwargs()
-            {'fmt': FPFormat('e2m1fn'), 'rounding': 'nearest', 'block_size': 32, 'scale_format': 'e8m0', 'scale_rounding': 'floor'}
+            {'fmt': FPFormat('e2m1fn'), 'rounding': 'nearest', 'block_size': 32, 'scale_format': 'e8m0'}
         """
         kw: dict[str, Any] = {"fmt": self.element, "rounding": self.rounding}
         if self.block_size is not None:
             kw.update(block_size=self.block_size, scale_format=self.scale_format_name)
-            if self.scale_rounding is not None:
+            if self.scale_rounding not in (None, "floor"):  # "floor" is quantize's default
                 kw["scale_rounding"] = self.scale_rounding
         return kw
 
@@ -265,7 +266,7 @@ class Scheme:
         if isinstance(value, FPFormat):
             return cls(value)
         if not isinstance(value, str):
-            raise ValueError(f"scheme: expected a Scheme, an FPFormat or a name such as 'nvfp4' or 'e4m3fn', "
+            raise ValueError(f"format: expected an FPFormat, a Scheme or a name such as 'e4m3fn' or 'nvfp4', "
                              f"got {type(value).__name__}")
         head, *mods = [p.strip() for p in value.split(":")]
         key = head.lower()
@@ -275,9 +276,8 @@ class Scheme:
             try:
                 s = cls(parse(head))
             except ValueError as exc:
-                raise ValueError(f"unknown scheme {value!r}: expected a preset ({', '.join(PRESETS)}) or a "
-                                 f"format name, optionally followed by ':block=N', ':scale=e8m0|e4m3', "
-                                 f"':scale_rounding=...', ':rounding=...' ({exc})") from None
+                raise ValueError(f"{exc}; or a scheme preset ({', '.join(PRESETS)}), either optionally followed "
+                                 "by ':block=N', ':scale=e8m0|e4m3', ':scale_rounding=...', ':rounding=...'") from None
         changes: dict[str, Any] = {}
         for m in mods:
             k, sep, v = m.partition("=")
@@ -298,23 +298,17 @@ class Scheme:
         return s.replace(**changes) if changes else s
 
 
-def is_plain_format(value: Any) -> bool:
-    """Whether ``value`` names a bare element format (no preset, no ``:`` changes): an
-    :class:`FPFormat` or a string :func:`gradstats.formats.parse` reads.
+def names_scheme(value: Any) -> bool:
+    """Whether ``value`` is a scheme beyond a bare format: a :class:`Scheme`, a preset name, or a
+    text with ``:`` changes (a format name, an :class:`FPFormat`, anything else: False).
 
     Example:
-        >>> is_plain_format("e4m3fn"), is_plain_format("nvfp4"), is_plain_format("e4m3fn:block=32")
-        (True, False, False)
+        >>> names_scheme("nvfp4"), names_scheme("e4m3fn:block=32"), names_scheme("e4m3fn"), names_scheme(3)
+        (True, True, False, False)
     """
-    if isinstance(value, FPFormat):
+    if isinstance(value, Scheme):
         return True
-    if not isinstance(value, str) or ":" in value or value.strip().lower() in PRESETS:
-        return False
-    try:
-        parse(value)
-    except ValueError:
-        return False
-    return True
+    return isinstance(value, str) and (":" in value or value.strip().lower() in PRESETS)
 
 
 #: the named schemes (OCP MX v1.0 concrete formats and NVIDIA's NVFP4), by their library names

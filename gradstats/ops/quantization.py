@@ -44,9 +44,9 @@ from gradstats.ops.random import iota as _iota
 from gradstats.ops.random import resolve_seed as _resolve_seed
 from gradstats.ops.random import rounding_stream as _round_stream
 from gradstats.ops.triton import use_triton
-from gradstats.scheme import SCALE_FORMATS, SCALE_ROUNDINGS
+from gradstats.scheme import SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme
 
-__all__ = ["quantize", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS",
+__all__ = ["quantize", "spell_out", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS",
            "SCALE_ROUNDINGS"]
 
 log = logging.getLogger(__name__)
@@ -64,16 +64,16 @@ THREADS = 0
 # ---------------------------------------------------------------------------------------------
 def quantize(
     x: torch.Tensor,
-    fmt: Union[FPFormat, str],
+    fmt: Union[FPFormat, Scheme, str],
     *,
     scale: Union[float, torch.Tensor, None] = None,
-    rounding: str = "nearest",
+    rounding: Optional[str] = None,
     overflow: str = "saturate",
     generator: Optional[torch.Generator] = None,
     block_size: Optional[int] = None,
     block_dim: int = -1,
-    scale_format: str = "e8m0",
-    scale_rounding: str = "floor",
+    scale_format: Optional[str] = None,
+    scale_rounding: Optional[str] = None,
     seed: Optional[int] = None,
 ) -> torch.Tensor:
     """Round ``x`` to the values of ``fmt`` and return them in ``x``'s dtype (quantise-dequantise).
@@ -83,10 +83,13 @@ def quantize(
             float16/bfloat16 are computed in float32 and cast back; when ``fmt`` is not a subset of
             the input dtype (e.g. ``e8m3`` on float16 input) that cast rounds a second time (and can
             overflow to inf) -- pass float32 for exact emulation.
-        fmt: an :class:`FPFormat` or a name accepted by :func:`gradstats.formats.parse`.
+        fmt: an :class:`FPFormat` or a name accepted by :func:`gradstats.formats.parse`; or a
+            :class:`~gradstats.scheme.Scheme` or a scheme's name (a preset such as ``"nvfp4"`` or
+            ``"mxfp8_e4m3"``), which sets ``rounding``, ``block_size``, ``scale_format`` and
+            ``scale_rounding``: those given here replace the scheme's.
         scale: ``None``, a positive float, or a positive tensor broadcastable to ``x`` (per tensor
             or per channel): quantise ``x * scale`` and divide by ``scale`` (exact for powers of two).
-        rounding: ``"nearest"`` (ties to even), ``"stochastic"`` (rounds up with probability equal
+        rounding: ``"nearest"`` (ties to even; None: the scheme's, else nearest), ``"stochastic"`` (rounds up with probability equal
             to the fractional distance between the two neighbours; unbiased), ``"toward_zero"``.
         overflow: ``"saturate"`` (to +-max; +-inf too) or ``"nonfinite"`` (the format's own rule:
             ieee -> +-inf; 8-bit fn, fnuz and fnu -> NaN; 6/4-bit fn have neither and saturate).
@@ -98,10 +101,10 @@ def quantize(
         block_size: shared-scale blocks of this many consecutive elements along ``block_dim``
             (OCP MX uses 32, NVFP4 16); the last block may be partial.
         block_dim: dimension along which blocks run.
-        scale_format: ``"e8m0"`` (MX: power-of-two scale ``2**(floor(log2 amax) - fmt.emax)``) or
+        scale_format: None (the scheme's, else ``"e8m0"``), ``"e8m0"`` (MX: power-of-two scale ``2**(floor(log2 amax) - fmt.emax)``) or
             ``"e4m3"`` (NVFP4 style: per-block scale rounded to e4m3fn times a float32 per-tensor
             scale); see :func:`block_scales`.
-        scale_rounding: how an ``"e8m0"`` block scale is rounded (:data:`SCALE_ROUNDINGS`:
+        scale_rounding: how an ``"e8m0"`` block scale is rounded (None: the scheme's; :data:`SCALE_ROUNDINGS`:
             ``"floor"``, the OCP rule and the default; ``"ceil"``, ``"even"``, ``"rceil"``), bit for bit
             torchao's ``ScaleCalculationMode`` of the same name.
         seed: the seed of stochastic rounding (an int in ``[0, 2**64)``) instead of ``generator``;
@@ -123,7 +126,12 @@ def quantize(
         ([1.0, 1.5], 1.1)
         >>> quantize(torch.tensor([[1.0, 100.0], [0.01, 0.02]]), "e2m1fn", block_size=2).tolist()
         [[0.0, 96.0], [0.01171875, 0.0234375]]
+        >>> x = torch.linspace(-3, 3, 32)
+        >>> torch.equal(quantize(x, "nvfp4"), quantize(x, "e2m1fn", block_size=16, scale_format="e4m3"))
+        True
     """
+    fmt, rounding, block_size, scale_format, scale_rounding = spell_out(fmt, rounding, block_size, scale_format,
+                                                                        scale_rounding)
     fmt, scale = _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format)
     _check_scale_rounding(scale_rounding)
     rng = generator
@@ -132,6 +140,30 @@ def quantize(
     with torch.no_grad():  # quantise-dequantise is not differentiable; results never track gradients
         return _quantize(x.detach(), fmt, scale, rounding, overflow, rng, block_size, block_dim, scale_format,
                          scale_rounding)
+
+
+def spell_out(fmt: Union[FPFormat, Scheme, str], rounding: Optional[str] = None, block_size: Optional[int] = None,
+              scale_format: Optional[str] = None, scale_rounding: Optional[str] = None
+              ) -> tuple[Union[FPFormat, str], str, Optional[int], str, str]:
+    """``(fmt, rounding, block_size, scale_format, scale_rounding)`` of a call of :func:`quantize`:
+    a plain format with the keywords' defaults filled in (names are checked later), or the element
+    format and fields of a scheme (:meth:`gradstats.scheme.Scheme.parse`) with the keywords given
+    replacing its own.
+
+    Example:
+        >>> spell_out("nvfp4")
+        (FPFormat('e2m1fn'), 'nearest', 16, 'e4m3', 'floor')
+        >>> spell_out("mxfp4", scale_rounding="rceil")[2:]
+        (32, 'e8m0', 'rceil')
+    """
+    if not names_scheme(fmt):
+        return (fmt, rounding or "nearest", block_size, scale_format or "e8m0", scale_rounding or "floor")
+    s = Scheme.parse(fmt)
+    given = {k: v for k, v in (("rounding", rounding), ("block_size", block_size), ("scale_format", scale_format),
+                               ("scale_rounding", scale_rounding)) if v is not None}
+    if given:
+        s = s.replace(**given)
+    return (s.element, s.rounding, s.block_size, s.scale_format_name or "e8m0", s.scale_rounding or "floor")
 
 
 def _check_scale_rounding(scale_rounding: str) -> None:
@@ -194,12 +226,12 @@ def mx_shared_exponent(amax: torch.Tensor, fmt: Union[FPFormat, str], rounding: 
 
 def block_scales(
     x: torch.Tensor,
-    fmt: Union[FPFormat, str],
+    fmt: Union[FPFormat, Scheme, str],
     *,
-    block_size: int = 32,
+    block_size: Optional[int] = None,
     block_dim: int = -1,
-    scale_format: str = "e8m0",
-    scale_rounding: str = "floor",
+    scale_format: Optional[str] = None,
+    scale_rounding: Optional[str] = None,
 ) -> torch.Tensor:
     """Per-block decode scales ``X`` of ``x`` (float32): a block is stored as ``Q(x / X) * X``.
 
@@ -207,13 +239,17 @@ def block_scales(
     is taken over finite values. ``"e8m0"``: ``X = 2**mx_shared_exponent(amax)``. ``"e4m3"``
     (NVFP4 style): a float32 tensor scale ``t = amax(x) / (fmt.max * 448)`` (1 if ``x`` is all zero)
     and ``X = e4m3fn(amax_block / (fmt.max * t)) * t`` rounded to float32; ``X == 0`` marks blocks
-    that encode as zeros.
+    that encode as zeros. ``fmt`` may be a scheme (``"nvfp4"``), as in :func:`quantize`; ``block_size``
+    None is the scheme's, or 32 (MX) for a plain format.
 
     Example:
         >>> import torch
         >>> block_scales(torch.tensor([[1.0, 3.0, 0.5, 0.25]]), "e2m1fn", block_size=2).tolist()
         [[0.5, 0.125]]
     """
+    fmt, _, block_size, scale_format, scale_rounding = spell_out(fmt, None, block_size, scale_format, scale_rounding)
+    if block_size is None:
+        block_size = 32
     fmt = parse(fmt)
     _check_block(x, block_size, block_dim, scale_format)
     _check_scale_rounding(scale_rounding)

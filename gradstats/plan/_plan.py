@@ -22,6 +22,7 @@ from gradstats.plan._rules import (
     _err,
     _fields_to_json,
 )
+from gradstats.scheme import Scheme
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -160,7 +161,7 @@ class Plan:
 
     # -- construction
     @classmethod
-    def uniform(cls, *, format: FPFormat | str | None = None, sparsity: float | None = None,
+    def uniform(cls, *, format: FPFormat | Scheme | str | None = None, sparsity: float | None = None,
                 rounding: str | None = None, scale: str | None = None,
                 layers: Sequence[str] | str | None = None, scale_value: float | None = None,
                 threshold_rule: str | None = None, block_size: int | None = None,
@@ -200,14 +201,19 @@ class Plan:
             ['0', '3']
             >>> list(Plan.uniform(layers=["0"]).resolve(m))
             ['0']
+            >>> Plan.uniform(format="mxfp8_e4m3").defaults.scheme   # a scheme sets the block fields
+            Scheme('mxfp8_e4m3')
         """
-        fmt = None if format is None else FPFormat.parse(format)
+        fmt = None if format is None else Scheme.parse(format)
+        if rounding is None and fmt is not None and fmt.rounding != "nearest":
+            rounding = fmt.rounding
         if rounding is None:
-            rounding = "stochastic" if fmt is not None and fmt.bits <= 6 else "nearest"
+            rounding = "stochastic" if fmt is not None and fmt.element.bits <= 6 else "nearest"
+        blocks = block_size is not None or (fmt is not None and fmt.block_size is not None)
         if scale is None:
-            scale = "amax" if (rounding == "stochastic" or block_size is not None) else "lognormal"
+            scale = "amax" if (rounding == "stochastic" or blocks) else "lognormal"
         kw = {} if threshold_rule is None else {"threshold_rule": threshold_rule}
-        defaults = Rule(format=fmt, sparsity=sparsity, rounding=rounding, scale=scale,
+        defaults = Rule(format=format, sparsity=sparsity, rounding=rounding, scale=scale,
                         scale_value=scale_value, block_size=block_size, scale_format=scale_format,
                         scale_rounding=scale_rounding, scale_shift=scale_shift, **kw)
         if layers is None:
@@ -227,7 +233,7 @@ class Plan:
         elif output_layer is True:
             output_layer = "auto"
         prune_at = default_prune_at(prune_at, layers is None)
-        gen = (f"Plan.uniform(format={None if format is None else str(defaults.format)!r}, "
+        gen = (f"Plan.uniform(format={None if format is None else str(defaults.scheme)!r}, "
                f"sparsity={sparsity!r}, rounding={rounding!r}, scale={scale!r})")
         prov = Provenance.now(source=None if source is None else os.fspath(source), generator=gen)
         return cls(entries, defaults, prov, output_layer=output_layer,

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from gradstats.formats import PREDICTED_ROUNDINGS, ROUNDINGS, FPFormat
 from gradstats.formats import amax_scale as _amax_scale
 from gradstats.pruning import METHODS as _METHODS
-from gradstats.scheme import SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, is_plain_format
+from gradstats.scheme import SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme
 
 #: scale rules: a fixed multiplier, the power of two that maps the step's amax to the format's
 #: max, or the optimal power of two for the running lognormal mu and sigma
@@ -288,7 +288,7 @@ class Rule:
 
         Example:
             >>> Rule(format="e2m1fn", scale="amax", block_size=32).quantize_kwargs()
-            {'fmt': FPFormat('e2m1fn'), 'rounding': 'nearest', 'block_size': 32, 'scale_format': 'e8m0', 'scale_rounding': 'floor'}
+            {'fmt': FPFormat('e2m1fn'), 'rounding': 'nearest', 'block_size': 32, 'scale_format': 'e8m0'}
             >>> Rule(format="e4m3fn", scale="amax", block_size=32, scale_rounding="rceil").quantize_kwargs()["scale_rounding"]
             'rceil'
         """
@@ -368,7 +368,7 @@ def _spell_scheme(values: Mapping[str, Any], where: str) -> Mapping[str, Any]:
     """``values`` with a scheme given as ``format`` (``"nvfp4"``, a :class:`Scheme`) spelled out as
     the rule fields it sets; a field given that contradicts the scheme is an error."""
     v = values.get("format", INHERIT)
-    if v is None or v is INHERIT or is_plain_format(v):
+    if not names_scheme(v):
         return values
     try:
         s = Scheme.parse(v)

@@ -589,3 +589,31 @@ def test_to_dataframe_shows_the_sparsity_applied_and_why():
     # a pattern plan says that prune_at decides per layer, and the model resolves it
     note = Plan.uniform(format="e4m3fn", sparsity=0.85).to_dataframe()["sparsity_note"][0]
     assert "prune_at='auto'" in note and "to_dataframe(model)" in note
+
+
+# ----------------------------------------------------------------------------- schemes as formats
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "nvfp4"])
+def test_rule_and_uniform_plan_take_a_scheme(name):
+    from gradstats.scheme import Scheme
+
+    s = Scheme.parse(name)
+    r = Rule(format=name)
+    assert r.scheme == s and r.format == s.element and r.block_size == s.block_size
+    assert r.scale == "amax" and r.scale_format == s.scale_format_name and r.scale_rounding is None
+    assert r == Rule(format=str(s.element), scale="amax", block_size=s.block_size, scale_format=s.scale_format_name)
+    assert r.quantize_kwargs() == {"fmt": s.element, **{k: v for k, v in s.quantize_kwargs().items() if k != "fmt"}}
+    plan = Plan.uniform(format=name)
+    assert plan.defaults.scheme.replace(rounding="nearest") == s
+    assert Plan.from_dict(json.loads(plan.to_json())).defaults == plan.defaults
+    assert PlanEntry("fc", format=s).overrides["block_size"] == s.block_size
+
+
+def test_rule_scheme_with_changes_and_contradictions():
+    r = Rule(format="mxfp8_e4m3:scale_rounding=rceil:rounding=stochastic")
+    assert (r.scale_rounding, r.rounding, r.block_size) == ("rceil", "stochastic", 32)
+    assert Rule(format="e4m3fn").scheme == __import__("gradstats").Scheme("e4m3fn")
+    assert Rule().scheme is None
+    with pytest.raises(ValueError, match="format 'nvfp4' sets block_size 16; block_size 32 contradicts it"):
+        Rule(format="nvfp4", block_size=32)
+    with pytest.raises(ValueError, match="layer entry 'fc': format 'mxfp4' sets scale 'amax'"):
+        PlanEntry("fc", format="mxfp4", scale="fixed")
