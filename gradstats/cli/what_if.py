@@ -12,8 +12,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "error, bias), from its statistics")
     p.add_argument("run", help="run directory")
     p.add_argument("--formats", default="e4m3fn,e5m2,e2m1fn",
-                   help="comma-separated format names (default e4m3fn,e5m2,e2m1fn)")
-    p.add_argument("--block", type=int, default=None, help="block size (a scale per block); default per tensor")
+                   help="comma-separated format names or schemes (presets mxfp8_e4m3, mxfp8_e5m2, mxfp6_e2m3, "
+                        "mxfp6_e3m2, mxfp4, nvfp4 bring their own blocks; default e4m3fn,e5m2,e2m1fn)")
+    p.add_argument("--block", type=int, default=None,
+                   help="block size (a scale per block) of the plain formats; default per tensor")
     p.add_argument("--scale-format", default="e8m0", choices=["e8m0", "e4m3"],
                    help="block scales: e8m0 (MX, default) or e4m3 (NVFP4)")
     p.add_argument("--rounding", default="nearest", choices=list(PREDICTED_ROUNDINGS))
@@ -35,8 +37,11 @@ def run(args: argparse.Namespace) -> int:
                  .median().reset_index())
     with pd.option_context("display.width", 160, "display.max_rows", 500):
         print(per_layer.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    print(f"medians over {df['step'].nunique()} steps; fractions of the non-zero entries; "
-          f"{(('NVFP4' if args.scale_format == 'e4m3' else 'MX') + ' blocks of ' + str(args.block)) if args.block else 'per-tensor amax scales'}, "
+    layouts = df.drop_duplicates("format")
+    scales = "; ".join(f"{r.format}: " + (f"{'NVFP4' if r.scale_format == 'e4m3' else 'MX'} blocks of {int(r.block_size)}"
+                                          if pd.notna(r.block_size) else "per-tensor amax scale")
+                       for r in layouts.itertuples())
+    print(f"medians over {df['step'].nunique()} steps; fractions of the non-zero entries; {scales}; "
           f"{args.rounding} rounding")
     if args.out:
         (df.to_parquet if str(args.out).endswith(".parquet") else lambda p: df.to_csv(p, index=False))(args.out)

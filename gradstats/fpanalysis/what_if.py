@@ -51,6 +51,7 @@ import pandas as pd
 
 from gradstats.formats import FPFormat, amax_scale, parse
 from gradstats.fpanalysis.histogram import HistogramLaw
+from gradstats.scheme import Scheme, names_scheme
 from gradstats.stats import HIST_MIN_EXP, StatsRow
 from gradstats.stats.law import MAX_SLOPE, TOP_FIELD, expm1_ratio, law_flushed, tensor_scale
 
@@ -118,7 +119,7 @@ def _check_rounding(rounding: str) -> None:
         raise ValueError(f"rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
 
 
-def predict_from_stats(stats: StatsRow | Mapping[str, Any], fmt: Union[FPFormat, str], *, scale: Union[str, float] = "amax",
+def predict_from_stats(stats: StatsRow | Mapping[str, Any], fmt: Union[FPFormat, Scheme, str], *, scale: Union[str, float] = "amax",
                        rounding: str = "nearest", block_size: Optional[int] = None,
                        scale_format: str = "e8m0") -> dict[str, float]:
     """What quantising the tensor a statistics row describes (``hist``, ``max_abs``, ``top_abs``,
@@ -129,9 +130,12 @@ def predict_from_stats(stats: StatsRow | Mapping[str, Any], fmt: Union[FPFormat,
     as ``apply`` does) or a number (the multiplier); ignored with ``block_size``, whose scales are
     per block: ``scale_format`` ``"e8m0"`` (MX, power of two) or ``"e4m3"`` (NVFP4: the block's amax
     over the format's maximum, rounded to e4m3fn, times a per-tensor float32 scale that maps the
-    tensor's amax to 448; :func:`gradstats.ops.quantization.block_scales`). Example: see the module.
+    tensor's amax to 448; :func:`gradstats.ops.quantization.block_scales`). ``fmt`` may be a scheme
+    (``"nvfp4"``), which brings its own blocks, scale format and non-nearest rounding. Example: see the module.
     """
-    f = parse(fmt)
+    _, sch = _schemes([fmt], block_size, scale_format)[0]
+    f, block_size, scale_format = sch.element, sch.block_size, sch.scale_format_name or scale_format
+    rounding = sch.rounding if sch.rounding != "nearest" else rounding
     _check_rounding(rounding)
     n, nz = int(stats.get("n", 0)), int(stats.get("n", 0)) - int(stats.get("n_zero", 0))
     nan = {k: math.nan for k in WHAT_IF_COLUMNS}
@@ -228,7 +232,33 @@ def _nvfp4_blocks(law: HistogramLaw, grid: np.ndarray, fmt: FPFormat, block: int
     return total | {"mean": mean, "energy": energy}
 
 
-def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat]]], *,
+def _schemes(formats: Any, block_size: Optional[int], scale_format: str) -> list[tuple[str, Scheme]]:
+    """``(label, scheme)`` of each of ``formats`` (a name, a format, a scheme, a list of them, or a
+    comma-separated text): a scheme or preset name (``"nvfp4"``) brings its own blocks, labelled by
+    its name; a plain format gets the call's ``block_size`` and ``scale_format``, labelled by the format."""
+    if isinstance(formats, (str, FPFormat, Scheme)):
+        formats = [p.strip() for p in formats.split(",") if p.strip()] if isinstance(formats, str) else [formats]
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
+                                   or block_size < 1):
+        raise ValueError(f"block_size must be a positive int (an MX block size such as 32) or None, got {block_size!r}")
+    if block_size is not None and scale_format not in ("e8m0", "e4m3"):
+        raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
+    out = []
+    for f in formats:
+        if names_scheme(f):
+            sch = Scheme.parse(f)
+            if sch.scale_rounding not in (None, "floor"):
+                raise ValueError(f"scheme {str(sch)!r}: what_if predicts E8M0 scales rounded by the OCP rule "
+                                 f"('floor'); drop ':scale_rounding={sch.scale_rounding}'")
+            out.append((str(sch), sch))
+        else:
+            fmt = parse(f)
+            out.append((str(fmt), Scheme(fmt, block_size=None if block_size is None else int(block_size),
+                                         scale_format=None if block_size is None else scale_format)))
+    return out
+
+
+def what_if(run: Any, formats: Union[str, FPFormat, Scheme, Iterable[Union[str, FPFormat, Scheme]]], *,
             block_size: Optional[int] = None, rounding: str = "nearest", scale: Union[str, float] = "amax",
             scale_format: str = "e8m0", orientation: str = "rows",
             steps: Union[None, int, Sequence[int]] = None, layers: Union[None, str, Sequence[str]] = None,
@@ -237,10 +267,14 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
 
     Args:
         run: a :class:`gradstats.run.Run` or the path of one.
-        formats: format names or :class:`FPFormat` objects (or one; ``"e4m3fn,e5m2"`` works too).
+        formats: format names or :class:`FPFormat` objects (or one; ``"e4m3fn,e5m2"`` works too), or
+            schemes (:class:`~gradstats.scheme.Scheme`, a preset such as ``"nvfp4"`` or ``"mxfp8_e4m3"``),
+            which bring their own blocks, scale format and (when not nearest) rounding; their rows are
+            labelled by the scheme's name.
         block_size: None (per-tensor scale) or a block size (a scale per block of exchangeable
-            entries, see the module doc): MX with ``scale_format="e8m0"`` (32), NVFP4 with ``"e4m3"`` (16).
-        rounding: ``"nearest"`` or ``"stochastic"``.
+            entries, see the module doc) for the plain formats: MX with ``scale_format="e8m0"`` (32),
+            NVFP4 with ``"e4m3"`` (16).
+        rounding: ``"nearest"`` or ``"stochastic"`` (a scheme's own non-nearest rounding wins).
         scale: ``"amax"`` or a multiplier (per tensor).
         orientation: with ``block_size``, how the blocks run (:data:`gradstats.stats.blocks.ORIENTATIONS`):
             ``"rows"`` (along the last dim, as ``quantize``'s ``block_dim=-1``), ``"columns"`` (down
@@ -268,17 +302,14 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
         >>> bool((df.loc[df.format == "e2m1fn", "underflow"].values > df.loc[df.format == "e4m3fn", "underflow"].values).all())
         True
     """
-    from gradstats.formats import parse_list
     from gradstats.run import Run, open_run
 
     r = run if isinstance(run, Run) else open_run(run)
 
-    fmts = parse_list(formats)
+    fmts = _schemes(formats, block_size, scale_format)
     if not fmts:
-        raise ValueError("what_if needs at least one format (names such as 'e4m3fn', 'e5m2', 'e2m1fn')")
+        raise ValueError("what_if needs at least one format (names such as 'e4m3fn', 'e5m2', 'e2m1fn', 'nvfp4')")
     _check_rounding(rounding)
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
-        raise ValueError(f"block_size must be a positive int (an MX block size such as 32) or None, got {block_size!r}")
     from gradstats.run.select import layer_stats
     from gradstats.stats.blocks import check_orientation
 
@@ -291,12 +322,13 @@ def what_if(run: Any, formats: Union[str, FPFormat, Iterable[Union[str, FPFormat
     if not len(st):
         raise ValueError(f"no {kind!r} statistics in {r.path} for steps={steps!r}, layers={layers!r}; the run "
                          f"has steps {r.steps[:5]}{' ...' if len(r.steps) > 5 else ''} and layers {r.layers}")
-    blocks = r.table("blocks") if block_size is not None else None
-    return what_if_stats(st, fmts, block_size=block_size, rounding=rounding, scale=scale, order=r.layers,
+    blocks = r.table("blocks") if any(sch.block_size is not None for _, sch in fmts) else None
+    return what_if_stats(st, formats, block_size=block_size, rounding=rounding, scale=scale, order=r.layers,
                          scale_format=scale_format, orientation=orientation, blocks=blocks)
 
 
-def what_if_stats(stats: pd.DataFrame, formats: Iterable[Union[str, FPFormat]], *, block_size: Optional[int] = None,
+def what_if_stats(stats: pd.DataFrame, formats: Union[str, FPFormat, Scheme, Iterable[Union[str, FPFormat, Scheme]]], *,
+                  block_size: Optional[int] = None,
                   rounding: str = "nearest", scale: Union[str, float] = "amax",
                   order: Optional[Sequence[str]] = None, scale_format: str = "e8m0", orientation: str = "rows",
                   blocks: Optional[pd.DataFrame] = None) -> pd.DataFrame:
@@ -312,12 +344,11 @@ def what_if_stats(stats: pd.DataFrame, formats: Iterable[Union[str, FPFormat]], 
         >>> what_if_stats(pd.DataFrame([row]), ["e4m3fn"])[["layer", "format"]].values.tolist()
         [['fc', 'e4m3fn']]
     """
-    fmts = [parse(f) for f in formats]
+    fmts = _schemes(formats, block_size, scale_format)
     _check_rounding(rounding)
-    if block_size is not None and (isinstance(block_size, bool) or int(block_size) < 1):
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    if block_size is not None and scale_format not in ("e8m0", "e4m3"):
-        raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
+    for label, sch in fmts:
+        if sch.rounding != "nearest":
+            _check_rounding(sch.rounding)
     from gradstats.stats.blocks import check_orientation
 
     check_orientation(orientation)
@@ -337,26 +368,28 @@ def what_if_stats(stats: pd.DataFrame, formats: Iterable[Union[str, FPFormat]], 
     weights = {"underflow": nz, "overflow": nz, "rel_mse": st["sum_sq"].to_numpy(np.float64),
                "bias": st["sum_abs"].to_numpy(np.float64)}
     n_sum = np.bincount(grp, weights=st["n"].to_numpy(np.float64), minlength=n_g)
-    below = _recorded_blocks(st, blocks, block_size, orientation) if block_size and scale_format == "e8m0" else None
-    if block_size:
-        used = np.bincount(grp, weights=(below[1] if below is not None else np.zeros(len(st))), minlength=n_g)
-        each = np.bincount(grp, minlength=n_g)
-        estimate = np.where(used == each, "blocks", np.where(used == 0, "exchangeable", "mixed")).astype(object)
-    else:
-        estimate = np.full(n_g, None, dtype=object)
     out = []
-    for f in fmts:
-        p = _predictions(st, f, scale=scale, rounding=rounding, block_size=block_size, scale_format=scale_format)
+    for label, sch in fmts:
+        f, block_size, scale_format = sch.element, sch.block_size, sch.scale_format_name
+        rnd = sch.rounding if sch.rounding != "nearest" else rounding
+        below = _recorded_blocks(st, blocks, block_size, orientation) if block_size and scale_format == "e8m0" else None
+        if block_size:
+            used = np.bincount(grp, weights=(below[1] if below is not None else np.zeros(len(st))), minlength=n_g)
+            each = np.bincount(grp, minlength=n_g)
+            estimate = np.where(used == each, "blocks", np.where(used == 0, "exchangeable", "mixed")).astype(object)
+        else:
+            estimate = np.full(n_g, None, dtype=object)
+        p = _predictions(st, f, scale=scale, rounding=rnd, block_size=block_size, scale_format=scale_format)
         if below is not None and below[1].any():
             from gradstats.stats.blocks import flush_probability
 
             h, has = below
             tot = h.sum(axis=1)
-            from_blocks = h @ flush_probability(f, scale_format="e8m0", rounding=rounding) / np.where(tot > 0, tot, 1.0)
+            from_blocks = h @ flush_probability(f, scale_format="e8m0", rounding=rnd) / np.where(tot > 0, tot, 1.0)
             p["underflow"] = np.where(has, from_blocks, p["underflow"].to_numpy())
-        df = pd.DataFrame({"step": first["step"].to_numpy(), "layer": first["layer"].to_numpy(), "format": str(f),
+        df = pd.DataFrame({"step": first["step"].to_numpy(), "layer": first["layer"].to_numpy(), "format": label,
                            "block_size": block_size, "scale_format": scale_format if block_size else None,
-                           "rounding": rounding, "n": n_sum.astype(np.int64), "_g": np.arange(n_g)})
+                           "rounding": rnd, "n": n_sum.astype(np.int64), "_g": np.arange(n_g)})
         for col, w in weights.items():
             num = np.bincount(grp, weights=w * p[col].to_numpy(), minlength=n_g)
             den = np.bincount(grp, weights=w, minlength=n_g)

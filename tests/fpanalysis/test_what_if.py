@@ -260,3 +260,33 @@ def test_runs_without_oriented_blocks_keep_the_exchangeable_estimate(gru_run, cn
     assert (nv["estimate"] == "exchangeable").all()
     with pytest.raises(ValueError, match="orientation must be one of"):
         what_if(gru_run, ["e2m1fn"], block_size=32, orientation="cols")
+
+
+@pytest.mark.parametrize("name, fmt, kw", [
+    ("nvfp4", "e2m1fn", {"block_size": 16, "scale_format": "e4m3"}),
+    ("mxfp4", "e2m1fn", {"block_size": 32}),
+    ("mxfp8_e4m3", "e4m3fn", {"block_size": 32, "scale_format": "e8m0"}),
+    ("mxfp6_e3m2:rounding=stochastic", "e3m2fn", {"block_size": 32, "rounding": "stochastic"}),
+])
+def test_a_scheme_predicts_as_its_spelled_out_form(cnn_run, name, fmt, kw):
+    a = what_if(cnn_run, name, layers="conv*")
+    b = what_if(cnn_run, fmt, layers="conv*", **kw)
+    assert (a["format"] == name).all() and (b["format"] == fmt).all()
+    pd.testing.assert_frame_equal(a.drop(columns="format"), b.drop(columns="format"))
+    st = cnn_run.stats()
+    row = st[st["layer"] == "conv1"].iloc[0].to_dict()
+    assert predict_from_stats(row, name) == predict_from_stats(row, fmt, **kw)
+
+
+def test_schemes_and_plain_formats_mix(cnn_run, tmp_path, capsys):
+    df = what_if(cnn_run, ["e4m3fn", "nvfp4"], layers="conv1", block_size=32)
+    e4, nv = df[df.format == "e4m3fn"], df[df.format == "nvfp4"]
+    assert (e4["block_size"] == 32).all() and (e4["scale_format"] == "e8m0").all()
+    assert (nv["block_size"] == 16).all() and (nv["scale_format"] == "e4m3").all()
+    with pytest.raises(ValueError, match="drop ':scale_rounding=rceil'"):
+        what_if(cnn_run, "mxfp4:scale_rounding=rceil")
+    from gradstats.cli import main
+
+    assert main(["what-if", str(cnn_run.path), "--formats", "e4m3fn,nvfp4", "--layers", "conv1"]) == 0
+    out = capsys.readouterr().out
+    assert "nvfp4: NVFP4 blocks of 16" in out and "e4m3fn: per-tensor amax scale" in out
