@@ -41,15 +41,16 @@ def _granularity(text: str):
 
 
 def _candidates(text: str):
-    """A preset or convention name ('ocp', 'any', ...) as it is; otherwise a comma list of format names."""
-    from gradstats.formats import parse
+    """A preset or convention name ('ocp', 'any', ...) as it is; otherwise a comma list of format or
+    scheme names (a scheme, e.g. nvfp4, kept as its name: it sets the granularity)."""
     from gradstats.fpanalysis import CANDIDATE_NAMES
+    from gradstats.scheme import Scheme
 
     if text in CANDIDATE_NAMES:
         return text
     names = [s.strip() for s in text.split(",") if s.strip()]
     try:
-        fmts = [parse(n) for n in names]
+        fmts = [Scheme.parse(n) for n in names]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc}; or one of {', '.join(CANDIDATE_NAMES)}") from None
     if not fmts:
@@ -124,7 +125,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "Engine's recipes use at this granularity: per tensor FP8 only; mx, nvfp4 their "
                         "block formats), any (every exponent/mantissa split: research formats such as "
                         "e2m5fn), hardware, fn, ieee, fnuz (every split in that convention), or a comma "
-                        "list of format names (e.g. e4m3fn,e5m2)")
+                        "list of format names (e.g. e4m3fn,e5m2) or of schemes of one block layout "
+                        "(e.g. mxfp8_e4m3,mxfp4 or nvfp4: they set the granularity)")
     p.add_argument("-o", "--out", default=None, help="write the plan (JSON) here")
     p.set_defaults(func=run)
 

@@ -435,6 +435,7 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
     Rule(threshold_rule=threshold_rule)  # validates the rule name
     if model not in ("lognormal", "histogram"):
         raise ValueError(f"format_rule must be 'lognormal' or 'histogram', got {model!r}")
+    granularity = _candidate_granularity(candidates, granularity)
     block_size, scale_format = _granularity(granularity)
     cands = _candidates(fpanalysis, candidates, widths, granularity)
     if model == "histogram" and block_size is not None:
@@ -557,6 +558,30 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
     return plans
 
 
+def _candidate_granularity(candidates: Any, granularity: Any) -> Any:
+    """The granularity of candidates that are schemes (``["nvfp4"]``, ``["mxfp8_e4m3", "mxfp4"]``):
+    their one block layout, which the default ``"tensor"`` gives way to and any other must equal."""
+    from gradstats.scheme import Scheme, names_scheme
+
+    if candidates is None or isinstance(candidates, str):
+        return granularity
+    schemes = [Scheme.parse(c) for c in candidates if names_scheme(c)]
+    layouts = {(c.block_size, c.scale_format_name) for c in schemes}
+    if not layouts:
+        return granularity
+    bad = [str(c) for c in schemes if c.rounding != "nearest" or c.scale_rounding not in (None, "floor")]
+    if len(layouts) > 1 or bad:
+        raise ValueError(f"candidates {[str(c) for c in schemes]} must share one block layout and set no rounding "
+                         f"({bad or 'layouts differ'}): recommend one layout at a time, and pass rounding= instead")
+    (bs, sf), = layouts
+    g = next((k for k, v in _BLOCKS.items() if v == (bs, sf)), bs if sf == "e8m0" else None)
+    if g is None or (granularity != "tensor" and _granularity(granularity) != (bs, sf)):
+        raise ValueError(f"candidates {[str(c) for c in schemes]} use {sf} blocks of {bs}, which granularity="
+                         f"{granularity!r} cannot express or contradicts: leave granularity out, or pick "
+                         "candidates of that granularity")
+    return g
+
+
 def _candidates(fpanalysis, candidates: Any, widths: Sequence[int], granularity: Any) -> Union[str, list[Any]]:
     """The checked ``candidates``: a name of :data:`gradstats.fpanalysis.CANDIDATE_NAMES` (None: the
     default preset) with a format of every width at this granularity, or a list of formats."""
@@ -567,9 +592,10 @@ def _candidates(fpanalysis, candidates: Any, widths: Sequence[int], granularity:
             fpanalysis.preset_formats(candidates, b, granularity=granularity)
         return candidates
     from gradstats.formats import FPFormat
+    from gradstats.scheme import Scheme, names_scheme
 
     try:
-        out = [FPFormat.parse(c) for c in candidates]
+        out = [Scheme.parse(c).element if names_scheme(c) else FPFormat.parse(c) for c in candidates]
     except TypeError:
         raise ValueError(f"candidates must be one of {list(fpanalysis.CANDIDATE_NAMES)} or a list of formats, "
                          f"got {candidates!r}") from None

@@ -575,3 +575,24 @@ def test_recommend_after_nan_gradients_names_them_and_their_steps(tmp_path, capl
     assert [e.layer for e in plan.entries] == ["1"]
     assert "layers ['0']: their gradients were NaN/inf (0 at steps [0]" in caplog.text
     assert "no spread" not in caplog.text
+
+
+def test_recommend_takes_schemes_as_candidates(narrow_run, tmp_path):
+    model, run = narrow_run
+    nv = recommend_mse(run, bits=4, candidates=["nvfp4"])
+    spelled = recommend_mse(run, bits=4, candidates=["e2m1fn"], granularity="nvfp4")
+    assert [e.to_dict() for e in nv.entries] == [e.to_dict() for e in spelled.entries]
+    assert nv.defaults == spelled.defaults
+    assert (nv.defaults.block_size, nv.defaults.scale_format, nv.defaults.scale) == (16, "e4m3", "amax")
+    for bits in (8, 6):
+        a = recommend_mse(run, bits=bits, candidates=["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2"])
+        b = recommend_mse(run, bits=bits, candidates=["e4m3fn", "e5m2", "e3m2fn"], granularity="mx")
+        assert [e.to_dict() for e in a.entries] == [e.to_dict() for e in b.entries]
+        assert a.defaults == b.defaults and (a.defaults.block_size, a.defaults.scale_format) == (32, "e8m0")
+    with pytest.raises(ValueError, match="must share one block layout"):
+        recommend_mse(run, bits=4, candidates=["nvfp4", "mxfp4"])
+    with pytest.raises(ValueError, match="granularity='mx' cannot express or contradicts"):
+        recommend_mse(run, bits=4, candidates=["nvfp4"], granularity="mx")
+    out = tmp_path / "nv.json"
+    assert main(["recommend", str(run.path), "--bits", "4", "--candidates", "nvfp4", "-o", str(out)]) == 0
+    assert (Plan.load(out).defaults.block_size, Plan.load(out).defaults.scale_format) == (16, "e4m3")
