@@ -211,7 +211,7 @@ def module_level_plot_imports(mods: dict[str, Module]) -> list[str]:
 #: the stages, in data-flow order; a module may import its own stage and earlier ones only
 STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("values", ("gradstats._version", "gradstats._threads", "gradstats._roots", "gradstats.formats",
-                "gradstats.wrappers")),
+                "gradstats.scheme", "gradstats.wrappers")),
     ("testbed", ("gradstats.zoo",)),
     ("ops", ("gradstats.ops",)),
     ("stats", ("gradstats.stats", "gradstats.families")),

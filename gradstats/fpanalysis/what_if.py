@@ -51,7 +51,7 @@ import pandas as pd
 
 from gradstats.formats import FPFormat, amax_scale, parse
 from gradstats.fpanalysis.histogram import HistogramLaw
-from gradstats.scheme import Scheme, names_scheme
+from gradstats.scheme import E4M3, Scheme, names_scheme
 from gradstats.stats import HIST_MIN_EXP, StatsRow
 from gradstats.stats.law import MAX_SLOPE, TOP_FIELD, expm1_ratio, law_flushed, tensor_scale
 
@@ -197,7 +197,7 @@ def _nvfp4_blocks(law: HistogramLaw, grid: np.ndarray, fmt: FPFormat, block: int
     maxima in ``[lo_k, hi_k)`` give the ``k``-th. An entry ``y`` of a block is quantised at ``X_k``
     with probability ``P(max(y, M') in [lo_k, hi_k))``, ``M'`` the largest of the other ``block - 1``
     entries. ``X = 0`` (a block too small for the smallest scale) encodes zeros."""
-    e4 = parse("e4m3fn")
+    e4 = E4M3
     scales = _grid(e4)                                          # 0, the subnormals, ..., 448
     t = tensor_amax / (fmt.max * e4.max) if tensor_amax > 0 else 1.0
     mids = (scales[:-1] + scales[1:]) / 2 * fmt.max * t

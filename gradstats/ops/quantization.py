@@ -44,7 +44,7 @@ from gradstats.ops.random import iota as _iota
 from gradstats.ops.random import resolve_seed as _resolve_seed
 from gradstats.ops.random import rounding_stream as _round_stream
 from gradstats.ops.triton import use_triton
-from gradstats.scheme import SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme
+from gradstats.scheme import E4M3, SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme
 
 __all__ = ["quantize", "spell_out", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS",
            "SCALE_ROUNDINGS"]
@@ -568,7 +568,7 @@ def _scales_of_blocks(xb: torch.Tensor, fmt: FPFormat, scale_format: str, scale_
     amax = ab.amax(dim=-1, keepdim=True)
     if scale_format == "e8m0":
         return torch.ldexp(torch.ones_like(amax), mx_shared_exponent(amax, fmt, scale_rounding))
-    e4m3 = parse("e4m3fn")
+    e4m3 = E4M3
     tmax = amax.amax() if amax.numel() else amax.new_zeros(())
     t = torch.where(tmax > 0, tmax / (fmt.max * e4m3.max), 1.0)
     sb = _quantize_eager(amax / (fmt.max * t), e4m3, None, "nearest", "saturate", None)
