@@ -31,7 +31,8 @@ def recommend_mse(run, **kw):
     kw.setdefault("rounding", "nearest")
     kw.setdefault("output_layer", False)
     kw.setdefault("threshold_rule", "lognormal")
-    return recommend(run, **kw)
+    several = isinstance(kw.get("bits"), (list, tuple, range))      # {bits: Plan}
+    return (recommend_each if several else recommend)(run, **kw)
 
 
 
@@ -258,8 +259,9 @@ def test_recommended_plan_round_trips_and_exports(cnn_run, tmp_path):
     ({"threshold_rule": "topk"}, "unknown threshold_rule 'topk'"),
 ])
 def test_recommend_errors(cnn_run, kw, msg):
+    several = isinstance(kw.get("bits"), list)          # a list of widths is recommend_each's
     with pytest.raises(ValueError, match=msg):
-        recommend(cnn_run[1], **kw)
+        (recommend_each if several else recommend)(cnn_run[1], **kw)
 
 
 def test_recommend_needs_a_run(tmp_path):
