@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gradstats._compat import renamed_kwargs
-from gradstats.families import Exponential, Family, HalfNormal, Lognormal, solve_sparsity, solve_sparsity_scalar
+from gradstats.families import Exponential, Family, HalfNormal, Lognormal, solve_sparsity
 from gradstats.stats import lognormal_moments, n_nonzero
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
@@ -364,9 +364,6 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
         return _wrap(out, (target,))
     elif model not in MODELS:
         raise ValueError(f"threshold_rule must be one of {RULES}, got {model!r}")
-    if source is None and all(v is None or (isinstance(v, (float, int)) and not isinstance(v, bool))
-                              for v in (target, mu, sigma, p0, scale, amax, mean_abs)):
-        return _threshold_one(target, model, stochastic, mu, sigma, p0, scale, amax, mean_abs)
     m, p0v, _ = resolve(source, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
     s = _as_array(target)
     _check_range("target sparsity", s, 0.0, 1.0, "a fraction of zeros below 1")
@@ -384,30 +381,6 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
     if amax is not None:
         a = _condition_on_amax(a, sf, amax, mean_abs, stochastic, shape)
     return _wrap(a.reshape(shape), (target, mu, sigma, p0, scale))
-
-
-def _threshold_one(target: float, model: str, stochastic: bool, mu: Any, sigma: Any, p0: Any, scale: Any,
-                   amax: Any, mean_abs: Any) -> float:
-    """:func:`threshold` for one layer given as plain numbers: the same validation, solver and
-    conditioning, in Python floats (a single layer's solve is dominated by array bookkeeping)."""
-    m, p0v, _ = resolve(None, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
-    s = float(target)
-    _check_range("target sparsity", np.asarray(s), 0.0, 1.0, "a fraction of zeros below 1")
-    z = float(p0v[0])
-    q = (s - z) / (1.0 - z)
-    a = 0.0
-    if q > 0:
-        one = (Lognormal(m.mu.reshape(()), m.sigma.reshape(())) if isinstance(m, Lognormal)
-               else type(m)(m.scale.reshape(())))
-        a = float(one.from_x(np.float64(solve_sparsity_scalar(one, q, stochastic=stochastic))))
-    if amax is None:
-        return a
-    am, ma = float(amax), (None if mean_abs is None else float(mean_abs))
-    if not (am > 0 and math.isfinite(am)) or (stochastic and (ma is None or not 0 <= ma <= am)):
-        return float(_condition_on_amax(np.array([a]), np.array([s]), amax, mean_abs, stochastic, ())[0])
-    if stochastic and a > 0 and s >= 1.0 - ma / am:   # as _condition_on_amax, in floats
-        return ma / (1.0 - s)
-    return min(a, am)
 
 
 def _condition_on_amax(a: np.ndarray, s: np.ndarray, amax: ArrayLike, mean_abs: ArrayLike | None,
