@@ -33,7 +33,8 @@ variance ``r - 1``.
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+from statistics import NormalDist
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -262,29 +263,6 @@ def solve_sparsity(model: Family, target: np.ndarray, *, stochastic: bool = True
     return bracket_solve(fg, xh, hi)
 
 
-def solve_sparsity_scalar(model: Family, target: float, *, stochastic: bool = True) -> float:
-    """:func:`solve_sparsity` for one layer (parameters of size 1), in Python floats: the same
-    bracket and safeguarded Newton iteration without the array bookkeeping, which dominates the
-    cost for a single layer (the apply module solves one layer per refresh)."""
-    xh = float(model.hard_quantile(np.float64(target)))
-    if not stochastic:
-        return xh
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
-        step = float(np.ravel(model.step())[0])
-        hi = xh + step
-        for _ in range(64):
-            if not float(model.stochastic(np.float64(hi))) < target:
-                break
-            step *= 2.0
-            hi += step
-
-        def f(x: float) -> tuple[float, float]:
-            xa = np.float64(x)
-            u = float(model.up(xa))
-            return float(model.hard(xa)) - u - target, u
-        return bracketed_newton(f, xh, hi, 0.5 * (xh + hi))
-
-
 def solve_ratio(model: Family, ratio: np.ndarray) -> np.ndarray:
     """``x`` with ``et2_ratio(x) = ratio`` (``ratio > 1``; the ratio grows from 1 with ``x``)."""
     shape = ratio.shape
@@ -327,6 +305,239 @@ def _size(m: Family) -> int:
 
 def _take(p: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return p if p.size == 1 else p.reshape(-1)[idx]
+
+
+# ----------------------------------------------------------------------------- one layer, in floats
+# The same families for one layer in Python floats (``math``): a single layer's solve is
+# dominated by array bookkeeping (validation, broadcasting, error-state contexts, scipy calls on
+# size-1 arrays), not arithmetic. Each method repeats its array twin's formula; tests compare
+# them over a grid (``tests/test_families.py``).
+_SQRT1_2 = math.sqrt(0.5)
+_SQRT2 = math.sqrt(2.0)
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+_EXP_MAX = 709.78
+_inv_cdf = NormalDist().inv_cdf
+
+
+def exp_or_inf(x: float) -> float:
+    """``exp`` that overflows to inf instead of raising (numpy's behaviour): ``exp_or_inf(1e3) == inf``."""
+    return math.exp(x) if x < _EXP_MAX else math.inf
+
+
+def ndtr1(x: float) -> float:
+    """The standard normal CDF of one float (as scipy's ``ndtr``: ``erf`` near 0, ``erfc`` in the tails).
+
+    Example:
+        >>> ndtr1(0.0)
+        0.5
+    """
+    z = abs(x) * _SQRT1_2
+    if z < _SQRT1_2:
+        return 0.5 + 0.5 * math.erf(x * _SQRT1_2)
+    y = 0.5 * math.erfc(z)
+    return 1.0 - y if x > 0 else y
+
+
+def log_ndtr1(x: float) -> float:
+    """``ln Phi(x)`` of one float, accurate in both tails (the asymptotic series far below the mean).
+
+    Example:
+        >>> round(log_ndtr1(0.0), 12) == round(math.log(0.5), 12)
+        True
+    """
+    if x >= -1.0:
+        return math.log1p(-0.5 * math.erfc(x * _SQRT1_2))
+    if x > -37.0:
+        return math.log(0.5 * math.erfc(-x * _SQRT1_2))
+    r = 1.0 / (x * x)
+    # 1 - 1/x^2 + 3/x^4 - 15/x^6 + ...: at |x| >= 37 the terms fall below 1e-17 by the eighth
+    series, term = 1.0, 1.0
+    for k in range(1, 10):
+        term *= -(2 * k - 1) * r
+        series += term
+    return -0.5 * x * x - math.log(-x) - _HALF_LN_2PI + math.log(series)
+
+
+def _ndtri1(q: float) -> float:
+    """The standard normal quantile ``Phi^-1(q)`` of one float (-inf at 0, inf at 1, NaN outside)."""
+    if q <= 0.0:
+        return -math.inf if q == 0.0 else math.nan
+    if q >= 1.0:
+        return math.inf if q == 1.0 else math.nan
+    return _inv_cdf(q)
+
+
+def _erfinv1(q: float) -> float:
+    """The inverse error function of one float in ``[0, 1]``: the normal quantile, refined by
+    Newton steps on ``erf`` (or ``erfc`` above 1/2, where ``1 - q`` is exact)."""
+    if q <= 0.0:
+        return 0.0 if q == 0.0 else -_erfinv1(-q)
+    if q >= 1.0:
+        return math.inf if q == 1.0 else math.nan
+    x = _ndtri1(0.5 * (1.0 + q)) * _SQRT1_2
+    for _ in range(3):
+        f = math.erf(x) - q if q < 0.5 else (1.0 - q) - math.erfc(x)
+        d = _TWO_OVER_SQRT_PI * math.exp(-x * x)
+        if d == 0.0:
+            break
+        x -= f / d
+    return x
+
+
+class OneLognormal:
+    """:class:`Lognormal` for one layer in floats (the same methods; ``step`` an attribute)."""
+
+    __slots__ = ("mu", "sigma")
+    name = "lognormal"
+
+    def __init__(self, mu: float, sigma: float) -> None:
+        self.mu, self.sigma = mu, sigma
+
+    @property
+    def step(self) -> float:
+        return self.sigma
+
+    def to_x(self, a: float) -> float:
+        return math.log(a) - self.mu
+
+    def from_x(self, x: float) -> float:
+        return exp_or_inf(self.mu + x)
+
+    def hard(self, x: float) -> float:
+        return ndtr1(x / self.sigma)
+
+    def up(self, x: float) -> float:
+        s = self.sigma
+        return exp_or_inf(0.5 * s * s - x + log_ndtr1(x / s - s))
+
+    def hard_quantile(self, q: float) -> float:
+        return self.sigma * _ndtri1(q)
+
+    def stochastic(self, x: float) -> float:
+        return self.hard(x) - self.up(x)
+
+
+class _OneScaleFamily:
+    __slots__ = ("scale",)
+    name = ""
+    step = 1.0
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def to_x(self, a: float) -> float:
+        return math.log(a / self.scale)
+
+    def from_x(self, x: float) -> float:
+        return self.scale * exp_or_inf(x)
+
+    def stochastic(self, x: float) -> float:
+        return self.hard(x) - self.up(x)
+
+
+class OneHalfNormal(_OneScaleFamily):
+    """:class:`HalfNormal` for one layer in floats."""
+
+    __slots__ = ()
+    name = "normal"
+
+    def hard(self, x: float) -> float:
+        return math.erf(exp_or_inf(x) / _SQRT2)
+
+    def up(self, x: float) -> float:
+        u = exp_or_inf(x)
+        return _SQRT_2_OVER_PI * -math.expm1(-0.5 * u * u) / u if u < math.inf else 0.0
+
+    def hard_quantile(self, q: float) -> float:
+        return math.log(_SQRT2 * _erfinv1(q))
+
+
+class OneExponential(_OneScaleFamily):
+    """:class:`Exponential` for one layer in floats."""
+
+    __slots__ = ()
+    name = "laplace"
+
+    def hard(self, x: float) -> float:
+        return -math.expm1(-exp_or_inf(x))
+
+    def up(self, x: float) -> float:
+        v = exp_or_inf(x)
+        return (-math.expm1(-v) - v * math.exp(-v)) / v if v < math.inf else 0.0
+
+    def hard_quantile(self, q: float) -> float:
+        return math.log(-math.log1p(-q))
+
+
+def one_family(name: str, *, mu: Optional[float] = None, sigma: Optional[float] = None,
+               scale: Optional[float] = None) -> "OneLognormal | _OneScaleFamily":
+    """The family ``name`` of :data:`FAMILIES` for one layer in floats; a ``ValueError`` names a
+    missing or invalid parameter.
+
+    Example:
+        >>> m = one_family("lognormal", mu=0.0, sigma=1.0)
+        >>> round(m.stochastic(0.0), 6)
+        0.238422
+    """
+    fam = family(name)
+    if fam is Lognormal:
+        if mu is None or sigma is None or not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
+            raise ValueError(f"the lognormal family needs a finite mu and a positive finite sigma (of ln|g|), "
+                             f"got mu={mu!r}, sigma={sigma!r}")
+        return OneLognormal(float(mu), float(sigma))
+    if scale is None or not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale of the {name} family must be positive and finite, got {scale!r}")
+    return fam.one(float(scale))
+
+
+def solve_sparsity_one(model: "OneLognormal | _OneScaleFamily", target: float, *,
+                       stochastic: bool = True) -> float:
+    """:func:`solve_sparsity` for one layer in floats (a family of :func:`one_family`): the same
+    bracket (walked up from the hard quantile in doubling steps) and safeguarded Newton iteration.
+
+    Example:
+        >>> x = solve_sparsity_one(one_family("lognormal", mu=0.0, sigma=1.0), 0.238422)
+        >>> abs(x) < 1e-5
+        True
+    """
+    xh = model.hard_quantile(target)
+    if not stochastic:
+        return xh
+    step = model.step
+    hi = xh + step
+    for _ in range(64):
+        if not model.stochastic(hi) < target:
+            break
+        step *= 2.0
+        hi += step
+
+    def f(x: float) -> tuple[float, float]:
+        u = model.up(x)
+        return model.hard(x) - u - target, u
+    return bracketed_newton(f, xh, hi, 0.5 * (xh + hi))
+
+
+Lognormal.one = OneLognormal          # type: ignore[attr-defined]
+HalfNormal.one = OneHalfNormal        # type: ignore[attr-defined]
+Exponential.one = OneExponential      # type: ignore[attr-defined]
+
+#: the registry of magnitude families: name -> its class (arrays; ``.one``: the same for one layer
+#: in floats). Adding a family is one class with the :class:`Family` methods and its entry here.
+FAMILY_REGISTRY: dict[str, type[Family]] = {"lognormal": Lognormal, "normal": HalfNormal, "laplace": Exponential}
+
+
+def family(name: str) -> type[Family]:
+    """The family class registered under ``name`` (a ``ValueError`` lists the names).
+
+    Example:
+        >>> family("laplace").__name__
+        'Exponential'
+    """
+    try:
+        return FAMILY_REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"family must be one of {tuple(FAMILY_REGISTRY)}, got {name!r}") from None
+
 
 
 # ----------------------------------------------------------------------------- likelihood

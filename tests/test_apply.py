@@ -527,29 +527,72 @@ def test_apply_on_a_compiled_model():
 # --------------------------------------------------------------------------- fast refresh
 
 @pytest.mark.parametrize("rule", ["lognormal", "naive_lognormal", "normal", "laplace", "histogram"])
-def test_fast_refresh_equals_the_reference_solvers(monkeypatch, rule):
-    """The refresh's thresholds, predicted sparsities and scales on the scalar fast paths are the
-    vectorised reference solvers' (the same training with the fast paths switched off)."""
+def test_refresh_sets_the_thresholds_and_scales_recommend_computes(monkeypatch, rule):
+    """The refresh takes each threshold from the rule of pruning.rules.THRESHOLD_RULES (the one
+    pruning.threshold solves one layer with) and each scale from Rule.scale_for: checked against
+    the vectorised reference solvers at every refresh of a training."""
     import importlib
 
-    enforce = importlib.import_module("gradstats.apply")  # the module, not the verb
+    from gradstats import fpanalysis, pruning
+    from gradstats.formats import amax_scale
+    from gradstats.pruning.rules import THRESHOLD_RULES
+    from gradstats.stats import vector_to_stats
 
+    enforce = importlib.import_module("gradstats.apply.refresh")
+    seen = {"threshold": 0, "scale": 0}
+
+    class Checked:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def threshold(self, target, stats, **kw):
+            a = self.inner.threshold(target, stats, **kw)
+            if rule == "histogram":
+                ref = float(pruning.threshold(target, vector_to_stats(vectors[-1]), threshold_rule="histogram"))
+            else:
+                kw_ = {"mu": np.array([stats.mu]), "sigma": np.array([stats.sigma])} if "lognormal" in rule else {
+                    "scale": np.array([stats.scale_normal if rule == "normal" else stats.scale_laplace])}
+                if stats.amax is not None:
+                    kw_.update(amax=np.array([stats.amax]), mean_abs=np.array([stats.mean_abs]))
+                ref = float(pruning.threshold(np.array([target]), threshold_rule=rule, p0=np.array([stats.p0]),
+                                              **kw_)[0])
+            assert a == pytest.approx(ref, rel=1e-11, abs=0)
+            seen["threshold"] += 1
+            return a
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    vectors = []
+    histogram = enforce.histogram_of
+
+    def recorded(v):
+        vectors.append(v)
+        return histogram(v)
+
+    monkeypatch.setattr(enforce, "histogram_of", recorded)
+    monkeypatch.setattr(enforce, "THRESHOLD_RULES", {**THRESHOLD_RULES, rule: Checked(THRESHOLD_RULES[rule])})
     plan = uniform(format="e3m2fn", sparsity=0.85, threshold_rule=rule)
+    torch.manual_seed(0)
+    _, h = train(Net(), batches(4), plan, seed=1)
+    df = h.to_dataframe()
+    assert len(df) == 12 and seen["threshold"] == 12 and len(vectors) == (12 if rule == "histogram" else 0)
+    for _, r in df.iterrows():            # the scale: the vectorised search at the running statistics
+        amax = max(r["amax"], r["threshold"])
+        ref = fpanalysis.optimal_scale("e3m2fn", mu=[r["mu"]], sigma=[max(r["sigma"], 1e-6)]).scale[0]
+        assert r["scale"] == max(ref, amax_scale(FPFormat.parse("e3m2fn"), amax))
 
-    def run():
-        torch.manual_seed(0)
-        model, h = train(Net(), batches(4), plan, seed=1)
-        return model, h.to_dataframe()
 
-    fast_model, fast = run()
-    monkeypatch.setattr(enforce, "_fast", lambda fast, reference: reference())
-    ref_model, ref = run()
-    assert len(fast) == len(ref) == 12
-    assert (fast["scale"] == ref["scale"]).all()
-    for col in ("threshold", "predicted_sparsity"):
-        np.testing.assert_allclose(fast[col], ref[col], rtol=1e-11, atol=0)
-    for p, q in zip(fast_model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+def test_apply_is_a_function_and_a_package():
+    """gradstats.apply is the verb (a function) after its package's modules are imported; the
+    module's public names stay where they were."""
+    import gradstats.apply.alerts  # noqa: F401
+    import gradstats.apply.refresh  # noqa: F401
+    from gradstats.apply import Applied, Fallback, apply, widen
+
+    assert callable(gradstats.apply) and not isinstance(gradstats.apply, type(importlib))
+    assert gradstats.apply is apply is APPLY.apply and gradstats.Applied is Applied is APPLY.Applied
+    assert Fallback is APPLY.Fallback and widen(FPFormat.parse("e3m2fn")) == FPFormat.parse("e4m3fn")
 
 
 def test_records_set_predicted_against_achieved():

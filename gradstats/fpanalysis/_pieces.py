@@ -284,3 +284,67 @@ def first_moments_at(bounds: np.ndarray, coef: np.ndarray, y: np.ndarray) -> np.
     idx = np.clip(np.searchsorted(bounds, y, side="right") - 1, 0, bounds.size - 2)
     c = coef[idx]                                            # (N, columns, 3)
     return c[:, :, 0] + c[:, :, 1] * y[:, None] + c[:, :, 2] * (y * y)[:, None]
+
+
+# ----------------------------------------------------------------------------- one layer at a time
+class Cells:
+    """One format's pieces under a rounding (saturating, :func:`build`) prepared for one layer at a
+    time (what apply's refresh evaluates every step): the log bounds, the coefficient matrices per
+    moment order, and per piece the polynomials of the squared error, the flushed and the
+    saturated probability (for the point mass of :func:`predict`)."""
+
+    def __init__(self, fmt: FPFormat, rounding: str) -> None:
+        pc = build(fmt, rounding, "saturate")
+        self.fmt, self.rounding = fmt, rounding
+        self.bounds = pc.bounds.tolist()
+        with np.errstate(divide="ignore"):
+            self.lnb = np.log(pc.bounds)
+        self.mats = [(float(k), m) for k, m in coef_matrices(pc, "relative").items()]
+        self.n_err = n_err = len(PARTS)
+        self.is_err = np.arange(n_err + len(FRACTIONS)) < n_err
+        self.k = np.array([k for k, _ in self.mats])
+        self.cm = np.stack([m for _, m in self.mats])                        # (K, P, 7)
+        fl, sa = n_err + FRACTIONS.index("flushed"), n_err + FRACTIONS.index("saturated")
+        # per piece, polynomials in y (degree <= 3) of the squared error, flushed, saturated
+        coef = pc.sign * np.exp(pc.lnc)
+        polys = np.zeros((pc.n_pieces, 3, 4))
+        col = np.where(pc.out < n_err, 0, np.where(pc.out == fl, 1, np.where(pc.out == sa, 2, -1)))
+        for t in range(pc.piece.size):
+            if col[t] >= 0:
+                polys[pc.piece[t], col[t], pc.k[t]] += coef[t]
+        self.polys = polys.tolist()
+        self.top = pc.n_pieces - 1                                   # the saturating piece
+        self.centre = 0.5 * (math.log(fmt.max) + math.log(fmt.min_normal))
+
+    def integrate(self, mu: float, sigma: float, log_scale: np.ndarray, lower: float = 0.0,
+                  upper: float = math.inf) -> np.ndarray:
+        """``(J, 7)``: :func:`integrate` (relative mode) for one
+        ``mu``, ``sigma`` at the scales ``exp(log_scale)``, term for term in the same order, with
+        the distribution cut to ``lower <= y < upper`` (in scaled units)."""
+        s = sigma
+        m = mu + log_scale                                                   # (J,)
+        lnb = self.lnb
+        if upper < math.inf:
+            lnb = np.minimum(lnb, math.log(upper))
+        if lower > 0:
+            lnb = np.maximum(lnb, math.log(min(lower, upper)))
+        z0 = (lnb[None, :] - m[:, None]) / s                                 # (J, P + 1)
+        lnn = 2 * m + 2 * s * s
+        # every moment order at once (K, J, P + 1): the reference's terms, in its order
+        z = z0[None, :, :] - (self.k * s)[:, None, None]
+        t = _tails(z)
+        za, zb, ta, tb = z[..., :-1], z[..., 1:], t[..., :-1], t[..., 1:]
+        dphi = np.where(za >= 0, ta - tb, np.where(zb <= 0, tb - ta, 1.0 - ta - tb))
+        base = self.k[:, None] * m[None, :] + (0.5 * self.k * self.k * s * s)[:, None]      # (K, J)
+        w = np.exp(base[:, :, None] - np.where(self.is_err[None, None, :], lnn[None, :, None], 0.0))
+        return (np.matmul(dphi, self.cm) * w).sum(axis=0)
+
+    def errors(self, mu: float, sigma: float, log2_scales: np.ndarray) -> np.ndarray:
+        """Relative MSE at the scales ``2**log2_scales`` (what the scale search minimises)."""
+        return self.integrate(mu, sigma, log2_scales * math.log(2.0))[:, :self.n_err].sum(axis=1)
+
+
+@functools.lru_cache(maxsize=64)
+def cells(fmt: FPFormat, rounding: str) -> Cells:
+    """The :class:`Cells` of ``fmt`` under ``rounding`` (cached)."""
+    return Cells(fmt, rounding)

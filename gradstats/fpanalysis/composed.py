@@ -31,17 +31,21 @@ Example:
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 from scipy.special import ndtr
 
+from gradstats.families import exp_or_inf, log_ndtr1
 from gradstats.formats import ROUNDINGS, FPFormat, parse
+from gradstats.fpanalysis._pieces import cells as one_layer_cells
 
-__all__ = ["ComposedPrediction", "predict_composed", "composed_from_moments", "composed_blocks", "lognormal_moments_fn"]
+__all__ = ["ComposedPrediction", "predict_composed", "composed_from_moments", "composed_blocks", "lognormal_moments_fn",
+           "predict_one"]
 
 PartialMoments = Callable[[np.ndarray, int], np.ndarray]
 
@@ -356,3 +360,98 @@ def predict_composed(stats: Union[Mapping[str, Any], Any], fmt: Union[FPFormat, 
                                scale_rounding=scale_rounding or "floor", rounding=rounding, p0=p0,
                                amax=float(stats.get("max_abs", math.nan)))
     return composed_from_moments(pm, fmt, threshold=threshold, scale=scale, rounding=rounding, p0=p0)
+
+
+# ----------------------------------------------------------------------------- one layer, lognormal, in floats
+def _poly(c: Sequence[float], y: float) -> float:
+    return ((c[3] * y + c[2]) * y + c[1]) * y + c[0]
+
+
+def predict_one(fmt: Optional[FPFormat], rounding: str, mu: float, sigma: float, p0: float,
+            threshold: float, scale: float, amax: Optional[float] = None,
+            numel: Optional[float] = None) -> tuple[float, float, float]:
+    """What the lognormal model ``ln|g| ~ N(mu, sigma^2)`` (non-zero entries, a fraction ``p0``
+    exactly zero) predicts for stochastic pruning at ``threshold`` (0: none) followed by rounding
+    to ``fmt`` at ``scale`` (saturating): ``(underflow, saturated, error)``, the fractions of all
+    entries that are non-zero after pruning and flushed to zero by the rounding, and that
+    saturate at the format's max, and the relative error ``E[(out - g)^2] / E[g^2]`` of the
+    output (pruning and rounding together; without pruning the rounding's alone, which is
+    :func:`gradstats.fpanalysis.expected_error`'s ``total``, ``flushed`` and ``saturated``).
+
+    Given the tensor's largest magnitude ``amax`` (and its ``numel`` entries), conditioned on it
+    as :func:`~gradstats.fpanalysis.expected_error` is: one entry at ``amax``, the other non-zero
+    ones from the lognormal truncated there (infinitely many without ``numel``), so that a tail
+    beyond the data does not count as saturation or error that never happen.
+
+    Kept entries (``|g| >= a``) are summed over the format's cells from ``a`` up; those below are
+    output as ``a`` with probability ``|g|/a``: a point mass at ``a`` whose rounding is exact. With
+    ``x = |g|`` and ``Q = Q(a)`` the squared error below ``a`` is
+    ``E[(x/a) (Q - x)^2 + (1 - x/a) x^2] = E[Q^2] M1/a - 2 E[Q] M2/a + M2`` in the partial
+    moments ``Mk = E[x^k 1{x<a}]``. ``fmt=None``: no rounding (the pruning's error alone).
+    Stochastic rounding takes ``rounding="stochastic"``; other roundings are modelled as nearest.
+    One layer in floats (what apply's refresh records every step); :func:`predict_composed` with
+    :func:`lognormal_moments_fn` is the same model for any law and any operator setting.
+
+    Example:
+        >>> u, s, e = predict_one(FPFormat.parse("e4m3fn"), "nearest", -9.0, 1.5, 0.0, 0.0, 2.0 ** 7)
+        >>> round(e * 1e4, 2), round(s, 9)
+        (7.15, 0.0)
+    """
+    if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0 and 0 <= p0 < 1
+            and 0 <= threshold < math.inf and 0 < scale < math.inf):
+        raise ValueError(f"predict_one needs finite mu, sigma > 0, p0 in [0, 1), a threshold in [0, inf) and a "
+                         f"scale in (0, inf); got mu={mu!r}, sigma={sigma!r}, p0={p0!r}, threshold={threshold!r}, "
+                         f"scale={scale!r}")
+    s = sigma
+    ls = math.log(scale)
+    m = mu + ls                                  # ln of the scaled magnitudes y = |g| s
+    ln_e2 = 2 * m + 2 * s * s                    # ln E[y^2] of the lognormal
+    A = threshold * scale
+    cond = amax is not None and 0 < amax < math.inf
+    ym = amax * scale if cond else math.inf      # the tensor's largest scaled magnitude
+    w = 1.0 / max((1 - p0) * numel, 1.0) if cond and numel is not None else 0.0   # its weight
+    ln_mass = log_ndtr1((math.log(ym) - m) / s) if cond else 0.0                  # P(y < ym)
+    e2 = exp_or_inf(ln_e2 + log_ndtr1((math.log(ym) - m) / s - 2 * s) - ln_mass) if cond else exp_or_inf(ln_e2)
+    if A > 0:                                    # the truncated lognormal below min(A, ym)
+        zb = (math.log(min(A, ym)) - m) / s
+        m1 = exp_or_inf(m + 0.5 * s * s + log_ndtr1(zb - s) - ln_mass)                 # E[y 1{y<A}]
+        m2 = exp_or_inf(ln_e2 + log_ndtr1(zb - 2 * s) - ln_mass)                        # E[y^2 1{y<A}]
+    else:
+        m1 = m2 = 0.0
+    if fmt is None:
+        err_t = A * m1 - m2 if A > 0 else 0.0            # E[(x/A)(A - x)^2 + (1 - x/A) x^2]
+        err_a = (ym * (A - ym) if ym < A else 0.0) if w else 0.0
+        err = ((1 - w) * err_t + w * err_a) / ((1 - w) * e2 + (w * ym * ym if w else 0.0))
+        return 0.0, 0.0, max(err, 0.0)
+    cells = one_layer_cells(fmt, "stochastic" if rounding == "stochastic" else "nearest")
+    res = cells.integrate(mu, sigma, np.array([ls]), lower=A, upper=ym)[0]
+    mass = math.exp(ln_mass)
+    err_t = float(res[:cells.n_err].sum()) * exp_or_inf(ln_e2) / mass                 # kept, E[err 1{A<=y<ym}]
+    uf_t, sat_t = float(res[cells.n_err]) / mass, float(res[cells.n_err + 1]) / mass
+
+    def at(y: float) -> tuple[float, float, float, float, float]:
+        """E[(Q(y) - y)^2], E[Q(y)], E[Q(y)^2], P(flushed), P(saturated) of one value."""
+        i = min(max(bisect.bisect_right(cells.bounds, y) - 1, 0), cells.top)
+        pe, pf, ps = cells.polys[i]
+        e = _poly(pe, y)
+        eq = -0.5 * pe[1] if (cells.rounding == "nearest" or i == cells.top) else y
+        return e, eq, e + 2 * y * eq - y * y, _poly(pf, y), _poly(ps, y)
+
+    if A > 0:                                    # values below A, rounded up to it with prob x/A
+        _, eq, eq2, fl_a, sa_a = at(A)
+        err_t += (eq2 / A) * m1 - 2 * (eq / A) * m2 + m2
+        uf_t += m1 / A * fl_a
+        sat_t += m1 / A * sa_a
+    err_a = uf_a = sat_a = 0.0
+    if w:                                        # the entry at amax
+        if ym >= A:
+            err_a, _, _, uf_a, sat_a = at(ym)
+        else:
+            q = ym / A
+            _, eq, eq2, fl_a, sa_a = at(A)
+            err_a = q * (eq2 - 2 * eq * ym + ym * ym) + (1 - q) * ym * ym
+            uf_a, sat_a = q * fl_a, q * sa_a
+    err = ((1 - w) * err_t + w * err_a) / ((1 - w) * e2 + (w * ym * ym if w else 0.0))
+    uf = (1 - w) * uf_t + w * uf_a
+    sat = (1 - w) * sat_t + w * sat_a
+    return (1 - p0) * uf, (1 - p0) * sat, max(err, 0.0)

@@ -23,7 +23,6 @@ from gradstats.pruning.operator import METHODS, exact_threshold, hard_prune, pru
 from gradstats.pruning.thresholds import (
                          DEFAULT_RULE,
                          FAMILIES,
-                         MODELS,
                          RULES,
                          added_variance,
                          expected_sparsity,
@@ -33,7 +32,7 @@ from gradstats.pruning.thresholds import (
 
 __all__ = ["expected_sparsity", "threshold", "predicted_cosine", "added_variance",
            "stochastic_prune", "hard_prune", "prune", "exact_threshold",
-           "FAMILIES", "MODELS", "RULES", "METHODS", "DEFAULT_RULE"]
+           "FAMILIES", "RULES", "METHODS", "DEFAULT_RULE"]
 from gradstats.pruning.allocation import Allocation, allocate  # noqa: E402
 from gradstats.pruning.histogram import LogHistogram  # noqa: E402
 

@@ -31,8 +31,9 @@ zeros); inf and NaN count in ``n`` and are never pruned.
 """
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -300,3 +301,267 @@ def _piece_integral(c: np.ndarray, l: np.ndarray, k: np.ndarray, T: np.ndarray) 
         return np.exp(t) * (p - d1 + d2 - 6 * c0)
 
     return np.exp(l[k]) * (G(T) - G(np.zeros_like(T)))
+
+
+# ----------------------------------------------------------------------------- one layer, in floats
+def _sign(v: float) -> float:
+    return (v > 0) - (v < 0)
+
+
+def _pchip_slopes(x: Sequence[float], y: Sequence[float]) -> list[float]:
+    """The node derivatives of scipy's ``PchipInterpolator`` (Fritsch-Butland weighted harmonic
+    means, Moler's one-sided three-point ends)."""
+    n = len(x)
+    hk = [x[i + 1] - x[i] for i in range(n - 1)]
+    mk = [(y[i + 1] - y[i]) / hk[i] for i in range(n - 1)]
+    if n == 2:
+        return [mk[0], mk[0]]
+    dk = [0.0] * n
+    for i in range(1, n - 1):
+        m0, m1 = mk[i - 1], mk[i]
+        if _sign(m1) != _sign(m0) or m1 == 0 or m0 == 0:
+            continue
+        w1 = 2 * hk[i] + hk[i - 1]
+        w2 = hk[i] + 2 * hk[i - 1]
+        dk[i] = 1.0 / ((w1 / m0 + w2 / m1) / (w1 + w2))
+
+    def edge(h0: float, h1: float, m0: float, m1: float) -> float:
+        d = ((2 * h0 + h1) * m0 - h0 * m1) / (h0 + h1)
+        if _sign(d) != _sign(m0):
+            return 0.0
+        if _sign(m0) != _sign(m1) and abs(d) > 3.0 * abs(m0):
+            return 3.0 * m0
+        return d
+
+    dk[0] = edge(hk[0], hk[1], mk[0], mk[1])
+    dk[-1] = edge(hk[-1], hk[-2], mk[-1], mk[-2])
+    return dk
+
+
+def _piece_integral1(c: tuple[float, float, float, float], lk: float, T: float) -> float:
+    """``integral_0^T F(l_k + t) e^(l_k + t) dt`` on one cubic piece (as the reference)."""
+    c0, c1, c2, c3 = c
+
+    def G(t: float) -> float:
+        p = ((c0 * t + c1) * t + c2) * t + c3
+        d1 = (3 * c0 * t + 2 * c1) * t + c2
+        d2 = 6 * c0 * t + 2 * c1
+        return math.exp(t) * (p - d1 + d2 - 6 * c0)
+
+    return math.exp(lk) * (G(T) - G(0.0))
+
+
+class OneLogHistogram:
+    """:class:`LogHistogram` for one layer in Python floats (what apply's refresh solves every
+    step; no scipy, no arrays): counts of the non-zero finite ``|g|`` in contiguous bins ``[lower, upper)``,
+    the zero count, the number of entries, and ``atoms``: magnitudes known exactly (not in the
+    counts), each a step of ``1/n``.
+
+    Example:
+        >>> h = OneLogHistogram([10.0], [1.0], [2.0], 20, 10)
+        >>> h.expected_sparsity(2.0, stochastic=False)
+        1.0
+    """
+
+    __slots__ = ("n", "n_zero", "binned", "l", "x", "F", "c", "J", "atoms", "cs", "finite_fraction", "_b")
+
+    def __init__(self, counts: Sequence[float], lower: Sequence[float], upper: Sequence[float],
+                 n: int, n_zero: int, atoms: Sequence[float] = ()) -> None:
+        self.n, self.n_zero = int(n), int(n_zero)
+        if self.n <= 0:
+            raise ValueError("the histogram describes an empty tensor (n = 0): no threshold can be derived from it")
+        self.atoms = sorted(float(t) for t in atoms)
+        cs = [0.0]
+        for t in self.atoms:
+            cs.append(cs[-1] + t)
+        self.cs = cs
+        self.binned = len(counts) > 0
+        self._b = None
+        total = 0.0
+        for v in counts:
+            total += float(v)
+        self.finite_fraction = (self.n_zero + total + len(self.atoms)) / self.n
+        if not self.binned:
+            return
+        x = [float(lower[0])] + [float(u) for u in upper]
+        l = [math.log(v) for v in x]
+        F = [float(self.n_zero)]
+        for v in counts:
+            F.append(F[-1] + float(v))
+        F = [v / self.n for v in F]
+        if len(l) >= 3:
+            d = _pchip_slopes(l, F)
+            c = []
+            for i in range(len(l) - 1):
+                dx = l[i + 1] - l[i]
+                slope = (F[i + 1] - F[i]) / dx
+                t = (d[i] + d[i + 1] - 2 * slope) / dx
+                c.append((t / dx, (slope - d[i]) / dx - t, d[i], F[i]))
+        else:  # a single bin: linear
+            c = [(0.0, 0.0, (F[1] - F[0]) / (l[1] - l[0]), F[0])]
+        J = [F[0] * x[0]]
+        acc = 0.0
+        for i, (c0, c1, c2, c3) in enumerate(c):    # _piece_integral1 over whole pieces, inlined
+            T = l[i + 1] - l[i]
+            p = ((c0 * T + c1) * T + c2) * T + c3
+            d1 = (3 * c0 * T + 2 * c1) * T + c2
+            d2 = 6 * c0 * T + 2 * c1
+            acc += math.exp(l[i]) * (math.exp(T) * (p - d1 + d2 - 6 * c0) - (c3 - c2 + 2 * c1 - 6 * c0))
+            J.append(J[0] + acc)
+        self.l, self.F, self.c, self.J = l, F, c, J
+        self.x = [math.exp(v) for v in l]           # the edges as the reference evaluates them
+
+    @classmethod
+    def from_stats(cls, hist: Sequence[float], min_exp: int, n: int, n_zero: int, top: Sequence[float] = (),
+                   min_abs: float = math.nan, max_abs: float = math.nan) -> "OneLogHistogram":
+        """As :meth:`LogHistogram.from_stats`: the counts of ``floor(log2|g|)`` from binade
+        ``min_exp`` on (a statistics row's ``hist``), less the largest magnitudes ``top`` (NaN
+        padding ignored), which become atoms; the empty bins at both ends trimmed, the highest
+        bin ending at the smallest atom (without atoms at ``max_abs``), the lowest starting at
+        ``min_abs``. Raises ``ValueError`` where the reference raises (``top`` not the
+        largest values the counts hold)."""
+        h = [float(v) for v in hist]
+        t = sorted(abs(float(v)) for v in top if math.isfinite(v) and v != 0)
+        for v in t:
+            j = math.frexp(v)[1] - 1 - min_exp
+            if not 0 <= j < len(h):
+                raise ValueError("top_abs holds a magnitude outside the binades of hist: pass the row's own top_abs, or none")
+            h[j] -= 1.0
+        if t:
+            j0 = math.frexp(t[0])[1] - 1 - min_exp
+            if min(h) < 0 or any(h[j0 + 1:]):
+                raise ValueError("top_abs is not the largest magnitudes the counts hold: pass the row's own top_abs, or none")
+        nz = [i for i, v in enumerate(h) if v > 0]
+        if not nz:
+            return cls([], [], [], n, n_zero, t)
+        i, j = nz[0], nz[-1]
+        counts = h[i:j + 1]
+        lower = [math.ldexp(1.0, e + min_exp) for e in range(i, j + 1)]
+        upper = [2.0 * v for v in lower]
+        top_edge = t[0] if t else float(max_abs)
+        if top_edge > 0 and math.isfinite(top_edge):   # a sliver, where the bin is one value
+            upper[-1] = max(min(upper[-1], top_edge), lower[-1] * (1 + 2.0 ** -30))
+        low_edge = float(min_abs)
+        if low_edge > 0 and math.isfinite(low_edge):
+            lower[0] = min(max(lower[0], low_edge), upper[0] * (1 - 2.0 ** -30))
+        return cls(counts, lower, upper, n, n_zero, t)
+
+    # -- the sparsity
+    def _atoms_at(self, a: float, stochastic: bool) -> float:
+        if not self.atoms:
+            return 0.0
+        k = bisect.bisect_left(self.atoms, a)
+        return (k if not stochastic else k - self.cs[k] / a) / self.n
+
+    def _continuous_at(self, la: float, stochastic: bool) -> float:
+        if not self.binned:
+            return self.n_zero / self.n
+        l, F, J = self.l, self.F, self.J
+        if la <= l[0]:
+            return F[0]
+        if la >= l[-1]:
+            if not stochastic:
+                return F[-1]
+            a = math.exp(la)
+            return (J[-1] + F[-1] * (a - math.exp(l[-1]))) / a
+        k = bisect.bisect_right(l, la) - 1
+        t = la - l[k]
+        if not stochastic:
+            c0, c1, c2, c3 = self.c[k]
+            return ((c0 * t + c1) * t + c2) * t + c3
+        return (J[k] + _piece_integral1(self.c[k], l[k], t)) / math.exp(la)
+
+    def _at(self, la: float, stochastic: bool) -> float:
+        s = self._continuous_at(la, stochastic)
+        if self.atoms:
+            s += self._atoms_at(math.exp(la), stochastic)
+        return s
+
+    def expected_sparsity(self, a: float, *, stochastic: bool = True) -> float:
+        """Expected zero fraction at threshold ``a`` (hard fraction with ``stochastic=False``)."""
+        if not a > 0 or (not self.binned and not self.atoms):
+            return self.n_zero / self.n
+        if math.isinf(a):
+            return self.finite_fraction
+        return self._at(math.log(a), stochastic)
+
+    def _breakpoints(self) -> list[tuple[float, int]]:
+        """The bin edges and the atoms, ascending (edges first among equals, as the reference's
+        stable sort): ``(value, index)`` with the index of an edge (``>= 0``) or ``-1`` for an atom."""
+        if self._b is None:
+            pts = [(v, i) for i, v in enumerate(self.x)] if self.binned else []
+            pts += [(v, -1) for v in self.atoms]
+            pts.sort(key=lambda p: p[0])
+            self._b = pts
+        return self._b
+
+    def _s_at_breakpoint(self, p: tuple[float, int], stochastic: bool) -> float:
+        """The sparsity at a breakpoint, as the reference computes it there."""
+        v, i = p
+        if i >= 0:
+            base = self.J[i] / v if stochastic else self.F[i]
+        else:
+            base = self._continuous_at(math.log(v), stochastic)
+        return base + self._atoms_at(v, stochastic)
+
+    def threshold(self, target: float, *, stochastic: bool = True) -> float:
+        """The threshold whose expected sparsity is ``target`` (0 when the zeros reach it,
+        ``inf`` when non-finite entries make it unreachable): the reference's bracket between
+        breakpoints (bin edges and atoms; found by bisection over them, evaluating the sparsity
+        at the few it visits), then, for the stochastic operator, a safeguarded Newton
+        iteration in ``ln a`` where the reference bisects (``dS/d ln a = F - S``; both stop at
+        the float resolution of ``ln a``)."""
+        if not 0.0 <= target < 1.0:
+            raise ValueError(f"target sparsity must lie in [0, 1), got {target!r}")
+        if target * self.n <= self.n_zero or (not self.binned and not self.atoms):
+            return 0.0
+        if target >= self.finite_fraction:
+            return math.inf
+        b = self._breakpoints()
+        if self._s_at_breakpoint(b[-1], stochastic) < target:   # beyond every breakpoint
+            if not stochastic:  # just above the largest value (the reference's margin)
+                return b[-1][0] * (1 + 2.0 ** -20)
+            m = self.cs[-1] / self.n                 # S = f - M/a exactly
+            if self.binned:
+                m += self.x[-1] * self.F[-1] - self.J[-1]   # the binned entries' sum |g| / n
+            return m / (self.finite_fraction - target)
+        lo_i, hi_i = 0, len(b)                       # the first breakpoint whose sparsity reaches it
+        while lo_i < hi_i:
+            mid_i = (lo_i + hi_i) // 2
+            if self._s_at_breakpoint(b[mid_i], stochastic) < target:
+                lo_i = mid_i + 1
+            else:
+                hi_i = mid_i
+        k = max(lo_i, 1)
+        if not stochastic and (not self.binned or b[k - 1][0] >= self.x[-1]):
+            return b[k][0]                           # between two atoms the hard fraction is a step
+        lo, hi = math.log(b[k - 1][0]), math.log(b[k][0])
+        if not stochastic:      # the hard fraction: bisection, as the reference
+            for _ in range(200):
+                mid = 0.5 * (lo + hi)
+                if self._at(mid, False) < target:
+                    lo = mid
+                else:
+                    hi = mid
+                if hi - lo < 4e-16 * max(1.0, abs(mid)):
+                    break
+            return math.exp(hi)
+        x = 0.5 * (lo + hi)
+        for _ in range(100):
+            sx = self._at(x, True)
+            f = sx - target
+            if f == 0.0:
+                break
+            if f < 0:
+                lo = x
+            else:
+                hi = x
+            d = self._at(x, False) - sx
+            nx = x - f / d if d > 0 else math.nan
+            if not lo < nx < hi:
+                nx = 0.5 * (lo + hi)
+            done = abs(nx - x) <= 4e-16 * max(1.0, abs(x)) or hi - lo <= 4e-16 * max(1.0, abs(x))
+            x = nx
+            if done:
+                break
+        return math.exp(x)

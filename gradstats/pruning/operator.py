@@ -14,6 +14,7 @@ import torch
 
 from gradstats.ops import cpu as _cpu
 from gradstats.ops.prune import check_generator, check_out, check_tensor, hard_prune, stochastic_prune
+from gradstats.pruning.rules import LayerStats, ThresholdRule, register
 from gradstats.pruning.thresholds import DEFAULT_RULE, RULES
 from gradstats.pruning.thresholds import threshold as _threshold
 from gradstats.stats import SCALAR_FIELDS, has_native_kernel, tensor_stats, tensor_stats_vector
@@ -190,3 +191,40 @@ def prune(x: torch.Tensor, target: float, *, threshold_rule: str = DEFAULT_RULE,
     else:
         y = hard_prune(x, a, out=out)
     return (y, a) if return_threshold else y
+
+
+class ExactRule(ThresholdRule):
+    """The selection baseline as a threshold rule (``"exact"`` of
+    :data:`~gradstats.pruning.rules.THRESHOLD_RULES`): :func:`exact_threshold` of ``stats.tensor``,
+    whose expected sparsity on that tensor is the target, exactly.
+
+    Example:
+        >>> import torch
+        >>> from gradstats.pruning.rules import LayerStats
+        >>> ExactRule().threshold(0.5, LayerStats(tensor=torch.tensor([1.0, 2.0, 3.0, 4.0])), stochastic=False)
+        3.0
+    """
+
+    name = "exact"
+
+    def threshold(self, target: float, stats: LayerStats, *, stochastic: bool = True) -> float:
+        if stats.tensor is None:
+            raise ValueError("the exact rule needs LayerStats(tensor=...): the gradient to select from")
+        return float(exact_threshold(stats.tensor, target, stochastic=stochastic))
+
+    def expected_sparsity(self, a: float, stats: LayerStats, *, stochastic: bool = True) -> float:
+        if stats.tensor is None:
+            raise ValueError("the exact rule needs LayerStats(tensor=...): the gradient to measure")
+        x = stats.tensor.detach().abs().double().reshape(-1)
+        if not a > 0:
+            return float((x == 0).double().mean())
+        below = x < a
+        if not stochastic:
+            return float(below.double().mean())
+        return float(torch.where(below, 1.0 - x / a, torch.zeros_like(x)).mean())
+
+    def predicted_sparsity(self, target: float, a: float, stats: LayerStats) -> float:
+        return float(target)
+
+
+register(ExactRule())

@@ -22,14 +22,13 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from gradstats.families import Exponential, Family, HalfNormal, Lognormal, solve_sparsity, solve_sparsity_scalar
+from gradstats.families import Exponential, Family, HalfNormal, Lognormal, solve_sparsity
 from gradstats.stats import lognormal_moments, n_nonzero
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
 
-#: the families of the non-zero magnitudes (``MODELS``: their old name, kept for one release)
+#: the families of the non-zero magnitudes
 FAMILIES = ("lognormal", "normal", "laplace")
-MODELS = FAMILIES
 #: threshold rules: the models, the lognormal quantile that ignores the rounding up, and the
 #: model-free histogram rule (:mod:`gradstats.pruning.histogram`)
 RULES = ("lognormal", "naive_lognormal", "normal", "laplace", "histogram")
@@ -136,8 +135,8 @@ def resolve(source: Any, *, model: str, mu: Any = None, sigma: Any = None, p0: A
             scale: Any = None) -> tuple[Family, np.ndarray, bool]:
     """The model (with flattened broadcast parameters), ``p0`` and whether the inputs were
     one layer. Raises ``ValueError`` on missing or invalid parameters."""
-    if model not in MODELS:
-        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+    if model not in FAMILIES:
+        raise ValueError(f"model must be one of {FAMILIES}, got {model!r}")
     src: dict[str, np.ndarray] = {}
     if source is not None:
         src, _ = _source_params(source)
@@ -359,11 +358,8 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
             sb = np.broadcast_to(sv, (len(hs),))
             out = np.array([h.threshold(float(v), stochastic=stochastic) for h, v in zip(hs, sb)])
         return _wrap(out, (target,))
-    elif model not in MODELS:
+    elif model not in FAMILIES:
         raise ValueError(f"threshold_rule must be one of {RULES}, got {model!r}")
-    if source is None and all(v is None or (isinstance(v, (float, int)) and not isinstance(v, bool))
-                              for v in (target, mu, sigma, p0, scale, amax, mean_abs)):
-        return _threshold_one(target, model, stochastic, mu, sigma, p0, scale, amax, mean_abs)
     m, p0v, _ = resolve(source, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
     s = _as_array(target)
     _check_range("target sparsity", s, 0.0, 1.0, "a fraction of zeros below 1")
@@ -381,30 +377,6 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
     if amax is not None:
         a = _condition_on_amax(a, sf, amax, mean_abs, stochastic, shape)
     return _wrap(a.reshape(shape), (target, mu, sigma, p0, scale))
-
-
-def _threshold_one(target: float, model: str, stochastic: bool, mu: Any, sigma: Any, p0: Any, scale: Any,
-                   amax: Any, mean_abs: Any) -> float:
-    """:func:`threshold` for one layer given as plain numbers: the same validation, solver and
-    conditioning, in Python floats (a single layer's solve is dominated by array bookkeeping)."""
-    m, p0v, _ = resolve(None, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
-    s = float(target)
-    _check_range("target sparsity", np.asarray(s), 0.0, 1.0, "a fraction of zeros below 1")
-    z = float(p0v[0])
-    q = (s - z) / (1.0 - z)
-    a = 0.0
-    if q > 0:
-        one = (Lognormal(m.mu.reshape(()), m.sigma.reshape(())) if isinstance(m, Lognormal)
-               else type(m)(m.scale.reshape(())))
-        a = float(one.from_x(np.float64(solve_sparsity_scalar(one, q, stochastic=stochastic))))
-    if amax is None:
-        return a
-    am, ma = float(amax), (None if mean_abs is None else float(mean_abs))
-    if not (am > 0 and math.isfinite(am)) or (stochastic and (ma is None or not 0 <= ma <= am)):
-        return float(_condition_on_amax(np.array([a]), np.array([s]), amax, mean_abs, stochastic, ())[0])
-    if stochastic and a > 0 and s >= 1.0 - ma / am:   # as _condition_on_amax, in floats
-        return ma / (1.0 - s)
-    return min(a, am)
 
 
 def _condition_on_amax(a: np.ndarray, s: np.ndarray, amax: ArrayLike, mean_abs: ArrayLike | None,

@@ -1,5 +1,7 @@
-"""gradstats._scalar: the scalar fast paths of apply's refresh agree with the vectorised reference
-solvers of gradstats.pruning and gradstats.fpanalysis (to about 1e-12 relative)."""
+"""The one-layer paths that apply's refresh calls agree with the vectorised reference solvers beside
+them (to about 1e-12 relative): the families in floats (gradstats.families), the threshold rules
+(gradstats.pruning.rules) and the histogram rule (OneLogHistogram), the scale search
+(gradstats.fpanalysis.optimal_scale for one layer) and the prediction (composed.predict_one)."""
 from __future__ import annotations
 
 import itertools
@@ -8,15 +10,15 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy import integrate, special
+from scipy import integrate
 
-from gradstats import _scalar as S
 from gradstats import fpanalysis, pruning
 from gradstats.formats import FPFormat
 from gradstats.fpanalysis._pieces import build
 from gradstats.fpanalysis._pieces import integrate as pieces_integrate
-from gradstats.plan import Rule
-from gradstats.pruning.histogram import LogHistogram
+from gradstats.fpanalysis.composed import predict_one
+from gradstats.pruning.histogram import LogHistogram, OneLogHistogram
+from gradstats.pruning.rules import THRESHOLD_RULES, LayerStats
 from gradstats.stats import HIST_MIN_EXP, tensor_stats
 
 RTOL = 1e-12
@@ -31,21 +33,29 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b != 0 else abs(a)
 
 
-def test_normal_law_helpers():
-    xs = np.concatenate([np.linspace(-45.0, 10.0, 221), [-37.0001, -36.999, -1.0, -0.9999, 0.0]])
-    for x in xs:
-        ref = float(special.ndtr(x))     # far in the lower tail erfc and scipy differ by ~1e-14
-        assert rel(S.ndtr(float(x)), ref) <= 1e-13 or ref < 1e-300
-        assert rel(S.log_ndtr(float(x)), float(special.log_ndtr(x))) <= 1e-14
-    qs = np.concatenate([np.logspace(-15, -1, 29), np.linspace(0.02, 0.98, 25), 1 - np.logspace(-10, -2, 9)])
-    for q in qs:
-        assert rel(S.erfinv(float(q)), float(special.erfinv(q))) <= 1e-13
-        assert rel(S.ndtri(float(q)), float(special.ndtri(q))) <= 1e-13 or abs(special.ndtri(q)) < 1e-3
-    assert S.ndtri(0.0) == -math.inf and S.ndtri(1.0) == math.inf and S.erfinv(0.0) == 0.0
-
-
 def _params(model: str, mu: float, sigma: float) -> dict:
     return {"mu": mu, "sigma": sigma} if "lognormal" in model else {"scale": math.exp(mu + sigma)}
+
+
+def _stats(p0=0.0, mu=math.nan, sigma=math.nan, scale=math.nan, amax=None, mean_abs=None):
+    return LayerStats(mu=mu, sigma=sigma, p0=p0, scale_normal=scale, scale_laplace=scale, amax=amax, mean_abs=mean_abs)
+
+
+def _ref(f, x, **kw):
+    """The vectorised reference (arrays of one layer: not the one-layer path)."""
+    return float(f(np.array([x]), **{k: np.array([v]) if isinstance(v, float) else v for k, v in kw.items()})[0])
+
+
+class S:
+    """The one-layer paths under the names the grid checks use."""
+
+    @staticmethod
+    def threshold(t, model="lognormal", *, p0=0.0, **kw):
+        return THRESHOLD_RULES[model].threshold(t, _stats(p0, **kw))
+
+    @staticmethod
+    def expected_sparsity(a, model="lognormal", *, p0=0.0, stochastic=True, **kw):
+        return THRESHOLD_RULES[model].expected_sparsity(a, _stats(p0, **kw), stochastic=stochastic)
 
 
 @pytest.mark.parametrize("model", ["lognormal", "naive_lognormal", "normal", "laplace"])
@@ -54,7 +64,7 @@ def test_threshold_and_expected_sparsity_match_the_reference(model):
     worst = 0.0
     for mu, sigma, p0, t in itertools.product(MUS, SIGMAS, P0S, TARGETS):
         kw = _params(model, mu, sigma)
-        a, b = S.threshold(t, model, p0=p0, **kw), pruning.threshold(t, threshold_rule=model, p0=p0, **kw)
+        a, b = S.threshold(t, model, p0=p0, **kw), _ref(pruning.threshold, t, threshold_rule=model, p0=p0, **kw)
         assert (a == 0) == (b == 0), (mu, sigma, p0, t)
         if b == 0:
             continue
@@ -62,14 +72,14 @@ def test_threshold_and_expected_sparsity_match_the_reference(model):
         em = "lognormal" if model == "naive_lognormal" else model
         for x in (b, 0.37 * b, 4.1 * b):
             assert rel(S.expected_sparsity(x, em, p0=p0, **kw),
-                       pruning.expected_sparsity(x, threshold_rule=em, p0=p0, **kw)) <= RTOL
+                       _ref(pruning.expected_sparsity, x, threshold_rule=em, p0=p0, **kw)) <= RTOL
             assert rel(S.expected_sparsity(x, em, p0=p0, stochastic=False, **kw),
-                       pruning.expected_sparsity(x, threshold_rule=em, p0=p0, stochastic=False, **kw)) <= RTOL
+                       _ref(pruning.expected_sparsity, x, threshold_rule=em, p0=p0, stochastic=False, **kw)) <= RTOL
         # a tensor whose largest |g| lies below or above the model's threshold
         for am, frac in ((0.5 * b, 0.2), (0.5 * b, 0.02), (3.0 * b, 0.1)):
             cond = {"amax": am, "mean_abs": frac * am}
             ac = S.threshold(t, model, p0=p0, **kw, **cond)
-            bc = pruning.threshold(t, threshold_rule=model, p0=p0, **kw, **cond)
+            bc = _ref(pruning.threshold, t, threshold_rule=model, p0=p0, **kw, **cond)
             assert rel(ac, bc) <= RTOL, (mu, sigma, p0, t, cond)
     assert worst <= RTOL
     assert S.expected_sparsity(0.0, "lognormal", mu=0.0, sigma=1.0, p0=0.25) == 0.25
@@ -81,14 +91,25 @@ def test_the_brief_check_values_and_outside_inputs():
     assert round(S.expected_sparsity(1.0, mu=0.0, sigma=2.0), 6) == 0.331898
     assert S.threshold(0.2, mu=-10.0, sigma=2.0, p0=0.3) == 0.0
     for bad in ({"mu": math.nan, "sigma": 1.0}, {"mu": 0.0, "sigma": 0.0}):
-        with pytest.raises(S.Outside):
+        with pytest.raises(ValueError, match="mu and a positive finite sigma"):
             S.threshold(0.5, **bad)
-    with pytest.raises(S.Outside):
+    with pytest.raises(ValueError, match="target sparsity must lie in"):
         S.threshold(1.0, mu=0.0, sigma=1.0)
-    with pytest.raises(S.Outside):
+    with pytest.raises(ValueError, match="scale of the normal family"):
         S.threshold(0.5, "normal", scale=-1.0)
-    with pytest.raises(S.Outside):                       # amax without mean_abs: the reference's error
+    with pytest.raises(ValueError, match="needs mean_abs"):     # amax without mean_abs: the reference's error
         S.threshold(0.5, mu=0.0, sigma=1.0, amax=2.0)
+    with pytest.raises(ValueError, match="the histogram rule needs"):
+        THRESHOLD_RULES["histogram"].threshold(0.5, LayerStats())
+    assert sorted(THRESHOLD_RULES) == sorted(pruning.RULES + ("exact",))
+
+
+def test_exact_rule_on_the_tensor():
+    g = torch.randn(10_000, generator=torch.Generator().manual_seed(1))
+    rule, stats = THRESHOLD_RULES["exact"], LayerStats(tensor=g)
+    a = rule.threshold(0.8, stats)
+    assert a == float(pruning.exact_threshold(g, 0.8, stochastic=True))
+    assert abs(rule.expected_sparsity(a, stats) - 0.8) < 2e-3 and rule.predicted_sparsity(0.8, a, stats) == 0.8
 
 
 def _rows():
@@ -108,7 +129,7 @@ def _rows():
 @pytest.mark.parametrize("row", _rows(), ids=lambda r: f"n{r['n']}")
 def test_histogram_rule_matches_log_histogram(row):
     ref = LogHistogram.from_stats(row)
-    h = S.Histogram.from_stats(row["hist"].tolist(), HIST_MIN_EXP, row["n"], row["n_zero"], row["top_abs"].tolist(),
+    h = OneLogHistogram.from_stats(row["hist"].tolist(), HIST_MIN_EXP, row["n"], row["n_zero"], row["top_abs"].tolist(),
                                row["min_abs"], row["max_abs"])
     for t, stochastic in itertools.product([0.0, 0.1, 0.3, 0.5, 0.7, 0.85, 0.95, 0.99], [True, False]):
         a, b = h.threshold(t, stochastic=stochastic), ref.threshold(t, stochastic=stochastic)
@@ -136,7 +157,7 @@ def test_histogram_from_quarter_binade_counts():
     key = (x.view(np.uint32) & 0x7FFFFFFF) >> (23 - 2)
     counts = np.bincount(key, minlength=256 << 2)
     ref = LogHistogram.from_counts(counts, mbits=2, float64=False, n=x.size)
-    h = S.Histogram(ref.counts.tolist(), ref.lower.tolist(), ref.upper.tolist(), ref.n, ref.n_zero)
+    h = OneLogHistogram(ref.counts.tolist(), ref.lower.tolist(), ref.upper.tolist(), ref.n, ref.n_zero)
     for t in (0.2, 0.5, 0.85, 0.97):
         assert rel(h.threshold(t), ref.threshold(t)) <= 1e-11
         assert abs(h.expected_sparsity(ref.threshold(t)) - t) <= 1e-12
@@ -150,39 +171,27 @@ FORMATS = ["e3m2fn", "e2m3fn", "e2m1fn", "e4m3fn", "e5m2", "e4m3fnuz"]
 def test_optimal_scale_matches_the_reference(fmt, rounding):
     f = FPFormat.parse(fmt)
     for mu, sigma in itertools.product(MUS, SIGMAS):
-        r = fpanalysis.optimal_scale(f, mu=mu, sigma=sigma, rounding=rounding)
-        j, e = S.optimal_log2_scale(f, mu, sigma, rounding)
-        assert j == r.log2_scale, (mu, sigma)               # the same power of two, ties included
-        assert rel(e, r.error) <= RTOL
+        r = fpanalysis.optimal_scale(f, mu=[mu], sigma=[sigma], rounding=rounding)      # the vectorised search
+        one = fpanalysis.optimal_scale(f, mu=mu, sigma=sigma, rounding=rounding)      # one layer, in floats
+        assert one.log2_scale == r.log2_scale[0] and one.scale == r.scale[0], (mu, sigma)   # ties included
+        assert rel(one.error, float(r.error[0])) <= RTOL
 
 
 def test_optimal_scale_walks_and_ties_as_the_reference():
     f = FPFormat.parse("e4m3fn")
     for mu, sigma in [(-60.0, 0.05), (40.0, 0.05), (0.0, 0.01), (-2.0, 11.5)]:
         try:
-            r = fpanalysis.optimal_scale(f, mu=mu, sigma=sigma)
+            r = fpanalysis.optimal_scale(f, mu=[mu], sigma=[sigma])
         except ValueError as exc:
             with pytest.raises(ValueError, match="lies outside"):
-                S.optimal_log2_scale(f, mu, sigma)
+                fpanalysis.optimal_scale(f, mu=mu, sigma=sigma)
             assert "lies outside" in str(exc)
             continue
-        assert S.optimal_log2_scale(f, mu, sigma)[0] == r.log2_scale
+        assert fpanalysis.optimal_scale(f, mu=mu, sigma=sigma).log2_scale == r.log2_scale[0]
     with pytest.raises(ValueError, match="lies outside"):
-        S.optimal_log2_scale(f, -150.0, 1.0)
-    with pytest.raises(S.Outside):
-        S.optimal_log2_scale(f, 0.0, 13.0)                  # sigma above the reference's range
-
-
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic", "toward_zero"])
-def test_lognormal_scale_is_rule_scale_for(rounding):
-    for fmt, mu, sigma, amax in itertools.product(["e3m2fn", "e4m3fn"], [-12.0, -4.0], [0.8, 2.5],
-                                                  [None, 1e-3, 1e-7, math.inf]):
-        rule = Rule(format=fmt, rounding=rounding)
-        got = S.lognormal_scale(rule.format, rounding, mu, sigma, amax)
-        assert got == rule.scale_for(mu=mu, sigma=sigma, amax=amax)
-    rule = Rule(format="e4m3fn")
-    assert S.lognormal_scale(rule.format, "nearest", -150.0, 1.0, 1e-60) == rule.scale_for(mu=-150.0, sigma=1.0,
-                                                                                          amax=1e-60)
+        fpanalysis.optimal_scale(f, mu=-150.0, sigma=1.0)
+    with pytest.raises(ValueError, match="sigma"):
+        fpanalysis.optimal_scale(f, mu=0.0, sigma=13.0)      # sigma above the range: the reference's error
 
 
 @pytest.mark.parametrize("fmt", ["e3m2fn", "e4m3fn", "e2m1fn", "e5m2"])
@@ -190,7 +199,7 @@ def test_lognormal_scale_is_rule_scale_for(rounding):
 def test_predict_without_pruning_is_expected_error(fmt, rounding):
     for mu, sigma, p0, log2s in itertools.product([-10.0, -3.0], [0.7, 2.0], [0.0, 0.4], [-4, 3, 9, 14]):
         r = fpanalysis.expected_error(fmt, mu=mu, sigma=sigma, p0=p0, scale=2.0 ** log2s, rounding=rounding)
-        uf, sat, err = S.predict(FPFormat.parse(fmt), rounding, mu, sigma, p0, 0.0, 2.0 ** log2s)
+        uf, sat, err = predict_one(FPFormat.parse(fmt), rounding, mu, sigma, p0, 0.0, 2.0 ** log2s)
         assert rel(err, r.total) <= 1e-12
         assert abs(uf - r.flushed) <= 1e-14 + 1e-12 * r.flushed and abs(sat - r.saturated) <= 1e-14 + 1e-12 * r.saturated
 
@@ -228,7 +237,7 @@ def test_predict_with_pruning(rounding):
     for mu, sigma, a_over, log2s in [(-9.0, 1.5, 0.2, 13), (-9.0, 1.5, 3.0, 9), (-4.0, 2.2, 1.0, 5)]:
         s = 2.0 ** log2s
         a = a_over * math.exp(mu)
-        uf, sat, err = S.predict(fmt, rounding, mu, sigma, 0.0, a, s)
+        uf, sat, err = predict_one(fmt, rounding, mu, sigma, 0.0, a, s)
         m = mu + math.log(s)
         A = a * s
         e2 = math.exp(2 * m + 2 * sigma ** 2)
@@ -245,7 +254,7 @@ def test_predict_with_pruning(rounding):
         assert rel(err, err_ref) <= 1e-9 and abs(uf - uf_ref) <= 1e-10
         assert sat == pytest.approx(kept[5], abs=1e-14)
         # the pruning's own error, no format: E[(T(g) - g)^2] / E[g^2] = added_variance(relative)
-        _, _, e0 = S.predict(None, rounding, mu, sigma, 0.0, a, 1.0)
+        _, _, e0 = predict_one(None, rounding, mu, sigma, 0.0, a, 1.0)
         assert rel(e0, pruning.added_variance(a, mu=mu, sigma=sigma, relative=True)) <= 1e-10
-    with pytest.raises(S.Outside):
-        S.predict(fmt, "nearest", 0.0, -1.0, 0.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="sigma > 0"):
+        predict_one(fmt, "nearest", 0.0, -1.0, 0.0, 0.0, 1.0)

@@ -1,0 +1,178 @@
+"""The alerts and the fallback of :func:`gradstats.apply`: each call's counts against the plan's
+bounds (logged once per layer and kind), and a layer's rule changed a step at a time when its
+gradient drifts past a :class:`~gradstats.apply.Fallback`'s bounds.
+
+Example:
+    >>> from gradstats.apply import Applied
+    >>> from gradstats.apply.alerts import Alerting
+    >>> issubclass(Applied, Alerting)
+    True
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+from gradstats.apply.refresh import LayerState, predict, predicted_share, scale_for
+from gradstats.apply.settings import fallback_rule
+from gradstats.ops.fused import CompressCounts
+
+log = logging.getLogger("gradstats.apply")
+
+
+class Alerting:
+    """The checks of :class:`~gradstats.apply.Applied` (alerts and fallbacks, from the counts of each call)."""
+
+    def _check(self, name: str, st: LayerState, c: CompressCounts) -> None:
+        """The alerts, from the counts and sums the kernel returns anyway: a few scalar operations."""
+        rule = self.rules[name]
+        if c.nonfinite and "nonfinite" not in st.alerts:
+            self._alert(name, st, "nonfinite", (
+                f"{c.nonfinite} of the {c.n} values of the incoming gradient are NaN or inf (call {st.seq}): a NaN "
+                "or overflowing loss upstream (check the loss, the learning rate, the loss scale); the plan "
+                "cannot do what it says on them"))
+        planned = self.plan_rules[name].predicted if name in self.plan_rules else None
+        if rule.quantizes and self.overflow_bound is not None and "overflow" not in st.alerts and c.saturated:
+            pred = getattr(planned, "overflow", None)
+            # block scales clip some blocks' maxima by design (by at most 1/16 for NVFP4's e4m3 scales):
+            # a band around the plan's prediction; per-tensor scales: the bound, or the prediction if larger
+            bound = (max(self.overflow_bound, 1.5 * (pred or 0.0) + 0.01) if rule.block_size is not None
+                     else max(self.overflow_bound, pred or 0.0))
+            sat = (c.saturated - c.nonfinite) / c.n
+            if sat > bound + 3 * math.sqrt(max(bound, 1.0 / c.n) / c.n):
+                self._alert(name, st, "overflow", (
+                    f"{sat:.2%} of the values were clipped at {rule.format}'s maximum (call {st.seq}; bound "
+                    f"{bound:g}{', the plan predicted ' + format(pred, '.2%') if pred else ''}): the scale puts the "
+                    "largest values (or the threshold pruning rounds up to) above the format's range. Use "
+                    "scale='amax' without a positive scale_shift, or check the plan with plan.verify(run)"))
+        pred_fl = getattr(planned, "flushed", None)
+        if rule.quantizes and pred_fl is not None and "drift" not in st.alerts and c.underflow:
+            fl = c.underflow / c.n
+            band = 2 * pred_fl + 0.01
+            if fl > band + 3 * math.sqrt(band / c.n):
+                self._alert(name, st, "drift", (
+                    f"{fl:.2%} of the values were flushed to zero by rounding (call {st.seq}), where the plan "
+                    f"predicted {pred_fl:.2%} on its calibration steps: the gradient has moved since (its spread "
+                    "or scale changed). Recalibrate: trace a few steps of this part of the training and "
+                    "recommend again, or apply(..., fallback='widen')"))
+        if self.bias_bound is not None and "gain" not in st.alerts and c.norm2 > 0 and math.isfinite(c.dot):
+            gs = st.gain_sums
+            gs[0] += c.dot
+            gs[1] += c.norm2
+            gs[2] += max(c.noise2, 0.0)
+            cum_gain, cum_se = gs[0] / gs[1], math.sqrt(gs[2]) / gs[1]
+            for g_, se, what in ((c.gain, c.gain_se, "in this call"), (cum_gain, cum_se, "over all calls so far")):
+                if abs(g_ - 1) > self.bias_bound + 5 * se:
+                    self._alert(name, st, "gain", (
+                        f"the gradient's magnitude gain <out, g>/<g, g> is {g_:.3f} {what} (call {st.seq}; bound "
+                        f"1 +- {self.bias_bound:g}, standard error {se:.3g}): the plan "
+                        f"{'shrinks' if g_ < 1 else 'inflates'} this layer's gradient systematically ("
+                        f"{c.saturated / c.n:.2%} clipped, {c.underflow / c.n:.2%} flushed). Use "
+                        "rounding='stochastic' and scale='amax', or check the plan with plan.verify(run)"))
+                    break
+        if c.zeros == c.n:
+            st.zero_run += 1
+            if self.zero_calls is not None and st.zero_run >= self.zero_calls and "zero_gradient" not in st.alerts:
+                self._alert(name, st, "zero_gradient", (
+                    f"the gradient leaving it was all zeros for {st.zero_run} calls in a row (call {st.seq}): "
+                    "nothing reaches this layer's weights or the layers before it. Check the incoming "
+                    "gradient, the format's range at this scale, or the low-precision kernel"))
+        else:
+            st.zero_run = 0
+        if (c.underflow and self.underflow_bound is not None and "underflow" not in st.alerts
+                and rule.rounding != "stochastic"):      # stochastic flushes are unbiased: noise, not shrinkage
+            nonzero_in = c.n - (c.zeros - c.pruned - c.underflow)    # the non-zero values of the input
+            b = self.underflow_bound
+            if c.underflow > b * nonzero_in + 3 * math.sqrt(max(b, 1.0 / nonzero_in) * nonzero_in):
+                where = (f"with blocks of {rule.block_size}" if rule.block_size is not None
+                         else f"at scale 2^{math.log2(st.scale):g}")
+                self._alert(name, st, "underflow", (
+                    f"{c.underflow / nonzero_in:.1%} of the layer's non-zero values were flushed to zero by "
+                    f"rounding to nearest {rule.format} {where} (call {st.seq}; bound {self.underflow_bound}): "
+                    "a systematic shrinkage of this layer's gradient. Use rounding='stochastic', a larger "
+                    "scale (scale='amax'), or a format with more exponent bits"))
+        if rule.prunes and self.sparsity_margin is not None and "sparsity" not in st.alerts:
+            n = c.n
+            floor = max(rule.sparsity, (c.zeros - c.pruned - c.underflow) / n)   # target, or zeros on arrival
+            excess = c.zeros / n - floor
+            if excess > self.sparsity_margin + 1.5 / math.sqrt(n):
+                cause = (f"the format flushed {c.underflow / n:.1%} of the entries: raise the scale, use "
+                         "rounding='stochastic', or lower the target" if 2 * c.underflow >= excess * n else
+                         "the threshold model misses this layer's distribution: try threshold_rule='histogram'"
+                         if rule.threshold_rule != "histogram" else
+                         "the gradient changed since the threshold was refreshed: refresh more often "
+                         "(refresh_every) or use ema=None")
+                self._alert(name, st, "sparsity", (
+                    f"achieved sparsity {c.zeros / n:.3f} exceeds the target {rule.sparsity:g} by {excess:.3f} "
+                    f"(margin {self.sparsity_margin:g}; call {st.seq}): {cause}"))
+
+    def _alert(self, name: str, st: LayerState, kind: str, msg: str) -> None:
+        st.alerts[kind] = msg
+        log.warning("gradstats.apply: layer %r: %s", name, msg)
+        if self.log_to is not None:
+            self.log_to.log_rows("applied_alerts", [{"layer": name, "seq": st.seq, "kind": kind, "message": msg}])
+
+    def _drift(self, name: str, st: LayerState, c: CompressCounts, err: float) -> str:
+        """Compare the call with its bounds; after ``patience`` drifting calls in a row, change the
+        layer's rule by the next applicable action. Returns the action taken, or ``""``."""
+        fb, rule = self.fallback, self.rules[name]
+        n = c.n
+        reasons: list[tuple[str, str]] = []               # (what it involves, text)
+        reaching = n - c.zeros + c.underflow               # non-zero entries that reached the rounding
+        if rule.quantizes and reaching > 0:
+            if fb.underflow is not None and c.underflow > fb.underflow * reaching:
+                reasons.append(("format", f"{c.underflow / reaching:.1%} of the non-zero values reaching the "
+                                          f"rounding flushed to zero, predicted "
+                                          f"{predicted_share(st, rule, st.predicted_underflow):.1%} "
+                                          f"(bound {fb.underflow:g})"))
+            if fb.saturation is not None and c.saturated > fb.saturation * reaching:
+                reasons.append(("format", f"{c.saturated / reaching:.2%} of them saturated, predicted "
+                                          f"{predicted_share(st, rule, st.predicted_overflow):.2%} "
+                                          f"(bound {fb.saturation:g})"))
+        if rule.prunes and fb.sparsity is not None and math.isfinite(st.predicted_sparsity):
+            floor = max(st.predicted_sparsity, (c.zeros - c.pruned - c.underflow) / n)
+            excess = c.zeros / n - floor
+            if excess > fb.sparsity + 1.5 / math.sqrt(n):
+                kind = "format" if rule.quantizes and 2 * c.underflow >= excess * n else "pruning"
+                reasons.append((kind, f"achieved sparsity {c.zeros / n:.3f} above the predicted "
+                                      f"{floor:.3f} by {excess:.3f} (bound {fb.sparsity:g})"))
+        if (fb.error is not None and math.isfinite(err) and math.isfinite(st.predicted_error)
+                and err > fb.error * st.predicted_error):
+            reasons.append(("format" if rule.quantizes else "pruning",
+                            f"relative error {err:.3g}, {err / max(st.predicted_error, 1e-300):.3g} times the "
+                            f"predicted {st.predicted_error:.3g} (bound {fb.error:g}x)"))
+        if not reasons:
+            st.fallback_run = 0
+            return ""
+        st.fallback_run += 1
+        if st.fallback_run < fb.patience:
+            return ""
+        kinds = {k for k, _ in reasons}
+        for i, action in enumerate(fb.actions):
+            if i in st.fallback_done:
+                continue
+            new = fallback_rule(action, rule, kinds)
+            if new is not None:
+                break
+        else:
+            return ""                                      # the ladder is used up for this drift
+        st.fallback_done.append(i)
+        st.fallback_run = 0
+        self.rules[name] = new
+        if new.quantizes and new.block_size is None and not math.isnan(st.mu):
+            st.scale = scale_for(new, st)
+        elif not new.quantizes:
+            st.scale = 1.0
+        predict(new, st, n)
+        reason = "; ".join(t for _, t in reasons)
+        row = {"layer": name, "seq": st.seq, "action": action, "reason": reason,
+               "from_format": None if rule.format is None else str(rule.format), "from_rounding": rule.rounding,
+               "from_sparsity": rule.sparsity if rule.prunes else None,
+               "to_format": None if new.format is None else str(new.format), "to_rounding": new.rounding,
+               "to_sparsity": new.sparsity if new.prunes else None}
+        self.fallbacks.append(row)
+        log.warning("gradstats.apply: layer %r: fallback %r at call %d after %d drifting call(s): %s. Was %s; "
+                    "now %s", name, action, st.seq, fb.patience, reason, rule.describe(), new.describe())
+        if self.log_to is not None:
+            self.log_to.log_rows("applied_fallbacks", [row])
+        return action

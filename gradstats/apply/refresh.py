@@ -1,0 +1,231 @@
+"""The refresh of :func:`gradstats.apply`: each planned layer's running statistics (one fused
+reduction of the gradient), and from them its threshold and predicted sparsity (the rule of
+:data:`gradstats.pruning.rules.THRESHOLD_RULES`, as ``recommend``), its scale
+(:meth:`gradstats.plan.Rule.scale_for`) and the lognormal model's predictions
+(:func:`gradstats.fpanalysis.composed.predict_one`).
+
+Example:
+    >>> from gradstats.apply.refresh import LayerState
+    >>> st = LayerState(mu=-9.0, m2=81.0 + 2.25)
+    >>> st.sigma
+    1.5
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from gradstats.fpanalysis.composed import predict_one
+from gradstats.pruning.histogram import OneLogHistogram
+from gradstats.pruning.rules import THRESHOLD_RULES, LayerStats
+from gradstats.stats import HIST_BINS, HIST_MIN_EXP, SCALAR_FIELDS, VECTOR_LEN, tensor_stats_vector
+
+log = logging.getLogger("gradstats.apply")
+
+_F = {name: i for i, name in enumerate(SCALAR_FIELDS)}
+
+
+@dataclass
+class LayerState:
+    """Running statistics and current settings of one planned layer."""
+
+    seq: int = 0                    # gradients processed so far
+    mu: float = math.nan            # running mean of ln|g|
+    m2: float = math.nan            # running mean of ln^2|g|
+    p0: float = 0.0                 # running zero fraction
+    amax: float = math.nan          # running max |g|
+    rms: float = math.nan           # running sqrt(E g^2) (normal-model thresholds)
+    mean_abs: float = math.nan      # running E|g| (Laplace-model thresholds)
+    threshold: float = 0.0
+    predicted_sparsity: float = math.nan
+    hist: Optional[OneLogHistogram] = None   # the latest refresh's histogram (threshold_rule="histogram")
+    scale: float = 1.0
+    zero_run: int = 0               # consecutive calls whose output was all zeros
+    alerts: dict[str, str] = field(default_factory=dict)   # kind -> message of each alert fired
+    predicted_underflow: float = math.nan   # the lognormal model's fractions of the entries
+    predicted_overflow: float = math.nan    # flushed and saturated, and the relative error
+    predicted_error: float = math.nan       # of the output, at the running statistics
+    fallback_run: int = 0           # consecutive drifting calls
+    gain_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])   # dot, norm2, noise2 over calls
+    fallback_done: list[int] = field(default_factory=list)   # indices of the Fallback actions taken
+
+    @property
+    def sigma(self) -> float:
+        return math.sqrt(max(self.m2 - self.mu * self.mu, 0.0))
+
+
+def stats_vector(g: torch.Tensor, full: bool) -> torch.Tensor:
+    """:func:`gradstats.stats.tensor_stats_vector` of ``g`` (``full``: with the binade counts and
+    the top magnitudes, which the histogram rule reads): on the CPU the C kernel writes into the
+    vector directly."""
+    from gradstats.stats import kernel_applies, write_stats
+
+    x = g.detach()
+    if x.dtype != torch.float32:
+        x = x.float()
+    x = x.reshape(-1)
+    x = x.contiguous() if x.is_cpu else x
+    if not kernel_applies(x):
+        return tensor_stats_vector(x, full=full)
+    out = torch.full((VECTOR_LEN,), math.nan, dtype=torch.float64)
+    write_stats(x, out.data_ptr(), full=full)
+    return out
+
+
+def histogram_of(v: torch.Tensor) -> OneLogHistogram:
+    """The histogram rule's distribution of a statistics vector: :meth:`LogHistogram.from_stats`
+    of its row, in floats (the binade counts, the top magnitudes as atoms, the data's range)."""
+    k = len(SCALAR_FIELDS)
+    a = v.cpu().numpy()
+    h = a[k: k + HIST_BINS]
+    nz = np.flatnonzero(h > 0)
+    i = int(nz[0]) if nz.size else 0
+    j = int(nz[-1]) + 1 if nz.size else 0
+    return OneLogHistogram.from_stats(h[i:j].tolist(), HIST_MIN_EXP + i, int(a[_F["n"]]), int(a[_F["n_zero"]]),
+                                     a[k + HIST_BINS:].astype(np.float32).tolist(), float(a[_F["min_abs"]]),
+                                     float(a[_F["max_abs"]]))
+
+
+def stats_update(st: LayerState, v: torch.Tensor, ema: Optional[float]) -> None:
+    """Fold one statistics vector into the running state (EMA, or replace when ema is None)."""
+    s = v[: len(SCALAR_FIELDS)].tolist()
+    n, nz, nf = s[_F["n"]], s[_F["n_zero"]], s[_F["n_nonfinite"]]
+    m = n - nz - nf
+    fin = n - nf
+    if m <= 0:
+        return
+    new = {"mu": s[_F["sum_ln_abs"]] / m, "m2": s[_F["sum_ln_abs_sq"]] / m, "p0": nz / max(n, 1),
+           "amax": s[_F["max_abs"]], "rms": math.sqrt(s[_F["sum_sq"]] / fin),
+           "mean_abs": s[_F["sum_abs"]] / fin}
+    for k, val in new.items():
+        old = getattr(st, k)
+        if ema is None or math.isnan(old):
+            setattr(st, k, val)
+        else:
+            setattr(st, k, ema * old + (1 - ema) * val)
+
+
+def layer_stats(st: LayerState, g: Optional[torch.Tensor] = None) -> LayerStats:
+    """The running statistics as the threshold rules read them (``g``: the gradient, for the
+    exact rule). The model rules are conditioned on the running maximum and mean ``|g|`` where
+    those are consistent: no threshold above the data."""
+    cond = st.amax > 0 and math.isfinite(st.amax) and st.mean_abs <= st.amax
+    return LayerStats(mu=st.mu, sigma=max(st.sigma, 1e-6), p0=min(st.p0, 1 - 1e-9), scale_normal=st.rms,
+                      scale_laplace=st.mean_abs, amax=st.amax if cond else None,
+                      mean_abs=st.mean_abs if cond else None, hist=st.hist, tensor=g)
+
+
+def scale_for(rule: Any, st: LayerState) -> float:
+    """:meth:`Rule.scale_for` at the running statistics.
+
+    The rounding sees the pruned gradient, whose largest magnitude is the threshold when that
+    lies above the running ``amax`` (the values below it are rounded up to it): the ``amax``
+    scale and the lognormal scale's ``amax`` floor take the larger of the two, so that pruning
+    does not push every value it keeps into saturation."""
+    sigma = max(st.sigma, 1e-6)
+    amax = st.amax
+    if rule.prunes and math.isfinite(st.threshold) and st.threshold > amax:
+        amax = st.threshold
+    return rule.scale_for(mu=st.mu, sigma=sigma, amax=amax)
+
+
+def predict(rule: Any, st: LayerState, numel: int) -> None:
+    """The lognormal model's fractions flushed and saturated and the output's relative error at
+    the running statistics, threshold and scale, conditioned on the running ``amax`` for a tensor
+    of ``numel`` entries (NaN where it has none: block scales, no statistics yet)."""
+    st.predicted_underflow = st.predicted_overflow = st.predicted_error = math.nan
+    if math.isnan(st.mu) or (rule.quantizes and rule.block_size is not None):
+        return
+    a = st.threshold if rule.prunes else 0.0
+    if not math.isfinite(a):
+        return
+    try:
+        st.predicted_underflow, st.predicted_overflow, st.predicted_error = predict_one(
+            rule.format, rule.rounding, st.mu, max(st.sigma, 1e-6), min(st.p0, 1 - 1e-9), a,
+            st.scale if rule.quantizes else 1.0, st.amax if st.amax > 0 and math.isfinite(st.amax) else None,
+            numel)
+    except (ArithmeticError, ValueError):
+        pass
+
+
+def predicted_share(st: LayerState, rule: Any, fraction: float) -> float:
+    """A predicted fraction of all entries (``predicted_underflow``, ``predicted_overflow``) as a
+    share of the entries that the same lognormal model predicts to reach the rounding (non-zero
+    after pruning at the running threshold): the denominator of the fallback's bounds and of the
+    achieved share (NaN when unknown)."""
+    try:
+        zeros = (THRESHOLD_RULES["lognormal"].expected_sparsity(st.threshold, layer_stats(st))
+                 if rule.prunes else st.p0)
+    except (ArithmeticError, ValueError):
+        return math.nan
+    reach = 1.0 - zeros
+    return min(fraction / reach, 1.0) if math.isfinite(reach) and reach > 0 else math.nan
+
+
+def relative_error(out: torch.Tensor, g: torch.Tensor) -> float:
+    """``|out - g|^2 / |g|^2`` (NaN for a zero gradient)."""
+    x = g.detach().reshape(-1).float()
+    d = out.reshape(-1).float() - x
+    den = float(torch.dot(x, x))
+    return float(torch.dot(d, d)) / den if den > 0 else math.nan
+
+
+def all_reduce_stats(v: torch.Tensor) -> torch.Tensor:
+    """Combine one statistics vector over the ranks: sums and counts add, the max is a max and
+    the min a min. The top magnitudes, which apply does not read, are left out (NaN)."""
+    import torch.distributed as dist
+
+    from gradstats.stats import TOP_K
+
+    v = v.clone()
+    imax, imin = _F["max_abs"], _F["min_abs"]
+    mx, mn = v[imax: imax + 1].clone(), v[imin: imin + 1].clone()
+    dist.all_reduce(v)
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+    dist.all_reduce(mn, op=dist.ReduceOp.MIN)
+    v[imax], v[imin] = mx[0], mn[0]
+    v[-TOP_K:] = math.nan
+    return v
+
+
+class Refreshing:
+    """The refresh of :class:`~gradstats.apply.Applied` (its per-layer settings from the running statistics)."""
+
+    def _refresh(self, name: str, g: torch.Tensor, refresh: bool) -> None:
+        rule, st = self.rules[name], self.state[name]
+        hist_rule = rule.prunes and rule.threshold_rule == "histogram"
+        need_stats = refresh or (rule.quantizes and rule.scale == "amax" and rule.block_size is None)
+        if need_stats:   # the histogram rule reads the binade counts; the others the moments alone
+            v = stats_vector(g, full=refresh and hist_rule)
+            if self.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
+                v = all_reduce_stats(v)
+            stats_update(st, v, self.ema)
+            if refresh and hist_rule:
+                st.hist = histogram_of(v)
+        if refresh and rule.prunes and not math.isnan(st.mu):
+            threshold_rule = THRESHOLD_RULES[rule.threshold_rule]     # the rule recommend uses
+            stats = layer_stats(st, g)
+            st.threshold = threshold_rule.threshold(rule.sparsity, stats)
+            st.predicted_sparsity = threshold_rule.predicted_sparsity(rule.sparsity, st.threshold, stats)
+        if rule.quantizes and rule.block_size is None and not math.isnan(st.mu):
+            if rule.scale == "amax" or (refresh and rule.scale == "lognormal") or rule.scale == "fixed":
+                old = st.scale
+                st.scale = scale_for(rule, st)
+                if (self.record or self.fallback is not None) and not refresh and st.scale != old:
+                    predict(rule, st, g.numel())
+        if refresh and (self.record or self.fallback is not None):
+            predict(rule, st, g.numel())
+
+    def _refreshes(self, k: int) -> bool:
+        """Whether call ``k`` (counted from the end of the warm-up) refreshes: every
+        ``refresh_every``-th, or as the schedule says; the first always does."""
+        if k == 0:
+            return True
+        if callable(self.refresh_every):
+            return bool(self.refresh_every(k))
+        return k % self.refresh_every == 0
