@@ -842,3 +842,39 @@ def test_sparsity_alert_of_the_histogram_rule_points_at_the_refresh(caplog):
             (model(x) * torch.randn(64, 256) * c).sum().backward()
     msg = h.alerts["0"]["sparsity"]
     assert "refresh more often" in msg and "try threshold_rule='histogram'" not in msg
+
+
+def test_apply_config_is_the_keywords_as_one_value(tmp_path):
+    """ApplyConfig's defaults are apply's keywords; apply takes a config, the keywords, or both when
+    they agree; a contradiction is a ValueError naming both; the trainer session builds one at once."""
+    import dataclasses
+    import inspect
+
+    from gradstats.apply import ApplyConfig
+    from gradstats.integrations._session import APPLY_OPTIONS, TrainingSession
+
+    sig = inspect.signature(gradstats.apply).parameters
+    for f in dataclasses.fields(ApplyConfig):
+        assert sig[f.name].default == f.default, f.name
+    assert set(sig) - {f.name for f in dataclasses.fields(ApplyConfig)} == {"model", "plan", "config", "log_to"}
+    assert set(APPLY_OPTIONS) == {f.name for f in dataclasses.fields(ApplyConfig)} - {"seed"}
+    m = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    plan = Plan.uniform(format="e4m3fn", scale="amax", layers=["0"])
+    cfg = ApplyConfig(warmup=1, fallback="widen", seed=3)
+    h = gradstats.apply(m, plan, config=cfg, warmup=1)              # an agreeing keyword is fine
+    for _ in range(3):
+        m(torch.randn(5, 4)).sum().backward()
+    h.remove()
+    assert h.config is cfg and h.config.fallback.actions == ("stochastic", "widen", "full")
+    assert [r["seq"] for r in h.history] == [1, 2]                   # the warm-up call is not recorded
+    with pytest.raises(ValueError, match=r"warmup=2\) contradicts the config's warmup=1"):
+        gradstats.apply(m, plan, config=cfg, warmup=2)
+    with pytest.raises(ValueError, match="config must be a gradstats.apply.ApplyConfig"):
+        gradstats.apply(m, plan, config={"warmup": 1})
+    with pytest.raises(ValueError, match="warmup must be an int >= 0"):
+        ApplyConfig(warmup=-1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.warmup = 5  # type: ignore[misc]
+    with pytest.raises(ValueError, match="zero_calls must be None"):
+        TrainingSession(None, plan=plan, zero_calls=0)                # checked when the callback is made
+    assert TrainingSession(None, plan=plan, apply_seed=4).apply_config.seed == 4

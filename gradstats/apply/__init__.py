@@ -67,15 +67,15 @@ from gradstats.apply.settings import (
     STATE_VERSION,
     UNDERFLOW_BOUND,
     ZERO_CALLS,
+    ApplyConfig,
     Fallback,
-    as_fallback,
     widen,
 )
 from gradstats.noise.record import sending_back
 from gradstats.ops.fused import prune_quantize
 from gradstats.wrappers import named_layers, unwrap
 
-__all__ = ["apply", "Applied", "Fallback", "widen", "ALERT_KINDS", "BIAS_BOUND", "FALLBACK_ACTIONS",
+__all__ = ["apply", "Applied", "ApplyConfig", "Fallback", "widen", "ALERT_KINDS", "BIAS_BOUND", "FALLBACK_ACTIONS",
            "FALLBACK_PRESETS", "OVERFLOW_BOUND", "SPARSITY_MARGIN", "STATE_VERSION", "UNDERFLOW_BOUND", "ZERO_CALLS"]
 
 log = logging.getLogger("gradstats.apply")
@@ -98,16 +98,8 @@ class Applied(Refreshing, Alerting):
     and scale.
     """
 
-    def __init__(self, model: nn.Module, plan: Any, *,
-                 refresh_every: Union[int, Callable[[int], bool]] = 1, warmup: int = 0,
-                 ema: Optional[float] = None, log_to: Any = None, seed: int = 0,
-                 sync_stats: bool = False, record: bool = True,
-                 sparsity_margin: Optional[float] = SPARSITY_MARGIN,
-                 underflow_bound: Optional[float] = UNDERFLOW_BOUND,
-                 zero_calls: Optional[int] = ZERO_CALLS,
-                 fallback: Union[Fallback, str, None] = None,
-                 overflow_bound: Optional[float] = OVERFLOW_BOUND,
-                 bias_bound: Optional[float] = BIAS_BOUND) -> None:
+    def __init__(self, model: nn.Module, plan: Any, config: Optional[ApplyConfig] = None, *,
+                 log_to: Any = None) -> None:
         from gradstats.plan import Plan
 
         if not isinstance(model, nn.Module):
@@ -117,29 +109,12 @@ class Applied(Refreshing, Alerting):
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be a gradstats.Plan or the path of a saved plan, got "
                              f"{type(plan).__name__}")
-        if not callable(refresh_every) and (not isinstance(refresh_every, int) or isinstance(refresh_every, bool)
-                                            or refresh_every < 1):
-            raise ValueError("refresh_every must be a positive int (1 = every gradient) or a schedule, a "
-                             f"function of the call index (0, 1, ...) returning True to refresh; got {refresh_every!r}")
-        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-            raise ValueError(f"warmup must be an int >= 0 (the number of each layer's first gradients "
-                             f"left unchanged; 0: enforce from the first), got {warmup!r}")
-        if ema is not None and not (0.0 <= ema < 1.0):
-            raise ValueError(f"ema must be None or a decay in [0, 1), got {ema}")
+        if config is not None and not isinstance(config, ApplyConfig):
+            raise ValueError(f"config must be a gradstats.apply.ApplyConfig or None, got {type(config).__name__}")
         if log_to is not None and not hasattr(log_to, "log_rows"):
             raise ValueError("log_to must be a gradstats.Tracer (attached to the run to log into)")
-        if sparsity_margin is not None and not (0.0 <= sparsity_margin < 1.0):
-            raise ValueError(f"sparsity_margin must be None (no check) or in [0, 1), got {sparsity_margin!r}")
-        if underflow_bound is not None and not (0.0 <= underflow_bound < 1.0):
-            raise ValueError(f"underflow_bound must be None (no check) or a fraction in [0, 1), got "
-                             f"{underflow_bound!r}")
-        if zero_calls is not None and (not isinstance(zero_calls, int) or isinstance(zero_calls, bool)
-                                       or zero_calls < 1):
-            raise ValueError(f"zero_calls must be None (no check) or a positive int, got {zero_calls!r}")
-        for nm, v in (("overflow_bound", overflow_bound), ("bias_bound", bias_bound)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0):
-                raise ValueError(f"{nm} must be None (no check) or a fraction in [0, 1), got {v!r}")
-        fallback = as_fallback(fallback)
+        #: the options in force (:class:`ApplyConfig`)
+        self.config = config if config is not None else ApplyConfig()
         root = unwrap(model)            # DDP, DataParallel, FSDP, torch.compile: the user's names
         self.plan = plan
         self.rules = {n: r for n, r in plan.resolve(root).items() if not r.is_identity}
@@ -148,21 +123,10 @@ class Applied(Refreshing, Alerting):
 
             log_unplanned(log, "gradstats.apply", plan.unplanned(root))
         self.plan_rules = dict(self.rules)      # as planned (self.rules: in force, after any fallback)
-        self.fallback = fallback
         #: every rule change a fallback made: dicts of layer, seq, action, reason, from and to rule
         self.fallbacks: list[dict[str, Any]] = []
-        self.refresh_every = refresh_every
-        self.warmup = warmup
-        self.ema = ema
         self.log_to = log_to
-        self.sync_stats = sync_stats
-        self.record = record
-        self.sparsity_margin = sparsity_margin
-        self.underflow_bound = underflow_bound
-        self.zero_calls = zero_calls
-        self.overflow_bound = overflow_bound
-        self.bias_bound = bias_bound
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(self.config.seed)
         self.history: list[dict[str, Any]] = []
         self.state = {n: LayerState() for n in self.rules}
         modules = dict(named_layers(root))
@@ -196,7 +160,7 @@ class Applied(Refreshing, Alerting):
     @torch.compiler.disable
     def _compress(self, name: str, g: torch.Tensor) -> torch.Tensor:
         rule, st = self.rules[name], self.state[name]
-        k = st.seq - self.warmup                       # the call index since the warm-up
+        k = st.seq - self.config.warmup                       # the call index since the warm-up
         if k < 0:                 # warm-up: the gradient passes unchanged, the statistics follow it
             with torch.no_grad():
                 self._refresh(name, g, True)
@@ -210,12 +174,12 @@ class Applied(Refreshing, Alerting):
             q = rule.quantize_kwargs() if rule.quantizes else {"fmt": None, "rounding": rule.rounding}
             out, counts = prune_quantize(g, st.threshold if rule.prunes else 0.0, q.pop("fmt"), scale=st.scale,
                                          generator=self.generator, **q)
-            if self.fallback is not None and self.fallback.error is not None and counts.n:
+            if self.config.fallback is not None and self.config.fallback.error is not None and counts.n:
                 err = relative_error(out, g)
         if counts.n:
             self._check(name, st, counts)
         rec = None
-        if self.record:       # before a fallback changes the rule (and its scale and predictions)
+        if self.config.record:       # before a fallback changes the rule (and its scale and predictions)
             n = max(counts.n, 1)
             q = rule.quantizes
             rec = {"layer": name, "seq": st.seq, "n": counts.n,
@@ -234,7 +198,7 @@ class Applied(Refreshing, Alerting):
                    "error": counts.error if math.isnan(err) else err, "predicted_error": st.predicted_error,
                    "fallback": "",
                    "mu": st.mu, "sigma": st.sigma, "p0": st.p0, "amax": st.amax}
-        if self.fallback is not None and counts.n:
+        if self.config.fallback is not None and counts.n:
             action = self._drift(name, st, counts, err)
             if rec is not None:
                 rec["fallback"] = action
@@ -277,10 +241,10 @@ class Applied(Refreshing, Alerting):
         return {
             "version": STATE_VERSION,
             "generator": self.generator.get_state(),
-            "refresh_every": _schedule_text(self.refresh_every),
-            "warmup": self.warmup,
-            "ema": self.ema,
-            "fallback": None if self.fallback is None else self.fallback.to_dict(),
+            "refresh_every": _schedule_text(self.config.refresh_every),
+            "warmup": self.config.warmup,
+            "ema": self.config.ema,
+            "fallback": None if self.config.fallback is None else self.config.fallback.to_dict(),
             "fallbacks": [dict(r) for r in self.fallbacks],
             "layers": {n: {**{k: getattr(st, k) for k in _STATE_FIELDS + _STATE_FIELDS_V2},
                            "alerts": dict(st.alerts), "fallback_done": list(st.fallback_done),
@@ -308,8 +272,8 @@ class Applied(Refreshing, Alerting):
             raise ValueError(f"the state dict is of other layers than this handle's plan: layers of the plan "
                              f"missing from it: {missing}; layers in it the plan does not enforce on this "
                              f"model: {extra}. Load it into apply() of the plan and model it was saved from")
-        mine = {"refresh_every": _schedule_text(self.refresh_every), "warmup": self.warmup,
-                "ema": self.ema, "fallback": None if self.fallback is None else self.fallback.to_dict()}
+        mine = {"refresh_every": _schedule_text(self.config.refresh_every), "warmup": self.config.warmup,
+                "ema": self.config.ema, "fallback": None if self.config.fallback is None else self.config.fallback.to_dict()}
         for k, v in mine.items():
             if k == "warmup" and k not in sd and v == 0:
                 continue                                   # saved before warmup existed
@@ -394,9 +358,9 @@ class Applied(Refreshing, Alerting):
 
     def to_dict(self) -> dict[str, Any]:
         """The plan, the settings and the per-layer summary as plain data."""
-        return {"plan": self.plan.to_dict(), "refresh_every": _schedule_text(self.refresh_every),
-                "warmup": self.warmup, "ema": self.ema,
-                "fallback": None if self.fallback is None else self.fallback.to_dict(),
+        return {"plan": self.plan.to_dict(), "refresh_every": _schedule_text(self.config.refresh_every),
+                "warmup": self.config.warmup, "ema": self.config.ema,
+                "fallback": None if self.config.fallback is None else self.config.fallback.to_dict(),
                 "fallbacks": [dict(r) for r in self.fallbacks], "summary": self.summary().to_dict("records")}
 
     def __repr__(self) -> str:
@@ -419,7 +383,8 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
           zero_calls: Optional[int] = ZERO_CALLS,
           fallback: Union[Fallback, str, None] = None,
           overflow_bound: Optional[float] = OVERFLOW_BOUND,
-          bias_bound: Optional[float] = BIAS_BOUND) -> Applied:
+          bias_bound: Optional[float] = BIAS_BOUND,
+          config: Optional[ApplyConfig] = None) -> Applied:
     """Enforce ``plan`` on the neural gradients of ``model`` in the backward pass.
 
     Args:
@@ -460,6 +425,8 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
             drifts past the fallback's bounds, change its rule a step at a time (logged, in
             ``Applied.fallbacks``, ``summary()``, the records, the run with ``log_to=``, and the
             state dict).
+        config: the options above as one value (:class:`ApplyConfig`, what the trainer callbacks
+            pass on); keywords given beside it must agree with it.
 
     Each alert is logged once per layer and kind (logger ``gradstats.apply``, WARNING) and
     listed in ``Applied.summary()["alerts"]`` and ``Applied.alerts``. To resume a training
@@ -477,7 +444,8 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
         >>> handle.remove(); handle.summary()["format"].tolist()
         ['e4m3fn']
     """
-    return Applied(model, plan, refresh_every=refresh_every, warmup=warmup, ema=ema, log_to=log_to,
-                   seed=seed, sync_stats=sync_stats, record=record, sparsity_margin=sparsity_margin,
-                   underflow_bound=underflow_bound, zero_calls=zero_calls, fallback=fallback,
-                   overflow_bound=overflow_bound, bias_bound=bias_bound)
+    cfg = ApplyConfig.resolve(config, refresh_every=refresh_every, warmup=warmup, ema=ema, seed=seed,
+                              sync_stats=sync_stats, record=record, sparsity_margin=sparsity_margin,
+                              underflow_bound=underflow_bound, zero_calls=zero_calls, fallback=fallback,
+                              overflow_bound=overflow_bound, bias_bound=bias_bound)
+    return Applied(model, plan, cfg, log_to=log_to)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 
+from gradstats.alarms import Alarm
 from gradstats.apply.refresh import LayerState, predict, predicted_share, scale_for
 from gradstats.apply.settings import fallback_rule
 from gradstats.ops.fused import CompressCounts
@@ -32,12 +33,12 @@ class Alerting:
                 "or overflowing loss upstream (check the loss, the learning rate, the loss scale); the plan "
                 "cannot do what it says on them"))
         planned = self.plan_rules[name].predicted if name in self.plan_rules else None
-        if rule.quantizes and self.overflow_bound is not None and "overflow" not in st.alerts and c.saturated:
+        if rule.quantizes and self.config.overflow_bound is not None and "overflow" not in st.alerts and c.saturated:
             pred = getattr(planned, "overflow", None)
             # block scales clip some blocks' maxima by design (by at most 1/16 for NVFP4's e4m3 scales):
             # a band around the plan's prediction; per-tensor scales: the bound, or the prediction if larger
-            bound = (max(self.overflow_bound, 1.5 * (pred or 0.0) + 0.01) if rule.block_size is not None
-                     else max(self.overflow_bound, pred or 0.0))
+            bound = (max(self.config.overflow_bound, 1.5 * (pred or 0.0) + 0.01) if rule.block_size is not None
+                     else max(self.config.overflow_bound, pred or 0.0))
             sat = (c.saturated - c.nonfinite) / c.n
             if sat > bound + 3 * math.sqrt(max(bound, 1.0 / c.n) / c.n):
                 self._alert(name, st, "overflow", (
@@ -55,47 +56,47 @@ class Alerting:
                     f"predicted {pred_fl:.2%} on its calibration steps: the gradient has moved since (its spread "
                     "or scale changed). Recalibrate: trace a few steps of this part of the training and "
                     "recommend again, or apply(..., fallback='widen')"))
-        if self.bias_bound is not None and "gain" not in st.alerts and c.norm2 > 0 and math.isfinite(c.dot):
+        if self.config.bias_bound is not None and "gain" not in st.alerts and c.norm2 > 0 and math.isfinite(c.dot):
             gs = st.gain_sums
             gs[0] += c.dot
             gs[1] += c.norm2
             gs[2] += max(c.noise2, 0.0)
             cum_gain, cum_se = gs[0] / gs[1], math.sqrt(gs[2]) / gs[1]
             for g_, se, what in ((c.gain, c.gain_se, "in this call"), (cum_gain, cum_se, "over all calls so far")):
-                if abs(g_ - 1) > self.bias_bound + 5 * se:
+                if abs(g_ - 1) > self.config.bias_bound + 5 * se:
                     self._alert(name, st, "gain", (
                         f"the gradient's magnitude gain <out, g>/<g, g> is {g_:.3f} {what} (call {st.seq}; bound "
-                        f"1 +- {self.bias_bound:g}, standard error {se:.3g}): the plan "
+                        f"1 +- {self.config.bias_bound:g}, standard error {se:.3g}): the plan "
                         f"{'shrinks' if g_ < 1 else 'inflates'} this layer's gradient systematically ("
                         f"{c.saturated / c.n:.2%} clipped, {c.underflow / c.n:.2%} flushed). Use "
                         "rounding='stochastic' and scale='amax', or check the plan with plan.verify(run)"))
                     break
         if c.zeros == c.n:
             st.zero_run += 1
-            if self.zero_calls is not None and st.zero_run >= self.zero_calls and "zero_gradient" not in st.alerts:
+            if self.config.zero_calls is not None and st.zero_run >= self.config.zero_calls and "zero_gradient" not in st.alerts:
                 self._alert(name, st, "zero_gradient", (
                     f"the gradient leaving it was all zeros for {st.zero_run} calls in a row (call {st.seq}): "
                     "nothing reaches this layer's weights or the layers before it. Check the incoming "
                     "gradient, the format's range at this scale, or the low-precision kernel"))
         else:
             st.zero_run = 0
-        if (c.underflow and self.underflow_bound is not None and "underflow" not in st.alerts
+        if (c.underflow and self.config.underflow_bound is not None and "underflow" not in st.alerts
                 and rule.rounding != "stochastic"):      # stochastic flushes are unbiased: noise, not shrinkage
             nonzero_in = c.n - (c.zeros - c.pruned - c.underflow)    # the non-zero values of the input
-            b = self.underflow_bound
+            b = self.config.underflow_bound
             if c.underflow > b * nonzero_in + 3 * math.sqrt(max(b, 1.0 / nonzero_in) * nonzero_in):
                 where = (f"with blocks of {rule.block_size}" if rule.block_size is not None
                          else f"at scale 2^{math.log2(st.scale):g}")
                 self._alert(name, st, "underflow", (
                     f"{c.underflow / nonzero_in:.1%} of the layer's non-zero values were flushed to zero by "
-                    f"rounding to nearest {rule.format} {where} (call {st.seq}; bound {self.underflow_bound}): "
+                    f"rounding to nearest {rule.format} {where} (call {st.seq}; bound {self.config.underflow_bound}): "
                     "a systematic shrinkage of this layer's gradient. Use rounding='stochastic', a larger "
                     "scale (scale='amax'), or a format with more exponent bits"))
-        if rule.prunes and self.sparsity_margin is not None and "sparsity" not in st.alerts:
+        if rule.prunes and self.config.sparsity_margin is not None and "sparsity" not in st.alerts:
             n = c.n
             floor = max(rule.sparsity, (c.zeros - c.pruned - c.underflow) / n)   # target, or zeros on arrival
             excess = c.zeros / n - floor
-            if excess > self.sparsity_margin + 1.5 / math.sqrt(n):
+            if excess > self.config.sparsity_margin + 1.5 / math.sqrt(n):
                 cause = (f"the format flushed {c.underflow / n:.1%} of the entries: raise the scale, use "
                          "rounding='stochastic', or lower the target" if 2 * c.underflow >= excess * n else
                          "the threshold model misses this layer's distribution: try threshold_rule='histogram'"
@@ -104,18 +105,18 @@ class Alerting:
                          "(refresh_every) or use ema=None")
                 self._alert(name, st, "sparsity", (
                     f"achieved sparsity {c.zeros / n:.3f} exceeds the target {rule.sparsity:g} by {excess:.3f} "
-                    f"(margin {self.sparsity_margin:g}; call {st.seq}): {cause}"))
+                    f"(margin {self.config.sparsity_margin:g}; call {st.seq}): {cause}"))
 
     def _alert(self, name: str, st: LayerState, kind: str, msg: str) -> None:
         st.alerts[kind] = msg
         log.warning("gradstats.apply: layer %r: %s", name, msg)
         if self.log_to is not None:
-            self.log_to.log_rows("applied_alerts", [{"layer": name, "seq": st.seq, "kind": kind, "message": msg}])
+            self.log_to.log_rows("applied_alerts", [Alarm(kind, name, msg, seq=st.seq).alert_row()])
 
     def _drift(self, name: str, st: LayerState, c: CompressCounts, err: float) -> str:
         """Compare the call with its bounds; after ``patience`` drifting calls in a row, change the
         layer's rule by the next applicable action. Returns the action taken, or ``""``."""
-        fb, rule = self.fallback, self.rules[name]
+        fb, rule = self.config.fallback, self.rules[name]
         n = c.n
         reasons: list[tuple[str, str]] = []               # (what it involves, text)
         reaching = n - c.zeros + c.underflow               # non-zero entries that reached the rounding

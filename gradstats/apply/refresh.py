@@ -202,9 +202,9 @@ class Refreshing:
         need_stats = refresh or (rule.quantizes and rule.scale == "amax" and rule.block_size is None)
         if need_stats:   # the histogram rule reads the binade counts; the others the moments alone
             v = stats_vector(g, full=refresh and hist_rule)
-            if self.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
+            if self.config.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
                 v = all_reduce_stats(v)
-            stats_update(st, v, self.ema)
+            stats_update(st, v, self.config.ema)
             if refresh and hist_rule:
                 st.hist = histogram_of(v)
         if refresh and rule.prunes and not math.isnan(st.mu):
@@ -216,9 +216,9 @@ class Refreshing:
             if rule.scale == "amax" or (refresh and rule.scale == "lognormal") or rule.scale == "fixed":
                 old = st.scale
                 st.scale = scale_for(rule, st)
-                if (self.record or self.fallback is not None) and not refresh and st.scale != old:
+                if (self.config.record or self.config.fallback is not None) and not refresh and st.scale != old:
                     predict(rule, st, g.numel())
-        if refresh and (self.record or self.fallback is not None):
+        if refresh and (self.config.record or self.config.fallback is not None):
             predict(rule, st, g.numel())
 
     def _refreshes(self, k: int) -> bool:
@@ -226,6 +226,6 @@ class Refreshing:
         ``refresh_every``-th, or as the schedule says; the first always does."""
         if k == 0:
             return True
-        if callable(self.refresh_every):
-            return bool(self.refresh_every(k))
-        return k % self.refresh_every == 0
+        if callable(self.config.refresh_every):
+            return bool(self.config.refresh_every(k))
+        return k % self.config.refresh_every == 0

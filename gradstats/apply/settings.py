@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from gradstats._config import resolve_config
+from gradstats.alarms import ALERT_KINDS as ALERT_KINDS  # declared with the tracer's alarms (one vocabulary)
 from gradstats.formats import FPFormat
 
 #: Alert "sparsity": the achieved sparsity of a call exceeds the layer's target (or the zero
@@ -36,8 +38,6 @@ BIAS_BOUND = 0.01
 #: Alert "zero_gradient": the gradient leaving the layer was all zeros for this many calls in
 #: a row (nothing reaches its weights: the symptom of a broken low-precision kernel or scale).
 ZERO_CALLS = 3
-#: the kinds of alert, in the order ``Applied.summary()`` lists them
-ALERT_KINDS = ("nonfinite", "overflow", "gain", "underflow", "drift", "sparsity", "zero_gradient")
 #: version of the layout of :meth:`Applied.state_dict` (version 1, without the predictions and
 #: the fallback state, still loads)
 STATE_VERSION = 2
@@ -171,3 +171,70 @@ def fallback_rule(action: str, rule: Any, kinds: set[str]) -> Any:
         wider = widen(rule.format)
         return rule.replace(format=wider) if wider is not None else None
     return rule.replace(format=None, block_size=None, scale_format=None, scale_rounding=None)      # "full"
+
+
+@dataclass(frozen=True)
+class ApplyConfig:
+    """The options of :func:`gradstats.apply` as one validated, frozen value (what the trainer
+    callbacks of :mod:`gradstats.integrations` pass on too). Each field is the keyword of the same
+    name (see :func:`gradstats.apply` for what it does); ``apply(model, plan, config=cfg)`` and
+    the keywords may be combined, and a keyword that contradicts the config is a ``ValueError``.
+
+    Example:
+        >>> cfg = ApplyConfig(warmup=10, fallback="widen")
+        >>> cfg.warmup, cfg.fallback.actions
+        (10, ('stochastic', 'widen', 'full'))
+        >>> ApplyConfig.resolve(cfg, warmup=10) is cfg
+        True
+    """
+
+    refresh_every: Any = 1                  # int >= 1, or a schedule: call index -> bool
+    warmup: int = 0
+    ema: Optional[float] = None
+    seed: int = 0
+    sync_stats: bool = False
+    record: bool = True
+    sparsity_margin: Optional[float] = SPARSITY_MARGIN
+    underflow_bound: Optional[float] = UNDERFLOW_BOUND
+    zero_calls: Optional[int] = ZERO_CALLS
+    fallback: Any = None                    # None, a Fallback, or a name of FALLBACK_PRESETS
+    overflow_bound: Optional[float] = OVERFLOW_BOUND
+    bias_bound: Optional[float] = BIAS_BOUND
+
+    def __post_init__(self) -> None:
+        r = self.refresh_every
+        if not callable(r) and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
+            raise ValueError("refresh_every must be a positive int (1 = every gradient) or a schedule, a "
+                             f"function of the call index (0, 1, ...) returning True to refresh; got {r!r}")
+        if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or self.warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0 (the number of each layer's first gradients "
+                             f"left unchanged; 0: enforce from the first), got {self.warmup!r}")
+        if self.ema is not None and not (0.0 <= self.ema < 1.0):
+            raise ValueError(f"ema must be None or a decay in [0, 1), got {self.ema}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.sparsity_margin is not None and not (0.0 <= self.sparsity_margin < 1.0):
+            raise ValueError(f"sparsity_margin must be None (no check) or in [0, 1), got {self.sparsity_margin!r}")
+        if self.underflow_bound is not None and not (0.0 <= self.underflow_bound < 1.0):
+            raise ValueError(f"underflow_bound must be None (no check) or a fraction in [0, 1), got "
+                             f"{self.underflow_bound!r}")
+        z = self.zero_calls
+        if z is not None and (not isinstance(z, int) or isinstance(z, bool) or z < 1):
+            raise ValueError(f"zero_calls must be None (no check) or a positive int, got {z!r}")
+        for nm, v in (("overflow_bound", self.overflow_bound), ("bias_bound", self.bias_bound)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0):
+                raise ValueError(f"{nm} must be None (no check) or a fraction in [0, 1), got {v!r}")
+        object.__setattr__(self, "fallback", as_fallback(self.fallback))
+
+    @classmethod
+    def resolve(cls, config: Optional["ApplyConfig"], **keywords: Any) -> "ApplyConfig":
+        """The config that ``config`` and ``apply``'s keyword arguments say together (a keyword at
+        its default defers to ``config``; one that contradicts it is a ``ValueError``).
+
+        Example:
+            >>> ApplyConfig.resolve(ApplyConfig(warmup=5), warmup=2)
+            Traceback (most recent call last):
+            ...
+            ValueError: apply(config=..., warmup=2) contradicts the config's warmup=5: pass the option in one place
+        """
+        return resolve_config(cls, config, "apply", "gradstats.apply.ApplyConfig", **keywords)

@@ -10,16 +10,16 @@ from typing import Any, Optional
 
 from torch import nn
 
+from gradstats.apply.settings import ApplyConfig
 from gradstats.tracer import TraceConfig
 
 log = logging.getLogger(__name__)
 
 #: version of :meth:`TrainingSession.state_dict`
 STATE_VERSION = 1
-#: keyword arguments of :func:`gradstats.apply` a callback takes (prefixed ``apply_`` there is no
-#: need: they do not clash with the tracer's)
-APPLY_OPTIONS = ("refresh_every", "warmup", "ema", "sync_stats", "record", "sparsity_margin",
-                 "underflow_bound", "zero_calls", "fallback")
+#: keyword arguments of :func:`gradstats.apply` a callback takes: the fields of
+#: :class:`gradstats.apply.ApplyConfig` (its ``seed`` as ``apply_seed``, beside the tracer's options)
+APPLY_OPTIONS = tuple(f.name for f in dataclasses.fields(ApplyConfig) if f.name != "seed")
 #: keyword arguments of :func:`gradstats.trace` a callback passes on: the fields of
 #: :class:`gradstats.tracer.TraceConfig` but those the session sets (where the run resumes)
 TRACE_OPTIONS = tuple(f.name for f in dataclasses.fields(TraceConfig) if f.name not in ("resume", "start_step"))
@@ -63,9 +63,11 @@ class TrainingSession:
         self.plan = plan
         #: the tracer's options, checked when the callback is made rather than when training starts
         self.trace_config = TraceConfig(**{k: v for k, v in options.items() if k in TRACE_OPTIONS})
-        self.apply_options = {k: v for k, v in options.items() if k in APPLY_OPTIONS}
+        apply_options = {k: v for k, v in options.items() if k in APPLY_OPTIONS}
         if "apply_seed" in options:
-            self.apply_options["seed"] = options["apply_seed"]
+            apply_options["seed"] = options["apply_seed"]
+        #: apply's options, likewise checked at once
+        self.apply_config = ApplyConfig(**apply_options)
         self.tracer: Any = None
         self.applied: Any = None
         self.step = 0
@@ -100,7 +102,7 @@ class TrainingSession:
             if state is not None and state.get("tracer") is not None:
                 self.tracer.load_state_dict({**state["tracer"], "step": step})
         if self.plan is not None:
-            self.applied = apply(model, self.plan, log_to=self.tracer, **self.apply_options)
+            self.applied = apply(model, self.plan, log_to=self.tracer, config=self.apply_config)
             if state is not None and state.get("applied") is not None:
                 self.applied.load_state_dict(state["applied"])
 

@@ -11,13 +11,13 @@ Example:
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 from torch import nn
 
+from gradstats._config import resolve_config
 from gradstats.run.select import layer_matcher
 
 #: the tensors of a layer the tracer can record
@@ -183,26 +183,4 @@ class TraceConfig:
             ...
             ValueError: trace(config=..., every=2) contradicts the config's every=5: pass the option in one place
         """
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        unknown = sorted(set(keywords) - set(defaults))
-        if unknown:
-            raise ValueError(f"unknown trace option(s) {unknown}; TraceConfig takes {list(defaults)}")
-        if config is not None and not isinstance(config, cls):
-            raise ValueError(f"config must be a gradstats.tracer.TraceConfig or None, got {type(config).__name__}")
-        given = {k: v for k, v in keywords.items() if not _same(v, defaults[k])}
-        if config is None:
-            return cls(**given) if given else cls()
-        for k, v in given.items():
-            if not _same(v, getattr(config, k)) and not _same(getattr(cls(**{k: v}), k), getattr(config, k)):
-                raise ValueError(f"trace(config=..., {k}={v!r}) contradicts the config's {k}={getattr(config, k)!r}: "
-                                 "pass the option in one place")
-        return config
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b) and type(a) is type(b)
-    except Exception:      # values without a plain truth of ==, such as arrays
-        return False
+        return resolve_config(cls, config, "trace", "gradstats.tracer.TraceConfig", **keywords)
