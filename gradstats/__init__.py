@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     # capture
     "trace": "gradstats.tracer",
     "Tracer": "gradstats.tracer",
+    "TraceConfig": "gradstats.tracer",
     "tensor_stats": "gradstats.stats",
     # runs on disk
     "open_run": "gradstats.run",
@@ -57,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "what_if": "gradstats.fpanalysis.what_if",
     "apply": "gradstats.apply",
     "Applied": "gradstats.apply",
+    "ApplyConfig": "gradstats.apply",
     "prune_quantize": "gradstats.ops.fused",
     # what a plan costs
     "predicted_noise": "gradstats.noise",

@@ -22,16 +22,18 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from gradstats.families import Exponential, Family, HalfNormal, Lognormal, solve_sparsity
+from gradstats.families import FAMILY_REGISTRY, Exponential, Family, HalfNormal, Lognormal, solve_sparsity
+from gradstats.pruning.rules import THRESHOLD_RULES
 from gradstats.stats import lognormal_moments, n_nonzero
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
 
-#: the families of the non-zero magnitudes
-FAMILIES = ("lognormal", "normal", "laplace")
+#: the families of the non-zero magnitudes (the names of :data:`gradstats.families.FAMILY_REGISTRY`)
+FAMILIES = tuple(FAMILY_REGISTRY)
 #: threshold rules: the models, the lognormal quantile that ignores the rounding up, and the
-#: model-free histogram rule (:mod:`gradstats.pruning.histogram`)
-RULES = ("lognormal", "naive_lognormal", "normal", "laplace", "histogram")
+#: model-free histogram rule (:mod:`gradstats.pruning.histogram`): the names of the registry
+#: :data:`gradstats.pruning.rules.THRESHOLD_RULES` but ``"exact"`` (a selection on the tensor itself)
+RULES = tuple(name for name in THRESHOLD_RULES if name != "exact")
 #: the default threshold rule: the model-free histogram rule, the most accurate sort-free rule on
 #: real gradients (``docs/pruning.md``); :func:`threshold` and :func:`expected_sparsity` use it
 #: where the source carries a histogram, the lognormal closed form where only its parameters exist
