@@ -174,6 +174,18 @@ class Scheme:
                 return name
         return None
 
+    @property
+    def layout(self) -> "Scheme":
+        """The scheme without its rounding choices (the elements' rounding, an E8M0 scale's
+        rounding): what another stack that rounds its own way can be asked for.
+
+        Example:
+            >>> Scheme.parse("mxfp8_e4m3:scale_rounding=rceil:rounding=stochastic").layout.preset
+            'mxfp8_e4m3'
+        """
+        return Scheme(self.element, block_size=self.block_size, scale_format=self.scale_format,
+                      tensor_scale=self.tensor_scale)
+
     def quantize_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`gradstats.quantize` that spell this scheme out (``scale_rounding``
         only when not the default ``"floor"``).

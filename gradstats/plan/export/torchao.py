@@ -79,12 +79,13 @@ def _torchao_mx_layer(name: str, r: Rule, skipped: dict[str, str], dropped: dict
                       ) -> dict[str, Any] | None:
     """A block-scaled rule as torchao's MXFP8 training recipe (``MXFP8TrainingOpConfig``): blocks
     of 32 along the contraction dimension, E8M0 scales, e4m3fn elements, in both backward GEMMs."""
-    if r.scale_format == "e4m3":
+    layout = r.scheme.layout.preset if r.scheme is not None else None
+    if layout == "nvfp4":
         skipped[name] = ("NVFP4 blocks (E4M3 scales): torchao's NVFP4 training (NVFP4TrainingConfig) always "
                          "rounds the gradient stochastically and casts a random Hadamard rotation of it for the "
                          "grad_weight GEMM, not the plan's quantisation of the gradient")
         return None
-    if r.block_size != 32 or r.scale_format != "e8m0" or str(r.format) != "e4m3fn":
+    if layout != "mxfp8_e4m3":
         skipped[name] = (f"{r.format} in blocks of {r.block_size} ({r.scale_format} scales): torchao's MX "
                          "training (MXFP8) casts gradients to e4m3fn in blocks of 32 with E8M0 scales only")
         return None

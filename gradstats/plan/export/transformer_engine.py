@@ -44,9 +44,8 @@ if TYPE_CHECKING:  # pragma: no cover
 TE_NAMESPACE = "transformer_engine"
 #: the GEMMs (of TE's fprop, dgrad, wgrad) that consume the neural gradient
 TE_GRADIENT_GEMMS = ("dgrad", "wgrad")
-#: FakeQuant's quant_format per (gradstats format, block size)
-TE_FAKE_QUANT = {("e4m3fn", None): "FP8E4M3", ("e5m2", None): "FP8E5M2",
-                 ("e4m3fn", 32): "MXFP8E4M3", ("e5m2", 32): "MXFP8E5M2"}
+#: FakeQuant's quant_format per scheme layout (:attr:`gradstats.scheme.Scheme.layout`: a format per tensor, or an MX preset)
+TE_FAKE_QUANT = {"e4m3fn": "FP8E4M3", "e5m2": "FP8E5M2", "mxfp8_e4m3": "MXFP8E4M3", "mxfp8_e5m2": "MXFP8E5M2"}
 #: the statistics of the gradient each section logs (TE's LogTensorStats; plus the largest
 #: per-block dynamic range where the plan has blocks)
 TE_LOG_STATS = ("min", "max", "mean", "std", "cur_amax", "dynamic_range")
@@ -87,8 +86,8 @@ def te_section(name: str, r: Rule | None, types: tuple[str, ...] | None, skipped
         features = {"DisableQuantizationGEMM": {"enabled": True, "gemms": list(TE_GRADIENT_GEMMS)}}
     else:
         block = r.block_size
-        fmt = TE_FAKE_QUANT.get((str(r.format), block))
-        if fmt is None or (block is not None and r.scale_format != "e8m0"):
+        fmt = TE_FAKE_QUANT.get(str(r.scheme.layout)) if r.scheme is not None else None
+        if fmt is None:
             what = f"{r.format}" + (f" in blocks of {block} ({r.scale_format} scales)" if block else " per tensor")
             skipped[name] = (f"{what}: Transformer Engine's FakeQuant has FP8E4M3, FP8E5M2 per tensor and "
                              "MXFP8E4M3, MXFP8E5M2 (blocks of 32, E8M0) only")
