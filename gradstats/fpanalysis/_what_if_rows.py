@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from gradstats.formats import FPFormat, amax_scale
+from gradstats.scheme import E8M0, scale_format_of
 from gradstats.stats import HIST_MIN_EXP
 from gradstats.stats.law import MAX_SLOPE, TOP_FIELD, expm1_ratio
 
@@ -190,7 +191,7 @@ def _fast_applies(fmt: FPFormat, scale: Union[str, float], block_size: Optional[
     u1 = float(_grid(fmt)[1])
     pow2 = math.log2(u1) == round(math.log2(u1))
     return pow2 and ((block_size is None and isinstance(scale, str) and scale == "amax")
-                     or (block_size is not None and scale_format == "e8m0"))
+                     or (block_size is not None and scale_format_of(scale_format) == E8M0))
 
 
 def _predict_rows(rows: pd.DataFrame, fmt: FPFormat, *, rounding: str, block_size: Optional[int],

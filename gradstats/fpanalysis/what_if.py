@@ -52,7 +52,7 @@ import pandas as pd
 from gradstats.formats import FPFormat, parse
 from gradstats.fpanalysis._what_if_rows import _SUMS, _fast_applies, _grid, _predict_rows
 from gradstats.fpanalysis.histogram import HistogramLaw
-from gradstats.scheme import E4M3, Scheme, names_scheme
+from gradstats.scheme import E4M3, E8M0, Scheme, names_scheme, scale_format_of
 from gradstats.stats import StatsRow
 from gradstats.stats.law import law_flushed, tensor_scale
 
@@ -126,7 +126,7 @@ def predict_from_stats(stats: StatsRow | Mapping[str, Any], fmt: Union[FPFormat,
     (``"nvfp4"``), which brings its own blocks, scale format and non-nearest rounding. Example: see the module.
     """
     _, sch = _schemes([fmt], block_size, scale_format)[0]
-    f, block_size, scale_format = sch.element, sch.block_size, sch.scale_format_name or scale_format
+    f, block_size = sch.element, sch.block_size
     rounding = sch.rounding if sch.rounding != "nearest" else rounding
     _check_rounding(rounding)
     n, nz = int(stats.get("n", 0)), int(stats.get("n", 0)) - int(stats.get("n_zero", 0))
@@ -142,15 +142,11 @@ def predict_from_stats(stats: StatsRow | Mapping[str, Any], fmt: Union[FPFormat,
         c["flushed"] = law_flushed(law, f, s, rounding)   # the one home of the flush law (the alarms use it)
         log2_scale = math.log2(s)
     else:
-        if isinstance(block_size, bool) or int(block_size) < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if scale_format == "e8m0":
+        if sch.scale_format == E8M0:
             c = _blocks(law, grid, f, int(block_size), rounding, zero_fraction=1.0 - nz / n)
-        elif scale_format == "e4m3":
+        else:                                   # E4M3 (NVFP4) block scales
             c = _nvfp4_blocks(law, grid, f, int(block_size), rounding, zero_fraction=1.0 - nz / n,
                               tensor_amax=float(stats["max_abs"]))
-        else:
-            raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
         log2_scale = math.nan
     return {"underflow": c["flushed"], "overflow": c["saturated"],
             "rel_mse": c["sq"] / c["energy"] if c["energy"] > 0 else 0.0,
@@ -233,8 +229,8 @@ def _schemes(formats: Any, block_size: Optional[int], scale_format: str) -> list
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
                                    or block_size < 1):
         raise ValueError(f"block_size must be a positive int (an MX block size such as 32) or None, got {block_size!r}")
-    if block_size is not None and scale_format not in ("e8m0", "e4m3"):
-        raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
+    if block_size is not None:
+        scale_format_of(scale_format)          # a ValueError naming the two block scale formats
     out = []
     for f in formats:
         if names_scheme(f):
@@ -364,7 +360,7 @@ def what_if_stats(stats: pd.DataFrame, formats: Union[str, FPFormat, Scheme, Ite
     for label, sch in fmts:
         f, block_size, scale_format = sch.element, sch.block_size, sch.scale_format_name
         rnd = sch.rounding if sch.rounding != "nearest" else rounding
-        below = _recorded_blocks(st, blocks, block_size, orientation) if block_size and scale_format == "e8m0" else None
+        below = _recorded_blocks(st, blocks, block_size, orientation) if sch.scale_format == E8M0 else None
         if block_size:
             used = np.bincount(grp, weights=(below[1] if below is not None else np.zeros(len(st))), minlength=n_g)
             each = np.bincount(grp, minlength=n_g)

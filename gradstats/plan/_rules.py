@@ -14,9 +14,10 @@ from typing import Any, Mapping, Sequence
 # value layer's names (those of :func:`gradstats.quantize`), re-exported as the plan's vocabulary
 from gradstats.formats import PREDICTED_ROUNDINGS, ROUNDINGS, FPFormat
 from gradstats.formats import amax_scale as _amax_scale
+from gradstats.fpanalysis.granularity import Layout
 from gradstats.plan._values import Prediction, _check_keys, _err, _opt_float
 from gradstats.pruning import METHODS as _METHODS
-from gradstats.scheme import SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme
+from gradstats.scheme import E8M0, SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme, scale_format_of
 
 #: scale rules: a fixed multiplier, the power of two that maps the step's amax to the format's
 #: max, or the optimal power of two for the running lognormal mu and sigma
@@ -358,9 +359,9 @@ def _check_combination(r: Rule, where: str) -> None:
                           f"scale to 'amax' (got {r.scale!r})")
     if r.scale_format is not None and r.block_size is None:
         raise _err(where, "scale_format applies to block scaling only: set block_size too, or remove it")
-    if r.block_size is not None and r.scale_format is None:
-        object.__setattr__(r, "scale_format", "e8m0")
-    if r.scale_rounding is not None and r.scale_format != "e8m0":
+    if r.block_size is not None and r.scale_format is None:     # blocks have E8M0 scales unless told
+        object.__setattr__(r, "scale_format", Layout(r.block_size).scale_format_name)
+    if r.scale_rounding is not None and (r.scale_format is None or scale_format_of(r.scale_format) != E8M0):
         raise _err(where, f"scale_rounding {r.scale_rounding!r} rounds MX (e8m0) block scales: set block_size "
                           "(and scale_format 'e8m0'), or remove it")
 

@@ -36,6 +36,7 @@ from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
+from gradstats.fpanalysis.granularity import GRANULARITIES, Layout, granularity_layout
 from gradstats.fpanalysis.training import FLUSH_BOUND
 from gradstats.noise.predict import NOISE_BOUND
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
@@ -44,28 +45,14 @@ from gradstats.run import as_run
 
 log = logging.getLogger(__name__)
 
-__all__ = ["recommend", "recommend_each", "layer_moments", "GRANULARITIES"]
+__all__ = ["recommend", "recommend_each", "layer_moments", "GRANULARITIES", "FORMAT_RULES"]
 
-#: ``granularity=`` values: one scale per tensor, or shared-scale blocks (MX: 32 elements with
-#: an E8M0 power-of-two scale; NVFP4: 16 elements with an E4M3 scale); an int is a block size
-#: with E8M0 scales
-GRANULARITIES = ("tensor", "mx", "nvfp4")
+#: ``format_rule=`` values: the closed forms in each layer's lognormal fit, or its binade histogram
+FORMAT_RULES = ("lognormal", "histogram")
 #: what ``sparsity="auto"`` asks for before the noise bound lowers it per layer
 AUTO_SPARSITY = 0.99
-_BLOCKS = {"tensor": (None, None), "mx": (32, "e8m0"), "nvfp4": (16, "e4m3")}
 #: rounding modes the format analysis predicts
 from gradstats.formats import PREDICTED_ROUNDINGS as _ROUNDINGS  # noqa: E402
-
-
-def _granularity(granularity: Any) -> tuple[int | None, str | None]:
-    if isinstance(granularity, (int, np.integer)) and not isinstance(granularity, bool):
-        if granularity < 1:
-            raise ValueError(f"granularity as a block size must be a positive int, got {granularity}")
-        return int(granularity), "e8m0"
-    if granularity not in _BLOCKS:
-        raise ValueError(f"granularity must be one of {list(GRANULARITIES)} or a block size (int), got "
-                         f"{granularity!r}")
-    return _BLOCKS[granularity]
 
 
 def _bits_list(bits: Any) -> tuple[list[int], bool]:
@@ -129,7 +116,9 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | str | None = None,
             records (``trace(noise=False)``, or an old run) is not bounded, with a warning.
         granularity: ``"tensor"`` (one optimal power-of-two scale per tensor, scale rule
             ``"lognormal"``), ``"mx"`` (blocks of 32, E8M0 scales), ``"nvfp4"`` (blocks of 16,
-            E4M3 scales), or a block size; block-scaled plans use the ``"amax"`` scale rule.
+            E4M3 scales), or a block size N (blocks of N with E8M0 scales), read by
+            :func:`gradstats.fpanalysis.granularity.granularity_layout`; block-scaled plans use the
+            ``"amax"`` scale rule.
         rounding: ``"nearest"`` or ``"stochastic"`` (the errors are predicted for it), or None
             (default): per layer, what the objective chooses (``objective="training"`` with
             per-tensor scales); otherwise stochastic for 6 bits or fewer, nearest above.
@@ -278,10 +267,11 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
             raise ValueError(f"sparsity must be a number in [0, 1), 'auto' or None, got {sparsity!r}")
         sparsity = float(sparsity)
     Rule(threshold_rule=threshold_rule)  # validates the rule name
-    if model not in ("lognormal", "histogram"):
-        raise ValueError(f"format_rule must be 'lognormal' or 'histogram', got {model!r}")
+    if model not in FORMAT_RULES:
+        raise ValueError(f"format_rule must be one of {list(FORMAT_RULES)}, got {model!r}")
     granularity = _candidate_granularity(candidates, granularity)
-    block_size, scale_format = _granularity(granularity)
+    layout = granularity_layout(granularity)
+    block_size, scale_format = layout.block_size, layout.scale_format_name
     cands = _candidates(fpanalysis, candidates, widths, granularity)
     if model == "histogram" and block_size is not None:
         raise ValueError("format_rule='histogram' chooses per-tensor formats and scales; block-scaled plans "
@@ -411,17 +401,18 @@ def _candidate_granularity(candidates: Any, granularity: Any) -> Any:
     if candidates is None or isinstance(candidates, str):
         return granularity
     schemes = [Scheme.parse(c) for c in candidates if names_scheme(c)]
-    layouts = {(c.block_size, c.scale_format_name) for c in schemes}
+    layouts = {Layout.of(c) for c in schemes}
     if not layouts:
         return granularity
     bad = [str(c) for c in schemes if c.rounding != "nearest" or c.scale_rounding not in (None, "floor")]
     if len(layouts) > 1 or bad:
         raise ValueError(f"candidates {[str(c) for c in schemes]} must share one block layout and set no rounding "
                          f"({bad or 'layouts differ'}): recommend one layout at a time, and pass rounding= instead")
-    (bs, sf), = layouts
-    g = next((k for k, v in _BLOCKS.items() if v == (bs, sf)), bs if sf == "e8m0" else None)
-    if g is None or (granularity != "tensor" and _granularity(granularity) != (bs, sf)):
-        raise ValueError(f"candidates {[str(c) for c in schemes]} use {sf} blocks of {bs}, which granularity="
+    layout, = layouts
+    g = layout.name or (layout.block_size if granularity_layout(layout.block_size) == layout else None)
+    if g is None or (granularity != "tensor" and granularity_layout(granularity) != layout):
+        raise ValueError(f"candidates {[str(c) for c in schemes]} use {layout.scale_format_name} blocks of "
+                         f"{layout.block_size}, which granularity="
                          f"{granularity!r} cannot express or contradicts: leave granularity out, or pick "
                          "candidates of that granularity")
     return g
@@ -469,10 +460,10 @@ def _choose(fpanalysis, bits: int, mom: _Moments, *, rounding: str, block_size: 
     # per-tensor scales are chosen for each tensor given its observed maximum: the lognormal's
     # tail beyond amax does not exist in the data, and without this condition the MSE-optimal
     # scale of a wide layer chases it and flushes every real value to zero
-    cond = {} if block_size is not None else {
+    cond = {"scale_format": scale_format} if block_size is not None else {
         "amax": mom.amax, "numel": np.array([r["numel"] for r in mom.rows], dtype=np.float64)}
     res = fpanalysis.best_format(bits, mu=mom.mu, sigma=mom.sigma, p0=mom.p0, candidates=candidates,
-                                 block_size=block_size, rounding=rounding, scale_format=scale_format or "e8m0",
+                                 block_size=block_size, rounding=rounding,
                                  names=mom.layers, **cond)
     fmts = res.format
     if not isinstance(fmts, list):  # one layer given as a scalar
