@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Callable, Iterable
 
 from gradstats.formats import PREDICTED_ROUNDINGS
 from gradstats.noise.predict import NOISE_BOUND
@@ -36,8 +37,47 @@ def _log2(v) -> float:
     return math.log2(v) if _ok(v) else float("nan")
 
 
-def _granularity(text: str):
-    return int(text) if text.isdigit() else text
+def granularity_arg(text: str) -> str | int:
+    """A granularity name or a block size, read by :func:`gradstats.fpanalysis.granularity.granularity_layout`."""
+    from gradstats.fpanalysis.granularity import granularity_layout
+
+    g = int(text) if text.strip().isdigit() else text.strip()
+    try:
+        granularity_layout(g)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return g
+
+
+def _one_of(source: Callable[[], Iterable[str]], what: str) -> Callable[[str], str]:
+    """An argument type that accepts the names ``source()`` lists (imported when the option is given,
+    so that ``--help`` imports nothing heavy) and refuses any other, naming them."""
+    def check(text: str) -> str:
+        names = list(source())
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; expected one of {names}")
+        return text
+
+    check.__name__ = what
+    return check
+
+
+def _threshold_rules() -> tuple[str, ...]:
+    from gradstats.plan import THRESHOLD_RULES
+
+    return THRESHOLD_RULES
+
+
+def _objectives() -> tuple[str, ...]:
+    from gradstats.fpanalysis import OBJECTIVES
+
+    return OBJECTIVES
+
+
+def _format_rules() -> tuple[str, ...]:
+    from gradstats.plan.recommend import FORMAT_RULES
+
+    return FORMAT_RULES
 
 
 def _candidates(text: str):
@@ -93,14 +133,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="largest noise ratio pruning may add to any planned layer's weight gradient, against "
                         f"SGD's own minibatch noise (default {NOISE_BOUND}; docs/noise.md); "
                         "none: not bounded")
-    p.add_argument("--granularity", type=_granularity, default="tensor",
-                   help="tensor, mx, nvfp4 or a block size (default tensor)")
+    p.add_argument("--granularity", type=granularity_arg, default="tensor", metavar="NAME|N",
+                   help="tensor (default), mx (blocks of 32, E8M0 scales), nvfp4 (blocks of 16, E4M3 scales) "
+                        "or a block size N (blocks of N, E8M0 scales)")
     p.add_argument("--rounding", default=None, choices=list(PREDICTED_ROUNDINGS),
                    help="force one rounding (default: per layer, what the objective chooses)")
-    p.add_argument("--threshold-rule", default=None,
-                   choices=["histogram", "lognormal", "naive_lognormal", "normal", "laplace", "exact"],
-                   help="pruning threshold rule (default histogram: model-free, the most accurate)")
-    p.add_argument("--objective", default="training", choices=["training", "mse"],
+    p.add_argument("--threshold-rule", default=None, metavar="RULE", type=_one_of(_threshold_rules, "threshold rule"),
+                   help="pruning threshold rule, one of gradstats.plan.THRESHOLD_RULES (default histogram: "
+                        "model-free, the most accurate)")
+    p.add_argument("--objective", default="training", metavar="OBJECTIVE", type=_one_of(_objectives, "objective"),
                    help="training (default): least noise within a bound on the magnitude bias; "
                         "mse: least relative mean squared error")
     p.add_argument("--all-layers", action="store_true",
@@ -116,7 +157,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "linear layers, attention, LSTM/GRU/RNN and registered types; --all-layers for the "
                         "output layer)")
     p.add_argument("--format-rule", "--model", dest="format_rule", default="lognormal",
-                   choices=["lognormal", "histogram"],
+                   metavar="RULE", type=_one_of(_format_rules, "format rule"),
                    help="choose formats from each layer's lognormal fit or from its binade histogram "
                         "(more accurate on real gradients; per-tensor scales only)")
     p.add_argument("--candidates", type=_candidates, default="ocp", metavar="PRESET|LIST",

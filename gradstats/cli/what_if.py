@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from gradstats.cli.recommend import granularity_arg
 from gradstats.formats import PREDICTED_ROUNDINGS
+from gradstats.scheme import E4M3, PRESETS, SCALE_FORMATS, scale_format_of
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -12,11 +14,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "error, bias), from its statistics")
     p.add_argument("run", help="run directory")
     p.add_argument("--formats", default="e4m3fn,e5m2,e2m1fn",
-                   help="comma-separated format names or schemes (presets mxfp8_e4m3, mxfp8_e5m2, mxfp6_e2m3, "
-                        "mxfp6_e3m2, mxfp4, nvfp4 bring their own blocks; default e4m3fn,e5m2,e2m1fn)")
+                   help=f"comma-separated format names or schemes (presets {', '.join(PRESETS)} bring their own "
+                        "blocks; default e4m3fn,e5m2,e2m1fn)")
     p.add_argument("--block", type=int, default=None,
                    help="block size (a scale per block) of the plain formats; default per tensor")
-    p.add_argument("--scale-format", default="e8m0", choices=["e8m0", "e4m3"],
+    p.add_argument("--granularity", type=granularity_arg, default=None, metavar="NAME|N",
+                   help="instead of --block and --scale-format: tensor, mx (blocks of 32, E8M0 scales), nvfp4 "
+                        "(blocks of 16, E4M3 scales) or a block size N (E8M0 scales)")
+    p.add_argument("--scale-format", default="e8m0", choices=list(SCALE_FORMATS),
                    help="block scales: e8m0 (MX, default) or e4m3 (NVFP4)")
     p.add_argument("--rounding", default="nearest", choices=list(PREDICTED_ROUNDINGS))
     p.add_argument("--layers", nargs="*", default=None, help="names or globs (default every layer)")
@@ -31,14 +36,22 @@ def run(args: argparse.Namespace) -> int:
 
     import gradstats
 
-    df = gradstats.what_if(args.run, args.formats, block_size=args.block, rounding=args.rounding,
-                           steps=args.steps, layers=args.layers, scale_format=args.scale_format)
+    block_size, scale_format = args.block, args.scale_format
+    if args.granularity is not None:
+        from gradstats.fpanalysis.granularity import granularity_layout
+
+        if block_size is not None:
+            raise ValueError("give --granularity or --block (with --scale-format), not both")
+        layout = granularity_layout(args.granularity)
+        block_size, scale_format = layout.block_size, layout.scale_format_name or scale_format
+    df = gradstats.what_if(args.run, args.formats, block_size=block_size, rounding=args.rounding,
+                           steps=args.steps, layers=args.layers, scale_format=scale_format)
     per_layer = (df.groupby(["layer", "format"], sort=False)[["underflow", "overflow", "rel_mse", "bias"]]
                  .median().reset_index())
     with pd.option_context("display.width", 160, "display.max_rows", 500):
         print(per_layer.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     layouts = df.drop_duplicates("format")
-    scales = "; ".join(f"{r.format}: " + (f"{'NVFP4' if r.scale_format == 'e4m3' else 'MX'} blocks of {int(r.block_size)}"
+    scales = "; ".join(f"{r.format}: " + (f"{'NVFP4' if scale_format_of(r.scale_format) == E4M3 else 'MX'} blocks of {int(r.block_size)}"
                                           if pd.notna(r.block_size) else "per-tensor amax scale")
                        for r in layouts.itertuples())
     print(f"medians over {df['step'].nunique()} steps; fractions of the non-zero entries; {scales}; "

@@ -21,7 +21,9 @@ import numpy as np
 from gradstats.formats import FPFormat, parse
 from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis.error import default_tensor_amax, integrals
+from gradstats.fpanalysis.granularity import Layout, granularity_layout
 from gradstats.fpanalysis.scale import _mode, _optimal
+from gradstats.scheme import E4M3
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -37,9 +39,9 @@ _FP8 = ("e4m3fn", "e5m2")
 _FP4 = ("e2m1fn",)
 
 #: Candidate presets, named after what users target: preset -> granularity -> format names.
-#: Granularities: ``"tensor"`` (one scale per tensor), ``"mx"`` (blocks of 32, E8M0 scales),
-#: ``"nvfp4"`` (blocks of 16, E4M3 scales); other block sizes take the preset's formats of every
-#: granularity.
+#: Granularities (:mod:`gradstats.fpanalysis.granularity`): ``"tensor"`` (one scale per tensor),
+#: ``"mx"`` (blocks of 32, E8M0 scales), ``"nvfp4"`` (blocks of 16, E4M3 scales); other layouts take
+#: the preset's formats of every granularity.
 #:
 #: - ``"ocp"``: the OCP formats (FP8 e4m3fn and e5m2, FP6 e2m3fn and e3m2fn, FP4 e2m1fn), whatever
 #:   the scaling;
@@ -65,25 +67,10 @@ _GRANULARITY_TEXT = {"tensor": "per tensor", "mx": "in MX blocks", "nvfp4": "in 
 
 
 def _granularity_key(granularity: Any) -> Optional[str]:
-    """``"tensor"``, ``"mx"``, ``"nvfp4"``, or None (every granularity: None or another block size)."""
-    if granularity is None or granularity in _GRANULARITY_TEXT:
-        return granularity
-    if isinstance(granularity, (int, np.integer)) and not isinstance(granularity, bool) and granularity > 0:
-        return "mx" if int(granularity) == 32 else None     # an int: blocks with E8M0 scales
-    raise ValueError(f"granularity must be 'tensor', 'mx', 'nvfp4', a block size (int) or None, "
-                     f"got {granularity!r}")
-
-
-def _block_granularity(block_size: Optional[int], scale_format: Optional[str]) -> Optional[str]:
-    """The preset granularity of a block rule: ``"tensor"`` without blocks, ``"mx"`` for blocks of 32
-    with E8M0 scales, ``"nvfp4"`` for blocks of 16 with E4M3 scales, None for any other block."""
-    if block_size is None:
-        return "tensor"
-    if (int(block_size), scale_format) == (32, "e8m0"):
-        return "mx"
-    if (int(block_size), scale_format) == (16, "e4m3"):
-        return "nvfp4"
-    return None
+    """The key of :data:`CANDIDATE_PRESETS` a granularity selects (:func:`~gradstats.fpanalysis.granularity.
+    granularity_layout` reads it): ``"tensor"``, ``"mx"``, ``"nvfp4"``, or None (every granularity: None,
+    or a layout of no name, such as blocks of 64)."""
+    return None if granularity is None else granularity_layout(granularity).name
 
 
 def _names_text(names: Sequence[str]) -> str:
@@ -92,8 +79,9 @@ def _names_text(names: Sequence[str]) -> str:
 
 def preset_formats(preset: str, bits: Optional[int] = None, *, granularity: Any = None) -> list[FPFormat]:
     """The formats a ``candidates=`` name stands for, of ``bits`` bits (every width when None) at
-    a ``granularity`` (``"tensor"``, ``"mx"``, ``"nvfp4"``; None or another block size: every
-    granularity).
+    a ``granularity`` (``"tensor"``, ``"mx"``, ``"nvfp4"``, an int block size with E8M0 scales:
+    :func:`~gradstats.fpanalysis.granularity.granularity_layout`; None or a layout of no name, such
+    as blocks of 64: every granularity).
 
     ``preset``: a key of :data:`CANDIDATE_PRESETS` (``"ocp"``, ``"torchao"``, ``"te"``), ``"any"``
     (every exponent/mantissa split of the width, ``fn``: research), or a convention of
@@ -373,7 +361,8 @@ def best_format(
     P.check_choice("rounding", rounding, P.PREDICTED_ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
     block_size = P.check_block(block_size, scale_format)
-    cands = _resolve(candidates, bits, _block_granularity(block_size, scale_format))
+    layout = Layout(block_size, scale_format if block_size else None)
+    cands = _resolve(candidates, bits, layout.name)
     for c in cands:
         P.check_format(c)
     if amax is not None and block_size is not None:
@@ -392,7 +381,7 @@ def best_format(
     scales = np.full((mu_.size, k), np.nan)
     mode = _mode(criterion)
     tamax = (default_tensor_amax(mu_, s_, p0_, 2.0 ** 20 if nn is None else nn)
-             if block_size and scale_format == "e4m3" else None)
+             if layout.scale_format == E4M3 else None)
     for i, f in enumerate(cands):
         if block_size is None:
             j, e = _optimal(f, mu_, s_, power_of_two=bool(power_of_two), rounding=rounding, criterion=criterion,

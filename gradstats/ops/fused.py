@@ -30,6 +30,8 @@ import torch
 
 from gradstats.formats import ROUNDINGS, FPFormat
 from gradstats.ops import random as _rng
+from gradstats.ops.quantization import spell_out
+from gradstats.scheme import Scheme
 
 #: the kernels' rounding codes: the position in :data:`gradstats.formats.ROUNDINGS`
 ROUNDING_CODES = {name: code for code, name in enumerate(ROUNDINGS)}
@@ -109,10 +111,10 @@ def _native_ok(fmt: Optional[FPFormat], scale: float) -> bool:
             and fmt.emin <= 104 and scale > 0)
 
 
-def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, None], *,
-                   scale: float = 1.0, rounding: str = "nearest",
+def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Scheme, str, None], *,
+                   scale: float = 1.0, rounding: Optional[str] = None,
                    generator: Optional[torch.Generator] = None, block_size: Optional[int] = None,
-                   scale_format: str = "e8m0", scale_rounding: str = "floor",
+                   scale_format: Optional[str] = None, scale_rounding: Optional[str] = None,
                    out: Optional[torch.Tensor] = None,
                    seed: Optional[int] = None) -> tuple[torch.Tensor, CompressCounts]:
     """Stochastic pruning at ``threshold`` (0 = none), then rounding to ``fmt`` (None = none)
@@ -121,6 +123,10 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, 
     ``scale`` multiplies before rounding and divides after (exact for powers of two);
     ``block_size`` uses shared block scales instead (``scale`` is then ignored): ``scale_format``
     ``"e8m0"`` (MX, rounded as ``scale_rounding`` says) or ``"e4m3"`` (NVFP4), as :func:`gradstats.quantize`.
+    ``fmt`` may be a :class:`~gradstats.scheme.Scheme` or a preset name (``"nvfp4"``, ``"mxfp8_e4m3"``),
+    which sets ``rounding``, ``block_size``, ``scale_format`` and ``scale_rounding`` (those given here
+    replace the scheme's), resolved as :func:`gradstats.quantize` does (:func:`~gradstats.ops.quantization.spell_out`);
+    the defaults are nearest rounding, one scale per tensor, and E8M0 block scales rounded by the OCP rule.
     ``seed`` (an int in ``[0, 2**64)``) or ``generator`` (one seed drawn from it) seeds both the
     pruning and the rounding streams.
 
@@ -129,11 +135,21 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, str, 
         >>> y, c = prune_quantize(torch.tensor([1.0, 1000.0]), 0.0, "e2m1fn")
         >>> y.tolist(), c.saturated
         ([1.0, 6.0], 1)
+        >>> x = torch.linspace(-3, 3, 32)
+        >>> torch.equal(prune_quantize(x, 0.0, "nvfp4")[0],
+        ...             prune_quantize(x, 0.0, "e2m1fn", block_size=16, scale_format="e4m3")[0])
+        True
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError(f"prune_quantize expects a floating-point tensor, got {type(x).__name__}")
     if not (threshold >= 0):
         raise ValueError(f"threshold must be >= 0 (0 = no pruning), got {threshold}")
+    if fmt is None:
+        rounding = "nearest" if rounding is None else rounding
+        scale_format, scale_rounding = scale_format or "e8m0", scale_rounding or "floor"
+    else:
+        fmt, rounding, block_size, scale_format, scale_rounding = spell_out(fmt, rounding, block_size, scale_format,
+                                                                            scale_rounding)
     if rounding not in ROUNDING_CODES:
         raise ValueError(f"rounding must be one of {sorted(ROUNDING_CODES)}, got {rounding!r}")
     if not (scale > 0):

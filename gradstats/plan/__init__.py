@@ -31,11 +31,10 @@ from gradstats.plan._rules import (
                      SCALE_RULES,
                      THRESHOLD_RULES,
                      PlanEntry,
-                     Prediction,
-                     Provenance,
                      Rule,
                      amax_scale,
 )
+from gradstats.plan._values import Prediction, Provenance
 from gradstats.plan.checks import OVERFLOW_BOUND, Verification, verify
 from gradstats.plan.export import EXPORT_TARGETS
 

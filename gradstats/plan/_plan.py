@@ -11,17 +11,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from gradstats.formats import FPFormat
 from gradstats.layers import module_candidates
-from gradstats.plan._rules import (
-    _DEFAULT_RULE,
-    RULE_FIELDS,
-    PlanEntry,
-    Prediction,
-    Provenance,
-    Rule,
-    _check_keys,
-    _err,
-    _fields_to_json,
-)
+from gradstats.plan import _views
+from gradstats.plan._rules import RULE_FIELDS, PlanEntry, Rule, _fields_to_json
+from gradstats.plan._values import Provenance, _check_keys, _err
 from gradstats.scheme import Scheme
 
 if TYPE_CHECKING:
@@ -337,54 +329,7 @@ class Plan:
             2     2  LayerNorm    False
             3     3     Linear    False
         """
-        import pandas as pd
-        import torch.nn as nn
-
-        from gradstats.layers import LayerRecord, layer_records, why_not_matmul
-
-        rows = []
-        resolved = {name: (rule, idx) for name, rule, idx in self._resolve(target, strict=False)}
-        skip = self.output_layer_of(target)
-        pruned = self.pruned_layers_of(target)
-        owners = None
-        if isinstance(target, nn.Module):
-            from gradstats.wrappers import named_layers
-
-            owners = {n for n, m in named_layers(target) if any(True for _ in m.parameters(recurse=False))}
-        if isinstance(target, (list, tuple)):
-            records = [LayerRecord(str(n), (), None) for n in target]
-        else:
-            records = layer_records(target)
-        attention = {r.name for r in records if r.is_a("MultiheadAttention")}
-        recommended = self.provenance is not None and str(self.provenance.generator or "").startswith("recommend")
-        for r in records:
-            planned = r.name in resolved
-            if not planned and owners is not None and r.name not in owners:
-                continue
-            why = ""
-            rule_text = ""
-            if planned:
-                rule, _ = resolved[r.name]
-                rule_text = rule.describe()
-                if r.name.rpartition(".")[0] in attention and r.name.endswith(".out_proj"):
-                    why = ("never called as a module: MultiheadAttention applies its weights itself; the "
-                           "attention module's output is this projection's, and planning it covers it")
-                elif pruned is not None and r.name not in pruned and self.defaults.prunes and not rule.prunes:
-                    why = _not_pruned(self.prune_at)
-            elif r.name == skip:
-                why = "the output layer (the logits): left in full precision and unpruned (output_layer=)"
-            elif any(_entry_hits(e, r, types=True) for e in self.entries):
-                why = ("its rule leaves the gradient unchanged" if not (pruned is not None and self.defaults.prunes)
-                       else f"its rule only prunes, and prune_at={self.prune_at!r} prunes where the gradient "
-                            "enters a BatchNorm")
-            elif r.types and not r.matmul and (any(e.types is not None and _entry_hits(e, r, types=False)
-                                                   for e in self.entries) or recommended):
-                why = why_not_matmul(r)     # recommend selects the matmul layers, as the default does
-            else:
-                why = "no entry of the plan selects it"
-            rows.append({"layer": r.name, "type": r.types[0] if r.types else None, "planned": planned,
-                         "rule": rule_text, "why": why})
-        return pd.DataFrame(rows, columns=["layer", "type", "planned", "rule", "why"])
+        return _views.explain(self, target)
 
     def unplanned(self, target: Any) -> dict[str, str]:
         """The layers of ``target`` that own parameters but this plan leaves alone, with why
@@ -471,39 +416,7 @@ class Plan:
             0     0      0.85
             1     3       NaN
         """
-        import pandas as pd
-
-        rows = []
-        if target is None:
-            for i, e in enumerate(self.entries):
-                r = self._complete([e], f"layers[{i}]")
-                note = ""
-                if self.prune_at is not None and r.prunes and (e.is_pattern or "sparsity" not in e.overrides):
-                    if isinstance(e.predicted, Prediction):     # recommended: a threshold where it prunes
-                        if e.predicted.threshold is None:
-                            r, note = dataclasses.replace(r, sparsity=None), _not_pruned(self.prune_at)
-                    else:
-                        note = (f"prune_at={self.prune_at!r}: pruned where the gradient enters a BatchNorm "
-                                "(to_dataframe(model) shows each layer)")
-                rows.append({"layer": e.layer, "match": _kind(e), "types": list(e.types) if e.types else None,
-                             **_rule_row(r), "sparsity_note": note})
-        else:
-            for name, r, idx in self._resolve(target, strict=False):
-                dropped = not r.prunes and self._complete([self.entries[i] for i in idx], name).prunes
-                rows.append({"layer": name, "entries": idx, **_rule_row(r),
-                             "sparsity_note": _not_pruned(self.prune_at) if dropped else ""})
-        cols = ["layer", "match", "types"] if target is None else ["layer", "entries"]
-        cols += [*_rule_row(_DEFAULT_RULE), "sparsity_note"]
-        if self.noise:            # recommend bounded the noise: what each layer asked for, got, and why
-            per = {c["layer"]: c for c in self.noise}
-            for row in rows:
-                c = per.get(row["layer"], {})
-                row.update(requested_sparsity=c.get("requested_sparsity"), sparsity_reason=c.get("sparsity_reason", ""),
-                           predicted_noise=c.get("predicted_noise"), pruning_noise=c.get("pruning_noise"),
-                           noise_bound=self.noise_bound)
-            cols += ["requested_sparsity", "sparsity_reason", "predicted_noise", "pruning_noise", "noise_bound"]
-        df = pd.DataFrame(rows, columns=cols)
-        return df.astype({"bits": "Int64", "block_size": "Int64"})
+        return _views.to_dataframe(self, target)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document of the plan (see ``docs/plan-format.md``)."""
@@ -652,31 +565,3 @@ def _defaults_from_dict(d: Any) -> Rule:
         return Rule(**d)
     except ValueError as exc:
         raise _err("defaults", str(exc)) from None
-
-
-def _kind(e: PlanEntry) -> str:
-    return "regex" if e.layer.startswith("re:") else ("glob" if e.is_pattern else "exact")
-
-
-def _entry_hits(e: PlanEntry, record: Any, *, types: bool) -> bool:
-    """Whether ``e`` selects the layer ``record`` (by name alone with ``types=False``)."""
-    if not types or e.types is None:
-        return dataclasses.replace(e, types=None).matches(record.name)
-    return bool(record.types) and e.matches(record.name, record.types)
-
-
-def _not_pruned(prune_at: str | None) -> str:
-    """Why a layer a rule would prune is left unpruned (``Plan.explain``, ``Plan.to_dataframe``)."""
-    return f"not pruned: prune_at={prune_at!r} prunes where the gradient enters a BatchNorm"
-
-
-def _rule_row(r: Rule) -> dict[str, Any]:
-    p = r.predicted or Prediction()
-    return {"format": None if r.format is None else str(r.format),
-            "bits": None if r.format is None else r.format.bits,
-            "scale": r.scale, "scale_value": r.scale_value, "rounding": r.rounding,
-            "block_size": r.block_size, "scale_format": r.scale_format, "scale_rounding": r.scale_rounding,
-            "sparsity": r.sparsity,
-            "threshold_rule": r.threshold_rule, "mu": p.mu, "sigma": p.sigma, "p0": p.p0,
-            "predicted_error": p.error, "predicted_sparsity": p.sparsity,
-            "predicted_scale": p.scale, "predicted_threshold": p.threshold}

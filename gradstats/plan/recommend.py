@@ -32,195 +32,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
-from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
+from gradstats.fpanalysis.granularity import GRANULARITIES, Layout, granularity_layout
 from gradstats.fpanalysis.training import FLUSH_BOUND
 from gradstats.noise.predict import NOISE_BOUND
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
+from gradstats.plan._statistics import Steps, _Moments, _moments, _select_layers, layer_moments
 from gradstats.run import as_run
-from gradstats.stats import lognormal_moments, merge_stats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["recommend", "layer_moments", "GRANULARITIES"]
+__all__ = ["recommend", "recommend_each", "layer_moments", "GRANULARITIES", "FORMAT_RULES"]
 
-#: ``granularity=`` values: one scale per tensor, or shared-scale blocks (MX: 32 elements with
-#: an E8M0 power-of-two scale; NVFP4: 16 elements with an E4M3 scale); an int is a block size
-#: with E8M0 scales
-GRANULARITIES = ("tensor", "mx", "nvfp4")
+#: ``format_rule=`` values: the closed forms in each layer's lognormal fit, or its binade histogram
+FORMAT_RULES = ("lognormal", "histogram")
 #: what ``sparsity="auto"`` asks for before the noise bound lowers it per layer
 AUTO_SPARSITY = 0.99
-_BLOCKS = {"tensor": (None, None), "mx": (32, "e8m0"), "nvfp4": (16, "e4m3")}
 #: rounding modes the format analysis predicts
 from gradstats.formats import PREDICTED_ROUNDINGS as _ROUNDINGS  # noqa: E402
-
-#: ``steps=``: 'latest' (or None), an int, a range or slice, or a list of steps
-Steps = Union[None, str, int, range, slice, Sequence[int]]
-
-
-@dataclass(frozen=True)
-class _Moments:
-    layers: list[str]
-    mu: np.ndarray
-    sigma: np.ndarray
-    p0: np.ndarray
-    amax: np.ndarray        # the maximum of one captured tensor (median over the captures)
-    rows: list[dict[str, Any]]
-    steps: tuple[int, int]
-
-
-def _steps_filter(df, steps: Steps):
-    """Rows of the statistics frame used for ``steps`` (:mod:`gradstats.run.select`'s grammar, and
-    ``"latest"``: each layer's latest step) and a description of the choice."""
-    from gradstats.run.select import select_steps
-
-    if steps is None or (isinstance(steps, str) and steps == "latest"):
-        last = df.groupby("layer")["step"].transform("max")
-        return df[df["step"] == last], "the latest step of each layer"
-    if isinstance(steps, str) or isinstance(steps, bool):
-        raise ValueError(f"steps must be 'latest' (each layer's latest step), an int, a range or slice, or a "
-                         f"list of steps; got {steps!r}")
-    chosen = select_steps(sorted(int(v) for v in df["step"].unique()), steps)
-    what = f"step {chosen[0]}" if len(chosen) == 1 else f"steps {chosen[0]}..{chosen[-1]} ({len(chosen)})"
-    return df[df["step"].isin(chosen)], what
-
-
-def _select_layers(run, layers: str | Sequence[str] | None) -> list[str]:
-    info = run.layer_info()
-    names = [str(n) for n in info["name"]] if len(info) else []
-    if layers is None:
-        from gradstats.layers import matmul_layers
-
-        chosen = matmul_layers(info)
-        if not chosen:
-            raise ValueError(f"the run at {run.path} traced no matmul layer (convolution, linear, Conv1D, "
-                             f"attention; its layers: {names}); pass layers= (names or globs) to choose among "
-                             "them, or gradstats.layers.register_matmul_type() for a custom type")
-        return chosen
-    from gradstats.run.select import layer_matcher
-
-    pats = [layers] if isinstance(layers, (str, re.Pattern)) else list(layers)
-    if not pats or not all(isinstance(p, (str, re.Pattern)) for p in pats):
-        raise ValueError(f"layers must be None, a glob, 're:PATTERN', a compiled regex, or a non-empty list of "
-                         f"them, got {layers!r}")
-    chosen: set[str] = set()
-    for p in pats:                      # each pattern must match: a typo is an error, not a silent no-op
-        match = layer_matcher(p)
-        hit = [n for n in names if match(n)]
-        if not hit:
-            raise ValueError(f"layers: {getattr(p, 'pattern', p)!r} matches no traced layer of the run "
-                             f"(its layers: {names})")
-        chosen.update(hit)
-    return [n for n in names if n in chosen]
-
-
-def layer_moments(run: Any, *, steps: Steps = "latest", layers: str | Sequence[str] | None = None,
-                  kind: str = "grad") -> "Any":
-    """Per-layer ``mu``, ``sigma`` (of ``ln|g|``), ``p0`` and the merged statistics a
-    recommendation is made from, as a DataFrame (one row per layer, calls and ranks merged):
-    ``amax`` is the largest ``|g|`` of all the captures merged, ``numel`` and
-    ``amax_per_capture`` the size and (median) maximum of one captured tensor, which the format
-    predictions are conditioned on.
-
-    ``steps``: ``"latest"`` (each layer's latest captured step), an int, a ``range`` or ``slice``,
-    or a list of steps, merged (:mod:`gradstats.run.select`). ``layers``: ``None`` for every traced
-    convolution and linear layer, or names/globs.
-
-    Example:
-        >>> import tempfile, torch, gradstats
-        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
-        >>> with gradstats.trace(m, tempfile.mkdtemp()) as t:
-        ...     for _ in range(2):
-        ...         m(torch.randn(8, 4)).square().sum().backward(); t.step()
-        >>> df = layer_moments(t.path, steps=range(2))
-        >>> list(df.columns[:5]), int(df["n"][0])
-        (['layer', 'mu', 'sigma', 'p0', 'amax'], 64)
-    """
-    import pandas as pd
-
-    mom = _moments(as_run(run), steps=steps, layers=layers, kind=kind, skip_empty=False)
-    rows = []
-    for name, mu, sigma, p0, row in zip(mom.layers, mom.mu, mom.sigma, mom.p0, mom.rows):
-        rows.append({"layer": name, "mu": mu, "sigma": sigma, "p0": p0, "amax": row["max_abs"],
-                     "first_step": row["first_step"],
-                     "last_step": row["last_step"], **{k: v for k, v in row.items() if k not in
-                                                        ("first_step", "last_step")}})
-    return pd.DataFrame(rows)
-
-
-def _moments(run, *, steps: Steps, layers, kind: str, skip_empty: bool = True) -> _Moments:
-    names = _select_layers(run, layers)
-    df = run.stats(kinds=[kind])
-    if len(df) == 0:
-        raise ValueError(f"the run at {run.path} has no {kind!r} statistics yet (no committed steps)")
-    df = df[df["layer"].isin(names)]
-    sel, what = _steps_filter(df, steps)
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for rec in sel.to_dict("records"):  # one conversion: per-group conversions dominate otherwise
-        groups.setdefault(rec["layer"], []).append(rec)
-    missing = [n for n in names if n not in groups]
-    if missing:
-        have = sorted(df[df["layer"] == missing[0]]["step"].unique().tolist())
-        raise ValueError(f"no {kind!r} statistics at {what} for layers {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}; layer {missing[0]!r} has steps "
-                         f"{have[:10]}{' ...' if len(have) > 10 else ''}")
-    out_layers, mus, sigmas, p0s, amaxs, rows, empty = [], [], [], [], [], [], []
-    nonfinite: dict[str, list[int]] = {}       # layers left out whose gradients were NaN/inf: at which steps
-    lo, hi = math.inf, -math.inf
-    for n in names:
-        g = groups[n]
-        m = merge_stats(g)
-        s0, s1 = min(int(r["step"]) for r in g), max(int(r["step"]) for r in g)
-        m["first_step"], m["last_step"] = s0, s1
-        m["numel"] = m["n"] / len(g)                     # elements of one captured tensor
-        # and its maximum: apply conditions on each tensor's own amax, so the predictions take a
-        # typical capture's maximum with that tensor's size (not the maximum over all captures,
-        # which is the extreme of len(g) tensors)
-        m["amax_per_capture"] = float(np.nanmedian([float(r["max_abs"]) for r in g]))
-        mu, sigma = lognormal_moments(m)
-        if skip_empty and not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
-            bad = sorted({int(r["step"]) for r in g if r.get("n_nonfinite", 0) > 0})
-            if bad:
-                nonfinite[n] = bad
-            else:
-                empty.append(n)
-            continue
-        lo, hi = min(lo, s0), max(hi, s1)
-        out_layers.append(n)
-        mus.append(mu)
-        sigmas.append(sigma)
-        p0s.append(m["n_zero"] / m["n"] if m["n"] else math.nan)
-        amaxs.append(m["amax_per_capture"])
-        rows.append(m)
-    if empty:
-        log.warning("no recommendation for layers %s: their gradients have no spread at %s (all zero, "
-                    "or one magnitude), so there is nothing to fit", empty, what)
-    if nonfinite:
-        said = "; ".join(f"{n} at steps {b[:6]}{' ...' if len(b) > 6 else ''}" for n, b in nonfinite.items())
-        log.warning("no recommendation for layers %s: their gradients were NaN/inf (%s; a diverged loss?), so "
-                    "there is nothing to fit; choose steps before the divergence with steps=", list(nonfinite), said)
-    if not out_layers:
-        if nonfinite:
-            raise ValueError(f"no layer of the run at {run.path} has finite gradients with a spread at {what}: the "
-                             f"gradients were NaN/inf ({said}); pass steps= before the loss diverged")
-        raise ValueError(f"no layer of the run at {run.path} has non-zero gradients with a spread at {what}")
-    return _Moments(out_layers, np.array(mus), np.array(sigmas), np.array(p0s), np.array(amaxs), rows,
-                    (int(lo), int(hi)) if out_layers else (0, 0))
-
-
-def _granularity(granularity: Any) -> tuple[int | None, str | None]:
-    if isinstance(granularity, (int, np.integer)) and not isinstance(granularity, bool):
-        if granularity < 1:
-            raise ValueError(f"granularity as a block size must be a positive int, got {granularity}")
-        return int(granularity), "e8m0"
-    if granularity not in _BLOCKS:
-        raise ValueError(f"granularity must be one of {list(GRANULARITIES)} or a block size (int), got "
-                         f"{granularity!r}")
-    return _BLOCKS[granularity]
 
 
 def _bits_list(bits: Any) -> tuple[list[int], bool]:
@@ -284,7 +116,9 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | str | None = None,
             records (``trace(noise=False)``, or an old run) is not bounded, with a warning.
         granularity: ``"tensor"`` (one optimal power-of-two scale per tensor, scale rule
             ``"lognormal"``), ``"mx"`` (blocks of 32, E8M0 scales), ``"nvfp4"`` (blocks of 16,
-            E4M3 scales), or a block size; block-scaled plans use the ``"amax"`` scale rule.
+            E4M3 scales), or a block size N (blocks of N with E8M0 scales), read by
+            :func:`gradstats.fpanalysis.granularity.granularity_layout`; block-scaled plans use the
+            ``"amax"`` scale rule.
         rounding: ``"nearest"`` or ``"stochastic"`` (the errors are predicted for it), or None
             (default): per layer, what the objective chooses (``objective="training"`` with
             per-tensor scales); otherwise stochastic for 6 bits or fewer, nearest above.
@@ -433,10 +267,11 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
             raise ValueError(f"sparsity must be a number in [0, 1), 'auto' or None, got {sparsity!r}")
         sparsity = float(sparsity)
     Rule(threshold_rule=threshold_rule)  # validates the rule name
-    if model not in ("lognormal", "histogram"):
-        raise ValueError(f"format_rule must be 'lognormal' or 'histogram', got {model!r}")
+    if model not in FORMAT_RULES:
+        raise ValueError(f"format_rule must be one of {list(FORMAT_RULES)}, got {model!r}")
     granularity = _candidate_granularity(candidates, granularity)
-    block_size, scale_format = _granularity(granularity)
+    layout = granularity_layout(granularity)
+    block_size, scale_format = layout.block_size, layout.scale_format_name
     cands = _candidates(fpanalysis, candidates, widths, granularity)
     if model == "histogram" and block_size is not None:
         raise ValueError("format_rule='histogram' chooses per-tensor formats and scales; block-scaled plans "
@@ -566,17 +401,18 @@ def _candidate_granularity(candidates: Any, granularity: Any) -> Any:
     if candidates is None or isinstance(candidates, str):
         return granularity
     schemes = [Scheme.parse(c) for c in candidates if names_scheme(c)]
-    layouts = {(c.block_size, c.scale_format_name) for c in schemes}
+    layouts = {Layout.of(c) for c in schemes}
     if not layouts:
         return granularity
     bad = [str(c) for c in schemes if c.rounding != "nearest" or c.scale_rounding not in (None, "floor")]
     if len(layouts) > 1 or bad:
         raise ValueError(f"candidates {[str(c) for c in schemes]} must share one block layout and set no rounding "
                          f"({bad or 'layouts differ'}): recommend one layout at a time, and pass rounding= instead")
-    (bs, sf), = layouts
-    g = next((k for k, v in _BLOCKS.items() if v == (bs, sf)), bs if sf == "e8m0" else None)
-    if g is None or (granularity != "tensor" and _granularity(granularity) != (bs, sf)):
-        raise ValueError(f"candidates {[str(c) for c in schemes]} use {sf} blocks of {bs}, which granularity="
+    layout, = layouts
+    g = layout.name or (layout.block_size if granularity_layout(layout.block_size) == layout else None)
+    if g is None or (granularity != "tensor" and granularity_layout(granularity) != layout):
+        raise ValueError(f"candidates {[str(c) for c in schemes]} use {layout.scale_format_name} blocks of "
+                         f"{layout.block_size}, which granularity="
                          f"{granularity!r} cannot express or contradicts: leave granularity out, or pick "
                          "candidates of that granularity")
     return g
@@ -624,10 +460,10 @@ def _choose(fpanalysis, bits: int, mom: _Moments, *, rounding: str, block_size: 
     # per-tensor scales are chosen for each tensor given its observed maximum: the lognormal's
     # tail beyond amax does not exist in the data, and without this condition the MSE-optimal
     # scale of a wide layer chases it and flushes every real value to zero
-    cond = {} if block_size is not None else {
+    cond = {"scale_format": scale_format} if block_size is not None else {
         "amax": mom.amax, "numel": np.array([r["numel"] for r in mom.rows], dtype=np.float64)}
     res = fpanalysis.best_format(bits, mu=mom.mu, sigma=mom.sigma, p0=mom.p0, candidates=candidates,
-                                 block_size=block_size, rounding=rounding, scale_format=scale_format or "e8m0",
+                                 block_size=block_size, rounding=rounding,
                                  names=mom.layers, **cond)
     fmts = res.format
     if not isinstance(fmts, list):  # one layer given as a scalar

@@ -131,3 +131,27 @@ def test_gain_error_and_bias_sums_agree_between_the_kernel_and_the_composed_path
             assert abs(c.gain - 1) < 5 * c.gain_se
         else:                   # the pruned values rounded up to a = 1.024 / 2**10 round to nearest 1.0: a shrinkage
             assert c.gain < 1 - 5 * c.gain_se
+
+
+@pytest.mark.parametrize("preset", ["nvfp4", "mxfp8_e4m3", "mxfp4", "mxfp6_e3m2:rounding=stochastic",
+                                    "mxfp8_e5m2:scale_rounding=rceil"])
+def test_a_scheme_in_place_of_the_format_equals_its_spelled_out_keywords(preset):
+    """prune_quantize takes a scheme or a preset name where it takes a format, as quantize does: bit
+    for bit the call with the scheme's fields spelled out, pruning and counts included."""
+    from gradstats.scheme import Scheme
+
+    x = lognormal(8_192, sigma=2.0).reshape(64, 128)
+    s = Scheme.parse(preset)
+    kw = s.quantize_kwargs()
+    ref, c_ref = prune_quantize(x, 0.05, kw.pop("fmt"), seed=7, **kw)
+    for fmt in (preset, s):
+        got, c = prune_quantize(x, 0.05, fmt, seed=7)
+        same = (ref.view(torch.int32) == got.view(torch.int32)) | (ref.isnan() & got.isnan())
+        assert bool(same.all()), preset
+        assert c == c_ref
+    # a keyword given replaces the scheme's field, as in quantize
+    a, _ = prune_quantize(x, 0.0, "nvfp4", rounding="stochastic", seed=3)
+    b, _ = prune_quantize(x, 0.0, "e2m1fn", rounding="stochastic", seed=3, block_size=16, scale_format="e4m3")
+    assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    with pytest.raises(ValueError, match="block_size"):
+        prune_quantize(x, 0.0, "nvfp4", block_size=0)
