@@ -132,3 +132,11 @@ def test_importing_the_apply_module_keeps_the_verb():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert callable(gradstats.apply) and gradstats.apply is module.apply
+
+
+def test_no_module_is_over_600_lines():
+    """A module that grows past 600 lines is split along a seam (docs/architecture.md)."""
+    root = Path(__file__).resolve().parents[1] / "gradstats"
+    long = {str(p.relative_to(root)): n for p in sorted(root.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"modules over 600 lines: {long}"
