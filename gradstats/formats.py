@@ -44,12 +44,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FPFormat", "parse", "parse_list", "REGISTRY", "SPECIALS", "amax_scale", "ROUNDINGS",
+__all__ = ["FPFormat", "parse", "parse_list", "REGISTRY", "SPECIALS", "amax_scale", "ROUNDINGS", "ROUNDING_CODES",
            "PREDICTED_ROUNDINGS", "OVERFLOWS"]
 
 SPECIALS = ("ieee", "fn", "fnuz", "fnu")
 #: the rounding modes of quantisation (:func:`gradstats.quantize`), the one list every stage uses
 ROUNDINGS = ("nearest", "stochastic", "toward_zero")
+#: the integer code of each rounding mode that the kernels (C, Triton) take: its index in :data:`ROUNDINGS`
+ROUNDING_CODES = {name: code for code, name in enumerate(ROUNDINGS)}
 #: the rounding modes whose error, bias and underflow the analysis predicts (fpanalysis, recommend, what-if)
 PREDICTED_ROUNDINGS = ("nearest", "stochastic")
 #: what quantisation does with values beyond the format's largest (:func:`gradstats.quantize`)

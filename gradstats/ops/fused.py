@@ -28,13 +28,10 @@ from typing import Any, Optional, Union
 
 import torch
 
-from gradstats.formats import ROUNDINGS, FPFormat
+from gradstats.formats import ROUNDING_CODES, FPFormat
 from gradstats.ops import random as _rng
 from gradstats.ops.quantization import spell_out
 from gradstats.scheme import Scheme
-
-#: the kernels' rounding codes: the position in :data:`gradstats.formats.ROUNDINGS`
-ROUNDING_CODES = {name: code for code, name in enumerate(ROUNDINGS)}
 
 
 @dataclass(frozen=True)

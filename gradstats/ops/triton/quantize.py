@@ -16,7 +16,7 @@ on the CPU under ``TRITON_INTERPRET=1`` and compares bit for bit. The kernel is 
 Example:
     >>> import torch
     >>> from gradstats.ops.triton.quantize import supports
-    >>> from gradstats.formats import FPFormat
+    >>> from gradstats.formats import ROUNDING_CODES, FPFormat
     >>> supports(FPFormat.parse("e4m3fn")), supports(FPFormat.parse("e8m0fnu"))
     (True, False)
 """
@@ -28,7 +28,7 @@ from typing import Optional, Union
 
 import torch
 
-from gradstats.formats import FPFormat
+from gradstats.formats import ROUNDING_CODES, FPFormat
 from gradstats.ops.triton import interpreting, triton_available
 
 try:  # the kernel body refers to ``tl``; it is only compiled when Triton is installed
@@ -39,7 +39,6 @@ except Exception:  # pragma: no cover - depends on the installation
 __all__ = ["supports", "quantize_triton", "BLOCK"]
 
 BLOCK = 1024
-_ROUNDING = {"nearest": 0, "stochastic": 1, "toward_zero": 2}
 
 
 def supports(fmt: FPFormat) -> bool:
@@ -215,7 +214,7 @@ def quantize_triton(
         _kernel(interpreting())[grid](
             xf[pos:pos + m], yf[pos:pos + m], S, RB[pos:pos + m] if key_mode == 2 else RB, pos, m, scale_f,
             s_div, s_mod, k1, k2,
-            M=c.M, MSUB=c.Msub, E0F=c.E0F, MAXBITS=c.MAXBITS, OVFBITS=ovf, ROUNDING=_ROUNDING[rounding],
+            M=c.M, MSUB=c.Msub, E0F=c.E0F, MAXBITS=c.MAXBITS, OVFBITS=ovf, ROUNDING=ROUNDING_CODES[rounding],
             SCALE_MODE=mode, SCALE_DIV=bool(scale_div), KEY_MODE=key_mode, FNUZ=fmt.special == "fnuz",
             T_SUB=t_sub, SH_SUB=sh_sub, C0F=fmt.min_normal, BLOCK=BLOCK,
         )
