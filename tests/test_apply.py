@@ -878,3 +878,20 @@ def test_apply_config_is_the_keywords_as_one_value(tmp_path):
     with pytest.raises(ValueError, match="zero_calls must be None"):
         TrainingSession(None, plan=plan, zero_calls=0)                # checked when the callback is made
     assert TrainingSession(None, plan=plan, apply_seed=4).apply_config.seed == 4
+
+
+@pytest.mark.parametrize("rule", ["normal", "laplace"])
+def test_refresh_reads_the_family_scales_recommend_reads_from_a_gradient_with_zeros(rule):
+    """With exact zeros (ReLU), apply's normal and Laplace thresholds use the scale of the non-zero
+    magnitudes, as pruning.threshold does from the same statistics row: the same threshold."""
+    from gradstats import pruning
+    from gradstats.apply.refresh import LayerState, layer_stats, stats_update
+    from gradstats.pruning.rules import THRESHOLD_RULES
+    from gradstats.stats import tensor_stats, tensor_stats_vector
+
+    g = torch.randn(4096, generator=torch.Generator().manual_seed(0)).clamp_min(0) * 1e-3   # half zeros
+    st = LayerState()
+    stats_update(st, tensor_stats_vector(g), None)
+    mine = THRESHOLD_RULES[rule].threshold(0.8, layer_stats(st))
+    ref = float(pruning.threshold(0.8, tensor_stats(g), threshold_rule=rule))
+    assert mine == pytest.approx(ref, rel=1e-9)

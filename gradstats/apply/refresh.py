@@ -115,9 +115,14 @@ def layer_stats(st: LayerState, g: Optional[torch.Tensor] = None) -> LayerStats:
     exact rule). The model rules are conditioned on the running maximum and mean ``|g|`` where
     those are consistent: no threshold above the data."""
     cond = st.amax > 0 and math.isfinite(st.amax) and st.mean_abs <= st.amax
-    return LayerStats(mu=st.mu, sigma=max(st.sigma, 1e-6), p0=min(st.p0, 1 - 1e-9), scale_normal=st.rms,
-                      scale_laplace=st.mean_abs, amax=st.amax if cond else None,
-                      mean_abs=st.mean_abs if cond else None, hist=st.hist, tensor=g)
+    # the families describe the non-zero magnitudes (p0 apart), as pruning.threshold's scales do:
+    # E g^2 and E|g| over the non-zero entries, from the running means over all of them (exact
+    # without non-finite values, which raise their own alert)
+    nonzero = max(1.0 - st.p0, 1e-9)
+    return LayerStats(mu=st.mu, sigma=max(st.sigma, 1e-6), p0=min(st.p0, 1 - 1e-9),
+                      scale_normal=st.rms / math.sqrt(nonzero), scale_laplace=st.mean_abs / nonzero,
+                      amax=st.amax if cond else None, mean_abs=st.mean_abs if cond else None, hist=st.hist,
+                      tensor=g)
 
 
 def scale_for(rule: Any, st: LayerState) -> float:
