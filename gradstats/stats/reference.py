@@ -45,8 +45,8 @@ class Pass:
     take a path of plain arithmetic passes (boolean masks and ``log(0)`` are slow there).
 
     Attributes: ``n`` (elements), ``n_zero``, ``n_nonfinite`` (float64 tensors), ``xs`` and ``as_``
-    (``x`` and ``|x|`` with non-finite entries set to 0), ``lg`` (``ln|x|`` on non-zero finite
-    entries, 0 elsewhere); :attr:`hist`, :attr:`min_abs`, :attr:`max_abs`, :attr:`top` on demand.
+    (``x`` and ``|x|`` with non-finite entries set to 0); :attr:`log_sums`, :attr:`hist`,
+    :attr:`min_abs`, :attr:`max_abs`, :attr:`top` on demand.
 
     Example:
         >>> float(Pass(torch.tensor([0.0, 4.0])).max_abs)
@@ -69,7 +69,7 @@ class Pass:
             self.n_nz = s.sum(dtype=acc).to(_F64)
             self.n_zero = n - self.n_nz
             self.n_nonfinite = torch.zeros((), dtype=_F64)
-            self.lg = torch.log(a.clamp_min(_TINY)).mul_(s)
+            self._lg = torch.log(a.clamp_min(_TINY)).mul_(s)
             self.xs, self.as_ = x, a
             # smallest positive |x|: non-negative floats order as their bit patterns; zeros
             # (bits 0) become the largest int32 through the wrap of bits - 1
@@ -84,9 +84,17 @@ class Pass:
             self.n_nz = n - self.n_zero - self.n_nonfinite
             self.xs = torch.where(finite, x, 0.0)
             self.as_ = torch.where(finite, a, 0.0)
-            self.lg = torch.log(torch.where(nz, a, 1.0))
+            self._lg = torch.log(torch.where(nz, a, 1.0))
             self.amin = torch.where(nz, a, math.inf).min()
             self.has_sub = (not on_cpu) or int(counts[_SUBNORMAL_FIELD]) > int(self.n_zero)
+
+    @functools.cached_property
+    def log_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sums of ``ln|x|`` and of ``ln^2|x|`` over the non-zero finite entries: the logs are
+        summed, then squared in place (no second tensor of the input's size) and summed again."""
+        lg = self._lg
+        total = lg.sum()
+        return total, lg.square_().sum()
 
     @functools.cached_property
     def _nan(self) -> torch.Tensor:
