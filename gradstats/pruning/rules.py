@@ -198,16 +198,3 @@ def register(rule: ThresholdRule) -> ThresholdRule:
         raise ValueError(f"register() takes a named ThresholdRule, got {rule!r}")
     THRESHOLD_RULES[rule.name] = rule
     return rule
-
-
-def threshold_rule(name: str) -> ThresholdRule:
-    """The rule registered under ``name`` (a ``ValueError`` lists the names).
-
-    Example:
-        >>> threshold_rule("laplace").family
-        'laplace'
-    """
-    try:
-        return THRESHOLD_RULES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"threshold_rule must be one of {tuple(THRESHOLD_RULES)}, got {name!r}") from None
