@@ -234,9 +234,11 @@ def save_results(args: argparse.Namespace, name: str, table: pd.DataFrame, jobs:
         "environment": environment(), "table": table.to_dict("records"), "jobs": jobs.to_dict("records")})
 
 
-def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0, train_kw: dict | None = None) -> "Any":
-    """Trace the plain model for ``steps`` steps (statistics every step): the run that global scales
-    and recommendations are derived from."""
+def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0, train_kw: dict | None = None,
+              sample_every: list[int] | tuple[int, ...] = ()) -> "Any":
+    """Trace the plain model for ``steps`` steps (statistics every step; raw samples and noise
+    records on ``sample_every`` and the step after each): the run that global scales and
+    recommendations are derived from."""
     import atexit
     import shutil
 
@@ -246,7 +248,7 @@ def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0, train_
     task = prepare(model, seed=seed, **prepare_kw)
     path = Path(tempfile.mkdtemp(prefix=f"gradstats-calib-{model}-"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)      # the process's own scratch run
-    with gradstats.trace(task.model, path, every=1, sample_every=[], seed=seed) as tracer:
+    with gradstats.trace(task.model, path, every=1, sample_every=list(sample_every), seed=seed) as tracer:
         task.run(steps, **{"schedule": "cosine", "progress": False, **(train_kw or {})},
                  callback=lambda s, loss: tracer.step())
     return gradstats.open_run(path)

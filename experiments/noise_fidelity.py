@@ -40,22 +40,6 @@ PLANS = {"Plan.uniform(sparsity=0.85)": lambda path: gradstats.Plan.uniform(spar
          "recommend(sparsity='auto')": lambda path: gradstats.recommend(path, sparsity="auto")}
 
 
-class LSTMLM(nn.Module):
-    """Embedding, a Linear input projection, a one-layer LSTM, a Linear projection and the head."""
-
-    def __init__(self, vocab: int, d: int = 128) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.inp = nn.Linear(d, d)
-        self.lstm = nn.LSTM(d, d, batch_first=True)
-        self.proj = nn.Linear(d, d)
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, _ = self.lstm(torch.tanh(self.inp(self.embed(x))))
-        return self.head(torch.relu(self.proj(h)))
-
-
 def workload(name: str):
     """(model, optimizer, batch(), loss_fn(model, batch))."""
     torch.manual_seed(0)
@@ -81,7 +65,7 @@ def workload(name: str):
     text = load_shakespeare()
     v = len(text.vocab)
     model = {"transformer": lambda: build_model("transformer", seed=0, vocab_size=v),
-             "lstm": lambda: LSTMLM(v), "decoder": lambda: Decoder(v)}[name]()
+             "lstm": lambda: build_model("lstm", vocab_size=v), "decoder": lambda: Decoder(v)}[name]()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     def batch():

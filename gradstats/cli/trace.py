@@ -55,10 +55,12 @@ def load_data(name: str, model: str):
     from pathlib import Path
 
     from gradstats.zoo import data
+    from gradstats.zoo.models import TEXT_MODELS
 
-    if model == "transformer" or name == "shakespeare":
-        if model != "transformer":
-            raise ValueError("the shakespeare data trains the 'transformer' model; pass --model transformer")
+    if model in TEXT_MODELS or name == "shakespeare":
+        if model not in TEXT_MODELS:
+            raise ValueError("the shakespeare data trains a character model; pass --model "
+                             + " or --model ".join(sorted(TEXT_MODELS)))
         ds = data.load_shakespeare()
         return ds, None
     size = 32 if model == "resnet18" else None
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     train_set, test_set = load_data(args.data, args.model)
     log.info("data: %r", train_set)
-    kw = {"vocab_size": train_set.vocab_size} if args.model == "transformer" else {}
+    kw = {"vocab_size": train_set.vocab_size} if hasattr(train_set, "vocab_size") else {}
     model = build_model(args.model, seed=args.seed, **kw)
     opt = make_optimizer(model, args.optimizer, lr=args.lr)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())

@@ -8,6 +8,7 @@ name           model                                                    input
 ``resnet20``   CIFAR-style ResNet-20 (3 stages x 3 basic blocks)        ``(B, 1, 28, 28)``
 ``resnet18``   CIFAR-style ResNet-18 (4 stages x 2 basic blocks)        ``(B, 1, 32, 32)``
 ``transformer`` character-level GPT-style decoder                       ``(B, T)`` int64
+``lstm``       character-level LSTM language model (one LSTM layer)     ``(B, T)`` int64
 =============  =======================================================  ===================
 
 Every layer is its own submodule (attention projections, LayerNorms, MLP linears,
@@ -310,6 +311,40 @@ class CharTransformer(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class CharLSTM(nn.Module):
+    """Character-level LSTM language model: embedding, a Linear input projection (tanh), one LSTM
+    layer, a Linear projection (ReLU) and the LM head.
+
+    Input int64 token ids ``(B, T)`` with ``T <= seq_len``; output logits ``(B, T, vocab_size)``.
+    The recurrent model of the study (its gradients flow back through time, where the
+    transformer's and the CNNs' do not).
+
+    Example:
+        >>> m = CharLSTM(vocab_size=65, d_model=32, seq_len=16)
+        >>> m(torch.zeros(2, 16, dtype=torch.long)).shape
+        torch.Size([2, 16, 65])
+    """
+
+    def __init__(self, vocab_size: int = 128, d_model: int = 128, seq_len: int = 128) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.inp = nn.Linear(d_model, d_model)
+        self.lstm = nn.LSTM(d_model, d_model, batch_first=True)
+        self.proj = nn.Linear(d_model, d_model)
+        self.head = nn.Linear(d_model, vocab_size)
+        self.input_shape = (seq_len,)
+        self.vocab_size = vocab_size
+
+    def forward(self, idx: Tensor) -> Tensor:
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"expected int64 token ids of shape (B, T), got {tuple(idx.shape)} {idx.dtype}")
+        if idx.shape[1] > self.seq_len:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds the model's seq_len={self.seq_len}")
+        h, _ = self.lstm(torch.tanh(self.inp(self.embed(idx))))
+        return self.head(torch.relu(self.proj(h)))
+
+
 # ----------------------------------------------------------------------------- registry
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": MLP,
@@ -317,12 +352,16 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnet20": resnet20,
     "resnet18": resnet18,
     "transformer": CharTransformer,
+    "lstm": CharLSTM,
 }
 """Model constructors by name (see :func:`build_model`)."""
 
 DEFAULT_DATA = {"mlp": "fashion-mnist", "cnn": "fashion-mnist", "resnet20": "fashion-mnist",
-                "resnet18": "fashion-mnist", "transformer": "shakespeare"}  # fmt: skip
+                "resnet18": "fashion-mnist", "transformer": "shakespeare", "lstm": "shakespeare"}  # fmt: skip
 """The built-in dataset each model is meant for (``resnet18`` wants it padded to 32x32)."""
+
+TEXT_MODELS = frozenset(name for name, data in DEFAULT_DATA.items() if data == "shakespeare")
+"""The models that take character ids (the others take images)."""
 
 
 def list_models() -> list[str]:
@@ -330,7 +369,7 @@ def list_models() -> list[str]:
 
     Example:
         >>> list_models()
-        ['cnn', 'mlp', 'resnet18', 'resnet20', 'transformer']
+        ['cnn', 'lstm', 'mlp', 'resnet18', 'resnet20', 'transformer']
     """
     return sorted(MODELS)
 
@@ -368,6 +407,6 @@ def example_input(model: nn.Module, batch_size: int = 2, *, generator: torch.Gen
     shape = getattr(model, "input_shape", None)
     if shape is None:
         raise ValueError(f"{type(model).__name__} has no input_shape; not a built-in model")
-    if isinstance(model, CharTransformer):
+    if isinstance(model, (CharTransformer, CharLSTM)):
         return torch.randint(0, model.vocab_size, (batch_size, *shape), generator=generator)
     return torch.randn(batch_size, *shape, generator=generator)

@@ -342,6 +342,7 @@ RECOMMENDED: dict[str, dict] = {
     "resnet20": {"optimizer": "sgd", "lr": 0.05, "batch_size": 128},
     "resnet18": {"optimizer": "sgd", "lr": 0.05, "batch_size": 128},
     "transformer": {"optimizer": "adamw", "lr": 3e-3, "batch_size": 32, "seq_len": 128, "warmup": 30},
+    "lstm": {"optimizer": "adamw", "lr": 3e-3, "batch_size": 32, "seq_len": 128, "warmup": 30},
 }
 """Training settings that work for each built-in model on its built-in data (see :func:`prepare`)."""
 
@@ -417,23 +418,24 @@ def prepare(
         3
     """
     from gradstats.zoo.data import load_data, load_images
-    from gradstats.zoo.models import DEFAULT_DATA, build_model, list_models
+    from gradstats.zoo.models import DEFAULT_DATA, TEXT_MODELS, build_model, list_models
 
     if name not in RECOMMENDED:
         raise ValueError(f"unknown model {name!r}; expected one of {list_models()}")
     data = data or DEFAULT_DATA[name]
     hparams = {**RECOMMENDED[name], "seed": seed}
     if data == "shakespeare":
-        if name != "transformer":
-            raise ValueError(f"model {name!r} takes images; the shakespeare data needs model 'transformer'")
+        if name not in TEXT_MODELS:
+            raise ValueError(f"model {name!r} takes images; the shakespeare data needs a character model "
+                             f"({' or '.join(repr(m) for m in sorted(TEXT_MODELS))})")
         train_data = load_data("shakespeare", root)
         model_kw.setdefault("vocab_size", train_data.vocab_size)
         model_kw.setdefault("seq_len", hparams["seq_len"])
         hparams["seq_len"] = model_kw["seq_len"]
         test_data = None
     else:
-        if name == "transformer":
-            raise ValueError(f"model 'transformer' takes characters; use data='shakespeare', not {data!r}")
+        if name in TEXT_MODELS:
+            raise ValueError(f"model {name!r} takes characters; use data='shakespeare', not {data!r}")
         size = 32 if name == "resnet18" else 28
         kw: dict = {"size": size, "source": source}
         train_data = load_images(data, root, split="train", **kw, **({"subset": subset} if subset else {}))

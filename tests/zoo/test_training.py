@@ -125,6 +125,10 @@ def test_prepare_picks_data_and_settings_per_model():
         prepare("cnn", data="shakespeare")
     with pytest.raises(ValueError, match="takes characters"):
         prepare("transformer", data="fashion-mnist")
+    lstm = prepare("lstm", d_model=16, seq_len=16)
+    assert lstm.model.vocab_size == 76 and lstm.run(2, batch_size=4, progress=False).steps == 2
+    with pytest.raises(ValueError, match="'lstm' takes characters"):
+        prepare("lstm", data="digits")
     with pytest.raises(ValueError, match="only as the committed subset"):
         prepare("mlp", data="digits", source="full")
     assert prepare("mlp", data="digits", subset=50).train_data.class_counts() == [5] * 10
