@@ -30,6 +30,7 @@ import torch
 
 from gradstats.formats import ROUNDING_CODES, FPFormat
 from gradstats.ops import random as _rng
+from gradstats.ops.engine import use_native
 from gradstats.ops.quantization import spell_out
 from gradstats.scheme import Scheme
 
@@ -160,7 +161,7 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
     elif stochastic:
         seed = _rng.draw_seed(generator)
     n = x.numel()
-    fn = _native() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    fn = _native() if use_native(x.device.type) and x.dtype == torch.float32 else None
     if fn is not None and block_size is None and _native_ok(fmt, scale) and n > 0:
         xc = x.contiguous()
         res = out if out is not None and out.is_contiguous() else torch.empty_like(xc)

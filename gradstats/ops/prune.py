@@ -18,8 +18,8 @@ import torch
 
 from gradstats.ops import cpu as _cpu
 from gradstats.ops import random as _rng
+from gradstats.ops.engine import use_native, use_triton
 from gradstats.ops.triton import prune as kprune
-from gradstats.ops.triton import use_triton
 
 __all__ = ["stochastic_prune", "hard_prune", "check_tensor", "check_out", "check_generator"]
 
@@ -113,7 +113,7 @@ def stochastic_prune(x: torch.Tensor, threshold: float, *, generator: torch.Gene
             out.copy_(x)
         return out
     dev = x.device.type
-    if dev == "cpu" and x.dtype in (torch.float32, torch.float64) and not use_triton("cpu"):
+    if use_native(dev) and x.dtype in (torch.float32, torch.float64):
         xc = x.detach().contiguous().reshape(-1)
         direct = out is not None and out.is_contiguous()
         res = out if direct else torch.empty_like(xc)

@@ -39,11 +39,11 @@ from gradstats import _threads
 from gradstats.formats import OVERFLOWS, ROUNDINGS, FPFormat, parse
 from gradstats.ops.consts import _BF16, _EXP, _FP16, _FP32
 from gradstats.ops.consts import consts as _consts
+from gradstats.ops.engine import use_triton
 from gradstats.ops.random import hash_bits as _hash_bits
 from gradstats.ops.random import iota as _iota
 from gradstats.ops.random import resolve_seed as _resolve_seed
 from gradstats.ops.random import rounding_stream as _round_stream
-from gradstats.ops.triton import use_triton
 from gradstats.scheme import E4M3, SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme
 
 __all__ = ["quantize", "spell_out", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS",

@@ -28,6 +28,7 @@ def _sample(n: int, seed: int, device: str = "cpu", p0: float = 0.2) -> torch.Te
 @pytest.fixture
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("GRADSTATS_ENGINE", "triton")
     yield
 
 

@@ -23,6 +23,7 @@ FORMATS = [parse("e5m2"), parse("e4m3fn"), parse("e4m3fnuz"), parse("e2m1fn"), p
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("GRADSTATS_ENGINE", "triton")
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     with warnings.catch_warnings():
@@ -100,6 +101,7 @@ def test_block_scaling_through_the_kernel(scale_format, monkeypatch):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 72, generator=g) * torch.exp2(torch.randint(-8, 8, (4, 1), generator=g).float())
     got = Q.quantize(x, "e2m1fn", block_size=16, scale_format=scale_format)
+    monkeypatch.delenv("GRADSTATS_ENGINE", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch path for the reference
     want = Q.quantize(x, "e2m1fn", block_size=16, scale_format=scale_format)
     assert same_bits(got, want)
@@ -119,6 +121,7 @@ def test_scale_index_patterns():
 @pytest.mark.gpu
 def test_cuda_kernel_matches_torch_path(monkeypatch):
     """GPU twin of test_kernel_matches_torch_path_bit_for_bit (runs where CUDA is available)."""
+    monkeypatch.delenv("GRADSTATS_ENGINE", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = probe(1 << 16).cuda()
     for fmt in FORMATS:

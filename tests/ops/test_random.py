@@ -39,6 +39,7 @@ def interpret(monkeypatch):
     if not triton_available():
         pytest.skip("Triton is not installed")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("GRADSTATS_ENGINE", "triton")
 
 
 def sample(n: int, a: float, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -304,6 +305,7 @@ def test_triton_stochastic_rounding_equals_the_reference(interpret, fmt):
     x = _qsample(64 * 8, 6).reshape(8, 64)
     got = quantize(x, fmt, rounding="stochastic", seed=3, block_size=32)
     with pytest.MonkeyPatch.context() as m:
+        m.delenv("GRADSTATS_ENGINE", raising=False)
         m.setenv("TRITON_INTERPRET", "0")  # the torch path
         assert same(got, quantize(x, fmt, rounding="stochastic", seed=3, block_size=32))
 

@@ -24,10 +24,9 @@ def interpreting() -> bool:
 
 
 def use_triton(device_type: str) -> bool:
-    """Whether a tensor on ``device_type`` should go through a Triton kernel: on CUDA when
-    Triton is installed, and on the CPU only under the interpreter (for tests)."""
-    if not triton_available():
-        return False
-    if device_type == "cuda":
-        return True
-    return device_type == "cpu" and interpreting()
+    """Whether a tensor on ``device_type`` goes through a Triton kernel: what
+    :func:`gradstats.ops.engine.active_engine` says (CUDA with Triton installed; the CPU under
+    ``GRADSTATS_ENGINE=triton`` and ``TRITON_INTERPRET=1``)."""
+    from gradstats.ops.engine import use_triton as engine_says
+
+    return engine_says(device_type)

@@ -1,0 +1,107 @@
+"""Which engine runs the tensor passes (statistics, pruning, quantisation, the fused operator) for
+tensors of a device: the one switch, ``GRADSTATS_ENGINE``.
+
+============  ==================================================================================
+``native``    the CPU engines for CPU tensors (the default there): the C kernels of
+              :mod:`gradstats.ops.native`, numpy (:mod:`gradstats.ops.cpu`) without a C compiler;
+              CUDA tensors keep their default, Triton
+``torch``     the torch reference path on every device (a sequence of torch operations)
+``triton``    the Triton kernels (the default for CUDA tensors when Triton is installed); CPU
+              tensors take them too under Triton's interpreter (``TRITON_INTERPRET=1``): exactly
+              the code path of CUDA tensors, statistics, pruning, quantisation, apply's refresh
+              and counts and the tracer's copies, which is how the tests check the device path
+              on a machine without a GPU
+============  ==================================================================================
+
+Unset, each device gets its default: ``native`` on the CPU, ``triton`` on CUDA (``torch`` without Triton). The variable is read at each call (tests and
+notebooks may change it between calls).
+
+Example:
+    >>> active_engine("cpu") in ENGINES
+    True
+"""
+from __future__ import annotations
+
+import os
+
+#: the engines, by name
+ENGINES = ("native", "torch", "triton")
+#: the environment variable that picks one
+ENV = "GRADSTATS_ENGINE"
+
+
+def requested_engine() -> str | None:
+    """The engine ``GRADSTATS_ENGINE`` asks for (None: unset or empty, every device's default).
+
+    Example:
+        >>> import os
+        >>> os.environ.get(ENV) is None or requested_engine() in ENGINES
+        True
+    """
+    name = os.environ.get(ENV, "").strip().lower()
+    if not name:
+        return None
+    if name not in ENGINES:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r} names no engine: expected one of {', '.join(ENGINES)} "
+                         f"(or leave it unset for each device's default)")
+    return name
+
+
+def active_engine(device_type: str) -> str:
+    """The engine that runs the passes over a tensor on ``device_type`` (``"cpu"``, ``"cuda"``, ...):
+    ``"native"``, ``"torch"`` or ``"triton"`` (see the module's docstring).
+
+    ``GRADSTATS_ENGINE=triton`` on the CPU needs Triton's interpreter (``TRITON_INTERPRET=1``) and
+    Triton installed: a clear error says so otherwise, rather than a silent fall-back to another
+    path than the one asked for.
+
+    Example:
+        >>> import os
+        >>> os.environ.pop("GRADSTATS_ENGINE", None) is None or True
+        True
+        >>> active_engine("cuda") in ("triton", "torch")
+        True
+    """
+    from gradstats.ops.triton import interpreting, triton_available
+
+    asked = requested_engine()
+    if device_type == "cuda":
+        if asked == "torch" or not triton_available():
+            return "torch"
+        return "triton"
+    if device_type != "cpu":
+        return "torch"                         # mps, xpu...: the reference path
+    if asked == "triton":
+        if not triton_available():
+            raise ValueError(f"{ENV}=triton needs the triton package (pip install triton), which is not "
+                             "importable here; unset it for the C kernels")
+        if not interpreting():
+            raise ValueError(f"{ENV}=triton on CPU tensors runs Triton's interpreter: set TRITON_INTERPRET=1 "
+                             "too (before the first kernel is built), or unset it for the C kernels")
+        return "triton"
+    if asked == "torch":
+        return "torch"
+    return "native"
+
+
+def use_triton(device_type: str) -> bool:
+    """Whether a tensor on ``device_type`` goes through the Triton kernels.
+
+    Example:
+        >>> use_triton("cpu") == (active_engine("cpu") == "triton")
+        True
+    """
+    return active_engine(device_type) == "triton"
+
+
+def use_native(device_type: str) -> bool:
+    """Whether a tensor on ``device_type`` goes through the C kernels (CPU tensors only).
+
+    Example:
+        >>> use_native("cuda")
+        False
+    """
+    return device_type == "cpu" and active_engine("cpu") == "native"
+
+
+__all__ = ["ENGINES", "ENV", "active_engine", "requested_engine", "use_triton", "use_native"]

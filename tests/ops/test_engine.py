@@ -1,0 +1,48 @@
+"""The engine switch: GRADSTATS_ENGINE and gradstats.ops.active_engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradstats.ops.engine import ENV, active_engine, use_native, use_triton
+from gradstats.ops.triton import triton_available
+
+
+def test_defaults_per_device(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")      # the interpreter alone does not change the CPU's engine
+    assert active_engine("cpu") == "native" and use_native("cpu") and not use_triton("cpu")
+    assert active_engine("cuda") == ("triton" if triton_available() else "torch")
+    assert active_engine("mps") == "torch" and not use_native("cuda")
+
+
+def test_torch_engine_everywhere(monkeypatch):
+    monkeypatch.setenv(ENV, "torch")
+    assert active_engine("cpu") == active_engine("cuda") == "torch"
+    from gradstats.stats import kernel_applies, tensor_stats_vector
+
+    x = torch.tensor([0.0, 1.5, -2.0, float("inf")])
+    assert not kernel_applies(x)                      # the C kernel is the native engine's
+    v = tensor_stats_vector(x)
+    monkeypatch.setenv(ENV, "native")
+    w = tensor_stats_vector(x)
+    assert torch.allclose(v, w, rtol=1e-6, equal_nan=True)     # one behaviour (sums to float32 rounding)
+    assert torch.equal(v[:3], w[:3]) and torch.equal(v[10:287], w[10:287])
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv(ENV, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        active_engine("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert active_engine("cpu") == "triton" and use_triton("cpu") and not use_native("cpu")
+
+
+def test_a_wrong_name_is_named(monkeypatch):
+    monkeypatch.setenv(ENV, "cuda")
+    with pytest.raises(ValueError, match="GRADSTATS_ENGINE='cuda' names no engine: expected one of native, torch, triton"):
+        active_engine("cpu")
+    monkeypatch.setenv(ENV, " Native ")
+    assert active_engine("cpu") == "native"
