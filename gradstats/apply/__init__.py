@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from gradstats.apply.alerts import Alerting
+from gradstats.apply.device import DevicePath, snapshot
 from gradstats.apply.refresh import LayerState, Refreshing, relative_error
 from gradstats.apply.settings import (
     _STATE_FIELDS,
@@ -72,6 +73,7 @@ from gradstats.apply.settings import (
     widen,
 )
 from gradstats.noise.record import sending_back
+from gradstats.ops.engine import use_triton
 from gradstats.ops.fused import prune_quantize
 from gradstats.wrappers import named_layers, unwrap
 
@@ -81,7 +83,7 @@ __all__ = ["apply", "Applied", "ApplyConfig", "Fallback", "widen", "ALERT_KINDS"
 log = logging.getLogger("gradstats.apply")
 
 
-class Applied(Refreshing, Alerting):
+class Applied(Refreshing, Alerting, DevicePath):
     """The handle :func:`apply` returns: removes the hooks (``.remove()``, or use it as a
     context manager) and holds what was done (``.history``, ``.to_dataframe()``,
     ``.summary()``, ``.alerts``); ``state_dict()`` / ``load_state_dict()`` checkpoint it.
@@ -129,12 +131,14 @@ class Applied(Refreshing, Alerting):
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self.history: list[dict[str, Any]] = []
         self.state = {n: LayerState() for n in self.rules}
+        self._device_init()
         modules = dict(named_layers(root))
         self._handles = [modules[n].register_forward_hook(self._forward_hook(n)) for n in self.rules]
 
     # -- lifecycle
     def remove(self) -> None:
         """Remove every hook: the model trains exactly as without the plan again."""
+        self.settle()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -150,6 +154,8 @@ class Applied(Refreshing, Alerting):
         from gradstats.tracer import first_grad_tensor
 
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if self._inflight:           # the device path's last backward: settled here, outside it
+                self.settle()
             if not (torch.is_grad_enabled() and module.training):
                 return
             out = first_grad_tensor(output)
@@ -159,6 +165,9 @@ class Applied(Refreshing, Alerting):
 
     @torch.compiler.disable
     def _compress(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        if use_triton(g.device.type):       # the device path: nothing read back here (apply.device)
+            with torch.no_grad():
+                return self._compress_on_device(name, g)
         rule, st = self.rules[name], self.state[name]
         k = st.seq - self.config.warmup                       # the call index since the warm-up
         if k < 0:                 # warm-up: the gradient passes unchanged, the statistics follow it
@@ -176,28 +185,36 @@ class Applied(Refreshing, Alerting):
                                          generator=self.generator, **q)
             if self.config.fallback is not None and self.config.fallback.error is not None and counts.n:
                 err = relative_error(out, g)
+        self._account(name, rule, st.seq, counts, err, snapshot(st))
+        st.seq += 1
+        return out.to(g.dtype)
+
+    def _account(self, name: str, rule: Any, seq: int, counts: Any, err: float, snap: dict[str, float]) -> None:
+        """Check one call's counts (alerts, fallback) and record it, with the layer's settings as
+        they were when it ran (``snap``)."""
+        st = self.state[name]
         if counts.n:
             self._check(name, st, counts)
         rec = None
         if self.config.record:       # before a fallback changes the rule (and its scale and predictions)
             n = max(counts.n, 1)
             q = rule.quantizes
-            rec = {"layer": name, "seq": st.seq, "n": counts.n,
+            rec = {"layer": name, "seq": seq, "n": counts.n,
                    "format": None if rule.format is None else str(rule.format), "rounding": rule.rounding,
-                   "scale": st.scale if q and rule.block_size is None else math.nan,
+                   "scale": snap["scale"] if q and rule.block_size is None else math.nan,
                    "target_sparsity": rule.sparsity if rule.prunes else math.nan,
-                   "threshold": st.threshold if rule.prunes else math.nan,
-                   "predicted_sparsity": st.predicted_sparsity if rule.prunes else math.nan,
+                   "threshold": snap["threshold"] if rule.prunes else math.nan,
+                   "predicted_sparsity": snap["predicted_sparsity"] if rule.prunes else math.nan,
                    "achieved_sparsity": counts.zeros / n, "pruned_fraction": counts.pruned / n,
                    "underflow_fraction": counts.underflow / n,
-                   "predicted_underflow": st.predicted_underflow if q else 0.0,
+                   "predicted_underflow": snap["predicted_underflow"] if q else 0.0,
                    "overflow_fraction": counts.saturated / n,
-                   "predicted_overflow": st.predicted_overflow if q else 0.0,
+                   "predicted_overflow": snap["predicted_overflow"] if q else 0.0,
                    "gain": counts.gain, "gain_se": counts.gain_se, "bias": counts.bias,
                    "nonfinite": counts.nonfinite,
-                   "error": counts.error if math.isnan(err) else err, "predicted_error": st.predicted_error,
+                   "error": counts.error if math.isnan(err) else err, "predicted_error": snap["predicted_error"],
                    "fallback": "",
-                   "mu": st.mu, "sigma": st.sigma, "p0": st.p0, "amax": st.amax}
+                   "mu": snap["mu"], "sigma": snap["sigma"], "p0": snap["p0"], "amax": snap["amax"]}
         if self.config.fallback is not None and counts.n:
             action = self._drift(name, st, counts, err)
             if rec is not None:
@@ -206,13 +223,12 @@ class Applied(Refreshing, Alerting):
             self.history.append(rec)
             if self.log_to is not None:
                 self.log_to.log_rows("applied", [rec])
-        st.seq += 1
-        return out.to(g.dtype)
 
     @property
     def alerts(self) -> dict[str, dict[str, str]]:
         """Per layer that raised any: ``{kind: message}`` of the alerts fired (each at most once;
         kinds in :data:`ALERT_KINDS`)."""
+        self.settle()
         return {n: dict(st.alerts) for n, st in self.state.items() if st.alerts}
 
     # -- checkpoints
@@ -238,6 +254,7 @@ class Applied(Refreshing, Alerting):
             >>> b.load_state_dict(a.state_dict()); b.state["0"].seq
             1
         """
+        self.settle()
         return {
             "version": STATE_VERSION,
             "generator": self.generator.get_state(),
@@ -310,6 +327,7 @@ class Applied(Refreshing, Alerting):
     # -- results
     def to_dataframe(self) -> pd.DataFrame:
         """Every recorded call, one row each (see the class docstring for the columns)."""
+        self.settle()
         return pd.DataFrame(self.history)
 
     def summary(self) -> pd.DataFrame:

@@ -63,9 +63,12 @@ def stats_vector(g: torch.Tensor, full: bool) -> torch.Tensor:
     """:func:`gradstats.stats.tensor_stats_vector` of ``g`` (``full``: with the binade counts and
     the top magnitudes, which the histogram rule reads): on the CPU the C kernel writes into the
     vector directly."""
+    from gradstats.ops.engine import use_native
     from gradstats.stats import kernel_applies, write_stats
 
     x = g.detach()
+    if not use_native(x.device.type):      # the device's engine reads the gradient as it is
+        return tensor_stats_vector(x, full=full)
     if x.dtype != torch.float32:
         x = x.float()
     x = x.reshape(-1)
@@ -202,16 +205,35 @@ class Refreshing:
     """The refresh of :class:`~gradstats.apply.Applied` (its per-layer settings from the running statistics)."""
 
     def _refresh(self, name: str, g: torch.Tensor, refresh: bool) -> None:
-        rule, st = self.rules[name], self.state[name]
+        """The statistics of ``g`` folded into the layer's state, then its settings solved from
+        them (the synchronous path: the host reads the statistics in the backward pass)."""
+        rule = self.rules[name]
         hist_rule = rule.prunes and rule.threshold_rule == "histogram"
-        need_stats = refresh or (rule.quantizes and rule.scale == "amax" and rule.block_size is None)
-        if need_stats:   # the histogram rule reads the binade counts; the others the moments alone
+        if self._needs_stats(rule, refresh):   # the histogram rule reads the binade counts; the others the moments alone
             v = stats_vector(g, full=refresh and hist_rule)
             if self.config.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
                 v = all_reduce_stats(v)
-            stats_update(st, v, self.config.ema)
-            if refresh and hist_rule:
-                st.hist = histogram_of(v)
+            self._fold(name, v, refresh and hist_rule)
+        self._solve(name, refresh, g.numel(), g)
+
+    @staticmethod
+    def _needs_stats(rule: Any, refresh: bool) -> bool:
+        """Whether a call reads the gradient's statistics: on a refresh, and on every call of a
+        per-tensor ``"amax"`` scale."""
+        return refresh or (rule.quantizes and rule.scale == "amax" and rule.block_size is None)
+
+    def _fold(self, name: str, v: torch.Tensor, hist: bool) -> None:
+        """Fold one statistics vector (on the host) into the layer's running state; ``hist``: keep
+        its binade counts for the histogram rule."""
+        st = self.state[name]
+        stats_update(st, v, self.config.ema)
+        if hist:
+            st.hist = histogram_of(v)
+
+    def _solve(self, name: str, refresh: bool, numel: int, g: Optional[torch.Tensor] = None) -> None:
+        """The layer's threshold, predicted sparsity, scale and predictions from its running state
+        (``g``: the gradient, which the exact rule selects from; ``numel``: its size)."""
+        rule, st = self.rules[name], self.state[name]
         if refresh and rule.prunes and not math.isnan(st.mu):
             threshold_rule = THRESHOLD_RULES[rule.threshold_rule]     # the rule recommend uses
             stats = layer_stats(st, g)
@@ -222,9 +244,9 @@ class Refreshing:
                 old = st.scale
                 st.scale = scale_for(rule, st)
                 if (self.config.record or self.config.fallback is not None) and not refresh and st.scale != old:
-                    predict(rule, st, g.numel())
+                    predict(rule, st, numel)
         if refresh and (self.config.record or self.config.fallback is not None):
-            predict(rule, st, g.numel())
+            predict(rule, st, numel)
 
     def _refreshes(self, k: int) -> bool:
         """Whether call ``k`` (counted from the end of the warm-up) refreshes: every

@@ -30,7 +30,7 @@ import torch
 
 from gradstats.formats import ROUNDING_CODES, FPFormat
 from gradstats.ops import random as _rng
-from gradstats.ops.engine import use_native
+from gradstats.ops.engine import use_native, use_triton
 from gradstats.ops.quantization import spell_out
 from gradstats.scheme import Scheme
 
@@ -188,13 +188,22 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
 def _composed(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format="e8m0",
               scale_rounding="floor"):
     """Reference path: the pruning and quantisation operators one after the other, with one seed."""
+    y, c, s = _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format,
+                                  scale_rounding)
+    return y, CompressCounts(x.numel(), *c.tolist(), *s.tolist())
+
+
+def _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format="e8m0",
+                        scale_rounding="floor"):
+    """:func:`_composed` with its counts (int64[5]) and sums (float64[6]) left as tensors on ``x``'s
+    device (nothing read back)."""
     from gradstats.ops.prune import stochastic_prune
     from gradstats.ops.quantization import quantize
 
     nonzero_in = x != 0
     y = stochastic_prune(x, threshold, seed=seed) if threshold > 0 else x
-    pruned = int((nonzero_in & (y == 0)).sum())
-    saturated = underflow = 0
+    pruned = (nonzero_in & (y == 0)).sum()
+    saturated = underflow = torch.zeros((), dtype=torch.int64, device=x.device)
     if fmt is not None:
         if block_size is not None:
             z = quantize(y, fmt, rounding=rounding, seed=seed, block_size=block_size,
@@ -202,26 +211,65 @@ def _composed(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_f
             saturated = _block_saturated(y, fmt, block_size, scale_format, scale_rounding)
         else:
             z = quantize(y, fmt, scale=scale, rounding=rounding, seed=seed)
-            saturated = int(((y.abs() * scale) > fmt.max).sum())
-        underflow = int(((y != 0) & (z == 0)).sum())
+            saturated = ((y.abs() * scale) > fmt.max).sum()
+        underflow = ((y != 0) & (z == 0)).sum()
         y = z
-    zeros = int((y == 0).sum())
+    zeros = (y == 0).sum()
     fin = torch.isfinite(x)
     xd = torch.where(fin, x, 0).double().reshape(-1)
     od = torch.where(fin, y, 0).double().reshape(-1)
     d = od - xd
-    sums = [float(torch.dot(xd, od)), float(torch.dot(xd, xd)), float(torch.dot(d, d)),
-            float(torch.dot(xd * xd, d * d)), float(od.abs().sum()), float(xd.abs().sum())]
-    nonfinite = int(x.numel() - int(fin.sum()))
+    sums = torch.stack([torch.dot(xd, od), torch.dot(xd, xd), torch.dot(d, d), torch.dot(xd * xd, d * d),
+                        od.abs().sum(), xd.abs().sum()])
+    nonfinite = x.numel() - fin.sum()
+    counts = torch.stack([zeros, pruned, underflow, saturated, nonfinite]).to(torch.int64)
     if out is not None:
         out.copy_(y)
         y = out
     elif y is x:
         y = x.clone()
-    return y, CompressCounts(x.numel(), zeros, pruned, underflow, saturated, nonfinite, *sums)
+    return y, counts, sums
 
 
-def _block_saturated(y: torch.Tensor, fmt: FPFormat, block_size: int, scale_format: str, scale_rounding: str) -> int:
+def prune_quantize_into(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Scheme, str, None], *,
+                        scale: float = 1.0, rounding: Optional[str] = None, seed: int = 0,
+                        block_size: Optional[int] = None, scale_format: Optional[str] = None,
+                        scale_rounding: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`prune_quantize` for the device path: ``(result, counts, sums)`` with the counts
+    (int64: zeros, pruned, underflow, saturated, nonfinite) and the sums (float64: dot, norm2, err2,
+    noise2, abs_out, abs_in; :class:`CompressCounts`) left on ``x``'s device, so that nothing is
+    read back. On the Triton engine one fused kernel makes all three in one pass over ``x``
+    (per-tensor scales); block scales go through the operators one after the other.
+
+    Example:
+        >>> import torch
+        >>> y, c, s = prune_quantize_into(torch.tensor([1.0, 1000.0]), 0.0, "e2m1fn")
+        >>> y.tolist(), c.tolist()
+        ([1.0, 6.0], [0, 0, 0, 1, 0])
+    """
+    if fmt is None:
+        rounding = "nearest" if rounding is None else rounding
+        scale_format, scale_rounding = scale_format or "e8m0", scale_rounding or "floor"
+    else:
+        fmt, rounding, block_size, scale_format, scale_rounding = spell_out(fmt, rounding, block_size, scale_format,
+                                                                            scale_rounding)
+    fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
+    if use_triton(x.device.type) and block_size is None and x.numel() > 0:
+        from gradstats.ops.triton import fused as kfused
+
+        if kfused.supports(fmt, block_size) and _native_ok(fmt, scale):
+            return kfused.prune_quantize_triton(x, threshold, fmt, scale=scale, rounding=rounding, seed=seed)
+    if use_native(x.device.type) and x.numel() > 0:
+        y, c = prune_quantize(x, threshold, fmt, scale=scale, rounding=rounding, seed=seed, block_size=block_size,
+                              scale_format=scale_format, scale_rounding=scale_rounding)
+        return y, torch.tensor([c.zeros, c.pruned, c.underflow, c.saturated, c.nonfinite]), torch.tensor(
+            [c.dot, c.norm2, c.err2, c.noise2, c.abs_out, c.abs_in], dtype=torch.float64)
+    return _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, None, scale_format,
+                               scale_rounding)
+
+
+def _block_saturated(y: torch.Tensor, fmt: FPFormat, block_size: int, scale_format: str,
+                     scale_rounding: str) -> torch.Tensor:
     """Entries whose magnitude over their block's decode scale exceeds the format's max (clipped):
     MX's floor scale leaves a block's largest value up to ``2**(emax + 1)`` (above e2m1fn's 6, for one),
     and NVFP4's e4m3 scale may round down."""
@@ -229,4 +277,4 @@ def _block_saturated(y: torch.Tensor, fmt: FPFormat, block_size: int, scale_form
 
     xb, _ = _to_blocks(y.reshape(-1, y.shape[-1]) if y.dim() else y.reshape(1, 1), block_size, -1)
     X = _scales_of_blocks(xb, fmt, scale_format, scale_rounding)
-    return int(((xb.abs() / torch.where(X > 0, X, 1.0) > fmt.max) & (X > 0)).sum())
+    return ((xb.abs() / torch.where(X > 0, X, 1.0) > fmt.max) & (X > 0)).sum()

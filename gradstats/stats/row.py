@@ -45,7 +45,8 @@ class StatsRow(TypedDict, total=False):
 
 def tensor_stats_vector(g: torch.Tensor, *, full: bool = True) -> torch.Tensor:
     """Statistics of ``g`` as one float64 vector on ``g``'s device (no host synchronisation
-    on CUDA). Layout: :data:`gradstats.stats.fields.LAYOUT` (``SCALAR_FIELDS``, the ``HIST_BINS``
+    on CUDA): on the Triton engine one pass of its statistics kernel
+    (:mod:`gradstats.ops.triton.stats`), on the CPU the C kernel, else the torch reference. Layout: :data:`gradstats.stats.fields.LAYOUT` (``SCALAR_FIELDS``, the ``HIST_BINS``
     histogram counts, then the ``TOP_K`` largest magnitudes). ``full=False``: the scalar statistics only (the histogram and top parts
     are NaN), which the CPU kernel computes faster (what a refresh of the lognormal and bell
     models needs: :func:`gradstats.apply`).
@@ -64,7 +65,18 @@ def tensor_stats_vector(g: torch.Tensor, *, full: bool = True) -> torch.Tensor:
     """
     import torch
 
+    from gradstats.ops.engine import use_triton
+
     x = g.detach()
+    if use_triton(x.device.type) and x.numel() > 0:      # one Triton pass, half inputs read as they are
+        from gradstats.ops.triton import stats as kstats
+
+        flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
+        if kstats.supports(flat):
+            v = kstats.stats_vector(flat)
+            if not full:
+                v[len(SCALAR_FIELDS):] = math.nan
+            return v
     if x.dtype != torch.float32:
         x = x.float()
     x = x.reshape(-1)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from gradstats.noise.record import Propagation, records_noise, sending_back, weight_grad_terms
+from gradstats.ops.host import Outbox
 from gradstats.run import sample_key
 from gradstats.stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
 from gradstats.stats.blocks import BLOCK_SIZES, RANGE_BINS
@@ -123,6 +124,7 @@ class Capture:
     _pending: list[tuple[int, str, str, int, torch.Tensor]]
     _pending_samples: dict[str, tuple[torch.Tensor, int]]
     _pending_tables: dict[str, list[dict[str, Any]]]
+    _outbox: Outbox
     _calls: dict[str, int]
     _shapes: dict[str, list[int]]
     _sampling_stopped: bool
@@ -322,11 +324,11 @@ class Capture:
             sample = (flat.to(torch.float32).clone(), t.numel())
         if vec is None and sample is None:
             return
-        with self._lock:
+        with self._lock:      # device tensors start their copies to the host now, read at the commit
             if vec is not None:
-                self._pending.append((step, layer, kind, call, vec))
+                self._pending.append((step, layer, kind, call, self._outbox.put(vec)))
             if sample is not None:
-                self._pending_samples[sample_key(step, layer, kind, call)] = sample
+                self._pending_samples[sample_key(step, layer, kind, call)] = (self._outbox.put(sample[0]), sample[1])
 
     def _capture_parameters(self) -> None:
         step = self.current_step

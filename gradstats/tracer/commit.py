@@ -23,6 +23,7 @@ from torch import nn
 
 from gradstats._version import __version__
 from gradstats.layers import module_types
+from gradstats.ops.host import Outbox
 from gradstats.run import FORMAT_VERSION, RunWriter, atomic_write_json
 from gradstats.stats import VectorRows
 from gradstats.tracer.capture import sharded_parameters
@@ -53,6 +54,7 @@ class Commit:
     _row_keys: list[tuple[int, str, str, int]]
     _pending: list[tuple[int, str, str, int, torch.Tensor]]
     _pending_samples: dict[str, tuple[torch.Tensor, int]]
+    _outbox: Outbox
     _pending_tables: dict[str, list[dict[str, Any]]]
     _shapes: dict[str, list[int]]
     _written_shapes: dict[str, list[int]]
@@ -90,6 +92,7 @@ class Commit:
             rows, row_keys, self._row_keys = self._rows.take(), self._row_keys, []
             pending, self._pending = self._pending, []
             samples, self._pending_samples = self._pending_samples, {}
+            self._outbox.collect()      # one wait for the device's copies of them (none on the CPU)
             tables, self._pending_tables = self._pending_tables, {}
         new_shapes = bool(set(self._shapes) - set(self._written_shapes))
         if not row_keys and not pending and not samples and not tables:
@@ -112,8 +115,7 @@ class Commit:
         if keys:   # the table is built on the writer thread (Flush.vectors)
             fl.keys = [(s, self.rank, layer, kind, call) for s, layer, kind, call in keys]
             if pending:
-                on_device = torch.stack([p[4].to("cpu", non_blocking=False) for p in pending])
-                rows = np.concatenate([rows, on_device.numpy()])
+                rows = np.concatenate([rows, np.stack([p[4].numpy() for p in pending])])   # the outbox's host tensors
             fl.vectors = rows
         if samples:
             total = RunWriter.sample_bytes(v for v, _ in samples.values())
@@ -126,7 +128,7 @@ class Commit:
                 warnings.warn(msg, stacklevel=3)
             else:
                 for key, (v, n_total) in samples.items():
-                    fl.samples[key] = v.cpu()
+                    fl.samples[key] = v          # on the host (the outbox's)
                     fl.sample_totals[key] = [int(v.numel()), int(n_total)]
         if not fl.keys and not fl.samples and not fl.tables:
             return

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from gradstats.noise.record import Propagation
+from gradstats.ops.host import Outbox
 from gradstats.run import RunWriter, last_committed_step
 from gradstats.stats import VectorRows
 from gradstats.tracer.capture import Capture, _dist_info
@@ -129,6 +130,7 @@ class Tracer(Capture, Commit):
         self._active_step: int | None = None
         self._active_now = (False, False)
         self._pending_samples: dict[str, tuple[torch.Tensor, int]] = {}
+        self._outbox = Outbox()         # device statistics and samples on their way to the host
         self._pending_tables: dict[str, list[dict[str, Any]]] = {}
         self._calls: dict[str, int] = {}
         self._shapes: dict[str, list[int]] = {}

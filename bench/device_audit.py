@@ -1,0 +1,148 @@
+"""What trace and apply cost the device beyond the model's own backward pass, counted on the CPU.
+
+Per model and configuration, one training step (after two warm steps, so that first calls and
+caches are behind it) runs inside a :class:`gradstats.ops.audit.Audit`; the plain model's counts
+for the same step are subtracted. Columns:
+
+- ``calls``: planned or traced layer-calls in the step;
+- ``big ops / call``: whole-gradient ATen operations per layer-call in the backward pass (an
+  operation touching a tensor at least half the size of the smallest traced gradient; views not
+  counted); target at most 2;
+- ``syncs in backward``: host synchronisations inside the backward pass; target 0;
+- ``syncs / step``: in the whole step, the optimizer's and the settling included; target at most 1;
+- ``launches / step``: kernel launches beyond the plain step's (Triton kernels and the non-view
+  ATen operations, each at least one launch on a GPU).
+
+Run it on the device path (the default here): ``GRADSTATS_ENGINE=triton TRITON_INTERPRET=1``, set by
+this script unless ``--engine`` says otherwise. Models: a 4-layer MLP and a small
+convolution-plus-GRU sequence classifier that no test uses.
+
+    python bench/device_audit.py [--engine triton|native|torch] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+from torch import nn
+
+
+class ConvGRU(nn.Module):
+    """A 1-d convolution, a GRU and two Linear layers over sequences of 16-dim vectors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(16, 32, 3, padding=1)
+        self.gru = nn.GRU(32, 32, batch_first=True)
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x.transpose(1, 2))).transpose(1, 2)
+        h, _ = self.gru(h)
+        return self.fc2(torch.relu(self.fc1(h[:, -1])))
+
+
+def workload(name: str):
+    """(model, batch, loss)."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    if name == "mlp4":
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                              nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
+        x, y = torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)
+    else:
+        model = ConvGRU()
+        x, y = torch.randn(32, 24, 16, generator=g), torch.randint(0, 5, (32,), generator=g)
+    return model, x, y
+
+
+def audit_step(name: str, config: str) -> dict:
+    """Counts of the third step of ``name`` under ``config`` (plain, trace, apply, trace+apply)."""
+    import gradstats
+    from gradstats.ops.audit import Audit
+
+    model, x, y = workload(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    handles = []
+    tracer = None
+    if "trace" in config:
+        tracer = gradstats.trace(model, tempfile.mkdtemp(prefix="gradstats-audit-"), sample_every=None,
+                                 noise=False).attach()
+        handles.append(tracer)
+    applied = None
+    if "apply" in config:
+        applied = gradstats.apply(model, gradstats.Plan.uniform(format="e4m3fn", sparsity=0.8, output_layer=False))
+        handles.append(applied)
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.GRU))]
+    smallest = min(128 * 10, 32 * 5)             # the smallest gradient of either model: (B, classes)
+
+    def step() -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if tracer is not None:
+            tracer.step()
+
+    for _ in range(2):
+        step()
+    with Audit(big=smallest // 2) as a:
+        step()
+        if applied is not None:
+            applied.to_dataframe()        # what a reader does after the step (settles it)
+        if tracer is not None:
+            tracer.flush()                # the commit of the step (on its schedule: about once a second)
+    calls = 0
+    if tracer is not None:
+        calls += len(layers)
+    if applied is not None:
+        calls += len(applied.rules)
+    for h in handles:
+        h.__exit__(None, None, None)
+    return {"model": name, "config": config, "calls": calls, **{k: dict(v) for k, v in a.to_dict().items()}}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", default="triton", choices=["triton", "native", "torch"])
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    os.environ["GRADSTATS_ENGINE"] = args.engine
+    if args.engine == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"
+    rows = []
+    for name in ("mlp4", "convgru"):
+        plain = audit_step(name, "plain")
+        for config in ("trace", "apply", "trace+apply"):
+            r = audit_step(name, config)
+            d = lambda key, phase: r[key].get(phase, 0) - plain[key].get(phase, 0)  # noqa: E731
+            calls = max(r["calls"], 1)
+            rows.append({"model": name, "config": config, "calls": r["calls"],
+                         "big ops / call": d("big_ops", "backward") / calls,
+                         "syncs in backward": d("syncs", "backward"),
+                         "syncs / step": d("syncs", "backward") + d("syncs", "forward"),
+                         "launches / step": (d("launches", "backward") + d("launches", "forward")
+                                             + d("ops", "backward") + d("ops", "forward")),
+                         "which syncs": {k: v for k, v in r["sync_names"].items()},
+                         "which big ops": {k: v for k, v in r["big_names"].items() if k.startswith("backward")}})
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    cols = ["model", "config", "calls", "big ops / call", "syncs in backward", "syncs / step", "launches / step"]
+    print(f"engine: {args.engine}  (targets: big ops / call <= 2, syncs in backward 0, syncs / step <= 1)")
+    print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    for r in rows:
+        if r["which syncs"]:
+            print(f"{r['model']} {r['config']}: syncs {r['which syncs']}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)

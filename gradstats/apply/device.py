@@ -1,0 +1,130 @@
+"""The device path of :func:`gradstats.apply`: no host synchronisation in the backward pass.
+
+Where the gradient's engine is Triton (CUDA tensors, or CPU tensors under ``GRADSTATS_ENGINE=triton``
+and ``TRITON_INTERPRET=1``, :func:`gradstats.ops.engine.active_engine`), a planned layer's call in the
+backward pass only launches work:
+
+1. its statistics, one pass of the Triton statistics kernel, into a vector that stays on the device;
+2. the fused prune-and-quantise kernel at the layer's current threshold and scale (host numbers,
+   passed as kernel arguments), whose counts and sums accumulate on the device in the same pass;
+3. non-blocking copies of the vector and the counts towards the host (:class:`gradstats.ops.host.Outbox`).
+
+Nothing is read back there. The handle *settles* outside the backward pass, at the next forward of
+a planned layer (or when a result is asked for: ``to_dataframe()``, ``summary()``, ``alerts``,
+``state_dict()``, ``remove()``): one wait for every copy of the step, then, per call in order, the
+statistics are folded into the layer's running state and its threshold, scale and predictions
+solved (the same host code as the CPU path: :class:`gradstats.apply.refresh.Refreshing`), and the
+counts checked and recorded (:class:`gradstats.apply.alerts.Alerting`).
+
+**The lag.** The threshold and scale a call uses are solved from the statistics of the calls
+before the last settling: with ``refresh_every=1``, the previous step's gradient instead of the
+current one, which the CPU path reads in the backward pass. A layer's first call therefore has no
+statistics to work from and passes its gradient unchanged (it seeds them, like one warm-up call);
+a fallback triggered by a call changes the rule from the next step; an alert is raised at the
+settling after the call. The effect on achieved sparsity is measured in ``bench/RESULTS.md``
+(``bench/device_lag.py``). The ``"exact"`` threshold rule selects from the gradient itself and
+reads its threshold back on each refresh (one synchronisation per refreshed call); the other rules
+read nothing.
+
+The random draws of each call come from one seed per settling drawn from the handle's generator
+and the call's index after it, so a run on a GPU and the same run on the CPU through the
+interpreter make the same draws, and a checkpoint at a settling resumes them exactly.
+
+Example:
+    >>> from gradstats.apply.device import DevicePath
+    >>> DevicePath.__name__
+    'DevicePath'
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from gradstats.apply.refresh import LayerState
+from gradstats.ops import random as _rng
+from gradstats.ops.fused import CompressCounts, prune_quantize_into
+from gradstats.ops.host import Outbox
+
+#: what of a layer's state a call's record reports as it was when the call ran
+SNAPSHOT = ("scale", "threshold", "predicted_sparsity", "predicted_underflow", "predicted_overflow",
+            "predicted_error", "mu", "sigma", "p0", "amax")
+
+
+def snapshot(st: LayerState) -> dict[str, float]:
+    """The state a record reports, as it is now."""
+    return {k: getattr(st, k) for k in SNAPSHOT}
+
+
+class DevicePath:
+    """The device path of :class:`~gradstats.apply.Applied` (see the module's docstring)."""
+
+    rules: dict[str, Any]
+    state: dict[str, LayerState]
+    config: Any
+    generator: torch.Generator
+
+    def _device_init(self) -> None:
+        self._outbox = Outbox()
+        self._inflight: list[tuple[Any, ...]] = []
+        self._seed_base: Optional[int] = None
+        self._seed_calls = 0
+
+    def _next_seed(self) -> int:
+        """The seed of the next call: the settling's seed and the call's index after it (host ints)."""
+        if self._seed_base is None:
+            self._seed_base = _rng.draw_seed(self.generator)
+            self._seed_calls = 0
+        self._seed_calls += 1
+        return _rng.mix64(self._seed_base + self._seed_calls) >> 2
+
+    def _compress_on_device(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        from gradstats.apply.refresh import all_reduce_stats, stats_vector
+
+        rule, st = self.rules[name], self.state[name]
+        k = st.seq - self.config.warmup
+        refresh = k < 0 or self._refreshes(k)        # type: ignore[attr-defined]
+        hist = rule.prunes and rule.threshold_rule == "histogram"
+        if self._needs_stats(rule, refresh):         # type: ignore[attr-defined]
+            v = stats_vector(g, full=refresh and hist)
+            if self.config.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
+                v = all_reduce_stats(v)
+            self._outbox.put(v)
+            self._inflight.append(("stats", name, refresh, refresh and hist, g.numel()))
+        if k < 0 or math.isnan(st.mu):       # warm-up, or the layer's first call: no statistics back yet
+            st.seq += 1
+            return g
+        if refresh and rule.prunes and rule.threshold_rule == "exact":
+            self._solve(name, True, g.numel(), g)    # type: ignore[attr-defined]   (reads its threshold back)
+        q = rule.quantize_kwargs() if rule.quantizes else {"fmt": None, "rounding": rule.rounding}
+        out, counts, sums = prune_quantize_into(g, st.threshold if rule.prunes else 0.0, q.pop("fmt"),
+                                                scale=st.scale, seed=self._next_seed(), **q)
+        self._outbox.put(counts)
+        self._outbox.put(sums)
+        self._inflight.append(("counts", name, st.seq, g.numel(), rule, snapshot(st)))
+        st.seq += 1
+        return out
+
+    def settle(self) -> None:
+        """Bring the device's statistics and counts of every call so far to the host (one wait),
+        then update each layer's state, solve its settings, check and record its calls, in order.
+        Called by the handle itself (next forward, results, checkpoints); harmless to call again."""
+        if not self._inflight:
+            return
+        items = iter(self._outbox.collect())
+        inflight, self._inflight = self._inflight, []
+        self._seed_base = None                       # the next calls draw from the generator afresh
+        for entry in inflight:
+            if entry[0] == "stats":
+                _, name, refresh, hist, numel = entry
+                self._fold(name, next(items), hist)                 # type: ignore[attr-defined]
+                self._solve(name, refresh, numel)                   # type: ignore[attr-defined]
+                continue
+            _, name, seq, numel, rule, snap = entry
+            c, s = next(items), next(items)
+            counts = CompressCounts(numel, *[int(v) for v in c.tolist()], *s.tolist())
+            self._account(name, rule, seq, counts, math.nan, snap)  # type: ignore[attr-defined]
+
+
+__all__ = ["DevicePath", "snapshot", "SNAPSHOT"]
