@@ -95,10 +95,11 @@ def verdict(ratio_ci: tuple[float, float], target: float) -> str:
     return "met" if hi <= target else "not met" if lo > target else "within noise"
 
 
-def print_table(rows: list[tuple], header: str, targets: dict[str, float] | None = None) -> None:
+def print_table(rows: list[tuple], header: str, targets: dict | None = None) -> None:
     """Rows ``(model, configuration, seconds, ratio)``, optionally followed by the ratio's quartiles
-    and the 90% confidence interval of its median; ``targets``: configuration -> the most its
-    ratio may be, shown with a verdict (see :func:`verdict`)."""
+    and the 90% confidence interval of its median; ``targets``: configuration (or ``(model,
+    configuration)``, which comes first) -> the most its ratio may be, shown with a verdict (see
+    :func:`verdict`)."""
     print(header)
     iqr = any(len(r) > 4 for r in rows)
     ci = any(len(r) > 6 for r in rows)
@@ -110,8 +111,9 @@ def print_table(rows: list[tuple], header: str, targets: dict[str, float] | None
             line += f"   {q[0]:.3f}-{q[1]:.3f}"
         if len(q) > 2:
             line += f"   {q[2]:.3f}-{q[3]:.3f}       "
-        if targets and label in targets:
-            line += f"   <= {targets[label]:.2f}: " + (verdict((q[2], q[3]), targets[label]) if len(q) > 2 else "")
+        target = (targets or {}).get((model, label), (targets or {}).get(label))
+        if target is not None:
+            line += f"   <= {target:.2f}: " + (verdict((q[2], q[3]), target) if len(q) > 2 else "")
         print(line)
 
 
