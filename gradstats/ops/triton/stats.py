@@ -6,10 +6,12 @@ One launch reads ``x`` once, in its own dtype (float32, bfloat16 or float16, wid
 registers). Each program takes a tile of :data:`BLOCK` entries and writes its partials: the zero and
 non-finite counts, the float32 sums of ``x``, ``|x|``, ``x**2``, ``ln|x|`` and ``ln**2|x|``, the least
 and largest ``|x|`` (as bit patterns: non-negative floats order like their bits) and the tile's
-``TOP_K`` largest non-zero finite magnitudes. The binade counts and the per-block counts (blocks of
+``TOP_K`` largest non-zero finite magnitudes (the tile's ``TOP_K``-th largest found bit by bit, 31
+counts, then the entries above it and copies of it: exact with ties, no sort). The binade counts and the per-block counts (blocks of
 16 and 32 in memory order, as the C kernel's ``bh``) are counted per tile (``tl.histogram``) and added
-into one small int64 buffer with ``tl.atomic_add``. A few torch ops on the partials (at most
-``numel/56`` of them) then combine them: no op reads a tensor of ``x``'s size.
+into one small int64 buffer with ``tl.atomic_add``. A few torch ops on the partials (73 values per
+tile of 4096: under ``numel/56`` for whole tiles) then combine them: no op reads a tensor of ``x``'s
+size, none waits for the device.
 
 Classification is done on the float32 bit pattern: exact zeros are excluded from the logs, the
 extremes, the histogram and the top magnitudes; inf and NaN are counted and excluded from everything
@@ -233,7 +235,7 @@ def stats_vector(x: torch.Tensor, *, out: torch.Tensor | None = None,
     _kernel(interpreting())[(grid,)](xf, pi, pf, cnt, n, BLOCK=BLOCK, TOP=TOP_K, NI=_NI, NF=_NF,
                                      HBINS=_HBINS, NHIST=HIST_BINS, RBINS=_RBINS, NB=_NB,
                                      MIN_EXP=HIST_MIN_EXP, BF16=x.dtype == torch.bfloat16, num_warps=8)
-    # combine the partials (tensors of at most numel / 56 entries)
+    # combine the partials (73 values per tile)
     f64 = torch.float64
     counts = pi[:, :2].sum(0, dtype=torch.int64)       # n_zero, n_nonfinite
     nnz = n - counts.sum()
