@@ -1,0 +1,263 @@
+"""Triton kernel of the statistics vector (:data:`gradstats.stats.fields.LAYOUT`): one read of the
+tensor on the device, no host synchronisation, the same numbers as the C kernel
+(``ops/native/stats.c``, :func:`gradstats.stats.kernel.write_stats`).
+
+One launch reads ``x`` once, in its own dtype (float32, bfloat16 or float16, widened to float32 in
+registers). Each program takes a tile of :data:`BLOCK` entries and writes its partials: the zero and
+non-finite counts, the float32 sums of ``x``, ``|x|``, ``x**2``, ``ln|x|`` and ``ln**2|x|``, the least
+and largest ``|x|`` (as bit patterns: non-negative floats order like their bits) and the tile's
+``TOP_K`` largest non-zero finite magnitudes (the tile's ``TOP_K``-th largest found bit by bit, 31
+counts, then the entries above it and copies of it: exact with ties, no sort). The binade counts and the per-block counts (blocks of
+16 and 32 in memory order, as the C kernel's ``bh``) are counted per tile (``tl.histogram``) and added
+into one small int64 buffer with ``tl.atomic_add``. A few torch ops on the partials (73 values per
+tile of 4096: under ``numel/56`` for whole tiles) then combine them: no op reads a tensor of ``x``'s
+size, none waits for the device.
+
+Classification is done on the float32 bit pattern: exact zeros are excluded from the logs, the
+extremes, the histogram and the top magnitudes; inf and NaN are counted and excluded from everything
+else. Subnormals are binned and logged from their mantissa bits (the exponent field of the
+int -> float32 conversion of the mantissa), so no float arithmetic touches them and a device that
+flushes subnormals gives the same counts. ``ln|x|`` is ``e ln 2 + ln m`` with the C kernel's
+polynomial for ``ln m``, ``m`` in ``[sqrt(1/2), sqrt(2))``. Counts, extremes, histogram, top
+magnitudes and block counts equal the C kernel's on ``x.float()``; the sums agree to float32
+rounding (each tile sums in float32, the tiles in float64).
+
+The kernel is built on first use (``triton.jit`` is applied then), so setting ``TRITON_INTERPRET=1``
+before the first call suffices to run it on the CPU (``tests/ops/test_stats_triton.py``).
+
+Example (CUDA, or the CPU with ``TRITON_INTERPRET=1`` set before the first call):
+    >>> import torch
+    >>> from gradstats.ops.triton import use_triton
+    >>> x = torch.tensor([0.0, 1.0, -2.0, float("inf")])
+    >>> if use_triton(x.device.type):
+    ...     v = stats_vector(x)
+    ...     assert v[:3].tolist() == [4.0, 1.0, 1.0] and v[9].item() == 2.0
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:  # the kernel body refers to ``tl``; it is only compiled when Triton is installed
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the installation
+    tl = None
+
+from gradstats.ops.triton import interpreting, use_triton
+
+__all__ = ["supports", "stats_vector", "BLOCK"]
+
+#: entries per program (a power of two and a multiple of 32, so blocks of 16 and 32 never straddle two)
+BLOCK = 4096
+# The statistics vector this module writes, as the C kernel's defines have it (ops come before the
+# statistics stage, which declares them: tests/ops/test_stats_triton.py checks these against
+# gradstats.stats.fields and gradstats.stats.blocks): the scalars n, n_zero, n_nonfinite, sum,
+# sum_abs, sum_sq, sum_ln_abs, sum_ln_abs_sq, min_abs, max_abs; the binade counts from 2**HIST_MIN_EXP;
+# the TOP_K largest magnitudes. Blocks of 16 and 32: zero blocks, then RANGE_BINS range counts.
+N_SCALARS = 10
+HIST_MIN_EXP = -149
+HIST_BINS = 277
+TOP_K = 64
+VECTOR_LEN = N_SCALARS + HIST_BINS + TOP_K
+BLOCK_SIZES = (16, 32)
+RANGE_BINS = 64
+#: int32 partials per program: n_zero, n_nonfinite, min |x| bits, max |x| bits, then the top TOP_K bits
+_NI = 4 + TOP_K
+#: float32 partials per program: sum, sum_abs, sum_sq, sum_ln_abs, sum_ln_abs_sq
+_NF = 5
+#: the shared int64 counts: the binade histogram (its bins padded to a power of two), then the
+#: per-block counts of blocks of 16 and of 32 (zero blocks, then the range bins)
+_HBINS = 512
+_RBINS = 128
+_NB = 1 + RANGE_BINS
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether :func:`stats_vector` takes ``x``: a non-empty contiguous float32, bfloat16 or float16
+    tensor on a device Triton runs on here (CUDA; the CPU under ``TRITON_INTERPRET=1``).
+
+    Example:
+        >>> import torch
+        >>> supports(torch.zeros(0)), supports(torch.zeros(3, dtype=torch.float64))
+        (False, False)
+    """
+    return (x.dtype in _DTYPES and x.numel() > 0 and x.is_contiguous()
+            and use_triton(x.device.type))
+
+
+# The body uses only Triton's builtins (tl.reduce and tl.associative_scan with the standard
+# library's combine functions, which are what tl.sum, tl.max, tl.min and tl.cumsum call): the
+# interpreter runs them whether or not TRITON_INTERPRET was set when Triton was first imported.
+def _stats_src(x_ptr, pi_ptr, pf_ptr, cnt_ptr, n,
+               BLOCK: tl.constexpr, TOP: tl.constexpr, NI: tl.constexpr, NF: tl.constexpr,
+               HBINS: tl.constexpr, NHIST: tl.constexpr, RBINS: tl.constexpr, NB: tl.constexpr,
+               MIN_EXP: tl.constexpr, BF16: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    raw = tl.load(x_ptr + offs, mask=mask, other=0.0)                 # the padding reads as zeros
+    if BF16:  # widened by its bits (exact for bfloat16 subnormals, which the interpreter would flush)
+        x = (raw.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = raw.to(tl.float32)
+    b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF                      # |x| as bits
+    f = b >> 23                                                       # biased exponent field
+    fin = f != 255
+    nz = fin & (b != 0)
+    sub = f == 0
+    n_zero = tl.reduce(((b == 0) & mask).to(tl.int32), 0, tl.standard._sum_combine)
+    n_nonfin = tl.reduce((fin == 0).to(tl.int32), 0, tl.standard._sum_combine)
+    # sums over the finite entries, in float32
+    v = tl.where(fin, x, 0.0)
+    s = tl.reduce(v, 0, tl.standard._sum_combine)
+    sa = tl.reduce(tl.abs(v), 0, tl.standard._sum_combine)
+    ss = tl.reduce(v * v, 0, tl.standard._sum_combine)
+    # binade and ln|x| from the bits: a subnormal's from its mantissa m (|x| = m 2**-149) as
+    # float32 (exact: m < 2**23)
+    mb = (b & 0x7FFFFF).to(tl.float32).to(tl.int32, bitcast=True)
+    bs = tl.where(sub, mb, b)
+    e = (bs >> 23) - 127 + tl.where(sub, MIN_EXP, 0)                  # floor(log2 |x|)
+    mant = ((bs & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)   # in [1, 2)
+    big = mant > 1.41421356
+    mant = tl.where(big, mant * 0.5, mant)
+    fm = mant - 1.0
+    f2 = fm * fm
+    p = tl.full(fm.shape, -0.07634228467941284, tl.float32)
+    p = tl.fma(p, fm, 0.12761472165584564)
+    p = tl.fma(p, fm, -0.13160234689712524)
+    p = tl.fma(p, fm, 0.14201775193214417)
+    p = tl.fma(p, fm, -0.16623353958129883)
+    p = tl.fma(p, fm, 0.20001226663589478)
+    p = tl.fma(p, fm, -0.250008225440979)
+    p = tl.fma(p, fm, 0.3333333134651184)
+    ln = tl.fma((e + big.to(tl.int32)).to(tl.float32), 0.6931471805599453,
+                tl.fma(f2 * fm, p, tl.fma(f2, -0.5, fm)))
+    ln = tl.where(nz, ln, 0.0)
+    sl = tl.reduce(ln, 0, tl.standard._sum_combine)
+    sl2 = tl.reduce(ln * ln, 0, tl.standard._sum_combine)
+    minb = tl.reduce(tl.where(nz, b, 0x7FFFFFFF), 0, tl.standard._elementwise_min)
+    maxb = tl.reduce(tl.where(fin, b, 0), 0, tl.standard._elementwise_max)
+    # the tile's TOP largest non-zero finite |x| (bits): t, the TOP-th largest (0 if fewer), found
+    # bit by bit; the entries above it (fewer than TOP) and copies of t fill the TOP slots
+    cand = tl.where(nz, b, 0)
+    t = tl.full((), 0, tl.int32)
+    for i in tl.static_range(31):
+        c = t | (1 << (30 - i))
+        t = tl.where(tl.reduce((cand >= c).to(tl.int32), 0, tl.standard._sum_combine) >= TOP, c, t)
+    above = cand > t
+    slot = tl.associative_scan(above.to(tl.int32), 0, tl.standard._sum_combine) - 1
+    n_above = tl.reduce(above.to(tl.int32), 0, tl.standard._sum_combine)
+    # the tile's partials
+    pi = pi_ptr + pid * NI
+    tl.store(pi, n_zero)
+    tl.store(pi + 1, n_nonfin)
+    tl.store(pi + 2, minb)
+    tl.store(pi + 3, maxb)
+    tl.store(pi + 4 + slot, cand, mask=above)
+    j = tl.arange(0, TOP)
+    tl.store(pi + 4 + j, tl.full((TOP,), 0, tl.int32) + t, mask=j >= n_above)
+    pf = pf_ptr + pid * NF
+    tl.store(pf, s)
+    tl.store(pf + 1, sa)
+    tl.store(pf + 2, ss)
+    tl.store(pf + 3, sl)
+    tl.store(pf + 4, sl2)
+    # binade counts: the tile's histogram (excluded entries in the last, unused bin), added
+    hbin = tl.where(nz, e - MIN_EXP, HBINS - 1)
+    h = tl.histogram(hbin, HBINS)
+    hk = tl.arange(0, HBINS)
+    tl.atomic_add(cnt_ptr + hk, h.to(tl.int64), mask=(hk < NHIST) & (h > 0))
+    # blocks of 16 and 32 in memory order: exponent fields of the normal finite entries
+    fe = tl.where((f == 0) | (f == 255), 0, f)
+    fe16 = tl.reshape(fe, (BLOCK // 16, 16))
+    hi16 = tl.reduce(fe16, 1, tl.standard._elementwise_max)
+    lo16 = tl.reduce(tl.where(fe16 > 0, fe16, 255), 1, tl.standard._elementwise_min)
+    hi32 = tl.reduce(tl.reshape(hi16, (BLOCK // 32, 2)), 1, tl.standard._elementwise_max)
+    lo32 = tl.reduce(tl.reshape(lo16, (BLOCK // 32, 2)), 1, tl.standard._elementwise_min)
+    start16 = pid * BLOCK + tl.arange(0, BLOCK // 16) * 16
+    start32 = pid * BLOCK + tl.arange(0, BLOCK // 32) * 32
+    r16 = tl.where(hi16 == 0, 0, 1 + tl.minimum(hi16 - lo16, NB - 2))
+    r32 = tl.where(hi32 == 0, 0, 1 + tl.minimum(hi32 - lo32, NB - 2))
+    g16 = tl.histogram(tl.where(start16 < n, r16, RBINS - 1), RBINS)
+    g32 = tl.histogram(tl.where(start32 < n, r32, RBINS - 1), RBINS)
+    rk = tl.arange(0, RBINS)
+    tl.atomic_add(cnt_ptr + HBINS + rk, g16.to(tl.int64), mask=(rk < NB) & (g16 > 0))
+    tl.atomic_add(cnt_ptr + HBINS + NB + rk, g32.to(tl.int64), mask=(rk < NB) & (g32 > 0))
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):  # noqa: ARG001 - the cache key: Triton decides at decoration
+    import triton
+
+    return triton.jit(_stats_src, do_not_specialize=["n"])
+
+
+def _check(x: torch.Tensor, out: torch.Tensor | None, blocks: torch.Tensor | None) -> None:
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"stats_vector needs a float32, bfloat16 or float16 tensor, got {x.dtype}; "
+                         "convert it first (x.float())")
+    if x.numel() == 0:
+        raise ValueError("stats_vector needs a non-empty tensor; the statistics of an empty one are "
+                         "the fields' empty values (gradstats.stats.reference.reduce)")
+    if not x.is_contiguous():
+        raise ValueError("stats_vector reads x in memory order and needs a contiguous tensor; pass "
+                         "x.contiguous()")
+    if out is not None and not (out.dtype == torch.float64 and out.shape == (VECTOR_LEN,)
+                                and out.device == x.device):
+        raise ValueError(f"out must be a float64 tensor of shape ({VECTOR_LEN},) on {x.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    if blocks is not None and not (blocks.dtype == torch.int64 and blocks.shape == (2, _NB)
+                                   and blocks.device == x.device):
+        raise ValueError(f"blocks must be an int64 tensor of shape (2, {_NB}) on {x.device} (blocks of "
+                         f"16 and 32: zero blocks, then {RANGE_BINS} range bins), got {blocks.dtype} "
+                         f"{tuple(blocks.shape)} on {blocks.device}")
+
+
+def stats_vector(x: torch.Tensor, *, out: torch.Tensor | None = None,
+                 blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """The float64 statistics vector of ``x`` (``VECTOR_LEN`` values in the layout of
+    :data:`gradstats.stats.fields.LAYOUT`) on ``x``'s device, from one read of ``x`` and without a
+    host synchronisation. ``x``: any shape, contiguous, float32, bfloat16 or float16 (the statistics
+    of its values as float32), non-empty (:func:`supports`). ``out``: a float64 tensor of
+    ``VECTOR_LEN`` on ``x``'s device (a row of a larger buffer) written and returned. ``blocks``: an
+    int64 tensor of shape ``(2, 1 + RANGE_BINS)`` on ``x``'s device, overwritten with the per-block
+    counts of blocks of 16 and of 32 as the C kernel writes them
+    (:func:`gradstats.stats.blocks.kernel_block_stats` reads them).
+
+    Example (CUDA, or the CPU with ``TRITON_INTERPRET=1`` set before the first call):
+        >>> import torch
+        >>> x = torch.tensor([[0.5, -4.0], [0.0, 1e-42]])
+        >>> if supports(x):
+        ...     v = stats_vector(x)
+        ...     assert v[:3].tolist() == [4.0, 1.0, 0.0] and v[9].item() == 4.0
+    """
+    _check(x, out, blocks)
+    xf = x.detach().reshape(-1)                        # a view: x is contiguous
+    n = xf.numel()
+    dev = x.device
+    grid = -(-n // BLOCK)
+    pi = torch.empty((grid, _NI), dtype=torch.int32, device=dev)
+    pf = torch.empty((grid, _NF), dtype=torch.float32, device=dev)
+    cnt = torch.zeros(_HBINS + 2 * _NB, dtype=torch.int64, device=dev)
+    _kernel(interpreting())[(grid,)](xf, pi, pf, cnt, n, BLOCK=BLOCK, TOP=TOP_K, NI=_NI, NF=_NF,
+                                     HBINS=_HBINS, NHIST=HIST_BINS, RBINS=_RBINS, NB=_NB,
+                                     MIN_EXP=HIST_MIN_EXP, BF16=x.dtype == torch.bfloat16, num_warps=8)
+    # combine the partials (73 values per tile)
+    f64 = torch.float64
+    counts = pi[:, :2].sum(0, dtype=torch.int64)       # n_zero, n_nonfinite
+    nnz = n - counts.sum()
+    ext = torch.stack([pi[:, 2].amin(), pi[:, 3].amax()]).view(torch.float32).to(f64)
+    ext = torch.where(nnz > 0, ext, math.nan)
+    top_bits = pi[:, 4:].reshape(-1).topk(TOP_K).values
+    top = torch.where(top_bits > 0, top_bits.view(torch.float32).to(f64), math.nan)
+    scalars = torch.cat([torch.full((1,), float(n), dtype=f64, device=dev), counts.to(f64),
+                         pf.sum(0, dtype=f64), ext])
+    vec = torch.cat([scalars, cnt[:HIST_BINS].to(f64), top])
+    if blocks is not None:
+        blocks.copy_(cnt[_HBINS:].view(2, _NB))
+    if out is None:
+        return vec
+    return out.copy_(vec)
