@@ -1,0 +1,337 @@
+"""Triton kernel of :func:`gradstats.ops.fused.prune_quantize`: stochastic pruning, rounding to a format at a
+per-tensor scale, and the call's counts and sums, in one pass over the tensor with no host synchronisation.
+
+The kernel reads ``x`` once in its own dtype (float32, bfloat16 or float16; computed in float32) and writes
+the result once in that dtype. Each program reduces its tile's counts (zeros, pruned, underflow, saturated,
+non-finite: int64) and sums (``x*o``, ``x**2``, ``(o-x)**2``, ``x**2 (o-x)**2``, ``|o|``, ``|x|`` over the
+finite entries: float64) and adds them to two small device tensors with ``tl.atomic_add``, so a caller
+can accumulate over many calls and read the totals once. The threshold and the scale may be Python floats
+or one-element tensors on ``x``'s device, read inside the kernel: a threshold solved on the device
+never visits the host.
+
+The semantics are those of the fused C kernel (``gradstats/ops/native/prune_quant.c``), element by
+element: the same random words (the pruning and rounding streams of one seed of
+:mod:`gradstats.ops.random`, at each element's flat index), the pruning test ``u * a < |x|`` in float32,
+the rounding of ``|x| * scale`` on its float32 bits (integer arithmetic, as the quantiser's kernel
+:mod:`gradstats.ops.triton.quantize`; ties of a mantissa-free format go to the even exponent, as in the
+C kernel), saturation at the format's max, division by multiplying with ``1 / scale`` rounded to
+float32, and NaN passed through. So for one seed the result equals the C kernel's on ``x.float()`` bit
+for bit, and ``quantize(stochastic_prune(x, a, seed=s), fmt, scale=, rounding=, seed=s)`` for power-of-two
+scales (except ties in a mantissa-free format, which :func:`gradstats.quantize` rounds up, and, for half
+inputs, a threshold that is not a value of ``x``'s dtype: the threshold is rounded to float32 here, to
+``x``'s dtype there). Counts are exact; the float64 sums are added in an order that depends on the
+scheduling, so they agree with the C kernel's to rounding (the tests ask 1e-9 relative). For half-precision inputs the zeros and the
+sums are those of the result as written (in ``x``'s dtype), the underflow and saturation counts those
+of the rounding step.
+
+Example:
+    >>> from gradstats.formats import FPFormat
+    >>> supports(FPFormat.parse("e4m3fn")), supports(FPFormat.parse("e4m3fn"), block_size=32)
+    (True, False)
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Union
+
+import numpy as np
+import torch
+
+from gradstats.formats import ROUNDING_CODES, FPFormat
+from gradstats.ops import random as _rng
+from gradstats.ops.triton import interpreting, triton_available
+
+try:  # the kernel body refers to ``tl``; it is only compiled when Triton is installed
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the installation
+    tl = None
+
+__all__ = ["supports", "prune_quantize_triton", "BLOCK", "COUNT_NAMES", "SUM_NAMES"]
+
+#: elements per Triton program (one tile; its counts and sums are added atomically)
+BLOCK = 2048
+#: the entries of the ``counts`` tensor (int64)
+COUNT_NAMES = ("zeros", "pruned", "underflow", "saturated", "nonfinite")
+#: the entries of the ``sums`` tensor (float64), as :class:`gradstats.ops.fused.CompressCounts` names them
+SUM_NAMES = ("dot", "norm2", "err2", "noise2", "abs_out", "abs_in")
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def supports(fmt: FPFormat | str | None, block_size: int | None = None) -> bool:
+    """Whether :func:`prune_quantize_triton` handles ``fmt``: no format (pruning only) or one the fused C
+    kernel covers (signed, with a zero, steps not below float32's subnormal range), a per-tensor scale
+    (``block_size`` None), and Triton installed.
+
+    Example:
+        >>> supports(None), supports("e2m1fn"), supports("bf16"), supports("e2m1fn", block_size=16)
+        (True, True, False, False)
+    """
+    from gradstats.ops.fused import _native_ok
+
+    if block_size is not None or not triton_available():
+        return False
+    fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
+    return _native_ok(fmt, 1.0)
+
+
+def _kernel_src(X, Y, A, S, CNT, SUMS, n, a_f, scale_f, inv_f, pk1, pk2, rk1, rk2,  # floats as their int32 bits
+                PRUNE: tl.constexpr, A_PTR: tl.constexpr, QUANT: tl.constexpr, SCALE_MODE: tl.constexpr,
+                M: tl.constexpr, MSUB: tl.constexpr, E0F: tl.constexpr, MAXBITS: tl.constexpr,
+                C0F: tl.constexpr, ROUNDING: tl.constexpr, NEG_ZERO: tl.constexpr, BF16: tl.constexpr,
+                BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)  # int64: tensors beyond 2**31 elements
+    mask = offs < n
+    if BF16:  # widened by its bits: exact everywhere (Triton's interpreter mangles float32-subnormal bfloat16)
+        v = (tl.load(X + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) << 16).to(
+            tl.float32, bitcast=True)
+    else:
+        v = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    vb = v.to(tl.int32, bitcast=True)
+    neg = vb < 0
+    absb = vb & 0x7FFFFFFF
+    isnan = absb > 0x7F800000
+    fin = absb < 0x7F800000
+    w = absb.to(tl.float32, bitcast=True)
+    c = offs.to(tl.int32)  # the low word of the element's counter (k1 carries the segment's start)
+    pruned = mask & (mask == 0)
+    if PRUNE:
+        if A_PTR:
+            a = tl.load(A).to(tl.float32)
+        else:
+            a = a_f.to(tl.float32, bitcast=True)
+        # the word of gradstats.ops.random at counter c (pk1: the segment's first key plus its start;
+        # int32 arithmetic wraps, ">> s & mask" is the logical shift), its top 24 bits the uniform
+        h = (c + pk1) * 0x7FEB352D
+        h = h ^ ((h >> 16) & 0xFFFF)
+        h = h * (-2073254261) + pk2
+        h = h ^ ((h >> 15) & 0x1FFFF)
+        h = h * (-1640531535)
+        u = ((h >> 8) & 0xFFFFFF).to(tl.float32) * 5.960464477539063e-08
+        small = w < a
+        up = u * a < w
+        pruned = small & (up == 0) & (w != 0.0) & mask
+        w = tl.where(small, tl.where(up, a, 0.0), w)
+    rb = w.to(tl.int32, bitcast=True)
+    under = pruned & (mask == 0)
+    over = under
+    if QUANT:
+        if SCALE_MODE == 1:
+            ws = w * scale_f.to(tl.float32, bitcast=True)
+            inv = inv_f.to(tl.float32, bitcast=True)
+        elif SCALE_MODE == 2:
+            s = tl.load(S).to(tl.float32)
+            ws = w * s
+            inv = tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), s)
+        else:
+            ws = w
+        b = ws.to(tl.int32, bitcast=True)  # >= 0: |x| * scale
+        over = (b > MAXBITS) & (b <= 0x7F800000) & mask
+        ex = b >> 23
+        eff = tl.maximum(ex, 1)
+        sig = (b & 0x7FFFFF) | tl.where(ex > 0, 0x800000, 0)
+        sub = b < (E0F << 23)
+        pre = tl.minimum(tl.where(sub, E0F - eff, 0), 30)
+        if ROUNDING == 1:
+            h = (c + rk1) * 0x7FEB352D  # the rounding stream's word, as above
+            h = h ^ ((h >> 16) & 0xFFFF)
+            h = h * (-2073254261) + rk2
+            h = h ^ ((h >> 15) & 0x1FFFF)
+            h = h * (-1640531535)
+            r23 = (h >> 9) & 0x7FFFFF
+            # normal range: add random bits below the kept ones, truncate (carries reach the exponent)
+            res_n = ((b + (r23 >> M)) >> (23 - M)) << (23 - M)
+            # below 2**emin: nearest-even on the grid 2**(emin-23), then the same on the fixed grid
+            q0 = sig >> pre
+            rem = sig - (q0 << pre)
+            half = (1 << pre) >> 1
+            nn = q0 + (((rem > half) | ((rem == half) & ((q0 & 1) == 1))) & (pre > 0)).to(tl.int32)
+            q = (nn + (r23 >> MSUB)) >> (23 - MSUB)
+        else:
+            sh = tl.where(sub, tl.minimum(23 - MSUB + pre, 30), 23 - M)
+            base = tl.where(sub, sig, b)
+            q = base >> sh
+            if ROUNDING == 0:  # nearest, ties to the even code (the exponent's lsb when M = 0)
+                rem = base - (q << sh)
+                half = (1 << sh) >> 1
+                q = q + (((rem > half) | ((rem == half) & ((q & 1) == 1))) & (sh > 0)).to(tl.int32)
+            res_n = q << sh
+        # q * 2**(emin - MSUB) below 2**emin: a float32 normal (the format's steps are), by an exact subtraction
+        g = ((E0F << 23) + (q << (23 - MSUB))).to(tl.float32, bitcast=True)
+        res_s = (g - C0F).to(tl.int32, bitcast=True)
+        res = tl.where(sub, res_s, res_n)
+        res = tl.where(res > MAXBITS, MAXBITS, res)  # saturate, inf included
+        under = (res == 0) & (w != 0.0) & (isnan == 0) & mask
+        if SCALE_MODE == 0:
+            rb = res
+        else:
+            rb = (res.to(tl.float32, bitcast=True) * inv).to(tl.int32, bitcast=True)
+    if NEG_ZERO:
+        ob = tl.where(neg, rb | (-2147483648), rb)
+    else:  # zeros are +0 in a format without -0
+        ob = tl.where(neg & (rb != 0), rb | (-2147483648), rb)
+    o = tl.where(isnan, v, ob.to(tl.float32, bitcast=True))
+    if BF16:  # rounded to nearest even by its bits (a NaN stays a NaN), as the hardware's conversion
+        o32 = o.to(tl.int32, bitcast=True)
+        r = tl.where(isnan, o32 | 0x400000, o32 + 0x7FFF + ((o32 >> 16) & 1))
+        h = (r >> 16).to(tl.int16)
+        tl.store(Y + offs, h.to(tl.bfloat16, bitcast=True), mask=mask)
+        ow = (h.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # the result as written
+    else:
+        ov = o.to(Y.dtype.element_ty)
+        tl.store(Y + offs, ov, mask=mask)
+        ow = ov.to(tl.float32)  # the result as written
+    # per-tile sums, added to the call's totals: tl.reduce with tl.sum's combine function (what tl.sum
+    # does), which Triton's interpreter runs also when it was switched on after triton was imported
+    tl.atomic_add(CNT + 0, tl.reduce(((ow == 0.0) & mask).to(tl.int64), 0, tl.standard._sum_combine))
+    tl.atomic_add(CNT + 1, tl.reduce(pruned.to(tl.int64), 0, tl.standard._sum_combine))
+    tl.atomic_add(CNT + 2, tl.reduce(under.to(tl.int64), 0, tl.standard._sum_combine))
+    tl.atomic_add(CNT + 3, tl.reduce(over.to(tl.int64), 0, tl.standard._sum_combine))
+    tl.atomic_add(CNT + 4, tl.reduce(((fin == 0) & mask).to(tl.int64), 0, tl.standard._sum_combine))
+    keep = fin & mask
+    xd = tl.where(keep, v, 0.0).to(tl.float64)
+    od = tl.where(keep, ow, 0.0).to(tl.float64)
+    d = od - xd
+    xx = xd * xd
+    tl.atomic_add(SUMS + 0, tl.reduce(xd * od, 0, tl.standard._sum_combine))
+    tl.atomic_add(SUMS + 1, tl.reduce(xx, 0, tl.standard._sum_combine))
+    tl.atomic_add(SUMS + 2, tl.reduce(d * d, 0, tl.standard._sum_combine))
+    tl.atomic_add(SUMS + 3, tl.reduce(xx * (d * d), 0, tl.standard._sum_combine))
+    tl.atomic_add(SUMS + 4, tl.reduce(tl.abs(od), 0, tl.standard._sum_combine))
+    tl.atomic_add(SUMS + 5, tl.reduce(tl.abs(xd), 0, tl.standard._sum_combine))
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):  # noqa: ARG001 - the cache key: Triton decides at decoration
+    import triton
+
+    return triton.jit(_kernel_src, do_not_specialize=["n", "a_f", "scale_f", "inv_f", "pk1", "pk2", "rk1", "rk2"])
+
+
+def _bits(v) -> int:
+    """The float32 bits of ``v`` as a signed int: a float kernel argument arrives as float64 where it is not a
+    float32 normal (``2**-127``) and as a Python float in the interpreter; its bits arrive unchanged."""
+    return int(np.asarray(v, dtype=np.float32).view(np.int32))
+
+
+def _segments(n: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of the launches: one per ``2**32`` segment of the counter (each has its own keys)."""
+    seg = 1 << 32
+    return [(p, min(n - p, seg)) for p in range(0, n, seg)]
+
+
+def _check_value(v, name: str, x: torch.Tensor, positive: bool) -> None:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1 or not v.is_floating_point() or v.device != x.device:
+            raise ValueError(f"{name} as a tensor must hold one floating-point value on x's device {x.device}; "
+                             f"got shape {tuple(v.shape)}, dtype {v.dtype}, device {v.device}")
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a float or a one-element tensor, got {type(v).__name__}")
+    if not math.isfinite(v) or (v <= 0 if positive else v < 0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0 (0 = no pruning)'}, got {v}")
+
+
+def _check_acc(t: torch.Tensor | None, name: str, size: int, dtype: torch.dtype, x: torch.Tensor) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.shape != (size,) or t.device != x.device \
+            or not t.is_contiguous():
+        got = (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape ({size},) on {x.device} "
+                         f"(it is added to); got {got}")
+
+
+def prune_quantize_triton(x: torch.Tensor, threshold: Union[float, torch.Tensor], fmt: FPFormat | str | None, *,
+                          scale: Union[float, torch.Tensor] = 1.0, rounding: str = "nearest", seed: int = 0,
+                          out: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                          sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stochastic pruning at ``threshold`` (0 = none), then rounding to ``fmt`` (None = none) at ``scale``
+    with ``rounding``, saturating at the format's max, in one Triton kernel. Returns ``(result, counts, sums)``.
+
+    ``threshold`` and ``scale`` are Python floats or one-element floating-point tensors on ``x``'s device
+    (read by the kernel, rounded to float32; a tensor threshold <= 0 prunes nothing, a tensor scale must be
+    positive: its value is not checked, which would need the host). ``seed`` (an int in ``[0, 2**64)``)
+    seeds the pruning and the rounding streams. ``counts`` (int64, 5: zeros, pruned, underflow, saturated,
+    nonfinite; :data:`COUNT_NAMES`) and ``sums`` (float64, 6: dot, norm2, err2, noise2, abs_out, abs_in;
+    :data:`SUM_NAMES`) are added to when given, else made zeroed; ``out`` (contiguous, of ``x``'s shape,
+    dtype and device) receives the result. ``x`` is float32, bfloat16 or float16 on CUDA (or the CPU
+    under ``TRITON_INTERPRET=1``); a non-contiguous ``x`` is copied first (one more pass). Nothing is read
+    back to the host; the only ATen op on a tensor of ``x``'s size is the allocation of the result.
+
+    Example (``TRITON_INTERPRET=1`` runs the kernel on the CPU; on CUDA it is not needed):
+        >>> import os
+        >>> old = os.environ.get("TRITON_INTERPRET"); os.environ["TRITON_INTERPRET"] = "1"
+        >>> x = torch.tensor([0.001, -0.3, 0.6, 5.0, 1000.0])
+        >>> y, counts, sums = prune_quantize_triton(x, 0.5, "e3m2fn", seed=0)
+        >>> y.tolist()[2:], counts.tolist()
+        ([0.625, 5.0, 28.0], [2, 2, 0, 1, 0])
+        >>> _ = os.environ.pop("TRITON_INTERPRET") if old is None else os.environ.update(TRITON_INTERPRET=old)
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"prune_quantize_triton expects a float32, bfloat16 or float16 tensor, got {got}")
+    fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
+    if fmt is not None and not isinstance(fmt, FPFormat):
+        raise ValueError(f"fmt must be an FPFormat, a format name or None, got {type(fmt).__name__}")
+    if not supports(fmt):
+        raise ValueError(f"format {fmt} is not one the fused kernel covers (signed, with a zero, steps not below "
+                         f"float32's subnormal range) or Triton is missing: use gradstats.ops.fused.prune_quantize")
+    if rounding not in ROUNDING_CODES:
+        raise ValueError(f"rounding must be one of {sorted(ROUNDING_CODES)}, got {rounding!r}")
+    _check_value(threshold, "threshold", x, positive=False)
+    _check_value(scale, "scale", x, positive=True)
+    seed = _rng.resolve_seed(seed, None, "prune_quantize_triton")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype
+                            or out.device != x.device or not out.is_contiguous()):
+        seen = (tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out must be a contiguous tensor of x's shape {tuple(x.shape)}, dtype {x.dtype} and "
+                         f"device {x.device}; got {seen}")
+    _check_acc(counts, "counts", 5, torch.int64, x)
+    _check_acc(sums, "sums", 6, torch.float64, x)
+    xc = x.detach()
+    if not xc.is_contiguous():
+        xc = xc.contiguous()
+    res = out if out is not None else torch.empty_like(xc, memory_format=torch.contiguous_format)
+    if counts is None:
+        counts = torch.zeros(5, dtype=torch.int64, device=x.device)
+    if sums is None:
+        sums = torch.zeros(6, dtype=torch.float64, device=x.device)
+    n = xc.numel()
+    if n == 0:
+        return res, counts, sums
+
+    a_ptr = isinstance(threshold, torch.Tensor)
+    prune = a_ptr or threshold > 0
+    a_f = 0 if a_ptr else _bits(threshold)
+    A = threshold.reshape(1) if isinstance(threshold, torch.Tensor) else counts
+    q = fmt is not None
+    S, scale_f, inv_f, smode = counts, 0, 0, 0
+    if q and isinstance(scale, torch.Tensor):
+        S, smode = scale.reshape(1), 2
+    elif q and float(scale) != 1.0:
+        s32 = np.float32(scale)
+        scale_f, inv_f, smode = _bits(s32), _bits(np.float32(1.0) / s32), 1  # 1 / scale as the C kernel
+    if fmt is not None:
+        from gradstats.ops.consts import consts
+
+        c = consts(fmt)
+        M, MSUB, E0F, MAXBITS, C0F = c.M, c.Msub, c.E0F, c.MAXBITS, fmt.min_normal
+        neg_zero = fmt.has_negative_zero
+    else:
+        M, MSUB, E0F, MAXBITS, C0F, neg_zero = 0, 0, 1, 0, 1.0, True
+    sp, sr = _rng.stream(seed, _rng.PRUNE), _rng.stream(seed, _rng.ROUND)
+    kern = _kernel(interpreting())
+    segs = _segments(n)
+    for pos, m in segs:
+        (p1, p2), (r1, r2) = _rng.segment_key(sp, pos >> 32), _rng.segment_key(sr, pos >> 32)
+        pk1, pk2, rk1, rk2 = _rng._s32(pos + p1), _rng._s32(p2), _rng._s32(pos + r1), _rng._s32(r2)
+        X, Y = (xc, res) if len(segs) == 1 else (xc.view(-1)[pos:pos + m], res.view(-1)[pos:pos + m])
+        kern[(-(-m // BLOCK),)](
+            X, Y, A, S, counts, sums, m, a_f, scale_f, inv_f, pk1, pk2, rk1, rk2,
+            PRUNE=bool(prune), A_PTR=a_ptr, QUANT=q, SCALE_MODE=smode, M=M, MSUB=MSUB, E0F=E0F, MAXBITS=MAXBITS,
+            C0F=C0F, ROUNDING=ROUNDING_CODES[rounding], NEG_ZERO=bool(neg_zero), BF16=xc.dtype == torch.bfloat16,
+            BLOCK=BLOCK)
+    return res, counts, sums
