@@ -6,8 +6,9 @@ for the same step are subtracted. Columns:
 
 - ``calls``: planned or traced layer-calls in the step;
 - ``big ops / call``: whole-gradient ATen operations per layer-call in the backward pass (an
-  operation touching a tensor at least half the size of the smallest traced gradient; views not
-  counted); target at most 2;
+  operation touching a tensor at least half the size of the model's smallest layer output, which
+  is at least 2,560 elements here, so a statistics vector or a kernel's partials never count;
+  views not counted); target at most 2;
 - ``syncs in backward``: host synchronisations inside the backward pass; target 0;
 - ``syncs / step``: in the whole step, the optimizer's and the settling included; target at most 1;
 - ``launches / step``: kernel launches beyond the plain step's (Triton kernels and the non-view
@@ -32,7 +33,8 @@ from torch import nn
 
 
 class ConvGRU(nn.Module):
-    """A 1-d convolution, a GRU and two Linear layers over sequences of 16-dim vectors."""
+    """A 1-d convolution, a GRU and two Linear layers tagging each step of sequences of 16-dim
+    vectors (5 tags)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,7 +46,7 @@ class ConvGRU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.conv(x.transpose(1, 2))).transpose(1, 2)
         h, _ = self.gru(h)
-        return self.fc2(torch.relu(self.fc1(h[:, -1])))
+        return self.fc2(torch.relu(self.fc1(h))).flatten(0, 1)
 
 
 def workload(name: str):
@@ -54,11 +56,22 @@ def workload(name: str):
     if name == "mlp4":
         model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                               nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
-        x, y = torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)
+        x, y = torch.randn(256, 64, generator=g), torch.randint(0, 10, (256,), generator=g)
     else:
         model = ConvGRU()
-        x, y = torch.randn(32, 24, 16, generator=g), torch.randint(0, 5, (32,), generator=g)
+        x, y = torch.randn(32, 24, 16, generator=g), torch.randint(0, 5, (32 * 24,), generator=g)
     return model, x, y
+
+
+def _outputs(model: nn.Module, layers: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """The output tensor of each of ``layers`` on ``x`` (the first of a tuple)."""
+    outs: list[torch.Tensor] = []
+    hs = [m.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o)) for m in layers]
+    with torch.no_grad():
+        model(x)
+    for h in hs:
+        h.remove()
+    return outs
 
 
 def audit_step(name: str, config: str) -> dict:
@@ -79,7 +92,8 @@ def audit_step(name: str, config: str) -> dict:
         applied = gradstats.apply(model, gradstats.Plan.uniform(format="e4m3fn", sparsity=0.8, output_layer=False))
         handles.append(applied)
     layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.GRU))]
-    smallest = min(128 * 10, 32 * 5)             # the smallest gradient of either model: (B, classes)
+    sizes = [int(t.numel()) for t in _outputs(model, layers, x)]
+    smallest = min(sizes)                        # the smallest layer output, hence gradient
 
     def step() -> None:
         opt.zero_grad()
@@ -90,10 +104,8 @@ def audit_step(name: str, config: str) -> dict:
 
     for _ in range(2):
         step()
-    with Audit(big=smallest // 2) as a:
+    with Audit(big=smallest // 2) as a:     # (apply settles the previous step in this one's forward)
         step()
-        if applied is not None:
-            applied.to_dataframe()        # what a reader does after the step (settles it)
         if tracer is not None:
             tracer.flush()                # the commit of the step (on its schedule: about once a second)
     calls = 0

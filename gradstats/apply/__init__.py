@@ -258,6 +258,7 @@ class Applied(Refreshing, Alerting, DevicePath):
         return {
             "version": STATE_VERSION,
             "generator": self.generator.get_state(),
+            "device_calls": self.device_calls,
             "refresh_every": _schedule_text(self.config.refresh_every),
             "warmup": self.config.warmup,
             "ema": self.config.ema,
@@ -320,6 +321,7 @@ class Applied(Refreshing, Alerting, DevicePath):
                                      f"does not load: {exc}") from None
             states[n] = st
         self.generator.set_state(gen.clone())
+        self.device_calls = int(sd.get("device_calls", 0))
         self.state = states
         self.rules = rules
         self.fallbacks = [dict(r) for r in sd.get("fallbacks", [])]

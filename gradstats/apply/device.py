@@ -26,9 +26,10 @@ settling after the call. The effect on achieved sparsity is measured in ``bench/
 reads its threshold back on each refresh (one synchronisation per refreshed call); the other rules
 read nothing.
 
-The random draws of each call come from one seed per settling drawn from the handle's generator
-and the call's index after it, so a run on a GPU and the same run on the CPU through the
-interpreter make the same draws, and a checkpoint at a settling resumes them exactly.
+The random draws of each call come from a seed made of the handle's ``seed`` and the call's index
+(host integers: drawing from a generator would read a tensor), so a run on a GPU and the same run
+on the CPU through the interpreter make the same draws, and a checkpoint resumes them exactly
+(``state_dict()`` holds the index).
 
 Example:
     >>> from gradstats.apply.device import DevicePath
@@ -38,7 +39,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -68,16 +69,14 @@ class DevicePath:
     def _device_init(self) -> None:
         self._outbox = Outbox()
         self._inflight: list[tuple[Any, ...]] = []
-        self._seed_base: Optional[int] = None
-        self._seed_calls = 0
+        #: enforced calls on the device path so far (their seeds follow from it; checkpointed)
+        self.device_calls = 0
 
     def _next_seed(self) -> int:
-        """The seed of the next call: the settling's seed and the call's index after it (host ints)."""
-        if self._seed_base is None:
-            self._seed_base = _rng.draw_seed(self.generator)
-            self._seed_calls = 0
-        self._seed_calls += 1
-        return _rng.mix64(self._seed_base + self._seed_calls) >> 2
+        """The seed of the next call, from the handle's seed and the call's index: host integers,
+        no draw from a generator (which reads a tensor)."""
+        self.device_calls += 1
+        return _rng.mix64(_rng.mix64(self.config.seed) + self.device_calls) >> 2
 
     def _compress_on_device(self, name: str, g: torch.Tensor) -> torch.Tensor:
         from gradstats.apply.refresh import all_reduce_stats, stats_vector
@@ -114,7 +113,6 @@ class DevicePath:
             return
         items = iter(self._outbox.collect())
         inflight, self._inflight = self._inflight, []
-        self._seed_base = None                       # the next calls draw from the generator afresh
         for entry in inflight:
             if entry[0] == "stats":
                 _, name, refresh, hist, numel = entry

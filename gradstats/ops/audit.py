@@ -13,7 +13,8 @@ operation* (one more pass over a gradient's memory). It also counts
   :meth:`gradstats.ops.host.Outbox.collect` that waited for something (on the CPU all tensors
   live on the host, so every read is counted, which is stricter than a GPU; the tensors an
   outbox hands back are host memory and are not);
-* **Triton launches**, each kernel a program grid.
+* **Triton launches**, each kernel a program grid (under the interpreter the ATen operations it
+  makes to copy a kernel's arguments are not counted: a CUDA launch makes none).
 
 Run with ``GRADSTATS_ENGINE=triton`` and ``TRITON_INTERPRET=1`` it audits the GPU code path on the
 CPU (``bench/device_audit.py`` prints the table; the tests assert its targets).
@@ -45,8 +46,19 @@ DATA_DEPENDENT = frozenset({"nonzero", "masked_select", "_unique2", "unique_dim"
 _NO_DATA = frozenset({"detach", "alias", "lift_fresh", "_reshape_alias", "view", "_unsafe_view", "as_strided",
                       "empty_strided", "set_", "resize_", "sym_size", "sym_stride", "sym_numel", "is_same_size"})
 
-#: host tensors an outbox handed back (not device reads)
-HOST_TENSORS: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+#: host tensors an outbox handed back (not device reads), by id (tensors do not hash by identity in sets)
+HOST_TENSORS: dict[int, "weakref.ref[torch.Tensor]"] = {}
+
+
+def _mark_host(t: torch.Tensor) -> None:
+    HOST_TENSORS[id(t)] = weakref.ref(t)
+
+
+def _marked(t: torch.Tensor | None) -> bool:
+    if t is None:
+        return False
+    ref = HOST_TENSORS.get(id(t))
+    return ref is not None and ref() is t
 
 
 def _phase() -> str:
@@ -54,7 +66,7 @@ def _phase() -> str:
 
 
 def _on_host(t: torch.Tensor) -> bool:
-    return t in HOST_TENSORS or (t._base is not None and t._base in HOST_TENSORS)
+    return _marked(t) or _marked(t._base)
 
 
 class Audit(TorchDispatchMode):
@@ -79,11 +91,14 @@ class Audit(TorchDispatchMode):
         self.sync_names: Counter[str] = Counter()
         self.big_names: Counter[str] = Counter()
         self._patched: list[tuple[Any, str, Any]] = []
+        self._launching = False
 
     # -- the dispatch mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self._launching:         # the interpreter's own copies of a kernel's arguments: no CUDA op
+            return out
         name = func.overloadpacket.__name__
         phase = _phase()
         if name in DATA_DEPENDENT:
@@ -130,7 +145,7 @@ class Audit(TorchDispatchMode):
                 if host.COLLECTS[0] != before:
                     audit._sync(_phase(), "Outbox.collect")
                 for t in items:
-                    HOST_TENSORS.add(t)
+                    _mark_host(t)
                 return items
             return collect
 
@@ -142,8 +157,14 @@ class Audit(TorchDispatchMode):
         else:
             def launching(old):
                 def run(fn, *a, **k):
+                    if audit._launching:         # a launcher calling its own run: one launch
+                        return old(fn, *a, **k)
                     audit.launches[_phase()] += 1
-                    return old(fn, *a, **k)
+                    audit._launching = True
+                    try:
+                        return old(fn, *a, **k)
+                    finally:
+                        audit._launching = False
                 return run
             for cls in (interpreter.InterpretedFunction, jit.JITFunction):
                 if hasattr(cls, "run"):
