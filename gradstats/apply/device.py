@@ -58,6 +58,37 @@ def snapshot(st: LayerState) -> dict[str, float]:
     return {k: getattr(st, k) for k in SNAPSHOT}
 
 
+_F = {"n": 0, "n_zero": 1, "n_nonfinite": 2, "sum_ln_abs": 6, "max_abs": 9}
+
+
+def current_settings(v: torch.Tensor, st: LayerState, rule: Any, fmt: Any) -> tuple[Any, Any]:
+    """The threshold and scale a call uses, corrected on the device for the lag: the solved
+    threshold (and a per-tensor scale) moved by the drift of the gradient's location since they
+    were solved, ``exp(mu_now - solved_mu)`` (``mu_now``: the mean ``ln|g|`` of this call's
+    statistics vector ``v``, still on the device); the scale, a power of two, then lowered where
+    this call's largest magnitude (or the threshold, which pruning rounds up to) would saturate.
+    Small tensor operations on ``v``, nothing read back. Host numbers where nothing is corrected."""
+    from gradstats.stats import LAYOUT, SCALAR_FIELDS
+
+    threshold: Any = st.threshold if rule.prunes else 0.0
+    scale: Any = st.scale
+    if math.isnan(st.solved_mu):
+        return threshold, scale
+    i = {name: SCALAR_FIELDS.index(name) for name in _F}
+    assert LAYOUT["max_abs"].start == i["max_abs"]
+    n_nz = v[i["n"]] - v[i["n_zero"]] - v[i["n_nonfinite"]]
+    drift = torch.where(n_nz > 0, v[i["sum_ln_abs"]] / n_nz.clamp_min(1) - st.solved_mu, 0.0)
+    if rule.prunes and st.threshold > 0 and math.isfinite(st.threshold):
+        threshold = (st.threshold * torch.exp(drift)).to(torch.float32)
+    if rule.quantizes and rule.block_size is None and fmt is not None and rule.scale != "fixed":
+        s = torch.exp2(torch.round(math.log2(st.scale) - drift / math.log(2)))
+        top = torch.maximum(v[i["max_abs"]].nan_to_num(0.0), torch.as_tensor(threshold, dtype=torch.float64,
+                                                                               device=v.device))
+        cap = torch.where(top > 0, torch.exp2(torch.floor(torch.log2(fmt.max / top.clamp_min(1e-300)))), s)
+        scale = torch.minimum(s, cap).to(torch.float32)
+    return threshold, scale
+
+
 class DevicePath:
     """The device path of :class:`~gradstats.apply.Applied` (see the module's docstring)."""
 
@@ -85,10 +116,10 @@ class DevicePath:
         k = st.seq - self.config.warmup
         refresh = k < 0 or self._refreshes(k)        # type: ignore[attr-defined]
         hist = rule.prunes and rule.threshold_rule == "histogram"
+        v = stats_vector(g, full=refresh and hist)   # every call: its location corrects the lag below
+        if self.config.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
+            v = all_reduce_stats(v)
         if self._needs_stats(rule, refresh):         # type: ignore[attr-defined]
-            v = stats_vector(g, full=refresh and hist)
-            if self.config.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
-                v = all_reduce_stats(v)
             self._outbox.put(v)
             self._inflight.append(("stats", name, refresh, refresh and hist, g.numel()))
         if k < 0 or math.isnan(st.mu):       # warm-up, or the layer's first call: no statistics back yet
@@ -97,10 +128,13 @@ class DevicePath:
         if refresh and rule.prunes and rule.threshold_rule == "exact":
             self._solve(name, True, g.numel(), g)    # type: ignore[attr-defined]   (reads its threshold back)
         q = rule.quantize_kwargs() if rule.quantizes else {"fmt": None, "rounding": rule.rounding}
-        out, counts, sums = prune_quantize_into(g, st.threshold if rule.prunes else 0.0, q.pop("fmt"),
-                                                scale=st.scale, seed=self._next_seed(), **q)
+        fmt = q.pop("fmt")
+        threshold, scale = current_settings(v, st, rule, fmt)
+        out, counts, sums = prune_quantize_into(g, threshold, fmt, scale=scale, seed=self._next_seed(), **q)
         self._outbox.put(counts)
         self._outbox.put(sums)
+        self._outbox.put(torch.stack([torch.as_tensor(threshold, dtype=torch.float64, device=g.device).reshape(()),
+                                      torch.as_tensor(scale, dtype=torch.float64, device=g.device).reshape(())]))
         self._inflight.append(("counts", name, st.seq, g.numel(), rule, snapshot(st)))
         st.seq += 1
         return out
@@ -120,7 +154,9 @@ class DevicePath:
                 self._solve(name, refresh, numel)                   # type: ignore[attr-defined]
                 continue
             _, name, seq, numel, rule, snap = entry
-            c, s = next(items), next(items)
+            c, s, used = next(items), next(items), next(items)
+            thr, scale = used.tolist()
+            snap = {**snap, "threshold": thr, "scale": scale}      # as the kernel used them
             counts = CompressCounts(numel, *[int(v) for v in c.tolist()], *s.tolist())
             self._account(name, rule, seq, counts, math.nan, snap)  # type: ignore[attr-defined]
 

@@ -53,6 +53,7 @@ class LayerState:
     fallback_run: int = 0           # consecutive drifting calls
     gain_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])   # dot, norm2, noise2 over calls
     fallback_done: list[int] = field(default_factory=list)   # indices of the Fallback actions taken
+    solved_mu: float = math.nan     # the running mean of ln|g| the threshold and scale were solved at
 
     @property
     def sigma(self) -> float:
@@ -247,6 +248,7 @@ class Refreshing:
                     predict(rule, st, numel)
         if refresh and (self.config.record or self.config.fallback is not None):
             predict(rule, st, numel)
+        st.solved_mu = st.mu
 
     def _refreshes(self, k: int) -> bool:
         """Whether call ``k`` (counted from the end of the warm-up) refreshes: every

@@ -45,7 +45,8 @@ STATE_VERSION = 2
 _STATE_FIELDS = ("seq", "mu", "m2", "p0", "amax", "rms", "mean_abs", "threshold",
                  "predicted_sparsity", "scale", "zero_run")
 #: fields added in state dict version 2 (defaults when loading version 1)
-_STATE_FIELDS_V2 = ("predicted_underflow", "predicted_overflow", "predicted_error", "fallback_run", "gain_sums")
+_STATE_FIELDS_V2 = ("predicted_underflow", "predicted_overflow", "predicted_error", "fallback_run", "gain_sums",
+                    "solved_mu")
 #: the actions a :class:`Fallback` can take, in the order of the default ladder
 FALLBACK_ACTIONS = ("stochastic", "widen", "full", "dense")
 #: ``fallback=`` names: shorthands for a :class:`Fallback` with these actions

@@ -231,15 +231,16 @@ def _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, ou
     return y, counts, sums
 
 
-def prune_quantize_into(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Scheme, str, None], *,
-                        scale: float = 1.0, rounding: Optional[str] = None, seed: int = 0,
+def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
+                        fmt: Union[FPFormat, Scheme, str, None], *, scale: Union[float, torch.Tensor] = 1.0, rounding: Optional[str] = None, seed: int = 0,
                         block_size: Optional[int] = None, scale_format: Optional[str] = None,
                         scale_rounding: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`prune_quantize` for the device path: ``(result, counts, sums)`` with the counts
     (int64: zeros, pruned, underflow, saturated, nonfinite) and the sums (float64: dot, norm2, err2,
     noise2, abs_out, abs_in; :class:`CompressCounts`) left on ``x``'s device, so that nothing is
     read back. On the Triton engine one fused kernel makes all three in one pass over ``x``
-    (per-tensor scales); block scales go through the operators one after the other.
+    (per-tensor scales), and ``threshold`` and ``scale`` may be one-element tensors on ``x``'s
+    device (solved there); block scales go through the operators one after the other.
 
     Example:
         >>> import torch
@@ -257,8 +258,11 @@ def prune_quantize_into(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, 
     if use_triton(x.device.type) and block_size is None and x.numel() > 0:
         from gradstats.ops.triton import fused as kfused
 
-        if kfused.supports(fmt, block_size) and _native_ok(fmt, scale):
+        # a scale on the device is not read back to be checked (the caller made it positive)
+        if kfused.supports(fmt, block_size) and _native_ok(fmt, 1.0 if isinstance(scale, torch.Tensor) else scale):
             return kfused.prune_quantize_triton(x, threshold, fmt, scale=scale, rounding=rounding, seed=seed)
+    threshold = float(threshold) if isinstance(threshold, torch.Tensor) else threshold   # other engines: host numbers
+    scale = float(scale) if isinstance(scale, torch.Tensor) else scale
     if use_native(x.device.type) and x.numel() > 0:
         y, c = prune_quantize(x, threshold, fmt, scale=scale, rounding=rounding, seed=seed, block_size=block_size,
                               scale_format=scale_format, scale_rounding=scale_rounding)
