@@ -182,9 +182,12 @@ def _path_of_prune_quantize(x, fmt: str) -> str:
     import torch
 
     from gradstats.ops import fused
+    from gradstats.ops.engine import active_engine
 
-    if x.device.type == "cpu" and x.dtype == torch.float32 and fused._native() is not None:
+    if active_engine(x.device.type) == "native" and x.dtype == torch.float32 and fused._native() is not None:
         return "C kernel (CPU, one pass)"
+    if active_engine(x.device.type) == "triton":
+        return "Triton fused kernel (one pass, counts on the device)"
     q = _path_of_quantize(x.device.type, fmt)
     return f"composed: stochastic_prune ({'torch' if q.startswith('torch') else q}) + quantize ({q}) + count reductions"
 
@@ -248,11 +251,14 @@ def bench_stats(timer: Timer, n: int, copy_gbs: float, batch: int, model_name: s
         ("tensor_stats_vector scalars (full=False, apply's refresh)",
          lambda t: S.tensor_stats_vector(t, full=False), True),
     ]
-    if on_cpu:   # what CUDA runs: the torch reductions (the C kernel takes CPU float32 otherwise)
-        calls.append(("torch-ops path, full (the path CUDA takes)", with_kernel(None, True), False))
+    if on_cpu:   # the torch reductions (the C kernel takes CPU float32 otherwise)
+        calls.append(("torch-ops path, full", with_kernel(None, True), False))
     for name, fn, targeted in calls:
+        from gradstats.ops.engine import active_engine
+
         path = ("C kernel (CPU)" if on_cpu and S.kernel_applies(x) and "torch-ops" not in name
-                else "torch reductions (_reduce)")
+                else "Triton one-pass kernel" if active_engine(dev.type) == "triton" and "torch-ops" not in name
+                else "torch reductions")
         ms, _ = timer.median_ms(lambda: fn(x))
         gbs = 4 * n / ms / 1e6
         rows.append(row("stats", f"{name}, {n:,} values", gbs, " GB/s read", target=TARGET_STATS if targeted else None,
@@ -287,7 +293,14 @@ def bench_apply(timer: Timer, model_name: str, batch: int, rounds: int, block: i
     dev = timer.device
     model = build_model(model_name, seed=0).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    batches = [(x.to(dev), y.to(dev)) for x, y in fixed_batches(model_name, block, batch)]
+    if model_name == "transformer":     # the 4-layer character transformer on random tokens
+        g = torch.Generator().manual_seed(0)
+        batches = [(t[:, :-1].to(dev), t[:, 1:].to(dev)) for t in
+                   (torch.randint(0, 128, (batch, 129), generator=g) for _ in range(block))]
+        model = build_model(model_name, seed=0, vocab_size=128, seq_len=128).to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    else:
+        batches = [(x.to(dev), y.to(dev)) for x, y in fixed_batches(model_name, block, batch)]
     fp6 = {"format": "e3m2fn", "scale": "lognormal", "rounding": "nearest"}
     plans = {
         "fp6 + 85% sparsity (apply_overhead's reference plan)":
@@ -295,12 +308,15 @@ def bench_apply(timer: Timer, model_name: str, batch: int, rounds: int, block: i
         "Plan.uniform(format='e3m2fn', sparsity=0.85)": Plan.uniform(format="e3m2fn", sparsity=0.85),
     }
 
-    def block_seconds(finish: Callable[[], None] | None = None) -> float:
+    def block_seconds(finish: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> float:
         t = timer.start()
         for x, y in batches:
             opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+            out = model(x)
+            torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
             opt.step()
+            if after is not None:
+                after()
         if finish is not None:
             finish()
         return timer.stop(t) / 1e3 / len(batches)
@@ -309,14 +325,25 @@ def bench_apply(timer: Timer, model_name: str, batch: int, rounds: int, block: i
         handle = gradstats.apply(model, plan, record=False)
         return block_seconds(handle.remove)
 
-    configs: dict[str, Callable[[], float]] = {"plain": block_seconds}
+    import tempfile
+
+    tracer = gradstats.trace(model, tempfile.mkdtemp(prefix="gradstats-gpu-trace-"), sample_every=None, noise=False,
+                             resume=True)
+
+    def traced() -> float:             # statistics of every layer on every step, committed each block
+        tracer.attach()
+        sec = block_seconds(tracer.flush, tracer.step)
+        tracer.detach()
+        return sec
+
+    configs: dict[str, Callable[[], float]] = {"plain": block_seconds, "trace every step": traced}
     configs.update({label: (lambda p=p: applied(p)) for label, p in plans.items()})
     for run in configs.values():          # warm-up: kernels compiled, cuDNN and the allocator settled
         run()
     res = interleaved_ratios(configs, rounds)
     rows = [row("apply", f"{model_name} step, batch {batch}, plain", res["plain"][0] * 1e3, " ms/step",
                 rounds=rounds, block=block)]
-    for label in plans:
+    for label in ["trace every step", *plans]:
         sec, ratio, q1, q3, lo, hi = res[label]
         rows.append(row("apply", f"{model_name} step with {label}: time ratio", ratio, "x", target=TARGET_APPLY,
                         at_least=False, ms_per_step=sec * 1e3, ratio_q1=q1, ratio_q3=q3, ratio_ci90=[lo, hi],
@@ -483,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     if "apply" in args.sections:
         rows += section("apply", lambda: bench_apply(timer, "resnet18", args.batch, args.rounds, args.block)) or []
+        rows += section("apply", lambda: bench_apply(timer, "transformer", 32, args.rounds, args.block)) or []
         partial()
     appendix = None
     if dev.type == "cuda" and not args.no_gpu_table and not args.small:

@@ -161,6 +161,13 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
     elif stochastic:
         seed = _rng.draw_seed(generator)
     n = x.numel()
+    if use_triton(x.device.type) and block_size is None and n > 0 and _native_ok(fmt, scale):
+        from gradstats.ops.triton import fused as kfused
+
+        if kfused.supports(fmt, block_size):        # one Triton pass; the counts read back once, here
+            y, c, s = kfused.prune_quantize_triton(x, threshold, fmt, scale=scale, rounding=rounding,
+                                                   seed=seed or 0, out=out)
+            return y, CompressCounts(n, *c.tolist(), *s.tolist())
     fn = _native() if use_native(x.device.type) and x.dtype == torch.float32 else None
     if fn is not None and block_size is None and _native_ok(fmt, scale) and n > 0:
         xc = x.contiguous()
