@@ -269,3 +269,18 @@ def test_verify_shows_each_layers_predicted_noise(tmp_path):
     pred = gradstats.predicted_noise(path, plan, steps=v.steps)
     assert per.loc["0", "predicted_noise"] == pytest.approx(pred["0"]) and pred["0"] > 0
     assert "noise R" in v.table()
+
+
+def test_the_noise_records_describe_the_plan_as_repaired(tmp_path):
+    """After recommend's check repairs a rule (another format, stochastic rounding), both noise
+    columns are those of the final rules: what predicted_noise says of the plan it returns."""
+    _, path, _, _, _ = _mlp_run(tmp_path, steps=6)
+    plan = gradstats.recommend(path, bits=6, sparsity=0.9, output_layer=False)
+    pred = {r["layer"]: r for r in gradstats.predicted_noise(path, plan).records}
+    df = plan.to_dataframe().set_index("layer")
+    assert (df["rounding"] == "stochastic").any() and (df["rounding"] == "nearest").any()   # one was repaired
+    assert set(df.index) == set(pred) and len(pred) == 3
+    for layer, r in pred.items():
+        assert df.loc[layer, "predicted_noise"] == pytest.approx(r["noise"], rel=1e-3)
+        assert df.loc[layer, "pruning_noise"] == pytest.approx(r["pruning_noise"], rel=1e-3, abs=1e-12)
+        assert 0 <= r["pruning_noise"] <= r["noise"]

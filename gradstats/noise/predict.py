@@ -174,7 +174,9 @@ class PerLayer:
 class NoisePrediction(PerLayer):
     """Per planned layer: ``error`` (its operator's relative error), ``incoming`` (the relative
     error carried back from the planned layers downstream), ``q2``, ``minibatch``, ``noise``
-    (the ratio ``R``) and ``local_noise`` (``R`` from this layer's own operator alone).
+    (the ratio ``R``), ``local_noise`` (``R`` from this layer's own operator alone) and
+    ``pruning_noise`` (``R`` from the plan's pruning alone, over its rounding: what
+    ``recommend``'s noise bound limits).
 
     Example:
         >>> NoisePrediction([{"layer": "fc", "noise": 0.01}], 0.02).ok
@@ -196,7 +198,7 @@ class NoisePrediction(PerLayer):
         """One row per layer."""
         import pandas as pd
 
-        cols = ["layer", "error", "incoming", "q2", "minibatch", "local_noise", "noise"]
+        cols = ["layer", "error", "incoming", "q2", "minibatch", "local_noise", "noise", "pruning_noise"]
         return pd.DataFrame(self.records, columns=cols)
 
     def to_dict(self) -> dict[str, Any]:
@@ -296,13 +298,27 @@ def predicted_noise(run: Any, plan: Any, *, steps: Any = "auto", bound: Optional
         return NoisePrediction([], bound)
     chosen = calibration_steps(r, list(rules), steps=steps)
     error_at = _layer_errors(rules, step_rows(r, list(rules), chosen), chosen)
-    errors = {name: error_at(name, rule.sparsity or 0.0) for name, rule in rules.items()}
     terms = noise_terms(r, list(rules), chosen)
     missing = [n for n in rules if n not in terms.index]
     if missing:
         log.info("no noise record for %d planned layer(s) (%s): their predicted noise is NaN",
                  len(missing), ", ".join(missing[:5]))
-    return NoisePrediction(_combine(errors, terms, downstream(r), list(rules), gains(r)), bound, list(chosen))
+    sparsity = {name: rule.sparsity or 0.0 for name, rule in rules.items()}
+    return NoisePrediction(_records(error_at, sparsity, terms, downstream(r), gains(r)), bound, list(chosen))
+
+
+def _records(error_at: Callable[[str, float], float], sparsity: dict[str, float], terms: "pd.DataFrame",
+             down: dict[str, list[str]], gain: dict[tuple[str, str], float]) -> list[dict[str, Any]]:
+    """The noise records of layers pruned at ``sparsity`` (and rounded as their rules say): the whole
+    operators' ratio (``noise``) and, beside it, ``pruning_noise``: the ratio of what the pruning adds
+    over the rounding alone, propagated the same way."""
+    layers = list(sparsity)
+    recs = _combine({n: error_at(n, s) for n, s in sparsity.items()}, terms, down, layers, gain)
+    pruning = _combine({n: max(error_at(n, s) - error_at(n, 0.0), 0.0) for n, s in sparsity.items()},
+                       terms, down, layers, gain)
+    for rec, p in zip(recs, pruning):
+        rec["pruning_noise"] = p["noise"]
+    return recs
 
 
 def bound_sparsity(layers: Sequence[str], requested: dict[str, float], error_at: Callable[[str, float], float],
@@ -440,14 +456,12 @@ def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float]
                        "not pruned"} for n in rules}
     else:
         granted = bound_sparsity(list(rules), want, added_by_pruning, terms, down, float(bound), gain=gain)
-    errors = {n: error_at(n, granted[n]["granted"]) for n in rules}
-    preds = {rec["layer"]: rec for rec in _combine(errors, terms, down, list(rules), gain)}
-    pruning = {rec["layer"]: rec for rec in _combine({n: added_by_pruning(n, granted[n]["granted"]) for n in rules},
-                                                      terms, down, list(rules), gain)}
+    preds = {rec["layer"]: rec for rec in _records(error_at, {n: granted[n]["granted"] for n in rules}, terms, down,
+                                                  gain)}
     records = [{"layer": n, "requested_sparsity": granted[n]["requested"],
                 "sparsity": granted[n]["granted"], "sparsity_reason": granted[n]["reason"],
-                "operator_error": float(errors[n]), "predicted_noise": _num(preds[n]["noise"]),
-                "pruning_noise": _num(pruning[n]["noise"])} for n in rules]
+                "operator_error": float(preds[n]["error"]), "predicted_noise": _num(preds[n]["noise"]),
+                "pruning_noise": _num(preds[n]["pruning_noise"])} for n in rules]
     entries: list[Any] = list(plan.entries)
     extra: list[dict[str, Any]] = []
     if bound is not None:

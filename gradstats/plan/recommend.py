@@ -373,12 +373,14 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
                 cands, b, granularity="tensor" if block_size is None else granularity)
             plans[b] = repair(plans[b], r, chk, candidates=[FPFormat.parse(c) for c in pool],
                               bias_bound=bias_bound, flush_bound=flush_bound)
-            if plans[b].noise:       # the predicted noise of the rules as repaired
+            if plans[b].noise:       # the predicted noise of the rules as repaired, both parts
                 from gradstats.noise.predict import predicted_noise
 
-                now = {rec["layer"]: rec["noise"] for rec in predicted_noise(r, plans[b], steps=chk).records}
+                now = {rec["layer"]: rec for rec in predicted_noise(r, plans[b], steps=chk).records}
                 plans[b] = dataclasses.replace(plans[b], noise=tuple(
-                    {**c, "predicted_noise": _fmt(now.get(c["layer"], math.nan))} for c in plans[b].noise))
+                    {**c, "predicted_noise": _fmt(now.get(c["layer"], {}).get("noise", math.nan)),
+                     "pruning_noise": _fmt(now.get(c["layer"], {}).get("pruning_noise", math.nan))}
+                    for c in plans[b].noise))
         if plans[b].noise_bound is not None:
             cut = [c for c in plans[b].noise if c["sparsity_reason"] == "noise bound"]
             if cut:
