@@ -284,3 +284,24 @@ def test_the_noise_records_describe_the_plan_as_repaired(tmp_path):
         assert df.loc[layer, "predicted_noise"] == pytest.approx(r["noise"], rel=1e-3)
         assert df.loc[layer, "pruning_noise"] == pytest.approx(r["pruning_noise"], rel=1e-3, abs=1e-12)
         assert 0 <= r["pruning_noise"] <= r["noise"]
+
+
+def test_allocate_weighted_by_the_noise_model_spends_the_budget_where_noise_is_cheapest(tmp_path):
+    from gradstats.noise.predict import noise_weights
+    from gradstats.pruning import allocate
+
+    _, path, _, _, _ = _mlp_run(tmp_path, steps=6)
+    run = gradstats.open_run(path)
+    w = noise_weights(run)
+    assert set(w) == {"0", "2", "4"} and all(v > 0 for v in w.values())
+    by_size = allocate(run, 0.7, output_layer=None)
+    by_noise = allocate(run, 0.7, weights=w, output_layer=None)
+    assert by_noise.achieved == pytest.approx(0.7) and by_size.achieved == pytest.approx(0.7)
+    ws = np.array([w[n] for n in by_noise.layers])
+    # the noise objective (sum of w_i D_i) is the least under the noise weights (KKT optimum)
+    assert (ws * by_noise.added_variance).sum() < (ws * by_size.added_variance).sum()
+    # and the predicted noise of the plans follows: lower summed over the layers
+    total = {k: sum(r["noise"] for r in gradstats.predicted_noise(
+        path, gradstats.Plan.uniform(layers=["0", "2", "4"]).with_allocation(a)).records)
+        for k, a in (("size", by_size), ("noise", by_noise))}
+    assert total["noise"] < total["size"]

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["predicted_noise", "NoisePrediction", "noise_terms", "downstream", "gains", "incoming_noise",
-           "operator_error", "NOISE_BOUND"]
+           "operator_error", "noise_weights", "NOISE_BOUND"]
 
 #: the default largest predicted noise ratio per layer (docs/noise.md: every configuration of the
 #: study with a measured ratio up to 0.015 kept its accuracy; every one that lost had 0.32 or more)
@@ -484,3 +484,52 @@ def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float]
 
 def _num(v: float) -> Optional[float]:
     return float(v) if v is not None and math.isfinite(v) else None
+
+
+def noise_weights(run: Any, layers: Optional[Sequence[str]] = None, *, steps: Any = "auto") -> dict[str, float]:
+    """Per layer, how much noise ratio a unit of relative error added at its output gradient costs
+    the model, to first order: its own conversion ``c = q2 / minibatch`` (the ratio a relative error
+    ``e`` at the layer adds to its weight gradient is ``e * c``) plus what flows back to the layers
+    upstream, ``sum_l gain[layer, l] * c_l`` (:func:`incoming_noise`'s first-order term). As
+    ``weights=`` of :func:`gradstats.pruning.allocate`, whose objective ``sum_i w_i D_i`` then is the
+    sum over layers of the noise ratio the pruning adds (``D_i`` the relative added variance): the
+    budget is spent where it costs the least noise against SGD's own, with the same model that
+    bounds ``recommend`` (``allocate(run, 0.85, weights=noise_weights(run))``). ``layers``: default
+    every traced layer (as ``allocate`` reads a run); a layer without a noise record gets the
+    largest weight of the others (pruned the least), with a log line.
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
+        ...     for _ in range(2):
+        ...         m(torch.randn(64, 8)).logsumexp(1).mean().backward(); t.step()
+        >>> w = noise_weights(t.path)
+        >>> sorted(w), all(v > 0 for v in w.values())
+        (['0', '2'], True)
+        >>> a = gradstats.pruning.allocate(gradstats.open_run(t.path), 0.5, weights=w, output_layer=None)
+    """
+    from gradstats.plan.checks import calibration_steps
+    from gradstats.run import as_run
+
+    r = as_run(run)
+    table = r.table("noise")
+    known = list(dict.fromkeys(str(x) for x in table["layer"])) if not table.empty else []
+    names = list(layers) if layers is not None else list(r.layers)
+    if not known:
+        raise ValueError(f"the run at {r.path} holds no noise records (traced with noise=False, or before gradstats "
+                         "recorded them): trace with sample_every= steps to weight an allocation by noise")
+    chosen = calibration_steps(r, [n for n in names if n in known], steps=steps)
+    terms = noise_terms(r, names, chosen)
+    c = {n: float(terms.loc[n, "q2"] / terms.loc[n, "minibatch"]) for n in names
+         if n in terms.index and terms.loc[n, "minibatch"] > 0}
+    gain = gains(r)
+    out = {n: c[n] + sum(_weight(gain, n, up) * c.get(up, 0.0) for up in names if up != n and (n, up) in gain)
+           for n in c}
+    missing = [n for n in names if n not in out]
+    if missing:
+        top = max(out.values()) if out else 1.0
+        log.info("no noise record for %s: weighted as the costliest layer (%.3g)", ", ".join(missing), top)
+        out.update({n: top for n in missing})
+    return {n: out[n] for n in names}
+

@@ -373,7 +373,11 @@ def allocate(layers: Any, budget: float, *, cosine_floor: Any = None, weights: A
     layer names to leave unpruned. Excluded layers stay in the result with threshold 0 and
     their zeros as target, and do not count towards the budget.
 
-    ``weights``: importance per layer (default: element counts). ``sizes``: element counts
+    ``weights``: importance per layer (default: element counts; every element's relative noise
+    counts the same), one value per layer or a mapping name -> weight.
+    :func:`gradstats.noise.predict.noise_weights` gives the weights of the noise model that bounds
+    ``recommend``: the objective is then the noise ratio the pruning adds against SGD's own, summed
+    over the layers (``allocate(run, 0.85, weights=noise_weights(run))``). ``sizes``: element counts
     when the rows lack ``n``. A budget below the zeros already present gives threshold 0
     everywhere (and ``achieved`` above the budget); a budget the caps and floors cannot allow
     raises ``ValueError`` naming the most they allow.
