@@ -117,7 +117,8 @@ def test_the_layout_is_the_declared_one():
     assert (ks.BLOCK_SIZES, ks.RANGE_BINS) == (blocks.BLOCK_SIZES, blocks.RANGE_BINS)
 
 
-def test_supports(interpret):
+def test_supports(interpret, monkeypatch):
+    monkeypatch.setenv("GRADSTATS_ENGINE", "triton")      # the CPU takes the device path only when asked
     assert ks.supports(torch.ones(3)) and ks.supports(torch.ones(2, 3, dtype=torch.bfloat16))
     assert ks.supports(torch.ones(3, dtype=torch.float16))
     assert not ks.supports(torch.ones(0))
@@ -209,6 +210,11 @@ def test_out_is_written_in_place(interpret):
     r = ks.stats_vector(x, out=buf[1])
     assert r.data_ptr() == buf[1].data_ptr()
     assert same(buf[1], ks.stats_vector(x)) and (buf[0] == -1).all() and (buf[2] == -1).all()
+    cols = torch.full((VECTOR_LEN, 3), -1.0, dtype=torch.float64)          # a strided column, strided blocks
+    blocks = torch.full((1 + RANGE_BINS, 2), -1, dtype=torch.int64).t()
+    ks.stats_vector(x, out=cols[:, 2], blocks=blocks)
+    assert same(cols[:, 2], buf[1]) and (cols[:, :2] == -1).all()
+    np.testing.assert_array_equal(blocks.numpy(), expected(x)[1])
 
 
 def test_bad_input_is_refused_with_the_fix(interpret):
@@ -222,6 +228,82 @@ def test_bad_input_is_refused_with_the_fix(interpret):
         ks.stats_vector(torch.ones(3), out=torch.zeros(VECTOR_LEN))
     with pytest.raises(ValueError, match="blocks must be an int64 tensor"):
         ks.stats_vector(torch.ones(3), blocks=torch.zeros(2, 64, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("rows, chunk", [(1, 64), (4, 256)])
+def test_the_combine_loops_over_any_number_of_tiles(interpret, monkeypatch, rows, chunk):
+    """The combine reads the tiles' partials in chunks: chunks smaller than the 13 tiles of 50_001
+    entries (and than their 832 top candidates) give the same vector, the largest magnitudes and the
+    ties spread over several chunks."""
+    monkeypatch.setattr(ks, "_ROWS", rows)
+    monkeypatch.setattr(ks, "_CHUNK", chunk)
+    check(special(50_001, seed=12))
+    check(torch.arange(1, 50_002, dtype=torch.float32))                       # the top in the last chunk
+    x = torch.ones(50_001)
+    x[::1001] = -2.0                                         # 50 values above ties in every tile
+    v = check(x)
+    assert v[LAYOUT["top_abs"]].tolist() == [2.0] * 50 + [1.0] * 14
+
+
+class _Launches:
+    """Counts kernel launches (Triton's ``run``, interpreted or compiled) and whether one is running."""
+
+    def __init__(self, monkeypatch) -> None:
+        from triton.runtime import interpreter, jit
+
+        self.count = 0
+        self.depth = 0
+        for cls in (interpreter.InterpretedFunction, getattr(jit, "JITFunction", None)):
+            if cls is not None and hasattr(cls, "run"):
+                monkeypatch.setattr(cls, "run", self._wrap(cls.run))
+
+    def _wrap(self, run):
+        def counted(fn, *args, **kwargs):
+            self.count += 1
+            self.depth += 1
+            try:
+                return run(fn, *args, **kwargs)
+            finally:
+                self.depth -= 1
+        return counted
+
+
+class _OutsideLaunches(TorchDispatchMode):
+    """Records the non-view ATen ops made outside a launch (the interpreter copies a launch's arguments)
+    with the tensors each reads."""
+
+    def __init__(self, launches: _Launches) -> None:
+        super().__init__()
+        self.launches = launches
+        self.calls: list[tuple[str, list[torch.Tensor]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not func.is_view and self.launches.depth == 0:
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            self.calls.append((str(func), [t for t in leaves if isinstance(t, torch.Tensor)]))
+        return func(*args, **kwargs)
+
+
+def test_one_call_is_two_launches_and_two_allocations(interpret, monkeypatch):
+    """The pass and the combine are the only kernels; outside them a call allocates its zero-filled
+    scratch (the atomic counts, the partials) and, without ``out``, the vector: no other ATen op."""
+    x = special(50_001, seed=13).reshape(7, 7143)
+    out = torch.empty(VECTOR_LEN, dtype=torch.float64)
+    blocks = torch.empty(2, 1 + RANGE_BINS, dtype=torch.int64)
+    ks.stats_vector(x)                                        # compiled (rewritten) before counting
+    for kwargs, allocations in (({"out": out, "blocks": blocks}, ["aten.zeros.default"]),
+                                ({}, ["aten.zeros.default", "aten.empty.memory_format"])):
+        launches = _Launches(monkeypatch)
+        ops = _OutsideLaunches(launches)
+        with ops:
+            v = ks.stats_vector(x, **kwargs)
+        assert launches.count == 2
+        assert [name for name, _ in ops.calls] == allocations, ops.calls
+        assert not any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+                       for _, ts in ops.calls for t in ts)
+        want = expected(x)[0]
+        assert all(same(v[sl], want[sl]) for sl in EXACT)
 
 
 class _Ops(TorchDispatchMode):

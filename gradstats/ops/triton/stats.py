@@ -9,9 +9,13 @@ and largest ``|x|`` (as bit patterns: non-negative floats order like their bits)
 ``TOP_K`` largest non-zero finite magnitudes (the tile's ``TOP_K``-th largest found bit by bit, 31
 counts, then the entries above it and copies of it: exact with ties, no sort). The binade counts and the per-block counts (blocks of
 16 and 32 in memory order, as the C kernel's ``bh``) are counted per tile (``tl.histogram``) and added
-into one small int64 buffer with ``tl.atomic_add``. A few torch ops on the partials (73 values per
-tile of 4096: under ``numel/56`` for whole tiles) then combine them: no op reads a tensor of ``x``'s
-size, none waits for the device.
+into one small int64 buffer with ``tl.atomic_add``. A second launch, one program, combines the
+partials (73 values per tile of 4096) in chunks and writes the vector (and the block counts) itself:
+counts and float64 sums over the tiles, the extremes, the histogram, and the ``TOP_K`` largest of all
+tiles' candidates (the ``TOP_K``-th largest found a byte at a time, four histograms of the candidates;
+those above it gathered, ranked and written in descending order, copies of it after them). One call is
+these two launches and two allocations (the zero-filled scratch of counts and partials, and the vector
+unless ``out`` is given): no other ATen op, none waits for the device.
 
 Classification is done on the float32 bit pattern: exact zeros are excluded from the logs, the
 extremes, the histogram and the top magnitudes; inf and NaN are counted and excluded from everything
@@ -36,7 +40,6 @@ Example (CUDA, or the CPU with ``TRITON_INTERPRET=1`` set before the first call)
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -73,6 +76,9 @@ _HBINS = 512
 _RBINS = 128
 _NB = 1 + RANGE_BINS
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the combine reads the tiles' scalar partials _ROWS tiles at a time, their candidates _CHUNK at a time
+_ROWS = 512
+_CHUNK = 1024
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -188,11 +194,104 @@ def _stats_src(x_ptr, pi_ptr, pf_ptr, cnt_ptr, n,
     tl.atomic_add(cnt_ptr + HBINS + NB + rk, g32.to(tl.int64), mask=(rk < NB) & (g32 > 0))
 
 
+def _combine_src(pi_ptr, pf_ptr, cnt_ptr, sel_ptr, out_ptr, out_s, blk_ptr, blk_s0, blk_s1, n, tiles,
+                 TOP: tl.constexpr, NI: tl.constexpr, NF: tl.constexpr, HBINS: tl.constexpr,
+                 NHIST: tl.constexpr, NB: tl.constexpr, NSCAL: tl.constexpr, BW: tl.constexpr, ROWS: tl.constexpr,
+                 CH: tl.constexpr, BLOCKS: tl.constexpr):
+    # one program: the tiles' partials, ROWS tiles at a time, in int64 and float64
+    r = tl.arange(0, ROWS).to(tl.int64)
+    n_zero = tl.full((), 0, tl.int64)
+    n_nonfin = tl.full((), 0, tl.int64)
+    minb = tl.full((), 0x7FFFFFFF, tl.int32)
+    maxb = tl.full((), 0, tl.int32)
+    s0 = tl.full((), 0.0, tl.float64)
+    s1 = tl.full((), 0.0, tl.float64)
+    s2 = tl.full((), 0.0, tl.float64)
+    s3 = tl.full((), 0.0, tl.float64)
+    s4 = tl.full((), 0.0, tl.float64)
+    for start in range(0, tiles, ROWS):
+        rows = r + start
+        m = rows < tiles
+        pi = pi_ptr + rows * NI
+        pf = pf_ptr + rows * NF
+        n_zero += tl.reduce(tl.load(pi, mask=m, other=0).to(tl.int64), 0, tl.standard._sum_combine)
+        n_nonfin += tl.reduce(tl.load(pi + 1, mask=m, other=0).to(tl.int64), 0, tl.standard._sum_combine)
+        minb = tl.minimum(minb, tl.reduce(tl.load(pi + 2, mask=m, other=0x7FFFFFFF), 0,
+                                          tl.standard._elementwise_min))
+        maxb = tl.maximum(maxb, tl.reduce(tl.load(pi + 3, mask=m, other=0), 0, tl.standard._elementwise_max))
+        s0 += tl.reduce(tl.load(pf, mask=m, other=0.0).to(tl.float64), 0, tl.standard._sum_combine)
+        s1 += tl.reduce(tl.load(pf + 1, mask=m, other=0.0).to(tl.float64), 0, tl.standard._sum_combine)
+        s2 += tl.reduce(tl.load(pf + 2, mask=m, other=0.0).to(tl.float64), 0, tl.standard._sum_combine)
+        s3 += tl.reduce(tl.load(pf + 3, mask=m, other=0.0).to(tl.float64), 0, tl.standard._sum_combine)
+        s4 += tl.reduce(tl.load(pf + 4, mask=m, other=0.0).to(tl.float64), 0, tl.standard._sum_combine)
+    nn = n.to(tl.int64)
+    nnz = nn - n_zero - n_nonfin
+    lo = tl.where(nnz > 0, minb.to(tl.float32, bitcast=True).to(tl.float64), float("nan"))
+    hi = tl.where(nnz > 0, maxb.to(tl.float32, bitcast=True).to(tl.float64), float("nan"))
+    j = tl.arange(0, 16)
+    sc = tl.where(j == 0, nn.to(tl.float64), tl.where(j == 1, n_zero.to(tl.float64), tl.where(
+        j == 2, n_nonfin.to(tl.float64), tl.where(j == 3, s0, tl.where(j == 4, s1, tl.where(
+            j == 5, s2, tl.where(j == 6, s3, tl.where(j == 7, s4, tl.where(j == 8, lo, hi)))))))))
+    tl.store(out_ptr + j.to(tl.int64) * out_s, sc, mask=j < NSCAL)          # the ten scalars
+    hk = tl.arange(0, HBINS).to(tl.int64)
+    h = tl.load(cnt_ptr + hk, mask=hk < NHIST, other=0)
+    tl.store(out_ptr + (NSCAL + hk) * out_s, h.to(tl.float64), mask=hk < NHIST)
+    if BLOCKS:  # the counts of blocks of 16 and of 32, in the caller's strides
+        bk = tl.arange(0, BW).to(tl.int64)
+        bm = bk < 2 * NB
+        bc = tl.load(cnt_ptr + HBINS + bk, mask=bm, other=0)
+        tl.store(blk_ptr + (bk // NB) * blk_s0 + (bk % NB) * blk_s1, bc, mask=bm)
+    # the TOP largest of all tiles' candidates (bits, 0 for none): t, the TOP-th largest, a byte at a
+    # time from the top (a histogram of the next byte among the candidates that match t's bytes so far)
+    total = tiles.to(tl.int64) * TOP
+    c = tl.arange(0, CH).to(tl.int64)
+    b = tl.arange(0, 512)
+    t = tl.full((), 0, tl.int32)
+    k = tl.full((), TOP, tl.int32)                     # how many of the TOP are still to place at t's prefix
+    for p in tl.static_range(4):
+        hist = tl.full((512,), 0, tl.int32)
+        for start in range(0, total, CH):
+            q = c + start
+            m = q < total
+            cand = tl.load(pi_ptr + (q // TOP) * NI + 4 + q % TOP, mask=m, other=0)
+            if p > 0:
+                m = m & ((cand >> (32 - 8 * p)) == (t >> (32 - 8 * p)))
+            hist += tl.histogram(tl.where(m, (cand >> (24 - 8 * p)) & 255, 511), 512)
+        hist = tl.where(b < 256, hist, 0)
+        geq = tl.reduce(hist, 0, tl.standard._sum_combine) - tl.associative_scan(
+            hist, 0, tl.standard._sum_combine) + hist     # candidates with this byte or a larger one
+        d = tl.reduce(tl.where((geq >= k) & (b < 256), b, -1), 0, tl.standard._elementwise_max)
+        k -= tl.reduce(tl.where(b == d, geq - hist, 0), 0, tl.standard._sum_combine)
+        t = t | (d << (24 - 8 * p))
+    # the candidates above t (fewer than TOP), gathered into sel, then ranked and written descending;
+    # copies of t (NaN when t is 0: fewer than TOP non-zero magnitudes) fill the rest
+    n_above = tl.full((), 0, tl.int32)
+    for start in range(0, total, CH):
+        q = c + start
+        m = q < total
+        cand = tl.load(pi_ptr + (q // TOP) * NI + 4 + q % TOP, mask=m, other=0)
+        above = m & (cand > t)
+        slot = n_above + tl.associative_scan(above.to(tl.int32), 0, tl.standard._sum_combine) - 1
+        tl.store(sel_ptr + slot, cand, mask=above & (slot < TOP))
+        n_above += tl.reduce(above.to(tl.int32), 0, tl.standard._sum_combine)
+    tl.debug_barrier()                                 # sel, written by other threads of this program
+    i = tl.arange(0, TOP)
+    valid = i < n_above
+    v = tl.load(sel_ptr + i, mask=valid, other=-1)
+    before = (v[None, :] > v[:, None]) | ((v[None, :] == v[:, None]) & (i[None, :] < i[:, None]))
+    rank = tl.reduce((before & valid[None, :]).to(tl.int32), 1, tl.standard._sum_combine)
+    top = out_ptr + (NSCAL + NHIST) * out_s
+    tl.store(top + rank.to(tl.int64) * out_s, v.to(tl.float32, bitcast=True).to(tl.float64), mask=valid)
+    fill = tl.where(t > 0, t.to(tl.float32, bitcast=True).to(tl.float64), float("nan"))
+    tl.store(top + i.to(tl.int64) * out_s, tl.full((TOP,), 0.0, tl.float64) + fill, mask=i >= n_above)
+
+
 @functools.lru_cache(maxsize=2)
 def _kernel(interpret: bool):  # noqa: ARG001 - the cache key: Triton decides at decoration
     import triton
 
-    return triton.jit(_stats_src, do_not_specialize=["n"])
+    return (triton.jit(_stats_src, do_not_specialize=["n"]),
+            triton.jit(_combine_src, do_not_specialize=["n", "tiles"]))
 
 
 def _check(x: torch.Tensor, out: torch.Tensor | None, blocks: torch.Tensor | None) -> None:
@@ -239,25 +338,24 @@ def stats_vector(x: torch.Tensor, *, out: torch.Tensor | None = None,
     n = xf.numel()
     dev = x.device
     grid = -(-n // BLOCK)
-    pi = torch.empty((grid, _NI), dtype=torch.int32, device=dev)
-    pf = torch.empty((grid, _NF), dtype=torch.float32, device=dev)
-    cnt = torch.zeros(_HBINS + 2 * _NB, dtype=torch.int64, device=dev)
-    _kernel(interpreting())[(grid,)](xf, pi, pf, cnt, n, BLOCK=BLOCK, TOP=TOP_K, NI=_NI, NF=_NF,
-                                     HBINS=_HBINS, NHIST=HIST_BINS, RBINS=_RBINS, NB=_NB,
-                                     MIN_EXP=HIST_MIN_EXP, BF16=x.dtype == torch.bfloat16, num_warps=8)
-    # combine the partials (73 values per tile)
-    f64 = torch.float64
-    counts = pi[:, :2].sum(0, dtype=torch.int64)       # n_zero, n_nonfinite
-    nnz = n - counts.sum()
-    ext = torch.stack([pi[:, 2].amin(), pi[:, 3].amax()]).view(torch.float32).to(f64)
-    ext = torch.where(nnz > 0, ext, math.nan)
-    top_bits = pi[:, 4:].reshape(-1).topk(TOP_K).values
-    top = torch.where(top_bits > 0, top_bits.view(torch.float32).to(f64), math.nan)
-    scalars = torch.cat([torch.full((1,), float(n), dtype=f64, device=dev), counts.to(f64),
-                         pf.sum(0, dtype=f64), ext])
-    vec = torch.cat([scalars, cnt[:HIST_BINS].to(f64), top])
-    if blocks is not None:
-        blocks.copy_(cnt[_HBINS:].view(2, _NB))
-    if out is None:
-        return vec
-    return out.copy_(vec)
+    # one zero-filled scratch buffer: the int64 counts the tiles add into, then (as int32) the
+    # combine's TOP_K slots and the tiles' partials
+    ncnt = _HBINS + 2 * _NB
+    n32 = TOP_K + grid * (_NI + _NF)
+    buf = torch.zeros(ncnt + (n32 + 1) // 2, dtype=torch.int64, device=dev)
+    cnt = buf[:ncnt]
+    w = buf[ncnt:].view(torch.int32)
+    sel = w[:TOP_K]
+    pi = w[TOP_K:TOP_K + grid * _NI]
+    pf = w[TOP_K + grid * _NI:n32].view(torch.float32)
+    stats_kernel, combine_kernel = _kernel(interpreting())
+    stats_kernel[(grid,)](xf, pi, pf, cnt, n, BLOCK=BLOCK, TOP=TOP_K, NI=_NI, NF=_NF,
+                          HBINS=_HBINS, NHIST=HIST_BINS, RBINS=_RBINS, NB=_NB,
+                          MIN_EXP=HIST_MIN_EXP, BF16=x.dtype == torch.bfloat16, num_warps=8)
+    vec = torch.empty(VECTOR_LEN, dtype=torch.float64, device=dev) if out is None else out
+    blk = blocks if blocks is not None else cnt
+    combine_kernel[(1,)](pi, pf, cnt, sel, vec, vec.stride(0), blk, blk.stride(0), blk.stride(-1), n, grid,
+                         TOP=TOP_K, NI=_NI, NF=_NF, HBINS=_HBINS, NHIST=HIST_BINS, NB=_NB,
+                         NSCAL=N_SCALARS, BW=256, ROWS=_ROWS, CH=_CHUNK, BLOCKS=blocks is not None,
+                         num_warps=4)
+    return vec
