@@ -416,6 +416,9 @@ def test_used_records_the_settings_without_the_correction_too():
     y = kf.prune_quantize_triton(x, 0.3, "e4m3fn", scale=2.0 ** 5, stats=v, solved_mu=math.nan, used=used)[0]
     assert used.tolist() == [0.3, 32.0]  # NaN solved_mu: nothing to correct (as current_settings)
     assert same_bits(y, kf.prune_quantize_triton(x, 0.3, "e4m3fn", scale=2.0 ** 5)[0])
+    used.fill_(7.0)  # an empty tensor launches nothing
+    kf.prune_quantize_triton(x[:0], 0.3, "e4m3fn", stats=v, solved_mu=0.0, used=used)
+    assert used.tolist() == [7.0, 7.0]
 
 
 def test_bad_correction_arguments_name_the_problem():
@@ -468,6 +471,38 @@ def test_one_corrected_call_makes_no_aten_op_but_the_result(monkeypatch):
     made = [f for f, _ in mode.ops if not f.is_view]
     assert len(made) == 1 and "empty" in str(made[0]), [str(f) for f, _ in mode.ops]
     assert used[0] != 0.2 and counts.sum() > 0
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_the_corrected_kernel_compiles_for_a_cuda_gpu_without_one(monkeypatch):
+    """Triton compiles the kernel for sm_90 on the CPU (its bundled ptxas): the float64 scalar path lowers to
+    CUDA (libdevice exp, exp2, log2, floor; IEEE float64 division), not only in the interpreter."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:  # pragma: no cover - depends on the Triton version
+        pytest.skip("this Triton has no ASTSource / GPUTarget")
+    kf._kernel.cache_clear()
+    fn = kf._kernel(False)
+    ptrs = {"X": "*fp32", "Y": "*fp32", "A": "*fp32", "S": "*fp32", "CNT": "*i64", "SUMS": "*fp64", "ST": "*fp64",
+            "USED": "*fp64"}
+    consts = dict(PRUNE=True, A_PTR=False, QUANT=True, SCALE_MODE=3, S_PTR=False, CORRECT=True, CORR_T=True,
+                  WRITE_USED=True, I_N=0, I_ZERO=1, I_NONFIN=2, I_LN=6, I_MAX=9, FMAX_BITS=0x407C000000000000,
+                  M=3, MSUB=3, E0F=121, MAXBITS=0x43E00000, C0F=2.0 ** -6, ROUNDING=1, NEG_ZERO=True, BF16=False,
+                  BLOCK=kf.BLOCK)
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    sig["n"] = "i64"
+    try:
+        k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+    except RuntimeError as e:  # pragma: no cover - an installation without the CUDA backend's tools
+        if "ptxas" in str(e):
+            pytest.skip(f"no ptxas: {e}")
+        raise
+    finally:
+        kf._kernel.cache_clear()
+    ptx = k.asm["ptx"]
+    assert "div.rn.f64" in ptx and "st.global.b64" in ptx
 
 
 @pytest.mark.gpu

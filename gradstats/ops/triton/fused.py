@@ -7,7 +7,10 @@ non-finite: int64) and sums (``x*o``, ``x**2``, ``(o-x)**2``, ``x**2 (o-x)**2``,
 finite entries: float64) and adds them to two small device tensors with ``tl.atomic_add``, so a caller
 can accumulate over many calls and read the totals once. The threshold and the scale may be Python floats
 or one-element tensors on ``x``'s device, read inside the kernel: a threshold solved on the device
-never visits the host.
+never visits the host. Given the call's statistics vector, the kernel also corrects host-solved settings
+for the drift of the gradient's location (what :func:`gradstats.apply.device.current_settings` does with
+small tensor operations), in float64 in every program, and records the settings it used: a planned call
+on the device is then one statistics launch and this one.
 
 The semantics are those of the fused C kernel (``gradstats/ops/native/prune_quant.c``), element by
 element: the same random words (the pruning and rounding streams of one seed of
@@ -361,7 +364,8 @@ def prune_quantize_triton(x: torch.Tensor, threshold: Union[float, torch.Tensor]
     larger of the statistics' ``max_abs`` and the threshold, would saturate, rounded to float32. It then
     prunes and rounds with them as with one-element tensors of those values, in the same launch.
     ``used`` (float64, 2, on ``x``'s device) receives the ``(threshold, scale)`` the kernel used, as float64
-    (written by program 0, also without the correction).
+    (written by program 0, also without the correction). An empty ``x`` launches nothing: ``counts``, ``sums``
+    and ``used`` are left as they are.
 
     Example (``TRITON_INTERPRET=1`` runs the kernel on the CPU; on CUDA it is not needed):
         >>> import os
@@ -370,6 +374,12 @@ def prune_quantize_triton(x: torch.Tensor, threshold: Union[float, torch.Tensor]
         >>> y, counts, sums = prune_quantize_triton(x, 0.5, "e3m2fn", seed=0)
         >>> y.tolist()[2:], counts.tolist()
         ([0.625, 5.0, 28.0], [2, 2, 0, 1, 0])
+        >>> from gradstats.stats import tensor_stats_vector
+        >>> v, used = tensor_stats_vector(x, full=False), torch.zeros(2, dtype=torch.float64)
+        >>> mu_now = float(v[6] / v[0])  # solved when the gradient was half as large: drift ln 2
+        >>> y, counts, _ = prune_quantize_triton(x, 0.5, "e3m2fn", stats=v, solved_mu=mu_now - math.log(2), used=used)
+        >>> used.tolist(), y.tolist()[3:]  # threshold 0.5 * 2; scale 1/2, capped at 2**-6 (28 / 1000)
+        ([1.0, 0.015625], [4.0, 1024.0])
         >>> _ = os.environ.pop("TRITON_INTERPRET") if old is None else os.environ.update(TRITON_INTERPRET=old)
     """
     if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES:
