@@ -320,3 +320,211 @@ def test_cuda_kernel_past_two_to_the_31_elements(monkeypatch):
     want = torch.where(u * 0.5 < t.abs(), torch.full_like(t, 0.5), torch.zeros_like(t)).copysign(t)
     assert same_bits(got[-m:].cpu(), want.to(torch.float16))
     assert int(counts[1]) == int((got == 0).sum())
+
+
+# --- the lag correction inside the kernel: equal to gradstats.apply.device.current_settings, then the kernel ---
+
+def _settings_case(x, rule, threshold, scale, mu_shift, rounding="nearest", seed=21):
+    """``current_settings`` followed by the kernel at its (tensor) settings, against one launch with ``stats=``:
+    results, counts and sums equal, and ``used`` holds what ``current_settings`` made, exactly."""
+    from gradstats.apply.device import current_settings
+    from gradstats.apply.refresh import LayerState
+    from gradstats.stats import tensor_stats_vector
+
+    v = tensor_stats_vector(x, full=False)
+    n_nz = float(v[0] - v[1] - v[2])
+    mu_now = float(v[6]) / n_nz if n_nz > 0 else 0.0
+    st = LayerState(threshold=threshold, scale=scale, solved_mu=mu_now - mu_shift)
+    fmt = rule.format
+    thr_t, scale_t = current_settings(v, st, rule, fmt)
+    want = kf.prune_quantize_triton(x, thr_t, fmt, scale=scale_t, rounding=rounding, seed=seed)
+    used = torch.full((2,), math.nan, dtype=torch.float64)
+    got = kf.prune_quantize_triton(x, st.threshold if rule.prunes else 0.0, fmt, scale=st.scale, rounding=rounding,
+                                   seed=seed, stats=v, solved_mu=st.solved_mu, correct_threshold=rule.prunes,
+                                   correct_scale=rule.scale != "fixed", used=used)
+    assert same_bits(got[0], want[0]) and bool(torch.equal(got[0].signbit(), want[0].signbit()))
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), (got[1:], want[1:])
+    assert used.tolist() == [float(thr_t), float(scale_t)], (used.tolist(), float(thr_t), float(scale_t))
+    return used.tolist(), want[1].tolist()
+
+
+def _rule(fmt, sparsity, scale="lognormal", **kw):
+    from gradstats.plan import Rule
+
+    return Rule(format=fmt, sparsity=sparsity, scale=scale, **kw)
+
+
+@pytest.mark.parametrize("name", ["e4m3fn", "e3m2fn"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_lag_correction_in_the_kernel_equals_current_settings(name, rounding):
+    x = lognormal(9_000, sigma=2.0, seed=12) * 1e-3
+    fmt = parse(name)
+    rule = _rule(name, 0.8)
+    # drift up and down: the threshold follows exp(drift), the scale moves by whole binades (1 and 3 here)
+    for shift in (0.9, -1.3, 2.2, 0.0):
+        (thr, sc), _ = _settings_case(x, rule, 2e-4, 2.0 ** 12, shift, rounding)
+        assert thr == pytest.approx(float(torch.tensor(2e-4, dtype=torch.float32)) * math.exp(shift), rel=1e-6)
+        if shift:
+            assert sc != 2.0 ** 12
+    # a threshold above the largest magnitude: the scale is capped by the threshold (pruning rounds up to it)
+    x = x[14:]  # without the special values (1e30 among them)
+    top = float(x.abs().max())
+    (thr, sc), counts = _settings_case(x, rule, 3 * top, 2.0 ** 20, 0.3, rounding)
+    assert thr > top and sc == 2.0 ** math.floor(math.log2(fmt.max / thr)) and counts[3] == 0
+    # quantise only (no pruning rule), and a pruning rule whose threshold is still 0
+    (thr, sc), counts = _settings_case(x, _rule(name, None), 0.5, 2.0 ** 10, -0.7, rounding)
+    assert thr == 0.0 and counts[1] == 0 and sc != 2.0 ** 10
+    (thr, sc), counts = _settings_case(x, rule, 0.0, 2.0 ** 10, 0.7, rounding)
+    assert thr == 0.0 and counts[1] == 0
+    # a fixed scale is left as it is; the threshold still moves
+    (thr, sc), _ = _settings_case(x, _rule(name, 0.8, "fixed", scale_value=2.0 ** 9), 2e-4, 2.0 ** 9, 1.1, rounding)
+    assert sc == 2.0 ** 9 and thr != pytest.approx(2e-4)
+
+
+@pytest.mark.parametrize("name", ["e4m3fn", "e3m2fn"])
+def test_lag_correction_without_non_zero_entries(name):
+    """No non-zero finite entry: drift 0 and max_abs NaN (counted as 0), so the scale is only rounded and the
+    threshold (if any) caps it."""
+    rule = _rule(name, 0.8)
+    for x in (torch.zeros(3_000), torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf] * 500)):
+        from gradstats.stats import tensor_stats_vector
+
+        assert math.isnan(float(tensor_stats_vector(x, full=False)[9]))
+        for threshold in (0.0, 0.25):
+            (thr, sc), counts = _settings_case(x, rule, threshold, 2.0 ** 40, 1.5)
+            assert thr == threshold
+            assert sc == (2.0 ** 40 if threshold == 0 else 2.0 ** math.floor(math.log2(parse(name).max / 0.25)))
+            assert counts[4] == int((~x.isfinite()).sum())
+
+
+def test_lag_correction_pruning_only_and_half_inputs():
+    x = lognormal(6_000, sigma=1.5, seed=14) * 0.01
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        (thr, sc), _ = _settings_case(x.to(dtype), _rule(None, 0.7), 3e-3, 1.0, 0.6, "stochastic")
+        assert sc == 1.0 and thr != pytest.approx(3e-3)
+        _settings_case(x.to(dtype), _rule("e4m3fn", 0.7), 3e-3, 2.0 ** 8, -0.4, "stochastic")
+
+
+def test_used_records_the_settings_without_the_correction_too():
+    x = lognormal(3_000, seed=15)
+    used = torch.zeros(2, dtype=torch.float64)
+    kf.prune_quantize_triton(x, 0.3, "e4m3fn", scale=2.0 ** 5, used=used)
+    assert used.tolist() == [0.3, 32.0]  # the host's float64s
+    kf.prune_quantize_triton(x, torch.tensor(0.3), "e4m3fn", scale=torch.tensor(3.0, dtype=torch.float64), used=used)
+    assert used.tolist() == [float(torch.tensor(0.3)), 3.0]  # the tensors' values
+    v = torch.zeros(16, dtype=torch.float64)
+    y = kf.prune_quantize_triton(x, 0.3, "e4m3fn", scale=2.0 ** 5, stats=v, solved_mu=math.nan, used=used)[0]
+    assert used.tolist() == [0.3, 32.0]  # NaN solved_mu: nothing to correct (as current_settings)
+    assert same_bits(y, kf.prune_quantize_triton(x, 0.3, "e4m3fn", scale=2.0 ** 5)[0])
+    used.fill_(7.0)  # an empty tensor launches nothing
+    kf.prune_quantize_triton(x[:0], 0.3, "e4m3fn", stats=v, solved_mu=0.0, used=used)
+    assert used.tolist() == [7.0, 7.0]
+
+
+def test_bad_correction_arguments_name_the_problem():
+    x = torch.ones(8)
+    v = torch.zeros(16, dtype=torch.float64)
+    cases = [
+        (dict(solved_mu=0.0), "pass stats="),
+        (dict(stats=v.float(), solved_mu=0.0), "stats"), (dict(stats=v[:5], solved_mu=0.0), "stats"),
+        (dict(stats=v, solved_mu=math.inf), "solved_mu"), (dict(stats=v, solved_mu="0"), "solved_mu"),
+        (dict(stats=v, solved_mu=0.0, threshold=torch.tensor(0.1)), "floats"),
+        (dict(stats=v, solved_mu=0.0, scale=torch.tensor(2.0)), "floats"),
+        (dict(used=torch.zeros(2)), "used"), (dict(used=torch.zeros(3, dtype=torch.float64)), "used"),
+    ]
+    for kw in cases:
+        kw, word = kw
+        args = dict(threshold=0.1)
+        args.update(kw)
+        with pytest.raises(ValueError, match=word):
+            kf.prune_quantize_triton(x, args.pop("threshold"), "e4m3fn", **args)
+
+
+def test_one_corrected_call_makes_no_aten_op_but_the_result(monkeypatch):
+    """With the statistics vector, the accumulators and ``used`` given, a corrected call allocates its result
+    and makes no other ATen op (views aside): the dozen small ops of ``current_settings`` are in the launch."""
+    from gradstats.stats import tensor_stats_vector
+
+    mode = _Ops()
+    real = kf._kernel(True)
+
+    class Launcher:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                mode.paused = True
+                try:
+                    return real[grid](*a, **k)
+                finally:
+                    mode.paused = False
+            return launch
+
+    monkeypatch.setattr(kf, "_kernel", lambda interpret: Launcher())
+    x = lognormal(10_000, seed=3)
+    v = tensor_stats_vector(x, full=False)
+    counts, sums = torch.zeros(5, dtype=torch.int64), torch.zeros(6, dtype=torch.float64)
+    used = torch.zeros(2, dtype=torch.float64)
+    mu = float(v[6] / (v[0] - v[1] - v[2])) - 0.5
+    kf.prune_quantize_triton(x[:10], 0.2, "e4m3fn")  # the format's constants are made once, then cached
+    with mode:
+        y, _, _ = kf.prune_quantize_triton(x, 0.2, "e4m3fn", scale=4.0, rounding="stochastic", seed=5,
+                                           counts=counts, sums=sums, stats=v, solved_mu=mu, used=used)
+    made = [f for f, _ in mode.ops if not f.is_view]
+    assert len(made) == 1 and "empty" in str(made[0]), [str(f) for f, _ in mode.ops]
+    assert used[0] != 0.2 and counts.sum() > 0
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_the_corrected_kernel_compiles_for_a_cuda_gpu_without_one(monkeypatch):
+    """Triton compiles the kernel for sm_90 on the CPU (its bundled ptxas): the float64 scalar path lowers to
+    CUDA (libdevice exp, exp2, log2, floor; IEEE float64 division), not only in the interpreter."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:  # pragma: no cover - depends on the Triton version
+        pytest.skip("this Triton has no ASTSource / GPUTarget")
+    kf._kernel.cache_clear()
+    fn = kf._kernel(False)
+    ptrs = {"X": "*fp32", "Y": "*fp32", "A": "*fp32", "S": "*fp32", "CNT": "*i64", "SUMS": "*fp64", "ST": "*fp64",
+            "USED": "*fp64"}
+    consts = dict(PRUNE=True, A_PTR=False, QUANT=True, SCALE_MODE=3, S_PTR=False, CORRECT=True, CORR_T=True,
+                  WRITE_USED=True, I_N=0, I_ZERO=1, I_NONFIN=2, I_LN=6, I_MAX=9, FMAX_BITS=0x407C000000000000,
+                  M=3, MSUB=3, E0F=121, MAXBITS=0x43E00000, C0F=2.0 ** -6, ROUNDING=1, NEG_ZERO=True, BF16=False,
+                  BLOCK=kf.BLOCK)
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    sig["n"] = "i64"
+    try:
+        k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+    except RuntimeError as e:  # pragma: no cover - an installation without the CUDA backend's tools
+        if "ptxas" in str(e):
+            pytest.skip(f"no ptxas: {e}")
+        raise
+    finally:
+        kf._kernel.cache_clear()
+    ptx = k.asm["ptx"]
+    assert "div.rn.f64" in ptx and "st.global.b64" in ptx
+
+
+@pytest.mark.gpu
+def test_cuda_lag_correction_equals_current_settings(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    kf._kernel.cache_clear()
+    from gradstats.apply.device import current_settings
+    from gradstats.apply.refresh import LayerState
+    from gradstats.stats import tensor_stats_vector
+
+    x = (lognormal(300_000, sigma=2.0, seed=16) * 1e-3).cuda()
+    v = tensor_stats_vector(x, full=False)
+    mu = float(v[6] / (v[0] - v[1] - v[2]))
+    for name, sparsity, threshold, shift in [("e4m3fn", 0.8, 2e-4, 0.9), ("e3m2fn", 0.8, 2e-4, -1.3),
+                                             ("e4m3fn", None, 0.0, 0.4), ("e3m2fn", 0.8, 1e3, 0.2)]:
+        rule = _rule(name, sparsity)
+        st = LayerState(threshold=threshold, scale=2.0 ** 12, solved_mu=mu - shift)
+        thr_t, scale_t = current_settings(v, st, rule, rule.format)
+        want = kf.prune_quantize_triton(x, thr_t, rule.format, scale=scale_t, rounding="stochastic", seed=3)
+        used = torch.zeros(2, dtype=torch.float64, device="cuda")
+        got = kf.prune_quantize_triton(x, st.threshold if rule.prunes else 0.0, rule.format, scale=st.scale,
+                                       rounding="stochastic", seed=3, stats=v, solved_mu=st.solved_mu,
+                                       correct_threshold=rule.prunes, used=used)
+        assert same_bits(got[0].cpu(), want[0].cpu()) and torch.equal(got[1], want[1]), name
+        assert used.tolist() == [float(thr_t), float(scale_t)], name
