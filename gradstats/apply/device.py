@@ -53,6 +53,21 @@ SNAPSHOT = ("scale", "threshold", "predicted_sparsity", "predicted_underflow", "
             "predicted_error", "mu", "sigma", "p0", "amax")
 
 
+#: a call's record on the device: counts (int64[5], as float64 bits), sums (float64[6]), the threshold
+#: and scale the kernel used (float64[2])
+RECORD_LEN = 13
+
+
+def _one_kernel(g: torch.Tensor, fmt: Any, scale: float) -> bool:
+    """Whether the fused Triton kernel takes the call whole (its lag correction included)."""
+    from gradstats.ops.engine import use_triton
+    from gradstats.ops.fused import fused_covers
+    from gradstats.ops.triton import fused as kfused
+
+    return (use_triton(g.device.type) and g.numel() > 0 and g.is_contiguous() and kfused.supports(fmt)
+            and fused_covers(fmt, scale) and math.isfinite(scale))
+
+
 def snapshot(st: LayerState) -> dict[str, float]:
     """The state a record reports, as it is now."""
     return {k: getattr(st, k) for k in SNAPSHOT}
@@ -129,12 +144,24 @@ class DevicePath:
             self._solve(name, True, g.numel(), g)    # type: ignore[attr-defined]   (reads its threshold back)
         q = rule.quantize_kwargs() if rule.quantizes else {"fmt": None, "rounding": rule.rounding}
         fmt = q.pop("fmt")
-        threshold, scale = current_settings(v, st, rule, fmt)
-        out, counts, sums = prune_quantize_into(g, threshold, fmt, scale=scale, seed=self._next_seed(), **q)
-        self._outbox.put(counts)
-        self._outbox.put(sums)
-        self._outbox.put(torch.stack([torch.as_tensor(threshold, dtype=torch.float64, device=g.device).reshape(()),
-                                      torch.as_tensor(scale, dtype=torch.float64, device=g.device).reshape(())]))
+        if q.get("block_size") is None and _one_kernel(g, fmt, st.scale):
+            # one launch: the fused kernel corrects the settings for the lag from v itself and
+            # writes its counts, sums and the settings it used into one zeroed buffer
+            from gradstats.ops.triton import fused as kfused
+
+            buf = torch.zeros(RECORD_LEN, dtype=torch.float64, device=g.device)
+            out, _, _ = kfused.prune_quantize_triton(
+                g, st.threshold if rule.prunes else 0.0, fmt, scale=st.scale, rounding=q["rounding"],
+                seed=self._next_seed(), counts=buf[:5].view(torch.int64), sums=buf[5:11], used=buf[11:13],
+                stats=v, solved_mu=st.solved_mu, correct_threshold=rule.prunes,
+                correct_scale=rule.quantizes and rule.scale != "fixed")
+        else:                              # block scales: the operators one after the other
+            threshold, scale = current_settings(v, st, rule, fmt)
+            out, counts, sums = prune_quantize_into(g, threshold, fmt, scale=scale, seed=self._next_seed(), **q)
+            used = torch.stack([torch.as_tensor(threshold, dtype=torch.float64, device=g.device).reshape(()),
+                                torch.as_tensor(scale, dtype=torch.float64, device=g.device).reshape(())])
+            buf = torch.cat([counts.view(torch.float64), sums, used])
+        self._outbox.put(buf)
         self._inflight.append(("counts", name, st.seq, g.numel(), rule, snapshot(st)))
         st.seq += 1
         return out
@@ -154,10 +181,10 @@ class DevicePath:
                 self._solve(name, refresh, numel)                   # type: ignore[attr-defined]
                 continue
             _, name, seq, numel, rule, snap = entry
-            c, s, used = next(items), next(items), next(items)
-            thr, scale = used.tolist()
+            buf = next(items)
+            thr, scale = buf[11:13].tolist()
             snap = {**snap, "threshold": thr, "scale": scale}      # as the kernel used them
-            counts = CompressCounts(numel, *[int(v) for v in c.tolist()], *s.tolist())
+            counts = CompressCounts(numel, *buf[:5].view(torch.int64).tolist(), *buf[5:11].tolist())
             self._account(name, rule, seq, counts, math.nan, snap)  # type: ignore[attr-defined]
 
 

@@ -46,19 +46,13 @@ DATA_DEPENDENT = frozenset({"nonzero", "masked_select", "_unique2", "unique_dim"
 _NO_DATA = frozenset({"detach", "alias", "lift_fresh", "_reshape_alias", "view", "_unsafe_view", "as_strided",
                       "empty_strided", "set_", "resize_", "sym_size", "sym_stride", "sym_numel", "is_same_size"})
 
-#: host tensors an outbox handed back (not device reads), by id (tensors do not hash by identity in sets)
+#: host tensors an outbox handed back (not device reads), by the address of their storage: a view
+#: of one (a slice, another dtype) is host memory too, as long as the tensor lives
 HOST_TENSORS: dict[int, "weakref.ref[torch.Tensor]"] = {}
 
 
 def _mark_host(t: torch.Tensor) -> None:
-    HOST_TENSORS[id(t)] = weakref.ref(t)
-
-
-def _marked(t: torch.Tensor | None) -> bool:
-    if t is None:
-        return False
-    ref = HOST_TENSORS.get(id(t))
-    return ref is not None and ref() is t
+    HOST_TENSORS[t.untyped_storage().data_ptr()] = weakref.ref(t)
 
 
 def _phase() -> str:
@@ -66,7 +60,8 @@ def _phase() -> str:
 
 
 def _on_host(t: torch.Tensor) -> bool:
-    return _marked(t) or _marked(t._base)
+    ref = HOST_TENSORS.get(t.untyped_storage().data_ptr())
+    return ref is not None and ref() is not None
 
 
 class Audit(TorchDispatchMode):

@@ -62,6 +62,8 @@ def active_engine(device_type: str) -> str:
         >>> active_engine("cuda") in ("triton", "torch")
         True
     """
+    if device_type == "cpu" and not os.environ.get(ENV):
+        return "native"                        # the common case, first: one lookup per call
     from gradstats.ops.triton import interpreting, triton_available
 
     asked = requested_engine()

@@ -100,9 +100,15 @@ def _native():
     return prune_quant()
 
 
-def _native_ok(fmt: Optional[FPFormat], scale: float) -> bool:
-    """Formats the fused kernel covers: signed, with a zero, steps not below float32's subnormal
-    range (every format of up to 8 exponent bits with the usual bias); it saturates."""
+def fused_covers(fmt: Optional[FPFormat], scale: float) -> bool:
+    """Whether the fused kernels (C and Triton) cover ``fmt`` at a per-tensor ``scale``: signed, with
+    a zero, steps not below float32's subnormal range (every format of up to 8 exponent bits with the
+    usual bias); they saturate.
+
+    Example:
+        >>> fused_covers(FPFormat.parse("e4m3fn"), 1.0), fused_covers(FPFormat.parse("e8m0fnu"), 1.0)
+        (True, False)
+    """
     if fmt is None:
         return True
     return (fmt.signed and fmt.has_zero and fmt.man_bits <= 23 and fmt.emin - fmt.man_bits >= -126
@@ -161,7 +167,7 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
     elif stochastic:
         seed = _rng.draw_seed(generator)
     n = x.numel()
-    if use_triton(x.device.type) and block_size is None and n > 0 and _native_ok(fmt, scale):
+    if use_triton(x.device.type) and block_size is None and n > 0 and fused_covers(fmt, scale):
         from gradstats.ops.triton import fused as kfused
 
         if kfused.supports(fmt, block_size):        # one Triton pass; the counts read back once, here
@@ -169,7 +175,7 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
                                                    seed=seed or 0, out=out)
             return y, CompressCounts(n, *c.tolist(), *s.tolist())
     fn = _native() if use_native(x.device.type) and x.dtype == torch.float32 else None
-    if fn is not None and block_size is None and _native_ok(fmt, scale) and n > 0:
+    if fn is not None and block_size is None and fused_covers(fmt, scale) and n > 0:
         xc = x.contiguous()
         res = out if out is not None and out.is_contiguous() else torch.empty_like(xc)
         counts = torch.zeros(5, dtype=torch.int64)
@@ -266,7 +272,7 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
         from gradstats.ops.triton import fused as kfused
 
         # a scale on the device is not read back to be checked (the caller made it positive)
-        if kfused.supports(fmt, block_size) and _native_ok(fmt, 1.0 if isinstance(scale, torch.Tensor) else scale):
+        if kfused.supports(fmt, block_size) and fused_covers(fmt, 1.0 if isinstance(scale, torch.Tensor) else scale):
             return kfused.prune_quantize_triton(x, threshold, fmt, scale=scale, rounding=rounding, seed=seed)
     threshold = float(threshold) if isinstance(threshold, torch.Tensor) else threshold   # other engines: host numbers
     scale = float(scale) if isinstance(scale, torch.Tensor) else scale

@@ -71,12 +71,12 @@ def supports(fmt: FPFormat | str | None, block_size: int | None = None) -> bool:
         >>> supports(None), supports("e2m1fn"), supports("bf16"), supports("e2m1fn", block_size=16)
         (True, True, False, False)
     """
-    from gradstats.ops.fused import _native_ok
+    from gradstats.ops.fused import fused_covers
 
     if block_size is not None or not triton_available():
         return False
     fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
-    return _native_ok(fmt, 1.0)
+    return fused_covers(fmt, 1.0)
 
 
 def _kernel_src(X, Y, A, S, CNT, SUMS, ST, USED, n, a_f, scale_f, inv_f, pk1, pk2, rk1, rk2,  # floats as int32 bits
