@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -65,3 +66,18 @@ def consts(fmt: FPFormat) -> Consts:
     return Consts(fmt, M, Msub, e0f, max(e0f, 0) << 23, maxbits, maxv, ovf, fast,
                    fast and fmt.emax <= 104 + M, near_hi,
                    math.ldexp(1.0, 127 - fmt.emax), math.ldexp(1.0, fmt.emax - 127), g32 if ok_g else 0.0)
+
+
+def fused_covers(fmt: Optional[FPFormat], scale: float) -> bool:
+    """Whether the fused kernels (C and Triton) cover ``fmt`` at a per-tensor ``scale``: signed, with
+    a zero, steps not below float32's subnormal range (every format of up to 8 exponent bits with the
+    usual bias); they saturate.
+
+    Example:
+        >>> fused_covers(FPFormat.parse("e4m3fn"), 1.0), fused_covers(FPFormat.parse("e8m0fnu"), 1.0)
+        (True, False)
+    """
+    if fmt is None:
+        return True
+    return (fmt.signed and fmt.has_zero and fmt.man_bits <= 23 and fmt.emin - fmt.man_bits >= -126
+            and fmt.emin <= 104 and scale > 0)

@@ -22,12 +22,39 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import os
 
 #: the engines, by name
 ENGINES = ("native", "torch", "triton")
 #: the environment variable that picks one
 ENV = "GRADSTATS_ENGINE"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when Triton imports (it may still lack a GPU; see :func:`use_triton`).
+
+    Example:
+        >>> triton_available() in (True, False)
+        True
+    """
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the installation
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Example:
+        >>> interpreting() in (True, False)
+        True
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def requested_engine() -> str | None:
@@ -64,8 +91,6 @@ def active_engine(device_type: str) -> str:
     """
     if device_type == "cpu" and not os.environ.get(ENV):
         return "native"                        # the common case, first: one lookup per call
-    from gradstats.ops.triton import interpreting, triton_available
-
     asked = requested_engine()
     if device_type == "cuda":
         if asked == "torch" or not triton_available():
@@ -106,4 +131,5 @@ def use_native(device_type: str) -> bool:
     return device_type == "cpu" and active_engine("cpu") == "native"
 
 
-__all__ = ["ENGINES", "ENV", "active_engine", "requested_engine", "use_triton", "use_native"]
+__all__ = ["ENGINES", "ENV", "active_engine", "requested_engine", "use_triton", "use_native", "triton_available",
+           "interpreting"]

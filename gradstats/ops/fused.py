@@ -30,6 +30,7 @@ import torch
 
 from gradstats.formats import ROUNDING_CODES, FPFormat
 from gradstats.ops import random as _rng
+from gradstats.ops.consts import fused_covers
 from gradstats.ops.engine import use_native, use_triton
 from gradstats.ops.quantization import spell_out
 from gradstats.scheme import Scheme
@@ -98,21 +99,6 @@ def _native():
     from gradstats.ops.native import prune_quant
 
     return prune_quant()
-
-
-def fused_covers(fmt: Optional[FPFormat], scale: float) -> bool:
-    """Whether the fused kernels (C and Triton) cover ``fmt`` at a per-tensor ``scale``: signed, with
-    a zero, steps not below float32's subnormal range (every format of up to 8 exponent bits with the
-    usual bias); they saturate.
-
-    Example:
-        >>> fused_covers(FPFormat.parse("e4m3fn"), 1.0), fused_covers(FPFormat.parse("e8m0fnu"), 1.0)
-        (True, False)
-    """
-    if fmt is None:
-        return True
-    return (fmt.signed and fmt.has_zero and fmt.man_bits <= 23 and fmt.emin - fmt.man_bits >= -126
-            and fmt.emin <= 104 and scale > 0)
 
 
 def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Scheme, str, None], *,

@@ -5,7 +5,7 @@ flow is exercised on (any ``nn.Module`` can be traced).
 Example:
     >>> from gradstats import zoo
     >>> zoo.list_models()[:2]
-    ['cnn', 'mlp']
+    ['cnn', 'lstm']
 """
 from __future__ import annotations
 

@@ -108,8 +108,8 @@ def test_the_layout_is_the_declared_one():
     """The constants the kernel writes by are those of the statistics' declaration."""
     from gradstats.stats import blocks, fields
 
-    assert fields.SCALAR_FIELDS == ("n", "n_zero", "n_nonfinite", "sum", "sum_abs", "sum_sq", "sum_ln_abs",
-                                    "sum_ln_abs_sq", "min_abs", "max_abs")
+    assert fields.SCALAR_FIELDS == ks.SCALARS == ("n", "n_zero", "n_nonfinite", "sum", "sum_abs", "sum_sq",
+                                                  "sum_ln_abs", "sum_ln_abs_sq", "min_abs", "max_abs")
     assert fields.LAYOUT["hist"] == slice(ks.N_SCALARS, ks.N_SCALARS + ks.HIST_BINS)
     assert fields.LAYOUT["top_abs"] == slice(ks.N_SCALARS + ks.HIST_BINS, ks.VECTOR_LEN)
     assert (ks.HIST_BINS, ks.HIST_MIN_EXP, ks.TOP_K, ks.VECTOR_LEN) == (

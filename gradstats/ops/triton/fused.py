@@ -71,7 +71,7 @@ def supports(fmt: FPFormat | str | None, block_size: int | None = None) -> bool:
         >>> supports(None), supports("e2m1fn"), supports("bf16"), supports("e2m1fn", block_size=16)
         (True, True, False, False)
     """
-    from gradstats.ops.fused import fused_covers
+    from gradstats.ops.consts import fused_covers
 
     if block_size is not None or not triton_available():
         return False
@@ -313,7 +313,7 @@ def _check_correction(x: torch.Tensor, threshold, scale, stats, solved_mu, used)
             raise ValueError("solved_mu corrects the settings by the call's statistics: pass stats= (the float64 "
                              "statistics vector of x on its device) with it, or leave solved_mu out")
         return False
-    from gradstats.stats.fields import SCALAR_FIELDS
+    from gradstats.ops.triton.stats import SCALARS as SCALAR_FIELDS
 
     if not isinstance(stats, torch.Tensor) or stats.dtype != torch.float64 or stats.dim() != 1 \
             or stats.numel() < len(SCALAR_FIELDS) or stats.device != x.device or not stats.is_contiguous():
@@ -437,9 +437,9 @@ def prune_quantize_triton(x: torch.Tensor, threshold: Union[float, torch.Tensor]
     l2_hi, l2_lo = _halves(math.log2(scale)) if smode == 3 else (0, 0)
     ST = stats if correct else sums
     USED = used if used is not None else sums
-    from gradstats.stats.fields import LAYOUT
+    from gradstats.ops.triton.stats import SCALARS
 
-    ix = {k: LAYOUT[k].start for k in ("n", "n_zero", "n_nonfinite", "sum_ln_abs", "max_abs")}
+    ix = {k: SCALARS.index(k) for k in ("n", "n_zero", "n_nonfinite", "sum_ln_abs", "max_abs")}
     if fmt is not None:
         from gradstats.ops.consts import consts
 

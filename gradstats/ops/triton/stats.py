@@ -59,7 +59,10 @@ BLOCK = 4096
 # gradstats.stats.fields and gradstats.stats.blocks): the scalars n, n_zero, n_nonfinite, sum,
 # sum_abs, sum_sq, sum_ln_abs, sum_ln_abs_sq, min_abs, max_abs; the binade counts from 2**HIST_MIN_EXP;
 # the TOP_K largest magnitudes. Blocks of 16 and 32: zero blocks, then RANGE_BINS range counts.
-N_SCALARS = 10
+#: the scalar statistics, in the order of the vector (the declaration's SCALAR_FIELDS; a test checks)
+SCALARS = ("n", "n_zero", "n_nonfinite", "sum", "sum_abs", "sum_sq", "sum_ln_abs", "sum_ln_abs_sq", "min_abs",
+           "max_abs")
+N_SCALARS = len(SCALARS)
 HIST_MIN_EXP = -149
 HIST_BINS = 277
 TOP_K = 64
