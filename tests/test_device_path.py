@@ -182,3 +182,18 @@ def test_cuda_device_path_equals_the_interpreted_one(device_path, monkeypatch):
     gpu = a.to_dataframe()
     assert list(cpu["layer"]) == list(gpu["layer"])
     np.testing.assert_allclose(cpu["achieved_sparsity"], gpu["achieved_sparsity"], atol=0.02)
+
+
+def test_block_scaled_plans_read_nothing_back_in_the_backward_pass(device_path):
+    """NVFP4 blocks take the operators one after the other on the device path (no fused kernel):
+    still no host synchronisation in the backward pass, and the counts are recorded."""
+    model, opt, batches = workload(5)
+    plan = gradstats.Plan.uniform(format="nvfp4", sparsity=0.7)
+    applied = gradstats.apply(model, plan)
+    train(model, opt, batches[:2])
+    with Audit(big=16 * 20 * 7 // 2) as a:
+        train(model, opt, batches[2:3])
+    df = applied.to_dataframe()
+    applied.remove()
+    assert a.syncs["backward"] == 0, dict(a.sync_names)
+    assert len(df) == 2 * len(applied.rules) and (df["achieved_sparsity"] > 0.5).all()

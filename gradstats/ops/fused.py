@@ -200,7 +200,12 @@ def _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, ou
     from gradstats.ops.quantization import quantize
 
     nonzero_in = x != 0
-    y = stochastic_prune(x, threshold, seed=seed) if threshold > 0 else x
+    if isinstance(threshold, torch.Tensor):       # solved on the device (the Triton engine): kept there
+        from gradstats.ops.triton import prune as kprune
+
+        y = kprune.stochastic_prune(x, threshold, seed=seed)
+    else:
+        y = stochastic_prune(x, threshold, seed=seed) if threshold > 0 else x
     pruned = (nonzero_in & (y == 0)).sum()
     saturated = underflow = torch.zeros((), dtype=torch.int64, device=x.device)
     if fmt is not None:
@@ -260,8 +265,9 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
         # a scale on the device is not read back to be checked (the caller made it positive)
         if kfused.supports(fmt, block_size) and fused_covers(fmt, 1.0 if isinstance(scale, torch.Tensor) else scale):
             return kfused.prune_quantize_triton(x, threshold, fmt, scale=scale, rounding=rounding, seed=seed)
-    threshold = float(threshold) if isinstance(threshold, torch.Tensor) else threshold   # other engines: host numbers
-    scale = float(scale) if isinstance(scale, torch.Tensor) else scale
+    if not use_triton(x.device.type):              # other engines take host numbers
+        threshold = float(threshold) if isinstance(threshold, torch.Tensor) else threshold
+    scale = float(scale) if isinstance(scale, torch.Tensor) else scale   # (block scales ignore it)
     if use_native(x.device.type) and x.numel() > 0:
         y, c = prune_quantize(x, threshold, fmt, scale=scale, rounding=rounding, seed=seed, block_size=block_size,
                               scale_format=scale_format, scale_rounding=scale_rounding)

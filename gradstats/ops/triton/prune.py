@@ -114,12 +114,13 @@ def _kernel(interpret: bool):  # noqa: ARG001 - the cache key: Triton decides at
     return prune_kernel
 
 
-def stochastic_prune(x: torch.Tensor, a: float, *, seed: int | None = None,
+def stochastic_prune(x: torch.Tensor, a: float | torch.Tensor, *, seed: int | None = None,
                      uniforms: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, index_start: int = 0) -> torch.Tensor:
     """Stochastic pruning through the Triton kernel. Give either ``seed`` (a user seed: the
     uniforms of :func:`gradstats.ops.random.uniforms`) or ``uniforms`` (a tensor of ``x``'s shape).
-    ``out`` may be ``x``. ``index_start`` offsets the counters (for tests of far indices).
+    ``out`` may be ``x``. ``index_start`` offsets the counters (for tests of far indices). ``a`` may
+    be a one-element tensor on ``x``'s device (a threshold solved there: not read back).
 
     Example (on a CUDA device, or on the CPU with ``TRITON_INTERPRET=1``)::
 
@@ -131,7 +132,9 @@ def stochastic_prune(x: torch.Tensor, a: float, *, seed: int | None = None,
     xc = x.detach().contiguous()
     direct = out is not None and out.is_contiguous()
     res = out if direct else torch.empty_like(xc)
-    a_t = torch.tensor([a], dtype=cd, device=x.device)
+    # a threshold solved on the device stays there (reading it would synchronise)
+    a_t = (a.detach().reshape(1).to(device=x.device, dtype=cd) if isinstance(a, torch.Tensor)
+           else torch.tensor([a], dtype=cd, device=x.device))
     u = uniforms.detach().to(device=x.device, dtype=cd).contiguous().view(-1) if uniforms is not None else None
     n = xc.numel()
     xf, rf = xc.view(-1), res.view(-1)
