@@ -186,13 +186,23 @@ class Alarms:
             if not len(part):
                 continue
             per = part.groupby(["step", "layer"], sort=True).agg(n=("n", "sum"), n_zero=("n_zero", "sum"),
-                                                                 n_nonfinite=("n_nonfinite", "sum"))
-            for (step, layer), r in per.iterrows():
-                if self.nonfinite and r["n_nonfinite"] > 0:
-                    new += self._raise(int(step), layer, kind, "nonfinite", int(r["n_nonfinite"]),
-                                       f"{int(r['n_nonfinite'])} non-finite entries (NaN or inf)")
-                if self.zero_steps is not None:
-                    run = self._zero_run.get((layer, kind), 0) + 1 if r["n"] > 0 and r["n_zero"] == r["n"] else 0
+                                                                 n_nonfinite=("n_nonfinite", "sum")).reset_index()
+            # row by row only where something is to be said (non-finite entries, an all-zero
+            # gradient); every other row just ends its layer's run of all-zero steps
+            nonfinite = (per["n_nonfinite"] > 0).to_numpy() if self.nonfinite else np.zeros(len(per), bool)
+            allzero = ((per["n"] > 0) & (per["n_zero"] == per["n"])).to_numpy()
+            zero_layers = set(per["layer"][allzero]) if self.zero_steps is not None else set()
+            if self.zero_steps is not None:
+                for layer in set(per["layer"]) - zero_layers:
+                    self._zero_run[(layer, kind)] = 0
+            look = nonfinite | per["layer"].isin(zero_layers).to_numpy()
+            for step, layer, nf, az in zip(per["step"][look], per["layer"][look], per["n_nonfinite"][look],
+                                           allzero[look]):
+                if self.nonfinite and nf > 0:
+                    new += self._raise(int(step), layer, kind, "nonfinite", int(nf),
+                                       f"{int(nf)} non-finite entries (NaN or inf)")
+                if self.zero_steps is not None and layer in zero_layers:
+                    run = self._zero_run.get((layer, kind), 0) + 1 if az else 0
                     self._zero_run[(layer, kind)] = run
                     if run >= self.zero_steps:
                         new += self._raise(int(step), layer, kind, "zero", run,
