@@ -101,6 +101,15 @@ def _native():
     return prune_quant()
 
 
+def _spelled(fmt, rounding, block_size, scale_format, scale_rounding):
+    """The operator's format arguments spelled out (:func:`spell_out`; without a format: nearest
+    rounding and the default block-scale settings)."""
+    if fmt is None:
+        return (None, "nearest" if rounding is None else rounding, block_size, scale_format or "e8m0",
+                scale_rounding or "floor")
+    return spell_out(fmt, rounding, block_size, scale_format, scale_rounding)
+
+
 def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Scheme, str, None], *,
                    scale: float = 1.0, rounding: Optional[str] = None,
                    generator: Optional[torch.Generator] = None, block_size: Optional[int] = None,
@@ -134,12 +143,8 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
         raise ValueError(f"prune_quantize expects a floating-point tensor, got {type(x).__name__}")
     if not (threshold >= 0):
         raise ValueError(f"threshold must be >= 0 (0 = no pruning), got {threshold}")
-    if fmt is None:
-        rounding = "nearest" if rounding is None else rounding
-        scale_format, scale_rounding = scale_format or "e8m0", scale_rounding or "floor"
-    else:
-        fmt, rounding, block_size, scale_format, scale_rounding = spell_out(fmt, rounding, block_size, scale_format,
-                                                                            scale_rounding)
+    fmt, rounding, block_size, scale_format, scale_rounding = _spelled(fmt, rounding, block_size, scale_format,
+                                                                       scale_rounding)
     if rounding not in ROUNDING_CODES:
         raise ValueError(f"rounding must be one of {sorted(ROUNDING_CODES)}, got {rounding!r}")
     if not (scale > 0):
@@ -252,12 +257,8 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
         >>> y.tolist(), c.tolist()
         ([1.0, 6.0], [0, 0, 0, 1, 0])
     """
-    if fmt is None:
-        rounding = "nearest" if rounding is None else rounding
-        scale_format, scale_rounding = scale_format or "e8m0", scale_rounding or "floor"
-    else:
-        fmt, rounding, block_size, scale_format, scale_rounding = spell_out(fmt, rounding, block_size, scale_format,
-                                                                            scale_rounding)
+    fmt, rounding, block_size, scale_format, scale_rounding = _spelled(fmt, rounding, block_size, scale_format,
+                                                                       scale_rounding)
     fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
     if use_triton(x.device.type) and block_size is None and x.numel() > 0:
         from gradstats.ops.triton import fused as kfused
