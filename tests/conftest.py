@@ -35,3 +35,19 @@ def one_intraop_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """Triton's interpreter on (``TRITON_INTERPRET=1``), one torch thread, and numpy's warnings on
+    the NaN lanes it computes silenced: what the tests of the Triton kernels run under."""
+    import warnings
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+    torch.set_num_threads(n)
+

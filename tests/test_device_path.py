@@ -5,8 +5,6 @@ the C kernel's, no host synchronisation in the backward pass, at most one per st
 whole-gradient ATen operations per layer-call beyond the model's own backward."""
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import torch
@@ -55,15 +53,8 @@ def train(model, opt, batches, *, after=None):
 
 
 @pytest.fixture
-def device_path(monkeypatch):
+def device_path(interpreted, monkeypatch):
     monkeypatch.setenv("GRADSTATS_ENGINE", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)   # numpy warns on the interpreter's masked lanes
-        yield
-    torch.set_num_threads(n)
 
 
 def traced_stats(tmp_path, name: str):

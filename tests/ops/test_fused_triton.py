@@ -4,7 +4,6 @@ rounding; the counts and sums stay on the device and add up over calls."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -26,14 +25,8 @@ ROUNDINGS = ["nearest", "stochastic", "toward_zero"]
 
 
 @pytest.fixture(autouse=True)
-def _interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # numpy warns on the NaN lanes it computes
-        yield
-    torch.set_num_threads(n)
+def _interpret(interpreted):
+    """The kernel under Triton's interpreter (the shared fixture of tests/conftest.py)."""
 
 
 def c_path(x, threshold, fmt, scale=1.0, rounding="nearest", seed=0):

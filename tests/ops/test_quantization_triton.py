@@ -3,7 +3,6 @@ against the torch path bit for bit. Small inputs: the interpreter is slow."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -21,15 +20,8 @@ FORMATS = [parse("e5m2"), parse("e4m3fn"), parse("e4m3fnuz"), parse("e2m1fn"), p
 
 
 @pytest.fixture(autouse=True)
-def _interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _interpret(interpreted, monkeypatch):
     monkeypatch.setenv("GRADSTATS_ENGINE", "triton")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # numpy warns on the NaN lanes it computes
-        yield
-    torch.set_num_threads(n)
 
 
 def same_bits(a, b):
