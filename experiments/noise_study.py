@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -136,6 +137,57 @@ def adopt_shared(jobs: list[Job], path: Path, source: Path) -> int:
     return n
 
 
+def tables(df: pd.DataFrame, *, quick: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The protocol's two paired tables from its finished jobs (``scale_study.paired_table``):
+    questions 1-3 (every model, its seeds) and question 4 (ResNet-20 at 2 and 8 epochs, baseline and
+    ``Plan.uniform(sparsity=0.85)``, seeds 0-2; the 8-epoch labels end in ``" [8 epochs]"``)."""
+    protocol = {m: protocol_of(m, quick) for m in PROTOCOL}
+    ok = df[df["error"].isna()] if "error" in df else df
+    ok = ok[ok["model"].isin(list(protocol))]
+    usual = ok["steps"] == ok["model"].map(lambda m: protocol[m]["steps"])
+    claims = paired_table(ok[usual & (ok["label"] != UNIFORM)],
+                          {m: p for m, p in protocol.items() if m in set(ok["model"])})
+    model = LONG["model"]
+    seeds = LONG["seeds"] if not quick else protocol[model]["seeds"]
+    long = ok[(ok["model"] == model) & ok["seed"].isin(list(seeds)) & ok["label"].isin(["baseline", UNIFORM])]
+    long = long.assign(label=[lab + ("" if u else " [8 epochs]") for lab, u in zip(long["label"], usual[long.index])])
+    length = (paired_table(long, {model: {**protocol[model], "seeds": tuple(seeds)}}) if len(long)
+              else pd.DataFrame(columns=claims.columns))
+    return claims, length
+
+
+def plan_summary(plans: dict, model: str, label: str, *, quick: bool = False) -> dict:
+    """What the stored plan of ``model``/``label`` grants: the mean over its layers of the granted
+    sparsity and of the predicted noise ratio ``R`` (``Plan.noise``, from the calibration trace), its
+    largest ``R``, and its formats. Empty for a plan without noise records (``Plan.uniform``)."""
+    proto = protocol_of(model, quick)
+    entry = plans.get(f"{model}/{label}/{json.dumps(proto['prepare'], sort_keys=True)}")
+    if entry is None:
+        return {}
+    plan = entry["plan"]
+    noise = pd.DataFrame(plan.get("noise") or [], columns=["layer", "sparsity", "predicted_noise"])
+    r = pd.to_numeric(noise["predicted_noise"], errors="coerce").dropna()
+    sp = pd.Series([lay.get("sparsity") for lay in plan["layers"]], dtype=float).fillna(0.0)
+    return {"granted_sparsity": float(sp.mean()) if len(sp) else math.nan,
+            "R_predicted": float(r.mean()) if len(r) else math.nan,
+            "R_predicted_max": float(r.max()) if len(r) else math.nan,
+            "formats": ", ".join(sorted({str(lay.get("format")) for lay in plan["layers"] if lay.get("format")})),
+            "noise_bound": plan.get("noise_bound")}
+
+
+def left(out: Path, *, quick: bool = False) -> int:
+    """How many of the protocol's jobs have not finished in ``out``, over the models whose plans are
+    there (a run starts by making every selected model's plans)."""
+    tag = "_quick" if quick else ""
+    plans = json.loads((out / f"noise_plans{tag}.json").read_text()) if (out / f"noise_plans{tag}.json").exists() else {}
+    models = [m for m in PROTOCOL if any(k.startswith(f"{m}/") for k in plans)]
+    if not models:
+        return 0
+    args = parse_args(["--out", str(out), "--models", *models] + (["--quick"] if quick else []))
+    have = load_rows(out / f"noise_jobs{tag}.jsonl")
+    return sum(j.key not in have for j in study_jobs(args))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny data, a few steps, two seeds (smoke test)")
@@ -161,9 +213,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         print(left.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
         return left
     df = run_jobs(jobs, path, workers=args.workers, desc="noise study")
-    protocol = {m: protocol_of(m, args.quick) for m in args.models}
-    table = paired_table(df.assign(label=df["label"] + df["steps"].map(
-        lambda s: " [8 epochs]" if s not in {protocol[m]["steps"] for m in protocol} else "")), protocol)
+    claims, length = tables(df, quick=args.quick)
+    table = pd.concat([claims, length], ignore_index=True)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     write_json(args.out / f"noise_study{tag}.json", {
         "command": "python experiments/noise_study.py" + (" --quick" if args.quick else ""),

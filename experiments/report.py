@@ -387,14 +387,15 @@ def _scale_rows(t: pd.DataFrame) -> pd.DataFrame:
     t = t.copy()
     loss = t["metric"] == "loss"
     nd = loss.map(lambda v: 3 if v else 2)
-    t["value"] = [(f"{m:.3f} ± {s:.3f}" if lo else f"{m:.2f} ± {s:.2f}") if s == s else f"{m:.3f}"
+    t["value"] = [(f"{m:.3f} ± {s:.3f}" if lo else f"{m:.2f} ± {s:.2f}") if s == s else (f"{m:.3f}" if lo else f"{m:.2f}")
                   for m, s, lo in zip(t["value_mean"], t["value_std"], loss)]
     t["delta"] = ["-" if _is_base(lab) else f"{d:+.{k}f}" for lab, d, k in zip(t["label"], t["diff_mean"], nd)]
     t["ci"] = ["-" if _is_base(lab) or lo != lo else f"[{lo:+.{k}f}, {hi:+.{k}f}]"
                for lab, lo, hi, k in zip(t["label"], t["ci_low"], t["ci_high"], nd)]
     t["verdict"] = t.apply(_verdict, axis=1)
     t["old"] = t.apply(lambda r: "-" if _is_base(r["label"]) else r["within_1std"], axis=1)
-    t["target"] = t["target_sparsity"].map(lambda v: "-" if v is None or v != v else f"{v:g}")
+    t["target"] = t["target_sparsity"].map(
+        lambda v: "-" if v is None or v != v else f"{v:g}" if isinstance(v, (int, float)) else str(v))
     return t
 
 
@@ -885,36 +886,6 @@ under Triton's interpreter.
 """
 
 
-def section_noise_ranking(results: dict) -> str:
-    """1.7: the noise ratio R of each pruning row of 1.2, predicted and measured at the calibration,
-    against the row's loss (``experiments/noise_ranking.py``)."""
-    import importlib
-    import sys
-
-    sys.path.insert(0, str(ROOT / "experiments"))
-    s = importlib.import_module("noise_ranking").summary(results)
-    t = pd.DataFrame(sorted(s["rows"], key=lambda r: r["measured"]))
-    t["predicted"] = [f"{v:.3g}" for v in t["predicted"]]
-    t["measured"] = [f"{v:.3g}" for v in t["measured"]]
-    rho = {k: "{:.2f} [{:.2f}, {:.2f}]".format(*s[k]) for k in ("predicted", "measured", "agreement")}
-    return ("\n### 1.7 The noise ratio ranks the pruning rows\n\n"
-            "The noise ratio R of a plan (`docs/noise.md`): the noise it adds to each layer's weight gradient over "
-            "that gradient's own minibatch noise, the mean over the plan's layers, for each row of 1.2 with the plan "
-            "that row trained: predicted from a repeat of the calibration trace (the plain model's first 50 steps, "
-            "seed 0, with the noise records; `gradstats.predicted_noise`) and measured on the calibrated model "
-            "(`gradstats.noise_probe`, 8 batches x 2 draws). *Loss in margins*: minus the paired difference over "
-            "the model's margin. Command: `python experiments/noise_ranking.py`.\n\n"
-            + md_table(t, {"model": "model", "label": "configuration", "loss_margins": "loss in margins",
-                           "predicted": "R predicted", "measured": "R measured", "verdict": "verdict"},
-                       {"loss_margins": 2})
-            + f"\n\nSpearman's rho against the loss over the {len(t)} rows (bootstrap 95% interval): R predicted "
-              f"{rho['predicted']}, R measured {rho['measured']}; predicted against measured {rho['agreement']}. "
-              f"Rows that passed reach a measured R of {s['passed_max']:.2f}; rows that lost start at "
-              f"{s['lost_min']:.2f}. The nominal sparsity does not rank them (the CNN passes at 95%, the "
-              "transformer loses at 70%). `recommend` bounds the predicted R at 0.02 by default "
-              "(`docs/noise.md` says why).\n")
-
-
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "experiments" / "results"))
@@ -929,8 +900,13 @@ def main(argv: list[str] | None = None) -> str:
         total += compute_seconds(near)
         dist = res / "distributions.json"
         parts[0] += section_near_lognormal(near, json.loads(dist.read_text()) if dist.exists() else None)
+    import report_noise
+
     if (res / "noise_ranking.json").exists():
-        parts[0] += section_noise_ranking(json.loads((res / "noise_ranking.json").read_text()))
+        parts[0] += report_noise.section_noise_ranking(json.loads((res / "noise_ranking.json").read_text()))
+    study, seconds = report_noise.section_noise_study(res)
+    parts[0] += study
+    total += seconds
     for name, fn in (("distributions", section_distributions), ("pruning_accuracy", section_pruning),
                      ("lowprec_accuracy", section_lowprec), ("push", section_push),
                      ("recommend_accuracy", section_recommend), ("criteria_correlation", section_criteria),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -435,3 +436,55 @@ def test_noise_ranking_reads_every_pruning_row_of_the_results():
     rows = mod.pruning_rows()
     assert len(rows) == 24 and {r["model"] for r in rows} == {"cnn", "resnet20", "transformer"}
     assert {"model": "resnet20", "label": "Plan.uniform(sparsity=0.85)", "delta": -3.66, "verdict": "**loss**"} in rows
+
+
+def test_noise_study_quick_and_its_section(out):
+    """The prospective noise study end to end on its new model (the LSTM, quick): every job once, the
+    paired table with verdicts, and RESULTS.md's section 1.8 rendered from what ran."""
+    mod = _load("noise_study")
+    table = mod.main(["--quick", "--out", str(out), "--models", "lstm"])
+    lstm = table[table["model"] == "lstm"].set_index("label")
+    assert set(lstm.index) == {"baseline", *mod.CONFIGS}
+    assert (lstm["seeds"] == 2).all() and (lstm["seeds_planned"] == 2).all()
+    bounded = lstm.loc["recommend(sparsity=0.85)"]
+    assert 0 < bounded["achieved_sparsity"] < 0.85          # the bound, not the request, decides
+    lines = (out / "noise_jobs_quick.jsonl").read_text().splitlines()
+    mod.main(["--quick", "--out", str(out), "--models", "lstm"])
+    assert (out / "noise_jobs_quick.jsonl").read_text().splitlines() == lines
+    assert mod.left(out, quick=True) == 0
+
+    report_noise = _load("report_noise")
+    text, core = report_noise.section_noise_study(out, quick=True)
+    assert text.startswith("\n### 1.8 ") and "Every job of the protocol has run." in text
+    plans = json.loads((out / "noise_plans_quick.json").read_text())
+    summary = mod.plan_summary(plans, "lstm", "recommend(sparsity=0.85)", quick=True)
+    row = next(line for line in text.splitlines() if line.startswith("| lstm | recommend(sparsity=0.85) |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "2/2" and not cells[6].startswith("pending")
+    assert cells[7] == f"{summary['granted_sparsity']:.2f}" and cells[9] == f"{summary['R_predicted']:.3f}"
+    assert core == pytest.approx(sum(json.loads(r)["wall_s"] for r in lines))
+
+
+def test_noise_study_tables_pair_each_length_with_its_own_baseline():
+    """Question 4's rows pair 8 epochs with the 8-epoch baseline; a configuration short of its seeds
+    reads pending, not a verdict."""
+    mod = _load("noise_study")
+    rows = []
+    for seed in (0, 1, 2):
+        for label, steps, acc in (("baseline", 938, 90.0), ("Plan.uniform(sparsity=0.85)", 938, 87.0),
+                                  ("baseline", 3752, 92.0), ("Plan.uniform(sparsity=0.85)", 3752, 91.0 + seed / 10)):
+            rows.append({"model": "resnet20", "label": label, "seed": seed, "steps": steps, "test_accuracy": acc / 100,
+                         "test_loss": 0.3, "achieved_sparsity": 0.85 if "uniform" in label else math.nan,
+                         "underflow_fraction": 0.0, "overflow_fraction": 0.0, "wall_s": 1.0, "diverged": False,
+                         "table": "length", "target_sparsity": 0.85 if "uniform" in label else None})
+        rows.append({**rows[0], "label": "recommend(sparsity=0.85)", "seed": seed, "steps": 938, "table": "noise",
+                     "test_accuracy": 0.9})
+    claims, length = mod.tables(pd.DataFrame(rows))
+    long = length.set_index("label")
+    assert long.loc["Plan.uniform(sparsity=0.85) [8 epochs]", "diff_mean"] == pytest.approx(-0.9)
+    assert long.loc["Plan.uniform(sparsity=0.85)", "diff_mean"] == pytest.approx(-3.0)
+    assert (long["seeds_planned"] == 3).all()
+    rec = claims[claims["label"] == "recommend(sparsity=0.85)"].iloc[0]
+    assert rec["seeds"] == 3 and rec["seeds_planned"] == 6 and "Plan.uniform(sparsity=0.85)" not in set(claims["label"])
+    report = _load("report")
+    assert report._verdict(rec).startswith("pending (3/6")

@@ -1,0 +1,150 @@
+"""Sections 1.7 and 1.8 of docs/RESULTS.md: the noise ratio R against the study's results, and the
+study's claims re-measured with the noise bound (the prospective protocol of
+``docs/protocol-noise.md``). Rendered by ``experiments/report.py``; every sentence with a number
+is computed from the committed results.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import report as R  # noqa: E402
+
+
+def _module(name: str):
+    return importlib.import_module(name)
+
+
+def section_noise_ranking(results: dict) -> str:
+    """1.7: the noise ratio R of each pruning row of 1.2, predicted and measured at the calibration,
+    against the row's loss (``experiments/noise_ranking.py``)."""
+    s = _module("noise_ranking").summary(results)
+    t = pd.DataFrame(sorted(s["rows"], key=lambda r: r["measured"]))
+    t["predicted"] = [f"{v:.3g}" for v in t["predicted"]]
+    t["measured"] = [f"{v:.3g}" for v in t["measured"]]
+    rho = {k: "{:.2f} [{:.2f}, {:.2f}]".format(*s[k]) for k in ("predicted", "measured", "agreement")}
+    return ("\n### 1.7 The noise ratio ranks the pruning rows\n\n"
+            "The noise ratio R of a plan (`docs/noise.md`): the noise it adds to each layer's weight gradient over "
+            "that gradient's own minibatch noise, the mean over the plan's layers, for each row of 1.2 with the plan "
+            "that row trained: predicted from a repeat of the calibration trace (the plain model's first 50 steps, "
+            "seed 0, with the noise records; `gradstats.predicted_noise`) and measured on the calibrated model "
+            "(`gradstats.noise_probe`, 8 batches x 2 draws). *Loss in margins*: minus the paired difference over "
+            "the model's margin. Command: `python experiments/noise_ranking.py`.\n\n"
+            + R.md_table(t, {"model": "model", "label": "configuration", "loss_margins": "loss in margins",
+                             "predicted": "R predicted", "measured": "R measured", "verdict": "verdict"},
+                         {"loss_margins": 2})
+            + f"\n\nSpearman's rho against the loss over the {len(t)} rows (bootstrap 95% interval): R predicted "
+              f"{rho['predicted']}, R measured {rho['measured']}; predicted against measured {rho['agreement']}. "
+              f"Rows that passed reach a measured R of {s['passed_max']:.2f}; rows that lost start at "
+              f"{s['lost_min']:.2f}. The nominal sparsity does not rank them (the CNN passes at 95%, the "
+              "transformer loses at 70%). `recommend` bounds the predicted R at 0.02 by default "
+              "(`docs/noise.md` says why).\n")
+
+
+def noise_study_rows(res: Path, *, quick: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The finished jobs of the noise study and its two tables (claims, training length), each row
+    of the claims with what its plan grants (``noise_study.plan_summary``)."""
+    ns = _module("noise_study")
+    tag = "_quick" if quick else ""
+    jobs = pd.DataFrame(_module("_accuracy").load_rows(res / f"noise_jobs{tag}.jsonl").values())
+    if not len(jobs):
+        return jobs, pd.DataFrame(), pd.DataFrame()
+    claims, length = ns.tables(jobs, quick=quick)
+    path = res / f"noise_plans{tag}.json"
+    plans = json.loads(path.read_text()) if path.exists() else {}
+    extra = pd.DataFrame([ns.plan_summary(plans, m, lab, quick=quick) for m, lab in zip(claims["model"], claims["label"])],
+                         index=claims.index, columns=["granted_sparsity", "R_predicted", "R_predicted_max", "formats",
+                                                      "noise_bound"])
+    return jobs, pd.concat([claims, extra], axis=1), length
+
+
+def ranking_rows(ranking: dict, claims: pd.DataFrame) -> list[dict]:
+    """Every pruning row with a predicted R and a paired difference on at least two seeds: section
+    1.2's (``noise_ranking.json``) and the noise study's bounded plans; ``loss_margins`` is minus
+    the mean paired difference over the model's margin."""
+    rows = [{"model": r["model"], "label": r["label"], "R": r["predicted"], "seeds": None, "source": "1.2",
+             "loss_margins": -r["delta"] / abs(_module("scale_study").PROTOCOL[r["model"]]["margin"])}
+            for model in ranking.values() for r in model]
+    for _, r in claims.iterrows():
+        sp = r.get("granted_sparsity")
+        if R._is_base(r["label"]) or not (sp == sp and sp and sp > 0) or r["seeds"] < 2 or r["R_predicted"] != r["R_predicted"]:
+            continue
+        rows.append({"model": r["model"], "label": r["label"], "R": float(r["R_predicted"]), "seeds": int(r["seeds"]),
+                     "source": "1.8", "loss_margins": -float(r["diff_mean"]) / abs(float(r["margin"]))})
+    return rows
+
+
+def _findings(claims: pd.DataFrame) -> str:
+    """Per model, the mean sparsity its bounded plans reached, and whether it trained with no loss."""
+    out = []
+    for model, g in claims.groupby("model", sort=False):
+        pr = g[g["target_sparsity"].notna() & ~g["label"].map(R._is_base)]  # the pruning plans
+        if not len(pr):
+            continue
+        parts = [f"`{r['label']}` reached a sparsity of {r['achieved_sparsity']:.2f}: {r['verdict']}"
+                 for _, r in pr.iterrows()]
+        out.append(f"- **{model}**: " + "; ".join(parts) + ".")
+    return "\n".join(out)
+
+
+def section_noise_study(res: Path, *, quick: bool = False) -> tuple[str, float]:
+    """1.8: the claims re-measured with the noise bound, whatever has finished; and the core seconds
+    of its jobs (a job adopted from section 1 counts there)."""
+    ns = _module("noise_study")
+    head = ("\n### 1.8 The claims re-measured with the noise bound (prospective)\n\n"
+            "The protocol `docs/protocol-noise.md` was committed before any of these trainings ran. "
+            "It covers the default `recommend(calibration, sparsity=0.85)`, now bounded at a predicted R of 0.02, "
+            "`recommend(sparsity=\"auto\")`, the most the bound allows, and `recommend(bits=6)`. The models are "
+            "ResNet-20 (6 seeds), the transformer (8 seeds) and a character LSTM new to the study (8 seeds, "
+            "margin -0.01 nats). The plans are made once from each model's calibration trace: the plain model's "
+            "first 50 steps, seed 0, with the noise records. The test is section 1's. *achieved*: the fraction "
+            "of zeros in the planned layers' gradients under the plan, size-weighted over every call of the "
+            "training (zeros of the gradient itself included). *granted*: the plan's mean over layers. "
+            "*R*: the plan's mean predicted noise ratio. Command: `python experiments/noise_study.py` "
+            "(resumable; `--remaining` prints what is left).\n\n")
+    jobs, claims, length = noise_study_rows(res, quick=quick)
+    if not len(claims):
+        return head + "No results yet.\n", 0.0
+    own = jobs[jobs["experiment"] == ns.EXPERIMENT] if "experiment" in jobs else jobs
+    t = R._scale_rows(claims)
+    t["seeds_of"] = [f"{int(a)}/{int(b)}" for a, b in zip(t["seeds"], t["seeds_planned"])]
+    t["granted"] = t["granted_sparsity"].map(lambda v: "-" if v != v else f"{v:.2f}")
+    t["achieved"] = t["achieved_sparsity"].map(lambda v: "-" if v != v else f"{v:.2f}")
+    t["R"] = t["R_predicted"].map(lambda v: "-" if v != v else f"{v:.3f}")
+    cols = {"model": "model", "label": "configuration", "seeds_of": "seeds", "value": "metric (mean ± sd)",
+            "delta": "paired diff", "ci": "95% CI", "verdict": "verdict", "granted": "granted", "achieved": "achieved",
+            "R": "R"}
+    text = head + R.md_table(t, cols)
+    if len(length):
+        lt = R._scale_rows(length)
+        lt["seeds_of"] = [f"{int(a)}/{int(b)}" for a, b in zip(lt["seeds"], lt["seeds_planned"])]
+        text += ("\n**Training length** (question 4): ResNet-20, `Plan.uniform(sparsity=0.85)` against the baseline of "
+                 "the same length, seeds 0-2. The 2-epoch rows are section 1's.\n\n"
+                 + R.md_table(lt, {"label": "configuration", "seeds_of": "seeds", "value": "accuracy % (mean ± sd)",
+                                   "delta": "paired diff", "ci": "95% CI", "verdict": "verdict"}))
+    ranking_path = res / "noise_ranking.json"
+    if ranking_path.exists() and not quick:
+        rows = ranking_rows(json.loads(ranking_path.read_text()), t)
+        rho, lo, hi = _module("noise_ranking").spearman([r["R"] for r in rows], [r["loss_margins"] for r in rows])
+        new = sum(r["source"] == "1.8" for r in rows)
+        text += (f"\nSpearman's rho of the predicted R against the loss in margins, over the {len(rows)} pruning rows "
+                 f"of 1.2 and this section ({new} of them new, each on the seeds finished so far): **{rho:.2f}** "
+                 f"[{lo:.2f}, {hi:.2f}] (bootstrap 95%).\n")
+    findings = _findings(t)
+    if findings:
+        text += "\nWhat the bounded plans reached:\n\n" + findings + "\n"
+    left = ns.left(res, quick=quick)
+    core = float(own["wall_s"].sum()) if len(own) else 0.0
+    text += (f"\n*Cost so far*: {len(own)} jobs of this protocol, {core / 3600:.2f} core hours (the wall time of each job, "
+             "one torch thread each; it grows when other work shares the machine's 2 cores; the jobs adopted from "
+             "section 1 count there). "
+             + (f"{left} jobs remain; a row with fewer seeds than planned is *pending*." if left else
+                "Every job of the protocol has run.") + "\n")
+    return text, core
