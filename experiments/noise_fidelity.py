@@ -8,6 +8,8 @@ language model, and two that no test uses (a ConvNeXt-style CNN and a Qwen-style
 ``experiments/plan_fidelity.py``).
 
     python experiments/noise_fidelity.py            # about 10 minutes on 2 cores
+    python experiments/noise_fidelity.py --plans "recommend(sparsity=0.85)" --batches 32 \
+        --out experiments/results/noise_fidelity_b32.json      # the default plan, a 4x longer probe
 
 Writes ``experiments/results/noise_fidelity.{json,txt}``; resumable per model and plan.
 """
@@ -119,8 +121,8 @@ def _median_log2(rows: list[dict], key: str) -> float:
     return float(np.median(v)) if v else math.nan
 
 
-def report(results: dict) -> str:
-    lines = ["# Predicted noise ratio R against the measured one (noise_probe, 8 batches x 2 draws)", ""]
+def report(results: dict, batches: int = 8, draws: int = 2) -> str:
+    lines = [f"# Predicted noise ratio R against the measured one (noise_probe, {batches} batches x {draws} draws)", ""]
     lines.append(f"{'model':12s} {'plan':55s} {'layers':>6s} {'med|log2|':>9s} {'gain=1':>6s} "
                  f"{'within 2x':>9s} {'max R meas':>10s}")
     for model, plans in results.items():
@@ -147,21 +149,24 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=38)
     ap.add_argument("--batches", type=int, default=8)
     ap.add_argument("--draws", type=int, default=2)
+    ap.add_argument("--plans", nargs="*", default=list(PLANS), choices=list(PLANS))
+    ap.add_argument("--out", default=str(RESULTS), help="results file (JSON; the table beside it as .txt)")
     ap.add_argument("--fresh", action="store_true", help="recompute every model")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("gradstats").setLevel(logging.ERROR)
-    results = {} if args.fresh or not RESULTS.exists() else json.loads(RESULTS.read_text())
+    out = Path(args.out)
+    results = {} if args.fresh or not out.exists() else json.loads(out.read_text())
     for name in args.models:
         done = results.get(name, {})
-        todo = {k: v for k, v in PLANS.items() if k not in done}
+        todo = {k: PLANS[k] for k in args.plans if k not in done}
         if todo:
             done.update(measure(name, todo, args.steps, args.batches, args.draws))
             results[name] = done
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            RESULTS.write_text(json.dumps(results, indent=1, default=float))
-    text = report(results)
-    RESULTS.with_suffix(".txt").write_text(text)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=1, default=float))
+    text = report(results, batches=args.batches, draws=args.draws)
+    out.with_suffix(".txt").write_text(text)
     print(text.split("\nPer layer")[0])
     return 0
 

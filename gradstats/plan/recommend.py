@@ -29,10 +29,11 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Iterable, Iterator, Sequence, Union
 
 import numpy as np
 
@@ -361,26 +362,11 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
         from gradstats.plan.checks import calibration_steps
 
         chk = cal_steps or calibration_steps(r, mom.layers, steps=steps)
-        if sparsity is not None or noise_bound is not None:
-            from gradstats.noise.predict import bound_plan
-
-            plans[b] = bound_plan(plans[b], r, chk, noise_bound if sparsity is not None else None)
-        if check:
-            from gradstats.formats import FPFormat
-            from gradstats.plan.checks import repair
-
-            pool = cands if isinstance(cands, list) else fpanalysis.preset_formats(
-                cands, b, granularity="tensor" if block_size is None else granularity)
-            plans[b] = repair(plans[b], r, chk, candidates=[FPFormat.parse(c) for c in pool],
-                              bias_bound=bias_bound, flush_bound=flush_bound)
-            if plans[b].noise:       # the predicted noise of the rules as repaired, both parts
-                from gradstats.noise.predict import predicted_noise
-
-                now = {rec["layer"]: rec for rec in predicted_noise(r, plans[b], steps=chk).records}
-                plans[b] = dataclasses.replace(plans[b], noise=tuple(
-                    {**c, "predicted_noise": _fmt(now.get(c["layer"], {}).get("noise", math.nan)),
-                     "pruning_noise": _fmt(now.get(c["layer"], {}).get("pruning_noise", math.nan))}
-                    for c in plans[b].noise))
+        pool = (cands if isinstance(cands, list) else fpanalysis.preset_formats(
+            cands, b, granularity="tensor" if block_size is None else granularity)) if check else None
+        plans[b] = _bound_and_repair(plans[b], r, chk, noise_bound if sparsity is not None else None,
+                                     bounded=sparsity is not None or noise_bound is not None, pool=pool,
+                                     bias_bound=bias_bound, flush_bound=flush_bound)
         if plans[b].noise_bound is not None:
             cut = [c for c in plans[b].noise if c["sparsity_reason"] == "noise bound"]
             if cut:
@@ -393,6 +379,54 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
 
         log_unplanned(log, "gradstats.recommend", plans[widths[0]].unplanned(r))
     return plans
+
+
+def _bound_and_repair(plan: Plan, r: Any, chk: Sequence[int], noise_bound: float | None, *, bounded: bool,
+                      pool: list[Any] | None, bias_bound: float, flush_bound: float | None, rounds: int = 3) -> Plan:
+    """``plan`` with its sparsities bounded (``noise_bound``; the records alone when None), then
+    repaired by the check (``pool``: its candidate formats; None: no check), with the noise records
+    of the rules as repaired. A repair that changes a layer's rounding changes what its pruning
+    adds; where the repaired plan's pruning noise ends over the bound, the bound is solved again a
+    little tighter (the records keep the user's bound)."""
+    from gradstats.noise.predict import bound_plan
+
+    solve_for = noise_bound
+    for again in range(rounds):
+        out = bound_plan(plan, r, chk, noise_bound, solve_for=solve_for) if bounded else plan
+        if pool is not None:
+            from gradstats.formats import FPFormat
+            from gradstats.plan.checks import repair
+
+            with _quiet("gradstats.plan.checks", again > 0):     # its repairs were logged the first time
+                out = repair(out, r, chk, candidates=[FPFormat.parse(c) for c in pool], bias_bound=bias_bound,
+                             flush_bound=flush_bound)
+            if out.noise:       # the predicted noise of the rules as repaired, both parts
+                from gradstats.noise.predict import predicted_noise
+
+                now = {rec["layer"]: rec for rec in predicted_noise(r, out, steps=chk).records}
+                out = dataclasses.replace(out, noise=tuple(
+                    {**c, "predicted_noise": _fmt(now.get(c["layer"], {}).get("noise", math.nan)),
+                     "pruning_noise": _fmt(now.get(c["layer"], {}).get("pruning_noise", math.nan))}
+                    for c in out.noise))
+        worst = max((c["pruning_noise"] for c in out.noise or () if c.get("pruning_noise") is not None),
+                    default=0.0)
+        if noise_bound is None or pool is None or solve_for is None or worst <= noise_bound * (1 + 1e-6):
+            break
+        solve_for *= noise_bound / worst * 0.99     # (a margin for the bisection's resolution)
+    return out
+
+
+@contextlib.contextmanager
+def _quiet(logger: str, on: bool) -> Iterator[None]:
+    """Below ERROR, nothing from ``logger`` while ``on``."""
+    lg = logging.getLogger(logger)
+    level = lg.level
+    if on:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        lg.setLevel(level)
 
 
 def _candidate_granularity(candidates: Any, granularity: Any) -> Any:
