@@ -39,6 +39,7 @@ its time and trains nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -76,6 +77,9 @@ PROTOCOL = {
 #: SGD (momentum 0.9) for the transformer's diagnosis rows: the best of 0.1 (validation loss 2.51),
 #: 0.3 (2.47) and 1.0 (diverged at step 27), 1,200 steps, seed 0, the protocol's schedule and batch
 TRANSFORMER_SGD_LR = 0.3
+#: the control rerun at 0.1 (at 0.3 the baseline diverged on seeds 1 and 2): the same plans, tagged
+#: ``[sgd, lr 0.1]`` and paired with ``baseline [sgd, lr 0.1]``
+TRANSFORMER_SGD_RERUN_LR = 0.1
 #: the quick version (tests): tiny data, a few steps, two seeds (a paired interval needs two)
 QUICK = {
     "cnn": dict(steps=6, seeds=(0, 1), prepare=QUICK_PREPARE, train={}, epoch_steps=2, calibration_steps=3),
@@ -131,6 +135,7 @@ class Config:
     rounding: str | None = None
     train: tuple = ()                 # training settings that differ from the protocol's, as items
     options: tuple = ()               # further recommend() arguments, as items
+    plan_from: str | None = None      # the configuration whose stored plan this one trains
 
 
 def baseline_of(label: str) -> str:
@@ -171,6 +176,10 @@ def configurations(model: str) -> list[Config]:
               options=(("flush_bound", None),)),
             C("diagnosis", "A", "Plan.uniform(sparsity=0.85) [sgd]", sparsity=0.85, rule="histogram", train=sgd),
         ]
+        rerun = (("optimizer", "sgd"), ("lr", TRANSFORMER_SGD_RERUN_LR))
+        diagnosis += [dataclasses.replace(c, label=c.label.replace(" [sgd]", f" [sgd, lr {TRANSFORMER_SGD_RERUN_LR:g}]"),
+                                          train=rerun, plan_from=None if is_baseline(c.label) else c.label)
+                      for c in diagnosis if c.label.endswith(" [sgd]")]
         return base + headline[:3] + diagnosis + headline[3:] + [
             C("push", "A", "recommend(bits=6, sparsity=0.85)", sparsity=0.85, bits=6), before, warm] + lighter
     return base + headline + [before] + [
@@ -268,6 +277,10 @@ def plans_for(model: str, proto: dict, configs: list[Config], path: Path) -> dic
 
     store = json.loads(path.read_text()) if path.exists() else {}
     key = lambda cfg: f"{cfg.model}/{cfg.label}/{json.dumps(proto['prepare'], sort_keys=True)}"  # noqa: E731
+    copies = [c for c in configs if c.plan_from and key(c) not in store
+              and key(dataclasses.replace(c, label=c.plan_from)) in store]
+    for c in copies:             # the same plan trained another way: the stored one, not a new calibration
+        store[key(c)] = store[key(dataclasses.replace(c, label=c.plan_from))]
     missing = [c for c in configs if not is_baseline(c.label) and key(c) not in store]
     if missing:
         torch.set_num_threads(1)              # the calibration is then the same on every machine
@@ -277,6 +290,8 @@ def plans_for(model: str, proto: dict, configs: list[Config], path: Path) -> dic
         for cfg in missing:
             plan, apply_kw = make_plan(cfg, calib, layers)
             store[key(cfg)] = {"plan": plan, "apply": apply_kw}
+        write_json(path, store)
+    if copies:
         write_json(path, store)
     return {c.label: ((store[key(c)]["plan"], store[key(c)]["apply"]) if not is_baseline(c.label) else (None, {}))
             for c in configs}
