@@ -930,7 +930,7 @@ def main(argv: list[str] | None = None) -> str:
 
     if (res / "noise_ranking.json").exists():
         parts[0] += report_noise.section_noise_ranking(json.loads((res / "noise_ranking.json").read_text()))
-    study, seconds = report_noise.section_noise_study(res)
+    study, seconds = report_noise.section_noise_study(res, figures=Path(args.figures) if args.figures else None)
     parts[0] += study
     total += seconds
     for name, fn in (("distributions", section_distributions), ("pruning_accuracy", section_pruning),

@@ -81,6 +81,42 @@ def ranking_rows(ranking: dict, claims: pd.DataFrame) -> list[dict]:
     return rows
 
 
+def plot_ranking(rows: list[dict], path: Path, bound: float = 0.02) -> Path:
+    """Every pruning row: its plan's predicted R against its loss in margins, per model; section
+    1.2's rows filled, the noise study's open; the default bound and one margin of loss marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"cnn": "#4d9221", "resnet20": "#c51b7d", "transformer": "#2166ac", "lstm": "#e08214"}
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for source, face in (("1.2", colours.get(model, "#555555")), ("1.8", "none")):
+            g = [r for r in rows if r["model"] == model and r["source"] == source]
+            if g:
+                ax.scatter([r["R"] for r in g], [r["loss_margins"] for r in g], s=30, marker="o",
+                           facecolors=face, edgecolors=colours.get(model, "#555555"), linewidths=1.2,
+                           label=f"{model} ({'study, 1.2' if source == '1.2' else 'bounded plans, 1.8'})")
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1.0)
+    top = max(r["loss_margins"] for r in rows)
+    ax.set_ylim(min(min(r["loss_margins"] for r in rows) - 0.5, -1.0), top * 2.5 if top > 1 else 3.0)
+    ax.axvline(bound, color="#888888", lw=0.8, ls="--")
+    ax.text(bound, ax.get_ylim()[1], f" bound {bound:g}", fontsize=7, va="top", color="#555555")
+    ax.axhline(1.0, color="#b2182b", lw=0.8, ls=":")
+    ax.text(ax.get_xlim()[0], 1.0, " loss = one margin", fontsize=7, va="bottom", color="#b2182b")
+    ax.axhline(0.0, color="#cccccc", lw=0.6)
+    ax.set_xlabel("predicted noise ratio R of the plan (mean over its layers, calibration trace)")
+    ax.set_ylabel("loss in margins (paired, mean over seeds)")
+    ax.set_title("Every pruning row: predicted R against the loss it cost", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
 def _findings(claims: pd.DataFrame) -> str:
     """Per model, the mean sparsity its bounded plans reached, and whether it trained with no loss."""
     out = []
@@ -94,7 +130,7 @@ def _findings(claims: pd.DataFrame) -> str:
     return "\n".join(out)
 
 
-def section_noise_study(res: Path, *, quick: bool = False) -> tuple[str, float]:
+def section_noise_study(res: Path, *, quick: bool = False, figures: Path | None = None) -> tuple[str, float]:
     """1.8: the claims re-measured with the noise bound, whatever has finished; and the core seconds
     of its jobs (a job adopted from section 1 counts there)."""
     ns = _module("noise_study")
@@ -136,7 +172,9 @@ def section_noise_study(res: Path, *, quick: bool = False) -> tuple[str, float]:
         new = sum(r["source"] == "1.8" for r in rows)
         text += (f"\nSpearman's rho of the predicted R against the loss in margins, over the {len(rows)} pruning rows "
                  f"of 1.2 and this section ({new} of them new, each on the seeds finished so far): **{rho:.2f}** "
-                 f"[{lo:.2f}, {hi:.2f}] (bootstrap 95%).\n")
+                 f"[{lo:.2f}, {hi:.2f}] (bootstrap 95%).\n\n"
+                 "![predicted R against loss](../experiments/results/noise_ranking.png)\n")
+        plot_ranking(rows, (figures or res) / "noise_ranking.png")
     findings = _findings(t)
     if findings:
         text += "\nWhat the bounded plans reached:\n\n" + findings + "\n"

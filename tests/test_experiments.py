@@ -153,6 +153,8 @@ def test_results_document_is_current(tmp_path):
                     "## 4. Accuracy with low-precision", "## 5. Past the study"):
         assert section in text
     assert "No results yet" not in text
+    assert "### 1.8 The claims re-measured with the noise bound" in text
+    assert (tmp_path / "noise_ranking.png").stat().st_size > 10_000      # drawn beside the document
 
 
 def test_threshold_training_quick(out):
