@@ -513,9 +513,9 @@ def noise_weights(run: Any, layers: Optional[Sequence[str]] = None, *, steps: An
     ``weights=`` of :func:`gradstats.pruning.allocate`, whose objective ``sum_i w_i D_i`` then is the
     sum over layers of the noise ratio the pruning adds (``D_i`` the relative added variance): the
     budget is spent where it costs the least noise against SGD's own, with the same model that
-    bounds ``recommend`` (what ``allocate(run, 0.85)`` uses by default on a run with noise records).
-    ``layers``: default every traced layer (as ``allocate`` reads a run); a layer without a noise
-    record gets the largest weight of the others (pruned the least), with a log line.
+    bounds ``recommend`` (``allocate(run, 0.85, weights=noise_weights(run))``). ``layers``: default
+    every traced layer (as ``allocate`` reads a run); a layer without a noise record gets the
+    largest weight of the others (pruned the least), with a log line.
 
     Example:
         >>> import tempfile, torch, gradstats
