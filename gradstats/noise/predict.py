@@ -388,23 +388,6 @@ def bound_sparsity(layers: Sequence[str], requested: dict[str, float], error_at:
     return out
 
 
-def _within_bound(layers: list[str], want: dict[str, float], added: Callable[[str, float], float],
-                  error_at: Callable[[str, float], float], terms: "pd.DataFrame", down: dict[str, list[str]],
-                  bound: float, gain: dict[tuple[str, str], float], rounds: int = 4) -> dict[str, dict[str, Any]]:
-    """:func:`bound_sparsity`, tightened until the pruning noise *compounded* through the gains (what
-    the plan's records report) is within ``bound`` at every layer: the allocation is first order in
-    the gains, so without this a layer upstream of pruned ones can end a few percent over."""
-    target = bound
-    for _ in range(rounds):
-        granted = bound_sparsity(layers, want, added, terms, down, target, gain=gain)
-        recs = _records(error_at, {n: granted[n]["granted"] for n in layers}, terms, down, gain)
-        worst = max((r["pruning_noise"] for r in recs if math.isfinite(r["pruning_noise"])), default=0.0)
-        if worst <= bound * (1 + 1e-6):
-            break
-        target *= bound / worst * (1 - 1e-3)
-    return granted
-
-
 def rule_at(rule: Any, sparsity: float) -> Any:
     """``rule`` with its sparsity set to ``sparsity`` (None at 0)."""
     return replace(rule, sparsity=float(sparsity) if sparsity > 0 else None)
@@ -473,8 +456,8 @@ def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float]
                        "error": error_at(n, want.get(n, 0.0) or 0.0), "reason": "requested" if n in want else
                        "not pruned"} for n in rules}
     else:
-        granted = _within_bound(list(rules), want, added_by_pruning, error_at, terms, down,
-                                float(solve_for if solve_for is not None else bound), gain)
+        granted = bound_sparsity(list(rules), want, added_by_pruning, terms, down,
+                                 float(solve_for if solve_for is not None else bound), gain=gain)
     preds = {rec["layer"]: rec for rec in _records(error_at, {n: granted[n]["granted"] for n in rules}, terms, down,
                                                   gain)}
     records = [{"layer": n, "requested_sparsity": granted[n]["requested"],

@@ -385,9 +385,10 @@ def _bound_and_repair(plan: Plan, r: Any, chk: Sequence[int], noise_bound: float
                       pool: list[Any] | None, bias_bound: float, flush_bound: float | None, rounds: int = 3) -> Plan:
     """``plan`` with its sparsities bounded (``noise_bound``; the records alone when None), then
     repaired by the check (``pool``: its candidate formats; None: no check), with the noise records
-    of the rules as repaired. A repair that changes a layer's rounding changes what its pruning
-    adds; where the repaired plan's pruning noise ends over the bound, the bound is solved again a
-    little tighter (the records keep the user's bound)."""
+    of the rules as repaired. The bound's allocation is first order in the measured gains, and a
+    repair that changes a layer's rounding changes what its pruning adds: where the plan's pruning
+    noise (compounded, rules as repaired) ends over the bound, the bound is solved again a little
+    tighter (the records keep the user's bound)."""
     from gradstats.noise.predict import bound_plan
 
     solve_for = noise_bound
@@ -410,7 +411,7 @@ def _bound_and_repair(plan: Plan, r: Any, chk: Sequence[int], noise_bound: float
                     for c in out.noise))
         worst = max((c["pruning_noise"] for c in out.noise or () if c.get("pruning_noise") is not None),
                     default=0.0)
-        if noise_bound is None or pool is None or solve_for is None or worst <= noise_bound * (1 + 1e-6):
+        if noise_bound is None or solve_for is None or worst <= noise_bound * (1 + 1e-6):
             break
         solve_for *= noise_bound / worst * 0.99     # (a margin for the bisection's resolution)
     return out
