@@ -302,17 +302,37 @@ def test_the_bound_holds_after_compounding_and_repair(tmp_path, seed):
     assert df["pruning_noise"].to_dict() == pytest.approx(pred, rel=1e-3)
 
 
+def ws_of(w: dict, layers: list) -> list:
+    return [w[n] for n in layers]
+
+
+def test_allocate_without_noise_records_weights_by_elements(tmp_path):
+    from gradstats.pruning import allocate
+
+    _, path, _, _, _ = _mlp_run(tmp_path, noise=False)
+    a = allocate(gradstats.open_run(path), 0.7, output_layer=None)
+    assert a.weighting == "elements" and a.weights.tolist() == a.n.tolist()
+    with pytest.raises(ValueError, match="weights must be 'auto'"):
+        allocate(gradstats.open_run(path), 0.7, weights="noise")
+
+
 def test_allocate_weighted_by_the_noise_model_spends_the_budget_where_noise_is_cheapest(tmp_path):
-    from gradstats.noise.predict import noise_weights
+    from gradstats.noise.terms import noise_weights
     from gradstats.pruning import allocate
 
     _, path, _, _, _ = _mlp_run(tmp_path, steps=6)
     run = gradstats.open_run(path)
     w = noise_weights(run)
     assert set(w) == {"0", "2", "4"} and all(v > 0 for v in w.values())
-    by_size = allocate(run, 0.7, output_layer=None)
+    by_size = allocate(run, 0.7, weights=None, output_layer=None)
     by_noise = allocate(run, 0.7, weights=w, output_layer=None)
     assert by_noise.achieved == pytest.approx(0.7) and by_size.achieved == pytest.approx(0.7)
+    assert (by_size.weighting, by_noise.weighting) == ("elements", "given")
+    # the default on a run with noise records: the same noise weights
+    default = allocate(run, 0.7, output_layer=None)
+    assert default.weighting == "noise" and default.weights.tolist() == pytest.approx(ws_of(w, default.layers))
+    assert default.targets.tolist() == pytest.approx(by_noise.targets.tolist())
+    assert default.to_dict()["weighting"] == "noise"
     ws = np.array([w[n] for n in by_noise.layers])
     # the noise objective (sum of w_i D_i) is the least under the noise weights (KKT optimum)
     assert (ws * by_noise.added_variance).sum() < (ws * by_size.added_variance).sum()

@@ -218,7 +218,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("run", ("gradstats.run",)),
     ("capture", ("gradstats.layers", "gradstats.alarms", "gradstats.noise.record", "gradstats.tracer")),
     ("fit", ("gradstats.fitting",)),
-    ("analyse", ("gradstats.pruning", "gradstats.fpanalysis")),
+    ("analyse", ("gradstats.pruning", "gradstats.fpanalysis", "gradstats.noise.terms")),
     ("plan", ("gradstats.plan", "gradstats.noise.predict")),
     ("apply", ("gradstats.apply", "gradstats.noise")),
     ("adapters", ("gradstats.integrations",)),

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 import torch
 
+from gradstats.run.select import AUTO_STEPS, calibration_steps  # noqa: F401 - their home is run.select
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -55,55 +57,6 @@ OVERFLOW_BOUND = 0.001
 #: what is predicted and replayed, per layer and step (fractions of all entries, except ``flushed``:
 #: of the non-zero input entries; ``error`` relative to ``E g^2``)
 QUANTITIES = ("sparsity", "underflow", "flushed", "overflow", "gain", "bias", "error")
-#: how many calibration steps ``steps="auto"`` takes, spread over the run, the later ones denser
-AUTO_STEPS = 4
-
-
-def calibration_steps(run: Any, layers: Sequence[str], *, kind: str = "grad", steps: Any = "auto") -> list[int]:
-    """The steps a plan is calibrated and checked on. ``"auto"``: up to :data:`AUTO_STEPS` steps spread
-    over the run, at 1/4, 1/2, 3/4 and the end of the steps that hold samples of every layer (of the
-    steps with statistics where none do), so that drift over training is seen; ``"latest"``: each
-    layer's latest step; otherwise :mod:`gradstats.run.select`'s step grammar.
-
-    Example:
-        >>> import tempfile, torch, gradstats
-        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
-        >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=2) as t:
-        ...     for _ in range(9):
-        ...         m(torch.randn(8, 4)).square().sum().backward(); t.step()
-        >>> calibration_steps(gradstats.open_run(t.path), ["0"])
-        [2, 4, 6, 8]
-    """
-    from gradstats.run.select import select_steps
-
-    df = run.stats(kinds=[kind])
-    df = df[df["layer"].isin(list(layers))]
-    have = sorted(int(s) for s in df["step"].unique())
-    if not have:
-        raise ValueError(f"the run at {run.path} has no {kind!r} statistics for layers {list(layers)[:5]}")
-    if steps is None or (isinstance(steps, str) and steps == "latest"):
-        return [have[-1]]
-    if isinstance(steps, str) and steps == "auto":
-        # steps whose gradients held NaN/inf (a diverged loss) calibrate nothing: left out, and said so
-        bad = sorted(int(s) for s in df.loc[df.get("n_nonfinite", 0) > 0, "step"].unique()) \
-            if "n_nonfinite" in df.columns else []
-        if bad and len(bad) < len(have):
-            log.warning("calibration leaves out steps %s: gradients were NaN/inf there (a diverged loss?)",
-                        bad if len(bad) <= 10 else f"{bad[:10]} ... ({len(bad)})")
-            have = [s for s in have if s not in set(bad)]
-        idx = run.sample_index()
-        if len(idx):
-            idx = idx[(idx["kind"] == kind) & idx["layer"].isin(list(layers))]
-            counts = idx.groupby("step")["layer"].nunique()
-            full = sorted(int(s) for s, c in counts.items() if c == len(set(layers)) and int(s) in set(have))
-        else:
-            full = []
-        pool = full or have
-        picks = sorted({pool[max(0, math.ceil(q * len(pool)) - 1)] for q in (0.25, 0.5, 0.75, 1.0)})
-        return picks[-AUTO_STEPS:]
-    return select_steps(have, steps)
-
-
 def step_weights(steps: Sequence[int]) -> np.ndarray:
     """Weights of the calibration steps in a plan's predictions: proportional to their rank, so the
     later steps count more (``[1, 2, 3, 4] / 10`` for four).

@@ -13,7 +13,7 @@ every element's noise counts the same). Per element, ``dVar/da = E[|g| 1{|g|<a}]
 sparsity is ``dD_i/dS_i = a_i^2 / E_i[g^2]``: it grows with ``a_i``, the problem is convex, and
 its KKT conditions give ``a_i = min(c * sqrt(n_i E_i[g^2] / w_i), a_max_i)`` with one scalar
 ``c`` set by the budget and ``a_max_i`` the largest threshold the cosine floor and the cap allow.
-With the default weights the thresholds are a common multiple of each layer's RMS gradient.
+With element-count weights the thresholds are a common multiple of each layer's RMS gradient.
 
 The model of a layer (:class:`ConditionedModel`, the default for statistics rows) is its own
 data: the sums ``sum_abs``, ``sum_sq`` give ``E|g|`` and ``E g^2`` exactly, the 64 largest
@@ -76,7 +76,8 @@ class Allocation:
     allocated layers' targets), ``objective`` (``sum w_i D_i``), ``uniform_objective`` (the same
     with every allocated layer at the budget, ignoring floors and caps), ``model`` (the
     magnitude model: ``"histogram"`` for the data-conditioned model, a family name, or
-    ``"mixed"``), ``weights``.
+    ``"mixed"``), ``weights``, ``weighting`` (``"noise"``: the noise model's weights,
+    ``"elements"``: element counts, ``"given"``: the caller's).
     """
 
     layers: list[str]
@@ -95,6 +96,7 @@ class Allocation:
     caps: np.ndarray = field(default_factory=lambda: np.zeros(0))
     excluded: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     output_layer: str | None = None
+    weighting: str = "elements"
 
     def to_dataframe(self) -> "pd.DataFrame":
         """One row per layer.
@@ -123,7 +125,8 @@ class Allocation:
                 "caps": [float(v) for v in self.caps], "excluded": [bool(v) for v in self.excluded],
                 "output_layer": self.output_layer,
                 "budget": self.budget, "achieved": self.achieved, "objective": self.objective,
-                "uniform_objective": self.uniform_objective, "model": self.model}
+                "uniform_objective": self.uniform_objective, "model": self.model,
+                "weights": [float(v) for v in self.weights], "weighting": self.weighting}
 
     def layer_targets(self) -> dict[str, float | None]:
         """``{layer: target sparsity}`` of the allocation, None for a layer it leaves unpruned; a plan
@@ -341,7 +344,24 @@ class _Costs:
         return out
 
 
-def allocate(layers: Any, budget: float, *, cosine_floor: Any = None, weights: Any = None,
+def _weights(weights: Any, names: list[str], n: np.ndarray, run: Any) -> tuple[np.ndarray, str]:
+    """The objective's per-layer weights and what they are (see :func:`allocate`'s ``weights``)."""
+    if isinstance(weights, str):
+        if weights != "auto":
+            raise ValueError(f"weights must be 'auto', None, one value per layer or a mapping name -> weight, "
+                             f"got {weights!r}")
+        if run is not None and not run.table("noise").empty:
+            from gradstats.noise.terms import noise_weights
+
+            w = noise_weights(run, names)
+            return np.array([w[name] for name in names], dtype=float), "noise"
+        return n.astype(float).copy(), "elements"
+    if weights is None:
+        return n.astype(float).copy(), "elements"
+    return _per_layer(weights, names, "weights"), "given"
+
+
+def allocate(layers: Any, budget: float, *, cosine_floor: Any = None, weights: Any = "auto",
              sizes: Any = None, threshold_rule: str | None = None, cap: Any = DEFAULT_CAP,
              output_layer: str | None = "auto", exclude: Any = (), layer_info: Any = None) -> Allocation:
     """Per-layer sparsity targets meeting a global ``budget`` (element-weighted mean target of
@@ -373,11 +393,13 @@ def allocate(layers: Any, budget: float, *, cosine_floor: Any = None, weights: A
     layer names to leave unpruned. Excluded layers stay in the result with threshold 0 and
     their zeros as target, and do not count towards the budget.
 
-    ``weights``: importance per layer (default: element counts; every element's relative noise
-    counts the same), one value per layer or a mapping name -> weight.
-    :func:`gradstats.noise.predict.noise_weights` gives the weights of the noise model that bounds
-    ``recommend``: the objective is then the noise ratio the pruning adds against SGD's own, summed
-    over the layers (``allocate(run, 0.85, weights=noise_weights(run))``). ``sizes``: element counts
+    ``weights``: importance per layer, one value per layer or a mapping name -> weight; ``None``:
+    element counts (every element's relative noise counts the same); ``"auto"`` (default): for a
+    Run that holds noise records (traced with ``sample_every=``), the weights of the noise model
+    that bounds ``recommend`` (:func:`gradstats.noise.terms.noise_weights`): the objective is then
+    the noise ratio the pruning adds against SGD's own, summed over the layers, the quantity that
+    ranks the study's losses (``docs/noise.md``); element counts otherwise. ``Allocation.weighting``
+    says which (``"noise"``, ``"elements"`` or ``"given"``). ``sizes``: element counts
     when the rows lack ``n``. A budget below the zeros already present gives threshold 0
     everywhere (and ``achieved`` above the budget); a budget the caps and floors cannot allow
     raises ``ValueError`` naming the most they allow.
@@ -412,7 +434,7 @@ def allocate(layers: Any, budget: float, *, cosine_floor: Any = None, weights: A
     # without layer types the output layer is unknown: worth a warning for a run's statistics
     excluded, out_name = _excluded(names, output_layer, exclude, layer_info, run, warn=bool(costs.data.any()))
     p0 = costs.p0
-    w = n.copy() if weights is None else _per_layer(weights, names, "weights")
+    w, weighting = _weights(weights, names, n, run)
     if not (np.isfinite(w) & (w > 0)).all():
         raise ValueError(f"weights must be positive and finite, got {w}")
     floors = np.full(L, np.nan) if cosine_floor is None else _per_layer(cosine_floor, names,
@@ -485,7 +507,7 @@ def allocate(layers: Any, budget: float, *, cosine_floor: Any = None, weights: A
                       achieved=float((n * targets)[alloc].sum() / Na),
                       objective=float((w * dvar)[alloc].sum()),
                       uniform_objective=float((w * udvar)[alloc].sum()), model=costs.name,
-                      weights=w, caps=caps, excluded=excluded, output_layer=out_name)
+                      weights=w, caps=caps, excluded=excluded, output_layer=out_name, weighting=weighting)
 
 
 def _per_layer(v: Any, names: list[str], what: str) -> np.ndarray:

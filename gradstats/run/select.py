@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 import re
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -24,7 +25,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["layer_matcher", "select_layers", "select_steps", "layer_stats"]
+log = logging.getLogger(__name__)
+
+__all__ = ["layer_matcher", "select_layers", "select_steps", "layer_stats", "calibration_steps"]
 
 #: what ``layers=`` takes on names (the tracer also takes a callable on modules)
 LayerPatterns = "str | re.Pattern | Iterable[str | re.Pattern] | None"
@@ -104,3 +107,50 @@ def select_steps(all_steps: Sequence[int], steps: int | slice | Iterable[int] | 
         raise ValueError(f"no step of the run is selected by {steps!r}; the run has steps "
                          f"{list(all_steps)[:10]}{'...' if len(all_steps) > 10 else ''}")
     return out
+
+
+#: how many calibration steps ``steps="auto"`` takes, spread over the run, the later ones denser
+AUTO_STEPS = 4
+
+
+def calibration_steps(run: Any, layers: Sequence[str], *, kind: str = "grad", steps: Any = "auto") -> list[int]:
+    """The steps a plan is calibrated and checked on. ``"auto"``: up to :data:`AUTO_STEPS` steps spread
+    over the run, at 1/4, 1/2, 3/4 and the end of the steps that hold samples of every layer (of the
+    steps with statistics where none do), so that drift over training is seen; ``"latest"``: each
+    layer's latest step; otherwise :mod:`gradstats.run.select`'s step grammar.
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=2) as t:
+        ...     for _ in range(9):
+        ...         m(torch.randn(8, 4)).square().sum().backward(); t.step()
+        >>> calibration_steps(gradstats.open_run(t.path), ["0"])
+        [2, 4, 6, 8]
+    """
+    df = run.stats(kinds=[kind])
+    df = df[df["layer"].isin(list(layers))]
+    have = sorted(int(s) for s in df["step"].unique())
+    if not have:
+        raise ValueError(f"the run at {run.path} has no {kind!r} statistics for layers {list(layers)[:5]}")
+    if steps is None or (isinstance(steps, str) and steps == "latest"):
+        return [have[-1]]
+    if isinstance(steps, str) and steps == "auto":
+        # steps whose gradients held NaN/inf (a diverged loss) calibrate nothing: left out, and said so
+        bad = sorted(int(s) for s in df.loc[df.get("n_nonfinite", 0) > 0, "step"].unique()) \
+            if "n_nonfinite" in df.columns else []
+        if bad and len(bad) < len(have):
+            log.warning("calibration leaves out steps %s: gradients were NaN/inf there (a diverged loss?)",
+                        bad if len(bad) <= 10 else f"{bad[:10]} ... ({len(bad)})")
+            have = [s for s in have if s not in set(bad)]
+        idx = run.sample_index()
+        if len(idx):
+            idx = idx[(idx["kind"] == kind) & idx["layer"].isin(list(layers))]
+            counts = idx.groupby("step")["layer"].nunique()
+            full = sorted(int(s) for s, c in counts.items() if c == len(set(layers)) and int(s) in set(have))
+        else:
+            full = []
+        pool = full or have
+        picks = sorted({pool[max(0, math.ceil(q * len(pool)) - 1)] for q in (0.25, 0.5, 0.75, 1.0)})
+        return picks[-AUTO_STEPS:]
+    return select_steps(have, steps)
