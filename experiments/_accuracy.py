@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import pandas as pd
 
@@ -173,9 +173,29 @@ def load_rows(path: Path) -> dict[str, dict]:
     return rows
 
 
+def _results(todo: list[Job], workers: int) -> Iterator[dict]:
+    """The jobs' result rows as they finish: in worker processes, or here with ``workers=0``."""
+    if workers <= 0:
+        import torch
+
+        threads = torch.get_num_threads()
+        try:
+            for j in todo:
+                yield run_job(j)
+        finally:
+            torch.set_num_threads(threads)
+        return
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx, initializer=_init_worker) as pool:
+        for fut in as_completed([pool.submit(run_job, j) for j in todo]):
+            yield fut.result()
+
+
 def run_jobs(jobs: Iterable[Job], path: Path, *, workers: int = 2, desc: str = "jobs") -> pd.DataFrame:
     """Run every job whose key is not yet in ``path`` (JSON lines), appending each result as it
-    finishes; return the rows of all ``jobs``, in their order."""
+    finishes; return the rows of all ``jobs``, in their order. ``workers``: processes, one torch
+    thread each; 0 runs the jobs one after another in this process (the quick runs of the tests:
+    no interpreter to start per worker; the thread count is restored afterwards)."""
     from tqdm.auto import tqdm
 
     jobs = list(jobs)
@@ -183,12 +203,8 @@ def run_jobs(jobs: Iterable[Job], path: Path, *, workers: int = 2, desc: str = "
     done = load_rows(path)
     todo = list({j.key: j for j in jobs if j.key not in done}.values())
     if todo:
-        ctx = mp.get_context("spawn")
-        with open(path, "a") as fh, ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))),
-                                                         mp_context=ctx, initializer=_init_worker) as pool:
-            futures = [pool.submit(run_job, j) for j in todo]
-            for fut in tqdm(as_completed(futures), total=len(futures), desc=desc):
-                row = fut.result()
+        with open(path, "a") as fh:
+            for row in tqdm(_results(todo, workers), total=len(todo), desc=desc):
                 fh.write(json.dumps(row) + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -279,7 +295,7 @@ def parse_args(doc: str, argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny data, a few steps, one seed (smoke test)")
     ap.add_argument("--out", default=str(RESULTS), help="directory of the JSON results and figures")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each)")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each; 0: in this process)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, dest="seed_list",
                     help="seeds to train (default: the experiment's own)")
     args = ap.parse_args(argv)

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny data, a few steps, one seed (smoke test)")
     ap.add_argument("--out", default=str(RESULTS), help="directory of the JSON results")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each)")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each; 0: in this process)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help=f"seeds (default {list(SEEDS)})")
     args = ap.parse_args(argv)
     out = Path(args.out)

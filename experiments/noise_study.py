@@ -192,7 +192,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny data, a few steps, two seeds (smoke test)")
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--workers", type=int, default=1, help="worker processes (one torch thread each)")
+    ap.add_argument("--workers", type=int, default=1, help="worker processes (one torch thread each; 0: in this process)")
     ap.add_argument("--models", nargs="+", default=list(PROTOCOL), choices=list(PROTOCOL))
     ap.add_argument("--remaining", action="store_true", help="print what is left and its estimated core hours")
     args = ap.parse_args(argv)

@@ -616,7 +616,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny data and steps, two seeds (the tests)")
     ap.add_argument("--out", default=str(RESULTS), help="directory of the results")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each)")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each; 0: in this process)")
     ap.add_argument("--tiers", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C"])
     ap.add_argument("--models", nargs="+", default=None, choices=sorted(set(PROTOCOL) | set(PROTOCOL_GPU)),
                     help="default: every model of the protocol")

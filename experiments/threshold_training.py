@@ -44,7 +44,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny data, a few steps, two targets (smoke test)")
     ap.add_argument("--out", default=str(RESULTS), help="directory of the JSON results")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each)")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each; 0: in this process)")
     ap.add_argument("--transformer-steps", type=int, default=TRANSFORMER_STEPS)
     a = ap.parse_args(argv)
     a.out = Path(a.out)

@@ -31,7 +31,7 @@ def out(tmp_path_factory):
 
 def test_pruning_accuracy_quick(out):
     mod = _load("pruning_accuracy")
-    table = mod.main(["--quick", "--out", str(out)])
+    table = mod.main(["--quick", "--out", str(out), "--workers", "0"])
     payload = json.loads((out / "pruning_accuracy.json").read_text())
     assert payload["command"].endswith("--quick") and payload["seeds"] == [0]
     assert sorted(set(table["target_sparsity"])) == sorted(mod.SPARSITIES)
@@ -50,13 +50,13 @@ def test_pruning_accuracy_quick(out):
     assert (out / "pruning_accuracy.png").stat().st_size > 10_000
     # a rerun trains nothing: every job is in the results file
     lines = (out / "jobs.jsonl").read_text().splitlines()
-    mod.main(["--quick", "--out", str(out)])
+    mod.main(["--quick", "--out", str(out), "--workers", "0"])
     assert (out / "jobs.jsonl").read_text().splitlines() == lines
 
 
 def test_lowprec_accuracy_quick(out):
     mod = _load("lowprec_accuracy")
-    table = mod.main(["--quick", "--out", str(out)]).set_index("label")
+    table = mod.main(["--quick", "--out", str(out), "--workers", "0"]).set_index("label")
     for name, _ in mod.FORMATS:
         from gradstats import FPFormat
 
@@ -82,7 +82,7 @@ def test_lowprec_accuracy_quick(out):
 
 def test_push_quick(out):
     mod = _load("push")
-    table = mod.main(["--quick", "--out", str(out)])
+    table = mod.main(["--quick", "--out", str(out), "--workers", "0"])
     assert len(table) == 4 + len(mod.CONFIGS) + len(mod.ALLOCATED)   # baseline, 3 pruning-only, the rest
     combo = table[(table["sparsity"] == 0.9) & (table["bits"] == 5)].iloc[0]
     assert combo["rounding"] == "stochastic" and combo["sparsity"] == 0.9
@@ -119,7 +119,7 @@ def test_recommend_accuracy_and_criteria_quick(out):
     """The paired comparison (every configuration against the baseline of its seed), then the
     criteria measured for each configuration and ranked against its accuracy loss."""
     mod = _load("recommend_accuracy")
-    table = mod.main(["--quick", "--out", str(out), "--workers", "1"]).set_index("label")
+    table = mod.main(["--quick", "--out", str(out), "--workers", "0"]).set_index("label")
     labels = ["baseline", "recommend(bits=6)", "recommend(bits=6, sparsity=0.85)", "Plan.uniform(sparsity=0.85)"]
     assert set(labels) <= set(table.index) and len(table) == 4 + 2 * len(mod.HAND) + 2
     assert table.loc["baseline", "diff_mean"] == 0 and (table["seeds"] == 1).all()
@@ -161,7 +161,7 @@ def test_threshold_training_quick(out):
     """Per layer, element-weighted over the run under apply; the histogram rule (the default) is
     the closer of the two on every layer type even in so short a run."""
     mod = _load("threshold_training")
-    table = mod.main(["--quick", "--out", str(out), "--workers", "1"]).set_index(["rule", "type"])
+    table = mod.main(["--quick", "--out", str(out), "--workers", "0"]).set_index(["rule", "type"])
     payload = json.loads((out / "threshold_training.json").read_text())
     layers = payload["layers"]
     assert {r["type"] for r in layers} == {"conv", "linear", "attention"}
@@ -246,7 +246,7 @@ def test_scale_study_paired_interval_and_margin():
 
 def _scale_study_quick(out, models):
     mod = _load("scale_study")
-    argv = ["--quick", "--out", str(out), "--tiers", "A", "--models", *models]
+    argv = ["--quick", "--out", str(out), "--tiers", "A", "--workers", "0", "--models", *models]
     table = mod.main(argv)
     assert set(table["model"]) == set(models)
     cnn = table[table["model"] == "cnn"].set_index("label")
