@@ -10,6 +10,9 @@ language model, and two that no test uses (a ConvNeXt-style CNN and a Qwen-style
     python experiments/noise_fidelity.py            # about 10 minutes on 2 cores
     python experiments/noise_fidelity.py --plans "recommend(sparsity=0.85)" --batches 32 \
         --out experiments/results/noise_fidelity_b32.json      # the default plan, a 4x longer probe
+    python experiments/noise_fidelity.py --models convnext decoder transformer --plans "allocate(0.5)" \
+        "allocate(0.5, weights=None)" "allocate(0.85)" "allocate(0.85, weights=None)" \
+        --out experiments/results/noise_allocate.json          # allocate's two weightings
 
 Writes ``experiments/results/noise_fidelity.{json,txt}``; resumable per model and plan.
 """
@@ -40,6 +43,21 @@ MODELS = ("cnn", "resnet20", "transformer", "lstm", "convnext", "decoder")
 PLANS = {"Plan.uniform(sparsity=0.85)": lambda path: gradstats.Plan.uniform(sparsity=0.85),
          "recommend(sparsity=0.85)": lambda path: gradstats.recommend(path, sparsity=0.85),
          "recommend(sparsity='auto')": lambda path: gradstats.recommend(path, sparsity="auto")}
+
+
+def _allocated(path: str, budget: float, weights: object = "auto") -> "gradstats.Plan":
+    """A pruning-only plan with ``allocate``'s per-layer targets for ``budget`` (every layer but the
+    output layer; by default weighted by the noise model, ``weights=None``: by element count)."""
+    from gradstats.pruning import allocate
+
+    a = allocate(gradstats.open_run(path), budget, weights=weights)
+    return gradstats.Plan.uniform(prune_at=False).with_allocation(a)
+
+
+#: allocate's two weightings, compared by the noise they add (selected by --plans; not in the
+#: default run): at a budget where the first-order model holds and at the study's 85%
+ALLOCATIONS = {f"allocate({b}{w_label})": (lambda path, b=b, w=w: _allocated(path, b, w))
+               for b in (0.5, 0.85) for w, w_label in (("auto", ""), (None, ", weights=None"))}
 
 
 def workload(name: str):
@@ -124,14 +142,15 @@ def _median_log2(rows: list[dict], key: str) -> float:
 def report(results: dict, batches: int = 8, draws: int = 2) -> str:
     lines = [f"# Predicted noise ratio R against the measured one (noise_probe, {batches} batches x {draws} draws)", ""]
     lines.append(f"{'model':12s} {'plan':55s} {'layers':>6s} {'med|log2|':>9s} {'gain=1':>6s} "
-                 f"{'within 2x':>9s} {'max R meas':>10s}")
+                 f"{'within 2x':>9s} {'max R meas':>10s} {'sum R pred':>10s} {'sum R meas':>10s}")
     for model, plans in results.items():
         for label, rows in plans.items():
             ok = [r for r in rows if math.isfinite(r["predicted"]) and r["measured"] > 0]
             within = sum(0.5 <= r["predicted"] / r["measured"] <= 2.0 for r in ok)
             lines.append(f"{model:12s} {label:55s} {len(rows):6d} {_median_log2(rows, 'predicted'):9.2f} "
                          f"{_median_log2(rows, 'additive'):6.2f} {within:4d}/{len(ok):<4d} "
-                         f"{max((r['measured'] for r in ok), default=math.nan):10.4g}")
+                         f"{max((r['measured'] for r in ok), default=math.nan):10.4g} "
+                         f"{sum(r['predicted'] for r in ok):10.4g} {sum(r['measured'] for r in ok):10.4g}")
     lines += ["", "Per layer (predicted / measured R; sparsity granted):"]
     for model, plans in results.items():
         for label, rows in plans.items():
@@ -149,7 +168,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=38)
     ap.add_argument("--batches", type=int, default=8)
     ap.add_argument("--draws", type=int, default=2)
-    ap.add_argument("--plans", nargs="*", default=list(PLANS), choices=list(PLANS))
+    ap.add_argument("--plans", nargs="*", default=list(PLANS), choices=[*PLANS, *ALLOCATIONS])
     ap.add_argument("--out", default=str(RESULTS), help="results file (JSON; the table beside it as .txt)")
     ap.add_argument("--fresh", action="store_true", help="recompute every model")
     args = ap.parse_args()
@@ -159,7 +178,7 @@ def main() -> int:
     results = {} if args.fresh or not out.exists() else json.loads(out.read_text())
     for name in args.models:
         done = results.get(name, {})
-        todo = {k: PLANS[k] for k in args.plans if k not in done}
+        todo = {k: {**PLANS, **ALLOCATIONS}[k] for k in args.plans if k not in done}
         if todo:
             done.update(measure(name, todo, args.steps, args.batches, args.draws))
             results[name] = done

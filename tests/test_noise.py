@@ -1,6 +1,7 @@
 """The noise a plan adds against SGD's own: what the trace records, the prediction, the probe, the bound."""
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -341,3 +342,27 @@ def test_allocate_weighted_by_the_noise_model_spends_the_budget_where_noise_is_c
         path, gradstats.Plan.uniform(layers=["0", "2", "4"]).with_allocation(a)).records)
         for k, a in (("size", by_size), ("noise", by_noise))}
     assert total["noise"] < total["size"]
+
+
+def test_allocate_warns_where_its_noise_exceeds_the_bound(tmp_path, caplog):
+    """The first-order noise an allocation adds, summed over its layers, is its objective under the
+    noise weights; above the bound times the layer count it warns (some layer is over the bound),
+    and a budget within it stays quiet."""
+    from gradstats.noise.terms import NOISE_BOUND
+    from gradstats.pruning import allocate
+
+    _, path, _, _, _ = _mlp_run(tmp_path, steps=6)
+    run = gradstats.open_run(path)
+    results = {}
+    for budget in (0.3, 0.95):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gradstats.pruning.allocation"):
+            a = allocate(run, budget, output_layer=None)
+        results[budget] = (a.objective, [r.getMessage() for r in caplog.records])
+    low, high = results[0.3], results[0.95]
+    assert low[0] <= NOISE_BOUND * 3 and low[1] == []
+    assert high[0] > NOISE_BOUND * 3
+    assert len(high[1]) == 1 and "summed over its 3 layers" in high[1][0] and "recommend(run, sparsity=0.95)" in high[1][0]
+    # the objective is the first-order noise: the weights times each layer's relative added variance
+    a = allocate(run, 0.95, output_layer=None)
+    assert a.objective == pytest.approx(float((a.weights * a.added_variance).sum()))

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from gradstats.noise.terms import downstream, gain_of, gains, noise_terms, noise_weights  # noqa: F401 - re-exported
+from gradstats.noise.terms import NOISE_BOUND, downstream, gain_of, gains, noise_terms, noise_weights  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -51,10 +51,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["predicted_noise", "NoisePrediction", "noise_terms", "downstream", "gains", "incoming_noise",
            "operator_error", "noise_weights", "NOISE_BOUND"]
-
-#: the default largest predicted noise ratio per layer (docs/noise.md: every configuration of the
-#: study with a measured ratio up to 0.015 kept its accuracy; every one that lost had 0.32 or more)
-NOISE_BOUND = 0.02
 
 
 def operator_error(rule: Any, rows: Sequence[Any], weights: Optional[Sequence[float]] = None) -> float:

@@ -73,7 +73,8 @@ class Allocation:
     (relative, ``1/cos^2 - 1``), ``floors`` (NaN where none), ``caps`` (largest target allowed
     per layer), ``excluded`` (layers left unpruned: the output layer and ``exclude``),
     ``output_layer`` (its name, or None), ``budget``, ``achieved`` (element-weighted mean of the
-    allocated layers' targets), ``objective`` (``sum w_i D_i``), ``uniform_objective`` (the same
+    allocated layers' targets), ``objective`` (``sum w_i D_i``; weighted by the noise model, the
+    noise ratio the pruning adds summed over the layers, to first order), ``uniform_objective`` (the same
     with every allocated layer at the budget, ignoring floors and caps), ``model`` (the
     magnitude model: ``"histogram"`` for the data-conditioned model, a family name, or
     ``"mixed"``), ``weights``, ``weighting`` (``"noise"``: the noise model's weights,
@@ -502,12 +503,27 @@ def allocate(layers: Any, budget: float, *, cosine_floor: Any = None, weights: A
     cos = 1.0 / np.sqrt(1.0 + dvar)
     ua = np.where(alloc, costs.threshold(np.where(alloc, np.maximum(B, p0), 0.0)), 0.0)
     udvar = costs.relative_variance(ua)
+    objective = float((w * dvar)[alloc].sum())
+    if weighting == "noise":
+        _warn_noise(objective, int(alloc.sum()), B)
     return Allocation(layers=names, n=n, targets=targets, thresholds=a, cosine=cos,
                       added_variance=dvar, floors=floors, budget=B,
-                      achieved=float((n * targets)[alloc].sum() / Na),
-                      objective=float((w * dvar)[alloc].sum()),
+                      achieved=float((n * targets)[alloc].sum() / Na), objective=objective,
                       uniform_objective=float((w * udvar)[alloc].sum()), model=costs.name,
                       weights=w, caps=caps, excluded=excluded, output_layer=out_name, weighting=weighting)
+
+
+def _warn_noise(total: float, layers: int, budget: float) -> None:
+    """A warning where the noise ratio an allocation adds, summed over its layers (first order),
+    exceeds the default per-layer bound times their number: then at least one layer's is over it."""
+    from gradstats.noise.terms import NOISE_BOUND
+
+    if layers and total > NOISE_BOUND * layers:
+        log.warning("allocate(budget=%g) adds a noise ratio of %.3g summed over its %d layers (first order; R = 1 "
+                    "doubles SGD's own minibatch noise), more than %d x the bound of %g that recommend keeps per layer: "
+                    "at least one layer is over it. The study lost accuracy wherever a layer's measured ratio reached "
+                    "0.32 and kept it up to 0.015 (docs/noise.md); recommend(run, sparsity=%g) grants what the bound "
+                    "allows", budget, total, layers, layers, NOISE_BOUND, budget)
 
 
 def _per_layer(v: Any, names: list[str], what: str) -> np.ndarray:
