@@ -49,12 +49,15 @@ def noise_terms(run: Any, layers: Sequence[str], steps: Optional[Sequence[int]] 
         >>> list(noise_terms(t.path, [""]).columns)
         ['q2', 'minibatch', 'pair', 'signs', 'batch', 'steps']
     """
-    import pandas as pd
-
     from gradstats.run import as_run
 
-    r = as_run(run)
-    df = r.table("noise")
+    return _terms(as_run(run).table("noise"), layers, steps)
+
+
+def _terms(df: "pd.DataFrame", layers: Sequence[str], steps: Optional[Sequence[int]]) -> "pd.DataFrame":
+    """:func:`noise_terms` on a run's ``"noise"`` table already read."""
+    import pandas as pd
+
     cols = ["q2", "minibatch", "pair", "signs", "batch", "steps"]
     if df.empty:
         return pd.DataFrame(columns=cols, dtype=float)
@@ -164,7 +167,7 @@ def noise_weights(run: Any, layers: Optional[Sequence[str]] = None, *, steps: An
         raise ValueError(f"the run at {r.path} holds no noise records (traced with noise=False, or before gradstats "
                          "recorded them): trace with sample_every= steps to weight an allocation by noise")
     chosen = calibration_steps(r, [n for n in names if n in known], steps=steps)
-    terms = noise_terms(r, names, chosen)
+    terms = _terms(table, names, chosen)      # the table read once
     c = {n: float(terms.loc[n, "q2"] / terms.loc[n, "minibatch"]) for n in names
          if n in terms.index and terms.loc[n, "minibatch"] > 0}
     gain = gains(r)
