@@ -58,6 +58,8 @@ def _allocated(path: str, budget: float, weights: object = "auto") -> "gradstats
 #: default run): at a budget where the first-order model holds and at the study's 85%
 ALLOCATIONS = {f"allocate({b}{w_label})": (lambda path, b=b, w=w: _allocated(path, b, w))
                for b in (0.5, 0.85) for w, w_label in (("auto", ""), (None, ", weights=None"))}
+#: every plan --plans can name
+ALL_PLANS = {**PLANS, **ALLOCATIONS}
 
 
 def workload(name: str):
@@ -168,7 +170,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=38)
     ap.add_argument("--batches", type=int, default=8)
     ap.add_argument("--draws", type=int, default=2)
-    ap.add_argument("--plans", nargs="*", default=list(PLANS), choices=[*PLANS, *ALLOCATIONS])
+    ap.add_argument("--plans", nargs="*", default=list(PLANS), choices=list(ALL_PLANS))
     ap.add_argument("--out", default=str(RESULTS), help="results file (JSON; the table beside it as .txt)")
     ap.add_argument("--fresh", action="store_true", help="recompute every model")
     args = ap.parse_args()
@@ -178,7 +180,7 @@ def main() -> int:
     results = {} if args.fresh or not out.exists() else json.loads(out.read_text())
     for name in args.models:
         done = results.get(name, {})
-        todo = {k: {**PLANS, **ALLOCATIONS}[k] for k in args.plans if k not in done}
+        todo = {k: ALL_PLANS[k] for k in args.plans if k not in done}
         if todo:
             done.update(measure(name, todo, args.steps, args.batches, args.draws))
             results[name] = done
