@@ -2,8 +2,10 @@
 
 CPU table: torch's native float8_e5m2 round-trip cast (the reference speed), our nearest-even for
 e5m2 and for arbitrary formats (e3m3, e6m1), our stochastic rounding, ml_dtypes ``astype`` round
-trips, and qtorch 0.3 ``float_quantize`` when it imports (its C++ extension is built on first use;
-if that fails the table says so). Each row is timed with torch's default intra-op threads and with
+trips, qtorch 0.3 ``float_quantize`` when it imports (its C++ extension is built on first use;
+if that fails the table says so), and the operator :func:`gradstats.apply` runs per gradient,
+``prune_quantize`` (pruning, rounding, counts and float64 sums in one pass of the C kernel), beside
+the same computed with torch ops (the path without a C compiler). Each row is timed with torch's default intra-op threads and with
 one thread; ratios are against the native cast measured in the same run and setting.
 
 GPU (only when ``torch.cuda.is_available()``): the Triton kernel on a 256M-element float32 tensor,
@@ -26,6 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import describe, interleaved  # noqa: E402
+from gradstats.formats import FPFormat  # noqa: E402
+from gradstats.ops.fused import _composed, prune_quantize  # noqa: E402
 from gradstats.ops.quantization import quantize  # noqa: E402
 
 
@@ -51,6 +55,11 @@ def peers(x: torch.Tensor):
         "gradstats stochastic e5m2": (lambda: quantize(x, "e5m2", rounding="stochastic", generator=g), ""),
         "gradstats stochastic e3m3": (lambda: quantize(x, "e3m3", rounding="stochastic", generator=g), ""),
         "ml_dtypes astype e5m2 round trip": (lambda: xn.astype(ml_dtypes.float8_e5m2).astype(np.float32), ""),
+        # what apply runs per gradient: pruning (half the entries of randn below 0.67) and rounding
+        # in one pass, with the counts and float64 sums of the training log
+        "gradstats prune_quantize e5m2, fused": (lambda: prune_quantize(x, 0.67, "e5m2", seed=1), ""),
+        "the same, torch ops (no-compiler path)": (
+            lambda: _composed(x, 0.67, FPFormat.parse("e5m2"), 1.0, "nearest", 1, None, None), ""),
     }
     try:
         from qtorch.quant import float_quantize
@@ -94,10 +103,13 @@ def cpu_table(n: int, rounds: int) -> None:
         for t in cols:
             r = results[t]
             nat = r["torch native float8_e5m2 round trip"]
-            ours = r["gradstats nearest e5m2"] if "stochastic" not in name else r["gradstats stochastic e5m2"]
+            ours = r["gradstats stochastic e5m2"] if "stochastic" in name else r[
+                "gradstats prune_quantize e5m2, fused"] if "prune" in name or "torch ops" in name else r[
+                "gradstats nearest e5m2"]
             line += f"{r[name] * 1e3:10.1f}{r[name] / nat:9.2f}x{r[name] / ours:7.1f}x"
         print(line)
-    print("('vs ours': time relative to our nearest e5m2, or to our stochastic e5m2 for stochastic rows)")
+    print("('vs ours': time relative to our nearest e5m2, to our stochastic e5m2 for stochastic rows, and to "
+          "the fused prune_quantize for its two rows)")
 
 
 def gpu_table(n: int = 256 * 2 ** 20, reps: int = 20) -> None:
