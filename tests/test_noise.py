@@ -243,6 +243,23 @@ def test_recommend_bounds_the_noise_by_default(tmp_path):
     assert {n: r.sparsity for n, r in rules.items()} == pytest.approx(df["sparsity"].to_dict())
 
 
+
+def test_a_bounded_plan_predicts_and_exports_the_threshold_of_the_sparsity_it_grants(tmp_path):
+    # the bound lowers the sparsity after the thresholds were first set at the request (0.99 for
+    # "auto", above every tensor's maximum here): the plan must show and export the granted rule's
+    _, path, _, _, _ = _mlp_run(tmp_path, steps=6)
+    for asked in (0.95, "auto"):
+        plan = gradstats.recommend(path, sparsity=asked, output_layer=False)
+        exported = {n: row["threshold"] for n, row in plan.export("json")["layers"].items()}
+        rules = plan.resolve(["0", "2", "4"])
+        for e in plan.entries:
+            granted = rules[e.layer].sparsity
+            direct = gradstats.recommend(path, sparsity=granted, output_layer=False, noise_bound=None)
+            want = next(d for d in direct.entries if d.layer == e.layer).predicted.threshold
+            assert e.predicted.threshold == pytest.approx(want, rel=1e-9)
+            assert e.predicted.threshold < e.predicted.amax
+            assert exported[e.layer] == pytest.approx(want, rel=1e-9)
+
 def test_recommend_noise_arguments_are_checked(tmp_path):
     _, path, _, _, _ = _mlp_run(tmp_path)
     with pytest.raises(ValueError, match="noise_bound"):

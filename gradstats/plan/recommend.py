@@ -367,6 +367,7 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
         plans[b] = _bound_and_repair(plans[b], r, chk, noise_bound if sparsity is not None else None,
                                      bounded=sparsity is not None or noise_bound is not None, pool=pool,
                                      bias_bound=bias_bound, flush_bound=flush_bound)
+        plans[b] = _granted_thresholds(plans[b], r, mom, threshold_rule)
         if plans[b].noise_bound is not None:
             cut = [c for c in plans[b].noise if c["sparsity_reason"] == "noise bound"]
             if cut:
@@ -415,6 +416,31 @@ def _bound_and_repair(plan: Plan, r: Any, chk: Sequence[int], noise_bound: float
             break
         solve_for *= noise_bound / worst * 0.99     # (a margin for the bisection's resolution)
     return out
+
+
+def _granted_thresholds(plan: Plan, r: Any, mom: _Moments, threshold_rule: str) -> Plan:
+    """``plan`` with each pruned entry's predicted threshold at the sparsity the plan grants it. The
+    thresholds were first computed at the requested sparsity (0.99 for ``"auto"``), which the noise
+    bound may lower: what ``explain`` shows and what the exports hand to training code must be the
+    threshold of the rule that is enforced."""
+    if threshold_rule == "exact":
+        return plan
+    from gradstats import pruning
+
+    rules = plan.resolve(r, strict=False)
+    at = {n: i for i, n in enumerate(mom.layers)}
+    todo = [(k, e) for k, e in enumerate(plan.entries)
+            if not e.is_pattern and e.layer in at and isinstance(e.predicted, Prediction)
+            and e.layer in rules and rules[e.layer].sparsity is not None]
+    if not todo:
+        return plan
+    sp = np.array([rules[e.layer].sparsity for _, e in todo], dtype=np.float64)
+    thr = np.asarray(pruning.threshold(sp, [mom.rows[at[e.layer]] for _, e in todo], threshold_rule=threshold_rule),
+                     dtype=np.float64)
+    entries = list(plan.entries)
+    for (k, e), a in zip(todo, thr):
+        entries[k] = dataclasses.replace(e, predicted=dataclasses.replace(e.predicted, threshold=_fmt(a)))
+    return dataclasses.replace(plan, entries=tuple(entries))
 
 
 @contextlib.contextmanager
