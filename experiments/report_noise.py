@@ -48,6 +48,24 @@ def section_noise_ranking(results: dict) -> str:
               "(`docs/noise.md` says why).\n")
 
 
+def _length_reading(lt: pd.DataFrame) -> str:
+    """Question 4 in words, once both lengths of the pruned row have their verdict: the loss at 2
+    and at 8 epochs, and whether the longer training removed it."""
+    pruned = lt[lt["label"].str.startswith(_module("noise_study").UNIFORM) & (lt["seeds_finished"] >= lt["seeds_planned"])]
+    short = pruned[~pruned["label"].str.contains("epochs")]
+    long_ = pruned[pruned["label"].str.contains("8 epochs")]
+    if len(short) != 1 or len(long_) != 1:
+        return ""
+    a, b = short.iloc[0], long_.iloc[0]
+    if b["ci_high"] < 0:
+        outcome = "it narrows the loss but does not remove it" if b["diff_mean"] > a["diff_mean"] else \
+            "the loss does not narrow"
+    else:
+        outcome = "its interval reaches zero: the longer training removes the loss it can see"
+    return (f"\nAt 8 epochs the pruned training's paired difference is {b['delta']} points {b['ci']}, against "
+            f"{a['delta']} {a['ci']} at 2 epochs: {outcome}.\n")
+
+
 def noise_study_rows(res: Path, *, quick: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """The finished jobs of the noise study and its two tables (claims, training length), each row
     of the claims with what its plan grants (``noise_study.plan_summary``)."""
@@ -165,13 +183,15 @@ def section_noise_study(res: Path, *, quick: bool = False, figures: Path | None 
                  "the same length, seeds 0-2. The 2-epoch rows are section 1's.\n\n"
                  + R.md_table(lt, {"label": "configuration", "seeds_of": "seeds", "value": "accuracy % (mean ± sd)",
                                    "delta": "paired diff", "ci": "95% CI", "verdict": "verdict"}))
+        text += _length_reading(lt)
     ranking_path = res / "noise_ranking.json"
     if ranking_path.exists() and not quick:
         rows = ranking_rows(json.loads(ranking_path.read_text()), t)
         rho, lo, hi = _module("noise_ranking").spearman([r["R"] for r in rows], [r["loss_margins"] for r in rows])
         new = sum(r["source"] == "1.8" for r in rows)
         text += (f"\nSpearman's rho of the predicted R against the loss in margins, over the {len(rows)} pruning rows "
-                 f"of 1.2 and this section ({new} of them new, each on the seeds finished so far): **{rho:.2f}** "
+                 f"of 1.2 and this section ({new} of them new, each on "
+                 f"{'the seeds finished so far' if ns.left(res, quick=quick) else 'all its seeds'}): **{rho:.2f}** "
                  f"[{lo:.2f}, {hi:.2f}] (bootstrap 95%).\n\n"
                  "![predicted R against loss](../experiments/results/noise_ranking.png)\n")
         plot_ranking(rows, (figures or res) / "noise_ranking.png")
