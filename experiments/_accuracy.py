@@ -199,20 +199,21 @@ def run_jobs(jobs: Iterable[Job], path: Path, *, workers: int = 2, desc: str = "
     """Run every job whose key is not yet in ``path`` (JSON lines), appending each result as it
     finishes; return the rows of all ``jobs``, in their order. ``workers``: processes, one torch
     thread each; 0 runs the jobs one after another in this process (the quick runs of the tests:
-    no interpreter to start per worker; the thread count is restored afterwards)."""
+    no interpreter to start per worker; the thread count is restored afterwards). Each row is
+    appended to the file at ``path`` when its job ends (opened anew, synced): a file replaced while
+    the jobs run (a checkout of the results) receives the rows, not an unlinked copy of the old one."""
     from tqdm.auto import tqdm
 
     jobs = list(jobs)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = load_rows(path)
     todo = list({j.key: j for j in jobs if j.key not in done}.values())
-    if todo:
+    for row in tqdm(_results(todo, workers), total=len(todo), desc=desc) if todo else ():
         with open(path, "a") as fh:
-            for row in tqdm(_results(todo, workers), total=len(todo), desc=desc):
-                fh.write(json.dumps(row) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-                done[row["key"]] = row
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        done[row["key"]] = row
     out = []
     for j in jobs:
         r = dict(done[j.key])

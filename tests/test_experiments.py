@@ -496,3 +496,25 @@ def test_noise_study_tables_pair_each_length_with_its_own_baseline():
     assert rec["seeds"] == 3 and rec["seeds_planned"] == 6 and "Plan.uniform(sparsity=0.85)" not in set(claims["label"])
     report = _load("report")
     assert report._verdict(rec).startswith("pending (3/6")
+
+
+def test_run_jobs_appends_each_row_to_the_file_at_its_path_when_the_job_ends(tmp_path, monkeypatch):
+    # a results file replaced while the jobs run (a checkout of it) must receive the later rows,
+    # not an unlinked copy of the file that was there when the jobs started
+    acc = _load("_accuracy")
+    path = tmp_path / "jobs.jsonl"
+    path.write_text(json.dumps({"key": "old"}) + "\n")
+    jobs = [acc.Job("t", f"label{i}", "cnn", i, 1) for i in range(3)]
+
+    def fake(job):
+        if job.seed == 1:                          # the file is replaced between two jobs
+            path.unlink()
+            path.write_text(json.dumps({"key": "old"}) + "\n" + json.dumps({"key": "checked out"}) + "\n")
+        return {"key": job.key, "seed": job.seed}
+
+    monkeypatch.setattr(acc, "run_job", fake)
+    df = acc.run_jobs(jobs, path, workers=0)
+    keys = [json.loads(line)["key"] for line in path.read_text().splitlines()]
+    assert keys == ["old", "checked out", jobs[1].key, jobs[2].key]
+    assert list(df["seed"]) == [0, 1, 2]
+    assert acc.run_jobs(jobs[1:], path, workers=2)["seed"].tolist() == [1, 2]     # all done: no pool started
