@@ -48,10 +48,10 @@ def section_noise_ranking(results: dict) -> str:
               "(`docs/noise.md` says why).\n")
 
 
-def _length_reading(lt: pd.DataFrame) -> str:
-    """Question 4 in words, once both lengths of the pruned row have their verdict: the loss at 2
-    and at 8 epochs, and whether the longer training removed it."""
-    pruned = lt[lt["label"].str.startswith(_module("noise_study").UNIFORM) & (lt["seeds_finished"] >= lt["seeds_planned"])]
+def _length_reading(lt: pd.DataFrame, uniform: str) -> str:
+    """Question 4 in words, once both lengths of the pruned row (label ``uniform``) have their
+    verdict: the loss at 2 and at 8 epochs, and whether the longer training removed it."""
+    pruned = lt[lt["label"].str.startswith(uniform) & (lt["seeds_finished"] >= lt["seeds_planned"])]
     short = pruned[~pruned["label"].str.contains("epochs")]
     long_ = pruned[pruned["label"].str.contains("8 epochs")]
     if len(short) != 1 or len(long_) != 1:
@@ -176,6 +176,7 @@ def section_noise_study(res: Path, *, quick: bool = False, figures: Path | None 
             "delta": "paired diff", "ci": "95% CI", "verdict": "verdict", "granted": "granted", "achieved": "achieved",
             "R": "R"}
     text = head + R.md_table(t, cols)
+    left = ns.left(res, quick=quick)
     if len(length):
         lt = R._scale_rows(length)
         lt["seeds_of"] = [f"{int(a)}/{int(b)}" for a, b in zip(lt["seeds"], lt["seeds_planned"])]
@@ -183,7 +184,7 @@ def section_noise_study(res: Path, *, quick: bool = False, figures: Path | None 
                  "the same length, seeds 0-2. The 2-epoch rows are section 1's.\n\n"
                  + R.md_table(lt, {"label": "configuration", "seeds_of": "seeds", "value": "accuracy % (mean ± sd)",
                                    "delta": "paired diff", "ci": "95% CI", "verdict": "verdict"}))
-        text += _length_reading(lt)
+        text += _length_reading(lt, ns.UNIFORM)
     ranking_path = res / "noise_ranking.json"
     if ranking_path.exists() and not quick:
         rows = ranking_rows(json.loads(ranking_path.read_text()), t)
@@ -191,14 +192,13 @@ def section_noise_study(res: Path, *, quick: bool = False, figures: Path | None 
         new = sum(r["source"] == "1.8" for r in rows)
         text += (f"\nSpearman's rho of the predicted R against the loss in margins, over the {len(rows)} pruning rows "
                  f"of 1.2 and this section ({new} of them new, each on "
-                 f"{'the seeds finished so far' if ns.left(res, quick=quick) else 'all its seeds'}): **{rho:.2f}** "
+                 f"{'the seeds finished so far' if left else 'all its seeds'}): **{rho:.2f}** "
                  f"[{lo:.2f}, {hi:.2f}] (bootstrap 95%).\n\n"
                  "![predicted R against loss](../experiments/results/noise_ranking.png)\n")
         plot_ranking(rows, (figures or res) / "noise_ranking.png")
     findings = _findings(t)
     if findings:
         text += "\nWhat the bounded plans reached:\n\n" + findings + "\n"
-    left = ns.left(res, quick=quick)
     core = float(own["wall_s"].sum()) if len(own) else 0.0
     text += (f"\n*Cost so far*: {len(own)} jobs of this protocol, {core / 3600:.2f} core hours (the wall time of each job, "
              "one torch thread each; it grows when other work shares the machine's 2 cores; the jobs adopted from "
