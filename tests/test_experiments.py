@@ -518,3 +518,13 @@ def test_run_jobs_appends_each_row_to_the_file_at_its_path_when_the_job_ends(tmp
     assert keys == ["old", "checked out", jobs[1].key, jobs[2].key]
     assert list(df["seed"]) == [0, 1, 2]
     assert acc.run_jobs(jobs[1:], path, workers=2)["seed"].tolist() == [1, 2]     # all done: no pool started
+
+
+def test_granted_thresholds_quick():
+    """The default bounded plans export the threshold apply enforces (within the drift of a few
+    steps), not the requested sparsity's, and reach the sparsity they predict."""
+    table = _load("granted_thresholds").main(["--quick", "--models", "lstm", "--steps", "4"])
+    assert list(table["sparsity"]) == ["0.85", "'auto'"] and (table["layers"] == 3).all()
+    assert table["exported / applied, min"].between(0.5, 2).all() and table["exported / applied, max"].between(0.5, 2).all()
+    assert (table["requested's / applied, min"] > 2).all()
+    assert ((table["predicted sparsity"] - table["achieved sparsity"]).abs() < 0.02).all()
