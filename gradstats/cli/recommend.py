@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from gradstats.formats import PREDICTED_ROUNDINGS
 from gradstats.noise.predict import NOISE_BOUND
@@ -149,9 +149,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prune-everywhere", action="store_true",
                    help="with --sparsity, prune every planned layer; by default only the layers whose "
                         "output feeds a BatchNorm (the study's placement) when the model has any")
-    p.add_argument("--steps", "--step", dest="steps", type=_step, default="latest",
-                   help="statistics of step N, of steps FIRST:LAST merged, or 'last' (default: each "
-                        "layer's latest step)")
+    p.add_argument("--steps", "--step", dest="steps", type=_step, default=None,
+                   help="statistics of step N, of steps FIRST:LAST merged, or 'last' (each layer's latest "
+                        "step); default: gradstats.recommend's, up to four steps spread over the run (1/4, "
+                        "1/2, 3/4 and the end of the steps holding samples), which the plan is also "
+                        "checked on")
     p.add_argument("--layers", default=None,
                    help="comma list of layer names/globs (default: every traced matmul layer: convolutions, "
                         "linear layers, attention, LSTM/GRU/RNN and registered types; --all-layers for the "
@@ -204,8 +206,9 @@ def format_table(plan) -> str:
         out["threshold"] = df["predicted_threshold"]
         out["pred_sparsity"] = df["predicted_sparsity"]
     if plan.noise:
-        out["sparsity"] = df["sparsity"]
-        out["why"] = df["sparsity_reason"]
+        if plan.defaults.sparsity is not None:
+            out["sparsity"] = df["sparsity"]
+            out["why"] = df["sparsity_reason"]
         out["noise_R"] = df["predicted_noise"]
     with pd.option_context("display.width", 200, "display.max_rows", 1000):
         text = out.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-")
@@ -219,10 +222,11 @@ def format_table(plan) -> str:
             "E[|Q(g)|-|g|]/E|g| are predicted, pruning and rounding together; log2_floor: the amax scale "
             "(scale rule amax: the plan's scale is log2_scale - log2_floor binades from it at every step)")
     if plan.noise:
-        foot += ("; sparsity: granted (requested " + f"{d.sparsity}" + ")"
-                 + (f", within the noise bound {plan.noise_bound}" if plan.noise_bound is not None else "")
-                 + "; noise_R: the noise the whole plan is predicted to add to the layer's weight gradient, "
-                   "relative to SGD's own minibatch noise (docs/noise.md)")
+        if d.sparsity is not None:
+            foot += ("; sparsity: granted (requested " + f"{d.sparsity}" + ")"
+                     + (f", within the noise bound {plan.noise_bound}" if plan.noise_bound is not None else ""))
+        foot += ("; noise_R: the noise the whole plan is predicted to add to the layer's weight gradient, "
+                 "relative to SGD's own minibatch noise (docs/noise.md)")
     out_text = f"{head}\n{text}\n{foot}"
     if plan.checks:
         from gradstats.plan.checks import format_checks
@@ -230,9 +234,29 @@ def format_table(plan) -> str:
         steps = plan.checks[0].get("calibration_steps", [])
         out_text += (f"\n\nchecked on calibration steps {steps}: predicted from each step's statistics / replayed "
                      "on its stored samples (the exact operator, the plan's seed); means over the steps, the later "
-                     "ones weighted more; flushed: share of the non-zero values; gain: <out, g>/<g, g>\n"
+                     "ones weighted more; flushed: share of the non-zero values; gain: <out, g>/<g, g>; bias: "
+                     "E[|out|-|g|]/E|g|; below a row, what failed at the step named, or why the layer's first choice "
+                     "was replaced (that rule's numbers at that step)\n"
                      + format_checks(plan.checks))
     return out_text
+
+
+def recommend_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`gradstats.recommend` (other than ``bits``) that the options ask for.
+    An option left out is not passed, so the library's own default applies: the command makes the
+    plan ``gradstats.recommend(run, **recommend_kwargs(args))`` makes."""
+    kw: dict[str, Any] = {
+        "sparsity": args.sparsity, "granularity": args.granularity, "rounding": args.rounding,
+        "threshold_rule": args.threshold_rule, "format_rule": args.format_rule, "candidates": args.candidates,
+        "objective": args.objective, "noise_bound": args.noise_bound,
+        "layers": [s for s in args.layers.split(",") if s] if args.layers else None}
+    if args.steps is not None:
+        kw["steps"] = args.steps
+    if args.all_layers:
+        kw["output_layer"] = False
+    if args.prune_everywhere:
+        kw["prune_at"] = False
+    return kw
 
 
 def run(args: argparse.Namespace) -> int:
@@ -240,12 +264,7 @@ def run(args: argparse.Namespace) -> int:
 
     if len(args.bits) > 1 and args.out and "{bits}" not in args.out:
         raise ValueError("with several --bits, -o needs '{bits}' in the file name (e.g. plan-{bits}.json)")
-    layers = [s for s in args.layers.split(",") if s] if args.layers else None
-    plans = recommend_each(args.run, bits=args.bits, sparsity=args.sparsity, granularity=args.granularity,
-                           rounding=args.rounding, steps=args.steps, threshold_rule=args.threshold_rule,
-                           layers=layers, format_rule=args.format_rule, candidates=args.candidates,
-                           objective=args.objective, output_layer=False if args.all_layers else None,
-                           prune_at=False if args.prune_everywhere else None, noise_bound=args.noise_bound)
+    plans = recommend_each(args.run, bits=args.bits, **recommend_kwargs(args))
     for b, plan in plans.items():
         print(f"== {b}-bit plan for {args.run}")
         print(format_table(plan))

@@ -208,7 +208,8 @@ class Verification:
     def per_layer(self) -> "pd.DataFrame":
         """One row per layer: the predictions and replays averaged over the steps with the weights of
         :func:`step_weights` (the later steps count more), ``worst_*`` the extreme over steps of the
-        replayed overflow, flushed share and gain, ``ok`` (every step passed) and ``problems``."""
+        replayed overflow, flushed share and gain, ``ok`` (every step passed) and ``problems`` (those of the
+        first step that failed, named with its numbers: ``"step 4: replayed: ..."``)."""
         import pandas as pd
 
         out: list[dict[str, Any]] = []
@@ -230,7 +231,7 @@ class Verification:
             row["worst_gain"] = float(rep[np.nanargmax(np.abs(rep - 1))]) if np.isfinite(rep).any() else math.nan
             row["predicted_noise"] = self.noise.get(layer, math.nan)
             row["ok"] = bool(g["ok"].all())
-            row["problems"] = next((p for p in g["problems"] if p), "")
+            row["problems"] = _layer_problems(g)
             out.append(row)
         return pd.DataFrame(out)
 
@@ -248,32 +249,78 @@ class Verification:
         return self.table()
 
 
-def format_checks(records: Sequence[dict[str, Any]]) -> str:
-    """Text table of per-layer check records (:meth:`Verification.per_layer` rows, or a plan's ``checks``)."""
-    head = (f"{'layer':<28} {'sparsity':>13} {'flushed':>15} {'overflow':>15} {'gain':>13} {'error':>15}  "
-            "verdict")
-    lines = [head, f"{'':<28} {'pred / replay':>13} {'pred / replay':>15} {'pred / replay':>15} "
-                   f"{'pred / replay':>13} {'pred / replay':>15}"]
+def _layer_problems(g: "pd.DataFrame") -> str:
+    """The problems of a layer's row of :meth:`Verification.per_layer`, whose numbers are means over
+    the steps: those of the first step that failed, which they quote, named by that step (and the
+    other steps that failed)."""
+    bad = [(int(s), p) for s, p in zip(g["step"], g["problems"]) if p]
+    if not bad:
+        return ""
+    (first, text), more = bad[0], [s for s, _ in bad[1:]]
+    also = f" (also failed at step{'s' if len(more) > 1 else ''} {', '.join(map(str, more))})" if more else ""
+    return f"step {first}: {text}{also}"
 
-    def pair(r: dict[str, Any], q: str, fmt: str) -> str:
-        def f(v: Any) -> str:
-            return "-" if v is None or not math.isfinite(v) else format(v, fmt)
 
-        return f"{f(r.get(f'predicted_{q}'))} / {f(r.get(f'replayed_{q}'))}"
+#: the width the check tables aim to stay within: a layer name that does not fit beside the numbers
+#: gets a line of its own, and what failed or was replaced is wrapped below its row
+TABLE_WIDTH = 120
+#: the check table's columns: quantity (``predicted_<q>`` / ``replayed_<q>``) and its format
+_COLUMNS = (("sparsity", ".3f"), ("flushed", ".4f"), ("overflow", ".4f"), ("gain", ".3f"), ("bias", "+.3f"),
+            ("error", ".3g"))
 
-    noise = any("predicted_noise" in r for r in records)
-    if noise:                       # the noise ratio R the whole plan adds (predicted; docs/noise.md)
-        lines[0] = lines[0].replace("  verdict", f" {'noise R':>9}  verdict")
-        lines[1] += f" {'predicted':>9}"
-    for r in records:
-        verdict = "ok" if r.get("ok") else "FAILS: " + str(r.get("problems", ""))
+
+def format_checks(records: Sequence[dict[str, Any]], width: int = TABLE_WIDTH) -> str:
+    """Text table of per-layer check records (:meth:`Verification.per_layer` rows, or a plan's ``checks``):
+    per quantity predicted / replayed, the predicted noise ratio where a record has one, and the verdict.
+    Layer names are never cut: a name too long to sit beside the numbers within ``width`` columns
+    gets a line of its own, the numbers on the next. What failed (``problems``: the values of the
+    step named) and why the first choice was replaced (``note``: the values of that rule, at that
+    step) follow the row, wrapped to ``width``.
+
+    Example:
+        >>> rec = {"layer": "encoder.layers.0.attention.query_key_value", "ok": True,
+        ...        "predicted_gain": 1.0, "replayed_gain": 0.999}
+        >>> print(format_checks([rec]).splitlines()[3])
+        encoder.layers.0.attention.query_key_value
+    """
+    import textwrap
+
+    def num(v: Any, fmt: str) -> str:
+        return "-" if v is None or not isinstance(v, (int, float)) or not math.isfinite(v) else format(v, fmt)
+
+    noise = any(num(r.get("predicted_noise"), "g") != "-" for r in records)
+    heads = [q for q, _ in _COLUMNS] + (["noise R"] if noise else [])
+    subs = ["pred / replay"] * len(_COLUMNS) + (["predicted"] if noise else [])
+    cells = [[f"{num(r.get(f'predicted_{q}'), f)} / {num(r.get(f'replayed_{q}'), f)}" for q, f in _COLUMNS]
+             + ([num(r.get("predicted_noise"), ".3g")] if noise else []) for r in records]
+    widths = [max([len(h), len(s)] + [len(c[i]) for c in cells]) for i, (h, s) in enumerate(zip(heads, subs))]
+
+    def join(cols: Sequence[str]) -> str:
+        return " ".join(f"{c:>{w}}" for c, w in zip(cols, widths))
+
+    verdicts = ["ok" if r.get("ok") else "FAILS" for r in records]
+    names = [str(r["layer"]) for r in records]
+    numbers = len(join(heads)) + 2 + max([len("verdict")] + [len(v) for v in verdicts])
+    name_w = max([len("layer")] + [len(n) for n in names])
+    inline = name_w + 1 + numbers <= width
+    pad = name_w + 1 if inline else 2
+    lines = [f"{'layer':<{name_w}} {join(heads)}  verdict" if inline else "layer",
+             f"{'':<{pad - 1}} {join(subs)}".rstrip() if inline else f"  {join(heads)}  verdict"]
+    if not inline:
+        lines.append(f"  {join(subs)}")
+    for r, name, c, verdict in zip(records, names, cells, verdicts):
+        if inline:
+            lines.append(f"{name:<{name_w}} {join(c)}  {verdict}")
+        else:
+            lines += [name, f"  {join(c)}  {verdict}"]
+        notes = []
+        if not r.get("ok") and r.get("problems"):
+            notes.append(str(r["problems"]))
         if r.get("note"):
-            verdict += f" ({r['note']})"
-        v = r.get("predicted_noise")
-        extra = (f" {'-' if v is None or not math.isfinite(v) else format(v, '.3g'):>9}") if noise else ""
-        lines.append(f"{str(r['layer'])[:28]:<28} {pair(r, 'sparsity', '.3f'):>13} {pair(r, 'flushed', '.4f'):>15} "
-                     f"{pair(r, 'overflow', '.4f'):>15} {pair(r, 'gain', '.3f'):>13} {pair(r, 'error', '.3g'):>15}"
-                     f"{extra}  {verdict}")
+            notes.append(f"first choice {r['note']}")
+        for text in notes:
+            lines += textwrap.wrap(text, width=width, initial_indent="    ", subsequent_indent="      ",
+                                   break_long_words=False, break_on_hyphens=False)
     return "\n".join(lines)
 
 
