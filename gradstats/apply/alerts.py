@@ -61,12 +61,20 @@ class Alerting:
             gs[0] += c.dot
             gs[1] += c.norm2
             gs[2] += max(c.noise2, 0.0)
+            b = self.config.bias_bound
             cum_gain, cum_se = gs[0] / gs[1], math.sqrt(gs[2]) / gs[1]
-            for g_, se, what in ((c.gain, c.gain_se, "in this call"), (cum_gain, cum_se, "over all calls so far")):
-                if abs(g_ - 1) > self.config.bias_bound + 5 * se:
+            # One call: off 1 by more than the bound beyond five standard errors of its own draws. All calls
+            # so far, for a shrinkage too small to show in any one call but sustained: beyond the bound by two
+            # standard errors of all their draws, and off 1 by five. Unbiased pruning and stochastic rounding
+            # (gain 1 in expectation) are then never tested at less than five standard errors (the bound adds
+            # b / se more as the calls accumulate), and a gain of 0.985 at 0.4% per call fires at the 3rd call
+            # (five standard errors beyond the bound: the 16th).
+            for g_, limit, se, what in ((c.gain, b + 5 * c.gain_se, c.gain_se, "in this call"),
+                                        (cum_gain, max(b + 2 * cum_se, 5 * cum_se), cum_se, "over all calls so far")):
+                if abs(g_ - 1) > limit:
                     self._alert(name, st, "gain", (
                         f"the gradient's magnitude gain <out, g>/<g, g> is {g_:.3f} {what} (call {st.seq}; bound "
-                        f"1 +- {self.config.bias_bound:g}, standard error {se:.3g}): the plan "
+                        f"1 +- {b:g}, standard error {se:.3g}): the plan "
                         f"{'shrinks' if g_ < 1 else 'inflates'} this layer's gradient systematically ("
                         f"{c.saturated / c.n:.2%} clipped, {c.underflow / c.n:.2%} flushed). Use "
                         "rounding='stochastic' and scale='amax', or check the plan with plan.verify(run)"))

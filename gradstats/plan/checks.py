@@ -416,27 +416,37 @@ def verify(plan: Any, run: Any, *, steps: Any = "auto", kind: str = "grad", seed
 
 def _alternatives(rule: Any, candidates: Sequence[Any]) -> list[tuple[Any, str]]:
     """The choices tried, in order, when ``rule`` fails its check: the same format without the scale
-    shift that saturates, rounded stochastically (unbiased, also below the smallest value), at the
-    plain amax scale, the other candidate formats of the width that way, then no rounding at all."""
+    shift that saturates, with MX scales rounded up (no block maximum clipped), rounded
+    stochastically (unbiased, also below the smallest value; with MX scales rounded up too), at the
+    plain amax scale, the other candidate formats of the width that way, then no rounding at all and,
+    for a pruned layer, last, neither rounding nor pruning (the gradient as it is: passes)."""
     out: list[tuple[Any, str]] = []
-    if not rule.quantizes:
-        return out
-    per_tensor = rule.block_size is None
-    if per_tensor and rule.scale == "amax" and rule.scale_shift > 0:
-        out.append((rule.replace(scale_shift=0), "scale shift 0"))
-    if not per_tensor and rule.scale_format == "e8m0" and rule.scale_rounding in (None, "floor"):
-        out.append((rule.replace(scale_rounding="rceil"), "MX scales rounded up (rceil: no block maximum clipped)"))
-    if rule.rounding != "stochastic":
-        out.append((rule.replace(rounding="stochastic"), "stochastic rounding"))
-    if per_tensor and (rule.scale != "amax" or rule.scale_shift != 0):
-        out.append((rule.replace(rounding="stochastic", scale="amax", scale_value=None, scale_shift=0),
-                    "stochastic rounding at the amax scale"))
-    for f in candidates:
-        if f != rule.format and f.bits == rule.format.bits:
-            kw = {"scale": "amax", "scale_value": None, "scale_shift": 0} if per_tensor else {}
-            out.append((rule.replace(format=f, rounding="stochastic", **kw), f"{f} with stochastic rounding"))
-    out.append((rule.replace(format=None, block_size=None, scale_format=None, scale_rounding=None, scale="lognormal",
-                             scale_value=None, scale_shift=0), "full precision"))
+    plain = {"format": None, "block_size": None, "scale_format": None, "scale_rounding": None, "scale": "lognormal",
+             "scale_value": None, "scale_shift": 0}
+    if rule.quantizes:
+        per_tensor = rule.block_size is None
+        # MX scales rounded down clip block maxima: rounded up (rceil) alone, and with each later choice
+        rceil = {"scale_rounding": "rceil"} if (not per_tensor and rule.scale_format == "e8m0"
+                                                and rule.scale_rounding in (None, "floor")) else {}
+        up = ", MX scales rounded up (rceil)" if rceil else ""
+        if per_tensor and rule.scale == "amax" and rule.scale_shift > 0:
+            out.append((rule.replace(scale_shift=0), "scale shift 0"))
+        if rceil:
+            out.append((rule.replace(**rceil), "MX scales rounded up (rceil: no block maximum clipped)"))
+        if rule.rounding != "stochastic":
+            out.append((rule.replace(rounding="stochastic"), "stochastic rounding"))
+            if rceil:
+                out.append((rule.replace(rounding="stochastic", **rceil), "stochastic rounding" + up))
+        if per_tensor and (rule.scale != "amax" or rule.scale_shift != 0):
+            out.append((rule.replace(rounding="stochastic", scale="amax", scale_value=None, scale_shift=0),
+                        "stochastic rounding at the amax scale"))
+        for f in candidates:
+            if f != rule.format and f.bits == rule.format.bits:
+                kw = {"scale": "amax", "scale_value": None, "scale_shift": 0} if per_tensor else rceil
+                out.append((rule.replace(format=f, rounding="stochastic", **kw), f"{f} with stochastic rounding{up}"))
+        out.append((rule.replace(**plain), "full precision"))
+    if rule.prunes:
+        out.append((rule.replace(**plain, sparsity=None), "full precision without pruning"))
     return out
 
 
@@ -468,19 +478,39 @@ def repair(plan: Any, run: Any, steps: Sequence[int], *, candidates: Sequence[An
            bias_bound: float, flush_bound: Optional[float], overflow_bound: float = OVERFLOW_BOUND,
            kind: str = "grad") -> Any:
     """``plan`` with every planned layer checked (:func:`check_layer` on ``steps``): a layer that fails
-    gets the first of :func:`_alternatives` that passes, as an entry naming it exactly, with the note
-    of why; its :class:`~gradstats.plan.Prediction` takes the composed operator's numbers. The
-    per-layer rows go into the plan's ``checks``. Used by :func:`gradstats.recommend`."""
+    gets the first of :func:`_alternatives` that passes, with the note of why, and where none does
+    the last of them (no rounding and, for a pruned layer, no pruning), never the rule that failed.
+    The plan carries the choice exactly: the layer's entry (its last exact one, rewritten, or a new
+    one) sets every :class:`~gradstats.plan.Rule` field in which the choice differs from the rule
+    planned, so the plan resolves to what the check approved, which ``plan.verify(run)`` on the same
+    steps with the same seed passes, and :func:`gradstats.apply` enforces. Its
+    :class:`~gradstats.plan.Prediction` takes the composed operator's numbers. The per-layer rows go
+    into the plan's ``checks``. Used by :func:`gradstats.recommend`."""
     import dataclasses
 
-    from gradstats.plan._rules import INHERIT, PlanEntry, Prediction
+    from gradstats.plan._rules import RULE_FIELDS, PlanEntry, Prediction
+
+    def differs(a: Any, b: Any) -> dict[str, Any]:
+        """The fields of rule ``b`` in which it differs from rule ``a`` (the prediction aside)."""
+        return {k: getattr(b, k) for k in RULE_FIELDS if k != "predicted" and getattr(a, k) != getattr(b, k)}
+
+    def whole(fields: dict[str, Any], want: Any) -> dict[str, Any]:
+        """``fields``, or with every field of the rule ``want`` where they are no rule on the plan's
+        defaults alone, as an entry must be (MX scales rounded up, where a pattern entry sets the blocks)."""
+        try:
+            plan.defaults.replace(**{k: v for k, v in fields.items() if k != "predicted"})
+            return fields
+        except ValueError:
+            return {**fields, **{k: getattr(want, k) for k in RULE_FIELDS if k != "predicted"}}
 
     rules = {n: rule for n, rule in plan.resolve(run, strict=False).items() if not rule.is_identity}
     per_rows = step_rows(run, list(rules), steps, kind)
     bounds = {"bias_bound": bias_bound, "flush_bound": flush_bound, "overflow_bound": overflow_bound}
-    extra: list[Any] = []
     checks: list[dict[str, Any]] = []
-    by_layer = {e.layer: e for e in plan.entries}
+    entries = list(plan.entries)
+    last = {e.layer: i for i, e in enumerate(entries) if e.types is None and not e.is_pattern}
+    added: dict[str, Any] = {}
+    chosen_rules: dict[str, Any] = {}
     for name, rule in rules.items():
         xs = layer_samples(run, name, steps, kind)
         recs = check_layer(run, name, rule, steps, rows=per_rows[name], kind=kind, seed=seed, samples=xs, **bounds)
@@ -488,34 +518,42 @@ def repair(plan: Any, run: Any, steps: Sequence[int], *, candidates: Sequence[An
         if recs and not all(r["ok"] for r in recs):
             first = next(r for r in recs if not r["ok"])
             why = f"{rule.describe()} failed at step {first['step']}: " + "; ".join(first["problems"])
+            failed = ""
             for alt, label in _alternatives(rule, candidates):
                 alt_recs = check_layer(run, name, alt, steps, rows=per_rows[name], kind=kind, seed=seed,
                                        samples=xs, **bounds)
-                if all(r["ok"] for r in alt_recs):
-                    recs, chosen, note = alt_recs, alt, f"{why} -> {label}"
+                bad = next((r for r in alt_recs if not r["ok"]), None)
+                if bad is None:
+                    recs, chosen = alt_recs, alt
+                    note = f"{why} -> {label}" + (f"; {failed}" if alt.is_identity and failed else "")
                     break
+                failed = f"{label} failed at step {bad['step']}: " + "; ".join(bad["problems"])
+                recs, chosen = alt_recs, alt
             else:
-                note = f"{why}; no alternative passed: kept"
+                # not even the last choice passed: the layer is left in the highest precision tried, not
+                # as planned, and its check rows say what still fails
+                note = f"{why}; no alternative passed: {failed}; left in {chosen.describe()}"
             log.warning("gradstats.recommend: layer %s: %s", name, note)
         if not recs:
             continue
         per = Verification(recs, bias_bound, flush_bound, overflow_bound, list(steps)).per_layer().to_dict("records")[0]
         checks.append(_json_row(per, steps, note))
-        old = by_layer.get(name)
+        i = last.get(name)
+        old = entries[i] if i is not None else None
         base = old.predicted if old is not None and isinstance(old.predicted, Prediction) else Prediction()
         pred = dataclasses.replace(base, **{k: v for k, v in _prediction_fields(per).items() if v is not None})
-        if chosen is not rule or old is not None:
-            fields = {"format": chosen.format, "predicted": pred}
-            if chosen is not rule:
-                fields.update(rounding=chosen.rounding, scale=chosen.scale, scale_value=chosen.scale_value,
-                              scale_shift=chosen.scale_shift)
-                if chosen.format is None:
-                    fields.update(block_size=None, scale_format=None, scale_rounding=None)
-            if old is not None:
-                keep = {k: getattr(old, k) for k in ("rounding", "scale_shift", "sparsity")
-                        if k not in fields and getattr(old, k) is not INHERIT}
-                fields = {**keep, **fields}
-            extra.append(PlanEntry(name, **fields))
-    new = {e.layer: e for e in extra}
-    entries = [new.pop(e.layer, e) if e.types is None else e for e in plan.entries] + list(new.values())
-    return dataclasses.replace(plan, entries=tuple(entries), checks=tuple(checks))
+        # every field in which the choice differs from the rule planned (rounding, scales, block scale
+        # rounding, format, blocks, pruning): what the check approved is what the plan carries
+        changed = differs(rule, chosen)
+        if old is not None:
+            entries[i] = dataclasses.replace(old, **whole({**old.overrides, **changed, "predicted": pred}, chosen))
+        elif changed:
+            added[name] = PlanEntry(name, **whole({**changed, "predicted": pred}, chosen))
+        chosen_rules[name] = chosen
+    out = dataclasses.replace(plan, entries=(*entries, *added.values()), checks=tuple(checks))
+    # an entry after the one rewritten that selects module types may set one of the fields again: a last
+    # exact entry restates the choice there
+    got = out.resolve(run, strict=False)
+    fix = [PlanEntry(n, **whole(differs(got[n], want), want)) for n, want in chosen_rules.items()
+           if n in got and differs(got[n], want)]
+    return out.with_entries(*fix) if fix else out
