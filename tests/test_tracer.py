@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 import gradstats
+from gradstats.layers import module_types
+from gradstats.ops.layout import channel_dim, gemm_matrix
 from gradstats.stats import tensor_stats
 
 # ----------------------------------------------------------------------------- models
@@ -113,9 +115,13 @@ def test_capture_equals_autograd_exactly(case, tmp_path):
     ref = retained_grads(model, x, names)
     run = gradstats.open_run(tmp_path)
     stats = run.stats()
+    mods = dict(model.named_modules())
     for (name, call), g in ref.items():
-        got = run.samples(name, 0, call=call)
-        assert torch.equal(got, g.reshape(-1).float()), (name, call)
+        # a gradient's sample is its channels-last GEMM matrix (here whole: samples=None)
+        got = run.sample_matrix(name, 0, call=call)
+        cd = channel_dim(module_types(mods[name] if name in mods else model), g.dim())
+        assert torch.equal(got, gemm_matrix(g, cd).float()), (name, call)
+        assert torch.equal(run.samples(name, 0, call=call), got.reshape(-1))
         row = stats[(stats.layer == name) & (stats.call == call)].iloc[0]
         exp = tensor_stats(g)
         assert row["n"] == exp["n"] and row["n_zero"] == exp["n_zero"]
@@ -195,24 +201,30 @@ def test_schedules_and_sampling(tmp_path):
     assert sorted(stats["step"].unique()) == [0, 3, 6]
     idx = run.sample_index()
     assert sorted(idx["step"].unique()) == [1, 4]
-    s = run.samples("stem", 4)
-    assert s.shape == (50,) and int(idx[(idx.layer == "stem") & (idx.step == 4)]["n_total"].iloc[0]) == 8 * 8 * 8 * 8
+    s = run.samples("stem", 4)          # whole groups of tokens (8 channels each) hold the 50 asked for
+    assert s.shape == (16 * 8,) and int(idx[(idx.layer == "stem") & (idx.step == 4)]["n_total"].iloc[0]) == 8 * 8 * 8 * 8
     with pytest.raises(ValueError, match="exist at steps \\[1, 4\\]"):
         run.samples("stem", 3)
     with pytest.raises(ValueError, match="not in this run"):
         run.samples("nope", 1)
 
 
-def test_sample_is_uniform_subset(tmp_path):
-    lin = nn.Sequential(nn.Linear(1, 20000, bias=False))
+def test_sample_is_uniform_subset_of_token_groups(tmp_path):
+    """A gradient's sample: whole aligned groups of 32 tokens with all their channels (the blocks a
+    GEMM reads stay whole), drawn uniformly without replacement, at least as many values as asked."""
+    lin = nn.Sequential(nn.Linear(1, 4, bias=False))
     with gradstats.trace(lin, tmp_path, samples=5000, sample_every=1) as tr:
-        x = torch.ones(1, 1, requires_grad=True)
-        w = torch.arange(20000, dtype=torch.float32)
-        (lin(x) * w).sum().backward()          # dL/dy_j = j
+        x = torch.ones(20000, 1, requires_grad=True)
+        w = torch.arange(20000, dtype=torch.float32)[:, None].expand(20000, 4)
+        (lin(x) * w).sum().backward()          # dL/dy[t, j] = t
         tr.step()
-    s = gradstats.open_run(tmp_path).samples("0", 0)
-    assert len(set(s.tolist())) == 5000                       # without replacement
-    assert abs(s.mean().item() - 9999.5) < 4 * 5774 / np.sqrt(5000)  # uniform: mean of 0..19999
+    m = gradstats.open_run(tmp_path).sample_matrix("0", 0)
+    assert m.shape == (40 * 32, 4)                              # ceil(5000 / (32 * 4)) groups
+    assert bool((m == m[:, :1]).all())                          # every token with all its channels
+    tok = m[:, 0].reshape(40, 32)
+    assert bool((tok[:, 0] % 32 == 0).all()) and bool((tok.diff(dim=1) == 1).all())   # aligned, consecutive
+    assert len(set(tok[:, 0].tolist())) == 40                   # without replacement
+    assert abs(tok.mean().item() - 9999.5) < 4 * 5774 / np.sqrt(40)   # uniform over the groups
 
 
 def test_sample_indices_uniform_without_replacement():

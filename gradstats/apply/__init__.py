@@ -72,9 +72,11 @@ from gradstats.apply.settings import (
     Fallback,
     widen,
 )
+from gradstats.layers import module_types
 from gradstats.noise.record import sending_back
 from gradstats.ops.engine import use_triton
 from gradstats.ops.fused import prune_quantize
+from gradstats.ops.layout import channel_dim
 from gradstats.wrappers import named_layers, unwrap
 
 __all__ = ["apply", "Applied", "ApplyConfig", "Fallback", "widen", "ALERT_KINDS", "BIAS_BOUND", "FALLBACK_ACTIONS",
@@ -133,6 +135,7 @@ class Applied(Refreshing, Alerting, DevicePath):
         self.state = {n: LayerState() for n in self.rules}
         self._device_init()
         modules = dict(named_layers(root))
+        self._types = {n: module_types(modules[n]) for n in self.rules}
         self._handles = [modules[n].register_forward_hook(self._forward_hook(n)) for n in self.rules]
 
     # -- lifecycle
@@ -179,8 +182,7 @@ class Applied(Refreshing, Alerting, DevicePath):
         err = math.nan
         with torch.no_grad():
             self._refresh(name, g, refresh)
-            # the rule's own quantize arguments (format, rounding, blocks and their scales): one home
-            q = rule.quantize_kwargs() if rule.quantizes else {"fmt": None, "rounding": rule.rounding}
+            q = self._quantize_args(name, rule, g)
             out, counts = prune_quantize(g, st.threshold if rule.prunes else 0.0, q.pop("fmt"), scale=st.scale,
                                          generator=self.generator, **q)
             if self.config.fallback is not None and self.config.fallback.error is not None and counts.n:
@@ -188,6 +190,17 @@ class Applied(Refreshing, Alerting, DevicePath):
         self._account(name, rule, st.seq, counts, err, snapshot(st))
         st.seq += 1
         return out.to(g.dtype)
+
+    def _quantize_args(self, name: str, rule: Any, g: torch.Tensor) -> dict[str, Any]:
+        """The rule's own quantize arguments (format, rounding, blocks and their scales: one home),
+        with blocks laid out along the layer's channels, as the data-gradient GEMM reads them
+        (:mod:`gradstats.ops.layout`)."""
+        if not rule.quantizes:
+            return {"fmt": None, "rounding": rule.rounding}
+        q = rule.quantize_kwargs()
+        if q.get("block_size") is not None:
+            q["block_dim"] = channel_dim(self._types[name], g.dim())
+        return q
 
     def _account(self, name: str, rule: Any, seq: int, counts: Any, err: float, snap: dict[str, float]) -> None:
         """Check one call's counts (alerts, fallback) and record it, with the layer's settings as

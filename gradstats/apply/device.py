@@ -142,7 +142,7 @@ class DevicePath:
             return g
         if refresh and rule.prunes and rule.threshold_rule == "exact":
             self._solve(name, True, g.numel(), g)    # type: ignore[attr-defined]   (reads its threshold back)
-        q = rule.quantize_kwargs() if rule.quantizes else {"fmt": None, "rounding": rule.rounding}
+        q = self._quantize_args(name, rule, g)        # type: ignore[attr-defined]
         fmt = q.pop("fmt")
         if q.get("block_size") is None and _one_kernel(g, fmt, st.scale):
             # one launch: the fused kernel corrects the settings for the lag from v itself and

@@ -146,9 +146,17 @@ def scale_for(rule: Any, st: LayerState) -> float:
 def predict(rule: Any, st: LayerState, numel: int) -> None:
     """The lognormal model's fractions flushed and saturated and the output's relative error at
     the running statistics, threshold and scale, conditioned on the running ``amax`` for a tensor
-    of ``numel`` entries (NaN where it has none: block scales, no statistics yet)."""
+    of ``numel`` entries (NaN where it has none: no statistics yet). Block scales: the plan's own
+    prediction, made by replaying the rule on whole blocks of the run's samples (``plan.checks``)."""
     st.predicted_underflow = st.predicted_overflow = st.predicted_error = math.nan
-    if math.isnan(st.mu) or (rule.quantizes and rule.block_size is not None):
+    if rule.quantizes and rule.block_size is not None:
+        p = rule.predicted
+        if p is not None:
+            nan = lambda v: math.nan if v is None else float(v)  # noqa: E731
+            st.predicted_underflow, st.predicted_overflow, st.predicted_error = (
+                nan(p.flushed), nan(p.overflow), nan(p.error))
+        return
+    if math.isnan(st.mu):
         return
     a = st.threshold if rule.prunes else 0.0
     if not math.isfinite(a):

@@ -115,7 +115,8 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
                    generator: Optional[torch.Generator] = None, block_size: Optional[int] = None,
                    scale_format: Optional[str] = None, scale_rounding: Optional[str] = None,
                    out: Optional[torch.Tensor] = None,
-                   seed: Optional[int] = None) -> tuple[torch.Tensor, CompressCounts]:
+                   seed: Optional[int] = None, block_dim: int = -1,
+                   tensor_amax: Optional[float] = None) -> tuple[torch.Tensor, CompressCounts]:
     """Stochastic pruning at ``threshold`` (0 = none), then rounding to ``fmt`` (None = none)
     at ``scale`` with ``rounding``, saturating at the format's max. Returns ``(result, counts)``.
 
@@ -127,7 +128,9 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
     replace the scheme's), resolved as :func:`gradstats.quantize` does (:func:`~gradstats.ops.quantization.spell_out`);
     the defaults are nearest rounding, one scale per tensor, and E8M0 block scales rounded by the OCP rule.
     ``seed`` (an int in ``[0, 2**64)``) or ``generator`` (one seed drawn from it) seeds both the
-    pruning and the rounding streams.
+    pruning and the rounding streams. Blocks run along the channels, ``block_dim`` (1 for a
+    convolution's output, :func:`gradstats.ops.layout.channel_dim`), as the data-gradient GEMM reads
+    them; ``tensor_amax``: NVFP4's tensor scale from the whole tensor's maximum (see :func:`gradstats.quantize`).
 
     Example:
         >>> import torch
@@ -186,19 +189,20 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
                 out.copy_(result)
             result = out
         return result, CompressCounts(n, *c, *sums.tolist())
-    return _composed(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format, scale_rounding)
+    return _composed(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format, scale_rounding,
+                     block_dim, tensor_amax)
 
 
 def _composed(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format="e8m0",
-              scale_rounding="floor"):
+              scale_rounding="floor", block_dim=-1, tensor_amax=None):
     """Reference path: the pruning and quantisation operators one after the other, with one seed."""
     y, c, s = _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format,
-                                  scale_rounding)
+                                  scale_rounding, block_dim, tensor_amax)
     return y, CompressCounts(x.numel(), *c.tolist(), *s.tolist())
 
 
 def _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format="e8m0",
-                        scale_rounding="floor"):
+                        scale_rounding="floor", block_dim=-1, tensor_amax=None):
     """:func:`_composed` with its counts (int64[5]) and sums (float64[6]) left as tensors on ``x``'s
     device (nothing read back)."""
     from gradstats.ops.prune import stochastic_prune
@@ -215,9 +219,9 @@ def _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, ou
     saturated = underflow = torch.zeros((), dtype=torch.int64, device=x.device)
     if fmt is not None:
         if block_size is not None:
-            z = quantize(y, fmt, rounding=rounding, seed=seed, block_size=block_size,
-                         scale_format=scale_format, scale_rounding=scale_rounding)
-            saturated = _block_saturated(y, fmt, block_size, scale_format, scale_rounding)
+            z = quantize(y, fmt, rounding=rounding, seed=seed, block_size=block_size, block_dim=block_dim,
+                         scale_format=scale_format, scale_rounding=scale_rounding, tensor_amax=tensor_amax)
+            saturated = _block_saturated(y, fmt, block_size, scale_format, scale_rounding, block_dim, tensor_amax)
         else:
             z = quantize(y, fmt, scale=scale, rounding=rounding, seed=seed)
             saturated = ((y.abs() * scale) > fmt.max).sum()
@@ -243,7 +247,8 @@ def _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, ou
 def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
                         fmt: Union[FPFormat, Scheme, str, None], *, scale: Union[float, torch.Tensor] = 1.0, rounding: Optional[str] = None, seed: int = 0,
                         block_size: Optional[int] = None, scale_format: Optional[str] = None,
-                        scale_rounding: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        scale_rounding: Optional[str] = None,
+                        block_dim: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`prune_quantize` for the device path: ``(result, counts, sums)`` with the counts
     (int64: zeros, pruned, underflow, saturated, nonfinite) and the sums (float64: dot, norm2, err2,
     noise2, abs_out, abs_in; :class:`CompressCounts`) left on ``x``'s device, so that nothing is
@@ -271,20 +276,21 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
     scale = float(scale) if isinstance(scale, torch.Tensor) else scale   # (block scales ignore it)
     if use_native(x.device.type) and x.numel() > 0:
         y, c = prune_quantize(x, threshold, fmt, scale=scale, rounding=rounding, seed=seed, block_size=block_size,
-                              scale_format=scale_format, scale_rounding=scale_rounding)
+                              scale_format=scale_format, scale_rounding=scale_rounding, block_dim=block_dim)
         return y, torch.tensor([c.zeros, c.pruned, c.underflow, c.saturated, c.nonfinite]), torch.tensor(
             [c.dot, c.norm2, c.err2, c.noise2, c.abs_out, c.abs_in], dtype=torch.float64)
     return _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, None, scale_format,
-                               scale_rounding)
+                               scale_rounding, block_dim)
 
 
 def _block_saturated(y: torch.Tensor, fmt: FPFormat, block_size: int, scale_format: str,
-                     scale_rounding: str) -> torch.Tensor:
+                     scale_rounding: str, block_dim: int = -1, tensor_amax: Optional[float] = None) -> torch.Tensor:
     """Entries whose magnitude over their block's decode scale exceeds the format's max (clipped):
     MX's floor scale leaves a block's largest value up to ``2**(emax + 1)`` (above e2m1fn's 6, for one),
     and NVFP4's e4m3 scale may round down."""
-    from gradstats.ops.quantization import _scales_of_blocks, _to_blocks
+    from gradstats.ops.layout import to_blocks
+    from gradstats.ops.quantization import _scales_of_blocks
 
-    xb, _ = _to_blocks(y.reshape(-1, y.shape[-1]) if y.dim() else y.reshape(1, 1), block_size, -1)
-    X = _scales_of_blocks(xb, fmt, scale_format, scale_rounding)
+    xb, _ = to_blocks(y, block_size, "rows", block_dim)
+    X = _scales_of_blocks(xb, fmt, scale_format, scale_rounding, tensor_amax)
     return ((xb.abs() / torch.where(X > 0, X, 1.0) > fmt.max) & (X > 0)).sum()

@@ -37,14 +37,16 @@ import torch
 
 from gradstats import _threads
 from gradstats.formats import OVERFLOWS, ROUNDINGS, FPFormat, parse
+from gradstats.ops.block_scales import _scales_of_blocks, mx_shared_exponent
 from gradstats.ops.consts import _BF16, _EXP, _FP16, _FP32
 from gradstats.ops.consts import consts as _consts
 from gradstats.ops.engine import use_triton
+from gradstats.ops.layout import check_orientation, from_blocks, from_gemm_matrix, to_blocks
 from gradstats.ops.random import hash_bits as _hash_bits
 from gradstats.ops.random import iota as _iota
 from gradstats.ops.random import resolve_seed as _resolve_seed
 from gradstats.ops.random import rounding_stream as _round_stream
-from gradstats.scheme import E4M3, SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme
+from gradstats.scheme import SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme
 
 __all__ = ["quantize", "spell_out", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS",
            "SCALE_ROUNDINGS"]
@@ -75,6 +77,8 @@ def quantize(
     scale_format: Optional[str] = None,
     scale_rounding: Optional[str] = None,
     seed: Optional[int] = None,
+    orientation: str = "rows",
+    tensor_amax: Optional[float] = None,
 ) -> torch.Tensor:
     """Round ``x`` to the values of ``fmt`` and return them in ``x``'s dtype (quantise-dequantise).
 
@@ -98,9 +102,13 @@ def quantize(
             it, even when it would round to 0) and +-0 to +0, or to NaN in ``e8m0fnu``, which has no zero.
         generator: random source of stochastic rounding (default: torch's global generator): one
             seed is drawn from it per call.
-        block_size: shared-scale blocks of this many consecutive elements along ``block_dim``
-            (OCP MX uses 32, NVFP4 16); the last block may be partial.
-        block_dim: dimension along which blocks run.
+        block_size: shared-scale blocks of this many elements (OCP MX uses 32, NVFP4 16), laid out as
+            a GEMM reads them (:mod:`gradstats.ops.layout`): on the channels-last matrix of ``x``, along
+            the channels (``orientation="rows"``), along the tokens (``"columns"``) or in tiles of
+            ``block_size x block_size`` (``"2d"``); the last block of a row or column may be partial.
+        block_dim: the dimension that holds the channels (the GEMM's reduction over output features):
+            -1 for a linear layer's gradient, 1 for a convolution's ``(N, C, H, W)``
+            (:func:`gradstats.ops.layout.channel_dim` says which). Rows-oriented blocks run along it.
         scale_format: None (the scheme's, else ``"e8m0"``), ``"e8m0"`` (MX: power-of-two scale ``2**(floor(log2 amax) - fmt.emax)``) or
             ``"e4m3"`` (NVFP4 style: per-block scale rounded to e4m3fn times a float32 per-tensor
             scale); see :func:`block_scales`.
@@ -112,6 +120,11 @@ def quantize(
             :mod:`gradstats.ops.random` at each element's flat index (of the blocked layout with
             ``block_size``), so one seed gives bit-identical results on the CPU and in the Triton
             kernel, and :func:`gradstats.ops.fused.prune_quantize` with the same seed rounds alike.
+        orientation: where blocks run (:data:`gradstats.ops.layout.ORIENTATIONS`): ``"rows"`` (the
+            data-gradient GEMM's, the default), ``"columns"`` (the weight-gradient GEMM's), ``"2d"``.
+        tensor_amax: with ``"e4m3"`` block scales, the largest magnitude of the whole tensor that ``x``
+            is a part of: its float32 tensor scale is taken from it (None: from ``x``), so that a
+            stored part of a gradient is quantised exactly as it was within the whole.
 
     Returns:
         A new tensor, same shape, dtype and device as ``x``.
@@ -132,14 +145,19 @@ def quantize(
     """
     fmt, rounding, block_size, scale_format, scale_rounding = spell_out(fmt, rounding, block_size, scale_format,
                                                                         scale_rounding)
-    fmt, scale = _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format)
+    fmt, scale = _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format,
+                        orientation)
     _check_scale_rounding(scale_rounding)
+    if tensor_amax is not None and not (isinstance(tensor_amax, (int, float)) and math.isfinite(tensor_amax)
+                                        and tensor_amax >= 0):
+        raise ValueError(f"quantize: tensor_amax must be a finite number >= 0 (the whole tensor's largest "
+                         f"magnitude), got {tensor_amax!r}")
     rng = generator
     if seed is not None:
         rng = _resolve_seed(seed, generator, "quantize")
     with torch.no_grad():  # quantise-dequantise is not differentiable; results never track gradients
         return _quantize(x.detach(), fmt, scale, rounding, overflow, rng, block_size, block_dim, scale_format,
-                         scale_rounding)
+                         scale_rounding, orientation, tensor_amax)
 
 
 def spell_out(fmt: Union[FPFormat, Scheme, str], rounding: Optional[str] = None, block_size: Optional[int] = None,
@@ -172,56 +190,18 @@ def _check_scale_rounding(scale_rounding: str) -> None:
 
 
 def _quantize(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format,
-              scale_rounding="floor"):
+              scale_rounding="floor", orientation="rows", tensor_amax=None):
     if x.numel() == 0:
         return x.clone()
     if block_size is not None:
         return _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_dim, scale_format,
-                                scale_rounding)
+                                scale_rounding, orientation, tensor_amax)
     if use_triton(x.device.type):
         from gradstats.ops.triton import quantize as kq
 
         if kq.supports(fmt):
             return kq.quantize_triton(x, fmt, scale=scale, rounding=rounding, overflow=overflow, generator=generator)
     return _quantize_eager(x, fmt, scale, rounding, overflow, generator)
-
-
-def mx_shared_exponent(amax: torch.Tensor, fmt: Union[FPFormat, str], rounding: str = "floor") -> torch.Tensor:
-    """The OCP MX shared exponent of blocks whose largest magnitude is ``amax`` (int32 tensor).
-
-    ``rounding`` (:data:`SCALE_ROUNDINGS`): ``"floor"`` (default, the OCP rule):
-    ``floor(log2(amax)) - fmt.emax``; ``"ceil"``: ``ceil(log2(amax)) - fmt.emax``; ``"even"``: ``amax``
-    rounded half up to ``fmt.man_bits`` mantissa bits first, then floor; ``"rceil"``:
-    ``ceil(log2(amax / fmt.max))`` (float32 division), so that no element saturates. Computed on the
-    float32 bit pattern as torchao's ``to_mx`` does (bit for bit its ``ScaleCalculationMode`` of the
-    same name); clamped to the E8M0 range ``[-127, 127]``; ``amax == 0`` (and NaN) gives ``-127``. A
-    block is encoded as ``quantize(x / 2**e, fmt, overflow="saturate") * 2**e``. This is the single
-    home of the rule: the format analysis uses it on model amaxes.
-
-    Example:
-        >>> import torch
-        >>> mx_shared_exponent(torch.tensor([1.0, 448.0, 500.0, 0.0]), "e4m3fn").tolist()
-        [-8, 0, 0, -127]
-        >>> mx_shared_exponent(torch.tensor([1.0, 448.0, 500.0, 0.0]), "e4m3fn", "rceil").tolist()
-        [-8, 0, 1, -127]
-    """
-    fmt = parse(fmt)
-    if rounding not in SCALE_ROUNDINGS:
-        raise ValueError(f"scale_rounding must be one of {SCALE_ROUNDINGS}, got {rounding!r}")
-    a = torch.nan_to_num(amax.float().abs(), nan=0.0, posinf=torch.finfo(torch.float32).max)
-    if rounding == "rceil":
-        with torch.no_grad():
-            e = torch.ceil(torch.log2(a / fmt.max)).clamp(-127, 127)
-        e = torch.where(a > 0, e, torch.full_like(e, -127.0)).to(torch.int32)
-        return e
-    bits = a.view(torch.int32)
-    if rounding == "even":
-        bits = (bits + (1 << (22 - fmt.man_bits))) & 0x7F800000
-    e = ((bits >> 23) & 0xFF) - 127
-    if rounding == "ceil":
-        e = e + ((bits & 0x7FFFFF) > 0).to(e.dtype)
-    e = torch.where(a > 0, e - fmt.emax, torch.full_like(e, -127))
-    return e.clamp_(-127, 127).to(torch.int32)
 
 
 def block_scales(
@@ -232,10 +212,14 @@ def block_scales(
     block_dim: int = -1,
     scale_format: Optional[str] = None,
     scale_rounding: Optional[str] = None,
+    orientation: str = "rows",
+    tensor_amax: Optional[float] = None,
 ) -> torch.Tensor:
     """Per-block decode scales ``X`` of ``x`` (float32): a block is stored as ``Q(x / X) * X``.
 
-    The result has ``x``'s shape with ``block_dim`` replaced by the number of blocks. The block amax
+    With ``orientation="rows"`` (the default) the result has ``x``'s shape with ``block_dim`` replaced
+    by the number of blocks along it; otherwise it is 1-D, in the order of
+    :func:`gradstats.ops.layout.to_blocks`. The block amax
     is taken over finite values. ``"e8m0"``: ``X = 2**mx_shared_exponent(amax)``. ``"e4m3"``
     (NVFP4 style): a float32 tensor scale ``t = amax(x) / (fmt.max * 448)`` (1 if ``x`` is all zero)
     and ``X = e4m3fn(amax_block / (fmt.max * t)) * t`` rounded to float32; ``X == 0`` marks blocks
@@ -251,10 +235,16 @@ def block_scales(
     if block_size is None:
         block_size = 32
     fmt = parse(fmt)
-    _check_block(x, block_size, block_dim, scale_format)
+    _check_block(x, block_size, block_dim, scale_format, orientation)
     _check_scale_rounding(scale_rounding)
-    xb, _ = _to_blocks(x, block_size, block_dim)
-    return _scales_of_blocks(xb, fmt, scale_format, scale_rounding)[..., 0].movedim(-1, _norm_dim(block_dim, x.dim()))
+    xb, ctx = to_blocks(x, block_size, orientation, block_dim)
+    X = _scales_of_blocks(xb, fmt, scale_format, scale_rounding, tensor_amax)[:, 0]
+    if orientation != "rows":
+        return X
+    shape = list(x.shape) if x.dim() else [1]
+    d = _norm_dim(block_dim, len(shape))
+    shape[d] = -(-shape[d] // block_size)
+    return from_gemm_matrix(X.reshape(ctx.M, -1), tuple(shape), block_dim).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +254,7 @@ def block_scales(
 _SCALE_MIN, _SCALE_MAX = 2.0 ** -127, 2.0 ** 127
 
 
-def _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format):
+def _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format, orientation="rows"):
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
@@ -310,7 +300,7 @@ def _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, 
         else:
             raise ValueError(f"quantize: scale must be None, a float or a tensor, got {type(scale).__name__}")
     if block_size is not None:
-        _check_block(x, block_size, block_dim, scale_format)
+        _check_block(x, block_size, block_dim, scale_format, orientation)
     elif scale_format not in SCALE_FORMATS:
         raise ValueError(f"quantize: scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
     return fmt, scale
@@ -320,7 +310,7 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def _check_block(x, block_size, block_dim, scale_format):
+def _check_block(x, block_size, block_dim, scale_format, orientation="rows"):
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"quantize: block_size must be a positive int, got {block_size!r}")
     if x.dim() == 0:
@@ -329,6 +319,7 @@ def _check_block(x, block_size, block_dim, scale_format):
         raise ValueError(f"quantize: block_dim must be in [{-x.dim()}, {x.dim() - 1}], got {block_dim!r}")
     if scale_format not in SCALE_FORMATS:
         raise ValueError(f"quantize: scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
+    check_orientation(orientation)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,36 +540,12 @@ def _round_generic(v, c, s, rounding, overflow, generator, rbits, *, key=None, l
 
 
 # ---------------------------------------------------------------------------------------------
-# block scaling
+# block scaling (the layout of the blocks: gradstats.ops.layout)
 # ---------------------------------------------------------------------------------------------
-def _to_blocks(x: torch.Tensor, block_size: int, block_dim: int):
-    """``x`` as float32 ``(..., nblocks, block_size)`` with ``block_dim`` moved last (zero padded)."""
-    xm = x.float().movedim(block_dim, -1)
-    n = xm.shape[-1]
-    pad = (-n) % block_size
-    if pad:
-        xm = torch.nn.functional.pad(xm, (0, pad))
-    return xm.reshape(*xm.shape[:-1], -1, block_size), n
-
-
-def _scales_of_blocks(xb: torch.Tensor, fmt: FPFormat, scale_format: str, scale_rounding: str = "floor") -> torch.Tensor:
-    """Decode scale per block, shape ``(..., nblocks, 1)``."""
-    ab = xb.abs()
-    ab = torch.where(torch.isfinite(ab), ab, 0.0)
-    amax = ab.amax(dim=-1, keepdim=True)
-    if scale_format == "e8m0":
-        return torch.ldexp(torch.ones_like(amax), mx_shared_exponent(amax, fmt, scale_rounding))
-    e4m3 = E4M3
-    tmax = amax.amax() if amax.numel() else amax.new_zeros(())
-    t = torch.where(tmax > 0, tmax / (fmt.max * e4m3.max), 1.0)
-    sb = _quantize_eager(amax / (fmt.max * t), e4m3, None, "nearest", "saturate", None)
-    return sb * t
-
-
 def _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_dim, scale_format,
-                     scale_rounding="floor"):
-    xb, n = _to_blocks(x, block_size, block_dim)
-    X = _scales_of_blocks(xb, fmt, scale_format, scale_rounding)
+                     scale_rounding="floor", orientation="rows", tensor_amax=None):
+    xb, ctx = to_blocks(x, block_size, orientation, block_dim)
+    X = _scales_of_blocks(xb, fmt, scale_format, scale_rounding, tensor_amax)
     Xs = torch.where(X > 0, X, 1.0)
     if use_triton(x.device.type):
         from gradstats.ops.triton import quantize as kq
@@ -594,5 +561,4 @@ def _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_di
         y = torch.where(X > 0, y, y * 0.0)
     if fmt.special == "fnuz":
         y = y + 0.0
-    y = y.reshape(*y.shape[:-2], -1)[..., :n].movedim(-1, block_dim)
-    return y.to(x.dtype).contiguous()
+    return from_blocks(y, ctx).to(x.dtype)

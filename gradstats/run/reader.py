@@ -385,7 +385,35 @@ class Run:
             >>> [run.samples("(root)", 1, call=c).numel() for c in (0, 1, None)]
             [12, 12, 24]
         """
+        return torch_cat_flat(self._sample_parts(layer, step, kind=kind, call=call, rank=rank))
+
+    def sample_matrix(self, layer: str, step: int, *, kind: str = "grad", call: int = 0,
+                      rank: int | None = None) -> torch.Tensor:
+        """The stored sample of one call as recorded: for a gradient, whole groups of tokens of the
+        channels-last matrix ``(tokens, channels)`` that both gradient GEMMs read
+        (:func:`gradstats.ops.layout.gemm_matrix`), so that block-scaled formats can be replayed on it
+        block for block (runs recorded before samples kept their layout give 1-D values). The ranks'
+        samples are stacked along the tokens.
+
+        Example:
+            >>> import gradstats, tempfile, torch
+            >>> m = torch.nn.Conv2d(1, 8, 3)
+            >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
+            ...     m(torch.randn(2, 1, 6, 6)).sum().backward(); t.step()
+            >>> gradstats.open_run(t.path).sample_matrix("(root)", 0).shape    # 2 x 4 x 4 tokens, 8 channels
+            torch.Size([32, 8])
+        """
         import torch
+
+        parts = self._sample_parts(layer, step, kind=kind, call=call, rank=rank)
+        if len({tuple(p.shape[1:]) for p in parts}) > 1:
+            raise ValueError(f"the samples of layer {layer!r} at step {step} differ in shape between ranks: "
+                             "read them one rank at a time (rank=...)")
+        return torch.cat(parts).to(torch.float32)
+
+    def _sample_parts(self, layer: str, step: int, *, kind: str = "grad", call: int | None = 0,
+                      rank: int | None = None) -> list:
+        """The stored parts (one per rank and call) of :meth:`samples`."""
         from safetensors import safe_open
 
         if call is not None and (isinstance(call, bool) or not isinstance(call, int) or call < 0):
@@ -417,7 +445,7 @@ class Run:
             p = self._check(r.file, by_file[(r.rank, r.file)])
             with safe_open(str(p), framework="pt") as f:
                 parts.append(f.get_tensor(sample_key(int(r.step), layer, kind, int(r.call))))
-        return torch.cat(parts).to(torch.float32)
+        return parts
 
     def summary(self, *, kind: str = "grad") -> pd.DataFrame:
         """One row per layer: type, output shape, steps captured, and over all captured steps
@@ -502,3 +530,10 @@ def open_run(path: str | os.PathLike[str]) -> Run:
         not a run
     """
     return Run(path)
+
+
+def torch_cat_flat(parts: list) -> "torch.Tensor":
+    """The samples' parts as one float32 1-D tensor (each part flattened in its stored order)."""
+    import torch
+
+    return torch.cat([p.reshape(-1) for p in parts]).to(torch.float32)

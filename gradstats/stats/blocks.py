@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from gradstats.formats import FPFormat, parse
+from gradstats.ops import layout as _layout
 
 __all__ = ["block_stats", "blocks_stats", "kernel_block_stats", "flushed_blocks", "oriented_block_stats", "flush_probability",
            "flushed_entries", "RANGE_BINS", "BLOCK_SIZES", "BELOW_BINS", "ORIENTATIONS"]
@@ -177,11 +178,11 @@ def flushed_blocks(rows: Iterable[Mapping[str, Any]] | Mapping[str, Any], fmt: F
     return {"low": low, "high": high, "estimate": (low + high) / 2, "blocks": int(total)}
 
 
-#: how a block-scaled GEMM consumes a gradient ``(..., K)`` viewed as ``(M, K)``: ``"rows"``, blocks
-#: of ``B`` along the last dim (``quantize``'s default ``block_dim=-1``, each row's last block
-#: partial); ``"columns"``, blocks of ``B`` down the ``M`` flattened leading entries (the
-#: weight-gradient GEMM's orientation); ``"2d"``, tiles of ``B x B``
-ORIENTATIONS = ("rows", "columns", "2d")
+#: how a block-scaled GEMM consumes a gradient viewed as its channels-last matrix ``(M, K)``
+#: (:mod:`gradstats.ops.layout`, the one home of the layout): ``"rows"``, blocks of ``B`` channels;
+#: ``"columns"``, blocks of ``B`` tokens (the weight-gradient GEMM's orientation); ``"2d"``, ``B x B`` tiles
+ORIENTATIONS = _layout.ORIENTATIONS
+check_orientation = _layout.check_orientation
 #: bins of the histogram of entries by binades below their block's maximum (the last one open)
 BELOW_BINS = 64
 
@@ -189,18 +190,6 @@ BELOW_BINS = 64
 def _orientation_of(row: Mapping[str, Any]) -> str:
     o = row.get("orientation")
     return o if isinstance(o, str) else "rows"
-
-
-def check_orientation(orientation: str) -> None:
-    """Raise a ValueError unless ``orientation`` is one of :data:`ORIENTATIONS`.
-
-    Example:
-        >>> check_orientation("rows")
-    """
-    if orientation not in ORIENTATIONS:
-        raise ValueError(f"orientation must be one of {ORIENTATIONS} ('rows': blocks along the last dim, as "
-                         f"quantize's block_dim=-1; 'columns': down the leading dims; '2d': B x B tiles), "
-                         f"got {orientation!r}")
 
 
 def _block_index(shape: tuple[int, int], b: int, orientation: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,11 +212,6 @@ def _block_index(shape: tuple[int, int], b: int, orientation: str, blocks: torch
     row = (r0[:, None] + k[None, :])[:, :, None]
     col = (c0[:, None] + k[None, :])[:, None, :]
     return (row * K + col).reshape(blocks.numel(), -1), ((row < M) & (col < K)).reshape(blocks.numel(), -1)
-
-
-def _n_blocks(shape: tuple[int, int], b: int, orientation: str) -> int:
-    M, K = shape
-    return {"rows": M * -(-K // b), "columns": -(-M // b) * K, "2d": -(-M // b) * -(-K // b)}[orientation]
 
 
 def oriented_block_stats(x: torch.Tensor, block_size: int, orientation: str = "rows", *, sample: int | None = None,
@@ -254,7 +238,7 @@ def oriented_block_stats(x: torch.Tensor, block_size: int, orientation: str = "r
         a = x.detach().reshape(-1)
         K = int(x.shape[-1]) if x.dim() else 1
         shape = (a.numel() // max(K, 1), K)
-        n = _n_blocks(shape, block_size, orientation)
+        n = _layout.n_blocks(*shape, block_size, orientation)
         k = sample if sample is None or orientation != "2d" else max(1, sample // block_size)
         sampled = k is not None and n > k
         if sampled:

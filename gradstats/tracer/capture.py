@@ -19,8 +19,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradstats.layers import module_types
 from gradstats.noise.record import Propagation, records_noise, sending_back, weight_grad_terms
 from gradstats.ops.host import Outbox
+from gradstats.ops.layout import channel_dim, gemm_matrix
 from gradstats.run import sample_key
 from gradstats.stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
 from gradstats.stats.blocks import BLOCK_SIZES, RANGE_BINS
@@ -76,6 +78,42 @@ def _dist_info() -> tuple[int, int]:
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
 
+
+
+#: tokens per group of a gradient's sample (:func:`token_groups`): a multiple of the block sizes of
+#: the formats users target (NVFP4 16, MX 32), so that blocks along the tokens and tiles are whole
+TOKEN_GROUP = 32
+
+
+def token_groups(m: torch.Tensor, k: int | None, generator: torch.Generator) -> torch.Tensor:
+    """A sample of about ``k`` values of the gradient matrix ``m`` ``(M tokens, K channels)``
+    (:func:`gradstats.ops.layout.gemm_matrix`) that keeps its block layout: whole groups of
+    :data:`TOKEN_GROUP` consecutive tokens, aligned, drawn uniformly without replacement and kept in
+    token order, each with all its channels. Every block a GEMM reads (along the channels, along the
+    tokens, ``16 x 16`` and ``32 x 32`` tiles) lies wholly inside the sample or outside it, so a
+    replay quantises the sampled blocks exactly as the whole tensor's. At least ``k`` values (whole
+    groups: fewer than one group more), ``m`` itself when it holds at most that many (or ``k`` is
+    None); fewer tokens per group when one group of 32 holds more than ``4 k`` values.
+
+    Example:
+        >>> m = torch.arange(128 * 4, dtype=torch.float32).reshape(128, 4)
+        >>> s = token_groups(m, 256, torch.Generator().manual_seed(0))
+        >>> s.shape, bool((s[1:, 0] - s[:-1, 0] >= 4).all()), int(s[0, 0]) % (32 * 4)
+        (torch.Size([64, 4]), True, 0)
+        >>> token_groups(m, 300, torch.Generator().manual_seed(0)).numel()     # 3 groups of 32 x 4
+        384
+    """
+    M, K = m.shape
+    if k is None or M * K <= k:
+        return m
+    g = TOKEN_GROUP
+    while g > 1 and g * K > 4 * k:                # very wide layers (a vocabulary's logits): fewer tokens
+        g //= 2
+    groups = M // g
+    take = max(1, min(groups, -(-k // (g * K))))
+    idx = sample_indices(groups, take, generator, m.device).sort().values.to(torch.int64)
+    rows = (idx[:, None] * g + torch.arange(g, device=m.device)[None, :]).reshape(-1)
+    return m[rows]
 
 
 def sample_indices(n: int, k: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -301,27 +339,34 @@ class Capture:
             if want_blocks:
                 from gradstats.stats.blocks import ORIENTATIONS, kernel_block_stats, oriented_block_stats
 
+                cd = self._channel_dim(layer, t)
                 done = [b for b in self.blocks if b in BLOCK_SIZES] if counts is not None else []
                 exact = dict(zip(done, kernel_block_stats(counts, t.numel(), done))) if done else {}
-                last = int(t.shape[-1]) if t.dim() else 1
+                m = gemm_matrix(t.detach(), cd)              # blocks as the GEMMs read them (ops.layout)
+                last = int(m.shape[-1])
                 gen = self._generator(t.device)
                 rows = []
                 for b in self.blocks:
                     for o in ORIENTATIONS:
-                        st = oriented_block_stats(t, b, o, sample=self.block_sample, generator=gen)
-                        if o == "rows" and b in exact and last % b == 0:   # memory order is row order:
-                            st = {**exact[b], "below_hist": st["below_hist"]}   # every block counted
+                        st = oriented_block_stats(m, b, o, sample=self.block_sample, generator=gen)
+                        if o == "rows" and b in exact and last % b == 0 and cd in (-1, t.dim() - 1):
+                            # memory order is row order: every block counted
+                            st = {**exact[b], "below_hist": st["below_hist"]}
                         rows.append({"step": step, "layer": layer, "kind": kind, "call": call, "block_size": b,
                                      "orientation": o, **st})
                 with self._lock:
                     self._pending_tables.setdefault("blocks", []).extend(dict(r, rank=self.rank) for r in rows)
         sample = None
         if do_samples:
-            flat = t.detach().reshape(-1)
             k = self.samples_per_capture
-            if k is not None and flat.numel() > k:
-                flat = flat[sample_indices(flat.numel(), k, self._generator(flat.device), flat.device)]
-            sample = (flat.to(torch.float32).clone(), t.numel())
+            if kind == "grad":            # whole token groups of the GEMM matrix: blocks replay as applied
+                m = token_groups(gemm_matrix(t.detach(), self._channel_dim(layer, t)), k, self._generator(t.device))
+                sample = (m.to(torch.float32).clone(), t.numel())
+            else:
+                flat = t.detach().reshape(-1)
+                if k is not None and flat.numel() > k:
+                    flat = flat[sample_indices(flat.numel(), k, self._generator(flat.device), flat.device)]
+                sample = (flat.to(torch.float32).clone(), t.numel())
         if vec is None and sample is None:
             return
         with self._lock:      # device tensors start their copies to the host now, read at the commit
@@ -329,6 +374,10 @@ class Capture:
                 self._pending.append((step, layer, kind, call, self._outbox.put(vec)))
             if sample is not None:
                 self._pending_samples[sample_key(step, layer, kind, call)] = (self._outbox.put(sample[0]), sample[1])
+
+    def _channel_dim(self, layer: str, t: torch.Tensor) -> int:
+        """The dim of ``layer``'s gradient ``t`` that holds its channels (:func:`gradstats.ops.layout.channel_dim`)."""
+        return channel_dim(module_types(self.modules[layer]), t.dim())
 
     def _capture_parameters(self) -> None:
         step = self.current_step

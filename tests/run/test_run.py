@@ -156,7 +156,8 @@ def test_sigkill_leaves_a_readable_run(tmp_path, delay, mode):
     df = run.stats(on_error="raise")
     assert set(df["step"]) == set(run.steps)
     for _, row in run.sample_index().iterrows():
-        assert run.samples(row.layer, row.step).numel() == 1000
+        n = run.samples(row.layer, row.step).numel()
+        assert n == row.n_samples and 1000 <= n <= row.n_total        # whole groups of tokens
     assert run.verify() == []
 
 

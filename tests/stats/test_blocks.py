@@ -107,7 +107,8 @@ def test_the_tracer_records_them_and_they_bound_what_formats_flush(tmp_path):
     shapes = dict(zip(run.layer_info()["name"], run.layer_info()["output_shape"]))
     checked = 0
     for layer in ("conv1", "conv2", "fc1"):
-        x = run.samples(layer, 1).reshape(shapes[layer])
+        x = run.sample_matrix(layer, 1)            # the whole gradient, as the GEMMs read it (channels last)
+        assert x.numel() == math.prod(shapes[layer])
         for b, fmt, sf in ((32, "e2m1fn", "e8m0"), (32, "e4m3fn", "e8m0"), (16, "e2m1fn", "e4m3")):
             row = t[(t.layer == layer) & (t.step == 1) & (t.block_size == b) & (t.orientation == "rows")].iloc[0].to_dict()
             assert {k: row[k] if not k.endswith("hist") else list(row[k]) for k in ("n_blocks", "n_sampled",

@@ -1,0 +1,78 @@
+"""Block scales: the rule of the decode scale each block of a gradient shares (OCP MX's E8M0 power of two,
+NVFP4's E4M3 scale under a float32 tensor scale), for :func:`gradstats.quantize` and the analysis.
+The blocks themselves are laid out by :mod:`gradstats.ops.layout`.
+
+Example:
+    >>> import torch
+    >>> mx_shared_exponent(torch.tensor([1.0, 448.0]), "e4m3fn").tolist()
+    [-8, 0]
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from gradstats.formats import FPFormat, parse
+from gradstats.scheme import E4M3, SCALE_ROUNDINGS
+
+__all__ = ["mx_shared_exponent"]
+
+
+def mx_shared_exponent(amax: torch.Tensor, fmt: Union[FPFormat, str], rounding: str = "floor") -> torch.Tensor:
+    """The OCP MX shared exponent of blocks whose largest magnitude is ``amax`` (int32 tensor).
+
+    ``rounding`` (:data:`SCALE_ROUNDINGS`): ``"floor"`` (default, the OCP rule):
+    ``floor(log2(amax)) - fmt.emax``; ``"ceil"``: ``ceil(log2(amax)) - fmt.emax``; ``"even"``: ``amax``
+    rounded half up to ``fmt.man_bits`` mantissa bits first, then floor; ``"rceil"``:
+    ``ceil(log2(amax / fmt.max))`` (float32 division), so that no element saturates. Computed on the
+    float32 bit pattern as torchao's ``to_mx`` does (bit for bit its ``ScaleCalculationMode`` of the
+    same name); clamped to the E8M0 range ``[-127, 127]``; ``amax == 0`` (and NaN) gives ``-127``. A
+    block is encoded as ``quantize(x / 2**e, fmt, overflow="saturate") * 2**e``. This is the single
+    home of the rule: the format analysis uses it on model amaxes.
+
+    Example:
+        >>> import torch
+        >>> mx_shared_exponent(torch.tensor([1.0, 448.0, 500.0, 0.0]), "e4m3fn").tolist()
+        [-8, 0, 0, -127]
+        >>> mx_shared_exponent(torch.tensor([1.0, 448.0, 500.0, 0.0]), "e4m3fn", "rceil").tolist()
+        [-8, 0, 1, -127]
+    """
+    fmt = parse(fmt)
+    if rounding not in SCALE_ROUNDINGS:
+        raise ValueError(f"scale_rounding must be one of {SCALE_ROUNDINGS}, got {rounding!r}")
+    a = torch.nan_to_num(amax.float().abs(), nan=0.0, posinf=torch.finfo(torch.float32).max)
+    if rounding == "rceil":
+        with torch.no_grad():
+            e = torch.ceil(torch.log2(a / fmt.max)).clamp(-127, 127)
+        e = torch.where(a > 0, e, torch.full_like(e, -127.0)).to(torch.int32)
+        return e
+    bits = a.view(torch.int32)
+    if rounding == "even":
+        bits = (bits + (1 << (22 - fmt.man_bits))) & 0x7F800000
+    e = ((bits >> 23) & 0xFF) - 127
+    if rounding == "ceil":
+        e = e + ((bits & 0x7FFFFF) > 0).to(e.dtype)
+    e = torch.where(a > 0, e - fmt.emax, torch.full_like(e, -127))
+    return e.clamp_(-127, 127).to(torch.int32)
+
+
+def _scales_of_blocks(xb: torch.Tensor, fmt: FPFormat, scale_format: str, scale_rounding: str = "floor",
+                      tensor_amax: Optional[float] = None) -> torch.Tensor:
+    """Decode scale per block of ``xb`` ``(..., n_blocks, B)``, shape ``(..., n_blocks, 1)``. NVFP4's
+    float32 tensor scale comes from ``tensor_amax`` where given (a part of a tensor quantised as the
+    whole tensor would be), else from the largest block amax."""
+    ab = xb.abs()
+    ab = torch.where(torch.isfinite(ab), ab, 0.0)
+    amax = ab.amax(dim=-1, keepdim=True)
+    if scale_format == "e8m0":
+        return torch.ldexp(torch.ones_like(amax), mx_shared_exponent(amax, fmt, scale_rounding))
+    e4m3 = E4M3
+    if tensor_amax is not None:
+        tmax = torch.tensor(float(tensor_amax), dtype=torch.float32, device=xb.device)
+    else:
+        tmax = amax.amax() if amax.numel() else amax.new_zeros(())
+    t = torch.where(tmax > 0, tmax / (fmt.max * e4m3.max), 1.0)
+    # e4m3fn, nearest-even, saturating: torch's cast, bit for bit gradstats.quantize's (checked in the tests)
+    sb = (amax / (fmt.max * t)).clamp(max=e4m3.max).to(torch.float8_e4m3fn).float()
+    return sb * t
