@@ -88,7 +88,7 @@ def operator_settings(rule: Any, row: Any, samples: Optional[torch.Tensor] = Non
     a = 0.0
     if rule.prunes:
         if rule.threshold_rule == "exact" and samples is not None:
-            a = float(pruning.exact_threshold(samples, rule.sparsity, stochastic=True))
+            a = float(pruning.exact_threshold(samples.reshape(-1), rule.sparsity, stochastic=True))
         else:
             how = "histogram" if rule.threshold_rule == "exact" else rule.threshold_rule
             a = float(np.asarray(pruning.threshold(np.array([rule.sparsity]), [row], threshold_rule=how))[0])
@@ -103,13 +103,23 @@ def operator_settings(rule: Any, row: Any, samples: Optional[torch.Tensor] = Non
     return a, scale
 
 
-def replay(rule: Any, x: torch.Tensor, threshold: float, scale: float, *, seed: int = 0) -> dict[str, float]:
+def replay(rule: Any, x: torch.Tensor, threshold: float, scale: float, *, seed: int = 0,
+           tensor_amax: Optional[float] = None) -> dict[str, float]:
     """The exact operator of ``rule`` at ``threshold`` and ``scale`` on the values ``x``: what it did
-    (:data:`QUANTITIES`) and the standard errors of the gain and the bias (``gain_se``, ``bias_se``)."""
+    (:data:`QUANTITIES`) and the standard errors of the gain and the bias (``gain_se``, ``bias_se``).
+
+    ``x``: a stored sample as :meth:`gradstats.run.Run.sample_matrix` gives it, whole token groups
+    of the channels-last gradient matrix, so that block scales are replayed on exactly the blocks apply
+    forms (:mod:`gradstats.ops.layout`; a 1-D sample of an older run is taken in its stored order);
+    ``tensor_amax``: the whole tensor's largest magnitude, from which NVFP4's tensor scale is taken."""
     from gradstats.ops.fused import prune_quantize
 
-    x = x.detach().float().reshape(-1)
+    x = x.detach().float()
+    if x.dim() != 2:
+        x = x.reshape(-1)
     q = rule.quantize_kwargs() if rule.quantizes else {"fmt": None, "rounding": rule.rounding}
+    if q.get("block_size") is not None and tensor_amax is not None and q.get("scale_format") == "e4m3":
+        q["tensor_amax"] = max(float(tensor_amax), threshold)    # pruning rounds small values up to the threshold
     out, c = prune_quantize(x, threshold, q.pop("fmt"), scale=scale, seed=seed, **q)
     n = max(c.n, 1)
     nz = max(int((x != 0).sum()), 1)
@@ -338,8 +348,14 @@ def check_layer(run: Any, layer: str, rule: Any, steps: Sequence[int], *, rows: 
             continue
         x = samples.get(step)
         a, s = operator_settings(rule, row, x)
-        pred = predict(rule, row, a, s)
-        rep = replay(rule, x, a, s, seed=seed + step) if x is not None and x.numel() else None
+        rep = (replay(rule, x, a, s, seed=seed + step, tensor_amax=_finite(row.get("max_abs")))
+               if x is not None and x.numel() else None)
+        whole_blocks = rule.quantizes and rule.block_size is not None and rep is not None and x.dim() == 2
+        # block scales: the replay on whole blocks of the sample, laid out as apply lays them, is the
+        # prediction (exact per block); the exchangeable-block model only where the run has no such sample
+        pred = {q: rep[q] for q in QUANTITIES} if whole_blocks else predict(rule, row, a, s)
+        source = ("blocks" if whole_blocks else "exchangeable blocks (no sample with its layout)"
+                  if rule.quantizes and rule.block_size is not None else "lognormal")
         # the replay (within its sampling noise) and the noise-free prediction must both hold
         probs = ["predicted: " + p for p in problems(rule, {**pred, "n": math.inf}, bias_bound=bias_bound,
                                                      flush_bound=flush_bound, overflow_bound=overflow_bound)]
@@ -347,6 +363,7 @@ def check_layer(run: Any, layer: str, rule: Any, steps: Sequence[int], *, rows: 
             probs += ["replayed: " + p for p in problems(rule, rep, bias_bound=bias_bound, flush_bound=flush_bound,
                                                          overflow_bound=overflow_bound)]
         rec = {"layer": layer, "step": int(step), "rule": rule.describe(), "threshold": a, "scale": s,
+               "predicted_from": source,
                "samples": 0 if rep is None else int(rep["n"]),
                **{f"predicted_{q}": pred[q] for q in QUANTITIES},
                **{f"replayed_{q}": (rep[q] if rep is not None else math.nan) for q in QUANTITIES},
@@ -355,13 +372,22 @@ def check_layer(run: Any, layer: str, rule: Any, steps: Sequence[int], *, rows: 
     return out
 
 
+def _finite(v: Any) -> Optional[float]:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
 def layer_samples(run: Any, layer: str, steps: Sequence[int], kind: str = "grad") -> dict[int, torch.Tensor]:
-    """The stored samples of ``layer``'s first call at each of ``steps`` that has them."""
+    """The stored samples of ``layer``'s first call at each of ``steps`` that has them, with their
+    layout (:meth:`gradstats.run.Run.sample_matrix`)."""
     idx = run.sample_index()
     if not len(idx):
         return {}
     have = set(idx.loc[(idx["layer"] == layer) & (idx["kind"] == kind) & (idx["call"] == 0), "step"].astype(int))
-    return {int(s): run.samples(layer, int(s), kind=kind, call=0) for s in steps if int(s) in have}
+    return {int(s): run.sample_matrix(layer, int(s), kind=kind, call=0) for s in steps if int(s) in have}
 
 
 def step_rows(run: Any, layers: Sequence[str], steps: Sequence[int], kind: str = "grad") -> dict[str, dict[int, Any]]:

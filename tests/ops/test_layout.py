@@ -8,7 +8,7 @@ from torch import nn
 
 import gradstats
 from gradstats.ops.block_scales import _scales_of_blocks
-from gradstats.ops.layout import (ORIENTATIONS, channel_dim, from_blocks, gemm_matrix, n_blocks, to_blocks)
+from gradstats.ops.layout import ORIENTATIONS, channel_dim, from_blocks, gemm_matrix, n_blocks, to_blocks
 from gradstats.ops.quantization import _quantize_eager
 from gradstats.scheme import E4M3
 
