@@ -265,11 +265,13 @@ def what_if(run: Any, formats: Union[str, FPFormat, Scheme, Iterable[Union[str, 
         rounding: ``"nearest"`` or ``"stochastic"`` (a scheme's own non-nearest rounding wins).
         scale: ``"amax"`` or a multiplier (per tensor).
         orientation: with ``block_size``, how the blocks run (:data:`gradstats.stats.blocks.ORIENTATIONS`):
-            ``"rows"`` (along the last dim, as ``quantize``'s ``block_dim=-1``), ``"columns"`` (down
-            the flattened leading dims: the weight-gradient GEMM's) or ``"2d"`` (``B x B`` tiles).
-            Where the run recorded the blocks (``trace(..., blocks=)``) the MX underflow is read from
-            them (``estimate`` ``"blocks"``); elsewhere it is the exchangeable model's, the same for
-            every orientation (``"exchangeable"``).
+            on the gradient's channels-last matrix (:mod:`gradstats.ops.layout`): ``"rows"`` (along
+            the channels: the data-gradient GEMM's, as ``quantize`` and ``apply`` lay blocks out),
+            ``"columns"`` (along the tokens: the weight-gradient GEMM's) or ``"2d"`` (``B x B`` tiles).
+            Where the run recorded the blocks (``trace``'s default records blocks of 16 and 32 on its
+            sampled steps) the MX and NVFP4 underflow is read from them (``estimate`` ``"blocks"``;
+            for NVFP4 up to the e4m3 rounding of its block scales); elsewhere it is the exchangeable
+            model's, the same for every orientation (``"exchangeable"``).
         steps: None (every step), a step, or a list of steps.
         layers: None (every layer), a glob, ``"re:PATTERN"`` or a list of names/globs.
         kind: which tensors (``"grad"``: the neural gradients).
@@ -360,7 +362,7 @@ def what_if_stats(stats: pd.DataFrame, formats: Union[str, FPFormat, Scheme, Ite
     for label, sch in fmts:
         f, block_size, scale_format = sch.element, sch.block_size, sch.scale_format_name
         rnd = sch.rounding if sch.rounding != "nearest" else rounding
-        below = _recorded_blocks(st, blocks, block_size, orientation) if sch.scale_format == E8M0 else None
+        below = _recorded_blocks(st, blocks, block_size, orientation) if block_size else None
         if block_size:
             used = np.bincount(grp, weights=(below[1] if below is not None else np.zeros(len(st))), minlength=n_g)
             each = np.bincount(grp, minlength=n_g)
@@ -371,9 +373,16 @@ def what_if_stats(stats: pd.DataFrame, formats: Union[str, FPFormat, Scheme, Ite
         if below is not None and below[1].any():
             from gradstats.stats.blocks import flush_probability
 
-            h, has = below
+            h, has, top = below
             tot = h.sum(axis=1)
-            from_blocks = h @ flush_probability(f, scale_format="e8m0", rounding=rnd) / np.where(tot > 0, tot, 1.0)
+            prob = flush_probability(f, scale_format=scale_format, rounding=rnd)
+            from_blocks = h @ prob / np.where(tot > 0, tot, 1.0)
+            if top is not None:              # NVFP4: blocks whose e4m3 scale underflows are flushed whole
+                from gradstats.stats.blocks import block_flush_probability
+
+                nt = top.sum(axis=1)
+                whole = top @ block_flush_probability(f, scale_format=scale_format) / np.where(nt > 0, nt, 1.0)
+                from_blocks = whole + (1.0 - whole) * from_blocks
             p["underflow"] = np.where(has, from_blocks, p["underflow"].to_numpy())
         df = pd.DataFrame({"step": first["step"].to_numpy(), "layer": first["layer"].to_numpy(), "format": label,
                            "block_size": block_size, "scale_format": scale_format if block_size else None,
@@ -393,10 +402,11 @@ def what_if_stats(stats: pd.DataFrame, formats: Union[str, FPFormat, Scheme, Ite
 
 
 def _recorded_blocks(stats: pd.DataFrame, blocks: Optional[pd.DataFrame], block_size: int,
-                     orientation: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
+                     orientation: str) -> Optional[tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]:
     """The ``below_hist`` of the recorded blocks (``block_size``, ``orientation``) of each row of
-    ``stats`` (``(R, BELOW_BINS)``, zeros where none) and whether it has them; None when the table
-    has none (no blocks traced, or a run from before they were recorded by orientation)."""
+    ``stats`` (``(R, BELOW_BINS)``, zeros where none), whether it has them, and their ``top_hist``
+    (None for runs recorded before it); None when the table has none (no blocks traced, or a run from
+    before they were recorded by orientation)."""
     from gradstats.stats.blocks import BELOW_BINS
 
     if blocks is None or not len(blocks) or "below_hist" not in blocks or "orientation" not in blocks:
@@ -414,7 +424,12 @@ def _recorded_blocks(stats: pd.DataFrame, blocks: Optional[pd.DataFrame], block_
     has = (where >= 0)
     h = np.zeros((len(stats), BELOW_BINS))
     h[has] = hb[where[has]]
-    return h, has & (h.sum(axis=1) > 0)
+    top = None
+    if "top_hist" in b and b["top_hist"].map(lambda v: v is not None and len(v) == BELOW_BINS).all():
+        tb = np.stack([np.asarray(t, dtype=np.float64) for t in b["top_hist"]])
+        top = np.zeros((len(stats), BELOW_BINS))
+        top[has] = tb[where[has]]
+    return h, has & (h.sum(axis=1) > 0), top
 
 
 def _predictions(stats: pd.DataFrame, fmt: FPFormat, *, scale: Union[str, float], rounding: str,

@@ -38,7 +38,7 @@ from gradstats.formats import FPFormat, parse
 from gradstats.ops import layout as _layout
 
 __all__ = ["block_stats", "blocks_stats", "kernel_block_stats", "flushed_blocks", "oriented_block_stats", "flush_probability",
-           "flushed_entries", "RANGE_BINS", "BLOCK_SIZES", "BELOW_BINS", "ORIENTATIONS"]
+           "block_flush_probability", "flushed_entries", "RANGE_BINS", "BLOCK_SIZES", "BELOW_BINS", "ORIENTATIONS"]
 
 #: bins of the dynamic-range histogram (binades 0..RANGE_BINS-1; the last one open)
 RANGE_BINS = 64
@@ -221,13 +221,18 @@ def oriented_block_stats(x: torch.Tensor, block_size: int, orientation: str = "r
     these blocks) and ``below_hist``, the non-zero entries counted by how many binades each sits
     below its block's maximum, ``floor(log2 max|x|) - floor(log2|x|)`` (:data:`BELOW_BINS`, the last
     bin open): what :func:`flushed_entries` turns into the fraction of entries a block-scaled format
-    flushes. ``sample``: that many blocks of rows or columns, ``sample // block_size`` tiles (the
+    flushes; and ``top_hist``, the non-zero entries counted by how many binades their block's maximum
+    sits below the tensor's, ``floor(log2 max|x|) - floor(log2 max|block|)``: where NVFP4's e4m3
+    block scale, under a float32 scale from the tensor's maximum, underflows and flushes the whole
+    block. ``sample``: that many blocks of rows or columns, ``sample // block_size`` tiles (the
     same number of entries), drawn uniformly with replacement; None: every block.
 
     Example:
         >>> x = torch.tensor([[1.0, 1.0], [2.0 ** -8, 2.0 ** -8]])
         >>> oriented_block_stats(x, 2, "rows")["below_hist"][:9], oriented_block_stats(x, 2, "columns")["below_hist"][:9]
         ([4, 0, 0, 0, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0, 0, 0, 2])
+        >>> oriented_block_stats(x, 2, "rows")["top_hist"][:9]
+        [2, 0, 0, 0, 0, 0, 0, 0, 2]
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -256,10 +261,15 @@ def oriented_block_stats(x: torch.Tensor, block_size: int, orientation: str = "r
         # one count over both histograms, a spare bin each for what is left out (no masked copies)
         r = torch.where(live, (hi - lo).clamp_(0, RANGE_BINS - 1), RANGE_BINS)
         below = torch.where(e > 0, (hi[:, None] - e).clamp_(0, BELOW_BINS - 1), BELOW_BINS)
-        c = torch.bincount(torch.cat([r, below.reshape(-1) + RANGE_BINS + 1]).to(torch.int64),
-                           minlength=RANGE_BINS + BELOW_BINS + 2).cpu().tolist()
+        fa = a.float().abs()
+        tmax = torch.where(torch.isfinite(fa), fa, 0.0).amax() if a.numel() else fa.new_zeros(())
+        top_e = (tmax.view(torch.int32) >> 23)                # the tensor maximum's binade (biased)
+        top = torch.where(e > 0, (top_e - hi)[:, None].clamp(0, BELOW_BINS - 1), BELOW_BINS)
+        o1, o2 = RANGE_BINS + 1, RANGE_BINS + BELOW_BINS + 2
+        c = torch.bincount(torch.cat([r, below.reshape(-1) + o1, top.reshape(-1) + o2]).to(torch.int64),
+                           minlength=o2 + BELOW_BINS + 1).cpu().tolist()
         return {"n_blocks": int(n), "n_sampled": int(which.numel()), "n_zero_blocks": int(which.numel() - int(live.sum())),
-                "range_hist": c[:RANGE_BINS], "below_hist": c[RANGE_BINS + 1:RANGE_BINS + 1 + BELOW_BINS]}
+                "range_hist": c[:RANGE_BINS], "below_hist": c[o1:o1 + BELOW_BINS], "top_hist": c[o2:o2 + BELOW_BINS]}
 
 
 def flush_probability(fmt: FPFormat | str, *, scale_format: str = "e8m0", rounding: str = "nearest") -> np.ndarray:
@@ -305,11 +315,39 @@ def flush_probability(fmt: FPFormat | str, *, scale_format: str = "e8m0", roundi
     return p.mean(axis=1)
 
 
+def block_flush_probability(fmt: FPFormat | str, *, scale_format: str = "e8m0") -> np.ndarray:
+    """The probability that a block whose maximum sits ``D`` binades below the tensor's
+    (``D = 0..BELOW_BINS - 1``, the index of ``top_hist``) is flushed whole because its scale
+    underflows. ``"e4m3"`` (NVFP4): the block scale ``e4m3(m / (fmt.max * t))`` with the float32
+    tensor scale ``t = max|x| / (fmt.max * 448)`` is ``448 m / max|x|`` rounded to e4m3fn, zero below
+    half its smallest subnormal ``2**-9``, with the two maxima's positions within their binades taken
+    as independent and log-uniform. ``"e8m0"`` (MX): zeros (its scales reach ``2**-127``).
+
+    Example:
+        >>> p = block_flush_probability("e2m1fn", scale_format="e4m3")
+        >>> p[17].item(), p[21].item()
+        (0.0, 1.0)
+    """
+    parse(fmt)                                                       # a format, else a ValueError
+    if scale_format not in ("e8m0", "e4m3"):
+        raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
+    if scale_format == "e8m0":
+        return np.zeros(BELOW_BINS)
+    e4m3 = parse("e4m3fn")
+    g = (np.arange(256) + 0.5) / 256
+    pos = (g[:, None] - g[None, :]).reshape(-1)                      # f_m - f_t
+    d = np.arange(BELOW_BINS, dtype=np.float64)
+    scaled = math.log2(e4m3.max) - d[:, None] + pos[None, :]         # log2(448 m / max|x|)
+    return (scaled < math.log2(e4m3.min_subnormal) - 1).mean(axis=1).astype(np.float64)
+
+
 def flushed_entries(below_hist: Iterable[int] | np.ndarray, fmt: FPFormat | str, *, scale_format: str = "e8m0",
-                    rounding: str = "nearest") -> float:
+                    rounding: str = "nearest", top_hist: Iterable[int] | np.ndarray | None = None) -> float:
     """The fraction of the non-zero entries that block scaling flushes to zero (the expected fraction
     under stochastic rounding), from a ``below_hist`` (:func:`oriented_block_stats`; several rows'
-    summed): ``below_hist @ flush_probability(...) / sum(below_hist)``; 0.0 without entries.
+    summed): ``below_hist @ flush_probability(...) / sum(below_hist)``; 0.0 without entries. With a
+    ``top_hist`` (NVFP4's two-level scale), the entries of blocks flushed whole
+    (:func:`block_flush_probability`) count too, the rest as before.
 
     Example:
         >>> flushed_entries(oriented_block_stats(torch.tensor([[1.0, 2.0 ** -8]]), 2)["below_hist"], "e2m1fn")
@@ -320,4 +358,12 @@ def flushed_entries(below_hist: Iterable[int] | np.ndarray, fmt: FPFormat | str,
         raise ValueError(f"below_hist must hold {BELOW_BINS} counts (entries by binades below their block's "
                          f"maximum), got shape {h.shape}")
     total = h.sum()
-    return float(h @ flush_probability(fmt, scale_format=scale_format, rounding=rounding) / total) if total > 0 else 0.0
+    inner = float(h @ flush_probability(fmt, scale_format=scale_format, rounding=rounding) / total) if total > 0 else 0.0
+    if top_hist is None:
+        return inner
+    top = np.asarray(top_hist, dtype=np.float64)
+    n = top.sum()
+    if n <= 0:
+        return inner
+    whole = float(top @ block_flush_probability(fmt, scale_format=scale_format)) / n
+    return whole + (1.0 - whole) * inner

@@ -149,6 +149,7 @@ class Capture:
     config: "TraceConfig"
     kinds: tuple[str, ...]
     blocks: tuple[int, ...] | None
+    blocks_on_samples: bool
     block_sample: int | None
     samples_per_capture: int | None
     seed: int
@@ -326,7 +327,7 @@ class Capture:
         # with or without grad mode
         vec = None
         if do_stats:
-            want_blocks = self.blocks is not None and kind == "grad"
+            want_blocks = self.blocks is not None and kind == "grad" and (do_samples or not self.blocks_on_samples)
             counts = None
             if kernel_applies(t):     # the common case on the CPU: the kernel writes a row in place
                 if want_blocks and set(self.blocks) & set(BLOCK_SIZES):   # and counts every block of those
@@ -351,7 +352,7 @@ class Capture:
                         st = oriented_block_stats(m, b, o, sample=self.block_sample, generator=gen)
                         if o == "rows" and b in exact and last % b == 0 and cd in (-1, t.dim() - 1):
                             # memory order is row order: every block counted
-                            st = {**exact[b], "below_hist": st["below_hist"]}
+                            st = {**exact[b], "below_hist": st["below_hist"], "top_hist": st["top_hist"]}
                         rows.append({"step": step, "layer": layer, "kind": kind, "call": call, "block_size": b,
                                      "orientation": o, **st})
                 with self._lock:

@@ -103,7 +103,7 @@ class TraceConfig:
     start_step: Optional[int] = None
     sinks: Sequence[Any] = ()
     alarms: Any = True
-    blocks: Optional[Sequence[int]] = None
+    blocks: Union[str, Sequence[int], None] = "samples"
     block_sample: Optional[int] = 512
     noise: bool = True
 
@@ -137,11 +137,14 @@ class TraceConfig:
         if st is not None and (isinstance(st, bool) or not isinstance(st, int) or st < 0):
             raise ValueError(f"start_step must be a step number >= 0 or None, got {st!r}")
         blocks = self.blocks
-        if blocks is not None:
+        if isinstance(blocks, str) and blocks != "samples":
+            raise ValueError(f"blocks must be 'samples' (NVFP4's and MX's blocks of 16 and 32 on the steps that "
+                             f"take samples), None, or positive block sizes such as (16, 32); got {blocks!r}")
+        if blocks is not None and blocks != "samples":
             blocks = (blocks,) if isinstance(blocks, int) and not isinstance(blocks, bool) else tuple(blocks)
             if not blocks or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in blocks):
-                raise ValueError(f"blocks must be None or positive block sizes, e.g. (16, 32) for NVFP4 and MX; "
-                                 f"got {self.blocks!r}")
+                raise ValueError(f"blocks must be 'samples', None or positive block sizes, e.g. (16, 32) for NVFP4 "
+                                 f"and MX; got {self.blocks!r}")
             put("blocks", blocks)
         bs = self.block_sample
         if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):

@@ -35,6 +35,7 @@ from gradstats.noise.record import Propagation
 from gradstats.ops.host import Outbox
 from gradstats.run import RunWriter, last_committed_step
 from gradstats.stats import VectorRows
+from gradstats.stats.blocks import BLOCK_SIZES
 from gradstats.tracer.capture import Capture, _dist_info
 from gradstats.tracer.commit import Commit
 from gradstats.tracer.config import LayerSelect, Schedule, TraceConfig, module_selector, schedule
@@ -65,7 +66,7 @@ class Tracer(Capture, Commit):
                  optimizer: torch.optim.Optimizer | None = None,
                  max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
                  resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
-                 alarms: Any = True, blocks: Sequence[int] | None = None,
+                 alarms: Any = True, blocks: str | Sequence[int] | None = "samples",
                  block_sample: int | None = 512, noise: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"trace() needs a torch.nn.Module as model, got {type(model).__name__}")
@@ -82,8 +83,11 @@ class Tracer(Capture, Commit):
         layers, samples, max_bytes, seed = cfg.layers, cfg.samples, cfg.max_bytes, cfg.seed
         resume, start_step, noise = cfg.resume, cfg.start_step, cfg.noise
         self.kinds = tuple(cfg.kinds)
-        #: block sizes of the per-block statistics (:mod:`gradstats.stats.blocks`), or None
-        self.blocks = None if cfg.blocks is None else tuple(cfg.blocks)
+        #: block sizes of the per-block statistics (:mod:`gradstats.stats.blocks`), or None; taken on
+        #: the sampled steps only with ``blocks="samples"`` (the default)
+        self.blocks_on_samples = cfg.blocks == "samples"
+        self.blocks = (BLOCK_SIZES if self.blocks_on_samples else
+                       None if cfg.blocks is None else tuple(cfg.blocks))
         self.block_sample = cfg.block_sample
         sinks = list(cfg.sinks)
         from gradstats.alarms import as_alarms
@@ -304,7 +308,7 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, config: TraceConfig
           kinds: Iterable[str] = ("grad",), optimizer: torch.optim.Optimizer | None = None,
           max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
           resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
-          alarms: Any = True, blocks: Sequence[int] | None = None, block_sample: int | None = 512,
+          alarms: Any = True, blocks: str | Sequence[int] | None = "samples", block_sample: int | None = 512,
           noise: bool = True) -> Tracer:
     """Trace the neural gradients of ``model`` into the run directory ``path``.
 
@@ -351,11 +355,12 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, config: TraceConfig
             watch: ``Alarms(watch="e4m3fn,e2m1fn", flush_bound=0.5)``). Checked on the writer thread.
         blocks: block sizes (``(16, 32)``: NVFP4 and MX) of per-block statistics of each neural
             gradient on the steps statistics are taken, in each orientation a GEMM consumes it
-            (rows, columns, ``B x B`` tiles): the blocks' dynamic ranges and the entries' binades
-            below their block's maximum, into the run's ``"blocks"`` table
-            (:mod:`gradstats.stats.blocks`; :func:`gradstats.what_if` reads the MX underflow from
-            them, :func:`gradstats.stats.blocks.flushed_blocks` the fraction of blocks flushed).
-            Opt-in. On the CPU the dynamic ranges of row blocks of 16 and 32 are counted, every one,
+            (rows of channels, columns of tokens, ``B x B`` tiles; :mod:`gradstats.ops.layout`): the
+            blocks' dynamic ranges and the entries' binades below their block's maximum, into the run's
+            ``"blocks"`` table (:mod:`gradstats.stats.blocks`; :func:`gradstats.what_if` reads the MX and
+            NVFP4 underflow from them, :func:`gradstats.stats.blocks.flushed_blocks` the fraction of
+            blocks flushed). ``"samples"`` (the default): blocks of 16 and 32 on the steps that take
+            samples, where a block plan calibrates; None: none. On the CPU the dynamic ranges of row blocks of 16 and 32 are counted, every one,
             in the statistics kernel's own pass where the last dim is a multiple of the size.
         block_sample: blocks counted per tensor, block size and orientation, a uniform random
             sample (default 512, ``512 / B`` tiles: a cost that does not grow with the tensor,

@@ -112,7 +112,7 @@ def test_the_tracer_records_them_and_they_bound_what_formats_flush(tmp_path):
         for b, fmt, sf in ((32, "e2m1fn", "e8m0"), (32, "e4m3fn", "e8m0"), (16, "e2m1fn", "e4m3")):
             row = t[(t.layer == layer) & (t.step == 1) & (t.block_size == b) & (t.orientation == "rows")].iloc[0].to_dict()
             assert {k: row[k] if not k.endswith("hist") else list(row[k]) for k in ("n_blocks", "n_sampled",
-                    "n_zero_blocks", "range_hist", "below_hist")} == oriented_block_stats(x, b, "rows")
+                    "n_zero_blocks", "range_hist", "below_hist", "top_hist")} == oriented_block_stats(x, b, "rows")
             bounds = flushed_blocks(row, fmt, scale_format=sf)
             got = _measured_flushed(x, fmt, b, sf)
             assert bounds["low"] - 1e-3 <= got <= bounds["high"] + 1e-3, (layer, fmt, sf, bounds, got)
