@@ -528,3 +528,17 @@ def test_granted_thresholds_quick():
     assert table["exported / applied, min"].between(0.5, 2).all() and table["exported / applied, max"].between(0.5, 2).all()
     assert (table["requested's / applied, min"] > 2).all()
     assert ((table["predicted sparsity"] - table["achieved sparsity"]).abs() < 0.02).all()
+
+
+def test_four_bit_fidelity_quick(out):
+    """NVFP4 and MX plans on a MobileNetV2-style CNN (conv outputs 14, 7, 4 wide), frozen: every
+    planned layer's flushed and clipped fractions within max(0.5x, 0.01) of the plan's prediction,
+    its gain within 0.01 of the plan's and 0.02 of 1, and each plan passes its own verify."""
+    mod = _load("four_bit_fidelity")
+    assert mod.main(["--quick", "--out", str(out / "four_bit.json")]) == 0
+    payload = json.loads((out / "four_bit.json").read_text())
+    plans = payload[0]["plans"]
+    assert set(plans) >= {"nvfp4", "mx"}
+    for p in plans.values():
+        assert p["verify_ok"] and p["layers"] and all(r["ok"] for r in p["layers"])
+        assert all(math.isfinite(r["running_predicted_flushed"]) for r in p["layers"] if r["predicted_flushed"])
