@@ -194,7 +194,8 @@ class Applied(Refreshing, Alerting, DevicePath):
     def _quantize_args(self, name: str, rule: Any, g: torch.Tensor) -> dict[str, Any]:
         """The rule's own quantize arguments (format, rounding, blocks and their scales: one home),
         with blocks laid out along the layer's channels, as the data-gradient GEMM reads them
-        (:mod:`gradstats.ops.layout`)."""
+        (:mod:`gradstats.ops.layout`); with a Hadamard transform (``"nvfp4_training"``) along the
+        tokens, rotated, as the weight-gradient GEMM reads them (:func:`gradstats.quantize`)."""
         if not rule.quantizes:
             return {"fmt": None, "rounding": rule.rounding}
         q = rule.quantize_kwargs()
@@ -448,8 +449,9 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
             stochastic rounding's flushes are unbiased and not checked); None: no check.
         overflow_bound: warn when more than this fraction of a call's entries are clipped at the
             format's maximum (or more than the plan predicted, if more); None: no check.
-        bias_bound: warn when the magnitude gain ``<out, g> / <g, g>`` of a call, or of all calls
-            so far, is off 1 by more than this beyond five standard errors; None: no check.
+        bias_bound: warn when the magnitude gain ``<out, g> / <g, g>`` of a call is off 1 by more than
+            this beyond five standard errors, or that of all calls so far beyond two (and by five off
+            1: a sustained shrinkage alerts within a few calls); None: no check.
         zero_calls: warn when a layer's enforced gradient is all zeros this many calls in a
             row; None: no check.
         fallback: None (off, the default), a :class:`Fallback`, or a name of

@@ -31,9 +31,10 @@ UNDERFLOW_BOUND = 0.01
 #: Alert "overflow": more than this fraction of a call's entries saturated at the format's maximum
 #: (or more than the plan predicted, if it predicted more), beyond sampling noise
 OVERFLOW_BOUND = 0.001
-#: Alert "gain": the magnitude gain ``<out, g> / <g, g>`` of a call, or of all calls so far, is off 1
-#: by more than this beyond five standard errors of its own random draws (the bias bound of
-#: ``recommend``: pruning and stochastic rounding are unbiased, so a gain off 1 is flushing or clipping)
+#: Alert "gain": the magnitude gain ``<out, g> / <g, g>`` of a call is off 1 by more than this beyond
+#: five standard errors of its own random draws, or that of all calls so far beyond two standard errors
+#: of theirs (and by five off 1): a sustained 1.5% shrinkage alerts within a few calls (the bias bound
+#: of ``recommend``: pruning and stochastic rounding are unbiased, so a gain off 1 is flushing or clipping)
 BIAS_BOUND = 0.01
 #: Alert "zero_gradient": the gradient leaving the layer was all zeros for this many calls in
 #: a row (nothing reaches its weights: the symptom of a broken low-precision kernel or scale).
