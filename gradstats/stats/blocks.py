@@ -215,7 +215,8 @@ def _block_index(shape: tuple[int, int], b: int, orientation: str, blocks: torch
 
 
 def oriented_block_stats(x: torch.Tensor, block_size: int, orientation: str = "rows", *, sample: int | None = None,
-                         generator: torch.Generator | None = None) -> dict[str, Any]:
+                         generator: torch.Generator | None = None,
+                         tensor_max: torch.Tensor | float | None = None) -> dict[str, Any]:
     """Per-block statistics of ``x`` in blocks as a GEMM consumes it (:data:`ORIENTATIONS`; ``x``
     viewed as ``(M, K)``, ``K`` its last dim): the keys of :func:`block_stats` (``range_hist`` of
     these blocks) and ``below_hist``, the non-zero entries counted by how many binades each sits
@@ -224,7 +225,8 @@ def oriented_block_stats(x: torch.Tensor, block_size: int, orientation: str = "r
     flushes; and ``top_hist``, the non-zero entries counted by how many binades their block's maximum
     sits below the tensor's, ``floor(log2 max|x|) - floor(log2 max|block|)``: where NVFP4's e4m3
     block scale, under a float32 scale from the tensor's maximum, underflows and flushes the whole
-    block. ``sample``: that many blocks of rows or columns, ``sample // block_size`` tiles (the
+    block (``tensor_max``: the tensor's largest finite magnitude where the caller has it, else
+    computed here). ``sample``: that many blocks of rows or columns, ``sample // block_size`` tiles (the
     same number of entries), drawn uniformly with replacement; None: every block.
 
     Example:
@@ -261,15 +263,32 @@ def oriented_block_stats(x: torch.Tensor, block_size: int, orientation: str = "r
         # one count over both histograms, a spare bin each for what is left out (no masked copies)
         r = torch.where(live, (hi - lo).clamp_(0, RANGE_BINS - 1), RANGE_BINS)
         below = torch.where(e > 0, (hi[:, None] - e).clamp_(0, BELOW_BINS - 1), BELOW_BINS)
-        fa = a.float().abs()
-        tmax = torch.where(torch.isfinite(fa), fa, 0.0).amax() if a.numel() else fa.new_zeros(())
-        top_e = (tmax.view(torch.int32) >> 23)                # the tensor maximum's binade (biased)
+        tmax = (finite_max(a) if tensor_max is None else
+                torch.as_tensor(tensor_max, dtype=torch.float32, device=a.device).reshape(()))
+        top_e = (tmax.float().view(torch.int32) >> 23)        # the tensor maximum's binade (biased)
         top = torch.where(e > 0, (top_e - hi)[:, None].clamp(0, BELOW_BINS - 1), BELOW_BINS)
         o1, o2 = RANGE_BINS + 1, RANGE_BINS + BELOW_BINS + 2
         c = torch.bincount(torch.cat([r, below.reshape(-1) + o1, top.reshape(-1) + o2]).to(torch.int64),
                            minlength=o2 + BELOW_BINS + 1).cpu().tolist()
         return {"n_blocks": int(n), "n_sampled": int(which.numel()), "n_zero_blocks": int(which.numel() - int(live.sum())),
                 "range_hist": c[:RANGE_BINS], "below_hist": c[o1:o1 + BELOW_BINS], "top_hist": c[o2:o2 + BELOW_BINS]}
+
+
+def finite_max(x: torch.Tensor) -> torch.Tensor:
+    """The largest finite magnitude of ``x`` (float32, 0-d, on its device; 0 when it has none): one
+    pass, a second only when ``x`` holds an inf or NaN.
+
+    Example:
+        >>> finite_max(torch.tensor([1.0, -3.0, float("inf")])).item()
+        3.0
+    """
+    if not x.numel():
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    m = x.detach().abs().amax().float()
+    if bool(torch.isfinite(m)):
+        return m
+    a = x.detach().float().abs()
+    return torch.where(torch.isfinite(a), a, 0.0).amax()
 
 
 def flush_probability(fmt: FPFormat | str, *, scale_format: str = "e8m0", rounding: str = "nearest") -> np.ndarray:

@@ -338,18 +338,19 @@ class Capture:
             else:
                 vec = tensor_stats_vector(t)
             if want_blocks:
-                from gradstats.stats.blocks import ORIENTATIONS, kernel_block_stats, oriented_block_stats
+                from gradstats.stats.blocks import ORIENTATIONS, finite_max, kernel_block_stats, oriented_block_stats
 
                 cd = self._channel_dim(layer, t)
                 done = [b for b in self.blocks if b in BLOCK_SIZES] if counts is not None else []
                 exact = dict(zip(done, kernel_block_stats(counts, t.numel(), done))) if done else {}
                 m = gemm_matrix(t.detach(), cd)              # blocks as the GEMMs read them (ops.layout)
                 last = int(m.shape[-1])
+                tmax = finite_max(m)
                 gen = self._generator(t.device)
                 rows = []
                 for b in self.blocks:
                     for o in ORIENTATIONS:
-                        st = oriented_block_stats(m, b, o, sample=self.block_sample, generator=gen)
+                        st = oriented_block_stats(m, b, o, sample=self.block_sample, generator=gen, tensor_max=tmax)
                         if o == "rows" and b in exact and last % b == 0 and cd in (-1, t.dim() - 1):
                             # memory order is row order: every block counted
                             st = {**exact[b], "below_hist": st["below_hist"], "top_hist": st["top_hist"]}
