@@ -38,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gradstats  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plan_fidelity import ConvNeXtTiny, probe  # noqa: E402  (the probes and the ConvNeXt of that study)
+
 log = logging.getLogger("four_bit_fidelity")
 RESULTS = Path(__file__).resolve().parent / "results" / "four_bit_fidelity.json"
 PLANS = {"nvfp4": dict(bits=4, granularity="nvfp4"), "mx": dict(bits=4, granularity="mx")}
@@ -94,13 +97,7 @@ def workload(name: str):
         from gradstats.zoo.data import load_fashion_mnist
 
         data = load_fashion_mnist(split="train", source="subset", subset=2000)
-        if name == "mobilenet":
-            model: nn.Module = MobileNetV2Tiny()
-        else:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from plan_fidelity import ConvNeXtTiny
-
-            model = ConvNeXtTiny()
+        model: nn.Module = MobileNetV2Tiny() if name == "mobilenet" else ConvNeXtTiny()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
         def loss() -> torch.Tensor:
@@ -120,17 +117,23 @@ def workload(name: str):
     return model, opt, loss
 
 
-def probe(model: nn.Module, names: list[str], store: dict[str, list], key: str) -> list:
-    """Forward hooks that register a tensor hook reading each named module's output gradient."""
-    modules = dict(model.named_modules())
-    handles = []
-    for n in names:
-        def hook(mod, inp, out, n=n):
-            t = out[0] if isinstance(out, tuple) else out
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda g: store.setdefault(n, []).append((key, g.detach().clone())))
-        handles.append(modules[n].register_forward_hook(hook))
-    return handles
+def run_applied(model: nn.Module, opt, loss, plan, names: list[str], steps: int, on_step=None):
+    """``plan`` applied for ``steps`` training steps with probes before and after its operator on the
+    ``names`` layers: ``(applied, {layer: [("in" | "out", gradient), ...]})``."""
+    seen: dict[str, list] = {}
+    pre = probe(model, names, seen, "in")
+    applied = gradstats.apply(model, plan)
+    post = probe(model, names, seen, "out")
+    for k in range(steps):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+        if on_step is not None:
+            on_step(k, applied)
+    for h in pre + post:
+        h.remove()
+    applied.remove()
+    return applied, seen
 
 
 def within(got: float, pred: float | None) -> bool:
@@ -160,17 +163,7 @@ def measure(name: str, steps: int, apply_steps: int, train_steps: int) -> dict:
         vt = v.per_layer()
         rules = plan.resolve(model)
         names = [n for n, r in rules.items() if not r.is_identity]
-        seen: dict[str, list] = {}
-        pre = probe(model, names, seen, "in")
-        applied = gradstats.apply(model, plan)
-        post = probe(model, names, seen, "out")
-        for _ in range(apply_steps):
-            opt.zero_grad()
-            loss().backward()
-            opt.step()
-        for h in pre + post:
-            h.remove()
-        applied.remove()
+        applied, seen = run_applied(model, opt, loss, plan, names, apply_steps)
         hist = applied.to_dataframe()
         layers = []
         for n in names:
@@ -217,21 +210,13 @@ def training(model, opt, loss, plan, state, opt_state, lrs, steps: int) -> dict:
         g["lr"] = lr
     rules = plan.resolve(model)
     names = [n for n, r in rules.items() if r.quantizes]
-    seen: dict[str, list] = {}
-    pre = probe(model, names, seen, "in")
-    applied = gradstats.apply(model, plan)
-    post = probe(model, names, seen, "out")
     first_alert: dict[str, int] = {}
-    for k in range(steps):
-        opt.zero_grad()
-        loss().backward()
-        opt.step()
+
+    def note_alerts(k: int, applied) -> None:
         for n in names:
             if applied.alerts.get(n) and n not in first_alert:
                 first_alert[n] = k
-    for h in pre + post:
-        h.remove()
-    applied.remove()
+    applied, seen = run_applied(model, opt, loss, plan, names, steps, note_alerts)
     hist = applied.to_dataframe()
     layers = {}
     for n in names:
