@@ -3,23 +3,33 @@
 A scheme is an element format (:class:`~gradstats.formats.FPFormat`), a block size (None: one scale
 per tensor), the block scale's format (:data:`E8M0`, the OCP MX power of two, or :data:`E4M3`, NVFP4's
 ``e4m3fn``) and how an E8M0 scale is rounded (:data:`SCALE_ROUNDINGS`), the second-level per-tensor
-scale of NVFP4 (:data:`FP32`), and the element rounding (:data:`gradstats.formats.ROUNDINGS`).
+scale of NVFP4 (:data:`FP32`), the element rounding (:data:`gradstats.formats.ROUNDINGS`), and an optional
+random Hadamard transform of the tokens before quantisation (:data:`HADAMARD_SIZES`; see
+:mod:`gradstats.ops.hadamard`).
 
 The presets are named as the OCP Microscaling spec (v1.0) and Transformer Engine / torchao name them:
 
-============  ========  =====  ============  ============
-name          elements  block  block scale   tensor scale
-============  ========  =====  ============  ============
-mxfp8_e4m3    e4m3fn    32     e8m0          --
-mxfp8_e5m2    e5m2      32     e8m0          --
-mxfp6_e2m3    e2m3fn    32     e8m0          --
-mxfp6_e3m2    e3m2fn    32     e8m0          --
-mxfp4         e2m1fn    32     e8m0          --
-nvfp4         e2m1fn    16     e4m3fn        float32
-============  ========  =====  ============  ============
+==============  ========  =====  ============  ============  ==========  ========
+name            elements  block  block scale   tensor scale  rounding    Hadamard
+==============  ========  =====  ============  ============  ==========  ========
+mxfp8_e4m3      e4m3fn    32     e8m0          --            nearest     --
+mxfp8_e5m2      e5m2      32     e8m0          --            nearest     --
+mxfp6_e2m3      e2m3fn    32     e8m0          --            nearest     --
+mxfp6_e3m2      e3m2fn    32     e8m0          --            nearest     --
+mxfp4           e2m1fn    32     e8m0          --            nearest     --
+nvfp4           e2m1fn    16     e4m3fn        float32       nearest     --
+nvfp4_training  e2m1fn    16     e4m3fn        float32       stochastic  16
+==============  ========  =====  ============  ============  ==========  ========
+
+``nvfp4_training`` is the gradient's treatment in NVIDIA's NVFP4 pretraining recipe ("Pretraining
+Large Language Models with NVFP4", 2025; Transformer Engine's ``NVFP4BlockScaling``, torchao's
+``NVFP4TrainingConfig``): NVFP4 blocks, stochastic rounding, and a 16-point random Hadamard transform
+of the weight-gradient GEMM's operand along the tokens, quantised in blocks along the tokens
+(:func:`gradstats.quantize` documents what one emulated gradient means for the two GEMMs).
 
 A scheme's text form is a preset or format name followed by ``:key=value`` changes (``block``,
-``scale``, ``scale_rounding``, ``rounding``); ``str()`` gives it and :meth:`Scheme.parse` reads it back.
+``scale``, ``scale_rounding``, ``rounding``, ``hadamard``); ``str()`` gives it and :meth:`Scheme.parse`
+reads it back.
 
 Example:
     >>> from gradstats.scheme import Scheme
@@ -30,6 +40,8 @@ Example:
     ('mxfp8_e4m3:scale_rounding=rceil', 'e4m3fn:block=64:scale=e8m0')
     >>> Scheme.parse(str(s)) == s, Scheme.parse("e5m2") == Scheme("e5m2")
     (True, True)
+    >>> str(Scheme.parse("nvfp4:rounding=stochastic:hadamard=16")), str(Scheme.parse("nvfp4_training:rounding=nearest"))
+    ('nvfp4_training', 'nvfp4:hadamard=16')
 """
 from __future__ import annotations
 
@@ -40,8 +52,8 @@ from typing import Any, Mapping, Union
 
 from gradstats.formats import REGISTRY, ROUNDINGS, FPFormat, parse
 
-__all__ = ["Scheme", "PRESETS", "SCALE_FORMATS", "SCALE_ROUNDINGS", "E8M0", "E4M3", "FP32", "scale_format_of",
-           "names_scheme"]
+__all__ = ["Scheme", "PRESETS", "SCALE_FORMATS", "SCALE_ROUNDINGS", "HADAMARD_SIZES", "E8M0", "E4M3", "FP32",
+           "scale_format_of", "names_scheme"]
 
 #: the OCP MX block scale type: unsigned powers of two ``2**-127 .. 2**127`` (``float8_e8m0fnu``)
 E8M0: FPFormat = REGISTRY["float8_e8m0fnu"]
@@ -60,7 +72,9 @@ SCALE_FORMATS: tuple[str, ...] = tuple(_SCALE_FORMAT_OF)
 #: ``"rceil"`` ``2**ceil(log2(amax / fmt.max))`` (no element saturates; torchao's MX training
 #: default, NVIDIA's cuBLAS rule). An E4M3 scale is rounded to nearest (no choice).
 SCALE_ROUNDINGS: tuple[str, ...] = ("floor", "ceil", "even", "rceil")
-_KEYS = ("block", "scale", "scale_rounding", "rounding")
+#: the sizes of a random Hadamard transform (:mod:`gradstats.ops.hadamard`): powers of two; the recipe uses 16
+HADAMARD_SIZES: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)
+_KEYS = ("block", "scale", "scale_rounding", "rounding", "hadamard")
 
 
 def scale_format_of(v: Union[str, FPFormat]) -> FPFormat:
@@ -103,6 +117,10 @@ class Scheme:
         tensor_scale: the second-level per-tensor scale's format: :data:`FP32` with E4M3 block
             scales (set by default, as NVFP4 has it), None otherwise.
         rounding: element rounding (:data:`gradstats.formats.ROUNDINGS`).
+        hadamard: None, or the size ``n`` of a random Hadamard transform (:data:`HADAMARD_SIZES`; NVFP4
+            training uses 16) applied along the tokens, in groups of ``n``, before block-scaled
+            quantisation along the tokens (the weight-gradient GEMM's operand), and undone after it
+            (:mod:`gradstats.ops.hadamard`). Needs blocks.
 
     Example:
         >>> s = Scheme("e2m1fn", block_size=16, scale_format="e4m3")
@@ -120,6 +138,7 @@ class Scheme:
     scale_rounding: str | None = None
     tensor_scale: FPFormat | None = None
     rounding: str = "nearest"
+    hadamard: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -129,6 +148,12 @@ class Scheme:
             raise ValueError(f"Scheme: block_size must be a positive int (MX uses 32, NVFP4 16) or None, got {b!r}")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"Scheme: rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        h = self.hadamard
+        if h is not None and (isinstance(h, bool) or h not in HADAMARD_SIZES):
+            raise ValueError(f"Scheme: hadamard must be one of {HADAMARD_SIZES} (the recipe's 16) or None, got {h!r}")
+        if b is None and h is not None:
+            raise ValueError("Scheme: a Hadamard transform feeds block-scaled quantisation: set block_size (NVFP4 "
+                             "uses 16), or remove hadamard")
         if b is None:
             for k in ("scale_format", "scale_rounding", "tensor_scale"):
                 if getattr(self, k) is not None:
@@ -182,13 +207,15 @@ class Scheme:
         Example:
             >>> Scheme.parse("mxfp8_e4m3:scale_rounding=rceil:rounding=stochastic").layout.preset
             'mxfp8_e4m3'
+            >>> str(Scheme.parse("nvfp4_training").layout)      # the transform stays
+            'nvfp4:hadamard=16'
         """
         return Scheme(self.element, block_size=self.block_size, scale_format=self.scale_format,
-                      tensor_scale=self.tensor_scale)
+                      tensor_scale=self.tensor_scale, hadamard=self.hadamard)
 
     def quantize_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`gradstats.quantize` that spell this scheme out (``scale_rounding``
-        only when not the default ``"floor"``).
+        only when not the default ``"floor"``, ``hadamard`` only when set).
 
         Example:
             >>> Scheme.parse("mxfp4").quantize_kwargs()
@@ -199,6 +226,8 @@ class Scheme:
             kw.update(block_size=self.block_size, scale_format=self.scale_format_name)
             if self.scale_rounding not in (None, "floor"):  # "floor" is quantize's default
                 kw["scale_rounding"] = self.scale_rounding
+        if self.hadamard is not None:
+            kw["hadamard"] = self.hadamard
         return kw
 
     def replace(self, **changes: Any) -> "Scheme":
@@ -210,7 +239,7 @@ class Scheme:
         """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if "block_size" in changes and changes["block_size"] is None:
-            d.update(scale_format=None, scale_rounding=None, tensor_scale=None)
+            d.update(scale_format=None, scale_rounding=None, tensor_scale=None, hadamard=None)
         if "scale_format" in changes:
             d.update(scale_rounding=None, tensor_scale=None)
         d.update(changes)
@@ -218,6 +247,9 @@ class Scheme:
 
     # ------------------------------------------------------------------ names
     def __str__(self) -> str:
+        exact = self.preset
+        if exact is not None:
+            return exact
         layout = (self.element, self.block_size, self.scale_format, self.tensor_scale)
         base = next((n for n, p in PRESETS.items()
                      if (p.element, p.block_size, p.scale_format, p.tensor_scale) == layout), None)
@@ -228,6 +260,8 @@ class Scheme:
             parts.append(f"scale_rounding={self.scale_rounding}")
         if self.rounding != "nearest":
             parts.append(f"rounding={self.rounding}")
+        if self.hadamard is not None:
+            parts.append(f"hadamard={self.hadamard}")
         return ":".join(parts)
 
     def __repr__(self) -> str:
@@ -238,11 +272,12 @@ class Scheme:
 
         Example:
             >>> Scheme.parse("nvfp4").to_dict()
-            {'name': 'nvfp4', 'element': 'e2m1fn', 'block_size': 16, 'scale_format': 'e4m3', 'scale_rounding': None, 'tensor_scale': 'float32', 'rounding': 'nearest'}
+            {'name': 'nvfp4', 'element': 'e2m1fn', 'block_size': 16, 'scale_format': 'e4m3', 'scale_rounding': None, 'tensor_scale': 'float32', 'rounding': 'nearest', 'hadamard': None}
         """
         return {"name": str(self), "element": str(self.element), "block_size": self.block_size,
                 "scale_format": self.scale_format_name, "scale_rounding": self.scale_rounding,
-                "tensor_scale": None if self.tensor_scale is None else "float32", "rounding": self.rounding}
+                "tensor_scale": None if self.tensor_scale is None else "float32", "rounding": self.rounding,
+                "hadamard": self.hadamard}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Scheme":
@@ -265,7 +300,7 @@ class Scheme:
     def parse(cls, value: "str | FPFormat | Scheme") -> "Scheme":
         """A scheme from a preset name, a format name (one scale per tensor), either followed by
         ``:key=value`` changes (``block=N``, ``scale=e8m0|e4m3``, ``scale_rounding=...``,
-        ``rounding=...``), an :class:`FPFormat`, or a scheme (returned unchanged).
+        ``rounding=...``, ``hadamard=N|none``), an :class:`FPFormat`, or a scheme (returned unchanged).
 
         Example:
             >>> Scheme.parse("MXFP4") == Scheme("e2m1fn", block_size=32)
@@ -289,18 +324,19 @@ class Scheme:
                 s = cls(parse(head))
             except ValueError as exc:
                 raise ValueError(f"{exc}; or a scheme preset ({', '.join(PRESETS)}), either optionally followed "
-                                 "by ':block=N', ':scale=e8m0|e4m3', ':scale_rounding=...', ':rounding=...'") from None
+                                 "by ':block=N', ':scale=e8m0|e4m3', ':scale_rounding=...', ':rounding=...', "
+                                 "':hadamard=N'") from None
         changes: dict[str, Any] = {}
         for m in mods:
             k, sep, v = m.partition("=")
             k, v = k.strip(), v.strip()
             if not sep or k not in _KEYS:
                 raise ValueError(f"scheme {value!r}: cannot read {m!r}; expected key=value with a key of {_KEYS}")
-            if k == "block":
+            if k in ("block", "hadamard"):
                 try:
-                    changes["block_size"] = None if v.lower() == "none" else int(v)
+                    changes["block_size" if k == "block" else k] = None if v.lower() == "none" else int(v)
                 except ValueError:
-                    raise ValueError(f"scheme {value!r}: block must be a positive int, got {v!r}") from None
+                    raise ValueError(f"scheme {value!r}: {k} must be a positive int, got {v!r}") from None
             else:
                 changes["scale_format" if k == "scale" else k] = v
         if "scale_format" in changes and changes.get("block_size", s.block_size) is None:
@@ -323,7 +359,8 @@ def names_scheme(value: Any) -> bool:
     return isinstance(value, str) and (":" in value or value.strip().lower() in PRESETS)
 
 
-#: the named schemes (OCP MX v1.0 concrete formats and NVIDIA's NVFP4), by their library names
+#: the named schemes (OCP MX v1.0 concrete formats, NVIDIA's NVFP4, and NVFP4 as its pretraining
+#: recipe treats gradients), by their library names
 PRESETS: Mapping[str, Scheme] = MappingProxyType({
     "mxfp8_e4m3": Scheme(REGISTRY["float8_e4m3fn"], block_size=32),
     "mxfp8_e5m2": Scheme(REGISTRY["float8_e5m2"], block_size=32),
@@ -331,4 +368,6 @@ PRESETS: Mapping[str, Scheme] = MappingProxyType({
     "mxfp6_e3m2": Scheme(REGISTRY["float6_e3m2fn"], block_size=32),
     "mxfp4": Scheme(REGISTRY["float4_e2m1fn"], block_size=32),
     "nvfp4": Scheme(REGISTRY["float4_e2m1fn"], block_size=16, scale_format=E4M3),
+    "nvfp4_training": Scheme(REGISTRY["float4_e2m1fn"], block_size=16, scale_format=E4M3, rounding="stochastic",
+                             hadamard=16),
 })

@@ -23,7 +23,7 @@ SPELLED = {
 
 
 def test_the_presets_are_the_ocp_and_nvfp4_ones():
-    assert list(PRESETS) == list(SPELLED)
+    assert list(PRESETS) == [*SPELLED, "nvfp4_training"]
     for name, kw in SPELLED.items():
         s = Scheme.parse(name)
         assert s.element == FPFormat.parse(kw["fmt"]) and s.block_size == kw["block_size"]
@@ -170,3 +170,62 @@ def test_keywords_replace_the_scheme_fields():
         gradstats.quantize(x, "nvfp4", scale_rounding="rceil")
     # a plain format keeps the old defaults: per tensor, nearest
     assert torch.equal(gradstats.quantize(x, "e4m3fn"), gradstats.quantize(x, Scheme("e4m3fn")))
+
+
+# ----------------------------------------------------------------------------- NVFP4 as the field trains it
+def test_the_nvfp4_training_preset_is_the_recipes_gradient():
+    """NVFP4 blocks, stochastic rounding and a 16-point Hadamard transform, as one scheme with a text
+    form, a dict form and the quantize keywords that spell it out."""
+    s = PRESETS["nvfp4_training"]
+    assert s.layout.replace(hadamard=None) == PRESETS["nvfp4"]
+    assert (s.rounding, s.hadamard, s.tensor_scale, s.preset) == ("stochastic", 16, FP32, "nvfp4_training")
+    assert str(s) == "nvfp4_training" and Scheme.parse("NVFP4_TRAINING") == s
+    assert Scheme.parse("nvfp4:rounding=stochastic:hadamard=16") == s
+    assert Scheme.parse("e2m1fn:block=16:scale=e4m3:rounding=stochastic:hadamard=16") == s
+    assert Scheme.from_dict(s.to_dict()) == s and s.to_dict()["hadamard"] == 16
+    assert s.quantize_kwargs() == {"fmt": FPFormat.parse("e2m1fn"), "rounding": "stochastic", "block_size": 16,
+                                   "scale_format": "e4m3", "hadamard": 16}
+    near = Scheme.parse("nvfp4_training:rounding=nearest")
+    assert str(near) == "nvfp4:hadamard=16" and Scheme.parse(str(near)) == near and near.preset is None
+    assert Scheme.parse("nvfp4_training:hadamard=none") == Scheme.parse("nvfp4:rounding=stochastic")
+    assert s.replace(block_size=None).hadamard is None        # the transform goes with the blocks
+    assert Scheme.from_dict({k: v for k, v in PRESETS["nvfp4"].to_dict().items() if k != "hadamard"}) == PRESETS["nvfp4"]
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Scheme("e2m1fn", hadamard=16), "set block_size"),
+    (lambda: Scheme("e2m1fn", block_size=16, scale_format="e4m3", hadamard=12), "hadamard must be one of"),
+    (lambda: Scheme("e2m1fn", block_size=16, scale_format="e4m3", hadamard=True), "hadamard must be one of"),
+    (lambda: Scheme.parse("nvfp4:hadamard=x"), "hadamard must be a positive int"),
+    (lambda: Scheme.parse("e2m1fn:hadamard=16"), "set block_size"),
+])
+def test_a_bad_hadamard_names_the_problem(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+hadamard_schemes = st.builds(
+    lambda f, b, sf, r, h: Scheme(f, block_size=b, scale_format=sf, rounding=r, hadamard=h),
+    st.sampled_from(["e2m1fn", "e4m3fn", "e3m2fn"]), st.integers(1, 64), st.sampled_from(["e8m0", "e4m3"]),
+    st.sampled_from(ROUNDINGS), st.sampled_from([2, 4, 16, 64, 256]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(hadamard_schemes)
+def test_hadamard_schemes_round_trip_as_text_and_dict(s):
+    assert Scheme.parse(str(s)) == s and Scheme.from_dict(s.to_dict()) == s
+    assert s.to_dict()["name"] == str(s) and s.quantize_kwargs()["hadamard"] == s.hadamard
+
+
+def test_the_preset_quantizes_as_its_spelled_out_keywords():
+    x = _tensor(11, 40 * 48, 8.0, 0.05).reshape(40, 48)
+    a = gradstats.quantize(x, "nvfp4_training", seed=9)
+    b = gradstats.quantize(x, "e2m1fn", block_size=16, scale_format="e4m3", rounding="stochastic", hadamard=16,
+                           seed=9)
+    c = gradstats.quantize(x, "nvfp4", rounding="stochastic", hadamard=16, seed=9, orientation="columns")
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32)) and torch.equal(a, c)
+    assert not torch.equal(a, gradstats.quantize(x, "nvfp4:rounding=stochastic", seed=9, orientation="columns"))
+    with pytest.raises(ValueError, match="use orientation 'columns'"):
+        gradstats.quantize(x, "nvfp4_training", orientation="rows")
+    with pytest.raises(ValueError, match="set\\s+block_size|set block_size"):
+        gradstats.quantize(x, "e2m1fn", hadamard=16)

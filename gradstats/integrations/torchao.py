@@ -11,10 +11,15 @@ the model. Only what torchao expresses is mapped:
   its defaults for the forward casts (input and weight to e4m3fn);
 * MX blocks (``MXFP8TrainingOpConfig``, applied by ``torchao.quantization.quantize_``): e4m3fn in
   blocks of 32 with E8M0 scales, the plan's ``scale_rounding`` as torchao's
-  ``ScaleCalculationMode`` (``floor``, ``rceil``, ``even``, ``ceil``; bit for bit).
+  ``ScaleCalculationMode`` (``floor``, ``rceil``, ``even``, ``ceil``; bit for bit);
+* NVFP4 blocks (``NVFP4TrainingConfig``, applied by ``quantize_``, which swaps in its
+  ``NVFP4Linear``): e2m1fn in blocks of 16 with E4M3 scales under a float32 tensor scale, stochastic
+  rounding and a 16-point random Hadamard transform for the grad_weight GEMM -- the
+  ``"nvfp4_training"`` preset -- with gradstats' sign vector as ``rht_sign_vector`` (the same rotation
+  matrix). torchao runs it with Triton kernels on CUDA (SM100) only: no emulation on the CPU.
 
-Pruning, stochastic rounding, other scale rules, NVFP4 blocks and formats without a float8 dtype
-are listed as dropped or skipped (a ``UserWarning``; ``strict=True`` raises).
+Pruning, rounding other than torchao's, other scale rules and formats without a float8 dtype are
+listed as dropped or skipped (a ``UserWarning``; ``strict=True`` raises).
 
 torchao's named float8 recipes (``Float8LinearConfig.from_recipe_name``) and what each can keep
 of a plan are in :data:`RECIPES`: a per-tensor ``e4m3fn``/``e5m2`` plan with ``"amax"`` scales is
@@ -81,11 +86,14 @@ RECIPES: dict[str, dict[str, Any]] = {
         "cannot": "other block sizes or element formats, rounding other than 'nearest', sparsity; it casts the "
                   "forward input and weight to MXFP8 too (MXFP8TrainingOpConfig)"},
     "nvfp4": {
-        "keeps": "nothing exactly: not mapped",
-        "cannot": "an NVFP4 plan (e2m1fn, blocks of 16, e4m3 scales): torchao's NVFP4TrainingConfig "
-                  "(prototype, Triton kernels on CUDA only) always rounds g stochastically and casts a random "
-                  "Hadamard rotation of g for the grad_weight GEMM, not g; check again when a newer torchao is "
-                  "pinned"},
+        "keeps": "format e2m1fn in blocks of 16 with e4m3 scales under a float32 tensor scale, stochastic rounding "
+                 "and hadamard 16 (the 'nvfp4_training' preset; NVFP4TrainingConfig(rht_sign_vector=gradstats' "
+                 "signs): the same rotation) for the grad_weight GEMM",
+        "cannot": "rounding other than 'stochastic', no Hadamard transform or another size, sparsity, the plan's one "
+                  "quantised g in the grad_input GEMM (torchao quantises g along the channels there, without the "
+                  "rotation), float32 quantisation (torchao casts to bfloat16 first); it casts the forward input "
+                  "and weight to NVFP4 too, needs dims that are multiples of 128, and runs on CUDA SM100 only "
+                  "(no emulation)"},
 }
 #: the float8 recipes ``to_torchao(recipe=...)`` builds from
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -107,22 +115,29 @@ def _cast(f8: Any, d: dict[str, Any]) -> Any:
                          target_dtype=getattr(torch, d["target_dtype"]))
 
 
-def _mx_shapes(configs: dict[str, Any], model: Any, strict: bool) -> dict[str, Any]:
+def _mx_shapes(configs: dict[str, Any], model: Any, strict: bool, emulate: bool = False) -> dict[str, Any]:
     """The configs without the MXFP8 layers whose features torchao cannot block by 32 (it casts
-    the input along ``in_features`` and the gradient along ``out_features``), listed once."""
-    if not isinstance(model, nn.Module):
-        return configs
-    from gradstats.wrappers import unwrap
-
-    modules = dict(unwrap(model).named_modules())
+    the input along ``in_features`` and the gradient along ``out_features``), the NVFP4 layers whose
+    features are not multiples of 128 (its Triton GEMMs' tiles) and, with ``emulate``, every NVFP4
+    layer (torchao has no emulated NVFP4 training), listed once."""
     bad = {}
+    if emulate:
+        bad = {n: "torchao's NVFP4 training has no emulated GEMMs (KernelPreference.TRITON only, CUDA SM100)"
+               for n, c in configs.items() if c.get("recipe") == "nvfp4"}
+    modules: dict[str, Any] = {}
+    if isinstance(model, nn.Module):
+        from gradstats.wrappers import unwrap
+
+        modules = dict(unwrap(model).named_modules())
     for name, cfg in configs.items():
         m = modules.get(name)
-        if cfg.get("recipe") == "mxfp8" and m is not None:
+        need = {"mxfp8": cfg.get("block_size"), "nvfp4": 128}.get(cfg.get("recipe"))
+        if need and m is not None and name not in bad:
             dims = (getattr(m, "in_features", 0), getattr(m, "out_features", 0))
-            if any(d % cfg["block_size"] for d in dims):
+            if any(d % need for d in dims):
+                what = "MXFP8 casts" if cfg["recipe"] == "mxfp8" else "NVFP4 GEMMs (the tokens of a step too)"
                 bad[name] = (f"in_features {dims[0]} and out_features {dims[1]} must be multiples of "
-                             f"{cfg['block_size']} for torchao's MXFP8 casts")
+                             f"{need} for torchao's {what}")
     if bad:
         msg = "export to torchao: not expressible there:\n  " + "\n  ".join(f"{n}: skipped ({w})" for n, w in bad.items())
         if strict:
@@ -145,6 +160,17 @@ def _mx_config(cfg: dict[str, Any], emulate: bool) -> Any:
         kernel_preference=KernelPreference.EMULATED if emulate else KernelPreference.AUTO,
         scale_calculation_mode=ScaleCalculationMode[cfg["scale_calculation_mode"].upper()],
         wgrad_with_hp=bool(cfg["wgrad_with_hp"] or emulate))
+
+
+def _nvfp4_config(cfg: dict[str, Any]) -> Any:
+    try:
+        from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4TrainingConfig
+        from torchao.quantization.quantize_.common import KernelPreference
+    except ImportError as exc:                          # pragma: no cover - depends on the torchao release
+        raise ImportError("this plan's NVFP4 layers need torchao's NVFP4 training "
+                          "(torchao.prototype.moe_training.nvfp4_training, torchao >= 0.18)") from exc
+    return NVFP4TrainingConfig(kernel_preference=KernelPreference[cfg["kernel_preference"].upper()],
+                               rht_sign_vector=tuple(int(v) for v in cfg["rht_sign_vector"]))
 
 
 def recipe_overrides(cfg: dict[str, Any], recipe: str = "tensorwise") -> tuple[dict[str, Any], list[str]]:
@@ -189,7 +215,7 @@ def recipe_overrides(cfg: dict[str, Any], recipe: str = "tensorwise") -> tuple[d
 
 def recipe_table(plan: Any, model: Any) -> Any:
     """Per layer of the plan resolved on ``model``: which torchao recipe (:data:`RECIPES`) keeps
-    the plan's meaning for its gradient (``recipe``: ``"tensorwise"``, ``"mxfp8"`` or None),
+    the plan's meaning for its gradient (``recipe``: ``"tensorwise"``, ``"mxfp8"``, ``"nvfp4"`` or None),
     whether exactly (``exact``: nothing of the gradient's treatment dropped), and the notes of
     what is not kept. A ``pandas.DataFrame``; warns nothing (the table is the report).
 
@@ -211,32 +237,21 @@ def recipe_table(plan: Any, model: Any) -> Any:
     for name in [*doc["configs"], *doc["skipped"]]:
         cfg = doc["configs"].get(name)
         if cfg is None:
-            why = doc["skipped"][name]
-            if "NVFP4" in why:
-                why += f" (torchao {_version()}; check again when a newer torchao is pinned)"
-            notes = [why]
+            notes = [doc["skipped"][name]]
             rows.append((name, None, False, notes))
             continue
         notes = [n for n in doc["dropped"].get(name, []) if "forward" not in n]
-        rows.append((name, "mxfp8" if cfg.get("recipe") == "mxfp8" else "tensorwise", not notes, notes))
+        rows.append((name, cfg.get("recipe", "tensorwise"), not notes, notes))
     return pd.DataFrame(rows, columns=["layer", "recipe", "exact", "notes"])
-
-
-def _version() -> str:
-    try:
-        import torchao
-
-        return str(torchao.__version__)
-    except ImportError:                                 # pragma: no cover - depends on the environment
-        return "not installed"
 
 
 def to_torchao(plan: Any, model: Any, *, emulate: bool = False, strict: bool = False, recipe: str = "tensorwise"
                ) -> list[tuple[Any, Callable[[nn.Module, str], bool]]]:
     """``[(config, module_filter_fn), ...]``: one pair per distinct config of the plan resolved on
-    ``model`` (anything :meth:`gradstats.Plan.resolve` takes), a ``Float8LinearConfig`` or an
-    ``MXFP8TrainingOpConfig``; each filter selects the layers (by their names in ``model``) that
-    config is for. ``emulate``: torchao's emulated GEMMs (CPU). ``recipe``: the torchao float8
+    ``model`` (anything :meth:`gradstats.Plan.resolve` takes), a ``Float8LinearConfig``, an
+    ``MXFP8TrainingOpConfig`` or an ``NVFP4TrainingConfig``; each filter selects the layers (by their
+    names in ``model``) that config is for. ``emulate``: torchao's emulated GEMMs (CPU; NVFP4 layers,
+    which torchao cannot emulate, are then skipped and listed). ``recipe``: the torchao float8
     recipe per-tensor layers are built from (:data:`FLOAT8_RECIPES`; ``"tensorwise"`` keeps the
     plan, the rowwise ones list what they change, as :func:`recipe_overrides`). Example: see the
     module."""
@@ -244,7 +259,7 @@ def to_torchao(plan: Any, model: Any, *, emulate: bool = False, strict: bool = F
     if recipe not in FLOAT8_RECIPES:
         raise ValueError(f"recipe must be one of torchao's float8 recipes {list(FLOAT8_RECIPES)}, got {recipe!r}")
     doc = plan.export("torchao", model, strict=strict)
-    configs = _mx_shapes(doc["configs"], model, strict)
+    configs = _mx_shapes(doc["configs"], model, strict, emulate)
     changed: dict[str, list[str]] = {}
     groups: dict[str, list[str]] = {}
     for name, cfg in configs.items():
@@ -253,8 +268,9 @@ def to_torchao(plan: Any, model: Any, *, emulate: bool = False, strict: bool = F
     for key, names in groups.items():
         cfg = json.loads(key)
         chosen = frozenset(names)
-        if cfg.get("recipe") == "mxfp8":
-            out.append((_mx_config(cfg, emulate), lambda module, fqn, chosen=chosen: fqn in chosen))
+        if cfg.get("recipe") in ("mxfp8", "nvfp4"):
+            built = _mx_config(cfg, emulate) if cfg["recipe"] == "mxfp8" else _nvfp4_config(cfg)
+            out.append((built, lambda module, fqn, chosen=chosen: fqn in chosen))
             continue
         overrides, notes = recipe_overrides(cfg, recipe)
         for n in notes:
@@ -277,7 +293,7 @@ def convert(model: nn.Module, plan: Any, *, emulate: bool = False, strict: bool 
             recipe: str = "tensorwise") -> nn.Module:
     """Convert ``model``'s planned linear layers with torchao's own API, in place as torchao does
     (``torchao.float8.convert_to_float8_training`` for float8 configs,
-    ``torchao.quantization.quantize_`` for MXFP8 ones), and return it; ``recipe`` as
+    ``torchao.quantization.quantize_`` for MXFP8 and NVFP4 ones), and return it; ``recipe`` as
     :func:`to_torchao`. Example: see the module."""
     f8 = _torchao()
     from gradstats.wrappers import unwrap

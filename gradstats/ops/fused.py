@@ -32,6 +32,7 @@ from gradstats.formats import ROUNDING_CODES, FPFormat
 from gradstats.ops import random as _rng
 from gradstats.ops.consts import fused_covers
 from gradstats.ops.engine import use_native, use_triton
+from gradstats.ops.hadamard import check_hadamard
 from gradstats.ops.quantization import spell_out
 from gradstats.scheme import Scheme
 
@@ -101,13 +102,16 @@ def _native():
     return prune_quant()
 
 
-def _spelled(fmt, rounding, block_size, scale_format, scale_rounding):
+def _spelled(fmt, rounding, block_size, scale_format, scale_rounding, hadamard=None):
     """The operator's format arguments spelled out (:func:`spell_out`; without a format: nearest
-    rounding and the default block-scale settings)."""
+    rounding and the default block-scale settings, no Hadamard transform)."""
     if fmt is None:
         return (None, "nearest" if rounding is None else rounding, block_size, scale_format or "e8m0",
-                scale_rounding or "floor")
-    return spell_out(fmt, rounding, block_size, scale_format, scale_rounding)
+                scale_rounding or "floor", None)
+    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = spell_out(
+        fmt, rounding, block_size, scale_format, scale_rounding, hadamard)
+    check_hadamard(hadamard, block_size, "prune_quantize")
+    return fmt, rounding, block_size, scale_format, scale_rounding, hadamard
 
 
 def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Scheme, str, None], *,
@@ -116,7 +120,8 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
                    scale_format: Optional[str] = None, scale_rounding: Optional[str] = None,
                    out: Optional[torch.Tensor] = None,
                    seed: Optional[int] = None, block_dim: int = -1,
-                   tensor_amax: Optional[float] = None) -> tuple[torch.Tensor, CompressCounts]:
+                   tensor_amax: Optional[float] = None,
+                   hadamard: Optional[int] = None) -> tuple[torch.Tensor, CompressCounts]:
     """Stochastic pruning at ``threshold`` (0 = none), then rounding to ``fmt`` (None = none)
     at ``scale`` with ``rounding``, saturating at the format's max. Returns ``(result, counts)``.
 
@@ -131,6 +136,10 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
     pruning and the rounding streams. Blocks run along the channels, ``block_dim`` (1 for a
     convolution's output, :func:`gradstats.ops.layout.channel_dim`), as the data-gradient GEMM reads
     them; ``tensor_amax``: NVFP4's tensor scale from the whole tensor's maximum (see :func:`gradstats.quantize`).
+    ``hadamard`` (or a scheme's, ``"nvfp4_training"``): quantise ``R^T Q(R y)`` of the pruned ``y`` as
+    :func:`gradstats.quantize` does (blocks along the tokens); ``saturated`` then is the fraction of
+    the entries of ``R y`` clipped (padding tokens included) times ``n``, ``underflow`` the non-zero
+    entries of ``y`` that come out zero.
 
     Example:
         >>> import torch
@@ -146,8 +155,8 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
         raise ValueError(f"prune_quantize expects a floating-point tensor, got {type(x).__name__}")
     if not (threshold >= 0):
         raise ValueError(f"threshold must be >= 0 (0 = no pruning), got {threshold}")
-    fmt, rounding, block_size, scale_format, scale_rounding = _spelled(fmt, rounding, block_size, scale_format,
-                                                                       scale_rounding)
+    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = _spelled(
+        fmt, rounding, block_size, scale_format, scale_rounding, hadamard)
     if rounding not in ROUNDING_CODES:
         raise ValueError(f"rounding must be one of {sorted(ROUNDING_CODES)}, got {rounding!r}")
     if not (scale > 0):
@@ -190,19 +199,19 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
             result = out
         return result, CompressCounts(n, *c, *sums.tolist())
     return _composed(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format, scale_rounding,
-                     block_dim, tensor_amax)
+                     block_dim, tensor_amax, hadamard)
 
 
 def _composed(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format="e8m0",
-              scale_rounding="floor", block_dim=-1, tensor_amax=None):
+              scale_rounding="floor", block_dim=-1, tensor_amax=None, hadamard=None):
     """Reference path: the pruning and quantisation operators one after the other, with one seed."""
     y, c, s = _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format,
-                                  scale_rounding, block_dim, tensor_amax)
+                                  scale_rounding, block_dim, tensor_amax, hadamard)
     return y, CompressCounts(x.numel(), *c.tolist(), *s.tolist())
 
 
 def _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format="e8m0",
-                        scale_rounding="floor", block_dim=-1, tensor_amax=None):
+                        scale_rounding="floor", block_dim=-1, tensor_amax=None, hadamard=None):
     """:func:`_composed` with its counts (int64[5]) and sums (float64[6]) left as tensors on ``x``'s
     device (nothing read back)."""
     from gradstats.ops.prune import stochastic_prune
@@ -220,8 +229,10 @@ def _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, ou
     if fmt is not None:
         if block_size is not None:
             z = quantize(y, fmt, rounding=rounding, seed=seed, block_size=block_size, block_dim=block_dim,
-                         scale_format=scale_format, scale_rounding=scale_rounding, tensor_amax=tensor_amax)
-            saturated = _block_saturated(y, fmt, block_size, scale_format, scale_rounding, block_dim, tensor_amax)
+                         scale_format=scale_format, scale_rounding=scale_rounding, tensor_amax=tensor_amax,
+                         hadamard=hadamard)
+            saturated = _block_saturated(y, fmt, block_size, scale_format, scale_rounding, block_dim, tensor_amax,
+                                         hadamard)
         else:
             z = quantize(y, fmt, scale=scale, rounding=rounding, seed=seed)
             saturated = ((y.abs() * scale) > fmt.max).sum()
@@ -247,8 +258,8 @@ def _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, ou
 def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
                         fmt: Union[FPFormat, Scheme, str, None], *, scale: Union[float, torch.Tensor] = 1.0, rounding: Optional[str] = None, seed: int = 0,
                         block_size: Optional[int] = None, scale_format: Optional[str] = None,
-                        scale_rounding: Optional[str] = None,
-                        block_dim: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        scale_rounding: Optional[str] = None, block_dim: int = -1,
+                        hadamard: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`prune_quantize` for the device path: ``(result, counts, sums)`` with the counts
     (int64: zeros, pruned, underflow, saturated, nonfinite) and the sums (float64: dot, norm2, err2,
     noise2, abs_out, abs_in; :class:`CompressCounts`) left on ``x``'s device, so that nothing is
@@ -262,8 +273,8 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
         >>> y.tolist(), c.tolist()
         ([1.0, 6.0], [0, 0, 0, 1, 0])
     """
-    fmt, rounding, block_size, scale_format, scale_rounding = _spelled(fmt, rounding, block_size, scale_format,
-                                                                       scale_rounding)
+    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = _spelled(
+        fmt, rounding, block_size, scale_format, scale_rounding, hadamard)
     fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
     if use_triton(x.device.type) and block_size is None and x.numel() > 0:
         from gradstats.ops.triton import fused as kfused
@@ -276,21 +287,35 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
     scale = float(scale) if isinstance(scale, torch.Tensor) else scale   # (block scales ignore it)
     if use_native(x.device.type) and x.numel() > 0:
         y, c = prune_quantize(x, threshold, fmt, scale=scale, rounding=rounding, seed=seed, block_size=block_size,
-                              scale_format=scale_format, scale_rounding=scale_rounding, block_dim=block_dim)
+                              scale_format=scale_format, scale_rounding=scale_rounding, block_dim=block_dim,
+                              hadamard=hadamard)
         return y, torch.tensor([c.zeros, c.pruned, c.underflow, c.saturated, c.nonfinite]), torch.tensor(
             [c.dot, c.norm2, c.err2, c.noise2, c.abs_out, c.abs_in], dtype=torch.float64)
     return _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, None, scale_format,
-                               scale_rounding, block_dim)
+                               scale_rounding, block_dim, None, hadamard)
 
 
 def _block_saturated(y: torch.Tensor, fmt: FPFormat, block_size: int, scale_format: str,
-                     scale_rounding: str, block_dim: int = -1, tensor_amax: Optional[float] = None) -> torch.Tensor:
+                     scale_rounding: str, block_dim: int = -1, tensor_amax: Optional[float] = None,
+                     hadamard: Optional[int] = None) -> torch.Tensor:
     """Entries whose magnitude over their block's decode scale exceeds the format's max (clipped):
     MX's floor scale leaves a block's largest value up to ``2**(emax + 1)`` (above e2m1fn's 6, for one),
-    and NVFP4's e4m3 scale may round down."""
+    and NVFP4's e4m3 scale may round down. With ``hadamard``: those of the rotated matrix, in blocks
+    along its tokens (what :func:`gradstats.quantize` rounds), as a fraction of its entries times
+    ``y.numel()`` (rounded down), so that ``saturated / n`` is the fraction clipped."""
+    from gradstats.ops.hadamard import rotate
     from gradstats.ops.layout import to_blocks
     from gradstats.ops.quantization import _scales_of_blocks
 
-    xb, _ = to_blocks(y, block_size, "rows", block_dim)
+    rotated = 0
+    if hadamard is not None:
+        r = rotate(y, hadamard, block_dim)[0]
+        xb, _ = to_blocks(r, block_size, "columns", -1)
+        rotated = r.numel()
+    else:
+        xb, _ = to_blocks(y, block_size, "rows", block_dim)
     X = _scales_of_blocks(xb, fmt, scale_format, scale_rounding, tensor_amax)
-    return ((xb.abs() / torch.where(X > 0, X, 1.0) > fmt.max) & (X > 0)).sum()
+    clipped = ((xb.abs() / torch.where(X > 0, X, 1.0) > fmt.max) & (X > 0)).sum()
+    if rotated:          # clipped entries of the rotated matrix (its padding tokens too) as a share of y's
+        return clipped * y.numel() // rotated
+    return clipped

@@ -41,6 +41,7 @@ from gradstats.ops.block_scales import _scales_of_blocks, mx_shared_exponent
 from gradstats.ops.consts import _BF16, _EXP, _FP16, _FP32
 from gradstats.ops.consts import consts as _consts
 from gradstats.ops.engine import use_triton
+from gradstats.ops.hadamard import check_hadamard, resolve_orientation, rotate, unrotate
 from gradstats.ops.layout import check_orientation, from_blocks, from_gemm_matrix, to_blocks
 from gradstats.ops.random import hash_bits as _hash_bits
 from gradstats.ops.random import iota as _iota
@@ -77,8 +78,9 @@ def quantize(
     scale_format: Optional[str] = None,
     scale_rounding: Optional[str] = None,
     seed: Optional[int] = None,
-    orientation: str = "rows",
+    orientation: Optional[str] = None,
     tensor_amax: Optional[float] = None,
+    hadamard: Optional[int] = None,
 ) -> torch.Tensor:
     """Round ``x`` to the values of ``fmt`` and return them in ``x``'s dtype (quantise-dequantise).
 
@@ -89,8 +91,8 @@ def quantize(
             overflow to inf) -- pass float32 for exact emulation.
         fmt: an :class:`FPFormat` or a name accepted by :func:`gradstats.formats.parse`; or a
             :class:`~gradstats.scheme.Scheme` or a scheme's name (a preset such as ``"nvfp4"`` or
-            ``"mxfp8_e4m3"``), which sets ``rounding``, ``block_size``, ``scale_format`` and
-            ``scale_rounding``: those given here replace the scheme's.
+            ``"mxfp8_e4m3"``), which sets ``rounding``, ``block_size``, ``scale_format``,
+            ``scale_rounding`` and ``hadamard``: those given here replace the scheme's.
         scale: ``None``, a positive float, or a positive tensor broadcastable to ``x`` (per tensor
             or per channel): quantise ``x * scale`` and divide by ``scale`` (exact for powers of two).
         rounding: ``"nearest"`` (ties to even; None: the scheme's, else nearest), ``"stochastic"`` (rounds up with probability equal
@@ -121,10 +123,19 @@ def quantize(
             ``block_size``), so one seed gives bit-identical results on the CPU and in the Triton
             kernel, and :func:`gradstats.ops.fused.prune_quantize` with the same seed rounds alike.
         orientation: where blocks run (:data:`gradstats.ops.layout.ORIENTATIONS`): ``"rows"`` (the
-            data-gradient GEMM's, the default), ``"columns"`` (the weight-gradient GEMM's), ``"2d"``.
+            data-gradient GEMM's, the default), ``"columns"`` (the weight-gradient GEMM's), ``"2d"``;
+            with ``hadamard``, ``"columns"`` (the default then, and the only choice).
         tensor_amax: with ``"e4m3"`` block scales, the largest magnitude of the whole tensor that ``x``
             is a part of: its float32 tensor scale is taken from it (None: from ``x``), so that a
-            stored part of a gradient is quantised exactly as it was within the whole.
+            stored part of a gradient is quantised exactly as it was within the whole (with
+            ``hadamard``: of the whole rotated tensor).
+        hadamard: None, or ``n`` of a random Hadamard transform (:mod:`gradstats.ops.hadamard`; 16 in
+            the ``"nvfp4_training"`` preset): the result is ``R^T Q(R x)``, ``R`` rotating each group of
+            ``n`` tokens and ``Q`` quantising in blocks along the tokens, so ``quantize(g)^T x`` is the
+            recipe's weight gradient ``Q(R g)^T (R x)`` with ``x`` in high precision. This one gradient
+            feeds the data-gradient GEMM too (``quantize(g) W``), where the recipe quantises ``g`` along
+            the channels without the rotation: its error there differs (spread over 16 tokens, not
+            confined to a block of channels); its expectation with stochastic rounding is ``g`` in both.
 
     Returns:
         A new tensor, same shape, dtype and device as ``x``.
@@ -143,8 +154,10 @@ def quantize(
         >>> torch.equal(quantize(x, "nvfp4"), quantize(x, "e2m1fn", block_size=16, scale_format="e4m3"))
         True
     """
-    fmt, rounding, block_size, scale_format, scale_rounding = spell_out(fmt, rounding, block_size, scale_format,
-                                                                        scale_rounding)
+    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = spell_out(
+        fmt, rounding, block_size, scale_format, scale_rounding, hadamard)
+    check_hadamard(hadamard, block_size)
+    orientation = resolve_orientation(orientation, hadamard)
     fmt, scale = _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format,
                         orientation)
     _check_scale_rounding(scale_rounding)
@@ -156,32 +169,39 @@ def quantize(
     if seed is not None:
         rng = _resolve_seed(seed, generator, "quantize")
     with torch.no_grad():  # quantise-dequantise is not differentiable; results never track gradients
+        if hadamard is not None:        # R^T Q(R x): the rotated channels-last matrix, blocks along its tokens
+            m, hctx = rotate(x.detach(), hadamard, block_dim)
+            y = _quantize(m, fmt, None, rounding, overflow, rng, block_size, -1, scale_format, scale_rounding,
+                          "columns", tensor_amax)
+            return unrotate(y, hctx).to(x.dtype)
         return _quantize(x.detach(), fmt, scale, rounding, overflow, rng, block_size, block_dim, scale_format,
                          scale_rounding, orientation, tensor_amax)
 
 
 def spell_out(fmt: Union[FPFormat, Scheme, str], rounding: Optional[str] = None, block_size: Optional[int] = None,
-              scale_format: Optional[str] = None, scale_rounding: Optional[str] = None
-              ) -> tuple[Union[FPFormat, str], str, Optional[int], str, str]:
-    """``(fmt, rounding, block_size, scale_format, scale_rounding)`` of a call of :func:`quantize`:
+              scale_format: Optional[str] = None, scale_rounding: Optional[str] = None,
+              hadamard: Optional[int] = None
+              ) -> tuple[Union[FPFormat, str], str, Optional[int], str, str, Optional[int]]:
+    """``(fmt, rounding, block_size, scale_format, scale_rounding, hadamard)`` of a call of :func:`quantize`:
     a plain format with the keywords' defaults filled in (names are checked later), or the element
     format and fields of a scheme (:meth:`gradstats.scheme.Scheme.parse`) with the keywords given
     replacing its own.
 
     Example:
         >>> spell_out("nvfp4")
-        (FPFormat('e2m1fn'), 'nearest', 16, 'e4m3', 'floor')
-        >>> spell_out("mxfp4", scale_rounding="rceil")[2:]
-        (32, 'e8m0', 'rceil')
+        (FPFormat('e2m1fn'), 'nearest', 16, 'e4m3', 'floor', None)
+        >>> spell_out("mxfp4", scale_rounding="rceil")[2:], spell_out("nvfp4_training")[1::4]
+        ((32, 'e8m0', 'rceil', None), ('stochastic', 16))
     """
     if not names_scheme(fmt):
-        return (fmt, rounding or "nearest", block_size, scale_format or "e8m0", scale_rounding or "floor")
+        return (fmt, rounding or "nearest", block_size, scale_format or "e8m0", scale_rounding or "floor", hadamard)
     s = Scheme.parse(fmt)
     given = {k: v for k, v in (("rounding", rounding), ("block_size", block_size), ("scale_format", scale_format),
-                               ("scale_rounding", scale_rounding)) if v is not None}
+                               ("scale_rounding", scale_rounding), ("hadamard", hadamard)) if v is not None}
     if given:
         s = s.replace(**given)
-    return (s.element, s.rounding, s.block_size, s.scale_format_name or "e8m0", s.scale_rounding or "floor")
+    return (s.element, s.rounding, s.block_size, s.scale_format_name or "e8m0", s.scale_rounding or "floor",
+            s.hadamard)
 
 
 def _check_scale_rounding(scale_rounding: str) -> None:
@@ -212,7 +232,7 @@ def block_scales(
     block_dim: int = -1,
     scale_format: Optional[str] = None,
     scale_rounding: Optional[str] = None,
-    orientation: str = "rows",
+    orientation: Optional[str] = None,
     tensor_amax: Optional[float] = None,
 ) -> torch.Tensor:
     """Per-block decode scales ``X`` of ``x`` (float32): a block is stored as ``Q(x / X) * X``.
@@ -224,16 +244,22 @@ def block_scales(
     (NVFP4 style): a float32 tensor scale ``t = amax(x) / (fmt.max * 448)`` (1 if ``x`` is all zero)
     and ``X = e4m3fn(amax_block / (fmt.max * t)) * t`` rounded to float32; ``X == 0`` marks blocks
     that encode as zeros. ``fmt`` may be a scheme (``"nvfp4"``), as in :func:`quantize`; ``block_size``
-    None is the scheme's, or 32 (MX) for a plain format.
+    None is the scheme's, or 32 (MX) for a plain format. A scheme with a Hadamard transform gives the
+    scales of the rotated matrix (:func:`gradstats.ops.hadamard.rotate`), blocks along its tokens.
 
     Example:
         >>> import torch
         >>> block_scales(torch.tensor([[1.0, 3.0, 0.5, 0.25]]), "e2m1fn", block_size=2).tolist()
         [[0.5, 0.125]]
     """
-    fmt, _, block_size, scale_format, scale_rounding = spell_out(fmt, None, block_size, scale_format, scale_rounding)
+    fmt, _, block_size, scale_format, scale_rounding, hadamard = spell_out(fmt, None, block_size, scale_format,
+                                                                           scale_rounding)
     if block_size is None:
         block_size = 32
+    orientation = resolve_orientation(orientation, hadamard)
+    if hadamard is not None:
+        check_hadamard(hadamard, block_size, "block_scales")
+        x, block_dim = rotate(x, hadamard, block_dim)[0], -1
     fmt = parse(fmt)
     _check_block(x, block_size, block_dim, scale_format, orientation)
     _check_scale_rounding(scale_rounding)

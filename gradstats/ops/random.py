@@ -32,7 +32,9 @@ independent streams, and the fused prune+quantise equals pruning then quantising
   ``u = (b >> 8) * 2**-24 + (b' >> 3) * 2**-53`` with ``b'`` the :data:`PRUNE_LOW` stream's
   word of the same index (its top 24 bits are float32's uniform);
 - stochastic rounding to a format with ``M`` mantissa bits adds the top ``23 - M`` bits of the
-  :data:`ROUND` stream's word (``(b >> 9) >> M``) below the kept mantissa bits and truncates.
+  :data:`ROUND` stream's word (``(b >> 9) >> M``) below the kept mantissa bits and truncates;
+- the random signs of a Hadamard transform (:mod:`gradstats.ops.hadamard`) are the top bits of the
+  :data:`HADAMARD` stream's words at indices ``0 .. n - 1`` (set: -1).
 
 Seeds: ``seed=`` (an int in ``[0, 2**64)``) or one draw ``torch.randint(0, 2**62)`` from
 ``generator=`` (torch's default generator when neither is given), see :func:`resolve_seed`.
@@ -47,10 +49,11 @@ import numpy as np
 import torch
 
 __all__ = ["reference_bits", "reference_uniforms", "bits", "uniforms", "stream", "segment_key", "mix64",
-           "resolve_seed", "draw_seed", "rounding_stream", "hash_bits", "iota", "PRUNE", "ROUND", "PRUNE_LOW"]
+           "resolve_seed", "draw_seed", "rounding_stream", "hash_bits", "iota", "PRUNE", "ROUND", "PRUNE_LOW",
+           "HADAMARD"]
 
 #: domains of the operators' streams (see :func:`stream`)
-PRUNE, ROUND, PRUNE_LOW = 0, 1, 2
+PRUNE, ROUND, PRUNE_LOW, HADAMARD = 0, 1, 2, 3
 
 #: elements per chunk whose ``arange(n) * K1`` is cached
 CHUNK_IOTA = 1 << 15
@@ -78,7 +81,8 @@ def mix64(z: int) -> int:
 
 
 def stream(seed: int, domain: int) -> int:
-    """The 64-bit stream seed of ``domain`` (:data:`PRUNE`, :data:`ROUND`, :data:`PRUNE_LOW`) for a user seed."""
+    """The 64-bit stream seed of ``domain`` (:data:`PRUNE`, :data:`ROUND`, :data:`PRUNE_LOW`,
+    :data:`HADAMARD`) for a user seed."""
     return mix64(int(seed) + (domain + 1) * GOLDEN)
 
 

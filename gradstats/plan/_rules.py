@@ -17,7 +17,7 @@ from gradstats.formats import amax_scale as _amax_scale
 from gradstats.fpanalysis.granularity import Layout
 from gradstats.plan._values import Prediction, _check_keys, _err, _opt_float
 from gradstats.pruning import METHODS as _METHODS
-from gradstats.scheme import E8M0, SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme, scale_format_of
+from gradstats.scheme import E8M0, HADAMARD_SIZES, SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme, scale_format_of
 
 #: scale rules: a fixed multiplier, the power of two that maps the step's amax to the format's
 #: max, or the optimal power of two for the running lognormal mu and sigma
@@ -78,7 +78,7 @@ def amax_scale(fmt: FPFormat, amax: float) -> float:
 
 # --------------------------------------------------------------------------- value classes
 _RULE_NAMES = ("format", "scale", "scale_value", "scale_shift", "rounding", "block_size", "scale_format",
-               "scale_rounding", "sparsity", "threshold_rule", "predicted")
+               "scale_rounding", "sparsity", "threshold_rule", "predicted", "hadamard")
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,8 @@ class Rule:
         format: an :class:`~gradstats.formats.FPFormat` (a name is parsed), or None: no quantisation.
             A :class:`~gradstats.scheme.Scheme` or its name (``"nvfp4"``, ``"mxfp8_e4m3"``) is spelled
             out on construction: its element format, ``block_size``, ``scale_format``,
-            ``scale_rounding``, a non-default ``rounding``, and ``scale="amax"`` with blocks (fields
-            given that contradict it are an error). :attr:`scheme` gives the value back.
+            ``scale_rounding``, ``hadamard``, a non-default ``rounding``, and ``scale="amax"`` with blocks
+            (fields given that contradict it are an error). :attr:`scheme` gives the value back.
         scale: ``"fixed"`` (the multiplier ``scale_value``), ``"amax"`` (per step, the largest power
             of two ``s`` with ``amax * s <= format.max``), or ``"lognormal"`` (the optimal power of
             two for the running mu and sigma, :func:`gradstats.fpanalysis.optimal_scale`). The
@@ -116,6 +116,9 @@ class Rule:
             ``docs/pruning.md``), ``"lognormal"`` (the study's closed form),
             ``"naive_lognormal"``, ``"normal"``, ``"laplace"`` or ``"exact"``.
         predicted: informational :class:`Prediction` (recommendations fill it), or None.
+        hadamard: None, or the size (16 in NVFP4 training, the ``"nvfp4_training"`` preset) of a random
+            Hadamard transform along the tokens before block quantisation along them (see
+            :func:`gradstats.quantize`); needs ``block_size`` when a format is set (inert without one).
 
     Example:
         >>> r = Rule(format="e4m3", scale="amax", rounding="stochastic", sparsity=0.85)
@@ -136,6 +139,7 @@ class Rule:
     sparsity: float | None = None
     threshold_rule: str = "histogram"
     predicted: Prediction | None = None
+    hadamard: int | None = None
 
     def __post_init__(self) -> None:
         _set_fields(self, _check_fields({k: getattr(self, k) for k in _RULE_NAMES}, ""))
@@ -165,11 +169,14 @@ class Rule:
             'e3m2fn stochastic amax; sparsity 0.85 (histogram)'
             >>> Rule().describe()
             'full precision; no pruning'
+            >>> Rule(format="nvfp4_training").describe()
+            'e2m1fn stochastic amax (blocks of 16, Hadamard 16); no pruning'
         """
         if self.quantizes:
             fmt = f"{self.format} {self.rounding} {self.scale}"
             if self.block_size is not None:
-                fmt += f" (blocks of {self.block_size})"
+                rht = "" if self.hadamard is None else f", Hadamard {self.hadamard}"
+                fmt += f" (blocks of {self.block_size}{rht})"
         else:
             fmt = "full precision"
         prune = f"sparsity {self.sparsity:g} ({self.threshold_rule})" if self.prunes else "no pruning"
@@ -188,7 +195,7 @@ class Rule:
         if self.format is None:
             return None
         return Scheme(self.format, block_size=self.block_size, scale_format=self.scale_format,
-                      scale_rounding=self.scale_rounding, rounding=self.rounding)
+                      scale_rounding=self.scale_rounding, rounding=self.rounding, hadamard=self.hadamard)
 
     def quantize_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`gradstats.ops.quantization.quantize` for this rule, except ``scale``
@@ -283,9 +290,11 @@ def _spell_scheme(values: Mapping[str, Any], where: str) -> Mapping[str, Any]:
     except ValueError as exc:
         raise _err(where, str(exc)) from None
     spelled: dict[str, Any] = {"block_size": s.block_size, "scale_format": s.scale_format_name,
-                               "scale_rounding": None if s.scale_rounding == "floor" else s.scale_rounding}
+                               "scale_rounding": None if s.scale_rounding == "floor" else s.scale_rounding,
+                               "hadamard": s.hadamard}
     # fields whose value given here gives way to the scheme's (unset, or the Rule default)
-    yields: dict[str, tuple[Any, ...]] = {"block_size": (None,), "scale_format": (None,), "scale_rounding": (None,)}
+    yields: dict[str, tuple[Any, ...]] = {"block_size": (None,), "scale_format": (None,), "scale_rounding": (None,),
+                                          "hadamard": (None,)}
     if s.rounding != "nearest":
         spelled["rounding"], yields["rounding"] = s.rounding, ("nearest",)
     if s.block_size is not None:
@@ -331,6 +340,11 @@ def _check_fields(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             out[k] = None if v is None else _choice(v, "scale_format", SCALE_FORMATS, where)
         elif k == "scale_rounding":
             out[k] = None if v is None else _choice(v, "scale_rounding", SCALE_ROUNDINGS, where)
+        elif k == "hadamard":
+            if v is not None and (isinstance(v, bool) or v not in HADAMARD_SIZES):
+                raise _err(where, f"hadamard must be one of {list(HADAMARD_SIZES)} (NVFP4 training: 16) or null, "
+                                  f"got {v!r}")
+            out[k] = v
         elif k == "sparsity":
             out[k] = _opt_float(v, "sparsity", where, lo=0.0, hi=1.0, hi_open=True)
         elif k == "threshold_rule":
@@ -361,6 +375,9 @@ def _check_combination(r: Rule, where: str) -> None:
         raise _err(where, "scale_format applies to block scaling only: set block_size too, or remove it")
     if r.block_size is not None and r.scale_format is None:     # blocks have E8M0 scales unless told
         object.__setattr__(r, "scale_format", Layout(r.block_size).scale_format_name)
+    if r.hadamard is not None and r.format is not None and r.block_size is None:
+        raise _err(where, f"hadamard {r.hadamard} rotates the gradient for block-scaled quantisation along the "
+                          "tokens: set block_size (NVFP4 16, scale 'amax'), or remove hadamard")
     if r.scale_rounding is not None and (r.scale_format is None or scale_format_of(r.scale_format) != E8M0):
         raise _err(where, f"scale_rounding {r.scale_rounding!r} rounds MX (e8m0) block scales: set block_size "
                           "(and scale_format 'e8m0'), or remove it")
@@ -397,7 +414,8 @@ class PlanEntry:
         types: optional module class names; the entry matches only modules that are instances
             of one of them (any class in the module's MRO; e.g. ``"Linear"`` matches ``LazyLinear``).
         format, scale, scale_value, scale_shift, rounding, block_size, scale_format, scale_rounding,
-            sparsity, threshold_rule, predicted: the fields of :class:`Rule`; those not passed are :data:`INHERIT`.
+            sparsity, threshold_rule, predicted, hadamard: the fields of :class:`Rule`; those not passed are
+            :data:`INHERIT`.
 
     Example:
         >>> e = PlanEntry("layer*.conv*", format="e3m2fn", sparsity=None)
@@ -418,6 +436,7 @@ class PlanEntry:
     sparsity: Any = INHERIT
     threshold_rule: Any = INHERIT
     predicted: Any = INHERIT
+    hadamard: Any = INHERIT
 
     def __post_init__(self) -> None:
         where = f"layer entry {self.layer!r}" if isinstance(self.layer, str) else "layer entry"

@@ -126,7 +126,7 @@ def _rule_row(r: Rule) -> dict[str, Any]:
             "bits": None if r.format is None else r.format.bits,
             "scale": r.scale, "scale_value": r.scale_value, "rounding": r.rounding,
             "block_size": r.block_size, "scale_format": r.scale_format, "scale_rounding": r.scale_rounding,
-            "sparsity": r.sparsity,
+            "hadamard": r.hadamard if r.format is not None else None, "sparsity": r.sparsity,
             "threshold_rule": r.threshold_rule, "mu": p.mu, "sigma": p.sigma, "p0": p.p0,
             "predicted_error": p.error, "predicted_sparsity": p.sparsity,
             "predicted_scale": p.scale, "predicted_threshold": p.threshold}

@@ -118,8 +118,8 @@ def test_an_mx_plan_is_torchaos_mxfp8_training_bit_for_bit(mode):
 
 def test_a_recommended_mx_plan_converts_and_nvfp4_is_listed(tmp_path):
     """A recommended MX plan for the CNN converts its hidden linear layer and trains a step under
-    torchao; a layer whose features are not multiples of 32 and NVFP4 blocks (torchao's NVFP4
-    training does not quantise the gradient as the plan does) are skipped with the reason."""
+    torchao; a layer whose features are not multiples of 32 (MXFP8) or 128 (torchao's NVFP4 GEMMs)
+    is skipped with the reason."""
     pytest.importorskip("torchao.prototype.moe_training")
     from gradstats.zoo.models import build_model
     from gradstats.zoo.training import prepare
@@ -142,7 +142,7 @@ def test_a_recommended_mx_plan_converts_and_nvfp4_is_listed(tmp_path):
     loss0.backward()
     opt.step()
     assert torch.isfinite(loss0)
-    with pytest.warns(UserWarning, match="NVFP4 blocks"):
+    with pytest.warns(UserWarning, match="multiples of 128 for torchao's NVFP4 GEMMs"):
         assert gradstats.Plan.uniform(format="e2m1fn", block_size=16, scale_format="e4m3").to_torchao(_mlp()) == []
     with pytest.warns(UserWarning, match="MXFP8"):
         assert gradstats.Plan.uniform(format="e5m2", block_size=32).to_torchao(_mlp()) == []
@@ -169,7 +169,7 @@ def test_what_recipes_says_of_each_float8_recipe_is_what_the_installed_torchao_b
         assert c.round_scales_to_power_of_2 is claim["power_of_2"], name
         hp = c.cast_config_grad_output_for_grad_weight.scaling_type is ScalingType.DISABLED
         assert hp is (claim["grad_weight"] == "high precision"), name
-    assert {"keeps", "cannot"} <= set(RECIPES["mxfp8"]) and "check again" in RECIPES["nvfp4"]["cannot"]
+    assert {"keeps", "cannot"} <= set(RECIPES["mxfp8"]) and "hadamard 16" in RECIPES["nvfp4"]["keeps"]
 
 
 @pytest.mark.parametrize("fmt, differs", [("e5m2", set()), ("e4m3fn", {"cast_config_grad_output",
@@ -227,14 +227,79 @@ def test_the_rowwise_recipes_are_torchaos_and_say_what_of_the_plan_they_change()
     assert type(model[2]).__name__ == "Float8Linear" and torch.isfinite(model[2].weight.grad).all()
 
 
-def test_the_recipe_table_names_mx_and_says_why_nvfp4_is_not_mapped():
+def test_the_recipe_table_names_mx_and_nvfp4_and_what_nvfp4_changes():
     pytest.importorskip("torchao.prototype.moe_training")
     from gradstats.integrations.torchao import recipe_table
 
     mx = recipe_table(gradstats.Plan.uniform(format="e4m3fn", block_size=32, scale_rounding="rceil"), _mlp())
     assert set(mx["recipe"]) == {"mxfp8"} and mx["exact"].all()       # the forward casts are not the gradient's
-    nv = recipe_table(gradstats.Plan.uniform(format="e2m1fn", block_size=16, scale_format="e4m3"), _mlp())
-    assert nv["recipe"].isna().all() and not nv["exact"].any()
-    assert all("Hadamard" in n[0] and "check again when a newer torchao is pinned" in n[0] for n in nv["notes"])
+    nv = recipe_table(gradstats.Plan.uniform(format="nvfp4", rounding="nearest"), _mlp())
+    assert set(nv["recipe"]) == {"nvfp4"} and not nv["exact"].any()
+    assert all(any("no Hadamard transform" in x for x in n) and any("rounding 'nearest'" in x for x in n)
+               for n in nv["notes"])
+    tr = recipe_table(gradstats.Plan.uniform(format="nvfp4_training"), _mlp())
+    assert set(tr["recipe"]) == {"nvfp4"} and not tr["exact"].any()       # torchao's grad_input GEMM differs
+    assert all(not any("Hadamard" in x or "rounding '" in x for x in n) for n in tr["notes"])
+    assert all(any("grad_input GEMM" in x for x in n) for n in tr["notes"])
     stochastic = recipe_table(gradstats.Plan.uniform(format="e5m2", scale="amax", rounding="stochastic"), _mlp())
     assert set(stochastic["recipe"]) == {"tensorwise"} and not stochastic["exact"].any()
+
+
+# -- NVFP4 training ------------------------------------------------------------------------------------
+
+def _nvfp4_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128),
+                               torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def test_an_nvfp4_training_plan_is_torchaos_nvfp4_training_config_with_the_same_rotation():
+    """The "nvfp4_training" plan becomes torchao's NVFP4TrainingConfig (its recipe: NVFP4 blocks,
+    stochastic rounding, 16-point RHT for grad_weight) with gradstats' sign vector; torchao's RHT
+    matrix, which multiplies token vectors from the right, is then the transpose of the rotation
+    gradstats applies from the left, and convert swaps in torchao's NVFP4Linear (on the CPU; its
+    GEMMs run on CUDA SM100 only, so no step is taken here). What torchao does otherwise is listed."""
+    pytest.importorskip("torchao.prototype.moe_training.nvfp4_training")
+    from torchao.prototype.moe_training.nvfp4_training.hadamard_utils import get_rht_matrix
+    from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear, NVFP4TrainingConfig
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    from gradstats.ops.hadamard import rht_matrix, signs
+
+    plan = gradstats.Plan.uniform(format="nvfp4_training")
+    with pytest.warns(UserWarning) as caught:
+        doc = plan.export("torchao", _nvfp4_mlp())
+    assert doc["configs"] == {n: {"recipe": "nvfp4", "kernel_preference": "triton",
+                                  "rht_sign_vector": list(signs(16))} for n in ("0", "2")}
+    text = str(caught[0].message)
+    assert "grad_input GEMM: torchao quantises g along the channels without the rotation" in text
+    assert "bfloat16" in text and "also casts the forward input" in text
+    assert "rounds g stochastically" not in text and "no Hadamard" not in text      # the recipe's own choices
+    with pytest.warns(UserWarning):
+        (config, keep), = plan.to_torchao(_nvfp4_mlp())
+    assert isinstance(config, NVFP4TrainingConfig) and config.kernel_preference is KernelPreference.TRITON
+    assert config.rht_sign_vector == signs(16) and keep(None, "0") and not keep(None, "4")
+    theirs = get_rht_matrix(tuple(signs(16)), "cpu", torch.float32, 16)
+    assert torch.equal(theirs.t(), rht_matrix(16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model = convert(_nvfp4_mlp(), plan)
+    assert [type(m).__name__ for m in model] == ["NVFP4Linear", "ReLU", "NVFP4Linear", "ReLU", "Linear"]
+    assert isinstance(model[0], NVFP4Linear) and model[0].rht_sign_vector == signs(16)
+
+
+def test_what_torchaos_nvfp4_training_cannot_express_is_listed_per_layer():
+    pytest.importorskip("torchao.prototype.moe_training.nvfp4_training")
+    plan = gradstats.Plan.uniform(format="nvfp4", rounding="nearest", sparsity=0.5)
+    with pytest.warns(UserWarning) as caught:
+        doc = plan.export("torchao", _nvfp4_mlp())
+    notes = doc["dropped"]["0"]
+    assert any("rounding 'nearest'" in n for n in notes) and any("no Hadamard transform" in n for n in notes)
+    assert any("does not prune" in n for n in notes) and "0: " in str(caught[0].message)
+    with pytest.raises(ValueError, match="not expressible"):
+        plan.to_torchao(_nvfp4_mlp(), strict=True)
+    with pytest.warns(UserWarning, match="no emulated GEMMs"):          # torchao cannot emulate NVFP4 training
+        assert gradstats.Plan.uniform(format="nvfp4_training").to_torchao(_nvfp4_mlp(), emulate=True) == []
+    with pytest.warns(UserWarning, match="rotates the gradient in its NVFP4 training recipe only"):
+        doc = gradstats.Plan.uniform(format="mxfp4:hadamard=32").export("torchao", _nvfp4_mlp())
+    assert doc["configs"] == {} and set(doc["skipped"]) == {"0", "2"}

@@ -6,7 +6,7 @@ TE's feature classes import its CUDA extension, so they cannot load here; the st
 register TE's feature names in TE's namespace (what nvdlfw-inspect checks when it loads a file)
 and apply, on each section, the key and value checks of TE's own classes (transcribed from
 ``transformer_engine/debug/features``: fake_quant.py, disable_quantization_gemm.py,
-log_tensor_stats.py; TE 2.x)."""
+log_tensor_stats.py, log_nvfp4_tensor_stats.py; TE 2.x)."""
 from __future__ import annotations
 
 import re
@@ -95,6 +95,23 @@ class LogTensorStats(BaseConfigAPIMapper):
                 assert args["block_size"] > 0 and args["dims"] in (1, 2)
             else:
                 assert stat in self.SUPPORTED, stat
+        assert int(config.get("freq", 1)) >= 1
+        return True
+
+
+@Registry.register_feature(namespace="transformer_engine")
+class LogNvfp4TensorStats(BaseConfigAPIMapper):
+    """TE's check_if_stat_is_supported: underflows% and mse only."""
+
+    def parse_config_and_api(self, config, tensor_name=None, **kwargs):
+        config = self._process_tensor_config(dict(config), tensor_name)
+        return config is not None, config
+
+    @api_method
+    def inspect_tensor_enabled(self, config, layer_name, tensor_name, **kwargs):
+        for stat in config["stats"]:
+            if stat not in ["underflows%", "mse"]:
+                raise ValueError(f"Stat {stat} is not supported for NVFP4")
         assert int(config.get("freq", 1)) >= 1
         return True
 '''
@@ -224,3 +241,34 @@ def test_te_export_without_a_model_and_on_the_cli(tmp_path, capsys):
     import yaml
 
     assert yaml.safe_load((tmp_path / "x.yaml").read_text()) == doc["config"]
+
+
+def test_an_nvfp4_training_plan_loads_with_nvfp4_and_high_precision_layers(tmp_path, debug_api):
+    """The "nvfp4_training" plan on the transformer: its planned layers get LogNvfp4TensorStats (TE's
+    NVFP4 recipe quantises them), a layer the plan keeps in full precision and the output layer get
+    DisableQuantizationGEMM; the header names the recipe's settings."""
+    api, features = debug_api
+    model = _transformer()
+    planned = gradstats.Plan.uniform(format="nvfp4_training")
+    keep = sorted(planned.resolve(model))[0]
+    plan = planned.with_entries(gradstats.PlanEntry(keep, format=None))
+    path = tmp_path / "te.yaml"
+    with pytest.warns(UserWarning, match="also quantises the layer's forward input"):
+        doc = plan.export("te", model, path=path)
+    text = path.read_text()
+    assert "NVFP4BlockScaling(disable_rht=False, disable_stochastic_rounding=False)" in text
+    cm, te = _load(api, features, path, tmp_path / "logs")
+    nvfp4 = set(planned.resolve(model)) - {keep}
+    assert nvfp4
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear):
+            continue
+        sec = cm.get_config_for_layer(name).get("transformer_engine", {})
+        if name in nvfp4:
+            assert sec["LogNvfp4TensorStats"]["stats"] == ["underflows%", "mse"] and "FakeQuant" not in sec
+            assert "DisableQuantizationGEMM" not in sec
+        else:
+            assert name in (keep, planned.output_layer_of(model))
+            assert sec["DisableQuantizationGEMM"]["gemms"] == ["dgrad", "wgrad"]
+        _check_section(te, name, {"transformer_engine": sec})
+    assert doc["recipe"]["recipe"] == "NVFP4BlockScaling" and not doc["skipped"]

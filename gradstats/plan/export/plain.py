@@ -1,6 +1,7 @@
 """The plain JSON target of :meth:`gradstats.plan.Plan.export` (``"json"``): per layer the format
 (canonical name and its defining numbers), the scale rule and a scale any code can use, rounding,
-blocks and pruning: plain data with no gradstats types.
+blocks, the Hadamard transform (its size and signs, :mod:`gradstats.ops.hadamard`) and pruning: plain
+data with no gradstats types.
 
 Example:
     >>> from gradstats.plan import Plan, PlanEntry
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gradstats.ops.hadamard import signs
 from gradstats.plan._rules import Rule, amax_scale
 from gradstats.plan.export.base import Exporter, Resolved, register
 
@@ -54,6 +56,8 @@ def _json_layer(r: Rule) -> dict[str, Any]:
         "block_size": r.block_size,
         "scale_format": r.scale_format,
         "scale_rounding": None if r.scheme is None else r.scheme.scale_rounding,
+        "hadamard": None if r.scheme is None else r.scheme.hadamard,
+        "hadamard_signs": None if r.scheme is None or r.scheme.hadamard is None else list(signs(r.scheme.hadamard)),
         "scheme": None if r.scheme is None else str(r.scheme),
         "sparsity": r.sparsity,
         "threshold_rule": r.threshold_rule if r.sparsity is not None else None,

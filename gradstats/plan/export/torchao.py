@@ -3,8 +3,11 @@
 Per ``nn.Linear`` layer: for per-tensor float8 a ``Float8LinearConfig``-like dict with the casts
 of ``grad_output`` (the neural gradient) for the two backward GEMMs; for MX blocks (32 values,
 E8M0 scales, e4m3fn elements) torchao's MXFP8 training recipe (``{"recipe": "mxfp8",
-"scale_calculation_mode": ...}``). Only what torchao can express is mapped; the rest is reported
-(see ``docs/plan-format.md`` for the mapping and how to build the torchao objects from it).
+"scale_calculation_mode": ...}``); for NVFP4 blocks (16 values, E4M3 scales under a float32 tensor
+scale, e2m1fn elements) torchao's NVFP4 training recipe (``NVFP4TrainingConfig``: ``{"recipe":
+"nvfp4", "kernel_preference": "triton", "rht_sign_vector": [...]}``, the signs of gradstats' Hadamard
+transform, :func:`gradstats.ops.hadamard.signs`). Only what torchao can express is mapped; the rest is
+reported (see ``docs/plan-format.md`` for the mapping and how to build the torchao objects from it).
 
 Example:
     >>> from gradstats.plan import Plan, PlanEntry
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gradstats.ops.hadamard import signs
 from gradstats.plan._rules import Rule
 from gradstats.plan.export.base import Exporter, Resolved, register
 
@@ -79,11 +83,13 @@ def _torchao_mx_layer(name: str, r: Rule, skipped: dict[str, str], dropped: dict
                       ) -> dict[str, Any] | None:
     """A block-scaled rule as torchao's MXFP8 training recipe (``MXFP8TrainingOpConfig``): blocks
     of 32 along the contraction dimension, E8M0 scales, e4m3fn elements, in both backward GEMMs."""
-    layout = r.scheme.layout.preset if r.scheme is not None else None
+    layout = r.scheme.layout.replace(hadamard=None).preset if r.scheme is not None else None
     if layout == "nvfp4":
-        skipped[name] = ("NVFP4 blocks (E4M3 scales): torchao's NVFP4 training (NVFP4TrainingConfig) always "
-                         "rounds the gradient stochastically and casts a random Hadamard rotation of it for the "
-                         "grad_weight GEMM, not the plan's quantisation of the gradient")
+        return _torchao_nvfp4_layer(name, r, dropped)
+    if r.hadamard is not None:
+        skipped[name] = (f"hadamard {r.hadamard} with {r.format} in blocks of {r.block_size} ({r.scale_format} "
+                         "scales): torchao rotates the gradient in its NVFP4 training recipe only (e2m1fn, blocks "
+                         "of 16, e4m3 scales)")
         return None
     if layout != "mxfp8_e4m3":
         skipped[name] = (f"{r.format} in blocks of {r.block_size} ({r.scale_format} scales): torchao's MX "
@@ -101,15 +107,50 @@ def _torchao_mx_layer(name: str, r: Rule, skipped: dict[str, str], dropped: dict
             "wgrad_with_hp": False}
 
 
+#: what torchao 0.18's NVFP4 training recipe does to the neural gradient g and what the plan's
+#: emulation of it (one quantised g for both backward GEMMs, :func:`gradstats.quantize`) does otherwise
+_NVFP4_GRAD_INPUT = ("grad_input GEMM: torchao quantises g along the channels without the rotation (stochastic "
+                     "rounding), where the plan feeds both GEMMs its one rotated-quantised g")
+_NVFP4_BF16 = "torchao casts g (and its rotation) to bfloat16 before quantising; the plan quantises float32"
+_NVFP4_FORWARD = ("torchao's NVFP4 recipe also casts the forward input (along the features, and rotated along the "
+                  "tokens for grad_weight) and the weight (16x16 blocks) to NVFP4, and needs in_features, "
+                  "out_features and the tokens of a step to be multiples of 128 (Triton kernels, CUDA SM100)")
+
+
+def _torchao_nvfp4_layer(name: str, r: Rule, dropped: dict[str, list[str]]) -> dict[str, Any]:
+    """An NVFP4 rule as torchao's NVFP4 training recipe (``NVFP4TrainingConfig``): e2m1fn in blocks of
+    16 with E4M3 scales under a float32 tensor scale, stochastic rounding of the gradient, and a
+    16-point random Hadamard transform of both grad_weight operands along the tokens, with the plan's
+    sign vector (gradstats' fixed one, :func:`gradstats.ops.hadamard.signs`). Fields the plan sets
+    otherwise are listed in ``dropped``."""
+    notes: list[str] = []
+    if r.rounding != "stochastic":
+        notes.append(f"rounding {r.rounding!r}: torchao's NVFP4 training rounds g stochastically in both "
+                     "backward GEMMs")
+    if r.hadamard is None:
+        notes.append("no Hadamard transform: torchao's NVFP4 training casts a 16-point random Hadamard rotation of "
+                     "g (and of the input) along the tokens for the grad_weight GEMM")
+    elif r.hadamard != 16:
+        notes.append(f"hadamard {r.hadamard}: torchao's random Hadamard transform is 16-point")
+    else:
+        notes.append(_NVFP4_GRAD_INPUT)
+    notes.append(_NVFP4_BF16)
+    if r.prunes:
+        notes.append(f"sparsity {r.sparsity} ({r.threshold_rule} threshold): torchao does not prune gradients")
+    notes.append(_NVFP4_FORWARD)
+    dropped[name] = notes
+    return {"recipe": "nvfp4", "kernel_preference": "triton", "rht_sign_vector": list(signs(16))}
+
+
 @register
 class TorchaoExporter(Exporter):
-    """torchao.float8 (per-tensor float8) and torchao's MXFP8 training recipe, per ``nn.Linear``."""
+    """torchao.float8 (per-tensor float8), torchao's MXFP8 and NVFP4 training recipes, per ``nn.Linear``."""
 
     name = "torchao"
     aliases = ("torchao.float8",)
     target = "torchao.float8"
     needs_types = True
-    help = "torchao.float8 casts (and MXFP8 recipes) per nn.Linear"
+    help = "torchao.float8 casts (and MXFP8, NVFP4 training recipes) per nn.Linear"
 
     def body(self, plan: "Plan", model: Any, resolved: list[Resolved], skipped: dict[str, str],
              dropped: dict[str, list[str]]) -> dict[str, Any]:
