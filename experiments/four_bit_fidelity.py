@@ -4,7 +4,7 @@ For a MobileNetV2-style CNN (Fashion-MNIST; conv outputs 14, 7 and 4 wide), a ``
 GPT-NeoX and a Mamba from tiny configs (Shakespeare characters), and a ConvNeXt-style CNN of our own
 (depthwise 7x7 convolutions, GroupNorm): trace 30 steps with samples every 5th, then **freeze** the
 model (learning rate 0: nothing drifts) and for each four-bit plan of ``recommend(run, bits=4, ...)``
-with its defaults,
+with its defaults (``granularity="nvfp4"``, ``"mx"`` and the NVFP4 training recipe ``"nvfp4_training"``),
 
 1. ``plan.verify(run)``: the plan passes its own check on its calibration steps;
 2. apply it for 6 steps, with probes that read each planned layer's gradient before and after the
@@ -43,7 +43,8 @@ from plan_fidelity import ConvNeXtTiny, probe  # noqa: E402  (the probes and the
 
 log = logging.getLogger("four_bit_fidelity")
 RESULTS = Path(__file__).resolve().parent / "results" / "four_bit_fidelity.json"
-PLANS = {"nvfp4": dict(bits=4, granularity="nvfp4"), "mx": dict(bits=4, granularity="mx")}
+PLANS = {"nvfp4": dict(bits=4, granularity="nvfp4"), "mx": dict(bits=4, granularity="mx"),
+         "nvfp4_training": dict(bits=4, granularity="nvfp4_training")}
 
 
 # --------------------------------------------------------------------------- models

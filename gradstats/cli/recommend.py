@@ -40,10 +40,11 @@ def _log2(v) -> float:
 def granularity_arg(text: str) -> str | int:
     """A granularity name or a block size, read by :func:`gradstats.fpanalysis.granularity.granularity_layout`."""
     from gradstats.fpanalysis.granularity import granularity_layout
+    from gradstats.plan.recommend import _recipe
 
     g = int(text) if text.strip().isdigit() else text.strip()
     try:
-        granularity_layout(g)
+        granularity_layout(_recipe(g)[0])
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return g
@@ -134,8 +135,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"SGD's own minibatch noise (default {NOISE_BOUND}; docs/noise.md); "
                         "none: not bounded")
     p.add_argument("--granularity", type=granularity_arg, default="tensor", metavar="NAME|N",
-                   help="tensor (default), mx (blocks of 32, E8M0 scales), nvfp4 (blocks of 16, E4M3 scales) "
-                        "or a block size N (blocks of N, E8M0 scales)")
+                   help="tensor (default), mx (blocks of 32, E8M0 scales), nvfp4 (blocks of 16, E4M3 scales), "
+                        "nvfp4_training (nvfp4 with stochastic rounding and a 16-point random Hadamard transform, "
+                        "NVIDIA's NVFP4 training recipe) or a block size N (blocks of N, E8M0 scales)")
     p.add_argument("--rounding", default=None, choices=list(PREDICTED_ROUNDINGS),
                    help="force one rounding (default: per layer, what the objective chooses)")
     p.add_argument("--threshold-rule", default=None, metavar="RULE", type=_one_of(_threshold_rules, "threshold rule"),

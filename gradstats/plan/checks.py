@@ -118,7 +118,9 @@ def replay(rule: Any, x: torch.Tensor, threshold: float, scale: float, *, seed: 
     if x.dim() != 2:
         x = x.reshape(-1)
     q = rule.quantize_kwargs() if rule.quantizes else {"fmt": None, "rounding": rule.rounding}
-    if q.get("block_size") is not None and tensor_amax is not None and q.get("scale_format") == "e4m3":
+    # (a rotated rule's tensor scale is the rotated tensor's, which a part of it only approximates)
+    if (q.get("block_size") is not None and tensor_amax is not None and q.get("scale_format") == "e4m3"
+            and q.get("hadamard") is None):
         q["tensor_amax"] = max(float(tensor_amax), threshold)    # pruning rounds small values up to the threshold
     out, c = prune_quantize(x, threshold, q.pop("fmt"), scale=scale, seed=seed, **q)
     n = max(c.n, 1)
@@ -161,7 +163,11 @@ def problems(rule: Any, got: dict[str, float], *, bias_bound: float, flush_bound
     if math.isfinite(got["gain"]) and abs(got["gain"] - 1) > bias_bound + 3 * (gse if math.isfinite(gse) else 0):
         out.append(f"magnitude gain {got['gain']:.3f} (bound 1 +- {bias_bound:g})")
     bse = got.get("bias_se", 0.0) or 0.0
-    if math.isfinite(got["bias"]) and abs(got["bias"]) > bias_bound + 3 * (bse if math.isfinite(bse) else 0):
+    # a rotated rule (Hadamard) spreads its unbiased rounding noise over every entry, zeros included, so
+    # sum |out| grows with the noise while E[out] = g: its shrinkage is the gain's to judge, not |out|'s
+    rotated = getattr(rule, "hadamard", None) is not None
+    if not rotated and math.isfinite(got["bias"]) and \
+            abs(got["bias"]) > bias_bound + 3 * (bse if math.isfinite(bse) else 0):
         out.append(f"magnitude bias {got['bias']:+.3f} (bound {bias_bound:g})")
     if flush_bound is not None and rule.quantizes and rule.rounding == "nearest":
         nz = float(got.get("nonzero", math.inf) or math.inf)
@@ -217,7 +223,8 @@ class Verification:
 
     def per_layer(self) -> "pd.DataFrame":
         """One row per layer: the predictions and replays averaged over the steps with the weights of
-        :func:`step_weights` (the later steps count more), ``worst_*`` the extreme over steps of the
+        :func:`step_weights` (the later steps count more), ``predicted_from`` (what predicted them:
+        ``"blocks"``, the replay on whole blocks; ``"lognormal"``; or the exchangeable-block model), ``worst_*`` the extreme over steps of the
         replayed overflow, flushed share and gain, ``ok`` (every step passed) and ``problems`` (those of the
         first step that failed, named with its numbers: ``"step 4: replayed: ..."``)."""
         import pandas as pd
@@ -229,7 +236,9 @@ class Verification:
             g = g.sort_values("step")
             w = step_weights(list(g["step"]))
             row: dict[str, Any] = {"layer": layer, "rule": g["rule"].iloc[-1], "steps": len(g),
-                                   "samples": int(g["samples"].sum())}
+                                   "samples": int(g["samples"].sum()),
+                                   "predicted_from": ", ".join(dict.fromkeys(g["predicted_from"]))
+                                   if "predicted_from" in g else None}
             for q in QUANTITIES:
                 for side in ("predicted", "replayed"):
                     v = g[f"{side}_{q}"].to_numpy(dtype=np.float64)

@@ -119,7 +119,10 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | str | None = None,
             ``"lognormal"``), ``"mx"`` (blocks of 32, E8M0 scales), ``"nvfp4"`` (blocks of 16,
             E4M3 scales), or a block size N (blocks of N with E8M0 scales), read by
             :func:`gradstats.fpanalysis.granularity.granularity_layout`; block-scaled plans use the
-            ``"amax"`` scale rule.
+            ``"amax"`` scale rule. Or a block preset of :data:`gradstats.scheme.PRESETS` that brings
+            more than its blocks: ``"nvfp4_training"`` (NVFP4 as NVIDIA's NVFP4 pretraining recipe
+            quantises gradients: stochastic rounding, a 16-point random Hadamard transform along the
+            tokens), whose rounding becomes the default and whose transform every rule carries.
         rounding: ``"nearest"`` or ``"stochastic"`` (the errors are predicted for it), or None
             (default): per layer, what the objective chooses (``objective="training"`` with
             per-tensor scales); otherwise stochastic for 6 bits or fewer, nearest above.
@@ -270,6 +273,10 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
     Rule(threshold_rule=threshold_rule)  # validates the rule name
     if model not in FORMAT_RULES:
         raise ValueError(f"format_rule must be one of {list(FORMAT_RULES)}, got {model!r}")
+    granularity, recipe = _recipe(granularity)
+    if rounding is None and recipe.get("rounding"):
+        rounding = recipe.pop("rounding")
+    recipe.pop("rounding", None)
     granularity = _candidate_granularity(candidates, granularity)
     layout = granularity_layout(granularity)
     block_size, scale_format = layout.block_size, layout.scale_format_name
@@ -333,7 +340,7 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
                                            scale_format=scale_format, candidates=cands, model=model)
         defaults = Rule(scale="amax" if (block_size or training) else "lognormal", rounding=b_round,
                         block_size=block_size, scale_format=scale_format, sparsity=sparsity,
-                        threshold_rule=threshold_rule)
+                        threshold_rule=threshold_rule, **recipe)
         entries = []
         for i, name in enumerate(mom.layers):
             extra = per_layer[i]
@@ -454,6 +461,25 @@ def _quiet(logger: str, on: bool) -> Iterator[None]:
         yield
     finally:
         lg.setLevel(level)
+
+
+def _recipe(granularity: Any) -> tuple[Any, dict[str, Any]]:
+    """A granularity that names a block preset bringing more than its blocks (``"nvfp4_training"``):
+    its plain granularity (``"nvfp4"``) and the rule fields it adds (``hadamard``, and its rounding
+    where not nearest); any other granularity unchanged, with none."""
+    from gradstats.scheme import PRESETS
+
+    key = granularity.strip().lower() if isinstance(granularity, str) else None
+    if key is None or key in GRANULARITIES or key not in PRESETS or PRESETS[key].block_size is None:
+        return granularity, {}
+    s = PRESETS[key]
+    base = Layout.of(s).name
+    if base is None or (s.hadamard is None and s.rounding == "nearest"):
+        return granularity, {}
+    extra: dict[str, Any] = {"hadamard": s.hadamard} if s.hadamard is not None else {}
+    if s.rounding != "nearest":
+        extra["rounding"] = s.rounding
+    return base, extra
 
 
 def _candidate_granularity(candidates: Any, granularity: Any) -> Any:

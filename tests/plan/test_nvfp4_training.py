@@ -184,3 +184,33 @@ def test_the_plain_json_export_carries_the_transform_and_its_signs():
     assert layer["hadamard_signs"] == list(signs(16))
     other = Plan.uniform(format="nvfp4").export("json", _mlp())["layers"]["0"]
     assert other["hadamard"] is None and other["hadamard_signs"] is None
+
+
+def test_recommend_plans_the_recipe_and_the_command_line_too(tmp_path, capsys):
+    """recommend(bits=4, granularity="nvfp4_training"): every planned layer NVFP4 with stochastic
+    rounding and the 16-point transform (or left in full precision by the check, with its reason),
+    predicted from the replay on whole blocks, passing its own verify; `gradstats recommend` makes the
+    same rules."""
+    from gradstats.cli import main
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(32 * 8 * 8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with gradstats.trace(model, tmp_path / "run", sample_every=2) as t:
+        for _ in range(6):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(torch.randn(64, 1, 8, 8)), torch.randint(0, 10, (64,))).backward()
+            opt.step()
+            t.step()
+    plan = gradstats.recommend(tmp_path / "run", bits=4, granularity="nvfp4_training")
+    rules = {n: r for n, r in plan.resolve(model).items() if r.quantizes}
+    assert set(rules) == {"0", "3"}                    # the output layer stays in full precision
+    for r in rules.values():
+        assert (r.hadamard, r.rounding, r.block_size, r.scale_format) == (16, "stochastic", 16, "e4m3")
+    assert all(c["predicted_from"] == "blocks" for c in plan.checks if c["layer"] in rules)
+    assert plan.verify(tmp_path / "run").ok
+    assert main(["recommend", str(tmp_path / "run"), "--bits", "4", "--granularity", "nvfp4_training",
+                 "-o", str(tmp_path / "plan.json")]) in (0, None)
+    cli = gradstats.Plan.load(tmp_path / "plan.json").resolve(model)
+    assert {n: r.describe() for n, r in cli.items()} == {n: r.describe() for n, r in plan.resolve(model).items()}
