@@ -170,13 +170,18 @@ class Rule:
             >>> Rule().describe()
             'full precision; no pruning'
             >>> Rule(format="nvfp4_training").describe()
-            'e2m1fn stochastic amax (blocks of 16, Hadamard 16); no pruning'
+            'e2m1fn stochastic amax (blocks of 16, e4m3 scales, Hadamard 16); no pruning'
+            >>> Rule(format="mxfp4:scale_rounding=rceil").describe()
+            'e2m1fn nearest amax (blocks of 32, e8m0 scales rounded up: rceil); no pruning'
         """
         if self.quantizes:
             fmt = f"{self.format} {self.rounding} {self.scale}"
             if self.block_size is not None:
+                sr = self.scale_rounding if self.scale_rounding not in (None, "floor") else None
+                how = {"rceil": "rounded up: rceil", "ceil": "rounded up: ceil", "even": "rounded: even"}
+                scales = f", {self.scale_format or 'e8m0'} scales" + (f" {how[sr]}" if sr else "")
                 rht = "" if self.hadamard is None else f", Hadamard {self.hadamard}"
-                fmt += f" (blocks of {self.block_size}{rht})"
+                fmt += f" (blocks of {self.block_size}{scales}{rht})"
         else:
             fmt = "full precision"
         prune = f"sparsity {self.sparsity:g} ({self.threshold_rule})" if self.prunes else "no pruning"

@@ -24,7 +24,7 @@ def test_the_rule_spells_the_preset_out_and_round_trips_through_plan_json(tmp_pa
     assert r.scheme == gradstats.Scheme.parse("nvfp4_training") and r.quantize_kwargs()["hadamard"] == 16
     assert r == Rule(format="e2m1fn", scale="amax", block_size=16, scale_format="e4m3", rounding="stochastic",
                      hadamard=16)
-    assert r.describe() == "e2m1fn stochastic amax (blocks of 16, Hadamard 16); no pruning"
+    assert r.describe() == "e2m1fn stochastic amax (blocks of 16, e4m3 scales, Hadamard 16); no pruning"
     assert Rule(**r.to_dict()) == r and r.to_dict()["hadamard"] == 16
     plan = Plan.uniform(format="nvfp4_training", sparsity=0.5).with_entries(
         PlanEntry("head", format="nvfp4"), PlanEntry("mid", format="e4m3fn"))
