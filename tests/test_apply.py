@@ -895,3 +895,25 @@ def test_refresh_reads_the_family_scales_recommend_reads_from_a_gradient_with_ze
     mine = THRESHOLD_RULES[rule].threshold(0.8, layer_stats(st))
     ref = float(pruning.threshold(0.8, tensor_stats(g), threshold_rule=rule))
     assert mine == pytest.approx(ref, rel=1e-9)
+
+
+@pytest.mark.parametrize("alerts", [True, False])
+def test_a_block_rule_alerts_when_it_flushes_past_its_replayed_prediction(alerts):
+    """A block rule is predicted by replaying it on whole blocks (exact on its calibration steps): it
+    alerts ("drift") at its first call when it flushes more than the prediction plus max(0.5 x, 0.01),
+    and not when its prediction is what it flushes; the per-tensor band (twice the prediction plus
+    0.01) would have stayed silent at a prediction of f / 1.8."""
+    from gradstats.plan import Prediction
+
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 64)
+    g = torch.randn(256, 64)
+    measured = float(((gradstats.quantize(g, "nvfp4") == 0) & (g != 0)).float().mean())
+    pred = measured / 1.8 if alerts else measured
+    assert (pred + max(0.5 * pred, 0.01) < measured) == alerts and 2 * pred + 0.01 > measured
+    plan = Plan([PlanEntry("(root)", format="nvfp4", rounding="nearest",
+                           predicted=Prediction(flushed=pred, overflow=0.5))])
+    applied = gradstats.apply(lin, plan)
+    lin(torch.randn(256, 16)).backward(g)
+    applied.remove()
+    assert ("drift" in applied.alerts.get("(root)", {})) == alerts

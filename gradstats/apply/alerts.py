@@ -21,6 +21,19 @@ from gradstats.ops.fused import CompressCounts
 log = logging.getLogger("gradstats.apply")
 
 
+def block_band(predicted: float) -> float:
+    """The most of a block rule's entries that may be flushed or clipped before its alert fires: the
+    plan's prediction plus ``max(0.5 x prediction, 0.01)`` (three standard errors of the call's count
+    are added where it is checked). Block rules are predicted by replaying them on whole blocks of the
+    run's samples, exact on their calibration steps, so a larger departure means the gradient moved.
+
+    Example:
+        >>> round(block_band(0.004), 4), round(block_band(0.034), 4), round(block_band(0.3), 4)
+        (0.014, 0.051, 0.45)
+    """
+    return predicted + max(0.5 * predicted, 0.01)
+
+
 class Alerting:
     """The checks of :class:`~gradstats.apply.Applied` (alerts and fallbacks, from the counts of each call)."""
 
@@ -36,8 +49,9 @@ class Alerting:
         if rule.quantizes and self.config.overflow_bound is not None and "overflow" not in st.alerts and c.saturated:
             pred = getattr(planned, "overflow", None)
             # block scales clip some blocks' maxima by design (by at most 1/16 for NVFP4's e4m3 scales):
-            # a band around the plan's prediction; per-tensor scales: the bound, or the prediction if larger
-            bound = (max(self.config.overflow_bound, 1.5 * (pred or 0.0) + 0.01) if rule.block_size is not None
+            # the plan's prediction (replayed on whole blocks) and the band of block_band; per-tensor scales:
+            # the bound, or the prediction if larger
+            bound = (max(self.config.overflow_bound, block_band(pred or 0.0)) if rule.block_size is not None
                      else max(self.config.overflow_bound, pred or 0.0))
             sat = (c.saturated - c.nonfinite) / c.n
             if sat > bound + 3 * math.sqrt(max(bound, 1.0 / c.n) / c.n):
@@ -49,7 +63,9 @@ class Alerting:
         pred_fl = getattr(planned, "flushed", None)
         if rule.quantizes and pred_fl is not None and "drift" not in st.alerts and c.underflow:
             fl = c.underflow / c.n
-            band = 2 * pred_fl + 0.01
+            # block rules: predicted on whole blocks, exact on the calibration steps (block_band); per-tensor
+            # rules: from the statistics, twice the prediction plus 0.01
+            band = block_band(pred_fl) if rule.block_size is not None else 2 * pred_fl + 0.01
             if fl > band + 3 * math.sqrt(band / c.n):
                 self._alert(name, st, "drift", (
                     f"{fl:.2%} of the values were flushed to zero by rounding (call {st.seq}), where the plan "
