@@ -40,11 +40,11 @@ def _log2(v) -> float:
 def granularity_arg(text: str) -> str | int:
     """A granularity name or a block size, read by :func:`gradstats.fpanalysis.granularity.granularity_layout`."""
     from gradstats.fpanalysis.granularity import granularity_layout
-    from gradstats.plan.recommend import _recipe
+    from gradstats.plan.recommend import granularity_recipe
 
     g = int(text) if text.strip().isdigit() else text.strip()
     try:
-        granularity_layout(_recipe(g)[0])
+        granularity_layout(granularity_recipe(g)[0])
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return g

@@ -46,7 +46,7 @@ from gradstats.run import as_run
 
 log = logging.getLogger(__name__)
 
-__all__ = ["recommend", "recommend_each", "layer_moments", "GRANULARITIES", "FORMAT_RULES"]
+__all__ = ["recommend", "recommend_each", "layer_moments", "granularity_recipe", "GRANULARITIES", "FORMAT_RULES"]
 
 #: ``format_rule=`` values: the closed forms in each layer's lognormal fit, or its binade histogram
 FORMAT_RULES = ("lognormal", "histogram")
@@ -273,7 +273,7 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
     Rule(threshold_rule=threshold_rule)  # validates the rule name
     if model not in FORMAT_RULES:
         raise ValueError(f"format_rule must be one of {list(FORMAT_RULES)}, got {model!r}")
-    granularity, recipe = _recipe(granularity)
+    granularity, recipe = granularity_recipe(granularity)
     if rounding is None and recipe.get("rounding"):
         rounding = recipe.pop("rounding")
     recipe.pop("rounding", None)
@@ -463,10 +463,15 @@ def _quiet(logger: str, on: bool) -> Iterator[None]:
         lg.setLevel(level)
 
 
-def _recipe(granularity: Any) -> tuple[Any, dict[str, Any]]:
+def granularity_recipe(granularity: Any) -> tuple[Any, dict[str, Any]]:
     """A granularity that names a block preset bringing more than its blocks (``"nvfp4_training"``):
     its plain granularity (``"nvfp4"``) and the rule fields it adds (``hadamard``, and its rounding
-    where not nearest); any other granularity unchanged, with none."""
+    where not nearest); any other granularity unchanged, with none.
+
+    Example:
+        >>> granularity_recipe("nvfp4_training"), granularity_recipe("mx")
+        (('nvfp4', {'hadamard': 16, 'rounding': 'stochastic'}), ('mx', {}))
+    """
     from gradstats.scheme import PRESETS
 
     key = granularity.strip().lower() if isinstance(granularity, str) else None
