@@ -118,10 +118,18 @@ def replay(rule: Any, x: torch.Tensor, threshold: float, scale: float, *, seed: 
     if x.dim() != 2:
         x = x.reshape(-1)
     q = rule.quantize_kwargs() if rule.quantizes else {"fmt": None, "rounding": rule.rounding}
-    # (a rotated rule's tensor scale is the rotated tensor's, which a part of it only approximates)
-    if (q.get("block_size") is not None and tensor_amax is not None and q.get("scale_format") == "e4m3"
-            and q.get("hadamard") is None):
-        q["tensor_amax"] = max(float(tensor_amax), threshold)    # pruning rounds small values up to the threshold
+    if q.get("block_size") is not None and tensor_amax is not None and q.get("scale_format") == "e4m3":
+        whole = max(float(tensor_amax), threshold)               # pruning rounds small values up to the threshold
+        if q.get("hadamard") is None:
+            q["tensor_amax"] = whole
+        elif x.numel():
+            # rotated: the whole rotated tensor's maximum, estimated as the sample's rotated maximum times
+            # the ratio of the whole's maximum to the sample's (the rotation spreads each one alike)
+            from gradstats.ops.hadamard import rotate
+
+            part = max(float(x.abs().max()), threshold)
+            if part > 0:
+                q["tensor_amax"] = float(rotate(x, q["hadamard"])[0].abs().max()) * whole / part
     out, c = prune_quantize(x, threshold, q.pop("fmt"), scale=scale, seed=seed, **q)
     n = max(c.n, 1)
     nz = max(int((x != 0).sum()), 1)
