@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 import torch
 
+from gradstats.plan.check_table import TABLE_WIDTH, format_checks  # noqa: F401 - the table's home
 from gradstats.run.select import AUTO_STEPS, calibration_steps  # noqa: F401 - their home is run.select
 
 if TYPE_CHECKING:
@@ -286,69 +287,6 @@ def _layer_problems(g: "pd.DataFrame") -> str:
     (first, text), more = bad[0], [s for s, _ in bad[1:]]
     also = f" (also failed at step{'s' if len(more) > 1 else ''} {', '.join(map(str, more))})" if more else ""
     return f"step {first}: {text}{also}"
-
-
-#: the width the check tables aim to stay within: a layer name that does not fit beside the numbers
-#: gets a line of its own, and what failed or was replaced is wrapped below its row
-TABLE_WIDTH = 120
-#: the check table's columns: quantity (``predicted_<q>`` / ``replayed_<q>``) and its format
-_COLUMNS = (("sparsity", ".3f"), ("flushed", ".4f"), ("overflow", ".4f"), ("gain", ".3f"), ("bias", "+.3f"),
-            ("error", ".3g"))
-
-
-def format_checks(records: Sequence[dict[str, Any]], width: int = TABLE_WIDTH) -> str:
-    """Text table of per-layer check records (:meth:`Verification.per_layer` rows, or a plan's ``checks``):
-    per quantity predicted / replayed, the predicted noise ratio where a record has one, and the verdict.
-    Layer names are never cut: a name too long to sit beside the numbers within ``width`` columns
-    gets a line of its own, the numbers on the next. What failed (``problems``: the values of the
-    step named) and why the first choice was replaced (``note``: the values of that rule, at that
-    step) follow the row, wrapped to ``width``.
-
-    Example:
-        >>> rec = {"layer": "encoder.layers.0.attention.query_key_value", "ok": True,
-        ...        "predicted_gain": 1.0, "replayed_gain": 0.999}
-        >>> print(format_checks([rec]).splitlines()[3])
-        encoder.layers.0.attention.query_key_value
-    """
-    import textwrap
-
-    def num(v: Any, fmt: str) -> str:
-        return "-" if v is None or not isinstance(v, (int, float)) or not math.isfinite(v) else format(v, fmt)
-
-    noise = any(num(r.get("predicted_noise"), "g") != "-" for r in records)
-    heads = [q for q, _ in _COLUMNS] + (["noise R"] if noise else [])
-    subs = ["pred / replay"] * len(_COLUMNS) + (["predicted"] if noise else [])
-    cells = [[f"{num(r.get(f'predicted_{q}'), f)} / {num(r.get(f'replayed_{q}'), f)}" for q, f in _COLUMNS]
-             + ([num(r.get("predicted_noise"), ".3g")] if noise else []) for r in records]
-    widths = [max([len(h), len(s)] + [len(c[i]) for c in cells]) for i, (h, s) in enumerate(zip(heads, subs))]
-
-    def join(cols: Sequence[str]) -> str:
-        return " ".join(f"{c:>{w}}" for c, w in zip(cols, widths))
-
-    verdicts = ["ok" if r.get("ok") else "FAILS" for r in records]
-    names = [str(r["layer"]) for r in records]
-    numbers = len(join(heads)) + 2 + max([len("verdict")] + [len(v) for v in verdicts])
-    name_w = max([len("layer")] + [len(n) for n in names])
-    inline = name_w + 1 + numbers <= width
-    pad = name_w + 1 if inline else 2
-    lines = [f"{'layer':<{name_w}} {join(heads)}  verdict" if inline else "layer",
-             f"{'':<{pad - 1}} {join(subs)}".rstrip() if inline else f"  {join(heads)}  verdict"]
-    if not inline:
-        lines.append(f"  {join(subs)}")
-    for r, name, c, verdict in zip(records, names, cells, verdicts):
-        if inline:
-            lines.append(f"{name:<{name_w}} {join(c)}  {verdict}")
-        else:
-            lines += [name, f"  {join(c)}  {verdict}"]
-        notes = []
-        if not r.get("ok") and r.get("problems"):
-            notes.append(str(r["problems"]))
-        if r.get("note"):
-            notes.append(f"first choice {r['note']}")
-        for text in notes:
-            lines += textwrap.wrap(text, width=width, initial_indent="    ", subsequent_indent="      ",
-                                   break_long_words=False, break_on_hyphens=False)
-    return "\n".join(lines)
 
 
 def check_layer(run: Any, layer: str, rule: Any, steps: Sequence[int], *, rows: dict[int, Any] | None = None,
