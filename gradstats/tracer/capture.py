@@ -102,6 +102,8 @@ def token_groups(m: torch.Tensor, k: int | None, generator: torch.Generator) -> 
         (torch.Size([64, 4]), True, 0)
         >>> token_groups(m, 300, torch.Generator().manual_seed(0)).numel()     # 3 groups of 32 x 4
         384
+        >>> token_groups(torch.zeros(16, 8192), 65536, torch.Generator()).shape  # under one group: whole
+        torch.Size([16, 8192])
     """
     M, K = m.shape
     if k is None or M * K <= k:
@@ -110,6 +112,8 @@ def token_groups(m: torch.Tensor, k: int | None, generator: torch.Generator) -> 
     while g > 1 and g * K > 4 * k:                # very wide layers (a vocabulary's logits): fewer tokens
         g //= 2
     groups = M // g
+    if groups == 0:                                # fewer tokens than one group: all of them
+        return m
     take = max(1, min(groups, -(-k // (g * K))))
     idx = sample_indices(groups, take, generator, m.device).sort().values.to(torch.int64)
     rows = (idx[:, None] * g + torch.arange(g, device=m.device)[None, :]).reshape(-1)
