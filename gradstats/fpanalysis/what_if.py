@@ -371,18 +371,10 @@ def what_if_stats(stats: pd.DataFrame, formats: Union[str, FPFormat, Scheme, Ite
             estimate = np.full(n_g, None, dtype=object)
         p = _predictions(st, f, scale=scale, rounding=rnd, block_size=block_size, scale_format=scale_format)
         if below is not None and below[1].any():
-            from gradstats.stats.blocks import flush_probability
+            from gradstats.stats.blocks import flushed_entries
 
-            h, has, top = below
-            tot = h.sum(axis=1)
-            prob = flush_probability(f, scale_format=scale_format, rounding=rnd)
-            from_blocks = h @ prob / np.where(tot > 0, tot, 1.0)
-            if top is not None:              # NVFP4: blocks whose e4m3 scale underflows are flushed whole
-                from gradstats.stats.blocks import block_flush_probability
-
-                nt = top.sum(axis=1)
-                whole = top @ block_flush_probability(f, scale_format=scale_format) / np.where(nt > 0, nt, 1.0)
-                from_blocks = whole + (1.0 - whole) * from_blocks
+            h, has, top = below                # top: NVFP4's blocks flushed whole (None in older runs)
+            from_blocks = flushed_entries(h, f, scale_format=scale_format, rounding=rnd, top_hist=top)
             p["underflow"] = np.where(has, from_blocks, p["underflow"].to_numpy())
         df = pd.DataFrame({"step": first["step"].to_numpy(), "layer": first["layer"].to_numpy(), "format": label,
                            "block_size": block_size, "scale_format": scale_format if block_size else None,

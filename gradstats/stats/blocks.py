@@ -361,28 +361,31 @@ def block_flush_probability(fmt: FPFormat | str, *, scale_format: str = "e8m0") 
 
 
 def flushed_entries(below_hist: Iterable[int] | np.ndarray, fmt: FPFormat | str, *, scale_format: str = "e8m0",
-                    rounding: str = "nearest", top_hist: Iterable[int] | np.ndarray | None = None) -> float:
+                    rounding: str = "nearest", top_hist: Iterable[int] | np.ndarray | None = None) -> Any:
     """The fraction of the non-zero entries that block scaling flushes to zero (the expected fraction
     under stochastic rounding), from a ``below_hist`` (:func:`oriented_block_stats`; several rows'
     summed): ``below_hist @ flush_probability(...) / sum(below_hist)``; 0.0 without entries. With a
     ``top_hist`` (NVFP4's two-level scale), the entries of blocks flushed whole
-    (:func:`block_flush_probability`) count too, the rest as before.
+    (:func:`block_flush_probability`) count too, the rest as before. Rows of histograms
+    (``(R, BELOW_BINS)``) give an array of ``R`` fractions.
 
     Example:
         >>> flushed_entries(oriented_block_stats(torch.tensor([[1.0, 2.0 ** -8]]), 2)["below_hist"], "e2m1fn")
         0.5
+        >>> flushed_entries(np.eye(BELOW_BINS)[[0, 9]], "e2m1fn").tolist()
+        [0.0, 1.0]
     """
     h = np.asarray(below_hist, dtype=np.float64)
-    if h.ndim != 1 or h.size != BELOW_BINS:
+    if h.ndim not in (1, 2) or h.shape[-1] != BELOW_BINS:
         raise ValueError(f"below_hist must hold {BELOW_BINS} counts (entries by binades below their block's "
-                         f"maximum), got shape {h.shape}")
-    total = h.sum()
-    inner = float(h @ flush_probability(fmt, scale_format=scale_format, rounding=rounding) / total) if total > 0 else 0.0
-    if top_hist is None:
-        return inner
-    top = np.asarray(top_hist, dtype=np.float64)
-    n = top.sum()
-    if n <= 0:
-        return inner
-    whole = float(top @ block_flush_probability(fmt, scale_format=scale_format)) / n
-    return whole + (1.0 - whole) * inner
+                         f"maximum), or rows of them, got shape {h.shape}")
+
+    def share(counts: np.ndarray, prob: np.ndarray) -> np.ndarray:
+        total = counts.sum(axis=-1)
+        return np.where(total > 0, counts @ prob / np.where(total > 0, total, 1.0), 0.0)
+
+    out = share(h, flush_probability(fmt, scale_format=scale_format, rounding=rounding))
+    if top_hist is not None:
+        whole = share(np.asarray(top_hist, dtype=np.float64), block_flush_probability(fmt, scale_format=scale_format))
+        out = whole + (1.0 - whole) * out
+    return float(out) if h.ndim == 1 else out
