@@ -37,6 +37,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gradstats  # noqa: E402
+from gradstats.zoo.models import MobileNetV2Tiny  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_fidelity import ConvNeXtTiny, probe  # noqa: E402  (the probes and the ConvNeXt of that study)
@@ -48,34 +49,6 @@ PLANS = {"nvfp4": dict(bits=4, granularity="nvfp4"), "mx": dict(bits=4, granular
 
 
 # --------------------------------------------------------------------------- models
-class InvertedResidual(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int, expand: int = 6) -> None:
-        super().__init__()
-        h = cin * expand
-        self.expand = nn.Sequential(nn.Conv2d(cin, h, 1, bias=False), nn.BatchNorm2d(h), nn.ReLU6())
-        self.dw = nn.Sequential(nn.Conv2d(h, h, 3, stride, 1, groups=h, bias=False), nn.BatchNorm2d(h), nn.ReLU6())
-        self.project = nn.Sequential(nn.Conv2d(h, cout, 1, bias=False), nn.BatchNorm2d(cout))
-        self.residual = stride == 1 and cin == cout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.project(self.dw(self.expand(x)))
-        return x + y if self.residual else y
-
-
-class MobileNetV2Tiny(nn.Module):
-    """28x28 input: the stem's output 14 wide, the blocks' 14, 7 and 4."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(1, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6())
-        self.blocks = nn.Sequential(InvertedResidual(16, 16, 1), InvertedResidual(16, 24, 2),
-                                    InvertedResidual(24, 32, 2))
-        self.head = nn.Linear(32, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
-
-
 def gpt_neox(vocab: int) -> nn.Module:
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 

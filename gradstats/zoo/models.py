@@ -9,6 +9,7 @@ name           model                                                    input
 ``resnet18``   CIFAR-style ResNet-18 (4 stages x 2 basic blocks)        ``(B, 1, 32, 32)``
 ``transformer`` character-level GPT-style decoder                       ``(B, T)`` int64
 ``lstm``       character-level LSTM language model (one LSTM layer)     ``(B, T)`` int64
+``mobilenet``  MobileNetV2-style: 3 inverted residuals (depthwise 3x3)  ``(B, 1, 28, 28)``
 =============  =======================================================  ===================
 
 Every layer is its own submodule (attention projections, LayerNorms, MLP linears,
@@ -101,6 +102,51 @@ class SmallCNN(nn.Module):
         x = self.pool1(self.relu1(self.bn1(self.conv1(x))))
         x = self.pool2(self.relu2(self.bn2(self.conv2(x))))
         return self.fc2(self.relu3(self.fc1(self.flatten(x))))
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expansion, depthwise 3x3 (``groups`` = channels), 1x1 projection,
+    each with BatchNorm (ReLU6 after the first two), and the residual where the shape allows.
+
+    Example:
+        >>> InvertedResidual(16, 24, 2)(torch.zeros(2, 16, 14, 14)).shape
+        torch.Size([2, 24, 7, 7])
+    """
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int = 6) -> None:
+        super().__init__()
+        h = cin * expand
+        self.expand = nn.Sequential(nn.Conv2d(cin, h, 1, bias=False), nn.BatchNorm2d(h), nn.ReLU6())
+        self.dw = nn.Sequential(nn.Conv2d(h, h, 3, stride, 1, groups=h, bias=False), nn.BatchNorm2d(h), nn.ReLU6())
+        self.project = nn.Sequential(nn.Conv2d(h, cout, 1, bias=False), nn.BatchNorm2d(cout))
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.project(self.dw(self.expand(x)))
+        return x + y if self.residual else y
+
+
+class MobileNetV2Tiny(nn.Module):
+    """A MobileNetV2-style CNN for 28x28 input: a strided 3x3 stem (16 channels, 14 wide), three
+    inverted residuals (16, 24 and 32 channels; 14, 7 and 4 wide), global average pooling and
+    one Linear layer. Layers of many shapes and ``groups``: depthwise convolutions, BatchNorm,
+    ReLU6, residual sums.
+
+    Example:
+        >>> MobileNetV2Tiny()(torch.zeros(2, 1, 28, 28)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6())
+        self.blocks = nn.Sequential(InvertedResidual(16, 16, 1), InvertedResidual(16, 24, 2),
+                                    InvertedResidual(24, 32, 2))
+        self.head = nn.Linear(32, num_classes)
+        self.input_shape = (in_channels, 28, 28)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
 
 
 class BasicBlock(nn.Module):
@@ -353,11 +399,13 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnet18": resnet18,
     "transformer": CharTransformer,
     "lstm": CharLSTM,
+    "mobilenet": MobileNetV2Tiny,
 }
 """Model constructors by name (see :func:`build_model`)."""
 
 DEFAULT_DATA = {"mlp": "fashion-mnist", "cnn": "fashion-mnist", "resnet20": "fashion-mnist",
-                "resnet18": "fashion-mnist", "transformer": "shakespeare", "lstm": "shakespeare"}  # fmt: skip
+                "resnet18": "fashion-mnist", "transformer": "shakespeare", "lstm": "shakespeare",
+                "mobilenet": "fashion-mnist"}  # fmt: skip
 """The built-in dataset each model is meant for (``resnet18`` wants it padded to 32x32)."""
 
 TEXT_MODELS = frozenset(name for name, data in DEFAULT_DATA.items() if data == "shakespeare")
@@ -369,7 +417,7 @@ def list_models() -> list[str]:
 
     Example:
         >>> list_models()
-        ['cnn', 'lstm', 'mlp', 'resnet18', 'resnet20', 'transformer']
+        ['cnn', 'lstm', 'mlp', 'mobilenet', 'resnet18', 'resnet20', 'transformer']
     """
     return sorted(MODELS)
 

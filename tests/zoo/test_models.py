@@ -15,6 +15,7 @@ CASES = {
     "resnet18": ({}, (2, 1, 32, 32), (2, 10)),
     "transformer": ({"vocab_size": 40, "seq_len": 32}, (3, 32), (3, 32, 40)),
     "lstm": ({"vocab_size": 40, "d_model": 16, "seq_len": 32}, (3, 32), (3, 32, 40)),
+    "mobilenet": ({}, (3, 1, 28, 28), (3, 10)),
 }
 
 
