@@ -137,7 +137,6 @@ def _kernel_src(X, Y, A, S, CNT, SUMS, ST, USED, n, a_f, scale_f, inv_f, pk1, pk
     neg = vb < 0
     absb = vb & 0x7FFFFFFF
     isnan = absb > 0x7F800000
-    fin = absb < 0x7F800000
     w = absb.to(tl.float32, bitcast=True)
     c = offs.to(tl.int32)  # the low word of the element's counter (k1 carries the segment's start)
     pruned = mask & (mask == 0)
@@ -148,18 +147,8 @@ def _kernel_src(X, Y, A, S, CNT, SUMS, ST, USED, n, a_f, scale_f, inv_f, pk1, pk
             a = tl.load(A).to(tl.float32)
         else:
             a = a_f.to(tl.float32, bitcast=True)
-        # the word of gradstats.ops.random at counter c (pk1: the segment's first key plus its start;
-        # int32 arithmetic wraps, ">> s & mask" is the logical shift), its top 24 bits the uniform
-        h = (c + pk1) * 0x7FEB352D
-        h = h ^ ((h >> 16) & 0xFFFF)
-        h = h * (-2073254261) + pk2
-        h = h ^ ((h >> 15) & 0x1FFFF)
-        h = h * (-1640531535)
-        u = ((h >> 8) & 0xFFFFFF).to(tl.float32) * 5.960464477539063e-08
-        small = w < a
-        up = u * a < w
-        pruned = small & (up == 0) & (w != 0.0) & mask
-        w = tl.where(small, tl.where(up, a, 0.0), w)
+        w, pruned = _prune(w, c, a, pk1, pk2)  # noqa: F821 - bound by common.jit
+        pruned = pruned & mask
     rb = w.to(tl.int32, bitcast=True)
     under = pruned & (mask == 0)
     over = under
@@ -178,40 +167,10 @@ def _kernel_src(X, Y, A, S, CNT, SUMS, ST, USED, n, a_f, scale_f, inv_f, pk1, pk
             ws = w
         b = ws.to(tl.int32, bitcast=True)  # >= 0: |x| * scale
         over = (b > MAXBITS) & (b <= 0x7F800000) & mask
-        ex = b >> 23
-        eff = tl.maximum(ex, 1)
-        sig = (b & 0x7FFFFF) | tl.where(ex > 0, 0x800000, 0)
-        sub = b < (E0F << 23)
-        pre = tl.minimum(tl.where(sub, E0F - eff, 0), 30)
+        r23 = b
         if ROUNDING == 1:
-            h = (c + rk1) * 0x7FEB352D  # the rounding stream's word, as above
-            h = h ^ ((h >> 16) & 0xFFFF)
-            h = h * (-2073254261) + rk2
-            h = h ^ ((h >> 15) & 0x1FFFF)
-            h = h * (-1640531535)
-            r23 = (h >> 9) & 0x7FFFFF
-            # normal range: add random bits below the kept ones, truncate (carries reach the exponent)
-            res_n = ((b + (r23 >> M)) >> (23 - M)) << (23 - M)
-            # below 2**emin: nearest-even on the grid 2**(emin-23), then the same on the fixed grid
-            q0 = sig >> pre
-            rem = sig - (q0 << pre)
-            half = (1 << pre) >> 1
-            nn = q0 + (((rem > half) | ((rem == half) & ((q0 & 1) == 1))) & (pre > 0)).to(tl.int32)
-            q = (nn + (r23 >> MSUB)) >> (23 - MSUB)
-        else:
-            sh = tl.where(sub, tl.minimum(23 - MSUB + pre, 30), 23 - M)
-            base = tl.where(sub, sig, b)
-            q = base >> sh
-            if ROUNDING == 0:  # nearest, ties to the even code (the exponent's lsb when M = 0)
-                rem = base - (q << sh)
-                half = (1 << sh) >> 1
-                q = q + (((rem > half) | ((rem == half) & ((q & 1) == 1))) & (sh > 0)).to(tl.int32)
-            res_n = q << sh
-        # q * 2**(emin - MSUB) below 2**emin: a float32 normal (the format's steps are), by an exact subtraction
-        g = ((E0F << 23) + (q << (23 - MSUB))).to(tl.float32, bitcast=True)
-        res_s = (g - C0F).to(tl.int32, bitcast=True)
-        res = tl.where(sub, res_s, res_n)
-        res = tl.where(res > MAXBITS, MAXBITS, res)  # saturate, inf included
+            r23 = (_word(c, rk1, rk2) >> 9) & 0x7FFFFF  # noqa: F821 - the rounding stream's word
+        res = _round(b, r23, M, MSUB, E0F, MAXBITS, C0F, ROUNDING)  # noqa: F821
         under = (res == 0) & (w != 0.0) & (isnan == 0) & mask
         if SCALE_MODE == 0:
             rb = res
@@ -232,31 +191,14 @@ def _kernel_src(X, Y, A, S, CNT, SUMS, ST, USED, n, a_f, scale_f, inv_f, pk1, pk
         ov = o.to(Y.dtype.element_ty)
         tl.store(Y + offs, ov, mask=mask)
         ow = ov.to(tl.float32)  # the result as written
-    # per-tile sums, added to the call's totals: tl.reduce with tl.sum's combine function (what tl.sum
-    # does), which Triton's interpreter runs also when it was switched on after triton was imported
-    tl.atomic_add(CNT + 0, tl.reduce(((ow == 0.0) & mask).to(tl.int64), 0, tl.standard._sum_combine))
-    tl.atomic_add(CNT + 1, tl.reduce(pruned.to(tl.int64), 0, tl.standard._sum_combine))
-    tl.atomic_add(CNT + 2, tl.reduce(under.to(tl.int64), 0, tl.standard._sum_combine))
-    tl.atomic_add(CNT + 3, tl.reduce(over.to(tl.int64), 0, tl.standard._sum_combine))
-    tl.atomic_add(CNT + 4, tl.reduce(((fin == 0) & mask).to(tl.int64), 0, tl.standard._sum_combine))
-    keep = fin & mask
-    xd = tl.where(keep, v, 0.0).to(tl.float64)
-    od = tl.where(keep, ow, 0.0).to(tl.float64)
-    d = od - xd
-    xx = xd * xd
-    tl.atomic_add(SUMS + 0, tl.reduce(xd * od, 0, tl.standard._sum_combine))
-    tl.atomic_add(SUMS + 1, tl.reduce(xx, 0, tl.standard._sum_combine))
-    tl.atomic_add(SUMS + 2, tl.reduce(d * d, 0, tl.standard._sum_combine))
-    tl.atomic_add(SUMS + 3, tl.reduce(xx * (d * d), 0, tl.standard._sum_combine))
-    tl.atomic_add(SUMS + 4, tl.reduce(tl.abs(od), 0, tl.standard._sum_combine))
-    tl.atomic_add(SUMS + 5, tl.reduce(tl.abs(xd), 0, tl.standard._sum_combine))
+    _accumulate(CNT, SUMS, v, ow, mask, pruned, under, over)  # noqa: F821 - bound by common.jit
 
 
 @functools.lru_cache(maxsize=2)
 def _kernel(interpret: bool):  # noqa: ARG001 - the cache key: Triton decides at decoration
-    import triton
+    from gradstats.ops.triton.common import jit
 
-    return triton.jit(_kernel_src, do_not_specialize=["n", "a_f", "scale_f", "inv_f", "pk1", "pk2", "rk1", "rk2",
+    return jit(_kernel_src, interpret, do_not_specialize=["n", "a_f", "scale_f", "inv_f", "pk1", "pk2", "rk1", "rk2",
                                                    "t_hi", "t_lo", "s_hi", "s_lo", "mu_hi", "mu_lo", "l2_hi", "l2_lo"])
 
 
