@@ -494,8 +494,7 @@ def write_figures(run: Any, out_dir: str | os.PathLike[str], *, plans: Mapping[i
     """
     from pathlib import Path
 
-    from tqdm.auto import tqdm
-
+    from gradstats._progress import progress_bar
     from gradstats.plots.style import savefig
     from gradstats.run import as_run
 
@@ -508,7 +507,8 @@ def write_figures(run: Any, out_dir: str | os.PathLike[str], *, plans: Mapping[i
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written: dict[str, Any] = {}
-    for name in tqdm(names, desc="figures", unit="fig", disable=not progress):
+    for name in progress_bar(names, desc="figures", unit="figure", progress=progress, logger=log,
+                             note=f"drawing {len(names)} figure(s) into {out_dir}"):
         try:
             fig = FIGURES[name][0](ctx)
         except ValueError as exc:

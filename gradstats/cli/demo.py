@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="demo-out", help="output directory (default demo-out); the run goes in OUT/run")
     p.add_argument("--no-figures", action="store_true", help="skip the figures")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (they are drawn on a terminal only; GRADSTATS_PROGRESS=1 draws them anywhere)")
     p.set_defaults(func=run)
 
 
@@ -97,9 +98,7 @@ def run(args: argparse.Namespace) -> int:
     tr, te = task.train_data, task.test_data
     data_line = (f"Fashion-MNIST, {tr.source} ({len(tr):,} training / {len(te):,} test images"
                  f"{', ' + str(tr.path) if tr.path else ''})")
-    print(f"gradstats demo: small CNN on {data_line}")
-    if tr.source != "full Debian set":
-        print("  (install the Debian package dataset-fashion-mnist for the full set)")
+    print(f"gradstats demo: small CNN on {data_line}")     # (the data loader warns where it is not the full set)
     samp = sample_steps(args.steps, args.every, args.sample_steps)
     print(f"training {args.steps} steps (batch {args.batch_size}, {threads}); statistics of gradients, "
           f"activations and weights every {args.every} step(s), raw samples at steps {samp}")

@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", default="figures", metavar="DIR", help="output directory (default figures)")
     p.add_argument("--only", nargs="+", metavar="NAME", choices=LazyChoices(_names),
                    help="write only these figures (%(choices)s)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is drawn on a terminal only; GRADSTATS_PROGRESS=1 draws it anywhere)")
     p.set_defaults(func=run)
 
 

@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-samples", type=int, default=None,
                    help="KS on a random subsample of this many values per group (default: exact KS on all)")
     p.add_argument("-o", "--output", metavar="PARQUET", help="write one row per layer, step, kind and family")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is drawn on a terminal only; GRADSTATS_PROGRESS=1 draws it anywhere)")
     p.set_defaults(func=run)
 
 

@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="traced layers to analyse: names, globs or 're:REGEX' (the tracer's layers= patterns; "
                         "default: all)")
     p.add_argument("--no-figures", action="store_true", help="skip the figures")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (they are drawn on a terminal only; GRADSTATS_PROGRESS=1 draws them anywhere)")
     p.set_defaults(func=run)
 
 

@@ -62,7 +62,8 @@ def fit_run(run: Any, *, layers: str | Iterable[str] | None = None,
         kinds: which captured kinds (``"grad"``, ``"act"``, ...).
         families, ks, max_samples: passed to :func:`fit` for sampled steps.
         use_samples: False fits every step from its statistics.
-        progress: tqdm bar (default: on when there are more than 50 groups).
+        progress: a progress bar (default: on when there are more than 50 groups; drawn on a terminal
+            only, see :mod:`gradstats._progress`).
         workers: threads fitting sampled groups side by side (default: torch's CPU threads,
             at most 2; torch itself runs single-threaded meanwhile).
 
@@ -79,7 +80,7 @@ def fit_run(run: Any, *, layers: str | Iterable[str] | None = None,
         >>> sorted(df["source"].unique()), len(df) == 2 * 3 * 3
         (['samples', 'stats'], True)
     """
-    from tqdm.auto import tqdm
+    from gradstats._progress import progress_bar
 
     if isinstance(run, (str, os.PathLike)) or not hasattr(run, "stats"):
         run = as_run(run)
@@ -110,7 +111,9 @@ def fit_run(run: Any, *, layers: str | Iterable[str] | None = None,
     samp_keys = [k for k in keys if k in sampled]
     if progress is None:
         progress = len(keys) > 50
-    bar = tqdm(total=len(keys), desc="fit", unit="group", disable=not progress)
+    bar = progress_bar(total=len(keys), desc="fit", unit="group", progress=progress, leave=True, logger=log,
+                       note=f"fitting {len(keys)} group(s) (layer, step, kind) of {len(lay)} layer(s), "
+                            f"{len(samp_keys)} of them from raw samples")
     results: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     merged = [merge_stats(groups[k]) if len(groups[k]) > 1 else groups[k][0] for k in stat_keys]
     for k, res in zip(stat_keys, fit_many_stats(merged, fams)):

@@ -204,8 +204,7 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
         >>> list(a.plans), list(a.plans[0.9]), a.plan_step
         ([0.9], [8], 196)
     """
-    from tqdm.auto import tqdm
-
+    from gradstats._progress import progress_bar
     from gradstats.fitting import failed_groups, fit_run, layer_verdicts
     from gradstats.layers import matmul_layers
     from gradstats.plan.recommend import recommend_each
@@ -228,9 +227,11 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
         raise ValueError(f"none of the selected layers {selected} has neural-gradient ('grad') statistics in "
                          f"the run at {run.path}; the layers that have them: "
                          f"{[n for n in run.layers if n not in _no_statistics(run, run.layers)]}")
-    bar = tqdm(total=4, desc="analyse", unit="stage", disable=not progress, leave=False)
+    bar = progress_bar(total=4, desc="analyse", unit="stage", progress=progress, logger=log,
+                       note=f"analysing {len(names)} layer(s) of the run at {run.path}: fits, plans, errors")
     fit_steps, has_samples = _fit_steps(run)
-    bar.set_postfix_str("fit")
+    bar.stage(f"fitting {len(names)} layer(s) at {len(fit_steps)} step(s)"
+              f"{' (raw samples)' if has_samples else ' (statistics)'}")
     fits = fit_run(run, layers=names, steps=fit_steps, kinds=("grad",), use_samples=has_samples,
                    progress=progress)
     verdicts = layer_verdicts(fits)
@@ -238,7 +239,7 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     damaged = {int(step) for r in failures.to_dict("records") if str(r["status"]).startswith("damaged")
                for step in r["steps"]}
     bar.update()
-    bar.set_postfix_str("recommend")
+    bar.stage(f"planning sparsity {', '.join(f'{x:g}' for x in sps)} at {', '.join(map(str, bts))} bits")
     plan_step = _plan_step(run, fit_steps, has_samples, names, damaged)
     st = run.stats(kinds=["grad"])
     at_step = set(st[st["step"] == plan_step]["layer"]) if len(st) else set()
@@ -252,7 +253,7 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
                     "at step %d", names, plan_step)
         plans = {s: {} for s in sps}
     bar.update()
-    bar.set_postfix_str("errors")
+    bar.stage("measuring the plans' errors")
     measure = has_samples and plan_step not in damaged  # the samples of the plans' own step
     errors = plan_errors(run, plans[sps[0]] if measure else {}, plan_step)
     bar.update()

@@ -236,7 +236,7 @@ def train(
         callback: ``callback(step, loss)`` after each optimizer step (step counts from 0); return
             True to stop early.
         amp: an autocast dtype (``torch.bfloat16``, ``torch.float16``) or None for full precision.
-        progress: show a tqdm bar.
+        progress: show a progress bar (drawn on a terminal only; see :mod:`gradstats._progress`).
 
     The model is left in train mode. Batches live on the model's device.
 
@@ -249,7 +249,7 @@ def train(
         >>> seen
         [0, 1, 2, 3, 4]
     """
-    from tqdm.auto import tqdm
+    from gradstats._progress import progress_bar
 
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -290,7 +290,9 @@ def train(
     )  # fmt: skip
     model.train()
     batches = _batches(data, batch_size, seed, seq_len, device)
-    bar = tqdm(total=steps, desc=f"train {type(model).__name__}", disable=not progress, leave=False)
+    bar = progress_bar(total=steps, desc=f"train {type(model).__name__}", unit="step", progress=progress,
+                       note=f"training {type(model).__name__} for {steps} steps ({opt_name}, batch {batch_size})",
+                       logger=log)
     t_loop = 0.0
     try:
         for step in range(steps):

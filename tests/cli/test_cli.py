@@ -120,6 +120,7 @@ def test_a_warning_under_a_progress_bar_gets_its_own_line(tmp_path, capsys, monk
     with gradstats.trace(model, tmp_path / "run", sample_every=None) as tr:   # no raw samples
         model(torch.randn(8, 4)).square().sum().backward()
         tr.step()
+    monkeypatch.setenv("GRADSTATS_PROGRESS", "1")               # a bar on pytest's captured (non-terminal) stream
     handler = logging.StreamHandler(sys.stderr)                 # the console handler main() sets up
     root = logging.getLogger()
     monkeypatch.setattr(root, "handlers", [handler])
