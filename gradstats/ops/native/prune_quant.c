@@ -14,7 +14,9 @@
  * and, when sums is not NULL, over the finite entries (double accumulators): sums[0] = sum x*o,
  * sums[1] = sum x^2, sums[2] = sum (o - x)^2, sums[3] = sum x^2 (o - x)^2, sums[4] = sum |o|,
  * sums[5] = sum |x|: the magnitude gain <o, x> / <x, x>, its sampling noise, the relative error and
- * the magnitude bias of the call, measured in the same pass.
+ * the magnitude bias of the call, measured in the same pass (a second loop over each block of 4096
+ * while it is in the L1 cache: the double accumulators beside the rounding's constants would spill
+ * registers). The result has x's sign or is a zero, so the sums are formed from |x| and |o| alone.
  *
  * Rounding works on the float32 bit pattern of w:
  * - w >= 2^emin (the format's normal range): the low 23-M mantissa bits are dropped after
@@ -38,6 +40,7 @@
  * With quant = 0 this is also the CPU float32 path of gradstats.pruning.stochastic_prune
  * (gradstats/ops/cpu.py; gradstats.ops.random.uniforms reproduces the pruning uniforms).
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -73,6 +76,14 @@ static inline uint32_t word(uint32_t c, uint32_t k1, uint32_t k2) {
 static inline float prune_uniform(uint32_t b) {
     return (float)(b >> 8) * (1.0f / 16777216.0f);
 }
+
+/* a * b + c for the double sums: one fused rounding where the CPU has FMA (the float32 rounding
+ * above never contracts: -std=c99 keeps it exact as written) */
+#ifdef __FMA__
+#define MADD(a, b, c) fma(a, b, c)
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
 
 static inline float f_of(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
 static inline uint32_t u_of(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
@@ -111,7 +122,7 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
     seg_key(p->round_mix, lo, &rk1, &rk2);
     /* the sums are reduced in vector lanes (their order of summation is free: only the counts and
      * the output are exact); a serial double chain would keep the loop scalar, 5x slower */
-#pragma omp simd reduction(+:nzero, npruned, nunder, nover, nnonfin, sxo, sxx, sdd, sxd, sao, sax)
+#pragma omp simd reduction(+:nzero, npruned, nunder, nover, nnonfin)
     for (int64_t j = 0; j < m; j++) {
         const uint32_t c = (uint32_t)(lo + j);
         float v = x[j];
@@ -175,10 +186,18 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
         nzero += o == 0.f;
         int fin = (vb & 0x7f800000u) != 0x7f800000u;
         nnonfin += !fin;
-        float vf = sel(fin, v, 0.f), of = sel(fin, o, 0.f);
-        double xd = (double)vf, od = (double)of, d = od - xd;
-        sxo += xd * od; sxx += xd * xd; sdd += d * d; sxd += xd * xd * d * d;
-        sao += (double)f_of(u_of(of) & 0x7fffffffu); sax += (double)f_of(u_of(vf) & 0x7fffffffu);
+    }
+    /* the sums, over the block again (in L1): o has x's sign (or is a zero), so x o = |x| |o| and
+     * (o - x)^2 = (|o| - |x|)^2 need the two magnitudes alone (products exact in double) */
+#pragma omp simd reduction(+:sxo, sxx, sdd, sxd, sao, sax)
+    for (int64_t j = 0; j < m; j++) {
+        uint32_t vb = u_of(x[j]);
+        int fin = (vb & 0x7f800000u) != 0x7f800000u;
+        double xa = (double)sel(fin, f_of(vb & 0x7fffffffu), 0.f);
+        double oa = (double)sel(fin, f_of(u_of(out[j]) & 0x7fffffffu), 0.f);
+        double d = oa - xa, xdd = xa * d;
+        sxo = MADD(xa, oa, sxo); sxx = MADD(xa, xa, sxx); sdd = MADD(d, d, sdd); sxd = MADD(xdd, xdd, sxd);
+        sao += oa; sax += xa;
     }
     cnt[0] += nzero; cnt[1] += npruned; cnt[2] += nunder; cnt[3] += nover; cnt[4] += nnonfin;
     acc[0] += sxo; acc[1] += sxx; acc[2] += sdd; acc[3] += sxd; acc[4] += sao; acc[5] += sax;
