@@ -4,6 +4,9 @@ Per model and configuration, one training step (after two warm steps, so that fi
 caches are behind it) runs inside a :class:`gradstats.ops.audit.Audit`; the plain model's counts
 for the same step are subtracted. Columns:
 
+- ``config``: ``trace``, ``apply`` (a uniform per-tensor e4m3fn plan at 80% sparsity), ``apply:<scheme>``
+  (the same with the block-scaled scheme: MX ``mxfp8_e4m3``, ``mxfp4``; ``nvfp4``; ``nvfp4_training``,
+  NVFP4 with stochastic rounding and the 16-point Hadamard transform);
 - ``calls``: planned or traced layer-calls in the step;
 - ``big ops / call``: whole-gradient ATen operations per layer-call in the backward pass (an
   operation touching a tensor at least half the size of the model's smallest layer output, which
@@ -12,7 +15,10 @@ for the same step are subtracted. Columns:
 - ``syncs in backward``: host synchronisations inside the backward pass; target 0;
 - ``syncs / step``: in the whole step, the optimizer's and the settling included; target at most 1;
 - ``launches / step``: kernel launches beyond the plain step's (Triton kernels and the non-view
-  ATen operations, each at least one launch on a GPU).
+  ATen operations, each at least one launch on a GPU);
+- ``kernels / call``: Triton launches per layer-call in the backward pass (the statistics pass is two,
+  its tiles and their combination; the fused prune-and-quantise kernel one, two with a Hadamard transform,
+  whose rotated maximum needs a pass before the first block is scaled).
 
 Then, on the device path, whether the statistics of three traced steps equal the C kernel's on the
 same training (counts, extremes, binade counts, top magnitudes exactly; the sums' largest relative
@@ -51,6 +57,10 @@ class ConvGRU(nn.Module):
         h = torch.relu(self.conv(x.transpose(1, 2))).transpose(1, 2)
         h, _ = self.gru(h)
         return self.fc2(torch.relu(self.fc1(h))).flatten(0, 1)
+
+
+#: what is audited: tracing, applying a plan (``apply:<format or scheme>``; per-tensor e4m3fn by default), both
+CONFIGS = ("trace", "apply", "trace+apply", "apply:mxfp8_e4m3", "apply:mxfp4", "apply:nvfp4", "apply:nvfp4_training")
 
 
 def workload(name: str):
@@ -93,7 +103,8 @@ def audit_step(name: str, config: str) -> dict:
         handles.append(tracer)
     applied = None
     if "apply" in config:
-        applied = gradstats.apply(model, gradstats.Plan.uniform(format="e4m3fn", sparsity=0.8, output_layer=False))
+        fmt = config.split(":", 1)[1] if ":" in config else "e4m3fn"
+        applied = gradstats.apply(model, gradstats.Plan.uniform(format=fmt, sparsity=0.8, output_layer=False))
         handles.append(applied)
     layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.GRU))]
     sizes = [int(t.numel()) for t in _outputs(model, layers, x)]
@@ -160,6 +171,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="triton", choices=["triton", "native", "torch"])
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), help=f"what to audit (default: {' '.join(CONFIGS)})")
+    ap.add_argument("--no-statistics", action="store_true", help="skip the statistics comparison with the C kernel")
     args = ap.parse_args(argv)
     os.environ["GRADSTATS_ENGINE"] = args.engine
     if args.engine == "triton":
@@ -167,13 +180,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for name in ("mlp4", "convgru"):
         plain = audit_step(name, "plain")
-        for config in ("trace", "apply", "trace+apply"):
+        for config in args.configs:
             r = audit_step(name, config)
             d = lambda key, phase: r[key].get(phase, 0) - plain[key].get(phase, 0)  # noqa: E731
             calls = max(r["calls"], 1)
             rows.append({"model": name, "config": config, "calls": r["calls"],
                          "big ops / call": d("big_ops", "backward") / calls,
                          "syncs in backward": d("syncs", "backward"),
+                         "kernels / call": d("launches", "backward") / calls,
                          "syncs / step": d("syncs", "backward") + d("syncs", "forward"),
                          "launches / step": (d("launches", "backward") + d("launches", "forward")
                                              + d("ops", "backward") + d("ops", "forward")),
@@ -182,13 +196,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import pandas as pd
 
     df = pd.DataFrame(rows)
-    cols = ["model", "config", "calls", "big ops / call", "syncs in backward", "syncs / step", "launches / step"]
+    cols = ["model", "config", "calls", "big ops / call", "kernels / call", "syncs in backward", "syncs / step",
+            "launches / step"]
     print(f"engine: {args.engine}  (targets: big ops / call <= 2, syncs in backward 0, syncs / step <= 1)")
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     for r in rows:
         if r["which syncs"]:
             print(f"{r['model']} {r['config']}: syncs {r['which syncs']}")
-    if args.engine == "triton":
+    if args.engine == "triton" and not args.no_statistics:
         same = pd.DataFrame([same_statistics(name) for name in ("mlp4", "convgru")])
         print("statistics of three traced steps, device path against the C kernel:")
         print(same.to_string(index=False))

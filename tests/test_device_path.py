@@ -5,6 +5,8 @@ the C kernel's, no host synchronisation in the backward pass, at most one per st
 whole-gradient ATen operations per layer-call beyond the model's own backward."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -175,16 +177,49 @@ def test_cuda_device_path_equals_the_interpreted_one(device_path, monkeypatch):
     np.testing.assert_allclose(cpu["achieved_sparsity"], gpu["achieved_sparsity"], atol=0.02)
 
 
-def test_block_scaled_plans_read_nothing_back_in_the_backward_pass(device_path):
-    """NVFP4 blocks take the operators one after the other on the device path (no fused kernel):
-    still no host synchronisation in the backward pass, and the counts are recorded."""
+@functools.lru_cache(maxsize=1)
+def _plain_backward_big_ops() -> int:
+    """Whole-gradient ATen operations of the plain model's backward pass (its third step)."""
     model, opt, batches = workload(5)
-    plan = gradstats.Plan.uniform(format="nvfp4", sparsity=0.7)
+    train(model, opt, batches[:2])
+    with Audit(big=16 * 20 * 7 // 2) as a:
+        train(model, opt, batches[2:3])
+    return a.big_ops["backward"]
+
+
+@pytest.mark.parametrize("scheme,kernels", [("nvfp4", 1), ("mxfp4", 1), ("nvfp4_training", 2)])
+def test_block_scaled_plans_take_one_pass_and_read_nothing_back(device_path, scheme, kernels):
+    """MX and NVFP4 blocks take the fused block kernel on the device path (NVFP4's tensor scale from the
+    statistics vector's maximum): at most 2 whole-gradient ATen operations per layer-call, no host
+    synchronisation in the backward pass, the statistics' two launches and the kernel's one per call (two
+    with the Hadamard transform, whose rotated maximum takes a pass of its own), and the counts recorded."""
+    plain = _plain_backward_big_ops()
+    model, opt, batches = workload(5)
+    plan = gradstats.Plan.uniform(format=scheme, sparsity=0.7)
     applied = gradstats.apply(model, plan)
     train(model, opt, batches[:2])
     with Audit(big=16 * 20 * 7 // 2) as a:
         train(model, opt, batches[2:3])
     df = applied.to_dataframe()
     applied.remove()
+    calls = len(applied.rules)
     assert a.syncs["backward"] == 0, dict(a.sync_names)
-    assert len(df) == 2 * len(applied.rules) and (df["achieved_sparsity"] > 0.5).all()
+    assert a.big_ops["backward"] - plain <= 2 * calls, dict(a.big_names)
+    assert a.launches["backward"] == (2 + kernels) * calls
+    assert len(df) == 2 * calls and (df["pruned_fraction"] > 0.3).all()
+
+
+def test_block_kernel_on_the_device_path_equals_the_cpu_operator(device_path, monkeypatch):
+    """The device path's block call equals prune_quantize on the CPU engine with the settings it used (the
+    record's threshold) and the call's seed: result bit for bit, counts equal."""
+    from gradstats.ops.fused import prune_quantize, prune_quantize_into
+    from gradstats.stats import tensor_stats_vector
+
+    g = torch.randn(6, 10, 48, generator=torch.Generator().manual_seed(2)) * 1e-3
+    thr = torch.tensor(4e-4, dtype=torch.float32)
+    got, counts, _ = prune_quantize_into(g, thr, "nvfp4:rounding=stochastic", seed=9, block_dim=-1,
+                                         stats=tensor_stats_vector(g, full=False))
+    monkeypatch.setenv("GRADSTATS_ENGINE", "native")
+    want, c = prune_quantize(g, float(thr), "nvfp4", rounding="stochastic", seed=9, block_dim=-1)
+    assert torch.equal(got, want)
+    assert counts.tolist() == [c.zeros, c.pruned, c.underflow, c.saturated, c.nonfinite]

@@ -6,7 +6,10 @@ backward pass only launches work:
 
 1. its statistics, one pass of the Triton statistics kernel, into a vector that stays on the device;
 2. the fused prune-and-quantise kernel at the layer's current threshold and scale (host numbers,
-   passed as kernel arguments), whose counts and sums accumulate on the device in the same pass;
+   passed as kernel arguments), whose counts and sums accumulate on the device in the same pass
+   (per-tensor scales: :mod:`gradstats.ops.triton.fused`; MX and NVFP4 block scales:
+   :mod:`gradstats.ops.triton.blocks`, NVFP4's tensor scale from the statistics' maximum; the NVFP4
+   training recipe's Hadamard transform needs the rotated tensor's maximum first: two launches);
 3. non-blocking copies of the vector and the counts towards the host (:class:`gradstats.ops.host.Outbox`).
 
 Nothing is read back there. The handle *settles* outside the backward pass, at the next forward of
@@ -155,9 +158,10 @@ class DevicePath:
                 seed=self._next_seed(), counts=buf[:5].view(torch.int64), sums=buf[5:11], used=buf[11:13],
                 stats=v, solved_mu=st.solved_mu, correct_threshold=rule.prunes,
                 correct_scale=rule.quantizes and rule.scale != "fixed")
-        else:                              # block scales: the operators one after the other
+        else:    # block scales: one Triton pass (NVFP4's tensor scale from v's maximum; two with a Hadamard transform)
             threshold, scale = current_settings(v, st, rule, fmt)
-            out, counts, sums = prune_quantize_into(g, threshold, fmt, scale=scale, seed=self._next_seed(), **q)
+            out, counts, sums = prune_quantize_into(g, threshold, fmt, scale=scale, seed=self._next_seed(), stats=v,
+                                                    **q)
             used = torch.stack([torch.as_tensor(threshold, dtype=torch.float64, device=g.device).reshape(()),
                                 torch.as_tensor(scale, dtype=torch.float64, device=g.device).reshape(())])
             buf = torch.cat([counts.view(torch.float64), sums, used])

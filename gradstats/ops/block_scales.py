@@ -25,10 +25,12 @@ def mx_shared_exponent(amax: torch.Tensor, fmt: Union[FPFormat, str], rounding: 
     ``rounding`` (:data:`SCALE_ROUNDINGS`): ``"floor"`` (default, the OCP rule):
     ``floor(log2(amax)) - fmt.emax``; ``"ceil"``: ``ceil(log2(amax)) - fmt.emax``; ``"even"``: ``amax``
     rounded half up to ``fmt.man_bits`` mantissa bits first, then floor; ``"rceil"``:
-    ``ceil(log2(amax / fmt.max))`` (float32 division), so that no element saturates. Computed on the
-    float32 bit pattern as torchao's ``to_mx`` does (bit for bit its ``ScaleCalculationMode`` of the
-    same name); clamped to the E8M0 range ``[-127, 127]``; ``amax == 0`` (and NaN) gives ``-127``. A
-    block is encoded as ``quantize(x / 2**e, fmt, overflow="saturate") * 2**e``. This is the single
+    ``ceil(log2(amax / fmt.max))`` (float32 division), so that no element saturates, exactly (on the
+    quotient's bits, as the hardware's round-up conversion to E8M0: a float ``log2`` may round a quotient
+    just above a power of two down to it). Computed on the float32 bit pattern as torchao's ``to_mx``
+    does (bit for bit its ``ScaleCalculationMode`` of the same name, but for such quotients with rceil);
+    clamped to the E8M0 range ``[-127, 127]``; ``amax == 0`` (and NaN) gives ``-127``. The Triton kernels
+    (:mod:`gradstats.ops.triton.blocks`) compute the same rule on the same bits. A block is encoded as ``quantize(x / 2**e, fmt, overflow="saturate") * 2**e``. This is the single
     home of the rule: the format analysis uses it on model amaxes.
 
     Example:
@@ -42,11 +44,14 @@ def mx_shared_exponent(amax: torch.Tensor, fmt: Union[FPFormat, str], rounding: 
     if rounding not in SCALE_ROUNDINGS:
         raise ValueError(f"scale_rounding must be one of {SCALE_ROUNDINGS}, got {rounding!r}")
     a = torch.nan_to_num(amax.float().abs(), nan=0.0, posinf=torch.finfo(torch.float32).max)
-    if rounding == "rceil":
+    if rounding == "rceil":     # ceil(log2(a / fmax)) of the float32 quotient, exactly: on its bits
         with torch.no_grad():
-            e = torch.ceil(torch.log2(a / fmt.max)).clamp(-127, 127)
-        e = torch.where(a > 0, e, torch.full_like(e, -127.0)).to(torch.int32)
-        return e
+            vb = (a / fmt.max).view(torch.int32)
+        ex = vb >> 23
+        e = torch.where(ex > 0, ex - 127 + ((vb & 0x7FFFFF) != 0).to(torch.int32),
+                        torch.where(vb > 0x400000, -126, -127).to(torch.int32))
+        e = torch.where(a > 0, e, torch.full_like(e, -127))
+        return e.clamp_(-127, 127).to(torch.int32)
     bits = a.view(torch.int32)
     if rounding == "even":
         bits = (bits + (1 << (22 - fmt.man_bits))) & 0x7F800000

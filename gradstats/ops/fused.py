@@ -6,8 +6,10 @@ with the counts a training log needs (zeros, entries pruned, entries flushed to 
 rounding, entries saturated, non-finite inputs) and, over the finite entries, the sums that give
 the call's magnitude gain ``<out, g> / <g, g>``, its relative error and magnitude bias. On the CPU one fused C kernel (:mod:`gradstats.ops.native`) does
 it in a single pass over the data; block scaling, other devices, and machines without a C
-compiler go through :func:`gradstats.ops.stochastic_prune` and :func:`gradstats.quantize`
-(their Triton kernels on CUDA). Both draw their random bits from the one stream of
+compiler go through :func:`gradstats.ops.stochastic_prune` and :func:`gradstats.quantize`;
+on the Triton engine (CUDA) one kernel does it for per-tensor scales (:mod:`gradstats.ops.triton.fused`)
+and one for block scales, MX and NVFP4 with its Hadamard recipe (:mod:`gradstats.ops.triton.blocks`).
+All draw their random bits from the one stream of
 :mod:`gradstats.ops.random` (pruning and rounding streams of one seed), so for the same seed the
 fused kernel equals ``quantize(stochastic_prune(x, a, seed=s), fmt, seed=s)`` bit for bit, for
 every rounding.
@@ -170,6 +172,18 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
     elif stochastic:
         seed = _rng.draw_seed(generator)
     n = x.numel()
+    if use_triton(x.device.type) and block_size is not None and n > 0:
+        from gradstats.ops.triton import blocks as kblocks
+
+        if kblocks.supports(fmt, block_size, scale_format, hadamard, x, block_dim):   # one Triton pass
+            y, c, s = kblocks.prune_quantize_blocks_triton(
+                x, threshold, fmt, block_size=block_size, scale_format=scale_format, scale_rounding=scale_rounding,
+                rounding=rounding, seed=seed or 0, block_dim=block_dim, hadamard=hadamard, tensor_amax=tensor_amax,
+                out=out if out is not None and out.is_contiguous() else None)
+            if out is not None and y is not out:
+                out.copy_(y)
+                y = out
+            return y, CompressCounts(n, *c.tolist(), *s.tolist())
     if use_triton(x.device.type) and block_size is None and n > 0 and fused_covers(fmt, scale):
         from gradstats.ops.triton import fused as kfused
 
@@ -259,13 +273,18 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
                         fmt: Union[FPFormat, Scheme, str, None], *, scale: Union[float, torch.Tensor] = 1.0, rounding: Optional[str] = None, seed: int = 0,
                         block_size: Optional[int] = None, scale_format: Optional[str] = None,
                         scale_rounding: Optional[str] = None, block_dim: int = -1,
-                        hadamard: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        hadamard: Optional[int] = None, tensor_amax: Optional[float] = None,
+                        stats: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`prune_quantize` for the device path: ``(result, counts, sums)`` with the counts
     (int64: zeros, pruned, underflow, saturated, nonfinite) and the sums (float64: dot, norm2, err2,
     noise2, abs_out, abs_in; :class:`CompressCounts`) left on ``x``'s device, so that nothing is
     read back. On the Triton engine one fused kernel makes all three in one pass over ``x``
-    (per-tensor scales), and ``threshold`` and ``scale`` may be one-element tensors on ``x``'s
-    device (solved there); block scales go through the operators one after the other.
+    (per-tensor scales: :mod:`gradstats.ops.triton.fused`; block scales, MX and NVFP4:
+    :mod:`gradstats.ops.triton.blocks`), and ``threshold`` and ``scale`` may be one-element tensors
+    on ``x``'s device (solved there). ``tensor_amax`` (a host float) or ``stats`` (``x``'s float64
+    statistics vector on its device) give NVFP4's tensor scale without a pass of its own (a Hadamard
+    transform's rotated maximum always takes one: two launches); elsewhere the operators run one
+    after the other.
 
     Example:
         >>> import torch
@@ -276,6 +295,14 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
     fmt, rounding, block_size, scale_format, scale_rounding, hadamard = _spelled(
         fmt, rounding, block_size, scale_format, scale_rounding, hadamard)
     fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
+    if use_triton(x.device.type) and block_size is not None and x.numel() > 0:
+        from gradstats.ops.triton import blocks as kblocks
+
+        if kblocks.supports(fmt, block_size, scale_format, hadamard, x, block_dim):
+            return kblocks.prune_quantize_blocks_triton(
+                x, threshold, fmt, block_size=block_size, scale_format=scale_format, scale_rounding=scale_rounding,
+                rounding=rounding, seed=seed, block_dim=block_dim, hadamard=hadamard, tensor_amax=tensor_amax,
+                stats=stats)
     if use_triton(x.device.type) and block_size is None and x.numel() > 0:
         from gradstats.ops.triton import fused as kfused
 
@@ -288,11 +315,11 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
     if use_native(x.device.type) and x.numel() > 0:
         y, c = prune_quantize(x, threshold, fmt, scale=scale, rounding=rounding, seed=seed, block_size=block_size,
                               scale_format=scale_format, scale_rounding=scale_rounding, block_dim=block_dim,
-                              hadamard=hadamard)
+                              hadamard=hadamard, tensor_amax=tensor_amax)
         return y, torch.tensor([c.zeros, c.pruned, c.underflow, c.saturated, c.nonfinite]), torch.tensor(
             [c.dot, c.norm2, c.err2, c.noise2, c.abs_out, c.abs_in], dtype=torch.float64)
     return _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, None, scale_format,
-                               scale_rounding, block_dim, None, hadamard)
+                               scale_rounding, block_dim, tensor_amax, hadamard)
 
 
 def _block_saturated(y: torch.Tensor, fmt: FPFormat, block_size: int, scale_format: str,

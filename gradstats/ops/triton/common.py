@@ -9,7 +9,7 @@ call runs everything in Triton's interpreter).
 
 Example:
     >>> sorted(HELPERS)
-    ['_accumulate', '_prune', '_round', '_word']
+    ['_accumulate', '_max', '_prune', '_round', '_word']
 """
 from __future__ import annotations
 
@@ -110,9 +110,15 @@ def _accumulate_src(CNT, SUMS, v, ow, mask, pruned, under, over):
     tl.atomic_add(SUMS + 5, tl.reduce(tl.abs(xd), None, tl.standard._sum_combine))
 
 
+def _max_src(a, b):
+    """The combine function of a maximum (``tl.reduce(x, axis, _max)``), built with the kernels, so that Triton's
+    interpreter runs it also when it was switched on after triton was imported (``tl.max``'s is not)."""
+    return tl.maximum(a, b)
+
+
 #: the shared device functions by the name kernels call them with
 HELPERS: dict[str, Callable[..., Any]] = {"_word": _word_src, "_prune": _prune_src, "_round": _round_src,
-                                          "_accumulate": _accumulate_src}
+                                          "_accumulate": _accumulate_src, "_max": _max_src}
 
 
 def _rebind(fn: Callable[..., Any], g: dict[str, Any]) -> Callable[..., Any]:
@@ -135,7 +141,7 @@ def _helpers(interpret: bool) -> dict[str, Any]:  # noqa: ARG001 - the cache key
 
 def jit(src: Callable[..., Any], interpret: bool, **kwargs: Any) -> Any:
     """``triton.jit`` of the kernel source ``src`` with the shared device functions (:data:`HELPERS`) bound
-    to its names ``_word``, ``_prune``, ``_round`` and ``_accumulate``; ``interpret``: whether Triton's
+    to its names ``_word``, ``_prune``, ``_round``, ``_accumulate`` and ``_max``; ``interpret``: whether Triton's
     interpreter is on (the cache key: Triton decides at decoration).
 
     Example (needs Triton)::

@@ -1,0 +1,445 @@
+"""Triton kernels of :func:`gradstats.ops.fused.prune_quantize` for block-scaled formats (OCP MX: E8M0 block
+scales; NVFP4: E4M3 block scales under a float32 tensor scale; NVFP4's training recipe with its random
+Hadamard transform): stochastic pruning, the block scales, rounding and the call's counts and sums in one
+pass over the gradient, with no host synchronisation.
+
+The blocks are those of :mod:`gradstats.ops.layout`: ``block_size`` consecutive channels of one token
+(``"rows"``; the channels are ``block_dim``, a convolution's dim 1), read in place (no channels-last copy);
+with a Hadamard transform of ``n = block_size`` points (:mod:`gradstats.ops.hadamard`), each group of ``n``
+tokens of a channel is rotated, quantised as one block (``"columns"``) and rotated back in registers. Each
+element goes through the shared device functions of :mod:`gradstats.ops.triton.common` (the pruning and
+rounding streams at the indices the CPU path uses: the pruning stream at the element's flat index, the
+rounding stream at its index in the blocked layout of :func:`gradstats.ops.layout.to_blocks`), and the
+block scale rule is :func:`gradstats.ops.block_scales.mx_shared_exponent`'s (E8M0, every scale rounding)
+or NVFP4's (:func:`gradstats.ops.quantization.block_scales`), the E4M3 scale rounded by the same rounding
+function as the elements. So the result equals the CPU path's bit for bit (``prune_quantize`` with the
+same seed on the C/torch engines) and the counts are equal; the float64 sums agree to rounding.
+
+NVFP4's tensor scale needs the largest magnitude of the pruned tensor before the first block is scaled. It
+comes, in that order of preference, from ``tensor_amax`` (a host float, used as given), from ``stats`` (the
+call's statistics vector on the device: its ``max_abs``, raised to the threshold where pruning rounds
+values up to it, which is the pruned tensor's largest magnitude whenever any value is left), or from a
+first pass of the same kernel that only reduces it (two launches). With a Hadamard transform it is the
+largest magnitude of the *rotated* tensor, which no earlier pass knows: that call is always two launches
+(unless ``tensor_amax`` is given).
+
+Example:
+    >>> from gradstats.formats import FPFormat
+    >>> supports(FPFormat.parse("e2m1fn"), 16, "e4m3"), supports(FPFormat.parse("e2m1fn"), 16, "e4m3", hadamard=8)
+    (True, False)
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from gradstats.formats import ROUNDING_CODES, FPFormat
+from gradstats.ops import random as _rng
+from gradstats.ops.triton import interpreting, triton_available
+
+try:  # the kernel bodies refer to ``tl``; they are only compiled when Triton is installed
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the installation
+    tl = None
+
+__all__ = ["supports", "prune_quantize_blocks_triton", "TILE", "SCALE_ROUNDING_CODES"]
+
+#: elements per Triton program (a tile of whole blocks)
+TILE = 2048
+#: the E8M0 scale roundings by their kernel code (:data:`gradstats.scheme.SCALE_ROUNDINGS`)
+SCALE_ROUNDING_CODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
+
+_SIGN = -2147483648  # the float32 sign bit as an int32
+
+
+def _scale_src(amax, tmax, E4M3: tl.constexpr, SROUND: tl.constexpr, EMAX: tl.constexpr, MANB: tl.constexpr,
+               FMAX: tl.constexpr, TDIV: tl.constexpr, SM: tl.constexpr, SMSUB: tl.constexpr, SE0F: tl.constexpr,
+               SMAXBITS: tl.constexpr, SC0F: tl.constexpr):
+    """The decode scale (float32) of blocks whose largest finite magnitude is ``amax`` (float32 >= 0):
+    E8M0, ``2**e`` by :func:`gradstats.ops.block_scales.mx_shared_exponent` (``SROUND`` its rounding), or
+    NVFP4's ``e4m3(amax / (fmax * t)) * t`` with ``t = tmax / (fmax * 448)`` (1 for ``tmax == 0``)."""
+    if E4M3:
+        fmax = tl.full([], FMAX, tl.float32)
+        t = tl.where(tmax > 0, tl.math.div_rn(tmax, tl.full([], TDIV, tl.float32)), 1.0)
+        v = tl.math.div_rn(amax, fmax * t)
+        v = tl.minimum(v, 448.0)
+        vb = v.to(tl.int32, bitcast=True)
+        sb = _round(vb, vb, SM, SMSUB, SE0F, SMAXBITS, SC0F, 0).to(tl.float32, bitcast=True)  # noqa: F821
+        return sb * t
+    ab = amax.to(tl.int32, bitcast=True)
+    if SROUND == 3:  # rceil: ceil(log2(amax / fmax)) exactly, on the bits of the float32 quotient
+        vb = tl.math.div_rn(amax, tl.full([], FMAX, tl.float32)).to(tl.int32, bitcast=True)
+        ex = vb >> 23
+        e = tl.where(ex > 0, ex - 127 + ((vb & 0x7FFFFF) != 0).to(tl.int32), tl.where(vb > 0x400000, -126, -127))
+    else:
+        if SROUND == 2:
+            ab = (ab + (1 << (22 - MANB))) & 0x7F800000
+        e = ((ab >> 23) & 0xFF) - 127
+        if SROUND == 1:
+            e = e + ((ab & 0x7FFFFF) != 0).to(tl.int32)
+        e = e - EMAX
+    e = tl.where(amax > 0, e, -127)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    return tl.where(e >= -126, (e + 127) << 23, 0x400000).to(tl.float32, bitcast=True)  # 2**e (2**-127 subnormal)
+
+
+def _quant_src(r, X, c, rk1, rk2, mask, FMAX: tl.constexpr, E4M3: tl.constexpr, M: tl.constexpr,
+               MSUB: tl.constexpr, E0F: tl.constexpr, MAXBITS: tl.constexpr, C0F: tl.constexpr,
+               ROUNDING: tl.constexpr, NEG_ZERO: tl.constexpr):
+    """``Q(r / X) * X`` of the signed float32 tile ``r`` with decode scales ``X`` (broadcast to it; ``X == 0``,
+    NVFP4's empty block: ``Q(r) * 0``), rounding stream words at counters ``c``; and the entries clipped
+    (``|r| / X > fmax`` where ``X > 0``)."""
+    rb = r.to(tl.int32, bitcast=True)
+    neg = rb < 0
+    isnan = (rb & 0x7FFFFFFF) > 0x7F800000
+    Xd = tl.where(X > 0, X, 1.0)
+    ws = tl.math.div_rn((rb & 0x7FFFFFFF).to(tl.float32, bitcast=True), Xd)
+    over = (ws > FMAX) & (X > 0) & mask
+    b = ws.to(tl.int32, bitcast=True)
+    r23 = b
+    if ROUNDING == 1:
+        r23 = (_word(c, rk1, rk2) >> 9) & 0x7FFFFF  # noqa: F821
+    o = _round(b, r23, M, MSUB, E0F, MAXBITS, C0F, ROUNDING).to(tl.float32, bitcast=True) * Xd  # noqa: F821
+    if E4M3:
+        o = tl.where(X > 0, o, o * 0.0)
+    ob = o.to(tl.int32, bitcast=True)
+    if NEG_ZERO:
+        ob = tl.where(neg, ob | _SIGN, ob)
+    else:  # zeros are +0 in a format without -0
+        ob = tl.where(neg & (ob != 0), ob | _SIGN, ob)
+    return tl.where(isnan, r, ob.to(tl.float32, bitcast=True)), over
+
+
+def _tensor_amax_src(A, ST, AMX, a, ta_f, PRUNE: tl.constexpr, TA_MODE: tl.constexpr, I_MAX: tl.constexpr):
+    """NVFP4's tensor amax (float32): 1 the host's ``ta_f`` (bits), 2 the statistics vector's ``max_abs``
+    (raised to the threshold when pruning), 3 the first pass's (bits in ``AMX``); 0: none (E8M0)."""
+    if TA_MODE == 1:
+        return ta_f.to(tl.float32, bitcast=True)
+    if TA_MODE == 2:
+        top = tl.load(ST + I_MAX)
+        top = tl.where(top == top, top, 0.0).to(tl.float32)
+        if PRUNE:
+            top = tl.maximum(top, a)
+        return top
+    if TA_MODE == 3:
+        return tl.load(AMX).to(tl.float32, bitcast=True)
+    return tl.full([], 0.0, tl.float32)
+
+
+def _rows_src(X, Y, A, ST, AMX, CNT, SUMS, n_rows, Q, K, NB, KP, a_f, ta_f, pk1, pk2, rk1, rk2,
+              AMAX_PASS: tl.constexpr, PRUNE: tl.constexpr, A_PTR: tl.constexpr, TA_MODE: tl.constexpr,
+              I_MAX: tl.constexpr, E4M3: tl.constexpr, SROUND: tl.constexpr, EMAX: tl.constexpr,
+              MANB: tl.constexpr, FMAX: tl.constexpr, TDIV: tl.constexpr, SM: tl.constexpr, SMSUB: tl.constexpr,
+              SE0F: tl.constexpr, SMAXBITS: tl.constexpr, SC0F: tl.constexpr, M: tl.constexpr,
+              MSUB: tl.constexpr, E0F: tl.constexpr, MAXBITS: tl.constexpr, C0F: tl.constexpr,
+              ROUNDING: tl.constexpr, NEG_ZERO: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, R: tl.constexpr):
+    # the tensor as (P, K, Q), K the channels; a tile is R blocks, enumerated (p, block of channels, q) with
+    # q fastest (a convolution's consecutive blocks are consecutive pixels: coalesced loads)
+    g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
+    q = g % Q
+    h = g // Q
+    kb = h % NB
+    p = h // NB
+    i = tl.arange(0, BP)
+    k = kb[:, None] * B + i[None, :]
+    mask = (g < n_rows)[:, None] & (i < B)[None, :] & (k < K)
+    offs = (p[:, None] * K + k) * Q + q[:, None]
+    v = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    vb = v.to(tl.int32, bitcast=True)
+    w = (vb & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    a = tl.full([], 0.0, tl.float32)
+    pruned = mask & (mask == 0)
+    if PRUNE:
+        if A_PTR:
+            a = tl.load(A).to(tl.float32)
+        else:
+            a = a_f.to(tl.float32, bitcast=True)
+        w, pruned = _prune(w, offs.to(tl.int32), a, pk1, pk2)  # noqa: F821
+        pruned = pruned & mask
+    amax = tl.reduce(tl.where(w < float("inf"), w, 0.0), 1, _max)  # noqa: F821
+    if AMAX_PASS:
+        tl.atomic_max(AMX, tl.reduce(amax, 0, _max).to(tl.int32, bitcast=True))  # noqa: F821
+    else:
+        tmax = _tensor_amax(A, ST, AMX, a, ta_f, PRUNE, TA_MODE, I_MAX)  # noqa: F821
+        Xs = _scale(amax, tmax, E4M3, SROUND, EMAX, MANB, FMAX, TDIV, SM, SMSUB, SE0F, SMAXBITS, SC0F)  # noqa: F821
+        y = tl.where(vb < 0, -w, w)  # the pruned value (a zero of x's sign)
+        c = ((p * Q + q)[:, None] * KP + k).to(tl.int32)  # its index in the blocked (channels-last) layout
+        o, over = _quant(y, Xs[:, None] + tl.full([R, BP], 0.0, tl.float32), c, rk1, rk2, mask, FMAX, E4M3,  # noqa: F821
+                         M, MSUB, E0F, MAXBITS, C0F, ROUNDING, NEG_ZERO)
+        tl.store(Y + offs, o, mask=mask)
+        under = (w != 0.0) & (o == 0.0) & mask
+        _accumulate(CNT, SUMS, v, o, mask, pruned, under, over)  # noqa: F821
+
+
+def _fwht_src(r, LOGN: tl.constexpr):
+    """The Sylvester Hadamard butterflies (unnormalised) along dim 0 of the tile ``r`` (``2**LOGN`` rows):
+    at stage ``h``, ``(a, b) -> (a + b, a - b)`` for rows ``i`` and ``i + h``, as
+    :func:`gradstats.ops.hadamard.rotate` computes them (the same float32 sums, bit for bit)."""
+    j = tl.arange(0, r.shape[0])[:, None] + tl.full(r.shape, 0, tl.int32)
+    for s in tl.static_range(LOGN):
+        partner = tl.gather(r, j ^ (1 << s), 0)
+        r = tl.where((j & (1 << s)) == 0, r + partner, partner - r)
+    return r
+
+
+def _hadamard_src(X, Y, A, SG, ST, AMX, CNT, SUMS, CLIP, Mtok, Q, K, MP, a_f, ta_f, pk1, pk2, rk1, rk2,
+                  AMAX_PASS: tl.constexpr, PRUNE: tl.constexpr, A_PTR: tl.constexpr, TA_MODE: tl.constexpr,
+                  I_MAX: tl.constexpr, E4M3: tl.constexpr, SROUND: tl.constexpr, EMAX: tl.constexpr,
+                  MANB: tl.constexpr, FMAX: tl.constexpr, TDIV: tl.constexpr, SM: tl.constexpr,
+                  SMSUB: tl.constexpr, SE0F: tl.constexpr, SMAXBITS: tl.constexpr, SC0F: tl.constexpr,
+                  M: tl.constexpr, MSUB: tl.constexpr, E0F: tl.constexpr, MAXBITS: tl.constexpr,
+                  C0F: tl.constexpr, ROUNDING: tl.constexpr, NEG_ZERO: tl.constexpr, N: tl.constexpr,
+                  LOGN: tl.constexpr, NORM: tl.constexpr, BK: tl.constexpr):
+    # a tile: the N tokens of one rotation group (the last padded with zero tokens) x BK channels
+    t = tl.program_id(0).to(tl.int64) * N + tl.arange(0, N).to(tl.int64)
+    k = tl.program_id(1).to(tl.int64) * BK + tl.arange(0, BK).to(tl.int64)
+    kmask = (k < K)[None, :]
+    mask = (t < Mtok)[:, None] & kmask
+    offs = ((t // Q)[:, None] * K + k[None, :]) * Q + (t % Q)[:, None]
+    v = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    vb = v.to(tl.int32, bitcast=True)
+    w = (vb & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    a = tl.full([], 0.0, tl.float32)
+    pruned = mask & (mask == 0)
+    if PRUNE:
+        if A_PTR:
+            a = tl.load(A).to(tl.float32)
+        else:
+            a = a_f.to(tl.float32, bitcast=True)
+        w, pruned = _prune(w, offs.to(tl.int32), a, pk1, pk2)  # noqa: F821
+        pruned = pruned & mask
+    s = tl.load(SG + tl.arange(0, N))[:, None]  # the random signs, +-1
+    r = _fwht(tl.where(vb < 0, -w, w) * s, LOGN) * NORM  # noqa: F821 - R y, y the pruned value
+    ar = tl.abs(r)
+    amax = tl.reduce(tl.where(ar < float("inf"), ar, 0.0), 0, _max)  # noqa: F821 - per channel
+    if AMAX_PASS:
+        tl.atomic_max(AMX, tl.reduce(amax, 0, _max).to(tl.int32, bitcast=True))  # noqa: F821
+    else:
+        tmax = _tensor_amax(A, ST, AMX, a, ta_f, PRUNE, TA_MODE, I_MAX)  # noqa: F821
+        Xs = _scale(amax, tmax, E4M3, SROUND, EMAX, MANB, FMAX, TDIV, SM, SMSUB, SE0F, SMAXBITS, SC0F)  # noqa: F821
+        c = (k[None, :] * MP + t[:, None]).to(tl.int32)  # the index in the blocked layout (blocks along tokens)
+        z, over = _quant(r, Xs[None, :] + tl.full([N, BK], 0.0, tl.float32), c, rk1, rk2, kmask, FMAX, E4M3,  # noqa: F821
+                         M, MSUB, E0F, MAXBITS, C0F, ROUNDING, NEG_ZERO)
+        o = (_fwht(z, LOGN) * NORM) * s  # noqa: F821 - R^T
+        tl.store(Y + offs, o, mask=mask)
+        under = (w != 0.0) & (o == 0.0) & mask
+        _accumulate(CNT, SUMS, v, o, mask, pruned, under, mask & (mask == 0))  # noqa: F821
+        tl.atomic_add(CLIP, tl.reduce(over.to(tl.int64), None, tl.standard._sum_combine))
+
+
+_DEVICE_FUNCTIONS = {"_scale": _scale_src, "_quant": _quant_src, "_tensor_amax": _tensor_amax_src,
+                     "_fwht": _fwht_src}
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool):
+    """``(rows kernel, Hadamard kernel)``, built with the shared device functions."""
+    import triton
+
+    from gradstats.ops.triton import common
+
+    g = dict(globals())
+    g.update(common._helpers(interpret))
+    made = {name: triton.jit(common._rebind(src, g)) for name, src in _DEVICE_FUNCTIONS.items()}
+    g.update(made)
+    ns = ["n_rows", "Q", "K", "NB", "KP", "a_f", "ta_f", "pk1", "pk2", "rk1", "rk2"]
+    rows = triton.jit(common._rebind(_rows_src, g), do_not_specialize=ns)
+    hs = ["Mtok", "Q", "K", "MP", "a_f", "ta_f", "pk1", "pk2", "rk1", "rk2"]
+    had = triton.jit(common._rebind(_hadamard_src, g), do_not_specialize=hs)
+    return rows, had
+
+
+def supports(fmt: FPFormat | str | None, block_size: int | None, scale_format: str = "e8m0",
+             hadamard: int | None = None, x: torch.Tensor | None = None, block_dim: int = -1) -> bool:
+    """Whether :func:`prune_quantize_blocks_triton` takes a call: Triton installed; ``fmt`` one the fused
+    kernels cover (:func:`gradstats.ops.consts.fused_covers`), ``block_size`` set, up to 256; ``scale_format``
+    ``"e8m0"`` or ``"e4m3"``; no Hadamard transform or one of ``block_size`` points; and, given ``x``: a
+    float32 tensor of at least one dim, ``block_dim`` one of its dims, whose element and blocked-layout
+    indices stay below ``2**32`` (one segment of the random streams).
+
+    Example:
+        >>> supports("e2m1fn", 32), supports("e2m1fn", None), supports("e2m1fn", 16, "e4m3", hadamard=16)
+        (True, False, True)
+    """
+    from gradstats.ops.consts import fused_covers
+
+    if block_size is None or not triton_available() or scale_format not in ("e8m0", "e4m3"):
+        return False
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= 256:
+        return False
+    if hadamard is not None and hadamard != block_size:
+        return False
+    fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
+    if fmt is None or not fused_covers(fmt, 1.0):
+        return False
+    if x is not None:
+        if x.dtype != torch.float32 or x.dim() == 0:
+            return False
+        if not isinstance(block_dim, int) or not -x.dim() <= block_dim < x.dim():
+            return False
+        if max(x.numel(), _padded_numel(x, block_size, hadamard, block_dim)) >= 1 << 32:
+            return False
+    return True
+
+
+def _geometry(x: torch.Tensor, block_dim: int) -> tuple[int, int, int]:
+    """``(P, K, Q)``: ``x`` (contiguous) as dims before, at and after its channel dim."""
+    d = block_dim + x.dim() if block_dim < 0 else block_dim
+    return math.prod(x.shape[:d]), x.shape[d], math.prod(x.shape[d + 1:])
+
+
+def _padded_numel(x: torch.Tensor, block_size: int, hadamard: int | None, block_dim: int = -1) -> int:
+    P, K, Q = _geometry(x, block_dim)
+    if hadamard is not None:
+        return -(-(P * Q) // hadamard) * hadamard * K
+    return P * Q * (-(-K // block_size) * block_size)
+
+
+def _bits(v: float) -> int:
+    """The float32 bits of ``v`` as a signed int (a float kernel argument would arrive as float64 or float32
+    depending on the mode; its bits arrive unchanged)."""
+    return int(np.asarray(v, dtype=np.float32).view(np.int32))
+
+
+def _check_acc(t: torch.Tensor | None, name: str, size: int, dtype: torch.dtype, x: torch.Tensor) -> None:
+    from gradstats.ops.triton.fused import _check_acc as check
+
+    check(t, name, size, dtype, x)
+
+
+def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.Tensor], fmt: FPFormat | str, *,
+                                 block_size: int, scale_format: str = "e8m0", scale_rounding: str = "floor",
+                                 rounding: str = "nearest", seed: int = 0, block_dim: int = -1,
+                                 hadamard: Optional[int] = None, tensor_amax: Optional[float] = None,
+                                 stats: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                                 counts: torch.Tensor | None = None, sums: torch.Tensor | None = None,
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stochastic pruning at ``threshold`` (0 = none; a Python float or a one-element tensor on ``x``'s
+    device, rounded to float32), then block-scaled rounding to ``fmt`` as :func:`gradstats.quantize` does it
+    (``block_size``, ``block_dim``, ``scale_format``, ``scale_rounding``, ``hadamard``, ``tensor_amax``:
+    see there), in one Triton pass. Returns ``(result, counts, sums)``: int64[5] and float64[6] on ``x``'s
+    device as :func:`gradstats.ops.triton.fused.prune_quantize_triton` makes them (added to when given),
+    with ``saturated`` counted as :func:`gradstats.ops.fused.prune_quantize` counts it (with ``hadamard``,
+    the clipped share of the rotated entries times ``n``). ``stats`` (the float64 statistics vector of
+    ``x`` on its device) gives NVFP4's tensor amax without a second launch (see the module's docstring).
+    ``x``: float32, contiguous or not (copied), on CUDA or, under ``TRITON_INTERPRET=1``, the CPU; the
+    call must be one :func:`supports` takes. Nothing is read back to the host.
+
+    Example (``TRITON_INTERPRET=1`` runs the kernel on the CPU; on CUDA it is not needed):
+        >>> import os
+        >>> old = os.environ.get("TRITON_INTERPRET"); os.environ["TRITON_INTERPRET"] = "1"
+        >>> x = torch.tensor([[0.001, -0.3, 0.6, 5.0], [1.0, 2.0, 3.0, 100.0]])
+        >>> y, counts, sums = prune_quantize_blocks_triton(x, 0.0, "e2m1fn", block_size=2)
+        >>> y.tolist(), counts.tolist()
+        ([[0.0, -0.25, 0.5, 4.0], [1.0, 2.0, 0.0, 96.0]], [2, 0, 2, 1, 0])
+        >>> _ = os.environ.pop("TRITON_INTERPRET") if old is None else os.environ.update(TRITON_INTERPRET=old)
+    """
+    from gradstats.ops.consts import consts
+    from gradstats.ops.triton.fused import _check_value
+    from gradstats.ops.triton.stats import SCALARS
+    from gradstats.scheme import E4M3
+
+    fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
+    if not isinstance(x, torch.Tensor) or not supports(fmt, block_size, scale_format, hadamard, x, block_dim):
+        got = (x.dtype, tuple(x.shape), block_dim) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"prune_quantize_blocks_triton takes a float32 tensor of at least one dim (fewer than 2**32 "
+                         f"elements, padding included) with block_dim one of its dims, a format the fused kernels cover with block_size in [1, 256], "
+                         f"scale_format 'e8m0' or 'e4m3' and hadamard None or equal to block_size; got x (dtype, shape, block_dim) {got}, "
+                         f"fmt {fmt}, block_size {block_size!r}, scale_format {scale_format!r}, hadamard {hadamard!r}: "
+                         "use gradstats.ops.fused.prune_quantize")
+    if rounding not in ROUNDING_CODES:
+        raise ValueError(f"rounding must be one of {sorted(ROUNDING_CODES)}, got {rounding!r}")
+    if scale_rounding not in SCALE_ROUNDING_CODES:
+        raise ValueError(f"scale_rounding must be one of {sorted(SCALE_ROUNDING_CODES)}, got {scale_rounding!r}")
+    _check_value(threshold, "threshold", x, positive=False)
+    if tensor_amax is not None and not (isinstance(tensor_amax, (int, float)) and math.isfinite(tensor_amax)
+                                        and tensor_amax >= 0):
+        raise ValueError(f"tensor_amax must be a finite number >= 0 (the whole tensor's largest magnitude), "
+                         f"got {tensor_amax!r}")
+    if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.float64
+                              or stats.dim() != 1 or stats.numel() < len(SCALARS) or stats.device != x.device):
+        raise ValueError(f"stats must be the 1-d float64 statistics vector of x on {x.device} "
+                         f"(gradstats.stats.fields.LAYOUT)")
+    seed = _rng.resolve_seed(seed, None, "prune_quantize_blocks_triton")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype
+                            or out.device != x.device or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous tensor of x's shape {tuple(x.shape)}, dtype {x.dtype} and "
+                         f"device {x.device}")
+    _check_acc(counts, "counts", 5, torch.int64, x)
+    _check_acc(sums, "sums", 6, torch.float64, x)
+    xc = x.detach()
+    if not xc.is_contiguous():
+        xc = xc.contiguous()
+    res = out if out is not None else torch.empty_like(xc, memory_format=torch.contiguous_format)
+    if counts is None:
+        counts = torch.zeros(5, dtype=torch.int64, device=x.device)
+    if sums is None:
+        sums = torch.zeros(6, dtype=torch.float64, device=x.device)
+    n = xc.numel()
+    if n == 0:
+        return res, counts, sums
+    a_ptr = isinstance(threshold, torch.Tensor)
+    prune = a_ptr or threshold > 0
+    A = threshold.reshape(1) if isinstance(threshold, torch.Tensor) else counts
+    a_f = 0 if a_ptr else _bits(threshold)
+    e4m3 = scale_format == "e4m3"
+    ta_mode, ta_f = 0, 0
+    if e4m3:
+        if tensor_amax is not None:
+            ta_mode, ta_f = 1, _bits(tensor_amax)
+        elif stats is not None and hadamard is None:
+            ta_mode = 2
+        else:
+            ta_mode = 3
+    amx = torch.zeros(1, dtype=torch.int32, device=x.device) if ta_mode == 3 else counts
+    c, s = consts(fmt), consts(E4M3)
+    sp, sr = _rng.segment_key(_rng.stream(seed, _rng.PRUNE), 0), _rng.segment_key(_rng.stream(seed, _rng.ROUND), 0)
+    pk1, pk2, rk1, rk2 = (_rng._s32(v) for v in (*sp, *sr))
+    P, K, Q = _geometry(xc, block_dim)
+    common = dict(PRUNE=bool(prune), A_PTR=a_ptr, TA_MODE=ta_mode, I_MAX=SCALARS.index("max_abs"), E4M3=e4m3,
+                  SROUND=SCALE_ROUNDING_CODES[scale_rounding], EMAX=fmt.emax, MANB=fmt.man_bits,
+                  FMAX=float(fmt.max), TDIV=float(np.float32(fmt.max * E4M3.max)), SM=s.M, SMSUB=s.Msub,
+                  SE0F=s.E0F, SMAXBITS=s.MAXBITS, SC0F=E4M3.min_normal, M=c.M, MSUB=c.Msub, E0F=c.E0F,
+                  MAXBITS=c.MAXBITS, C0F=fmt.min_normal, ROUNDING=ROUNDING_CODES[rounding],
+                  NEG_ZERO=bool(fmt.has_negative_zero))
+    ST = stats if stats is not None else sums
+    rows_k, had_k = _kernels(interpreting())
+    passes = (True, False) if ta_mode == 3 else (False,)
+    if hadamard is None:
+        B = block_size
+        BP = 1 << (B - 1).bit_length()
+        R = max(1, TILE // BP)
+        NB = -(-K // B)
+        n_rows = P * NB * Q
+        for amax_pass in passes:
+            rows_k[(-(-n_rows // R),)](xc, res, A, ST, amx, counts, sums, n_rows, Q, K, NB, NB * B, a_f, ta_f,
+                                      pk1, pk2, rk1, rk2, AMAX_PASS=amax_pass, B=B, BP=BP, R=R, **common)
+        return res.view(x.shape), counts, sums
+    N = hadamard
+    Mtok = P * Q
+    MP = -(-Mtok // N) * N
+    BK = max(1, min(max(1, TILE // N), 1 << (K - 1).bit_length()))
+    SG = _signs_on(N, str(x.device))
+    clip = torch.zeros(1, dtype=torch.int64, device=x.device)
+    grid = (MP // N, -(-K // BK))
+    for amax_pass in passes:
+        had_k[grid](xc, res, A, SG, ST, amx, counts, sums, clip, Mtok, Q, K, MP, a_f, ta_f, pk1, pk2, rk1, rk2,
+                    AMAX_PASS=amax_pass, N=N, LOGN=N.bit_length() - 1, NORM=float(np.float32(float(N) ** -0.5)),
+                    BK=BK, **common)
+    # the clipped share of the rotated entries (padding tokens included) times n, rounded down, as the CPU
+    # path counts it: small device operations, nothing read back
+    counts[3:4].add_(clip * n // (MP * K))
+    return res.view(x.shape), counts, sums
+
+
+@functools.lru_cache(maxsize=32)
+def _signs_on(n: int, device: str) -> torch.Tensor:
+    """The Hadamard transform's random signs (float32, :func:`gradstats.ops.hadamard.signs`) on ``device``, copied
+    there once."""
+    from gradstats.ops.hadamard import signs
+
+    return torch.tensor(signs(n), dtype=torch.float32, device=device)
