@@ -152,9 +152,10 @@ def fit_run(run: Any, *, layers: str | Iterable[str] | None = None,
     bad = [k for k in keys if results[k][0]["status"] != "ok"]
     if bad:
         n_dam = sum(results[k][0]["status"].startswith("damaged") for k in bad)
-        log.warning("%d of %d groups could not be fitted%s (see the status column); first: %s %s step %d: %s",
-                    len(bad), len(keys), f", {n_dam} of them from damaged sample files" if n_dam else "",
-                    bad[0][0], bad[0][2], bad[0][1], results[bad[0]][0]["status"])
+        log.warning("fit: %d of %d groups (layer, step, kind) could not be fitted%s; their rows hold NaN numbers and "
+                    "a status saying why (the rest is fitted); first: layer %s, %s, step %d: %s", len(bad), len(keys),
+                    f", {n_dam} of them from damaged sample files" if n_dam else "", bad[0][0], bad[0][2], bad[0][1],
+                    results[bad[0]][0]["status"])
     return df
 
 
