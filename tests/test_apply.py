@@ -917,3 +917,68 @@ def test_a_block_rule_alerts_when_it_flushes_past_its_replayed_prediction(alerts
     lin(torch.randn(256, 16)).backward(g)
     applied.remove()
     assert ("drift" in applied.alerts.get("(root)", {})) == alerts
+
+
+def _same_records(a, b):
+    assert len(a) == len(b) and a
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            va, vb = ra[k], rb[k]
+            assert va == vb or (isinstance(va, float) and np.isnan(va) and np.isnan(vb)), (k, va, vb)
+
+
+@pytest.mark.parametrize("refresh_every", [1, 3])
+def test_predictions_computed_when_read_are_those_of_each_solve(monkeypatch, refresh_every):
+    """The CPU path leaves each solve's predictions pending until a record or the state is read: the
+    records (read late or step by step), the state dict and the gradients are those the eager solve gives."""
+    refresh = importlib.import_module("gradstats.apply.refresh")
+    plan = uniform(format="e3m2fn", sparsity=0.7, scale="amax", rounding="stochastic")
+    data = batches(5)
+
+    def run(eager, read_each_step=False):
+        torch.manual_seed(0)
+        model = Net()
+        with monkeypatch.context() as m:
+            if eager:
+                m.setattr(refresh, "defer_predict", refresh.predict)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            h = gradstats.apply(model, plan, refresh_every=refresh_every)
+            seen = []
+            for x, y in data:
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                if read_each_step:
+                    seen = [dict(r) for r in h.history]
+            sd = h.state_dict()
+            h.remove()
+        return model, h, sd, seen
+
+    lazy_model, lazy, lazy_sd, _ = run(False)
+    eager_model, eager, eager_sd, _ = run(True)
+    stepwise_model, stepwise, _, seen = run(False, read_each_step=True)
+    assert same_weights(lazy_model, eager_model) and same_weights(lazy_model, stepwise_model)
+    _same_records(lazy.history, eager.history)
+    _same_records(stepwise.history, eager.history)
+    _same_records(seen, eager.history)
+    assert np.isfinite([r["predicted_error"] for r in eager.history]).all()
+    for n, st in eager_sd["layers"].items():
+        for k in refresh.PREDICTED:
+            assert lazy_sd["layers"][n][k] == st[k], (n, k)
+
+
+def test_a_pending_prediction_is_computed_once_and_then_kept():
+    refresh = importlib.import_module("gradstats.apply.refresh")
+    from gradstats.plan import Rule
+
+    rule = Rule(format="e4m3fn", sparsity=0.5, scale="amax")
+    st = refresh.LayerState(mu=-9.0, m2=81.0 + 4.0, p0=0.1, amax=1e-2, threshold=1e-4, scale=2.0 ** 12)
+    refresh.defer_predict(rule, st, 1000)
+    pending = st.pending
+    st.mu = -5.0                                             # the state moves on: the pending inputs do not
+    got = (st.predicted_underflow, st.predicted_overflow, st.predicted_error)
+    assert st.pending is None and pending.value == got
+    st.mu = -9.0
+    refresh.predict(rule, st, 1000)
+    assert (st.predicted_underflow, st.predicted_overflow, st.predicted_error) == got

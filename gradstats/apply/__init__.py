@@ -54,8 +54,8 @@ import torch
 from torch import nn
 
 from gradstats.apply.alerts import Alerting
-from gradstats.apply.device import DevicePath, snapshot
-from gradstats.apply.refresh import LayerState, Refreshing, relative_error
+from gradstats.apply.device import DevicePath
+from gradstats.apply.refresh import LayerState, Refreshing, fill_predictions, relative_error
 from gradstats.apply.settings import (
     _STATE_FIELDS,
     _STATE_FIELDS_V2,
@@ -187,7 +187,7 @@ class Applied(Refreshing, Alerting, DevicePath):
                                          generator=self.generator, **q)
             if self.config.fallback is not None and self.config.fallback.error is not None and counts.n:
                 err = relative_error(out, g)
-        self._account(name, rule, st.seq, counts, err, snapshot(st))
+        self._account(name, rule, st.seq, counts, err, self._record_snapshot(st))
         st.seq += 1
         return out.to(g.dtype)
 
@@ -205,11 +205,13 @@ class Applied(Refreshing, Alerting, DevicePath):
 
     def _account(self, name: str, rule: Any, seq: int, counts: Any, err: float, snap: dict[str, float]) -> None:
         """Check one call's counts (alerts, fallback) and record it, with the layer's settings as
-        they were when it ran (``snap``)."""
+        they were when it ran (``snap``; its predictions may be pending, ``snap["pending"]``: they are
+        filled in when the records are read, or at once to log them)."""
         st = self.state[name]
         if counts.n:
             self._check(name, st, counts)
         rec = None
+        pending = snap.get("pending")
         if self.config.record:       # before a fallback changes the rule (and its scale and predictions)
             n = max(counts.n, 1)
             q = rule.quantizes
@@ -221,12 +223,13 @@ class Applied(Refreshing, Alerting, DevicePath):
                    "predicted_sparsity": snap["predicted_sparsity"] if rule.prunes else math.nan,
                    "achieved_sparsity": counts.zeros / n, "pruned_fraction": counts.pruned / n,
                    "underflow_fraction": counts.underflow / n,
-                   "predicted_underflow": snap["predicted_underflow"] if q else 0.0,
+                   "predicted_underflow": math.nan if pending is not None else snap["predicted_underflow"] if q else 0.0,
                    "overflow_fraction": counts.saturated / n,
-                   "predicted_overflow": snap["predicted_overflow"] if q else 0.0,
+                   "predicted_overflow": math.nan if pending is not None else snap["predicted_overflow"] if q else 0.0,
                    "gain": counts.gain, "gain_se": counts.gain_se, "bias": counts.bias,
                    "nonfinite": counts.nonfinite,
-                   "error": counts.error if math.isnan(err) else err, "predicted_error": snap["predicted_error"],
+                   "error": counts.error if math.isnan(err) else err,
+                   "predicted_error": math.nan if pending is not None else snap["predicted_error"],
                    "fallback": "",
                    "mu": snap["mu"], "sigma": snap["sigma"], "p0": snap["p0"], "amax": snap["amax"]}
         if self.config.fallback is not None and counts.n:
@@ -234,7 +237,12 @@ class Applied(Refreshing, Alerting, DevicePath):
             if rec is not None:
                 rec["fallback"] = action
         if rec is not None:
-            self.history.append(rec)
+            if pending is not None:          # computed when the records are read (history), or now to log them
+                if self.log_to is not None:
+                    fill_predictions(rec, pending, rule.quantizes)
+                else:
+                    self._unresolved.append((rec, pending, rule.quantizes))
+            self._history.append(rec)
             if self.log_to is not None:
                 self.log_to.log_rows("applied", [rec])
 

@@ -30,6 +30,50 @@ log = logging.getLogger("gradstats.apply")
 _F = {name: i for i, name in enumerate(SCALAR_FIELDS)}
 
 
+class Pending:
+    """The lognormal model's predictions for one solve, not yet computed: the inputs of
+    :func:`predictions` as they were when the settings were solved (computed once, when first read:
+    a record or the state that nobody reads costs no solve)."""
+
+    __slots__ = ("rule", "args", "value")
+
+    def __init__(self, rule: Any, st: "LayerState", numel: int) -> None:
+        self.rule = rule
+        self.args = (st.mu, st.sigma, st.p0, st.threshold, st.scale, st.amax, numel)
+        self.value: Optional[tuple[float, float, float]] = None
+
+    def resolve(self) -> tuple[float, float, float]:
+        """``(predicted_underflow, predicted_overflow, predicted_error)``."""
+        if self.value is None:
+            self.value = predictions(self.rule, *self.args)
+        return self.value
+
+
+class _Predicted:
+    """A prediction field of :class:`LayerState`: a plain value, except that while the state holds a
+    :class:`Pending` (its settings solved, their predictions not yet asked for) reading any of the
+    three computes them first."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj: Any, objtype: Any = None) -> float:
+        if obj is None:
+            return math.nan                      # the dataclass's default
+        d = obj.__dict__
+        pending = d.get("pending")
+        if pending is not None:
+            d["_predicted_underflow"], d["_predicted_overflow"], d["_predicted_error"] = pending.resolve()
+            d["pending"] = None
+        return d[self.slot]  # type: ignore[no-any-return]
+
+    def __set__(self, obj: Any, value: float) -> None:
+        obj.__dict__[self.slot] = value
+
+
 @dataclass
 class LayerState:
     """Running statistics and current settings of one planned layer."""
@@ -47,13 +91,14 @@ class LayerState:
     scale: float = 1.0
     zero_run: int = 0               # consecutive calls whose output was all zeros
     alerts: dict[str, str] = field(default_factory=dict)   # kind -> message of each alert fired
-    predicted_underflow: float = math.nan   # the lognormal model's fractions of the entries
-    predicted_overflow: float = math.nan    # flushed and saturated, and the relative error
-    predicted_error: float = math.nan       # of the output, at the running statistics
+    predicted_underflow: float = _Predicted(0)  # type: ignore[assignment]  # the lognormal model's fractions
+    predicted_overflow: float = _Predicted(1)  # type: ignore[assignment]   # of the entries flushed and saturated,
+    predicted_error: float = _Predicted(2)  # type: ignore[assignment]      # and the output's relative error
     fallback_run: int = 0           # consecutive drifting calls
     gain_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])   # dot, norm2, noise2 over calls
     fallback_done: list[int] = field(default_factory=list)   # indices of the Fallback actions taken
     solved_mu: float = math.nan     # the running mean of ln|g| the threshold and scale were solved at
+    pending: Optional[Pending] = field(default=None, repr=False, compare=False)   # predictions not yet computed
 
     @property
     def sigma(self) -> float:
@@ -148,26 +193,47 @@ def predict(rule: Any, st: LayerState, numel: int) -> None:
     the running statistics, threshold and scale, conditioned on the running ``amax`` for a tensor
     of ``numel`` entries (NaN where it has none: no statistics yet). Block scales: the plan's own
     prediction, made by replaying the rule on whole blocks of the run's samples (``plan.checks``)."""
-    st.predicted_underflow = st.predicted_overflow = st.predicted_error = math.nan
+    st.pending = None
+    st.predicted_underflow, st.predicted_overflow, st.predicted_error = predictions(
+        rule, st.mu, st.sigma, st.p0, st.threshold, st.scale, st.amax, numel)
+
+
+def defer_predict(rule: Any, st: LayerState, numel: int) -> None:
+    """:func:`predict`, computed when first read (a :class:`Pending` of the inputs as they are now):
+    the same values, at no cost to a call whose predictions nobody reads."""
+    st.pending = Pending(rule, st, numel)
+
+
+def predictions(rule: Any, mu: float, sigma: float, p0: float, threshold: float, scale: float, amax: float,
+                numel: int) -> tuple[float, float, float]:
+    """What :func:`predict` sets, from the state's values: ``(underflow, overflow, error)``."""
+    nan = math.nan
     if rule.quantizes and rule.block_size is not None:
         p = rule.predicted
-        if p is not None:
-            nan = lambda v: math.nan if v is None else float(v)  # noqa: E731
-            st.predicted_underflow, st.predicted_overflow, st.predicted_error = (
-                nan(p.flushed), nan(p.overflow), nan(p.error))
-        return
-    if math.isnan(st.mu):
-        return
-    a = st.threshold if rule.prunes else 0.0
+        if p is None:
+            return nan, nan, nan
+        f = lambda v: nan if v is None else float(v)  # noqa: E731
+        return f(p.flushed), f(p.overflow), f(p.error)
+    if math.isnan(mu):
+        return nan, nan, nan
+    a = threshold if rule.prunes else 0.0
     if not math.isfinite(a):
-        return
+        return nan, nan, nan
     try:
-        st.predicted_underflow, st.predicted_overflow, st.predicted_error = predict_one(
-            rule.format, rule.rounding, st.mu, max(st.sigma, 1e-6), min(st.p0, 1 - 1e-9), a,
-            st.scale if rule.quantizes else 1.0, st.amax if st.amax > 0 and math.isfinite(st.amax) else None,
-            numel)
+        return predict_one(rule.format, rule.rounding, mu, max(sigma, 1e-6), min(p0, 1 - 1e-9), a,
+                           scale if rule.quantizes else 1.0, amax if amax > 0 and math.isfinite(amax) else None,
+                           numel)
     except (ArithmeticError, ValueError):
-        pass
+        return nan, nan, nan
+
+
+def fill_predictions(rec: dict[str, Any], pending: Pending, quantizes: bool) -> None:
+    """Set a record's ``predicted_underflow``, ``predicted_overflow`` (0 for a rule that does not
+    round) and ``predicted_error`` from its pending predictions."""
+    u, o, e = pending.resolve()
+    rec["predicted_underflow"] = u if quantizes else 0.0
+    rec["predicted_overflow"] = o if quantizes else 0.0
+    rec["predicted_error"] = e
 
 
 def predicted_share(st: LayerState, rule: Any, fraction: float) -> float:
@@ -210,8 +276,45 @@ def all_reduce_stats(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
+#: the predictions a record reports (left pending by a lazy solve)
+PREDICTED = ("predicted_underflow", "predicted_overflow", "predicted_error")
+
+
 class Refreshing:
     """The refresh of :class:`~gradstats.apply.Applied` (its per-layer settings from the running statistics)."""
+
+    _history: list[dict[str, Any]]
+    _unresolved: list[tuple[dict[str, Any], Pending, bool]]
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every recorded call, one dict each (see :class:`~gradstats.apply.Applied`); the predictions
+        of the calls recorded since the last read are computed here, once each."""
+        if self._unresolved:
+            self._resolve_records()
+        return self._history
+
+    @history.setter
+    def history(self, records: list[dict[str, Any]]) -> None:
+        self._history = records
+        self._unresolved = []
+
+    def _resolve_records(self) -> None:
+        """Fill in the predictions of the records whose solve left them pending."""
+        todo, self._unresolved = self._unresolved, []
+        for rec, pending, quantizes in todo:
+            fill_predictions(rec, pending, quantizes)
+
+    def _record_snapshot(self, st: LayerState) -> dict[str, Any]:
+        """:func:`gradstats.apply.device.snapshot` of the state for a call's record, its predictions
+        left pending (under ``"pending"``) where the solve left them so."""
+        from gradstats.apply.device import SNAPSHOT, snapshot
+
+        if st.pending is None:
+            return snapshot(st)
+        snap: dict[str, Any] = {k: getattr(st, k) for k in SNAPSHOT if k not in PREDICTED}
+        snap["pending"] = st.pending
+        return snap
 
     def _refresh(self, name: str, g: torch.Tensor, refresh: bool) -> None:
         """The statistics of ``g`` folded into the layer's state, then its settings solved from
@@ -223,7 +326,7 @@ class Refreshing:
             if self.config.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
                 v = all_reduce_stats(v)
             self._fold(name, v, refresh and hist_rule)
-        self._solve(name, refresh, g.numel(), g)
+        self._solve(name, refresh, g.numel(), g, lazy=True)
 
     @staticmethod
     def _needs_stats(rule: Any, refresh: bool) -> bool:
@@ -239,10 +342,14 @@ class Refreshing:
         if hist:
             st.hist = histogram_of(v)
 
-    def _solve(self, name: str, refresh: bool, numel: int, g: Optional[torch.Tensor] = None) -> None:
+    def _solve(self, name: str, refresh: bool, numel: int, g: Optional[torch.Tensor] = None, *,
+               lazy: bool = False) -> None:
         """The layer's threshold, predicted sparsity, scale and predictions from its running state
-        (``g``: the gradient, which the exact rule selects from; ``numel``: its size)."""
+        (``g``: the gradient, which the exact rule selects from; ``numel``: its size). ``lazy``: the
+        predictions (which decide no output) computed when first read (:class:`Pending`), the same
+        values."""
         rule, st = self.rules[name], self.state[name]
+        predict_ = defer_predict if lazy else predict
         if refresh and rule.prunes and not math.isnan(st.mu):
             threshold_rule = THRESHOLD_RULES[rule.threshold_rule]     # the rule recommend uses
             stats = layer_stats(st, g)
@@ -253,9 +360,9 @@ class Refreshing:
                 old = st.scale
                 st.scale = scale_for(rule, st)
                 if (self.config.record or self.config.fallback is not None) and not refresh and st.scale != old:
-                    predict(rule, st, numel)
+                    predict_(rule, st, numel)
         if refresh and (self.config.record or self.config.fallback is not None):
-            predict(rule, st, numel)
+            predict_(rule, st, numel)
         st.solved_mu = st.mu
 
     def _refreshes(self, k: int) -> bool:
