@@ -26,6 +26,7 @@ from gradstats.ops.layout import channel_dim, gemm_matrix
 from gradstats.run import sample_key
 from gradstats.stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
 from gradstats.stats.blocks import BLOCK_SIZES, RANGE_BINS
+from gradstats.tracer.taps import grad_tap, observe, replace_first_grad_tensor
 
 if TYPE_CHECKING:
     from gradstats.tracer.config import TraceConfig
@@ -168,7 +169,9 @@ class Capture:
     _pending_samples: dict[str, tuple[torch.Tensor, int]]
     _pending_tables: dict[str, list[dict[str, Any]]]
     _outbox: Outbox
-    _calls: dict[str, int]
+    _calls: dict[Any, int]
+    _slots: dict[str, tuple[int | None, int | None]]
+    _compiled: bool
     _shapes: dict[str, list[int]]
     _sampling_stopped: bool
     _active_step: int | None
@@ -240,9 +243,11 @@ class Capture:
         return self._active_now
 
     def _make_forward_hook(self, name: str) -> Callable[..., None]:
-        def forward_hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        def forward_hook(module: nn.Module, inputs: Any, output: Any) -> Any:
             if not torch.is_grad_enabled():
-                return
+                return None
+            if torch.compiler.is_compiling():       # a graph dynamo traces: taps, decided when they run
+                return self._tap_compiled(name, output)
             step = self.current_step
             do_stats, do_samples = self._active(step)
             if not (do_stats or do_samples) and name in self._shapes:
@@ -275,6 +280,40 @@ class Capture:
                             prop.on_gradient(name, grad, self._noise_generator(grad.device))
                 out.register_hook(tensor_hook)
         return forward_hook
+
+    def _tap_compiled(self, name: str, output: Any) -> Any:
+        """Under ``torch.compile``: taps on the module's output (:mod:`gradstats.tracer.taps`) whose
+        callbacks (:meth:`_on_compiled`) decide at run time what to record. Only constants are
+        read here, so the compiled graph neither breaks nor recompiles per module or step."""
+        act, grad = self._slots[name]
+        out = first_grad_tensor(output)
+        if out is None:
+            return None
+        if act is not None:
+            observe(out, act)
+        if grad is None:
+            return None
+        return replace_first_grad_tensor(output, lambda t: grad_tap(t, grad))
+
+    def _on_compiled(self, name: str, kind: str, t: torch.Tensor) -> None:
+        """A tap of a compiled model's module ran: record ``t`` as the forward hook and the tensor
+        hook record it in eager mode. Calls are counted per kind in the order the taps run (the
+        gradients' in backward order); the noise terms, which need the layer's input, are not
+        recorded (the run's manifest says so)."""
+        if kind == "grad" and sending_back():
+            return
+        step = self.current_step
+        do_stats, do_samples = self._active(step)
+        self._compiled = True
+        if not (do_stats or do_samples) and name in self._shapes:
+            return
+        key = (name, kind)
+        call = self._calls.get(key, 0)
+        self._calls[key] = call + 1
+        if name not in self._shapes:
+            self._shapes[name] = list(t.shape)
+        if do_stats or do_samples:
+            self._record_now(step, name, kind, call, t, do_stats, do_samples)
 
     def _noise_input(self, step: int, name: str, call: int, module: nn.Module, inputs: Any,
                      out: torch.Tensor) -> torch.Tensor | None:

@@ -171,5 +171,11 @@ class Commit:
             "capture": self.config.capture_record(),
             "layers": layers,
         }
+        if getattr(self, "_compiled", False):      # taps of a compiled model ran (gradstats.tracer.taps)
+            manifest["compiled"] = {
+                "noise": "the per-call noise terms (noise) and the propagation (noise_graph, noise_gain) are not "
+                         "recorded under torch.compile (they need each layer's input and a second backward "
+                         "pass); the pair terms are",
+                "calls": "a module called several times per step numbers its gradients' calls in backward order"}
         atomic_write_json(self.path / "manifest.json", manifest)
         self._written_shapes = dict(self._shapes)

@@ -21,6 +21,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -36,6 +37,7 @@ from gradstats.ops.host import Outbox
 from gradstats.run import RunWriter, last_committed_step
 from gradstats.stats import VectorRows
 from gradstats.stats.blocks import BLOCK_SIZES
+from gradstats.tracer import taps
 from gradstats.tracer.capture import Capture, _dist_info
 from gradstats.tracer.commit import Commit
 from gradstats.tracer.config import LayerSelect, Schedule, TraceConfig, module_selector, schedule
@@ -136,7 +138,10 @@ class Tracer(Capture, Commit):
         self._pending_samples: dict[str, tuple[torch.Tensor, int]] = {}
         self._outbox = Outbox()         # device statistics and samples on their way to the host
         self._pending_tables: dict[str, list[dict[str, Any]]] = {}
-        self._calls: dict[str, int] = {}
+        self._calls: dict[Any, int] = {}
+        # the taps of a compiled model (gradstats.tracer.taps): per module, the act and grad slots
+        self._slots: dict[str, tuple[int | None, int | None]] = {}
+        self._compiled = False              # a tap ran: the model (or a part of it) is compiled
         self._shapes: dict[str, list[int]] = {}
         self._sampling_stopped = False
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -181,6 +186,8 @@ class Tracer(Capture, Commit):
                                  session=self._session, start_step=self.current_step, sinks=self.sinks)
         self._write_manifest()
         for name, module in self.modules.items():
+            self._slots[name] = tuple(taps.register(functools.partial(self._on_compiled, name, kind))
+                                      if kind in self.kinds else None for kind in ("act", "grad"))
             self._handles.append(module.register_forward_hook(self._make_forward_hook(name)))
         if self.optimizer is not None:
             if "weight" in self.kinds or "wgrad" in self.kinds or self.noise:
@@ -196,6 +203,11 @@ class Tracer(Capture, Commit):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for slots in self._slots.values():
+            for slot in slots:
+                if slot is not None:
+                    taps.release(slot)
+        self._slots.clear()
         self._flush(self.current_step, force=True)
         assert self._writer is not None
         if self.sinks:                  # what the sinks (the alarms) log while the last tables commit
