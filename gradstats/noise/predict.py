@@ -48,6 +48,9 @@ if TYPE_CHECKING:
     import pandas as pd
 
 log = logging.getLogger(__name__)
+#: the run-level facts already logged, so that a run planned many times (one plan per width and
+#: sparsity) says each once
+_SAID: set[tuple[object, ...]] = set()
 
 __all__ = ["predicted_noise", "NoisePrediction", "noise_terms", "downstream", "gains", "incoming_noise",
            "operator_error", "noise_weights", "NOISE_BOUND"]
@@ -203,8 +206,10 @@ def predicted_noise(run: Any, plan: Any, *, steps: Any = "auto", bound: Optional
     terms = noise_terms(r, list(rules), chosen)
     missing = [n for n in rules if n not in terms.index]
     if missing:
-        log.info("no noise record for %d planned layer(s) (%s): their predicted noise is NaN",
-                 len(missing), ", ".join(missing[:5]))
+        said = ("missing", str(r.path), tuple(missing)) in _SAID
+        (log.debug if said else log.info)("no noise record for %d planned layer(s) (%s) in the run at %s: their "
+                                          "predicted noise is NaN", len(missing), ", ".join(missing[:5]), r.path)
+        _SAID.add(("missing", str(r.path), tuple(missing)))
     sparsity = {name: rule.sparsity or 0.0 for name, rule in rules.items()}
     return NoisePrediction(_records(error_at, sparsity, terms, downstream(r), gains(r)), bound, list(chosen))
 
@@ -347,8 +352,11 @@ def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float]
     gain = gains(r)
     want = {n: (requested if requested is not None else rule.sparsity) for n, rule in rules.items() if rule.prunes}
     if bound is not None and (terms.empty or not down):
-        log.warning("the run at %s holds no noise records (traced before gradstats recorded them, or with "
-                    "noise=False): the plan's noise is not bounded; trace again to bound it", r.path)
+        said = ("no records", str(r.path)) in _SAID          # a fact of the run: said once, not once per plan
+        (log.debug if said else log.warning)("the run at %s holds no noise records (traced before gradstats "
+                                             "recorded them, or with noise=False): plans made from it do not bound "
+                                             "their noise; trace again to bound it", r.path)
+        _SAID.add(("no records", str(r.path)))
         bound = None
     def added_by_pruning(n: str, sp: float) -> float:     # what the bound limits: the pruning's share
         return max(error_at(n, sp) - error_at(n, 0.0), 0.0)
