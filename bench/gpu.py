@@ -10,6 +10,10 @@ Sections (CUDA events around each call, medians of repeats after warm-up):
   prune_quantize  ``gradstats.ops.prune_quantize`` with a threshold > 0 and a format (and the CPU
                 generator ``gradstats.apply`` passes it): same accounting, 8 bytes per element
                 (the one-pass minimum, whatever the path does); target >= 70%
+  blocks        the block-scaled prune + quantise kernel as the device path calls it (MX e4m3fn and e2m1fn,
+                NVFP4, NVFP4 with its Hadamard transform; a linear layer's (tokens, 4096) gradient and a
+                convolution's (N, 256, 32, 32) one): GB/s (8 bytes per element) and the share of the
+                copy's GB/s; target >= 70%
   stats         ``gradstats.stats.tensor_stats_vector`` (what the tracer and ``gradstats.apply``
                 call on CUDA tensors), full and scalars only, on an ``--n``-element gradient-like
                 tensor (lognormal magnitudes, random signs, 30% zeros): GB/s read (4 bytes per
@@ -45,6 +49,7 @@ import datetime as _dt
 import io
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -80,8 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(default 7; 3 with --small)")
     ap.add_argument("--block", type=int, default=None, help="training steps per block (default 10; 2 with --small)")
     ap.add_argument("--batch", type=int, default=None, help="batch of the ResNet-18 step (default 128; 4 with --small)")
-    ap.add_argument("--sections", nargs="+", default=["copy", "quantize", "stats", "apply"],
-                    choices=["copy", "quantize", "stats", "apply"],
+    ap.add_argument("--sections", nargs="+", default=["copy", "quantize", "blocks", "stats", "apply"],
+                    choices=["copy", "quantize", "blocks", "stats", "apply"],
                     help="sections to run (copy always runs: the others are relative to it)")
     ap.add_argument("--no-gpu-table", action="store_true", help="skip the appendix (bench/quantize.py gpu_table)")
     a = ap.parse_args(argv)
@@ -221,6 +226,45 @@ def bench_quantize(timer: Timer, n: int, copy_gbs: float) -> list[dict]:
         rows.append(row(section, name, gbs, " GB/s", target=TARGET_QUANTIZE, share=gbs / copy_gbs, ms=ms,
                         bytes_per_element=8, path=path))
     x = None  # noqa: F841 - free the device memory before the next section
+    return rows
+
+
+def bench_blocks(timer: Timer, n: int, copy_gbs: float) -> list[dict]:
+    """The block-scaled prune + quantise kernel (:mod:`gradstats.ops.triton.blocks`) as the device path calls
+    it (``prune_quantize_into`` with the call's statistics vector, threshold on the device): MX and NVFP4 on
+    an ``n``-element (tokens, 4096) linear gradient, NVFP4 on a convolution's (N, 256, 32, 32) gradient
+    (blocks along dim 1, strided; (N, 48, 4, 4) below 2**22 elements), and the NVFP4 training recipe (Hadamard: two launches, the rotated maximum
+    first). 8 bytes per element (one read, one write: the one-pass minimum); target >= 70% of the copy."""
+    import torch
+
+    from gradstats.ops.fused import prune_quantize_into
+    from gradstats.ops.triton import blocks as kb
+    from gradstats.stats import tensor_stats_vector
+
+    dev = timer.device
+    rows = []
+    chw = (256, 32, 32) if n >= 1 << 22 else (48, 4, 4)     # small runs (smoke tests): 48 channels, partial blocks
+    for layout, shape, block_dim in (("linear (tokens, 4096)", (max(n // 4096, 1), 4096), -1),
+                                     (f"conv (N, {', '.join(map(str, chw))})", (max(n // math.prod(chw), 1), *chw), 1)):
+        x = gradient_like(n, dev).reshape(-1)[:math.prod(shape)].reshape(shape)
+        m = x.numel()
+        v = tensor_stats_vector(x, full=False)
+        thr = torch.quantile(x.reshape(-1)[:1 << 20].abs().float(), 0.5).reshape(1)
+        cases = [("nvfp4", "nvfp4")] if block_dim == 1 else [
+            ("mxfp8_e4m3 nearest", "mxfp8_e4m3"), ("mxfp4 stochastic", "mxfp4:rounding=stochastic"),
+            ("nvfp4 nearest", "nvfp4"), ("nvfp4_training (Hadamard: 2 launches)", "nvfp4_training")]
+        for name, scheme in cases:
+            from gradstats.ops.quantization import spell_out
+
+            fmt, rounding, bs, sf, sr, had = spell_out(scheme)
+            path = (f"Triton block kernel ({'two passes' if had else 'one pass'}, counts on the device)"
+                    if kb.supports(fmt, bs, sf, had, x, block_dim) else "composed (not the block kernel)")
+            ms, _ = timer.median_ms(lambda s=scheme: prune_quantize_into(x, thr, s, seed=1, block_dim=block_dim,
+                                                                          stats=v))
+            gbs = 8 * m / ms / 1e6
+            rows.append(row("blocks", f"prune_quantize {name}, {layout}, {m:,} float32", gbs, " GB/s",
+                            target=TARGET_QUANTIZE, share=gbs / copy_gbs, ms=ms, bytes_per_element=8, path=path))
+        x = v = None  # noqa: F841 - free the device memory before the next layout
     return rows
 
 
@@ -500,6 +544,11 @@ def main(argv: list[str] | None = None) -> int:
     partial()
     if "quantize" in args.sections:
         rows += section("quantize", lambda: bench_quantize(timer, args.n, copy_gbs)) or []
+        partial()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    if "blocks" in args.sections:
+        rows += section("blocks", lambda: bench_blocks(timer, args.n, copy_gbs)) or []
         partial()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

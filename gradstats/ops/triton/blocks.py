@@ -50,10 +50,11 @@ __all__ = ["supports", "prune_quantize_blocks_triton", "TILE", "SCALE_ROUNDING_C
 
 #: elements per Triton program (a tile of whole blocks)
 TILE = 2048
+#: warps per program (8: 8 elements per thread, which keeps the registers per thread near 100)
+NUM_WARPS = 8
 #: the E8M0 scale roundings by their kernel code (:data:`gradstats.scheme.SCALE_ROUNDINGS`)
 SCALE_ROUNDING_CODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
 
-_SIGN = -2147483648  # the float32 sign bit as an int32
 
 
 def _scale_src(amax, tmax, E4M3: tl.constexpr, SROUND: tl.constexpr, EMAX: tl.constexpr, MANB: tl.constexpr,
@@ -108,9 +109,9 @@ def _quant_src(r, X, c, rk1, rk2, mask, FMAX: tl.constexpr, E4M3: tl.constexpr, 
         o = tl.where(X > 0, o, o * 0.0)
     ob = o.to(tl.int32, bitcast=True)
     if NEG_ZERO:
-        ob = tl.where(neg, ob | _SIGN, ob)
+        ob = tl.where(neg, ob | (-2147483648), ob)
     else:  # zeros are +0 in a format without -0
-        ob = tl.where(neg & (ob != 0), ob | _SIGN, ob)
+        ob = tl.where(neg & (ob != 0), ob | (-2147483648), ob)
     return tl.where(isnan, r, ob.to(tl.float32, bitcast=True)), over
 
 
@@ -136,12 +137,21 @@ def _rows_src(X, Y, A, ST, AMX, CNT, SUMS, n_rows, Q, K, NB, KP, a_f, ta_f, pk1,
               MANB: tl.constexpr, FMAX: tl.constexpr, TDIV: tl.constexpr, SM: tl.constexpr, SMSUB: tl.constexpr,
               SE0F: tl.constexpr, SMAXBITS: tl.constexpr, SC0F: tl.constexpr, M: tl.constexpr,
               MSUB: tl.constexpr, E0F: tl.constexpr, MAXBITS: tl.constexpr, C0F: tl.constexpr,
-              ROUNDING: tl.constexpr, NEG_ZERO: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, R: tl.constexpr):
+              ROUNDING: tl.constexpr, NEG_ZERO: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, R: tl.constexpr,
+              IDX64: tl.constexpr, Q1: tl.constexpr):
     # the tensor as (P, K, Q), K the channels; a tile is R blocks, enumerated (p, block of channels, q) with
-    # q fastest (a convolution's consecutive blocks are consecutive pixels: coalesced loads)
-    g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
-    q = g % Q
-    h = g // Q
+    # q fastest (a convolution's consecutive blocks are consecutive pixels: coalesced loads); indices in
+    # int32 below 2**31 elements (IDX64 off), the cheaper divisions; Q1: Q == 1 (a linear layer's gradient)
+    if IDX64:
+        g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
+    else:
+        g = tl.program_id(0) * R + tl.arange(0, R)
+    if Q1:
+        q = g * 0
+        h = g
+    else:
+        q = g % Q
+        h = g // Q
     kb = h % NB
     p = h // NB
     i = tl.arange(0, BP)
@@ -327,7 +337,9 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
     the clipped share of the rotated entries times ``n``). ``stats`` (the float64 statistics vector of
     ``x`` on its device) gives NVFP4's tensor amax without a second launch (see the module's docstring).
     ``x``: float32, contiguous or not (copied), on CUDA or, under ``TRITON_INTERPRET=1``, the CPU; the
-    call must be one :func:`supports` takes. Nothing is read back to the host.
+    call must be one :func:`supports` takes. Nothing is read back to the host. The kernels are compiled
+    without floating-point contraction (``enable_fp_fusion=False``): a product feeding a sum (the scaled
+    values into the inverse rotation) is rounded first, as on the CPU.
 
     Example (``TRITON_INTERPRET=1`` runs the kernel on the CPU; on CUDA it is not needed):
         >>> import os
@@ -415,9 +427,11 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
         R = max(1, TILE // BP)
         NB = -(-K // B)
         n_rows = P * NB * Q
+        idx64 = max(n, n_rows * B) >= 1 << 31
         for amax_pass in passes:
             rows_k[(-(-n_rows // R),)](xc, res, A, ST, amx, counts, sums, n_rows, Q, K, NB, NB * B, a_f, ta_f,
-                                      pk1, pk2, rk1, rk2, AMAX_PASS=amax_pass, B=B, BP=BP, R=R, **common)
+                                      pk1, pk2, rk1, rk2, AMAX_PASS=amax_pass, B=B, BP=BP, R=R, IDX64=idx64,
+                                      Q1=Q == 1, **common, enable_fp_fusion=False, num_warps=NUM_WARPS)
         return res.view(x.shape), counts, sums
     N = hadamard
     Mtok = P * Q
@@ -429,7 +443,7 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
     for amax_pass in passes:
         had_k[grid](xc, res, A, SG, ST, amx, counts, sums, clip, Mtok, Q, K, MP, a_f, ta_f, pk1, pk2, rk1, rk2,
                     AMAX_PASS=amax_pass, N=N, LOGN=N.bit_length() - 1, NORM=float(np.float32(float(N) ** -0.5)),
-                    BK=BK, **common)
+                    BK=BK, **common, enable_fp_fusion=False, num_warps=NUM_WARPS)
     # the clipped share of the rotated entries (padding tokens included) times n, rounded down, as the CPU
     # path counts it: small device operations, nothing read back
     counts[3:4].add_(clip * n // (MP * K))
