@@ -11,7 +11,7 @@ interleave the configurations; the ratio is the median over rounds of a run's to
 ``compiled`` (or ``eager``) run of the same round. Target (the issue's): traced compiled at most 1.5x
 the untraced compiled run, total of the 12 steps from a fresh compile.
 
-    python bench/compiled.py [--rounds 3] [--steps 12]
+    python bench/compiled.py [--rounds 3] [--steps 12] [--device cuda] [--configs compiled "compiled + trace"]
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ CONFIGS = ("compiled", "compiled + trace", "compiled + apply", "eager", "eager +
 TARGETS = {"compiled + trace": 1.5}
 
 
-def child(config: str, steps: int) -> dict[str, float]:
-    """Run one configuration in this process; its times."""
+def child(config: str, steps: int, device: str = "cpu") -> dict[str, float]:
+    """Run one configuration in this process (on ``device``); its times."""
     import torch
     from torch import nn
 
@@ -38,10 +38,15 @@ def child(config: str, steps: int) -> dict[str, float]:
     from gradstats.zoo.models import build_model
 
     torch.manual_seed(0)
-    model = build_model("mobilenet", seed=0)
+    model = build_model("mobilenet", seed=0).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(4)]
+    batches = [(torch.randn(64, 1, 28, 28, generator=g).to(device), torch.randint(0, 10, (64,), generator=g).to(device))
+               for _ in range(4)]
+
+    def sync() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize()
     run_model = torch.compile(model) if config.startswith("compiled") else model
     handle = None
     if config.endswith("trace"):
@@ -57,7 +62,9 @@ def child(config: str, steps: int) -> dict[str, float]:
         nn.functional.cross_entropy(run_model(x), y).backward()
         opt.step()
         if i == 0:
+            sync()
             first = time.perf_counter() - t0
+    sync()
     total = time.perf_counter() - t0
     if handle is not None:
         handle.detach() if hasattr(handle, "detach") else handle.remove()
@@ -75,26 +82,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.steps)))
+        print(json.dumps(child(args.child, args.steps, args.device)))
         return
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
                TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="gradstats-inductor-"))
-    results: dict[str, list[dict[str, float]]] = {c: [] for c in CONFIGS}
+    configs = [c for c in CONFIGS if c in args.configs]
+    for c in configs:
+        peer = "compiled" if c.startswith("compiled") else "eager"
+        if peer not in configs:
+            raise SystemExit(f"--configs: {c!r} needs its peer {peer!r}")
+    results: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
     for r in range(args.rounds):
-        for c in CONFIGS:
-            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", c, "--steps", str(args.steps)],
+        for c in configs:
+            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", c, "--steps", str(args.steps),
+                                  "--device", args.device],
                                  env=env, capture_output=True, text=True, check=True)
             results[c].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1}/{args.rounds}: {c}: {results[c][-1]['total']:.1f} s", file=sys.stderr)
-    print(f"\n{args.steps} steps from a fresh compile, MobileNetV2-style CNN, batch 64; medians of {args.rounds} "
-          "interleaved rounds\n")
+    print(f"\n{args.steps} steps from a fresh compile, MobileNetV2-style CNN, batch 64, {args.device}; medians of "
+          f"{args.rounds} interleaved rounds\n")
     print("| configuration | total s | first step s | later steps ms | ratio to its peer (min-max) | graph breaks "
           "| target |")
     print("|---|---|---|---|---|---|---|")
-    for c in CONFIGS:
+    for c in configs:
         peer = "compiled" if c.startswith("compiled") else "eager"
         ratios = [a["total"] / b["total"] for a, b in zip(results[c], results[peer])]
         med = {k: statistics.median(row[k] for row in results[c]) for k in ("total", "first", "steady_ms", "graph_breaks")}
