@@ -122,9 +122,11 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
     seg_key(p->round_mix, lo, &rk1, &rk2);
     /* the sums are reduced in vector lanes (their order of summation is free: only the counts and
      * the output are exact); a serial double chain would keep the loop scalar, 5x slower */
+    const uint32_t c0 = (uint32_t)lo;             /* the low index word in 32-bit lanes (m <= BLOCK) */
+    const int mi = (int)m;
 #pragma omp simd reduction(+:nzero, npruned, nunder, nover, nnonfin)
-    for (int64_t j = 0; j < m; j++) {
-        const uint32_t c = (uint32_t)(lo + j);
+    for (int j = 0; j < mi; j++) {
+        const uint32_t c = c0 + (uint32_t)j;
         float v = x[j];
         uint32_t vb = u_of(v);
         uint32_t sign = vb & 0x80000000u;
@@ -190,7 +192,7 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
     /* the sums, over the block again (in L1): o has x's sign (or is a zero), so x o = |x| |o| and
      * (o - x)^2 = (|o| - |x|)^2 need the two magnitudes alone (products exact in double) */
 #pragma omp simd reduction(+:sxo, sxx, sdd, sxd, sao, sax)
-    for (int64_t j = 0; j < m; j++) {
+    for (int j = 0; j < mi; j++) {
         uint32_t vb = u_of(x[j]);
         int fin = (vb & 0x7f800000u) != 0x7f800000u;
         double xa = (double)sel(fin, f_of(vb & 0x7fffffffu), 0.f);
