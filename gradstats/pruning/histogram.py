@@ -35,6 +35,7 @@ import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -338,6 +339,14 @@ def _pchip_slopes(x: Sequence[float], y: Sequence[float]) -> list[float]:
     return dk
 
 
+def _piece_g(c0: float, c1: float, c2: float, c3: float, t: float) -> float:
+    """The antiderivative of :func:`_piece_integral1` (``G``) at ``t``, as written there."""
+    p = ((c0 * t + c1) * t + c2) * t + c3
+    d1 = (3 * c0 * t + 2 * c1) * t + c2
+    d2 = 6 * c0 * t + 2 * c1
+    return math.exp(t) * (p - d1 + d2 - 6 * c0)
+
+
 def _piece_integral1(c: tuple[float, float, float, float], lk: float, T: float) -> float:
     """``integral_0^T F(l_k + t) e^(l_k + t) dt`` on one cubic piece (as the reference)."""
     c0, c1, c2, c3 = c
@@ -363,7 +372,7 @@ class OneLogHistogram:
         1.0
     """
 
-    __slots__ = ("n", "n_zero", "binned", "l", "x", "F", "c", "J", "atoms", "cs", "finite_fraction", "_b")
+    __slots__ = ("n", "n_zero", "binned", "l", "x", "F", "c", "J", "atoms", "cs", "finite_fraction", "_b", "_g0")
 
     def __init__(self, counts: Sequence[float], lower: Sequence[float], upper: Sequence[float],
                  n: int, n_zero: int, atoms: Sequence[float] = ()) -> None:
@@ -409,6 +418,7 @@ class OneLogHistogram:
             acc += math.exp(l[i]) * (math.exp(T) * (p - d1 + d2 - 6 * c0) - (c3 - c2 + 2 * c1 - 6 * c0))
             J.append(J[0] + acc)
         self.l, self.F, self.c, self.J = l, F, c, J
+        self._g0: list[float | None] = [None] * len(c)
         self.x = [math.exp(v) for v in l]           # the edges as the reference evaluates them
 
     @classmethod
@@ -466,10 +476,15 @@ class OneLogHistogram:
             return (J[-1] + F[-1] * (a - math.exp(l[-1]))) / a
         k = bisect.bisect_right(l, la) - 1
         t = la - l[k]
+        c0, c1, c2, c3 = self.c[k]
         if not stochastic:
-            c0, c1, c2, c3 = self.c[k]
             return ((c0 * t + c1) * t + c2) * t + c3
-        return (J[k] + _piece_integral1(self.c[k], l[k], t)) / math.exp(la)
+        # _piece_integral1(c[k], l[k], t), its float operations as written there: exp(l[k]) is x[k],
+        # G(0) depends on the piece alone (kept once computed)
+        g0 = self._g0[k]
+        if g0 is None:
+            g0 = self._g0[k] = _piece_g(c0, c1, c2, c3, 0.0)
+        return (J[k] + self.x[k] * (_piece_g(c0, c1, c2, c3, t) - g0)) / math.exp(la)
 
     def _at(self, la: float, stochastic: bool) -> float:
         s = self._continuous_at(la, stochastic)
@@ -491,7 +506,7 @@ class OneLogHistogram:
         if self._b is None:
             pts = [(v, i) for i, v in enumerate(self.x)] if self.binned else []
             pts += [(v, -1) for v in self.atoms]
-            pts.sort(key=lambda p: p[0])
+            pts.sort(key=itemgetter(0))
             self._b = pts
         return self._b
 
