@@ -29,18 +29,46 @@ def fixed_batches(model_name: str, n: int, batch: int, seed: int = 0) -> list[tu
 
 
 def time_block(model: nn.Module, opt: torch.optim.Optimizer, batches, after_step: Callable[[], None] | None = None,
-               finish: Callable[[], None] | None = None) -> float:
-    """Mean seconds per training step over one block of batches (``finish`` included)."""
+               finish: Callable[[], None] | None = None,
+               loss_fn: Callable[[nn.Module, Any, Any], torch.Tensor] | None = None) -> float:
+    """Mean seconds per training step over one block of batches (``finish`` included); ``loss_fn(model,
+    x, y)``: the step's loss (default: cross-entropy of ``model(x)``)."""
     t0 = time.perf_counter()
     for x, y in batches:
         opt.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
+        loss = loss_fn(model, x, y) if loss_fn is not None else nn.functional.cross_entropy(model(x), y)
+        loss.backward()
         opt.step()
         if after_step is not None:
             after_step()
     if finish is not None:
         finish()
     return (time.perf_counter() - t0) / len(batches)
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a ``transformers`` causal language model (``model(x).logits``)."""
+    logits = model(x).logits
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def text_batches(n: int, batch: int, seq_len: int = 64, seed: int = 0) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """``n`` batches of ``batch`` windows of ``seq_len`` Shakespeare characters, and the vocabulary size."""
+    from gradstats.zoo.text import load_shakespeare
+
+    text = load_shakespeare()
+    g = torch.Generator().manual_seed(seed)
+    return [text.get_batch(batch, seq_len, generator=g) for _ in range(n)], text.vocab_size
+
+
+def gpt_neox_tiny(vocab: int, seed: int = 0) -> nn.Module:
+    """A ``transformers`` GPT-NeoX from a tiny config (2 layers, width 128, 4 heads: the one of
+    ``experiments/four_bit_fidelity.py``)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, hidden_size=128, intermediate_size=512,
+                                            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256))
 
 
 def _rounds(configs: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
@@ -119,7 +147,8 @@ def print_table(rows: list[tuple], header: str, targets: dict | None = None) -> 
 
 def step_benchmark_main(doc: str, title: str, bench_model: Callable[[str, argparse.Namespace], dict],
                         *, models: list[str], rounds: int, block: int, targets: dict[str, float] | None = None,
-                        add_args: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+                        add_args: Callable[[argparse.ArgumentParser], Any] | None = None,
+                        batch: int | None = 128) -> None:
     """The command line of a training-step benchmark: ``--models``, ``--rounds``, ``--block``,
     ``--batch`` (and what ``add_args`` adds); ``bench_model(name, args)`` gives one model's
     :func:`interleaved_ratios`; one table is printed, headed by ``title`` (formatted with the
@@ -128,14 +157,16 @@ def step_benchmark_main(doc: str, title: str, bench_model: Callable[[str, argpar
     ap.add_argument("--models", nargs="+", default=models)
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--block", type=int, default=block)
-    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=batch, help="batch size (default: " + (
+        "each model's own" if batch is None else str(batch)) + ")")
     if add_args is not None:
         add_args(ap)
     args = ap.parse_args()
     rows = []
     for name in args.models:
         rows += [(name, label, *r) for label, r in bench_model(name, args).items()]
-    print_table(rows, f"{title.format(**vars(args))}: {describe()}, batch {args.batch}, {args.rounds} rounds x "
+    print_table(rows, f"{title.format(**vars(args))}: {describe()}, batch "
+                      f"{'per model' if args.batch is None else args.batch}, {args.rounds} rounds x "
                       f"{args.block} steps per configuration (medians)", targets)
 
 

@@ -1,70 +1,104 @@
-"""Training-step time with a plan applied to every conv and linear layer, against plain steps.
+"""Training-step time with a plan applied, against plain steps of the same model in the same run.
 
-The plan (the issue's reference setting): FP6 (e3m2fn) neural gradients with lognormal-optimal
-per-layer scales, plus 85% stochastic pruning, on every convolution and linear layer; refreshed
-every step, with the lognormal threshold rule and with the binade-histogram rule. Also: pruning
-only, quantisation only, the plan refreshed every 10th gradient, and ``Plan.uniform``'s defaults
-for FP6 + 85% (whatever rounding, scale and threshold rules and layers they choose). Small CNN and ResNet-20 on
-Fashion-MNIST, batch 128; interleaved blocks: ms/step is the median block, ratio the median over
-rounds of a block's time over the plain block of the same round (quartiles and the 90%
-confidence interval of the median beside it). The plan's alerts (it flushes most of the values
-FP6 sees at the MSE-optimal scale) are silenced here.
+The plans a user gets: ``gradstats.recommend(run, bits=8)`` (the default) and ``recommend(run,
+bits=6, sparsity=0.85)``, made from a short trace (``--trace-steps``, 8) of the same model, applied
+with ``gradstats.apply``'s defaults (refreshed on every gradient, records kept, alerts on). Models:
+the zoo's MobileNetV2-style CNN (``mobilenet``, Fashion-MNIST 28x28, batch 64), ResNet-20
+(``resnet20``, batch 128) and a ``transformers`` GPT-NeoX from a tiny config (``gpt_neox``: 2 layers,
+width 128, 16 windows of 64 Shakespeare characters). With ``--reference``, also the earlier reference
+setting: FP6 (e3m2fn) at lognormal-optimal per-layer scales, nearest rounding, plus 85% stochastic
+pruning on every convolution and linear layer, with the lognormal and the histogram threshold rule.
 
-    python bench/apply_overhead.py [--models cnn resnet20] [--rounds 5] [--block 10]
+Interleaved blocks: ms/step is the median block, ratio the median over rounds of a block's time over
+the plain block of the same round (quartiles and the 90% confidence interval of the median beside
+it), against a target of 1.20x. The plans' alerts are silenced (logged at ERROR only).
+
+    python bench/apply_overhead.py [--models mobilenet resnet20 gpt_neox] [--rounds 7] [--block 6]
 """
 from __future__ import annotations
 
 import logging
+import tempfile
+from typing import Any, Callable
 
 import torch
-from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time_block
+from _common import (
+    fixed_batches,
+    gpt_neox_tiny,
+    interleaved_ratios,
+    lm_loss,
+    step_benchmark_main,
+    text_batches,
+    time_block,
+)
 
 import gradstats  # noqa: E402
 from gradstats.plan import CONV_LINEAR_TYPES, Plan, PlanEntry, Rule  # noqa: E402
 from gradstats.zoo.models import build_model  # noqa: E402
 
-#: the most the reference plan's ratio may be, on this CPU
-TARGETS = {"fp6 + 85% sparsity": 1.20, "fp6 + 85%, histogram rule": 1.20}
+#: the most a plan's ratio to a plain step may be, on this CPU
+TARGET = 1.20
+PLANS = {"recommend(bits=8)": {"bits": 8}, "recommend(bits=6, sparsity=0.85)": {"bits": 6, "sparsity": 0.85}}
+REFERENCE = ("fp6 + 85%, lognormal rule", "fp6 + 85%, histogram rule")
+TARGETS = {label: TARGET for label in (*PLANS, *REFERENCE)}
+#: each model's batch (GPT-NeoX: windows of 64 characters)
+BATCH = {"mobilenet": 64, "resnet20": 128, "cnn": 128, "gpt_neox": 16}
 
 
-def every_conv_linear(**rule) -> Plan:
+def every_conv_linear(**rule: Any) -> Plan:
     """One rule on every convolution and linear layer, the output layer included (the reference
-    setting, independent of ``Plan.uniform``'s defaults)."""
+    setting, independent of ``recommend``'s choices)."""
     return Plan([PlanEntry("*", types=CONV_LINEAR_TYPES)], Rule(**rule))
 
 
-def bench_model(name: str, rounds: int, block: int, batch: int, scale: str) -> dict[str, float]:
+def workload(name: str, n: int, batch: int | None) -> tuple[torch.nn.Module, list, Callable | None]:
+    """``(model, n batches, loss function or None for cross-entropy of model(x))``."""
+    b = batch or BATCH.get(name, 128)
+    if name == "gpt_neox":
+        batches, vocab = text_batches(n, b)
+        return gpt_neox_tiny(vocab), batches, lm_loss
+    return build_model(name, seed=0), fixed_batches(name, n, b), None
+
+
+def recommended(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, loss_fn: Callable | None,
+                steps: int) -> dict[str, Plan]:
+    """The plans of :data:`PLANS`, recommended from a trace of ``steps`` training steps."""
+    path = tempfile.mkdtemp(prefix="apply-overhead-")
+    with gradstats.trace(model, path) as t:
+        time_block(model, opt, (batches * steps)[:steps], t.step, loss_fn=loss_fn)
+    return {label: gradstats.recommend(path, **kw) for label, kw in PLANS.items()}
+
+
+def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_steps: int,
+                reference: bool) -> dict[str, tuple[float, ...]]:
     logging.getLogger("gradstats.apply").setLevel(logging.ERROR)
-    model = build_model(name, seed=0)
+    logging.getLogger("gradstats").setLevel(logging.ERROR)
+    model, batches, loss_fn = workload(name, block, batch)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    batches = fixed_batches(name, block, batch)
-    fp6 = {"format": "e3m2fn", "scale": scale, "rounding": "nearest"}
-    prune = {"sparsity": 0.85, "threshold_rule": "lognormal"}
-    plans = {
-        "fp6 + 85% sparsity": (every_conv_linear(**fp6, **prune), 1),
-        "fp6 + 85%, histogram rule": (every_conv_linear(**fp6, **dict(prune, threshold_rule="histogram")), 1),
-        "fp6 + 85%, refresh /10": (every_conv_linear(**fp6, **prune), 10),
-        "85% sparsity only": (every_conv_linear(**prune), 1),
-        "fp6 only": (every_conv_linear(**fp6), 1),
-        "fp6 + 85%, Plan.uniform defaults": (Plan.uniform(format="e3m2fn", sparsity=0.85), 1),
-    }
+    plans = recommended(model, opt, batches, loss_fn, trace_steps)
+    if reference:
+        fp6 = {"format": "e3m2fn", "scale": "lognormal", "rounding": "nearest", "sparsity": 0.85}
+        plans[REFERENCE[0]] = every_conv_linear(**fp6, threshold_rule="lognormal")
+        plans[REFERENCE[1]] = every_conv_linear(**fp6, threshold_rule="histogram")
 
-    def applied(plan, refresh):
-        handle = gradstats.apply(model, plan, refresh_every=refresh, record=False)
-        return time_block(model, opt, batches, None, handle.remove)
+    def applied(plan: Plan) -> float:
+        handle = gradstats.apply(model, plan)
+        return time_block(model, opt, batches, None, handle.remove, loss_fn=loss_fn)
 
-    time_block(model, opt, batches[:2])
-    configs = {"plain": lambda: time_block(model, opt, batches)}
-    configs.update({label: (lambda p=p, r=r: applied(p, r)) for label, (p, r) in plans.items()})
+    time_block(model, opt, batches[:2], loss_fn=loss_fn)
+    configs: dict[str, Callable[[], float]] = {"plain": lambda: time_block(model, opt, batches, loss_fn=loss_fn)}
+    configs.update({label: (lambda p=p: applied(p)) for label, p in plans.items()})
     return interleaved_ratios(configs, rounds)
 
 
 def main() -> None:
-    step_benchmark_main(__doc__, "apply overhead (scale rule {scale})",
-                        lambda name, a: bench_model(name, a.rounds, a.block, a.batch, a.scale),
-                        models=["cnn", "resnet20"], rounds=5, block=10, targets=TARGETS,
-                        add_args=lambda ap: ap.add_argument("--scale", default="lognormal",
-                                                            choices=["lognormal", "amax"]))
+    step_benchmark_main(__doc__, "apply overhead",
+                        lambda name, a: bench_model(name, a.rounds, a.block, a.batch, a.trace_steps, a.reference),
+                        models=["mobilenet", "resnet20", "gpt_neox"], rounds=7, block=6, targets=TARGETS,
+                        batch=None, add_args=lambda ap: (
+                            ap.add_argument("--trace-steps", type=int, default=8),
+                            ap.add_argument("--reference", action="store_true",
+                                            help="also the FP6 + 85%% reference plan on every conv and linear layer")))
 
 
 if __name__ == "__main__":
