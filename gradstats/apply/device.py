@@ -9,7 +9,8 @@ backward pass only launches work:
    passed as kernel arguments), whose counts and sums accumulate on the device in the same pass
    (per-tensor scales: :mod:`gradstats.ops.triton.fused`; MX and NVFP4 block scales:
    :mod:`gradstats.ops.triton.blocks`, NVFP4's tensor scale from the statistics' maximum; the NVFP4
-   training recipe's Hadamard transform needs the rotated tensor's maximum first: two launches);
+   training recipe's Hadamard transform needs the rotated tensor's maximum first: two launches); both
+   correct the settings for the lag themselves, from the statistics vector;
 3. non-blocking copies of the vector and the counts towards the host (:class:`gradstats.ops.host.Outbox`).
 
 Nothing is read back there. The handle *settles* outside the backward pass, at the next forward of
@@ -69,6 +70,26 @@ def _one_kernel(g: torch.Tensor, fmt: Any, scale: float) -> bool:
 
     return (use_triton(g.device.type) and g.numel() > 0 and g.is_contiguous() and kfused.supports(fmt)
             and fused_covers(fmt, scale) and math.isfinite(scale))
+
+
+def _block_kernel(g: torch.Tensor, fmt: Any, q: dict[str, Any], st: LayerState, rule: Any) -> dict[str, Any] | None:
+    """The block kernel's arguments for the call (its format spelled out), or None where it does not take it
+    whole (:func:`gradstats.ops.triton.blocks.supports`, a finite threshold, a contiguous gradient)."""
+    from gradstats.ops.engine import use_triton
+    from gradstats.ops.fused import _spelled
+    from gradstats.ops.triton import blocks as kblocks
+
+    if not (use_triton(g.device.type) and g.numel() > 0 and g.is_contiguous()):
+        return None
+    if rule.prunes and not (math.isfinite(st.threshold) and st.threshold >= 0):
+        return None
+    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = _spelled(
+        fmt, q.get("rounding"), q.get("block_size"), q.get("scale_format"), q.get("scale_rounding"), q.get("hadamard"))
+    block_dim = q.get("block_dim", -1)
+    if not kblocks.supports(fmt, block_size, scale_format, hadamard, g, block_dim):
+        return None
+    return {"fmt": fmt, "rounding": rounding, "block_size": block_size, "scale_format": scale_format,
+            "scale_rounding": scale_rounding, "hadamard": hadamard, "block_dim": block_dim}
 
 
 def snapshot(st: LayerState) -> dict[str, float]:
@@ -158,7 +179,18 @@ class DevicePath:
                 seed=self._next_seed(), counts=buf[:5].view(torch.int64), sums=buf[5:11], used=buf[11:13],
                 stats=v, solved_mu=st.solved_mu, correct_threshold=rule.prunes,
                 correct_scale=rule.quantizes and rule.scale != "fixed")
-        else:    # block scales: one Triton pass (NVFP4's tensor scale from v's maximum; two with a Hadamard transform)
+        elif q.get("block_size") is not None and (b := _block_kernel(g, fmt, q, st, rule)) is not None:
+            # block scales, one launch (two with a Hadamard transform): the kernel corrects the threshold for
+            # the lag from v, takes NVFP4's tensor scale from v's maximum, and writes its counts, sums and the
+            # settings it used into one zeroed buffer
+            from gradstats.ops.triton import blocks as kblocks
+
+            buf = torch.zeros(RECORD_LEN, dtype=torch.float64, device=g.device)
+            out, _, _ = kblocks.prune_quantize_blocks_triton(
+                g, st.threshold if rule.prunes else 0.0, b.pop("fmt"), seed=self._next_seed(),
+                counts=buf[:5].view(torch.int64), sums=buf[5:11], used=buf[11:13], stats=v,
+                solved_mu=st.solved_mu, correct_threshold=rule.prunes, scale=float(st.scale), **b)
+        else:    # other block rules: the operators one after the other
             threshold, scale = current_settings(v, st, rule, fmt)
             out, counts, sums = prune_quantize_into(g, threshold, fmt, scale=scale, seed=self._next_seed(), stats=v,
                                                     **q)

@@ -195,3 +195,24 @@ def test_cuda_block_kernel_matches_the_cpu_path(monkeypatch):
                 assert same_bits(y.cpu(), want_y), (scheme[0], shape[0], kw)
                 assert counts.cpu().tolist() == counts_of(want)
                 assert close_sums(sums.cpu().tolist(), sums_of(want))
+
+
+def test_lag_correction_in_the_kernel_as_the_per_tensor_kernel():
+    """With the statistics vector and the solved mean ln|g|, the block kernel corrects the threshold as the
+    per-tensor kernel does (the same recorded threshold) and prunes at it: the CPU path at the recorded
+    threshold, bit for bit."""
+    from gradstats.ops.triton import fused as kf
+    from gradstats.stats import tensor_stats_vector
+
+    x = gradient((4, 40), seed=12, specials=False)
+    v = tensor_stats_vector(x, full=False)
+    mu = float(v[6] / (v[0] - v[1])) - 0.4
+    used, used_pt = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    y, counts, _ = kb.prune_quantize_blocks_triton(x, 0.3, "e2m1fn", block_size=16, scale_format="e4m3",
+                                                   rounding="stochastic", seed=6, stats=v, solved_mu=mu, used=used,
+                                                   scale=0.5)
+    kf.prune_quantize_triton(x, 0.3, "e2m1fn", scale=0.5, seed=6, stats=v, solved_mu=mu, used=used_pt,
+                             correct_scale=False)
+    assert used.tolist() == used_pt.tolist() and used[0] > 0.3
+    want_y, want = cpu_path(x, float(used[0]), "nvfp4", rounding="stochastic", seed=6)
+    assert same_bits(y, want_y) and counts.tolist() == counts_of(want)

@@ -115,6 +115,28 @@ def _quant_src(r, X, c, rk1, rk2, mask, FMAX: tl.constexpr, E4M3: tl.constexpr, 
     return tl.where(isnan, r, ob.to(tl.float32, bitcast=True)), over
 
 
+def _threshold_src(A, a_f, t_hi, t_lo, s_hi, s_lo, ST, mu_hi, mu_lo, USED, first, A_PTR: tl.constexpr,
+                   CORR_T: tl.constexpr, WRITE_USED: tl.constexpr, I_N: tl.constexpr, I_ZERO: tl.constexpr,
+                   I_NONFIN: tl.constexpr, I_LN: tl.constexpr):
+    """The threshold (float32) of the call: the host's (``a_f``, its float32 bits) or a one-element tensor's,
+    or, with the lag correction (``CORR_T``), the host's float64 ``t`` times ``exp(drift)`` rounded to float32
+    (as :func:`gradstats.ops.triton.fused.prune_quantize_triton` corrects it); program ``first`` records it
+    and the host's scale (``s``) in ``USED`` as float64 (``WRITE_USED``)."""
+    if A_PTR:
+        a = tl.load(A).to(tl.float32)
+        t64 = a.to(tl.float64)
+    else:
+        a = a_f.to(tl.float32, bitcast=True)
+        t64 = _f64(t_hi, t_lo)  # noqa: F821
+    if CORR_T:
+        a = (t64 * tl.exp(_drift(ST, mu_hi, mu_lo, I_N, I_ZERO, I_NONFIN, I_LN))).to(tl.float32)  # noqa: F821
+        t64 = a.to(tl.float64)
+    if WRITE_USED:
+        tl.store(USED + 0, t64, mask=first)
+        tl.store(USED + 1, _f64(s_hi, s_lo), mask=first)  # noqa: F821
+    return a
+
+
 def _tensor_amax_src(A, ST, AMX, a, ta_f, PRUNE: tl.constexpr, TA_MODE: tl.constexpr, I_MAX: tl.constexpr):
     """NVFP4's tensor amax (float32): 1 the host's ``ta_f`` (bits), 2 the statistics vector's ``max_abs``
     (raised to the threshold when pruning), 3 the first pass's (bits in ``AMX``); 0: none (E8M0)."""
@@ -131,7 +153,9 @@ def _tensor_amax_src(A, ST, AMX, a, ta_f, PRUNE: tl.constexpr, TA_MODE: tl.const
     return tl.full([], 0.0, tl.float32)
 
 
-def _rows_src(X, Y, A, ST, AMX, CNT, SUMS, n_rows, Q, K, NB, KP, a_f, ta_f, pk1, pk2, rk1, rk2,
+def _rows_src(X, Y, A, ST, AMX, CNT, SUMS, USED, n_rows, Q, K, NB, KP, a_f, ta_f, pk1, pk2, rk1, rk2,
+              t_hi, t_lo, s_hi, s_lo, mu_hi, mu_lo, CORR_T: tl.constexpr, WRITE_USED: tl.constexpr,
+              I_N: tl.constexpr, I_ZERO: tl.constexpr, I_NONFIN: tl.constexpr, I_LN: tl.constexpr,
               AMAX_PASS: tl.constexpr, PRUNE: tl.constexpr, A_PTR: tl.constexpr, TA_MODE: tl.constexpr,
               I_MAX: tl.constexpr, E4M3: tl.constexpr, SROUND: tl.constexpr, EMAX: tl.constexpr,
               MANB: tl.constexpr, FMAX: tl.constexpr, TDIV: tl.constexpr, SM: tl.constexpr, SMSUB: tl.constexpr,
@@ -161,13 +185,11 @@ def _rows_src(X, Y, A, ST, AMX, CNT, SUMS, n_rows, Q, K, NB, KP, a_f, ta_f, pk1,
     v = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     vb = v.to(tl.int32, bitcast=True)
     w = (vb & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    a = tl.full([], 0.0, tl.float32)
+    first = tl.program_id(0) == 0
+    a = _threshold(A, a_f, t_hi, t_lo, s_hi, s_lo, ST, mu_hi, mu_lo, USED, first, A_PTR,  # noqa: F821
+                   CORR_T, WRITE_USED, I_N, I_ZERO, I_NONFIN, I_LN)
     pruned = mask & (mask == 0)
     if PRUNE:
-        if A_PTR:
-            a = tl.load(A).to(tl.float32)
-        else:
-            a = a_f.to(tl.float32, bitcast=True)
         w, pruned = _prune(w, offs.to(tl.int32), a, pk1, pk2)  # noqa: F821
         pruned = pruned & mask
     amax = tl.reduce(tl.where(w < float("inf"), w, 0.0), 1, _max)  # noqa: F821
@@ -196,7 +218,9 @@ def _fwht_src(r, LOGN: tl.constexpr):
     return r
 
 
-def _hadamard_src(X, Y, A, SG, ST, AMX, CNT, SUMS, CLIP, Mtok, Q, K, MP, a_f, ta_f, pk1, pk2, rk1, rk2,
+def _hadamard_src(X, Y, A, SG, ST, AMX, CNT, SUMS, CLIP, USED, Mtok, Q, K, MP, a_f, ta_f, pk1, pk2, rk1, rk2,
+                  t_hi, t_lo, s_hi, s_lo, mu_hi, mu_lo, CORR_T: tl.constexpr, WRITE_USED: tl.constexpr,
+                  I_N: tl.constexpr, I_ZERO: tl.constexpr, I_NONFIN: tl.constexpr, I_LN: tl.constexpr,
                   AMAX_PASS: tl.constexpr, PRUNE: tl.constexpr, A_PTR: tl.constexpr, TA_MODE: tl.constexpr,
                   I_MAX: tl.constexpr, E4M3: tl.constexpr, SROUND: tl.constexpr, EMAX: tl.constexpr,
                   MANB: tl.constexpr, FMAX: tl.constexpr, TDIV: tl.constexpr, SM: tl.constexpr,
@@ -213,13 +237,11 @@ def _hadamard_src(X, Y, A, SG, ST, AMX, CNT, SUMS, CLIP, Mtok, Q, K, MP, a_f, ta
     v = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     vb = v.to(tl.int32, bitcast=True)
     w = (vb & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    a = tl.full([], 0.0, tl.float32)
+    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+    a = _threshold(A, a_f, t_hi, t_lo, s_hi, s_lo, ST, mu_hi, mu_lo, USED, first, A_PTR,  # noqa: F821
+                   CORR_T, WRITE_USED, I_N, I_ZERO, I_NONFIN, I_LN)
     pruned = mask & (mask == 0)
     if PRUNE:
-        if A_PTR:
-            a = tl.load(A).to(tl.float32)
-        else:
-            a = a_f.to(tl.float32, bitcast=True)
         w, pruned = _prune(w, offs.to(tl.int32), a, pk1, pk2)  # noqa: F821
         pruned = pruned & mask
     s = tl.load(SG + tl.arange(0, N))[:, None]  # the random signs, +-1
@@ -242,7 +264,7 @@ def _hadamard_src(X, Y, A, SG, ST, AMX, CNT, SUMS, CLIP, Mtok, Q, K, MP, a_f, ta
 
 
 _DEVICE_FUNCTIONS = {"_scale": _scale_src, "_quant": _quant_src, "_tensor_amax": _tensor_amax_src,
-                     "_fwht": _fwht_src}
+                     "_fwht": _fwht_src, "_threshold": _threshold_src}
 
 
 @functools.lru_cache(maxsize=2)
@@ -256,9 +278,10 @@ def _kernels(interpret: bool):
     g.update(common._helpers(interpret))
     made = {name: triton.jit(common._rebind(src, g)) for name, src in _DEVICE_FUNCTIONS.items()}
     g.update(made)
-    ns = ["n_rows", "Q", "K", "NB", "KP", "a_f", "ta_f", "pk1", "pk2", "rk1", "rk2"]
+    host = ["a_f", "ta_f", "pk1", "pk2", "rk1", "rk2", "t_hi", "t_lo", "s_hi", "s_lo", "mu_hi", "mu_lo"]
+    ns = ["n_rows", "Q", "K", "NB", "KP", *host]
     rows = triton.jit(common._rebind(_rows_src, g), do_not_specialize=ns)
-    hs = ["Mtok", "Q", "K", "MP", "a_f", "ta_f", "pk1", "pk2", "rk1", "rk2"]
+    hs = ["Mtok", "Q", "K", "MP", *host]
     had = triton.jit(common._rebind(_hadamard_src, g), do_not_specialize=hs)
     return rows, had
 
@@ -327,6 +350,8 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
                                  hadamard: Optional[int] = None, tensor_amax: Optional[float] = None,
                                  stats: torch.Tensor | None = None, out: torch.Tensor | None = None,
                                  counts: torch.Tensor | None = None, sums: torch.Tensor | None = None,
+                                 solved_mu: float | None = None, correct_threshold: bool = True,
+                                 used: torch.Tensor | None = None, scale: float = 1.0,
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stochastic pruning at ``threshold`` (0 = none; a Python float or a one-element tensor on ``x``'s
     device, rounded to float32), then block-scaled rounding to ``fmt`` as :func:`gradstats.quantize` does it
@@ -336,6 +361,10 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
     with ``saturated`` counted as :func:`gradstats.ops.fused.prune_quantize` counts it (with ``hadamard``,
     the clipped share of the rotated entries times ``n``). ``stats`` (the float64 statistics vector of
     ``x`` on its device) gives NVFP4's tensor amax without a second launch (see the module's docstring).
+    With ``solved_mu`` (and ``stats``) a host ``threshold`` is corrected for the lag in the kernel as
+    :func:`gradstats.ops.triton.fused.prune_quantize_triton` corrects it (``correct_threshold``), and
+    ``used`` (float64, 2) receives the threshold used and ``scale`` (block scaling uses no per-tensor
+    scale: it is only recorded), so that a planned block call is one statistics launch and this one.
     ``x``: float32, contiguous or not (copied), on CUDA or, under ``TRITON_INTERPRET=1``, the CPU; the
     call must be one :func:`supports` takes. Nothing is read back to the host. The kernels are compiled
     without floating-point contraction (``enable_fp_fusion=False``): a product feeding a sum (the scaled
@@ -351,7 +380,7 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
         >>> _ = os.environ.pop("TRITON_INTERPRET") if old is None else os.environ.update(TRITON_INTERPRET=old)
     """
     from gradstats.ops.consts import consts
-    from gradstats.ops.triton.fused import _check_value
+    from gradstats.ops.triton.fused import _check_correction, _check_value, _halves
     from gradstats.ops.triton.stats import SCALARS
     from gradstats.scheme import E4M3
 
@@ -383,6 +412,9 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
                          f"device {x.device}")
     _check_acc(counts, "counts", 5, torch.int64, x)
     _check_acc(sums, "sums", 6, torch.float64, x)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale (only recorded in used) must be a float, got {type(scale).__name__}")
+    correct = _check_correction(x, threshold, scale, stats, solved_mu, used)
     xc = x.detach()
     if not xc.is_contiguous():
         xc = xc.contiguous()
@@ -418,6 +450,14 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
                   SE0F=s.E0F, SMAXBITS=s.MAXBITS, SC0F=E4M3.min_normal, M=c.M, MSUB=c.Msub, E0F=c.E0F,
                   MAXBITS=c.MAXBITS, C0F=fmt.min_normal, ROUNDING=ROUNDING_CODES[rounding],
                   NEG_ZERO=bool(fmt.has_negative_zero))
+    corr_t = correct and bool(correct_threshold) and not a_ptr and threshold > 0
+    t_hi, t_lo = (0, 0) if a_ptr else _halves(threshold)
+    s_hi, s_lo = _halves(scale)
+    mu_hi, mu_lo = _halves(solved_mu) if correct else (0, 0)   # type: ignore[arg-type]
+    common.update(CORR_T=corr_t, WRITE_USED=used is not None, **{f"I_{k.upper()}": SCALARS.index(v) for k, v in (
+        ("n", "n"), ("zero", "n_zero"), ("nonfin", "n_nonfinite"), ("ln", "sum_ln_abs"))})
+    host = (t_hi, t_lo, s_hi, s_lo, mu_hi, mu_lo)
+    USED = used if used is not None else sums
     ST = stats if stats is not None else sums
     rows_k, had_k = _kernels(interpreting())
     passes = (True, False) if ta_mode == 3 else (False,)
@@ -429,8 +469,8 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
         n_rows = P * NB * Q
         idx64 = max(n, n_rows * B) >= 1 << 31
         for amax_pass in passes:
-            rows_k[(-(-n_rows // R),)](xc, res, A, ST, amx, counts, sums, n_rows, Q, K, NB, NB * B, a_f, ta_f,
-                                      pk1, pk2, rk1, rk2, AMAX_PASS=amax_pass, B=B, BP=BP, R=R, IDX64=idx64,
+            rows_k[(-(-n_rows // R),)](xc, res, A, ST, amx, counts, sums, USED, n_rows, Q, K, NB, NB * B, a_f, ta_f,
+                                      pk1, pk2, rk1, rk2, *host, AMAX_PASS=amax_pass, B=B, BP=BP, R=R, IDX64=idx64,
                                       Q1=Q == 1, **common, enable_fp_fusion=False, num_warps=NUM_WARPS)
         return res.view(x.shape), counts, sums
     N = hadamard
@@ -441,8 +481,8 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
     clip = torch.zeros(1, dtype=torch.int64, device=x.device)
     grid = (MP // N, -(-K // BK))
     for amax_pass in passes:
-        had_k[grid](xc, res, A, SG, ST, amx, counts, sums, clip, Mtok, Q, K, MP, a_f, ta_f, pk1, pk2, rk1, rk2,
-                    AMAX_PASS=amax_pass, N=N, LOGN=N.bit_length() - 1, NORM=float(np.float32(float(N) ** -0.5)),
+        had_k[grid](xc, res, A, SG, ST, amx, counts, sums, clip, USED, Mtok, Q, K, MP, a_f, ta_f, pk1, pk2, rk1, rk2,
+                    *host, AMAX_PASS=amax_pass, N=N, LOGN=N.bit_length() - 1, NORM=float(np.float32(float(N) ** -0.5)),
                     BK=BK, **common, enable_fp_fusion=False, num_warps=NUM_WARPS)
     # the clipped share of the rotated entries (padding tokens included) times n, rounded down, as the CPU
     # path counts it: small device operations, nothing read back

@@ -1,6 +1,7 @@
 """Device functions the fused Triton kernels share, one home each: the random word of
 :mod:`gradstats.ops.random`, stochastic pruning, the rounding of a magnitude to a format on its float32
-bits, and the per-tile counts and sums that :class:`gradstats.ops.fused.CompressCounts` reports.
+bits, the per-tile counts and sums that :class:`gradstats.ops.fused.CompressCounts` reports, and the
+drift of the lag correction (:func:`gradstats.apply.device.current_settings`).
 
 The per-tensor kernel (:mod:`gradstats.ops.triton.fused`) and the block-scaled kernels
 (:mod:`gradstats.ops.triton.blocks`) call them; :func:`jit` builds a kernel with them bound, as Triton
@@ -9,7 +10,7 @@ call runs everything in Triton's interpreter).
 
 Example:
     >>> sorted(HELPERS)
-    ['_accumulate', '_max', '_prune', '_round', '_word']
+    ['_accumulate', '_drift', '_f64', '_max', '_prune', '_round', '_word']
 """
 from __future__ import annotations
 
@@ -110,6 +111,21 @@ def _accumulate_src(CNT, SUMS, v, ow, mask, pruned, under, over):
     tl.atomic_add(SUMS + 5, tl.reduce(tl.abs(xd), None, tl.standard._sum_combine))
 
 
+def _f64_src(hi, lo):
+    """The float64 whose bits are the int32 halves ``hi`` (high word) and ``lo``."""
+    return ((hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)).to(tl.float64, bitcast=True)
+
+
+def _drift_src(ST, mu_hi, mu_lo, I_N: tl.constexpr, I_ZERO: tl.constexpr, I_NONFIN: tl.constexpr,
+               I_LN: tl.constexpr):
+    """The lag correction's drift (float64): the mean ``ln|g|`` of the statistics vector ``ST`` minus the
+    ``solved_mu`` whose bits are ``mu_hi, mu_lo`` (0 without non-zero finite entries), as
+    :func:`gradstats.apply.device.current_settings` makes it."""
+    mu = _f64(mu_hi, mu_lo)  # noqa: F821 - bound by jit
+    n_nz = tl.load(ST + I_N) - tl.load(ST + I_ZERO) - tl.load(ST + I_NONFIN)
+    return tl.where(n_nz > 0, tl.load(ST + I_LN) / tl.maximum(n_nz, 1.0) - mu, 0.0)
+
+
 def _max_src(a, b):
     """The combine function of a maximum (``tl.reduce(x, axis, _max)``), built with the kernels, so that Triton's
     interpreter runs it also when it was switched on after triton was imported (``tl.max``'s is not)."""
@@ -118,7 +134,8 @@ def _max_src(a, b):
 
 #: the shared device functions by the name kernels call them with
 HELPERS: dict[str, Callable[..., Any]] = {"_word": _word_src, "_prune": _prune_src, "_round": _round_src,
-                                          "_accumulate": _accumulate_src, "_max": _max_src}
+                                          "_accumulate": _accumulate_src, "_max": _max_src, "_f64": _f64_src,
+                                          "_drift": _drift_src}
 
 
 def _rebind(fn: Callable[..., Any], g: dict[str, Any]) -> Callable[..., Any]:
@@ -141,7 +158,7 @@ def _helpers(interpret: bool) -> dict[str, Any]:  # noqa: ARG001 - the cache key
 
 def jit(src: Callable[..., Any], interpret: bool, **kwargs: Any) -> Any:
     """``triton.jit`` of the kernel source ``src`` with the shared device functions (:data:`HELPERS`) bound
-    to its names ``_word``, ``_prune``, ``_round``, ``_accumulate`` and ``_max``; ``interpret``: whether Triton's
+    to its names (the keys of :data:`HELPERS`); ``interpret``: whether Triton's
     interpreter is on (the cache key: Triton decides at decoration).
 
     Example (needs Triton)::

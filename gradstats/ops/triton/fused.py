@@ -92,21 +92,19 @@ def _kernel_src(X, Y, A, S, CNT, SUMS, ST, USED, n, a_f, scale_f, inv_f, pk1, pk
     offs = pid * BLOCK + tl.arange(0, BLOCK)  # int64: tensors beyond 2**31 elements
     mask = offs < n
     # the host's float64s (threshold, scale: what is used, and corrected, unless a tensor or corrected below)
-    t64 = ((t_hi.to(tl.int64) << 32) | (t_lo.to(tl.int64) & 0xFFFFFFFF)).to(tl.float64, bitcast=True)
-    s64 = ((s_hi.to(tl.int64) << 32) | (s_lo.to(tl.int64) & 0xFFFFFFFF)).to(tl.float64, bitcast=True)
+    t64 = _f64(t_hi, t_lo)  # noqa: F821 - bound by common.jit
+    s64 = _f64(s_hi, s_lo)  # noqa: F821
     if A_PTR:
         t64 = tl.load(A).to(tl.float64)
     if S_PTR:
         s64 = tl.load(S).to(tl.float64)
     if CORRECT:  # the lag correction (gradstats.apply.device.current_settings), the same scalars in every program
-        mu = ((mu_hi.to(tl.int64) << 32) | (mu_lo.to(tl.int64) & 0xFFFFFFFF)).to(tl.float64, bitcast=True)
-        n_nz = tl.load(ST + I_N) - tl.load(ST + I_ZERO) - tl.load(ST + I_NONFIN)
-        drift = tl.where(n_nz > 0, tl.load(ST + I_LN) / tl.maximum(n_nz, 1.0) - mu, 0.0)
+        drift = _drift(ST, mu_hi, mu_lo, I_N, I_ZERO, I_NONFIN, I_LN)  # noqa: F821
         if CORR_T:
             a_c = (t64 * tl.exp(drift)).to(tl.float32)
             t64 = a_c.to(tl.float64)
         if SCALE_MODE == 3:
-            l2 = ((l2_hi.to(tl.int64) << 32) | (l2_lo.to(tl.int64) & 0xFFFFFFFF)).to(tl.float64, bitcast=True)
+            l2 = _f64(l2_hi, l2_lo)  # noqa: F821
             ln2 = tl.full([], 0x3FE62E42FEFA39EF, tl.int64).to(tl.float64, bitcast=True)  # math.log(2)
             y = l2 - drift / ln2
             r = tl.floor(y)  # rounded half to even (torch.round): y - floor(y) is exact
