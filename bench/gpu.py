@@ -40,6 +40,7 @@ Triton kernels): a smoke test of the code paths, its timings meaningless and lab
 
     python bench/gpu.py [--out bench/results/gpu] [--n 268435456] [--reps 20] [--rounds 7] [--block 10]
     python bench/gpu.py --device cpu --small            # smoke test, no GPU needed
+    python bench/gpu.py --compile-check                 # the block kernels built for sm_90, no GPU needed
 """
 from __future__ import annotations
 
@@ -89,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     choices=["copy", "quantize", "blocks", "stats", "apply"],
                     help="sections to run (copy always runs: the others are relative to it)")
     ap.add_argument("--no-gpu-table", action="store_true", help="skip the appendix (bench/quantize.py gpu_table)")
+    ap.add_argument("--compile-check", action="store_true",
+                    help="only compile the block-scaled kernels for sm_90 (no GPU needed) and print their registers, "
+                         "stack and spills")
     a = ap.parse_args(argv)
     small = a.small
     a.n = a.n if a.n is not None else (1 << 16 if small else 1 << 28)
@@ -266,6 +270,61 @@ def bench_blocks(timer: Timer, n: int, copy_gbs: float) -> list[dict]:
                             target=TARGET_QUANTIZE, share=gbs / copy_gbs, ms=ms, bytes_per_element=8, path=path))
         x = v = None  # noqa: F841 - free the device memory before the next layout
     return rows
+
+
+def compile_check(arch: int = 90) -> list[dict]:
+    """Compile the block-scaled kernels (rows, MX and NVFP4 with the lag correction; Hadamard, both passes) for
+    CUDA ``sm_<arch>`` with Triton's own ptxas, no GPU needed, and report each kernel's registers, stack and
+    spills (``cuobjdump --dump-resource-usage``): a CPU-only check that the compiled path builds (the
+    interpreter accepts code the compiler rejects) and stays free of spills."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gradstats.formats import FPFormat
+    from gradstats.ops.consts import consts
+    from gradstats.ops.triton import blocks as kb
+    from gradstats.scheme import E4M3
+
+    rows_k, had_k = kb._kernels(False)
+    ptrs = {"X": "*fp32", "Y": "*fp32", "A": "*fp32", "SG": "*fp32", "ST": "*fp64", "AMX": "*i32", "CNT": "*i64",
+            "SUMS": "*fp64", "CLIP": "*i64", "USED": "*fp64"}
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    out = []
+    for name, kernel, fmt_name, e4m3, extra in (
+            ("rows, mxfp8_e4m3, stochastic", rows_k, "e4m3fn", False, dict(B=32, BP=32, R=64, IDX64=False, Q1=True)),
+            ("rows, nvfp4, lag-corrected", rows_k, "e2m1fn", True, dict(B=16, BP=16, R=128, IDX64=False, Q1=False)),
+            ("hadamard, nvfp4_training, amax pass", had_k, "e2m1fn", True,
+             dict(N=16, LOGN=4, NORM=0.25, BK=128, AMAX_PASS=True)),
+            ("hadamard, nvfp4_training, main pass", had_k, "e2m1fn", True,
+             dict(N=16, LOGN=4, NORM=0.25, BK=128, AMAX_PASS=False))):
+        fmt = FPFormat.parse(fmt_name)
+        c, sc = consts(fmt), consts(E4M3)
+        cst = dict(PRUNE=True, A_PTR=False, TA_MODE=2 if e4m3 else 0, I_MAX=9, E4M3=e4m3, SROUND=0, EMAX=fmt.emax,
+                   MANB=fmt.man_bits, FMAX=float(fmt.max), TDIV=float(fmt.max * 448), SM=sc.M, SMSUB=sc.Msub,
+                   SE0F=sc.E0F, SMAXBITS=sc.MAXBITS, SC0F=E4M3.min_normal, M=c.M, MSUB=c.Msub, E0F=c.E0F,
+                   MAXBITS=c.MAXBITS, C0F=fmt.min_normal, ROUNDING=1, NEG_ZERO=True, CORR_T=True, WRITE_USED=True,
+                   I_N=0, I_ZERO=1, I_NONFIN=2, I_LN=6, AMAX_PASS=False)
+        cst.update(extra)
+        sig = {a: ("constexpr" if a in cst else ptrs.get(a, "i32")) for a in kernel.arg_names}
+        src = ASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in cst.items()})
+        t0 = time.perf_counter()
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                           options={"enable_fp_fusion": False, "num_warps": kb.NUM_WARPS})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
+                                   text=True).stdout
+        m = {key: int(v) for key, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
+        out.append({"kernel": name, "sm": arch, "registers": m.get("REG"), "stack": m.get("STACK"),
+                    "local (spills)": m.get("LOCAL"), "fma in ptx": k.asm["ptx"].count("fma.rn.f32"),
+                    "compile s": round(time.perf_counter() - t0, 1)})
+    return out
 
 
 def gradient_like(n: int, device, seed: int = 0):
@@ -495,6 +554,11 @@ def write(out: Path, meta: dict, rows: list[dict], appendix: str | None, errors:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compile_check:
+        os.environ.pop("TRITON_INTERPRET", None)
+        for r in compile_check():
+            print(r)
+        return 0
     cpu = args.device == "cpu"
     if cpu:      # the Triton kernels through Triton's interpreter (must be set before they are built)
         os.environ.setdefault("TRITON_INTERPRET", "1")
