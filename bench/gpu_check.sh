@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check in one go (under 6 minutes on an H200): the device, the tests marked `gpu`, then
-# bench/gpu.py; one summary file, $OUT_DIR/gpu_check.md.
+# bench/gpu.py, then bench/compiled.py on the GPU; one summary file, $OUT_DIR/gpu_check.md.
 #
 #   bash bench/gpu_check.sh                      # from anywhere
 #   OUT=/some/dir PYTHON=/path/to/python bash bench/gpu_check.sh
@@ -17,10 +17,11 @@ PYTHON="${PYTHON:-.venv/bin/python}"
 OUT_DIR="${OUT_DIR:-${OUT:-bench/results/gpu}}"
 mkdir -p "$OUT_DIR"
 SUMMARY="$OUT_DIR/gpu_check.md"
-T_SMI="${T_SMI:-10}"        # seconds per phase (3 x T_SMI + T_TESTS + T_BENCH = 350 s, under 6 minutes)
-T_TESTS="${T_TESTS:-150}"   # collection, then ~33 Triton compilations of the quantize tests, ~14 of the block kernels
-T_BENCH="${T_BENCH:-170}"   # bench/gpu.py writes its file after each section: a timeout keeps what it measured
+T_SMI="${T_SMI:-5}"         # seconds per phase (3 x T_SMI + T_TESTS + T_BENCH + T_COMPILED = 355 s, under 6 minutes)
+T_TESTS="${T_TESTS:-135}"   # collection, then ~33 Triton compilations of the quantize tests, ~14 of the block kernels
+T_BENCH="${T_BENCH:-150}"   # bench/gpu.py writes its file after each section: a timeout keeps what it measured
                             # (its blocks section, the block-scaled kernel at 256M float32, adds ~20 s of compilation)
+T_COMPILED="${T_COMPILED:-55}"  # bench/compiled.py on the GPU: the compiled model untraced, traced, applied (fresh compiles)
 start=$(date +%s)
 
 echo "== device"
@@ -56,6 +57,19 @@ timeout "$T_BENCH" "$PYTHON" bench/gpu.py --out "$OUT_DIR" 2>&1 | tee "$bench_lo
 bench_rc=${PIPESTATUS[0]}
 set -e
 
+echo "== bench/compiled.py --device cuda (torch.compile: traced and applied, from a fresh compile)"
+compiled_log="$OUT_DIR/compiled.log"
+compiled_rc=0
+if [ "$(timeout "$T_SMI" "$PYTHON" -c 'import torch; print(torch.cuda.is_available())' 2>/dev/null)" = "True" ]; then
+    set +e
+    timeout "$T_COMPILED" "$PYTHON" bench/compiled.py --device cuda --rounds 1 --steps 12 \
+        --configs compiled "compiled + trace" "compiled + apply" > "$compiled_log" 2>&1
+    compiled_rc=$?
+    set -e
+else
+    echo "no CUDA device: not measured" > "$compiled_log"
+fi
+
 elapsed=$(( $(date +%s) - start ))
 {
     echo "# GPU check"
@@ -72,6 +86,10 @@ elapsed=$(( $(date +%s) - start ))
     else
         echo "bench/gpu.py wrote no results file (see gpu_bench.log)"
     fi
+    echo
+    echo "## torch.compile (\`bench/compiled.py --device cuda\`, exit ${compiled_rc}$([ "$compiled_rc" -eq 124 ] && echo ", timed out after ${T_COMPILED} s"); target: traced at most 1.5x the untraced compiled run)"
+    echo
+    grep -E '^\||steps from a fresh compile|not measured' "$compiled_log" || echo "no table (see compiled.log)"
 } > "$SUMMARY"
 echo "== summary: $SUMMARY (${elapsed} s)"
 
