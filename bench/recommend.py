@@ -1,8 +1,10 @@
 """recommend's speed: a plan for each of 5 widths over a 100-layer run, from its statistics.
 
-The target (bench/RESULTS.md): at most 1 s of CPU time for 100 layers and 5 widths, without the
-check against the samples (a run traced without samples has none to replay), and the check's own
-cost on a run with samples, per layer and calibration step. Medians of repeats, process CPU time.
+The targets (bench/RESULTS.md): at most 1 s of CPU time for 100 layers and 5 widths, without the
+check against the samples (a run traced without samples has none to replay), and at most 5 ms for
+the check's own cost on a run with samples, per layer and calibration step (what ``check=True``
+adds: the replays, the repairs and the second round of the noise bound they cause). Medians of
+repeats, process CPU time.
 
     python bench/recommend.py [--repeats 5]
 """
@@ -21,6 +23,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gradstats  # noqa: E402
+
+#: the most the check may add per planned layer and calibration step (CPU seconds)
+CHECK_TARGET_S = 0.005
 
 
 def deep_run(path: str, n_layers: int = 100, sample_every=None) -> "gradstats.Run":
@@ -62,13 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     t_nocheck = cpu_median(lambda: gradstats.recommend(sampled, bits=6, sparsity=0.85, check=False),
                            max(1, args.repeats // 2))
     n_steps = 4
+    per_check = (t_check - t_nocheck) / (20 * n_steps)
     print("| what | CPU time (median) | target |")
     print("|---|---|---|")
     print(f"| recommend_each, 100 layers x 5 widths, no check | {t_choice:.3f} s | <= 1 s |")
     print(f"| recommend(bits=6, sparsity=0.85), 20 layers, checked on {n_steps} steps | {t_check:.3f} s | - |")
     print(f"| the same, check=False | {t_nocheck:.3f} s | - |")
-    print(f"| the check, per layer and calibration step | {(t_check - t_nocheck) / (20 * n_steps) * 1e3:.1f} ms | - |")
-    return 0 if t_choice <= 1.0 else 1
+    print(f"| the check, per layer and calibration step | {per_check * 1e3:.1f} ms | <= 5 ms |")
+    return 0 if t_choice <= 1.0 and per_check <= CHECK_TARGET_S else 1
 
 
 if __name__ == "__main__":

@@ -310,13 +310,15 @@ def _point(y: float, v: np.ndarray, M: float, rounding: str) -> tuple[float, flo
 
 
 def predict_composed(stats: Union[Mapping[str, Any], Any], fmt: Union[FPFormat, str, None], *, threshold: float = 0.0,
-                     scale: float = 1.0, rounding: str = "nearest", law: str = "histogram",
+                     scale: float = 1.0, rounding: str = "nearest", law: Any = "histogram",
                      block_size: int | None = None, scale_format: str = "e8m0",
                      scale_rounding: str | None = None) -> ComposedPrediction:
     """The composed operator's :class:`ComposedPrediction` for one tensor from its statistics row
     (:func:`gradstats.tensor_stats`, a row of a run's ``stats()``): ``law="histogram"`` (the row's
     binade histogram and top magnitudes, :class:`gradstats.stats.law.HistogramLaw`) or ``"lognormal"``
-    (the row's mu and sigma of ``ln|g|``, the tail capped at the row's maximum). With ``block_size``
+    (the row's mu and sigma of ``ln|g|``, the tail capped at the row's maximum), or the row's
+    :class:`~gradstats.stats.law.HistogramLaw` already made (``HistogramLaw.from_stats(stats)``: a
+    caller predicting many operators on one row makes it once). With ``block_size``
     the scales are shared per block (``scale`` is then not used; :func:`composed_blocks`).
 
     Example:
@@ -334,15 +336,15 @@ def predict_composed(stats: Union[Mapping[str, Any], Any], fmt: Union[FPFormat, 
     if not (n > 0 and nz > 0):
         raise ValueError("the statistics hold no non-zero finite entry: there is nothing to predict")
     p0 = float(stats["n_zero"]) / n
-    if law == "histogram":
-        from gradstats.stats.law import HistogramLaw
+    from gradstats.stats.law import HistogramLaw
 
-        h = HistogramLaw.from_stats(stats)
+    if isinstance(law, HistogramLaw) or (isinstance(law, str) and law == "histogram"):
+        h = law if isinstance(law, HistogramLaw) else HistogramLaw.from_stats(stats)
         zero = np.zeros(1)
 
         def pm(t: np.ndarray, k: int) -> np.ndarray:
             return h.partial_moments(np.asarray(t, dtype=np.float64), k, zero)[0]
-    elif law == "lognormal":
+    elif isinstance(law, str) and law == "lognormal":
         mu, sigma = lognormal_moments(stats)
         if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
             raise ValueError("the statistics have no spread of ln|g|: the lognormal law does not apply")
@@ -354,7 +356,7 @@ def predict_composed(stats: Union[Mapping[str, Any], Any], fmt: Union[FPFormat, 
         def pm(t: np.ndarray, k: int) -> np.ndarray:
             return capped(t, k) / mass
     else:
-        raise ValueError(f"law must be 'histogram' or 'lognormal', got {law!r}")
+        raise ValueError(f"law must be 'histogram', 'lognormal' or the row's HistogramLaw, got {law!r}")
     if block_size is not None and fmt is not None:
         return composed_blocks(pm, fmt, threshold=threshold, block_size=block_size, scale_format=scale_format,
                                scale_rounding=scale_rounding or "floor", rounding=rounding, p0=p0,

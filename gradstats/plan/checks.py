@@ -16,6 +16,13 @@ format's maximum, a magnitude gain ``<Q(g), g> / <g, g>`` or bias off 1 (0) by m
 zero. :func:`gradstats.recommend` runs this on every layer it plans and takes its next choice where
 a layer fails; ``plan.verify(run)`` checks any plan, a hand-edited one too.
 
+What the checks repeat is done once per scope (:mod:`gradstats.plan._shared`, which ``recommend`` and
+``verify`` open): the statistics rows and samples are read once, each row's histogram law is made
+once, and a threshold, scale, prediction or whole layer check is computed once per content of what it
+depends on, however many candidate rules, noise-bound rounds and repairs ask for it again. The
+planned layers' samples on the calibration steps are held for the scope (about 1 MB per layer at the
+default 65,536 samples and four steps).
+
 Block-scaled rules (MX, NVFP4) are replayed on the samples in the order stored, a uniform random
 sample: their blocks hold exchangeable entries, not the tensor's neighbours, so the replay is an
 estimate for blocks (rows of different magnitudes make real blocks more uniform); per-tensor rules
@@ -37,17 +44,15 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 
+from gradstats.plan._shared import remember, row_key, rule_key, shared_work
 from gradstats.plan.check_table import TABLE_WIDTH, format_checks  # noqa: F401 - the table's home
+from gradstats.plan.verification import QUANTITIES, Verification, layer_summary, step_weights  # noqa: F401 - their home
 from gradstats.run.select import AUTO_STEPS, calibration_steps  # noqa: F401 - their home is run.select
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +60,6 @@ __all__ = ["verify", "Verification", "OVERFLOW_BOUND", "QUANTITIES", "calibratio
 
 #: the largest fraction of a layer's entries a plan may clip at its format's maximum
 OVERFLOW_BOUND = 0.001
-#: what is predicted and replayed, per layer and step (fractions of all entries, except ``flushed``:
-#: of the non-zero input entries; ``error`` relative to ``E g^2``)
-QUANTITIES = ("sparsity", "underflow", "flushed", "overflow", "gain", "bias", "error")
-def step_weights(steps: Sequence[int]) -> np.ndarray:
-    """Weights of the calibration steps in a plan's predictions: proportional to their rank, so the
-    later steps count more (``[1, 2, 3, 4] / 10`` for four).
-
-    Example:
-        >>> step_weights([10, 20, 30, 40]).tolist()
-        [0.1, 0.2, 0.3, 0.4]
-    """
-    w = np.arange(1, len(steps) + 1, dtype=np.float64)
-    return w / w.sum()
 
 
 def operator_settings(rule: Any, row: Any, samples: Optional[torch.Tensor] = None) -> tuple[float, float]:
@@ -83,25 +75,41 @@ def operator_settings(rule: Any, row: Any, samples: Optional[torch.Tensor] = Non
         >>> operator_settings(Rule(format="e4m3fn", scale="amax"), tensor_stats(torch.tensor([1.0, -3.0])))
         (0.0, 128.0)
     """
-    from gradstats import pruning
-    from gradstats.stats import lognormal_moments
-
     a = 0.0
     if rule.prunes:
         if rule.threshold_rule == "exact" and samples is not None:
+            from gradstats import pruning
+
             a = float(pruning.exact_threshold(samples.reshape(-1), rule.sparsity, stochastic=True))
         else:
             how = "histogram" if rule.threshold_rule == "exact" else rule.threshold_rule
-            a = float(np.asarray(pruning.threshold(np.array([rule.sparsity]), [row], threshold_rule=how))[0])
+            a = remember(("threshold", row_key(row), how, float(rule.sparsity)),
+                         lambda: _threshold(row, how, float(rule.sparsity)))
         if not (math.isfinite(a) and a >= 0):
             a = 0.0
     scale = 1.0
     if rule.quantizes and rule.block_size is None:
-        amax = float(row["max_abs"])
-        mu, sigma = lognormal_moments(row)
-        scale = rule.scale_for(mu=mu, sigma=max(sigma, 1e-6) if math.isfinite(sigma) else 1e-6,
-                               amax=max(amax, a))
+        scale = remember(("scale", row_key(row), rule_key(rule), a), lambda: _scale(rule, row, a))
     return a, scale
+
+
+def _threshold(row: Any, how: str, sparsity: float) -> float:
+    from gradstats import pruning
+
+    src = row
+    if how == "histogram" and int(row["n"]) > 0:     # the row's histogram made once, its interpolation kept
+        from gradstats.pruning.histogram import LogHistogram
+
+        src = remember(("log_histogram", row_key(row)), lambda: LogHistogram.from_stats(row))
+    return float(np.asarray(pruning.threshold(np.array([sparsity]), [src], threshold_rule=how))[0])
+
+
+def _scale(rule: Any, row: Any, a: float) -> float:
+    from gradstats.stats import lognormal_moments
+
+    amax = float(row["max_abs"])
+    mu, sigma = lognormal_moments(row)
+    return rule.scale_for(mu=mu, sigma=max(sigma, 1e-6) if math.isfinite(sigma) else 1e-6, amax=max(amax, a))
 
 
 def replay(rule: Any, x: torch.Tensor, threshold: float, scale: float, *, seed: int = 0,
@@ -144,16 +152,35 @@ def replay(rule: Any, x: torch.Tensor, threshold: float, scale: float, *, seed: 
 def predict(rule: Any, row: Any, threshold: float, scale: float) -> dict[str, float]:
     """The composed operator's prediction (:data:`QUANTITIES`) for a tensor of statistics ``row``
     (block-scaled rules: blocks of exchangeable entries, :func:`gradstats.fpanalysis.composed.composed_blocks`)."""
-    from gradstats.fpanalysis.composed import predict_composed
-
     blocks = ({"block_size": rule.block_size, "scale_format": rule.scale_format,
                "scale_rounding": rule.scale_rounding} if rule.quantizes and rule.block_size is not None else {})
+    fmt = rule.format if rule.quantizes else None
+    key = ("predict", row_key(row), fmt, rule.rounding, tuple(blocks.values()), float(threshold), float(scale))
+    return dict(remember(key, lambda: _predict(row, fmt, float(threshold), float(scale), rule.rounding, blocks)))
+
+
+def _predict(row: Any, fmt: Any, threshold: float, scale: float, rounding: str,
+             blocks: dict[str, Any]) -> dict[str, float]:
+    from gradstats.fpanalysis.composed import predict_composed
+
     try:
-        p = predict_composed(row, rule.format if rule.quantizes else None, threshold=threshold, scale=scale,
-                             rounding=rule.rounding, **blocks)
+        p = predict_composed(row, fmt, threshold=threshold, scale=scale, rounding=rounding, law=_law(row), **blocks)
     except ValueError:
         return {k: math.nan for k in QUANTITIES}
     return {k: getattr(p, k) for k in QUANTITIES}
+
+
+def _law(row: Any) -> Any:
+    """The row's :class:`~gradstats.stats.law.HistogramLaw`, made once per row within a shared scope
+    (``"histogram"``, which makes it, where the row has none to make)."""
+    from gradstats.stats.law import HistogramLaw
+
+    def make() -> Any:
+        try:
+            return HistogramLaw.from_stats(row)
+        except ValueError:
+            return "histogram"
+    return remember(("law", row_key(row)), make)
 
 
 def problems(rule: Any, got: dict[str, float], *, bias_bound: float, flush_bound: Optional[float],
@@ -186,119 +213,33 @@ def problems(rule: Any, got: dict[str, float], *, bias_bound: float, flush_bound
     return out
 
 
-@dataclass
-class Verification:
-    """Predicted against replayed, per layer and calibration step (:func:`verify`).
-
-    Attributes:
-        rows: one dict per (layer, step): ``layer``, ``step``, ``rule``, ``threshold``, ``scale``,
-            ``samples`` (replayed values; 0: not replayed), ``predicted_<q>`` and ``replayed_<q>`` for
-            each quantity of :data:`QUANTITIES`, ``ok`` and ``problems``.
-        bias_bound, flush_bound, overflow_bound: the bounds checked.
-    """
-
-    rows: list[dict[str, Any]]
-    bias_bound: float
-    flush_bound: Optional[float]
-    overflow_bound: float
-    steps: list[int] = field(default_factory=list)
-    #: per layer, the noise ratio the whole plan is predicted to add to its weight gradient
-    #: (:func:`gradstats.noise.predicted_noise`, filled by ``Plan.verify``; NaN where the run holds
-    #: no noise records)
-    noise: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        """Whether every layer passed at every step."""
-        return all(r["ok"] for r in self.rows)
-
-    @property
-    def failures(self) -> dict[str, str]:
-        """Per failing layer, what failed (at the step where it first did)."""
-        out: dict[str, str] = {}
-        for r in self.rows:
-            if not r["ok"] and r["layer"] not in out:
-                out[r["layer"]] = f"step {r['step']}: " + "; ".join(r["problems"])
-        return out
-
-    def to_dataframe(self) -> "pd.DataFrame":
-        """One row per (layer, step)."""
-        import pandas as pd
-
-        df = pd.DataFrame(self.rows)
-        if len(df):
-            df["problems"] = ["; ".join(p) for p in df["problems"]]
-        return df
-
-    def per_layer(self) -> "pd.DataFrame":
-        """One row per layer: the predictions and replays averaged over the steps with the weights of
-        :func:`step_weights` (the later steps count more), ``predicted_from`` (what predicted them:
-        ``"blocks"``, the replay on whole blocks; ``"lognormal"``; or the exchangeable-block model), ``worst_*`` the extreme over steps of the
-        replayed overflow, flushed share and gain, ``ok`` (every step passed) and ``problems`` (those of the
-        first step that failed, named with its numbers: ``"step 4: replayed: ..."``)."""
-        import pandas as pd
-
-        out: list[dict[str, Any]] = []
-        if not self.rows:
-            return pd.DataFrame(out)
-        for layer, g in self.to_dataframe().groupby("layer", sort=False):
-            g = g.sort_values("step")
-            w = step_weights(list(g["step"]))
-            row: dict[str, Any] = {"layer": layer, "rule": g["rule"].iloc[-1], "steps": len(g),
-                                   "samples": int(g["samples"].sum()),
-                                   "predicted_from": ", ".join(dict.fromkeys(g["predicted_from"]))
-                                   if "predicted_from" in g else None}
-            for q in QUANTITIES:
-                for side in ("predicted", "replayed"):
-                    v = g[f"{side}_{q}"].to_numpy(dtype=np.float64)
-                    m = np.isfinite(v)
-                    row[f"{side}_{q}"] = float(np.dot(w[m], v[m]) / w[m].sum()) if m.any() else math.nan
-            rep = g["replayed_gain"].to_numpy(dtype=np.float64)
-            row["worst_overflow"] = float(np.nanmax(g["replayed_overflow"])) if g["samples"].sum() else math.nan
-            row["worst_flushed"] = float(np.nanmax(g["replayed_flushed"])) if g["samples"].sum() else math.nan
-            row["worst_gain"] = float(rep[np.nanargmax(np.abs(rep - 1))]) if np.isfinite(rep).any() else math.nan
-            row["predicted_noise"] = self.noise.get(layer, math.nan)
-            row["ok"] = bool(g["ok"].all())
-            row["problems"] = _layer_problems(g)
-            out.append(row)
-        return pd.DataFrame(out)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data: the bounds, the steps and the rows."""
-        return {"bias_bound": self.bias_bound, "flush_bound": self.flush_bound,
-                "overflow_bound": self.overflow_bound, "steps": list(self.steps),
-                "rows": [dict(r) for r in self.rows], "noise": dict(self.noise)}
-
-    def table(self) -> str:
-        """The per-layer table as text: predicted / replayed for each quantity, and what failed."""
-        return format_checks(self.per_layer().to_dict("records"))
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-def _layer_problems(g: "pd.DataFrame") -> str:
-    """The problems of a layer's row of :meth:`Verification.per_layer`, whose numbers are means over
-    the steps: those of the first step that failed, which they quote, named by that step (and the
-    other steps that failed)."""
-    bad = [(int(s), p) for s, p in zip(g["step"], g["problems"]) if p]
-    if not bad:
-        return ""
-    (first, text), more = bad[0], [s for s, _ in bad[1:]]
-    also = f" (also failed at step{'s' if len(more) > 1 else ''} {', '.join(map(str, more))})" if more else ""
-    return f"step {first}: {text}{also}"
-
-
 def check_layer(run: Any, layer: str, rule: Any, steps: Sequence[int], *, rows: dict[int, Any] | None = None,
                 kind: str = "grad", seed: int = 0, bias_bound: float, flush_bound: Optional[float],
                 overflow_bound: float, samples: dict[int, Any] | None = None) -> list[dict[str, Any]]:
     """The rows of :class:`Verification` for one layer and rule (``samples``: the layer's stored
     samples per step, :func:`layer_samples`, read once when several rules are checked)."""
-    out = []
     if samples is None:
         samples = layer_samples(run, layer, steps, kind)
+    rows = rows or {}
+    xs = tuple(samples.get(s) for s in steps)
+    key = ("check", _run_key(run), layer, rule_key(rule), tuple(int(s) for s in steps), kind, seed, bias_bound,
+           flush_bound, overflow_bound, tuple(None if rows.get(s) is None else row_key(rows[s]) for s in steps),
+           tuple(id(x) for x in xs))
+    got, _ = remember(key, lambda: (_check_layer(layer, rule, steps, rows, samples, seed=seed, bias_bound=bias_bound,
+                                                 flush_bound=flush_bound, overflow_bound=overflow_bound), xs))
+    return [{**r, "problems": list(r["problems"])} for r in got]
+
+
+def _run_key(run: Any) -> tuple[str, int]:
+    return str(getattr(run, "path", "")), id(run)
+
+
+def _check_layer(layer: str, rule: Any, steps: Sequence[int], rows: dict[int, Any], samples: dict[int, Any], *,
+                 seed: int, bias_bound: float, flush_bound: Optional[float],
+                 overflow_bound: float) -> list[dict[str, Any]]:
+    out = []
     for step in steps:
-        row = (rows or {}).get(step)
+        row = rows.get(step)
         if row is None:
             continue
         x = samples.get(step)
@@ -338,15 +279,24 @@ def _finite(v: Any) -> Optional[float]:
 def layer_samples(run: Any, layer: str, steps: Sequence[int], kind: str = "grad") -> dict[int, torch.Tensor]:
     """The stored samples of ``layer``'s first call at each of ``steps`` that has them, with their
     layout (:meth:`gradstats.run.Run.sample_matrix`)."""
-    idx = run.sample_index()
-    if not len(idx):
-        return {}
-    have = set(idx.loc[(idx["layer"] == layer) & (idx["kind"] == kind) & (idx["call"] == 0), "step"].astype(int))
-    return {int(s): run.sample_matrix(layer, int(s), kind=kind, call=0) for s in steps if int(s) in have}
+    def read() -> dict[int, torch.Tensor]:
+        idx = remember(("sample_index", _run_key(run)), run.sample_index)
+        if not len(idx):
+            return {}
+        have = set(idx.loc[(idx["layer"] == layer) & (idx["kind"] == kind) & (idx["call"] == 0), "step"].astype(int))
+        return {int(s): run.sample_matrix(layer, int(s), kind=kind, call=0) for s in steps if int(s) in have}
+
+    return dict(remember(("samples", _run_key(run), layer, tuple(int(s) for s in steps), kind), read))
 
 
 def step_rows(run: Any, layers: Sequence[str], steps: Sequence[int], kind: str = "grad") -> dict[str, dict[int, Any]]:
     """Per layer and step, the statistics row of the layer's first call (rank 0 or the lowest)."""
+    key = ("step_rows", _run_key(run), tuple(layers), tuple(int(s) for s in steps), kind)
+    got = remember(key, lambda: _step_rows(run, layers, steps, kind))
+    return {n: dict(per) for n, per in got.items()}
+
+
+def _step_rows(run: Any, layers: Sequence[str], steps: Sequence[int], kind: str) -> dict[str, dict[int, Any]]:
     df = run.stats(kinds=[kind])
     df = df[df["layer"].isin(list(layers)) & df["step"].isin(list(steps))]
     if "call" in df.columns:
@@ -389,9 +339,10 @@ def verify(plan: Any, run: Any, *, steps: Any = "auto", kind: str = "grad", seed
     chosen = calibration_steps(r, list(rules), kind=kind, steps=steps)
     per = step_rows(r, list(rules), chosen, kind)
     rows: list[dict[str, Any]] = []
-    for name, rule in rules.items():
-        rows += check_layer(r, name, rule, chosen, rows=per[name], kind=kind, seed=seed, bias_bound=bias_bound,
-                            flush_bound=flush_bound, overflow_bound=overflow_bound)
+    with shared_work():
+        for name, rule in rules.items():
+            rows += check_layer(r, name, rule, chosen, rows=per[name], kind=kind, seed=seed, bias_bound=bias_bound,
+                                flush_bound=flush_bound, overflow_bound=overflow_bound)
     return Verification(rows, bias_bound, flush_bound, overflow_bound, chosen)
 
 
@@ -517,7 +468,7 @@ def repair(plan: Any, run: Any, steps: Sequence[int], *, candidates: Sequence[An
             log.warning("gradstats.recommend: layer %s: %s", name, note)
         if not recs:
             continue
-        per = Verification(recs, bias_bound, flush_bound, overflow_bound, list(steps)).per_layer().to_dict("records")[0]
+        per = layer_summary(recs)
         checks.append(_json_row(per, steps, note))
         i = last.get(name)
         old = entries[i] if i is not None else None

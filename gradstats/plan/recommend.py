@@ -397,6 +397,16 @@ def _bound_and_repair(plan: Plan, r: Any, chk: Sequence[int], noise_bound: float
     repair that changes a layer's rounding changes what its pruning adds: where the plan's pruning
     noise (compounded, rules as repaired) ends over the bound, the bound is solved again a little
     tighter (the records keep the user's bound)."""
+    from gradstats.plan._shared import shared_work
+
+    with shared_work():        # the rounds predict and replay the same operators: each computed once
+        return _bound_and_repair_rounds(plan, r, chk, noise_bound, bounded=bounded, pool=pool, bias_bound=bias_bound,
+                                        flush_bound=flush_bound, rounds=rounds)
+
+
+def _bound_and_repair_rounds(plan: Plan, r: Any, chk: Sequence[int], noise_bound: float | None, *, bounded: bool,
+                             pool: list[Any] | None, bias_bound: float, flush_bound: float | None,
+                             rounds: int) -> Plan:
     from gradstats.noise.predict import bound_plan
 
     solve_for = noise_bound

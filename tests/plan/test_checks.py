@@ -266,3 +266,31 @@ def test_calibration_steps_spread_over_the_run(tmp_path):
     steps = calibration_steps(run, ["0"])
     assert steps[-1] == 18 and steps[0] < 9 and len(steps) == 4
     assert calibration_steps(run, ["0"], steps="latest") == [19]
+
+
+# --------------------------------------------------------------------------- work shared within one scope
+def test_a_shared_scope_checks_each_rule_once_with_the_same_verdicts(tmp_path, monkeypatch):
+    """Within one shared scope (what recommend opens) a second check of the same plan is looked up,
+    not recomputed, and says exactly what the first said; outside a scope nothing is kept."""
+    from gradstats.plan import _shared, checks
+
+    m = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+    with gradstats.trace(m, tmp_path, sample_every=1) as t:
+        for _ in range(3):
+            m(torch.randn(32, 16)).logsumexp(1).mean().backward()
+            t.step()
+    run = gradstats.open_run(t.path)
+    plan = Plan.uniform(format="e2m3fn", rounding="nearest", sparsity=0.8, scale="amax", output_layer=False)
+    made = []
+    real = checks._check_layer
+    monkeypatch.setattr(checks, "_check_layer", lambda *a, **k: made.append(a[0]) or real(*a, **k))
+    alone = plan.verify(run).to_dict()
+    assert len(made) == 2
+    with _shared.shared_work():
+        first = plan.verify(run).to_dict()
+        again = plan.verify(run).to_dict()
+    assert len(made) == 4                     # the second check in the scope made nothing again
+    assert json.dumps(alone, sort_keys=True, default=str) == json.dumps(first, sort_keys=True, default=str) \
+        == json.dumps(again, sort_keys=True, default=str)
+    plan.verify(run)
+    assert len(made) == 6                     # outside the scope: computed again
