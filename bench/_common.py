@@ -28,12 +28,16 @@ def fixed_batches(model_name: str, n: int, batch: int, seed: int = 0) -> list[tu
     return out
 
 
+#: the clock of :func:`time_block`: the wall clock, or (``--clock cpu``) the process's CPU time
+CLOCK: Callable[[], float] = time.perf_counter
+
+
 def time_block(model: nn.Module, opt: torch.optim.Optimizer, batches, after_step: Callable[[], None] | None = None,
                finish: Callable[[], None] | None = None,
                loss_fn: Callable[[nn.Module, Any, Any], torch.Tensor] | None = None) -> float:
     """Mean seconds per training step over one block of batches (``finish`` included); ``loss_fn(model,
     x, y)``: the step's loss (default: cross-entropy of ``model(x)``)."""
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     for x, y in batches:
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model, x, y) if loss_fn is not None else nn.functional.cross_entropy(model(x), y)
@@ -43,7 +47,7 @@ def time_block(model: nn.Module, opt: torch.optim.Optimizer, batches, after_step
             after_step()
     if finish is not None:
         finish()
-    return (time.perf_counter() - t0) / len(batches)
+    return (CLOCK() - t0) / len(batches)
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -159,15 +163,22 @@ def step_benchmark_main(doc: str, title: str, bench_model: Callable[[str, argpar
     ap.add_argument("--block", type=int, default=block)
     ap.add_argument("--batch", type=int, default=batch, help="batch size (default: " + (
         "each model's own" if batch is None else str(batch)) + ")")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall: elapsed time; cpu: the process's CPU time on one thread (torch and the kernels "
+                         "alike), what the steps cost without the time other work on a shared machine takes")
     if add_args is not None:
         add_args(ap)
     args = ap.parse_args()
+    global CLOCK
+    if args.clock == "cpu":
+        torch.set_num_threads(1)
+        CLOCK = time.process_time
     rows = []
     for name in args.models:
         rows += [(name, label, *r) for label, r in bench_model(name, args).items()]
     print_table(rows, f"{title.format(**vars(args))}: {describe()}, batch "
                       f"{'per model' if args.batch is None else args.batch}, {args.rounds} rounds x "
-                      f"{args.block} steps per configuration (medians)", targets)
+                      f"{args.block} steps per configuration (medians), {args.clock} clock", targets)
 
 
 def describe() -> dict[str, Any]:

@@ -13,7 +13,10 @@ Interleaved blocks: ms/step is the median block, ratio the median over rounds of
 the plain block of the same round (quartiles and the 90% confidence interval of the median beside
 it), against a target of 1.20x. The plans' alerts are silenced (logged at ERROR only).
 
-    python bench/apply_overhead.py [--models mobilenet resnet20 gpt_neox] [--rounds 7] [--block 6]
+On a shared machine the wall clock measures the neighbours too: ``--clock cpu`` times the process's
+CPU time on one thread (torch's and the kernels' alike), the work a step costs.
+
+    python bench/apply_overhead.py [--models mobilenet resnet20 gpt_neox] [--rounds 7] [--block 6] [--clock cpu]
 """
 from __future__ import annotations
 
