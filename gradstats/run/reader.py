@@ -144,6 +144,8 @@ class Run:
         #: damaged files found so far: relative path -> the error (kept for on_error="raise")
         self._damaged: dict[str, RunCorruptError] = {}
         self._steps: list[int] | None = None
+        self._sample_index: pd.DataFrame | None = None
+        self._sample_rows: dict[tuple[str, str, int], list[tuple[int, int, str]]] | None = None
         return self
 
     def _problem(self, msg: str) -> None:
@@ -350,6 +352,11 @@ class Run:
     # -- samples
     def sample_index(self) -> pd.DataFrame:
         """Which raw samples exist: step, rank, layer, kind, call, n_samples, n_total, file."""
+        if self._sample_index is None:
+            self._sample_index = self._read_sample_index()
+        return self._sample_index.copy()
+
+    def _read_sample_index(self) -> pd.DataFrame:
         rows = []
         for c in self._commits:
             totals = c.get("sample_totals", {})
@@ -418,15 +425,20 @@ class Run:
 
         if call is not None and (isinstance(call, bool) or not isinstance(call, int) or call < 0):
             raise ValueError(f"call must be a call number >= 0 or None (all calls), got {call!r}")
-        idx = self.sample_index()
-        sel = idx[(idx.layer == layer) & (idx.kind == kind) & (idx.step == step)]
-        if call is not None:
-            sel = sel[sel.call == call]
+        if self._sample_index is None:
+            self._sample_index = self._read_sample_index()
+        if self._sample_rows is None:
+            by: dict[tuple[str, str, int], list[tuple[int, int, str]]] = {}
+            for r in self._sample_index.itertuples():
+                by.setdefault((r.layer, r.kind, int(r.step)), []).append((int(r.rank), int(r.call), r.file))
+            self._sample_rows = by
+        sel = [t for t in self._sample_rows.get((layer, kind, int(step)), []) if call is None or t[1] == call]
         if rank is not None:
-            sel = sel[sel["rank"] == rank]
-        elif kind in REPLICA_KINDS and len(sel) and layer not in self.sharded_layers:
-            sel = sel[sel["rank"] == sel["rank"].min()]
-        if not len(sel):
+            sel = [t for t in sel if t[0] == rank]
+        elif kind in REPLICA_KINDS and sel and layer not in self.sharded_layers:
+            sel = [t for t in sel if t[0] == min(u[0] for u in sel)]
+        if not sel:
+            idx = self.sample_index()
             if layer not in self.layers:
                 raise ValueError(f"layer {layer!r} is not in this run; its layers are {self.layers}")
             have = idx[(idx.layer == layer) & (idx.kind == kind)]
@@ -441,10 +453,10 @@ class Run:
         by_file = {(c["rank"], rel): c["files"][rel] for c in self._commits for rel in c["files"]
                    if rel.startswith("samples/")}
         parts = []
-        for r in sel.sort_values(["rank", "call"]).itertuples():
-            p = self._check(r.file, by_file[(r.rank, r.file)])
+        for rk, cl, rel in sorted(sel):
+            p = self._check(rel, by_file[(rk, rel)])
             with safe_open(str(p), framework="pt") as f:
-                parts.append(f.get_tensor(sample_key(int(r.step), layer, kind, int(r.call))))
+                parts.append(f.get_tensor(sample_key(int(step), layer, kind, cl)))
         return parts
 
     def summary(self, *, kind: str = "grad") -> pd.DataFrame:
