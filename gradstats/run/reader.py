@@ -146,6 +146,7 @@ class Run:
         self._steps: list[int] | None = None
         self._sample_index: pd.DataFrame | None = None
         self._sample_rows: dict[tuple[str, str, int], list[tuple[int, int, str]]] | None = None
+        self._tables: dict[str, pd.DataFrame] = {}
         return self
 
     def _problem(self, msg: str) -> None:
@@ -346,8 +347,13 @@ class Run:
             raise ValueError(f"{name!r} is not a table name; use stats(), samples() for those")
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
-        frames = [t for c in self._commits for t in self._read_parquet(c, f"{name}/", on_error)]
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        if name not in self._tables:       # read once per run (refresh() reads again); callers get a copy
+            frames = [t for c in self._commits for t in self._read_parquet(c, f"{name}/", on_error)]
+            df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+            if not any(k.startswith(f"{name}/") for k in self._damaged):
+                self._tables[name] = df       # (a table with damaged parts is read again: it warns again)
+            return df.copy()
+        return self._tables[name].copy()
 
     # -- samples
     def sample_index(self) -> pd.DataFrame:
