@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-__all__ = ["format_checks", "TABLE_WIDTH"]
+__all__ = ["format_checks", "TABLE_WIDTH", "plan_label", "repair_line", "repair_summary"]
 
 
 #: the width the check tables aim to stay within: a layer name that does not fit beside the numbers
@@ -75,3 +75,72 @@ def format_checks(records: Sequence[dict[str, Any]], width: int = TABLE_WIDTH) -
             lines += textwrap.wrap(text, width=width, initial_indent="    ", subsequent_indent="      ",
                                    break_long_words=False, break_on_hyphens=False)
     return "\n".join(lines)
+
+
+def rule_words(rule: Any) -> str:
+    """:meth:`~gradstats.plan.Rule.describe` with the per-tensor scale's shift, which it leaves out.
+
+    Example:
+        >>> from gradstats.plan import Rule
+        >>> rule_words(Rule(format="e2m1fn", scale="amax", scale_shift=2, rounding="stochastic"))
+        'e2m1fn stochastic amax scale x2^+2; no pruning'
+    """
+    words = rule.describe()
+    if rule.quantizes and rule.scale_shift:
+        fmt, _, prune = words.partition("; ")
+        words = f"{fmt} scale x2^{rule.scale_shift:+d}; {prune}"
+    return words
+
+
+def repair_line(layer: str, rule: Any, failed: dict[str, Any], now: Any, *, passed: str | None,
+                most: int = 2) -> str:
+    """One layer of :func:`repair_summary`: the rule that failed its check, at which step and why (the
+    first ``most`` problems of the ``failed`` row), and what was done: changed to the choice ``passed``
+    names, or (None) left in the last choice tried, ``now``, which fails too.
+
+    Example:
+        >>> from gradstats.plan import Rule
+        >>> was = Rule(format="e2m1fn", scale="amax", scale_shift=2, rounding="stochastic")
+        >>> print(repair_line("conv1", was, {"step": 196, "problems": ["predicted: magnitude gain 0.98"]},
+        ...                   was.replace(scale_shift=0), passed="scale shift 0"))
+          conv1: e2m1fn stochastic amax scale x2^+2; no pruning failed at step 196 (predicted: magnitude gain 0.98) -> changed to scale shift 0: e2m1fn stochastic amax; no pruning
+    """
+    probs = list(failed["problems"])
+    why = "; ".join(probs[:most]) + (f"; {len(probs) - most} more" if len(probs) > most else "")
+    done = f"changed to {passed}" if passed else "no choice passed: left in the last tried, which fails too"
+    return f"  {layer}: {rule_words(rule)} failed at step {failed['step']} ({why}) -> {done}: {rule_words(now)}"
+
+
+def repair_summary(plan_name: str, lines: Sequence[str], planned: int, steps: Sequence[int]) -> str:
+    """The one warning of a plan's repairs: which plan, how many of its planned layers failed their
+    check, what is done about it, then the :func:`repair_line` of each.
+
+    Example:
+        >>> print(repair_summary("recommend(bits=4, sparsity=0.85)", ["  conv1: ..."], 3, [196]))
+        recommend(bits=4, sparsity=0.85): 1 of 3 planned layer(s) failed the check on the run's samples (step 196); each is changed to the first choice that passes, not kept as planned (plan.checks has the numbers):
+          conv1: ...
+    """
+    at = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(str(s) for s in steps)}"
+    return (f"{plan_name}: {len(lines)} of {planned} planned layer(s) failed the check on the run's samples ({at}); "
+            "each is changed to the first choice that passes, not kept as planned (plan.checks has the numbers):\n"
+            + "\n".join(lines))
+
+
+def plan_label(plan: Any) -> str:
+    """A short name of ``plan`` for logs: its generator's name with the ``bits``, ``sparsity`` and
+    (other than per tensor) ``granularity`` it was made for (``"recommend(bits=6, sparsity=0.85)"``),
+    or ``"the plan"``.
+
+    Example:
+        >>> from gradstats.plan import Plan, Provenance
+        >>> gen = "recommend(bits=6, sparsity=0.85, granularity='tensor', rounding=None)"
+        >>> plan_label(Plan([], provenance=Provenance(generator=gen)))
+        'recommend(bits=6, sparsity=0.85)'
+    """
+    gen = plan.provenance.generator if plan.provenance is not None else None
+    if not gen:
+        return "the plan"
+    head, _, args = gen.partition("(")
+    keep = [a for a in args.rstrip(")").split(", ")
+            if a.startswith(("bits=", "sparsity=")) or (a.startswith("granularity=") and a != "granularity='tensor'")]
+    return f"{head}({', '.join(keep)})" if keep else head

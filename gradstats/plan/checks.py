@@ -408,7 +408,7 @@ def _json_row(per: dict[str, Any], steps: Sequence[int], note: str) -> dict[str,
 
 def repair(plan: Any, run: Any, steps: Sequence[int], *, candidates: Sequence[Any], seed: int = 0,
            bias_bound: float, flush_bound: Optional[float], overflow_bound: float = OVERFLOW_BOUND,
-           kind: str = "grad") -> Any:
+           kind: str = "grad", plan_name: Optional[str] = None) -> Any:
     """``plan`` with every planned layer checked (:func:`check_layer` on ``steps``): a layer that fails
     gets the first of :func:`_alternatives` that passes, with the note of why, and where none does
     the last of them (no rounding and, for a pruned layer, no pruning), never the rule that failed.
@@ -417,10 +417,12 @@ def repair(plan: Any, run: Any, steps: Sequence[int], *, candidates: Sequence[An
     planned, so the plan resolves to what the check approved, which ``plan.verify(run)`` on the same
     steps with the same seed passes, and :func:`gradstats.apply` enforces. Its
     :class:`~gradstats.plan.Prediction` takes the composed operator's numbers. The per-layer rows go
-    into the plan's ``checks``. Used by :func:`gradstats.recommend`."""
+    into the plan's ``checks``. Used by :func:`gradstats.recommend`. The layers changed are logged in one
+    warning that names the plan (``plan_name``; default from its provenance): per layer what failed, what now."""
     import dataclasses
 
     from gradstats.plan._rules import RULE_FIELDS, PlanEntry, Prediction
+    from gradstats.plan.check_table import plan_label, repair_line, repair_summary
 
     def differs(a: Any, b: Any) -> dict[str, Any]:
         """The fields of rule ``b`` in which it differs from rule ``a`` (the prediction aside)."""
@@ -443,6 +445,7 @@ def repair(plan: Any, run: Any, steps: Sequence[int], *, candidates: Sequence[An
     last = {e.layer: i for i, e in enumerate(entries) if e.types is None and not e.is_pattern}
     added: dict[str, Any] = {}
     chosen_rules: dict[str, Any] = {}
+    said: list[str] = []                # per layer changed: what failed, what was done (one warning)
     for name, rule in rules.items():
         xs = layer_samples(run, name, steps, kind)
         recs = check_layer(run, name, rule, steps, rows=per_rows[name], kind=kind, seed=seed, samples=xs, **bounds)
@@ -465,7 +468,7 @@ def repair(plan: Any, run: Any, steps: Sequence[int], *, candidates: Sequence[An
                 # not even the last choice passed: the layer is left in the highest precision tried, not
                 # as planned, and its check rows say what still fails
                 note = f"{why}; no alternative passed: {failed}; left in {chosen.describe()}"
-            log.warning("gradstats.recommend: layer %s: %s", name, note)
+            said.append(repair_line(name, rule, first, chosen, passed=label if bad is None else None))
         if not recs:
             continue
         per = layer_summary(recs)
@@ -482,6 +485,8 @@ def repair(plan: Any, run: Any, steps: Sequence[int], *, candidates: Sequence[An
         elif changed:
             added[name] = PlanEntry(name, **whole({**changed, "predicted": pred}, chosen))
         chosen_rules[name] = chosen
+    if said:
+        log.warning("%s", repair_summary(plan_name or plan_label(plan), said, len(rules), steps))
     out = dataclasses.replace(plan, entries=(*entries, *added.values()), checks=tuple(checks))
     # an entry after the one rewritten that selects module types may set one of the fields again: a last
     # exact entry restates the choice there

@@ -315,6 +315,8 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
     training = objective == "training" and block_size is None and model == "lognormal"
     plans: dict[int, Plan] = {}
     for b in widths:
+        plan_name = (f"recommend(bits={b}" + (f", sparsity={asked!r}" if asked is not None else "")
+                     + (f", granularity={granularity!r}" if granularity != "tensor" else "") + ")")   # in the logs
         b_round = rounding or ("stochastic" if b <= 6 else "nearest")
         per_layer: list[dict[str, Any]] = [{} for _ in mom.layers]
         if training:
@@ -331,10 +333,13 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
             for i in range(len(mom.layers)):
                 per_layer[i] = {"rounding": roundings[i], "scale_shift": int(tc.scale_shift[i]),
                                 "bias": float(tc.bias[i]), "flushed": float(tc.flushed[i])}
-                if not tc.feasible[i]:
-                    log.warning("layer %s: no %d-bit format keeps the predicted magnitude bias within %g "
-                                "(best %+.3f with %s, %s rounding)", mom.layers[i], b, bias_bound,
-                                tc.bias[i], fmts[i], roundings[i])
+            biased = [f"  {mom.layers[i]}: best {tc.bias[i]:+.3f} with {fmts[i]}, {roundings[i]} rounding"
+                      for i in range(len(mom.layers)) if not tc.feasible[i]]
+            if biased:
+                log.warning("%s: for %d layer(s) no %d-bit format keeps the predicted magnitude bias within %g; "
+                            "each is planned with its least biased choice%s:\n%s", plan_name, len(biased), b,
+                            bias_bound, ", which the check on the samples then tests" if check else "",
+                            "\n".join(biased))
         else:
             fmts, scales, errors = _choose(fpanalysis, b, mom, rounding=b_round, block_size=block_size,
                                            scale_format=scale_format, candidates=cands, model=model)
@@ -378,8 +383,8 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
         if plans[b].noise_bound is not None:
             cut = [c for c in plans[b].noise if c["sparsity_reason"] == "noise bound"]
             if cut:
-                log.info("gradstats.recommend: the noise bound %g lowered the sparsity of %d of %d pruned layers "
-                         "(mean granted %.3f); plan.to_dataframe() shows each", noise_bound, len(cut),
+                log.info("%s: the noise bound %g lowered the sparsity of %d of %d pruned layers "
+                         "(mean granted %.3f); plan.to_dataframe() shows each", plan_name, noise_bound, len(cut),
                          sum(1 for c in plans[b].noise if c["requested_sparsity"]),
                          float(np.mean([c["sparsity"] for c in plans[b].noise if c["requested_sparsity"]])))
     if default_selection:

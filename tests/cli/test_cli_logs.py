@@ -59,8 +59,6 @@ def test_each_long_stage_says_once_what_it_does(report_log):
         assert len(said) == 1 and said[0].startswith("INFO "), (stage, said)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the grouped warning of gradstats.plan.checks.repair (one per plan, "
-                                       "naming it): not applied yet")
 def test_a_failed_check_warns_once_per_plan_naming_layers_and_action(report_log):
     """On the sample run the FP4 plans' checks fail for conv1 and conv2: one warning per plan,
     which names the plan, then per layer the rule that failed, why, and what it is changed to."""
