@@ -1,14 +1,18 @@
 """Training-step time with and without the tracer, as ratios measured in the same run.
 
-Per model (small CNN with BatchNorm, ResNet-20 and a stack of 48 small Linear layers, width 128,
-whose step is mostly the tracer's fixed cost per layer-call; Fashion-MNIST, batch 128):
+Per model: the zoo's MobileNetV2-style CNN (``mobilenet``, Fashion-MNIST 28x28, batch 64), ResNet-20
+(``resnet20``, batch 128) and a ``transformers`` GPT-NeoX from a tiny config (``gpt_neox``: 2 layers,
+width 128, 16 windows of 64 Shakespeare characters), the workloads of ``apply_overhead.py``; also
+``linear48``, a stack of 48 small Linear layers (width 128) whose step is mostly the tracer's fixed
+cost per layer-call, and the small ``cnn``:
 
 - ``plain``: no tracer;
-- ``stats every step``: statistics of every traced layer (default selection: modules with
-  parameters) on every step, samples every 100th;
+- ``stats every step``: ``trace``'s defaults: statistics of every traced layer (modules with
+  parameters) on every step, samples (and the per-block statistics) every 100th;
 - ``stats every step, alarms off``: the same without the alarms (checked on the writer thread,
   :mod:`gradstats.alarms`): what they cost;
-- ``stats every step + blocks (16, 32)``: with the per-block statistics (:mod:`gradstats.stats.blocks`);
+- ``stats every step + blocks (16, 32)``: with the per-block statistics on every step
+  (:mod:`gradstats.stats.blocks`);
 - ``stats /10, samples /100``: what a long run would use;
 - ``naive numpy hooks``: hooks that copy each gradient to the CPU as numpy and compute the
   same statistics there (the way one would write it by hand), every step.
@@ -20,9 +24,11 @@ steps to disk (``tracer.flush()``: about one commit per second of training, as t
 Configurations run interleaved, several rounds; ms/step is the median block, ratio the median
 over rounds of a block's time over the plain block of the same round (quartiles beside it, then a
 90% confidence interval of the median, and the verdict against the target: "met" when the
-interval lies at or below it, "not met" above it, "within noise" when it straddles it).
+interval lies at or below it, "not met" above it, "within noise" when it straddles it). With
+``--clock cpu`` the process's CPU time on one thread (the writer thread's included) is timed
+instead of the wall clock, which on a shared machine measures the neighbours too.
 
-    python bench/trace_overhead.py [--models cnn resnet20 linear48] [--rounds 5] [--block 20]
+    python bench/trace_overhead.py [--models mobilenet resnet20 gpt_neox linear48] [--rounds 5] [--block 20] [--clock cpu]
 """
 from __future__ import annotations
 
@@ -32,10 +38,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time_block
+from apply_overhead import workload
 from torch import nn
 
 import gradstats  # noqa: E402
-from gradstats.zoo.models import build_model  # noqa: E402
 
 
 class NaiveHooks:
@@ -49,7 +55,7 @@ class NaiveHooks:
 
     def _fwd(self):
         def hook(m, i, out):
-            if out.requires_grad:
+            if isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(self._stats)
         return hook
 
@@ -83,39 +89,45 @@ def linear48(width: int = 128) -> nn.Sequential:
 TARGETS = {"stats every step": 1.10, "stats /10, samples /100": 1.03, ("linear48", "stats every step"): 1.30}
 
 
-def bench_model(name: str, rounds: int, block: int, batch: int) -> dict[str, float]:
-    model = linear48() if name == "linear48" else build_model(name, seed=0)
+def bench_model(name: str, rounds: int, block: int, batch: int | None) -> dict[str, float]:
+    if name == "linear48":
+        model, batches, loss_fn = linear48(), fixed_batches("cnn", block, batch or 128), None
+    else:
+        model, batches, loss_fn = workload(name, block, batch)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    batches = fixed_batches("cnn" if name == "linear48" else name, block, batch)
     tmp = Path(tempfile.mkdtemp(prefix="gradstats-bench-"))
     # resume=True: each block re-attaches and continues the configuration's own run
-    every = gradstats.Tracer(model, tmp / "every", every=1, sample_every=100, resume=True)
-    tenth = gradstats.Tracer(model, tmp / "tenth", every=10, sample_every=100, resume=True)
-    quiet = gradstats.Tracer(model, tmp / "quiet", every=1, sample_every=100, resume=True, alarms=False)
-    blocks = gradstats.Tracer(model, tmp / "blocks", every=1, sample_every=100, resume=True, blocks=(16, 32))
+    every = gradstats.Tracer(model, tmp / "every", resume=True)
+    tenth = gradstats.Tracer(model, tmp / "tenth", every=10, resume=True)
+    quiet = gradstats.Tracer(model, tmp / "quiet", resume=True, alarms=False)
+    blocks = gradstats.Tracer(model, tmp / "blocks", resume=True, blocks=(16, 32))
+
+    def timed(after=None, finish=None) -> float:
+        return time_block(model, opt, batches, after, finish, loss_fn=loss_fn)
 
     def traced(tr):
         tr.attach()                    # once per training in real use: not timed
-        t = time_block(model, opt, batches, tr.step, tr.flush)    # the block's commit is timed
+        t = timed(tr.step, tr.flush)   # the block's commit is timed
         tr.detach()
         return t
 
     def naive():
         hooks = NaiveHooks(model)
-        return time_block(model, opt, batches, None, hooks.detach)
+        return timed(None, hooks.detach)
 
-    time_block(model, opt, batches[:2])                                    # warm up
-    return interleaved_ratios({"plain": lambda: time_block(model, opt, batches),
-                        "stats every step": lambda: traced(every),
-                        "stats every step, alarms off": lambda: traced(quiet),
-                        "stats every step + blocks (16, 32)": lambda: traced(blocks),
-                        "stats /10, samples /100": lambda: traced(tenth),
-                        "naive numpy hooks": naive}, rounds)
+    time_block(model, opt, batches[:2], loss_fn=loss_fn)                    # warm up
+    return interleaved_ratios({"plain": timed,
+                               "stats every step": lambda: traced(every),
+                               "stats every step, alarms off": lambda: traced(quiet),
+                               "stats every step + blocks (16, 32)": lambda: traced(blocks),
+                               "stats /10, samples /100": lambda: traced(tenth),
+                               "naive numpy hooks": naive}, rounds)
 
 
 def main() -> None:
     step_benchmark_main(__doc__, "trace overhead", lambda name, a: bench_model(name, a.rounds, a.block, a.batch),
-                        models=["cnn", "resnet20", "linear48"], rounds=5, block=20, targets=TARGETS)
+                        models=["mobilenet", "resnet20", "gpt_neox"], rounds=5, block=20, targets=TARGETS,
+                        batch=None)
 
 
 if __name__ == "__main__":
