@@ -44,6 +44,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -77,6 +78,9 @@ from gradstats.noise.record import sending_back
 from gradstats.ops.engine import use_triton
 from gradstats.ops.fused import prune_quantize
 from gradstats.ops.layout import channel_dim
+from gradstats.tracer import taps
+from gradstats.tracer.capture import first_grad_tensor
+from gradstats.tracer.taps import grad_tap, observe, replace_first_grad_tensor
 from gradstats.wrappers import named_layers, unwrap
 
 __all__ = ["apply", "Applied", "ApplyConfig", "Fallback", "widen", "ALERT_KINDS", "BIAS_BOUND", "FALLBACK_ACTIONS",
@@ -136,6 +140,9 @@ class Applied(Refreshing, Alerting, DevicePath):
         self._device_init()
         modules = dict(named_layers(root))
         self._types = {n: module_types(modules[n]) for n in self.rules}
+        # the taps of a compiled model (gradstats.tracer.taps): per layer, the settling and compressing slots
+        self._slots = {n: (taps.register(self._settle_now), taps.register(functools.partial(self._on_compiled, n)))
+                       for n in self.rules}
         self._handles = [modules[n].register_forward_hook(self._forward_hook(n)) for n in self.rules]
 
     # -- lifecycle
@@ -145,6 +152,10 @@ class Applied(Refreshing, Alerting, DevicePath):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for slots in self._slots.values():
+            for slot in slots:
+                taps.release(slot)
+        self._slots.clear()
 
     def __enter__(self) -> "Applied":
         return self
@@ -154,17 +165,38 @@ class Applied(Refreshing, Alerting, DevicePath):
 
     # -- hooks
     def _forward_hook(self, name: str) -> Callable[..., None]:
-        from gradstats.tracer import first_grad_tensor
-
-        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> Any:
+            if torch.compiler.is_compiling():   # a graph dynamo traces: taps (gradstats.tracer.taps)
+                return self._tap_compiled(name, module, output)
             if self._inflight:           # the device path's last backward: settled here, outside it
                 self.settle()
             if not (torch.is_grad_enabled() and module.training):
-                return
+                return None
             out = first_grad_tensor(output)
             if out is not None:
                 out.register_hook(lambda g: None if sending_back() else self._compress(name, g))
+            return None
         return hook
+
+    def _tap_compiled(self, name: str, module: nn.Module, output: Any) -> Any:
+        """Under ``torch.compile``: the settling tap in the forward pass, and the gradient through
+        the layer's ``transform`` tap (:meth:`_compress` when it runs); only constants are read
+        here, so the graph neither breaks nor recompiles per layer or step."""
+        settle, compress = self._slots[name]
+        out = first_grad_tensor(output)
+        if out is None:
+            return None
+        observe(out, settle)
+        if not (torch.is_grad_enabled() and module.training):
+            return None
+        return replace_first_grad_tensor(output, lambda t: grad_tap(t, compress, transform=True))
+
+    def _on_compiled(self, name: str, g: torch.Tensor) -> Optional[torch.Tensor]:
+        return None if sending_back() else self._compress(name, g)
+
+    def _settle_now(self, _: torch.Tensor) -> None:
+        if self._inflight:
+            self.settle()
 
     @torch.compiler.disable
     def _compress(self, name: str, g: torch.Tensor) -> torch.Tensor:
