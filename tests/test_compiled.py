@@ -77,11 +77,13 @@ def test_trace_of_a_compiled_model_equals_eager(tmp_path, fresh_dynamo):
             assert not fresh_dynamo["graph_break"], dict(fresh_dynamo["graph_break"])
     eager, compiled = stats["eager"], stats["compiled"]
     assert len(eager) == len(compiled) == 4 * 7
-    assert (eager[["step", "layer", "kind", "n"]] == compiled[["step", "layer", "kind", "n"]]).all().all()
-    for col in ("mean", "std", "amax", "zero_frac"):
-        if col in eager:
-            torch.testing.assert_close(torch.tensor(compiled[col].to_numpy()), torch.tensor(eager[col].to_numpy()),
-                                       rtol=1e-4, atol=1e-9)
+    assert (eager[["step", "layer", "kind", "n", "n_zero"]] == compiled[["step", "layer", "kind", "n", "n_zero"]]).all().all()
+    # (not min_abs: the smallest magnitude of a gradient is its most rounding-sensitive value)
+    for col in ("sum_abs", "sum_sq", "sum_ln_abs", "sum_ln_abs_sq", "max_abs"):
+        torch.testing.assert_close(torch.tensor(compiled[col].to_numpy()), torch.tensor(eager[col].to_numpy()),
+                                   rtol=1e-4, atol=0)
+    hist_e, hist_c = torch.tensor(list(eager["hist"])), torch.tensor(list(compiled["hist"]))
+    assert (hist_c - hist_e).abs().sum(1).max() <= 2       # a value on a binade's edge may round across it
 
 
 def test_apply_on_a_compiled_model_matches_eager(fresh_dynamo):
