@@ -3,8 +3,8 @@
 bits, the per-tile counts and sums that :class:`gradstats.ops.fused.CompressCounts` reports, and the
 drift of the lag correction (:func:`gradstats.apply.device.current_settings`).
 
-The per-tensor kernel (:mod:`gradstats.ops.triton.fused`) and the block-scaled kernels
-(:mod:`gradstats.ops.triton.blocks`) call them; :func:`jit` builds a kernel with them bound, as Triton
+The per-tensor kernel (:mod:`gradstats.ops.triton.fused`), the block-scaled kernels
+(:mod:`gradstats.ops.triton.blocks`) and the quantiser's kernel (:mod:`gradstats.ops.triton.quantize`) call them; :func:`jit` builds a kernel with them bound, as Triton
 functions (``triton.jit`` is applied on first use, so that ``TRITON_INTERPRET=1`` set before the first
 call runs everything in Triton's interpreter).
 
@@ -50,12 +50,21 @@ def _prune_src(w, c, a, pk1, pk2):
 
 
 def _round_src(b, r23, M: tl.constexpr, MSUB: tl.constexpr, E0F: tl.constexpr, MAXBITS: tl.constexpr,
-               C0F: tl.constexpr, ROUNDING: tl.constexpr):
-    """The float32 bits of the magnitude with bits ``b`` (int32 >= 0, inf included, NaN excluded by the
-    caller) rounded to a format (``M`` mantissa bits, ``MSUB`` below ``2**emin``, ``E0F`` the biased float32
-    exponent of ``2**emin``, ``MAXBITS`` its max's bits, ``C0F`` its ``2**emin``), saturated at its max.
-    ``ROUNDING``: 0 nearest-even, 1 stochastic with the 23 random bits ``r23``, 2 toward zero. Integer
-    arithmetic on the bits (no float arithmetic on subnormals, so a device that flushes them agrees)."""
+               C0F: tl.constexpr, ROUNDING: tl.constexpr, OVFBITS: tl.constexpr = -1, TIES_UP: tl.constexpr = False,
+               T_SUB: tl.constexpr = 0, SH_SUB: tl.constexpr = 0):
+    """The float32 bits of the magnitude with bits ``b`` (int32 >= 0, inf included; a NaN's result means
+    nothing, the caller replaces it) rounded to a format (``M`` mantissa bits, ``MSUB`` below ``2**emin``,
+    ``E0F`` the biased float32 exponent of ``2**emin``, ``MAXBITS`` its max's bits, ``C0F`` its ``2**emin``),
+    saturated at its max. ``ROUNDING``: 0 nearest-even, 1 stochastic with the 23 random bits ``r23``, 2
+    toward zero. Integer arithmetic on the bits (no float arithmetic on subnormals, so a device that flushes
+    them agrees).
+
+    The quantiser's options (:mod:`gradstats.ops.triton.quantize`; the defaults are the fused kernels'):
+    ``OVFBITS`` (>= 0) the bits a result above the max becomes instead of the max (its "nonfinite" mode);
+    ``TIES_UP``: ties of a mantissa-free format (``M = 0``) round up in the normal range
+    (:func:`gradstats.quantize`'s rule) instead of to the even exponent (the C kernel's); ``T_SUB`` (> 0):
+    codes ``q < T_SUB`` below ``2**emin`` are float32 subnormals, made as ``q << SH_SUB`` (steps below
+    float32's normal range)."""
     ex = b >> 23
     eff = tl.maximum(ex, 1)
     sig = (b & 0x7FFFFF) | tl.where(ex > 0, 0x800000, 0)
@@ -77,13 +86,23 @@ def _round_src(b, r23, M: tl.constexpr, MSUB: tl.constexpr, E0F: tl.constexpr, M
         if ROUNDING == 0:  # nearest, ties to the even code (the exponent's lsb when M = 0)
             rem = base - (q << sh)
             half = (1 << sh) >> 1
-            q = q + (((rem > half) | ((rem == half) & ((q & 1) == 1))) & (sh > 0)).to(tl.int32)
+            odd = (q & 1) == 1
+            if TIES_UP:
+                if M == 0:  # the significand 1 is odd: ties of a mantissa-free format round up
+                    odd = odd | (sub == 0)
+            q = q + (((rem > half) | ((rem == half) & odd)) & (sh > 0)).to(tl.int32)
         res_n = q << sh
     # q * 2**(emin - MSUB) below 2**emin: a float32 normal (the format's steps are), by an exact subtraction
     g = ((E0F << 23) + (q << (23 - MSUB))).to(tl.float32, bitcast=True)
     res_s = (g - C0F).to(tl.int32, bitcast=True)
+    if T_SUB > 0:  # a float32 subnormal: by an integer shift
+        res_s = tl.where(q < T_SUB, q << SH_SUB, res_s)
     res = tl.where(sub, res_s, res_n)
-    return tl.where(res > MAXBITS, MAXBITS, res)  # saturate, inf included
+    if OVFBITS < 0:  # saturate, inf included
+        res = tl.where(res > MAXBITS, MAXBITS, res)
+    else:
+        res = tl.where(res > MAXBITS, OVFBITS, res)
+    return res
 
 
 def _accumulate_src(CNT, SUMS, v, ow, mask, pruned, under, over):

@@ -7,7 +7,8 @@ subnormals, so a device that flushes subnormals gets the same bits); values belo
 rebuilt by a float subtraction of two normal numbers or, when the result is a float32 subnormal, by
 an integer shift. Stochastic rounding draws its bits from the one counter-based stream of
 :mod:`gradstats.ops.random` (the rounding stream of the seed, at each element's flat index), as the
-torch path does, so CPU and GPU give identical results for the same seed or generator state.
+torch path does, so CPU and GPU give identical results for the same seed or generator state. The random
+word and the rounding are the shared device functions of :mod:`gradstats.ops.triton.common`.
 
 The torch path (``gradstats.ops.quantization``) is the reference; ``tests/ops/test_quantization_triton.py`` runs this kernel
 on the CPU under ``TRITON_INTERPRET=1`` and compares bit for bit. The kernel is built on first use
@@ -66,51 +67,18 @@ def _kernel_src(X, Y, S, RB, start, n, scale_f, s_div, s_mod, k1, k2,
     b = x.to(tl.int32, bitcast=True)
     neg = b < 0
     a = b & 0x7FFFFFFF
-    ex = a >> 23
-    eff = tl.maximum(ex, 1)
-    sig = (a & 0x7FFFFF) | tl.where(ex > 0, 0x800000, 0)
-    sub = a < (E0F << 23)
-    pre = tl.minimum(tl.where(sub, E0F - eff, 0), 30)
+    r23 = a
     if ROUNDING == 1:
         if KEY_MODE == 2:
             r23 = tl.load(RB + offs, mask=mask, other=0)
         else:
-            # the word of gradstats.ops.random at counter c + offs, with k1 = c_lo + (the segment's
-            # k1) and k2 its second key (int32; one launch never leaves a 2**32 segment); int32
-            # arithmetic wraps, ">> s & mask" is the logical shift
-            h = (offs.to(tl.int32) + k1) * 0x7FEB352D
-            h = h ^ ((h >> 16) & 0xFFFF)
-            h = h * (-2073254261) + k2
-            h = h ^ ((h >> 15) & 0x1FFFF)
-            h = h * (-1640531535)
-            r23 = (h >> 9) & 0x7FFFFF
-        # normal range: add random bits below the kept ones, truncate (carries reach the exponent)
-        res_n = ((a + (r23 >> M)) >> (23 - M)) << (23 - M)
-        # below 2**emin: round to nearest on the grid 2**(emin-23), then the same on the fixed grid
-        q0 = sig >> pre
-        rem = sig - (q0 << pre)
-        half = (1 << pre) >> 1
-        nn = q0 + (((rem > half) | ((rem == half) & ((q0 & 1) == 1))) & (pre > 0)).to(tl.int32)
-        q = (nn + (r23 >> MSUB)) >> (23 - MSUB)
-    else:
-        sh = tl.where(sub, tl.minimum(23 - MSUB + pre, 30), 23 - M)
-        base = tl.where(sub, sig, a)
-        q = base >> sh
-        if ROUNDING == 0:
-            rem = base - (q << sh)
-            half = (1 << sh) >> 1
-            odd = (q & 1) == 1
-            if M == 0:  # the significand 1 is odd: ties of a mantissa-free format round up
-                odd = odd | (sub == 0)
-            q = q + (((rem > half) | ((rem == half) & odd)) & (sh > 0)).to(tl.int32)
-        res_n = q << sh
-    # value q * 2**(emin - MSUB) below 2**emin: float path (normal result) or integer path
-    g = ((E0F << 23) + (q << (23 - MSUB))).to(tl.float32, bitcast=True)
-    res_s = (g - C0F).to(tl.int32, bitcast=True)
-    if T_SUB > 0:
-        res_s = tl.where(q < T_SUB, q << SH_SUB, res_s)
-    res = tl.where(sub, res_s, res_n)
-    res = tl.where(res > MAXBITS, OVFBITS, res)
+            # the word of gradstats.ops.random at counter c + offs, with k1 = c_lo + (the segment's k1) and k2
+            # its second key (one launch never leaves a 2**32 segment)
+            r23 = (_word(offs.to(tl.int32), k1, k2) >> 9) & 0x7FFFFF  # noqa: F821 - bound by common.jit
+    # the shared rounding, with the quantiser's overflow bits, ties of a mantissa-free format rounded up and
+    # float32-subnormal results made by an integer shift
+    res = _round(a, r23, M, MSUB, E0F, MAXBITS, C0F, ROUNDING, OVFBITS=OVFBITS, TIES_UP=True,  # noqa: F821
+                 T_SUB=T_SUB, SH_SUB=SH_SUB)
     res = tl.where(a > 0x7F800000, 0x7FC00000, res)
     if FNUZ:
         res = tl.where(neg & (res != 0), res | (-2147483648), res)
@@ -128,10 +96,10 @@ def _kernel_src(X, Y, S, RB, start, n, scale_f, s_div, s_mod, k1, k2,
 
 
 @functools.lru_cache(maxsize=2)
-def _kernel(interpret: bool):
-    import triton
+def _kernel(interpret: bool):  # the cache key: Triton decides at decoration
+    from gradstats.ops.triton.common import jit
 
-    return triton.jit(_kernel_src, do_not_specialize=["start", "n", "scale_f", "s_div", "s_mod", "k1", "k2"])
+    return jit(_kernel_src, interpret, do_not_specialize=["start", "n", "scale_f", "s_div", "s_mod", "k1", "k2"])
 
 
 def _scale_index(scale: torch.Tensor, shape: torch.Size):
