@@ -338,12 +338,6 @@ def _bits(v: float) -> int:
     return int(np.asarray(v, dtype=np.float32).view(np.int32))
 
 
-def _check_acc(t: torch.Tensor | None, name: str, size: int, dtype: torch.dtype, x: torch.Tensor) -> None:
-    from gradstats.ops.triton.fused import _check_acc as check
-
-    check(t, name, size, dtype, x)
-
-
 def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.Tensor], fmt: FPFormat | str, *,
                                  block_size: int, scale_format: str = "e8m0", scale_rounding: str = "floor",
                                  rounding: str = "nearest", seed: int = 0, block_dim: int = -1,
@@ -380,7 +374,7 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
         >>> _ = os.environ.pop("TRITON_INTERPRET") if old is None else os.environ.update(TRITON_INTERPRET=old)
     """
     from gradstats.ops.consts import consts
-    from gradstats.ops.triton.fused import _check_correction, _check_value, _halves
+    from gradstats.ops.triton.fused import _check_value, _halves, _prepare
     from gradstats.ops.triton.stats import SCALARS
     from gradstats.scheme import E4M3
 
@@ -406,30 +400,13 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
         raise ValueError(f"stats must be the 1-d float64 statistics vector of x on {x.device} "
                          f"(gradstats.stats.fields.LAYOUT)")
     seed = _rng.resolve_seed(seed, None, "prune_quantize_blocks_triton")
-    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype
-                            or out.device != x.device or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous tensor of x's shape {tuple(x.shape)}, dtype {x.dtype} and "
-                         f"device {x.device}")
-    _check_acc(counts, "counts", 5, torch.int64, x)
-    _check_acc(sums, "sums", 6, torch.float64, x)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(f"scale (only recorded in used) must be a float, got {type(scale).__name__}")
-    correct = _check_correction(x, threshold, scale, stats, solved_mu, used)
-    xc = x.detach()
-    if not xc.is_contiguous():
-        xc = xc.contiguous()
-    res = out if out is not None else torch.empty_like(xc, memory_format=torch.contiguous_format)
-    if counts is None:
-        counts = torch.zeros(5, dtype=torch.int64, device=x.device)
-    if sums is None:
-        sums = torch.zeros(6, dtype=torch.float64, device=x.device)
-    n = xc.numel()
-    if n == 0:
-        return res, counts, sums
-    a_ptr = isinstance(threshold, torch.Tensor)
-    prune = a_ptr or threshold > 0
-    A = threshold.reshape(1) if isinstance(threshold, torch.Tensor) else counts
-    a_f = 0 if a_ptr else _bits(threshold)
+    p = _prepare(x, threshold, scale, out, counts, sums, stats, solved_mu, used)
+    if p.n == 0:
+        return p.res, p.counts, p.sums
+    xc, res, counts, sums, n, correct = p.xc, p.res, p.counts, p.sums, p.n, p.correct
+    a_ptr, prune, a_f, A = p.a_ptr, p.prune, p.a_f, p.A
     e4m3 = scale_format == "e4m3"
     ta_mode, ta_f = 0, 0
     if e4m3:

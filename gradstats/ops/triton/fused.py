@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Union
+from typing import NamedTuple, Union
 
 import numpy as np
 import torch
@@ -273,6 +273,50 @@ def _check_correction(x: torch.Tensor, threshold, scale, stats, solved_mu, used)
     return True
 
 
+class _Prepared(NamedTuple):
+    """What :func:`_prepare` makes of a kernel call's arguments."""
+
+    xc: torch.Tensor  # x, detached and contiguous
+    res: torch.Tensor  # the result: out, or a new contiguous tensor like x
+    counts: torch.Tensor  # int64[5], given or zeroed
+    sums: torch.Tensor  # float64[6], given or zeroed
+    n: int  # x's number of elements (0: launch nothing)
+    correct: bool  # whether the lag correction applies
+    a_ptr: bool  # the threshold is a one-element tensor read by the kernel
+    prune: bool  # whether the kernel prunes
+    a_f: int  # a host threshold's float32 bits (0 for a tensor)
+    A: torch.Tensor  # the threshold's pointer (counts when it is a host float: not read)
+
+
+def _prepare(x: torch.Tensor, threshold, scale, out: torch.Tensor | None, counts: torch.Tensor | None,
+             sums: torch.Tensor | None, stats, solved_mu, used) -> _Prepared:
+    """The checks and set-up the per-tensor and the block kernels' entries share: ``out``, ``counts``, ``sums``
+    and the lag correction's arguments validated (``threshold`` and ``scale`` already are), ``x`` made
+    contiguous, the result, ``counts`` and ``sums`` allocated where not given, and the threshold as the
+    kernels take it. The caller returns ``(res, counts, sums)`` as they are when ``n`` is 0."""
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype
+                            or out.device != x.device or not out.is_contiguous()):
+        seen = (tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out must be a contiguous tensor of x's shape {tuple(x.shape)}, dtype {x.dtype} and "
+                         f"device {x.device}; got {seen}")
+    _check_acc(counts, "counts", 5, torch.int64, x)
+    _check_acc(sums, "sums", 6, torch.float64, x)
+    correct = _check_correction(x, threshold, scale, stats, solved_mu, used)
+    xc = x.detach()
+    if not xc.is_contiguous():
+        xc = xc.contiguous()
+    res = out if out is not None else torch.empty_like(xc, memory_format=torch.contiguous_format)
+    if counts is None:
+        counts = torch.zeros(5, dtype=torch.int64, device=x.device)
+    if sums is None:
+        sums = torch.zeros(6, dtype=torch.float64, device=x.device)
+    a_ptr = isinstance(threshold, torch.Tensor)
+    prune = a_ptr or threshold > 0
+    a_f = 0 if a_ptr else _bits(threshold)
+    A = threshold.reshape(1) if isinstance(threshold, torch.Tensor) else counts
+    return _Prepared(xc, res, counts, sums, xc.numel(), correct, a_ptr, bool(prune), a_f, A)
+
+
 def prune_quantize_triton(x: torch.Tensor, threshold: Union[float, torch.Tensor], fmt: FPFormat | str | None, *,
                           scale: Union[float, torch.Tensor] = 1.0, rounding: str = "nearest", seed: int = 0,
                           out: torch.Tensor | None = None, counts: torch.Tensor | None = None,
@@ -336,30 +380,11 @@ def prune_quantize_triton(x: torch.Tensor, threshold: Union[float, torch.Tensor]
     _check_value(threshold, "threshold", x, positive=False)
     _check_value(scale, "scale", x, positive=True)
     seed = _rng.resolve_seed(seed, None, "prune_quantize_triton")
-    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype
-                            or out.device != x.device or not out.is_contiguous()):
-        seen = (tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"out must be a contiguous tensor of x's shape {tuple(x.shape)}, dtype {x.dtype} and "
-                         f"device {x.device}; got {seen}")
-    _check_acc(counts, "counts", 5, torch.int64, x)
-    _check_acc(sums, "sums", 6, torch.float64, x)
-    correct = _check_correction(x, threshold, scale, stats, solved_mu, used)
-    xc = x.detach()
-    if not xc.is_contiguous():
-        xc = xc.contiguous()
-    res = out if out is not None else torch.empty_like(xc, memory_format=torch.contiguous_format)
-    if counts is None:
-        counts = torch.zeros(5, dtype=torch.int64, device=x.device)
-    if sums is None:
-        sums = torch.zeros(6, dtype=torch.float64, device=x.device)
-    n = xc.numel()
-    if n == 0:
-        return res, counts, sums
-
-    a_ptr = isinstance(threshold, torch.Tensor)
-    prune = a_ptr or threshold > 0
-    a_f = 0 if a_ptr else _bits(threshold)
-    A = threshold.reshape(1) if isinstance(threshold, torch.Tensor) else counts
+    p = _prepare(x, threshold, scale, out, counts, sums, stats, solved_mu, used)
+    if p.n == 0:
+        return p.res, p.counts, p.sums
+    xc, res, counts, sums, n, correct = p.xc, p.res, p.counts, p.sums, p.n, p.correct
+    a_ptr, prune, a_f, A = p.a_ptr, p.prune, p.a_f, p.A
     q = fmt is not None
     s_ptr = isinstance(scale, torch.Tensor)
     S, scale_f, inv_f, smode = (scale.reshape(1) if s_ptr else counts), 0, 0, 0
