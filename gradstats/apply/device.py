@@ -47,15 +47,10 @@ from typing import Any
 
 import torch
 
-from gradstats.apply.refresh import LayerState
+from gradstats.apply.refresh import LayerState, snapshot
 from gradstats.ops import random as _rng
 from gradstats.ops.fused import CompressCounts, prune_quantize_into
 from gradstats.ops.host import Outbox
-
-#: what of a layer's state a call's record reports as it was when the call ran
-SNAPSHOT = ("scale", "threshold", "predicted_sparsity", "predicted_underflow", "predicted_overflow",
-            "predicted_error", "mu", "sigma", "p0", "amax")
-
 
 #: a call's record on the device: counts (int64[5], as float64 bits), sums (float64[6]), the threshold
 #: and scale the kernel used (float64[2])
@@ -76,25 +71,20 @@ def _block_kernel(g: torch.Tensor, fmt: Any, q: dict[str, Any], st: LayerState, 
     """The block kernel's arguments for the call (its format spelled out), or None where it does not take it
     whole (:func:`gradstats.ops.triton.blocks.supports`, a finite threshold, a contiguous gradient)."""
     from gradstats.ops.engine import use_triton
-    from gradstats.ops.fused import _spelled
+    from gradstats.ops.fused import spelled
     from gradstats.ops.triton import blocks as kblocks
 
     if not (use_triton(g.device.type) and g.numel() > 0 and g.is_contiguous()):
         return None
     if rule.prunes and not (math.isfinite(st.threshold) and st.threshold >= 0):
         return None
-    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = _spelled(
+    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = spelled(
         fmt, q.get("rounding"), q.get("block_size"), q.get("scale_format"), q.get("scale_rounding"), q.get("hadamard"))
     block_dim = q.get("block_dim", -1)
     if not kblocks.supports(fmt, block_size, scale_format, hadamard, g, block_dim):
         return None
     return {"fmt": fmt, "rounding": rounding, "block_size": block_size, "scale_format": scale_format,
             "scale_rounding": scale_rounding, "hadamard": hadamard, "block_dim": block_dim}
-
-
-def snapshot(st: LayerState) -> dict[str, float]:
-    """The state a record reports, as it is now."""
-    return {k: getattr(st, k) for k in SNAPSHOT}
 
 
 _F = {"n": 0, "n_zero": 1, "n_nonfinite": 2, "sum_ln_abs": 6, "max_abs": 9}
@@ -224,4 +214,4 @@ class DevicePath:
             self._account(name, rule, seq, counts, math.nan, snap)  # type: ignore[attr-defined]
 
 
-__all__ = ["DevicePath", "snapshot", "SNAPSHOT"]
+__all__ = ["DevicePath"]

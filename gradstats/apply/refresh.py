@@ -105,6 +105,16 @@ class LayerState:
         return math.sqrt(max(self.m2 - self.mu * self.mu, 0.0))
 
 
+#: what of a layer's state a call's record reports as it was when the call ran
+SNAPSHOT = ("scale", "threshold", "predicted_sparsity", "predicted_underflow", "predicted_overflow",
+            "predicted_error", "mu", "sigma", "p0", "amax")
+
+
+def snapshot(st: LayerState) -> dict[str, float]:
+    """The state a record reports, as it is now."""
+    return {k: getattr(st, k) for k in SNAPSHOT}
+
+
 def stats_vector(g: torch.Tensor, full: bool) -> torch.Tensor:
     """:func:`gradstats.stats.tensor_stats_vector` of ``g`` (``full``: with the binade counts and
     the top magnitudes, which the histogram rule reads): on the CPU the C kernel writes into the
@@ -306,10 +316,8 @@ class Refreshing:
             fill_predictions(rec, pending, quantizes)
 
     def _record_snapshot(self, st: LayerState) -> dict[str, Any]:
-        """:func:`gradstats.apply.device.snapshot` of the state for a call's record, its predictions
-        left pending (under ``"pending"``) where the solve left them so."""
-        from gradstats.apply.device import SNAPSHOT, snapshot
-
+        """:func:`snapshot` of the state for a call's record, its predictions left pending (under
+        ``"pending"``) where the solve left them so."""
         if st.pending is None:
             return snapshot(st)
         snap: dict[str, Any] = {k: getattr(st, k) for k in SNAPSHOT if k not in PREDICTED}

@@ -104,9 +104,15 @@ def _native():
     return prune_quant()
 
 
-def _spelled(fmt, rounding, block_size, scale_format, scale_rounding, hadamard=None):
+def spelled(fmt: Any, rounding: Optional[str], block_size: Optional[int], scale_format: Optional[str],
+            scale_rounding: Optional[str], hadamard: Optional[int] = None) -> tuple[Any, ...]:
     """The operator's format arguments spelled out (:func:`spell_out`; without a format: nearest
-    rounding and the default block-scale settings, no Hadamard transform)."""
+    rounding and the default block-scale settings, no Hadamard transform).
+
+    Example:
+        >>> spelled(None, None, None, None, None)
+        (None, 'nearest', None, 'e8m0', 'floor', None)
+    """
     if fmt is None:
         return (None, "nearest" if rounding is None else rounding, block_size, scale_format or "e8m0",
                 scale_rounding or "floor", None)
@@ -157,7 +163,7 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
         raise ValueError(f"prune_quantize expects a floating-point tensor, got {type(x).__name__}")
     if not (threshold >= 0):
         raise ValueError(f"threshold must be >= 0 (0 = no pruning), got {threshold}")
-    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = _spelled(
+    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = spelled(
         fmt, rounding, block_size, scale_format, scale_rounding, hadamard)
     if rounding not in ROUNDING_CODES:
         raise ValueError(f"rounding must be one of {sorted(ROUNDING_CODES)}, got {rounding!r}")
@@ -292,7 +298,7 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
         >>> y.tolist(), c.tolist()
         ([1.0, 6.0], [0, 0, 0, 1, 0])
     """
-    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = _spelled(
+    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = spelled(
         fmt, rounding, block_size, scale_format, scale_rounding, hadamard)
     fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
     if use_triton(x.device.type) and block_size is not None and x.numel() > 0:
