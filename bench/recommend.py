@@ -11,6 +11,7 @@ repeats, process CPU time.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import tempfile
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
+    logging.getLogger("gradstats").setLevel(logging.ERROR)     # the plans' check warnings: timed, not read
     plain = deep_run(tempfile.mkdtemp())
     plain.stats()
     widths = [4, 5, 6, 7, 8]
