@@ -137,6 +137,24 @@ def _threshold_src(A, a_f, t_hi, t_lo, s_hi, s_lo, ST, mu_hi, mu_lo, USED, first
     return a
 
 
+def _load_pruned_src(X, offs, mask, first, A, a_f, t_hi, t_lo, s_hi, s_lo, ST, mu_hi, mu_lo, USED, pk1, pk2,
+                     A_PTR: tl.constexpr, CORR_T: tl.constexpr, WRITE_USED: tl.constexpr, I_N: tl.constexpr,
+                     I_ZERO: tl.constexpr, I_NONFIN: tl.constexpr, I_LN: tl.constexpr, PRUNE: tl.constexpr):
+    """A tile's prologue in both block kernels: the values ``v`` at ``offs`` (float32) and their bits
+    ``vb``, the call's threshold ``a`` (:func:`_threshold_src`; program ``first`` records it), and the
+    magnitudes ``w`` after stochastic pruning (``pruned``: the entries it set to zero)."""
+    v = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    vb = v.to(tl.int32, bitcast=True)
+    w = (vb & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    a = _threshold(A, a_f, t_hi, t_lo, s_hi, s_lo, ST, mu_hi, mu_lo, USED, first, A_PTR,  # noqa: F821
+                   CORR_T, WRITE_USED, I_N, I_ZERO, I_NONFIN, I_LN)
+    pruned = mask & (mask == 0)
+    if PRUNE:
+        w, pruned = _prune(w, offs.to(tl.int32), a, pk1, pk2)  # noqa: F821
+        pruned = pruned & mask
+    return v, vb, w, a, pruned
+
+
 def _tensor_amax_src(A, ST, AMX, a, ta_f, PRUNE: tl.constexpr, TA_MODE: tl.constexpr, I_MAX: tl.constexpr):
     """NVFP4's tensor amax (float32): 1 the host's ``ta_f`` (bits), 2 the statistics vector's ``max_abs``
     (raised to the threshold when pruning), 3 the first pass's (bits in ``AMX``); 0: none (E8M0)."""
@@ -182,16 +200,9 @@ def _rows_src(X, Y, A, ST, AMX, CNT, SUMS, USED, n_rows, Q, K, NB, KP, a_f, ta_f
     k = kb[:, None] * B + i[None, :]
     mask = (g < n_rows)[:, None] & (i < B)[None, :] & (k < K)
     offs = (p[:, None] * K + k) * Q + q[:, None]
-    v = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    vb = v.to(tl.int32, bitcast=True)
-    w = (vb & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    first = tl.program_id(0) == 0
-    a = _threshold(A, a_f, t_hi, t_lo, s_hi, s_lo, ST, mu_hi, mu_lo, USED, first, A_PTR,  # noqa: F821
-                   CORR_T, WRITE_USED, I_N, I_ZERO, I_NONFIN, I_LN)
-    pruned = mask & (mask == 0)
-    if PRUNE:
-        w, pruned = _prune(w, offs.to(tl.int32), a, pk1, pk2)  # noqa: F821
-        pruned = pruned & mask
+    v, vb, w, a, pruned = _load_pruned(X, offs, mask, tl.program_id(0) == 0, A, a_f, t_hi, t_lo, s_hi, s_lo, ST, mu_hi,  # noqa: F821
+                                       mu_lo, USED, pk1, pk2, A_PTR, CORR_T, WRITE_USED, I_N, I_ZERO, I_NONFIN,
+                                       I_LN, PRUNE)
     amax = tl.reduce(tl.where(w < float("inf"), w, 0.0), 1, _max)  # noqa: F821
     if AMAX_PASS:
         tl.atomic_max(AMX, tl.reduce(amax, 0, _max).to(tl.int32, bitcast=True))  # noqa: F821
@@ -234,16 +245,9 @@ def _hadamard_src(X, Y, A, SG, ST, AMX, CNT, SUMS, CLIP, USED, Mtok, Q, K, MP, a
     kmask = (k < K)[None, :]
     mask = (t < Mtok)[:, None] & kmask
     offs = ((t // Q)[:, None] * K + k[None, :]) * Q + (t % Q)[:, None]
-    v = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    vb = v.to(tl.int32, bitcast=True)
-    w = (vb & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
-    a = _threshold(A, a_f, t_hi, t_lo, s_hi, s_lo, ST, mu_hi, mu_lo, USED, first, A_PTR,  # noqa: F821
-                   CORR_T, WRITE_USED, I_N, I_ZERO, I_NONFIN, I_LN)
-    pruned = mask & (mask == 0)
-    if PRUNE:
-        w, pruned = _prune(w, offs.to(tl.int32), a, pk1, pk2)  # noqa: F821
-        pruned = pruned & mask
+    v, vb, w, a, pruned = _load_pruned(X, offs, mask, (tl.program_id(0) == 0) & (tl.program_id(1) == 0), A, a_f, t_hi, t_lo, s_hi, s_lo, ST, mu_hi,  # noqa: F821
+                                       mu_lo, USED, pk1, pk2, A_PTR, CORR_T, WRITE_USED, I_N, I_ZERO, I_NONFIN,
+                                       I_LN, PRUNE)
     s = tl.load(SG + tl.arange(0, N))[:, None]  # the random signs, +-1
     r = _fwht(tl.where(vb < 0, -w, w) * s, LOGN) * NORM  # noqa: F821 - R y, y the pruned value
     ar = tl.abs(r)
@@ -264,7 +268,7 @@ def _hadamard_src(X, Y, A, SG, ST, AMX, CNT, SUMS, CLIP, USED, Mtok, Q, K, MP, a
 
 
 _DEVICE_FUNCTIONS = {"_scale": _scale_src, "_quant": _quant_src, "_tensor_amax": _tensor_amax_src,
-                     "_fwht": _fwht_src, "_threshold": _threshold_src}
+                     "_fwht": _fwht_src, "_threshold": _threshold_src, "_load_pruned": _load_pruned_src}
 
 
 @functools.lru_cache(maxsize=2)
