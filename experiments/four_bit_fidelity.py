@@ -40,7 +40,7 @@ import gradstats  # noqa: E402
 from gradstats.zoo.models import MobileNetV2Tiny  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_fidelity import ConvNeXtTiny, probe  # noqa: E402  (the probes and the ConvNeXt of that study)
+from plan_fidelity import ConvNeXtTiny, run_applied  # noqa: E402  (the probes and the ConvNeXt of that study)
 
 log = logging.getLogger("four_bit_fidelity")
 RESULTS = Path(__file__).resolve().parent / "results" / "four_bit_fidelity.json"
@@ -89,25 +89,6 @@ def workload(name: str):
         logits = model(x).logits
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     return model, opt, loss
-
-
-def run_applied(model: nn.Module, opt, loss, plan, names: list[str], steps: int, on_step=None):
-    """``plan`` applied for ``steps`` training steps with probes before and after its operator on the
-    ``names`` layers: ``(applied, {layer: [("in" | "out", gradient), ...]})``."""
-    seen: dict[str, list] = {}
-    pre = probe(model, names, seen, "in")
-    applied = gradstats.apply(model, plan)
-    post = probe(model, names, seen, "out")
-    for k in range(steps):
-        opt.zero_grad()
-        loss().backward()
-        opt.step()
-        if on_step is not None:
-            on_step(k, applied)
-    for h in pre + post:
-        h.remove()
-    applied.remove()
-    return applied, seen
 
 
 def within(got: float, pred: float | None) -> bool:

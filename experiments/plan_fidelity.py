@@ -170,6 +170,25 @@ def probe(model: nn.Module, names: list[str], store: dict[str, list[torch.Tensor
     return handles
 
 
+def run_applied(model: nn.Module, opt, loss, plan, names: list[str], steps: int, on_step=None):
+    """``plan`` applied for ``steps`` training steps with probes before and after its operator on the
+    ``names`` layers: ``(applied, {layer: [("in" | "out", gradient), ...]})``."""
+    seen: dict[str, list] = {}
+    pre = probe(model, names, seen, "in")
+    applied = gradstats.apply(model, plan)
+    post = probe(model, names, seen, "out")
+    for k in range(steps):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+        if on_step is not None:
+            on_step(k, applied)
+    for h in pre + post:
+        h.remove()
+    applied.remove()
+    return applied, seen
+
+
 def measure(name: str, steps: int, apply_steps: int) -> dict:
     model, opt, loss = workload(name)
     path = tempfile.mkdtemp(prefix=f"fidelity-{name}-")
@@ -185,17 +204,7 @@ def measure(name: str, steps: int, apply_steps: int) -> dict:
         plan = gradstats.recommend(path, noise_bound=None, **kw)      # the plans as measured: before the noise bound
         model.load_state_dict(state)
         names = list(plan.resolve(model))
-        seen: dict[str, list] = {}
-        pre = probe(model, names, seen, "in")
-        applied = gradstats.apply(model, plan)
-        post = probe(model, names, seen, "out")
-        for _ in range(apply_steps):
-            opt.zero_grad()
-            loss().backward()
-            opt.step()
-        for h in pre + post:
-            h.remove()
-        applied.remove()
+        applied, seen = run_applied(model, opt, loss, plan, names, apply_steps)
         hist = applied.to_dataframe()
         checks = {c["layer"]: c for c in plan.checks}
         layers = []
