@@ -74,11 +74,16 @@ class NoiseProbe(PerLayer):
 
 
 def _weight_grads(modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """Per layer, the gradient of the parameters its noise is measured over (as the trace records
+    and predicts it, :func:`gradstats.noise.record.noise_params`: a Linear's or convolution's weight,
+    all of a GRU's parameters), flat, float64."""
+    from gradstats.noise.record import flat_grad, noise_params
+
     out = {}
     for name, mod in modules.items():
-        w = getattr(mod, "weight", None)
-        if isinstance(w, torch.Tensor) and w.grad is not None:
-            out[name] = w.grad.detach().to(torch.float64).clone()
+        g = flat_grad(noise_params(mod), torch.float64)
+        if g is not None:
+            out[name] = g
     return out
 
 
@@ -120,7 +125,7 @@ def noise_probe(model: nn.Module, batches: Iterable[Any], plan: Any,
     if len(batches) < 2:
         raise ValueError(f"noise_probe needs at least 2 batches to measure the minibatch noise, got {len(batches)}")
     root = unwrap(model)
-    rules = {n: r for n, r in plan.resolve(root).items() if not r.is_identity}
+    rules = plan.resolve(root)      # layers left alone too: what later layers send back reaches them
     layers = dict(named_layers(root))
     modules = {n: layers[n] for n in rules}
     state = {k: v.detach().clone() for k, v in root.state_dict(keep_vars=True).items()}

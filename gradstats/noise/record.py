@@ -15,10 +15,19 @@ product and ``E|S|^2 = sum_i |G_i|^2 - |G|^2 / B``, so
 
     minibatch noise = B / (B - 1) * E|S|^2 =: B / (B - 1) * s2.
 
-Both are recorded per layer call on the trace's sampled steps for :class:`torch.nn.Linear` (the
-first dimension of the input is the sample) and 1-d and 2-d convolutions; ``downstream_layers``
-records which traced layers each layer's gradient flows back from (the autograd graph of one
-step), so that the noise later layers add is carried to the layers before them.
+Both are recorded per layer call on the trace's sampled steps, for every traced module with
+trainable parameters (:func:`records_noise`), over the parameters :func:`noise_params` names. For
+:class:`torch.nn.Linear` (the first dimension of the input is the sample) and 1-d and 2-d
+convolutions they have closed forms in the layer's input and output gradient
+(:func:`weight_grad_terms`, the weight alone). For any other module (a GRU, an Embedding, a
+MultiheadAttention, a custom module; all its trainable parameters) they are vector-Jacobian
+products through the module's own backward graph (:func:`vjp_terms`), both of the definitions
+above read as one backward pass each: ``q2 = E_z |d<out, g*z>/dparams|^2`` with ``z`` standard normal
+(one draw: noise of relative error 1 spread like ``g``; for a Linear its mean is the closed form),
+and ``s2 = |d<out, g*c>/dparams|^2`` with the centred signs ``c`` over the samples (dim 0; dim 1 of an
+``nn.RNN``/``LSTM``/``GRU`` with ``batch_first=False``). ``downstream_layers`` records which traced
+layers each layer's gradient flows back from (the autograd graph of one step), so that the noise
+later layers add is carried to the layers before them.
 
 Example:
     >>> import torch
@@ -43,18 +52,76 @@ log = logging.getLogger(__name__)
 _CONV = {nn.Conv1d: (F.conv1d, torch.nn.grad.conv1d_weight), nn.Conv2d: (F.conv2d, torch.nn.grad.conv2d_weight)}
 
 
-def records_noise(module: nn.Module) -> bool:
-    """Whether :func:`weight_grad_terms` covers ``module``: a Linear, or a 1-d or 2-d convolution
-    with numeric zero padding.
+def has_closed_form(module: nn.Module) -> bool:
+    """Whether :func:`weight_grad_terms` computes ``module``'s noise terms in closed form: a Linear,
+    or a 1-d or 2-d convolution with numeric zero padding.
 
     Example:
-        >>> records_noise(torch.nn.Linear(2, 2)), records_noise(torch.nn.LSTM(2, 2))
+        >>> has_closed_form(torch.nn.Linear(2, 2)), has_closed_form(torch.nn.GRU(2, 2))
         (True, False)
     """
     if type(module) is nn.Linear or isinstance(module, nn.Linear):
         return True
     conv = type(module) in _CONV
     return conv and module.padding_mode == "zeros" and not isinstance(module.padding, str)
+
+
+def noise_params(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters whose gradient ``module``'s noise terms describe (the trace's records, the
+    ``pair`` estimate, :func:`gradstats.noise.noise_probe`): the weight of a layer with a closed form
+    (:func:`has_closed_form`), else every trainable parameter of the module, its submodules' included
+    (a GRU's ``weight_ih_l0``, ``weight_hh_l0``, biases; a MultiheadAttention's ``out_proj``, which it
+    applies itself). Empty for a module with none.
+
+    Example:
+        >>> [p.shape for p in noise_params(torch.nn.Linear(3, 2))]
+        [torch.Size([2, 3])]
+        >>> len(noise_params(torch.nn.GRU(3, 2))), noise_params(torch.nn.ReLU())
+        (4, [])
+    """
+    if has_closed_form(module):
+        return [module.weight]
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def records_noise(module: nn.Module) -> bool:
+    """Whether the trace records noise terms for ``module``: a layer with a closed form
+    (:func:`has_closed_form`) or any module with trainable parameters (:func:`noise_params`,
+    through :func:`vjp_terms`).
+
+    Example:
+        >>> records_noise(torch.nn.Linear(2, 2)), records_noise(torch.nn.LSTM(2, 2)), records_noise(torch.nn.ReLU())
+        (True, True, False)
+    """
+    return has_closed_form(module) or any(p.requires_grad for p in module.parameters())
+
+
+def sample_layout(module: nn.Module, output: Any, out: torch.Tensor) -> tuple[int, int | torch.Tensor | None]:
+    """``(batch, where)``: how many samples ``module``'s output ``out`` (the first tensor of its
+    ``output``) holds and where: the dim that indexes them (0; 1 for an ``nn.RNN``/``LSTM``/``GRU``
+    with ``batch_first=False``), or, for a recurrent layer's packed sequence, the sample of each
+    row; ``(1, None)`` for an unbatched output.
+
+    Example:
+        >>> gru = torch.nn.GRU(3, 4)
+        >>> y = gru(torch.randn(5, 2, 3))
+        >>> sample_layout(gru, y, y[0]), sample_layout(torch.nn.Linear(3, 4), None, torch.randn(6, 4))
+        ((2, 1), (6, 0))
+    """
+    first = output[0] if isinstance(output, tuple) and output else output
+    if isinstance(first, nn.utils.rnn.PackedSequence) and first.data is out:
+        sizes = first.batch_sizes.to(torch.int64)
+        starts = torch.cumsum(sizes, 0) - sizes
+        index = torch.arange(int(sizes.sum())) - torch.repeat_interleave(starts, sizes)
+        return int(sizes[0]), index.to(out.device)
+    if isinstance(module, nn.RNNBase):
+        if out.dim() != 3:
+            return 1, None
+        dim = 0 if module.batch_first else 1
+        return int(out.shape[dim]), dim
+    if out.dim() < 2:
+        return 1, None
+    return int(out.shape[0]), 0
 
 
 def centred_signs(batch: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -104,6 +171,94 @@ def weight_grad_terms(module: nn.Module, x: torch.Tensor, g: torch.Tensor,
         s2 = weight_grad(xf, module.weight.shape, signed, stride=module.stride, padding=module.padding,
                          dilation=module.dilation, groups=groups).square().sum()
     return {"batch": batch, "rows": int(rows), "q2": float(q2), "s2": float(s2)}
+
+
+def _squared_norm_of_vjp(out: Any, v: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor | None:
+    """``|d<out, v>/dparams|^2`` by a reentrant backward pass from ``out`` (a tensor or its
+    ``GradientEdge``) on the retained graph; None when no parameter is reached. The tracer's and
+    :func:`gradstats.apply`'s hooks leave it alone (:func:`sending_back`); no ``.grad`` is touched."""
+    _SENDING_BACK[0] += 1
+    try:
+        got = torch.autograd.grad([out], params, grad_outputs=[v], retain_graph=True, allow_unused=True)
+    finally:
+        _SENDING_BACK[0] -= 1
+    total = None
+    for t in got:
+        if t is None:
+            continue
+        if t.is_sparse:                     # an Embedding(sparse=True): rows of repeated indices added first
+            t = t.coalesce().values()
+        part = t.detach().float().square().sum()
+        total = part if total is None else total + part
+    return total
+
+
+def vjp_terms(out: Any, g: torch.Tensor, params: list[torch.Tensor], generator: torch.Generator, *,
+              batch: int, where: int | torch.Tensor | None) -> dict[str, Any] | None:
+    """``batch``, ``rows``, ``q2`` and ``s2`` (module doc) of one call of a module whose output
+    ``out`` (the tensor, or its ``torch.autograd.graph.GradientEdge`` taken in the forward pass) has
+    the gradient ``g``, over ``params``, by two vector-Jacobian products through the module's own
+    backward graph: ``q2`` from ``g`` times standard normal noise (one draw of an estimate whose
+    mean is the definition), ``s2`` from ``g`` times centred signs over the samples (``batch`` of
+    them, along the dim ``where`` or by the per-row sample index ``where``; :func:`sample_layout`).
+    Call it while the graph is alive (in a tensor hook on ``out``, in the backward pass): it sends
+    back on the retained graph and leaves the step's own gradients as they are. None when no
+    parameter is reached from ``out``; a graph that cannot be walked again raises RuntimeError.
+
+    Example:
+        >>> lin = torch.nn.Linear(3, 2)
+        >>> x, g = torch.randn(8, 3), torch.randn(8, 2)
+        >>> t = vjp_terms(lin(x), g, [lin.weight], torch.Generator().manual_seed(0), batch=8, where=0)
+        >>> t["batch"], t["rows"], t["q2"] > 0, t["s2"] > 0
+        (8, 8, True, True)
+    """
+    v = g.detach()
+    with torch.no_grad():
+        z = torch.randn(v.shape, generator=generator, device=generator.device, dtype=torch.float32)
+        noisy = v * z.to(v.device, v.dtype)
+    q2 = _squared_norm_of_vjp(out, noisy, params)
+    if q2 is None:
+        return None
+    s2 = None
+    if batch > 1 and where is not None:
+        c = centred_signs(batch, generator, v.device).to(v.dtype)
+        if isinstance(where, torch.Tensor):           # a packed sequence: the sample of each row
+            signs = c[where].view(-1, *([1] * (v.dim() - 1)))
+        else:
+            shape = [1] * v.dim()
+            shape[where] = batch
+            signs = c.view(shape)
+        with torch.no_grad():
+            signed = v * signs
+        s2 = _squared_norm_of_vjp(out, signed, params)
+    rows = v.numel() // v.shape[-1] if v.dim() >= 1 and v.shape[-1] else 1
+    return {"batch": int(batch), "rows": int(rows), "q2": float(q2), "s2": 0.0 if s2 is None else float(s2)}
+
+
+def flat_grad(params: list[torch.Tensor], dtype: torch.dtype = torch.float32,
+              local: Any = None) -> torch.Tensor | None:
+    """The gradients of ``params`` as one flat ``dtype`` copy (a parameter without one counts as
+    zeros; a sparse one is made dense), or None when none has a gradient. ``local`` maps a gradient
+    to the part this rank holds (the tracer's DTensor shards).
+
+    Example:
+        >>> gru = torch.nn.GRU(2, 3)
+        >>> gru(torch.randn(4, 1, 2))[0].sum().backward()
+        >>> flat_grad(noise_params(gru)).numel() == sum(p.numel() for p in gru.parameters())
+        True
+    """
+    grads = [p.grad for p in params]
+    if all(gr is None for gr in grads):
+        return None
+    parts = []
+    for p, gr in zip(params, grads):
+        if gr is None:
+            parts.append(torch.zeros((local(p.detach()) if local else p).numel(), dtype=dtype, device=p.device))
+            continue
+        gr = local(gr) if local else gr
+        gr = gr.to_dense() if gr.is_sparse else gr
+        parts.append(gr.detach().reshape(-1).to(dtype))
+    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
 
 def node_of(t: Any) -> Any:

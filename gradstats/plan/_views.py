@@ -64,6 +64,16 @@ def explain(plan: "Plan", target: Any) -> "pd.DataFrame":
             why = "no entry of the plan selects it"
         rows.append({"layer": r.name, "type": r.types[0] if r.types else None, "planned": planned,
                      "rule": rule_text, "why": why})
+    from gradstats.run import Run
+
+    if isinstance(target, Run):        # traced modules whose weights got gradients but were never called
+        listed = {row["layer"] for row in rows}
+        uncalled = ("never called as a module: its weights are used functionally (e.g. F.linear(x, module.weight)), "
+                    "so its gradients cannot be traced or planned; call the module, or trace and plan the module "
+                    "that uses its weights")
+        for name, type_name in (target.manifest.get("uncalled") or {}).items():
+            if name not in listed:
+                rows.append({"layer": name, "type": type_name, "planned": False, "rule": "", "why": uncalled})
     return pd.DataFrame(rows, columns=["layer", "type", "planned", "rule", "why"])
 
 

@@ -20,7 +20,17 @@ import torch
 from torch import nn
 
 from gradstats.layers import module_types
-from gradstats.noise.record import Propagation, records_noise, sending_back, weight_grad_terms
+from gradstats.noise.record import (
+    Propagation,
+    flat_grad,
+    has_closed_form,
+    noise_params,
+    records_noise,
+    sample_layout,
+    sending_back,
+    vjp_terms,
+    weight_grad_terms,
+)
 from gradstats.ops.host import Outbox
 from gradstats.ops.layout import channel_dim, gemm_matrix
 from gradstats.run import sample_key
@@ -183,15 +193,78 @@ class Capture:
     _graph_step: int | None
     _propagation: Propagation | None
     _noise_prev: tuple[int, dict[str, torch.Tensor]] | None
+    #: the autograd edges of the outputs of the sampled step's calls whose noise terms are
+    #: vector-Jacobian products (:func:`gradstats.noise.record.vjp_terms`), by (step, layer, call):
+    #: held here, not in the tensor hook (a hook that held its own tensor's graph would keep it
+    #: alive), released when the step closes
+    _noise_edges: dict[tuple[int, str, int], Any]
+    #: the traced modules whose parameters got gradients although they were never called, with
+    #: their class names (the manifest's ``"uncalled"``)
+    _uncalled: dict[str, str]
+    world_size: int
+    model: nn.Module
     log_rows: Callable[[str, Any], None]       # Commit's
 
     def _before_update(self) -> None:
-        """The step's gradients are complete: the parameters and weight gradients it records."""
+        """The step's gradients are complete: the parameters and weight gradients it records, and
+        the traced modules that got gradients without being called."""
         if "weight" in self.kinds or "wgrad" in self.kinds:
             self._capture_parameters()
         if self.noise:
             self._finish_propagation()
             self._capture_noise_pair()
+            self.__dict__.pop("_noise_edges", None)
+        self._find_uncalled()
+
+    def _find_uncalled(self) -> None:
+        """Name once, in a warning and in the manifest (``"uncalled"``), the traced modules whose own
+        trainable parameters got a gradient although the module was never called: its weights are
+        used functionally (``F.linear(x, self.proj.weight)``), so no hook sees its output gradient and
+        no plan reaches it. A module is not named when a called traced ancestor stands for it: a
+        matmul layer (:data:`gradstats.layers.MATMUL_TYPES`) that applies its children's weights
+        itself, as ``nn.MultiheadAttention`` its ``out_proj``."""
+        known = self.__dict__.setdefault("_uncalled", {})
+        todo = self.__dict__.get("_uncalled_todo")
+        if todo is None:        # the candidates: modules that own trainable parameters
+            todo = self.__dict__.setdefault("_uncalled_todo", {
+                name: ps for name, m in self.modules.items()
+                if (ps := [p for p in m.parameters(recurse=False) if p.requires_grad])})
+        if not todo:
+            return
+        for name in [n for n in todo if n in self._shapes]:
+            del todo[name]                       # called: seen
+        if not self._shapes:                     # nothing traced was called: not a step of this model yet
+            return
+        new = {}
+        for name, params in list(todo.items()):
+            if self._stands_for(name):           # for good: a called ancestor stays called
+                del todo[name]
+                continue
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads and any(bool(_local(gr).detach().ne(0).any()) for gr in grads):
+                new[name] = type(self.modules[name]).__name__
+                del todo[name]
+        if not new:
+            return
+        known.update(new)
+        log.warning("gradstats.trace: %d traced module(s) got weight gradients in step %d but were never called: "
+                    "%s. Their weights are used functionally (e.g. F.linear(x, module.weight)), so their gradients "
+                    "cannot be traced or planned because the module is never called; call the module instead, or "
+                    "trace and plan the module that uses its weights",
+                    len(new), self.current_step, ", ".join(f"{n} ({t})" for n, t in new.items()))
+        self._write_manifest()
+
+    def _stands_for(self, name: str) -> bool:
+        """Whether a called traced ancestor of module ``name`` stands for it (:meth:`_find_uncalled`)."""
+        from gradstats.layers import layer_records
+
+        parts = name.split(".")
+        for k in range(len(parts) - 1, 0, -1):
+            anc = ".".join(parts[:k])
+            mod = self.modules.get(anc)
+            if mod is not None and anc in self._shapes and layer_records({anc: mod})[0].matmul:
+                return True
+        return False
 
     def _finish_propagation(self) -> None:
         """After the step whose noise propagation was measured: its rows, once per run."""
@@ -205,19 +278,18 @@ class Capture:
                 self.log_rows("noise_gain", gains)
 
     def _capture_noise_pair(self) -> None:
-        """SGD's own noise of each recorded layer's weight gradient, from two batches: the weight
-        gradients of a sampled step ``s`` and of the next, ``|G_s - G_(s+1)|^2 / 2`` (into the ``"noise"``
-        table as ``pair``, at step ``s + 1`` with ``of_step = s``; one update apart, the model's drift is
-        small next to the minibatch noise)."""
+        """SGD's own noise of each recorded layer's gradient (of its :func:`gradstats.noise.record.noise_params`),
+        from two batches: the gradients of a sampled step ``s`` and of the next, ``|G_s - G_(s+1)|^2 / 2``
+        (into the ``"noise"`` table as ``pair``, at step ``s + 1`` with ``of_step = s``; one update apart,
+        the model's drift is small next to the minibatch noise)."""
         step = self.current_step
         prev = self._noise_prev
         if prev is not None and prev[0] == step - 1:
             rows = []
             for name, g0 in prev[1].items():
-                w = getattr(self.modules[name], "weight", None)
-                g1 = getattr(w, "grad", None)
-                if isinstance(g1, torch.Tensor) and g1.shape == g0.shape:
-                    d2 = float((_local(g1).detach().float() - g0).square().sum())
+                g1 = flat_grad(noise_params(self.modules[name]), local=_local)
+                if g1 is not None and g1.shape == g0.shape:
+                    d2 = float((g1 - g0).square().sum())
                     rows.append({"step": step, "of_step": prev[0], "layer": name, "call": -1, "rank": self.rank,
                                  "pair": d2 / 2.0})
             if rows:
@@ -226,9 +298,10 @@ class Capture:
         if self._active(step)[1] and "grad" in self.kinds:
             grads = {}
             for name, module in self.modules.items():
-                w = getattr(module, "weight", None)
-                if records_noise(module) and isinstance(getattr(w, "grad", None), torch.Tensor):
-                    grads[name] = _local(w.grad).detach().float().clone()
+                if name in self._shapes and records_noise(module):
+                    g = flat_grad(noise_params(module), local=_local)
+                    if g is not None:
+                        grads[name] = g
             self._noise_prev = (step, grads) if grads else None
 
 
@@ -264,7 +337,7 @@ class Capture:
             if "act" in self.kinds:
                 self._record(step, name, "act", call, out.detach(), do_stats, do_samples)
             if "grad" in self.kinds:
-                x = self._noise_input(step, name, call, module, inputs, out) if do_samples else None
+                noise = self._noise_input(step, name, call, module, inputs, output, out) if do_samples else None
 
                 def tensor_hook(grad: torch.Tensor) -> None:
                     if sending_back():                   # noise sent back by a propagation measurement
@@ -274,8 +347,8 @@ class Capture:
                         self._record(step, name, "grad", call, grad, do_stats, do_samples)
                     else:                                # eager, the common case: no wrapper
                         self._record_now(step, name, "grad", call, grad, do_stats, do_samples)
-                        if x is not None:
-                            self._record_noise(step, name, call, module, x, grad)
+                        if noise is not None:
+                            noise(grad)
                         if prop is not None and step == self._graph_step and call == 0:
                             prop.on_gradient(name, grad, self._noise_generator(grad.device))
                 out.register_hook(tensor_hook)
@@ -315,11 +388,13 @@ class Capture:
         if do_stats or do_samples:
             self._record_now(step, name, kind, call, t, do_stats, do_samples)
 
-    def _noise_input(self, step: int, name: str, call: int, module: nn.Module, inputs: Any,
-                     out: torch.Tensor) -> torch.Tensor | None:
-        """On a sampled step: the layer's input, kept for the noise terms of its gradient
-        (:mod:`gradstats.noise.record`; autograd holds it already), and the autograd nodes of the
-        step's first calls, from which the layers downstream of each are worked out once."""
+    def _noise_input(self, step: int, name: str, call: int, module: nn.Module, inputs: Any, output: Any,
+                     out: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
+        """On a sampled step: what the noise terms of the call's gradient need
+        (:mod:`gradstats.noise.record`), as the function that records them from the output gradient:
+        the layer's input for a closed form (autograd holds it already), else the autograd edge of its
+        output, kept until the step closes; and the autograd nodes of the step's first calls, from
+        which the layers downstream of each are worked out once."""
         if not self.noise or torch.compiler.is_compiling():
             return None
         x = next((t for t in (inputs if isinstance(inputs, tuple) else (inputs,)) if isinstance(t, torch.Tensor)),
@@ -329,7 +404,32 @@ class Capture:
                 self._graph_step = step
             if step == self._graph_step:
                 self._propagation.keep(name, out, x)
-        return x.detach() if x is not None and records_noise(module) else None
+        if has_closed_form(module):
+            if x is None:
+                return None
+            xd = x.detach()
+            return lambda grad: self._record_noise(step, name, call, module, xd, grad)
+        params = noise_params(module)
+        if not params or out.grad_fn is None or not self._vjp_allowed(params):
+            return None
+        batch, where = sample_layout(module, output, out)
+        key = (step, name, call)
+        self.__dict__.setdefault("_noise_edges", {})[key] = torch.autograd.graph.get_gradient_edge(out)
+        return lambda grad: self._record_noise_vjp(key, params, batch, where, grad)
+
+    def _vjp_allowed(self, params: list[torch.Tensor]) -> bool:
+        """Whether a backward pass may be sent through a module's graph to its parameters: not for
+        parameters sharded across ranks (FSDP: a backward pass to them would gather and reduce
+        them, on this rank alone)."""
+        if self.world_size == 1:
+            return True
+        if any(_is_dtensor(p) or type(p).__name__ == "FlatParameter" for p in params):
+            return False
+        fsdp = self.__dict__.get("_under_fsdp")
+        if fsdp is None:
+            fsdp = self.__dict__["_under_fsdp"] = any(type(m).__name__ == "FullyShardedDataParallel"
+                                                      for m in self.model.modules())
+        return not fsdp
 
     def _record_noise(self, step: int, layer: str, call: int, module: nn.Module, x: torch.Tensor,
                       grad: torch.Tensor) -> None:
@@ -339,6 +439,22 @@ class Capture:
             log.debug("no noise terms for %s: %s", layer, exc)
             return
         self.log_rows("noise", [{"step": step, "layer": layer, "call": call, "rank": self.rank, **terms}])
+
+    def _record_noise_vjp(self, key: tuple[int, str, int], params: list[torch.Tensor], batch: int,
+                          where: int | torch.Tensor | None, grad: torch.Tensor) -> None:
+        """The noise terms of a call without a closed form, by vector-Jacobian products through the
+        module's graph (:func:`gradstats.noise.record.vjp_terms`), from the edge its forward kept."""
+        step, layer, call = key
+        edge = self.__dict__.get("_noise_edges", {}).pop(key, None)
+        if edge is None:
+            return
+        try:
+            terms = vjp_terms(edge, grad, params, self._noise_generator(grad.device), batch=batch, where=where)
+        except RuntimeError as exc:   # a graph that cannot be walked again: no noise terms
+            log.debug("no noise terms for %s: %s", layer, exc)
+            return
+        if terms is not None:
+            self.log_rows("noise", [{"step": step, "layer": layer, "call": call, "rank": self.rank, **terms}])
 
     def _noise_generator(self, device: torch.device) -> torch.Generator:
         """The noise records' own random stream (the samples' stream is not touched by them)."""

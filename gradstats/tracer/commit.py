@@ -171,6 +171,12 @@ class Commit:
             "capture": self.config.capture_record(),
             "layers": layers,
         }
+        uncalled = dict((prev.get("uncalled") or {}) if prev else {})
+        uncalled.update(getattr(self, "_uncalled", {}))
+        traced = {e.get("name") for e in layers}
+        uncalled = {n: t for n, t in uncalled.items() if n not in traced}
+        if uncalled:      # modules whose weights got gradients but were never called (Capture._find_uncalled)
+            manifest["uncalled"] = uncalled
         if getattr(self, "_compiled", False):      # taps of a compiled model ran (gradstats.tracer.taps)
             manifest["compiled"] = {
                 "noise": "the per-call noise terms (noise) and the propagation (noise_graph, noise_gain) are not "

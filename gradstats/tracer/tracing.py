@@ -189,9 +189,8 @@ class Tracer(Capture, Commit):
             self._slots[name] = tuple(taps.register(functools.partial(self._on_compiled, name, kind))
                                       if kind in self.kinds else None for kind in ("act", "grad"))
             self._handles.append(module.register_forward_hook(self._make_forward_hook(name)))
-        if self.optimizer is not None:
-            if "weight" in self.kinds or "wgrad" in self.kinds or self.noise:
-                self._handles.append(self.optimizer.register_step_pre_hook(lambda *_: self._before_update()))
+        if self.optimizer is not None:     # the step closes: its gradients are complete
+            self._handles.append(self.optimizer.register_step_pre_hook(lambda *_: self._before_update()))
             self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self._advance()))
         self._attached = True
         return self
@@ -377,11 +376,12 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, config: TraceConfig
         block_sample: blocks counted per tensor, block size and orientation, a uniform random
             sample (default 512, ``512 / B`` tiles: a cost that does not grow with the tensor,
             fractions of blocks within about 2.2 points, of entries closer); None: every block (a few passes over the tensor).
-        noise: on sampled steps, record per Linear and 1-d/2-d convolution call the terms from which
-            :func:`gradstats.noise.predicted_noise` predicts the noise a plan adds to the layer's
-            weight gradient against SGD's own minibatch noise (one extra weight-gradient product per
-            layer on those steps; the ``"noise"`` and ``"noise_graph"`` tables,
-            :mod:`gradstats.noise.record`). Default on.
+        noise: on sampled steps, record per call of each traced module with trainable parameters
+            the terms from which :func:`gradstats.noise.predicted_noise` predicts the noise a plan
+            adds to the layer's weight gradient against SGD's own minibatch noise (for a Linear or a
+            1-d/2-d convolution one extra weight-gradient product per layer on those steps; for
+            other modules, a GRU, an Embedding, two backward passes through the module; the
+            ``"noise"`` and ``"noise_graph"`` tables, :mod:`gradstats.noise.record`). Default on.
 
     Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
 
