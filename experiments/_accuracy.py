@@ -260,6 +260,14 @@ def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0, train_
     """Trace the plain model for ``steps`` steps (statistics every step; raw samples and noise
     records on ``sample_every`` and the step after each): the run that global scales and
     recommendations are derived from."""
+    return calibrate_task(model, prepare_kw=prepare_kw, steps=steps, seed=seed, train_kw=train_kw,
+                          sample_every=sample_every)[1]
+
+
+def calibrate_task(model: str, *, prepare_kw: dict, steps: int, seed: int = 0, train_kw: dict | None = None,
+                   sample_every: list[int] | tuple[int, ...] = ()) -> "tuple[Any, Any]":
+    """:func:`calibrate`, with the task it trained: ``(task, run)``. ``task.model`` is the calibrated
+    model (after its ``steps`` steps), where a noise probe measures the plans made from the run."""
     import atexit
     import shutil
 
@@ -272,7 +280,7 @@ def calibrate(model: str, *, prepare_kw: dict, steps: int, seed: int = 0, train_
     with gradstats.trace(task.model, path, every=1, sample_every=list(sample_every), seed=seed) as tracer:
         task.run(steps, **{"schedule": "cosine", "progress": False, **(train_kw or {})},
                  callback=lambda s, loss: tracer.step())
-    return gradstats.open_run(path)
+    return task, gradstats.open_run(path)
 
 
 def global_scale(fmt: Any, run: Any, layers: list[str]) -> float:
@@ -339,5 +347,5 @@ def environment() -> dict[str, Any]:
             "machine": platform.machine(), "cpus": os.cpu_count()}
 
 
-__all__ = ["Job", "train", "run_job", "run_jobs", "aggregate", "compare_to_baseline", "save_results", "calibrate", "global_scale", "parse_args",
+__all__ = ["Job", "train", "run_job", "run_jobs", "aggregate", "compare_to_baseline", "save_results", "calibrate", "calibrate_task", "global_scale", "parse_args",
            "write_json", "environment"]
