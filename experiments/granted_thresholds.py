@@ -62,7 +62,8 @@ def check(model: str, steps: int, quick: bool) -> pd.DataFrame:
             before.append(requested[layer] / a)
             pred.append(exported[layer]["predicted"]["sparsity"])
             got.append(float((g["achieved_sparsity"] * g["n"]).sum() / g["n"].sum()))
-        rows.append({"model": model, "sparsity": repr(asked), "layers": len(now),
+        pruned = sum(1 for r in plan.resolve(task.model).values() if r.prunes)
+        rows.append({"model": model, "sparsity": repr(asked), "layers": len(now), "pruned layers": pruned,
                      **_spread("exported / applied", now), **_spread("requested's / applied", before),
                      "predicted sparsity": round(float(np.mean(pred)), 3),
                      "achieved sparsity": round(float(np.mean(got)), 3)})

@@ -40,6 +40,8 @@ import gradstats  # noqa: E402
 log = logging.getLogger("noise_fidelity")
 RESULTS = Path(__file__).resolve().parent / "results" / "noise_fidelity.json"
 MODELS = ("cnn", "resnet20", "transformer", "lstm", "convnext", "decoder")
+#: a model no other experiment or test uses: a recurrent tagger (not in the default run)
+EXTRA_MODELS = ("gru_tagger",)
 PLANS = {"Plan.uniform(sparsity=0.85)": lambda path: gradstats.Plan.uniform(sparsity=0.85),
          "recommend(sparsity=0.85)": lambda path: gradstats.recommend(path, sparsity=0.85),
          "recommend(sparsity='auto')": lambda path: gradstats.recommend(path, sparsity="auto")}
@@ -58,8 +60,41 @@ def _allocated(path: str, budget: float, weights: object = "auto") -> "gradstats
 #: default run): at a budget where the first-order model holds and at the study's 85%
 ALLOCATIONS = {f"allocate({b}{w_label})": (lambda path, b=b, w=w: _allocated(path, b, w))
                for b in (0.5, 0.85) for w, w_label in (("auto", ""), (None, ", weights=None"))}
+#: the plans a user gets with the defaults, whose whole-plan noise the bound covers (``--plans``;
+#: ``python experiments/noise_fidelity.py --models resnet20 gru_tagger decoder --plans "recommend()"
+#: "recommend(bits=6, sparsity=0.85)" "recommend(bits='auto')" --out experiments/results/noise_coverage.json``)
+COVERAGE = {"recommend()": lambda path: gradstats.recommend(path),
+            "recommend(bits=6, sparsity=0.85)": lambda path: gradstats.recommend(path, bits=6, sparsity=0.85),
+            "recommend(bits='auto')": lambda path: gradstats.recommend(path, bits="auto")}
 #: every plan --plans can name
-ALL_PLANS = {**PLANS, **ALLOCATIONS}
+ALL_PLANS = {**PLANS, **ALLOCATIONS, **COVERAGE}
+
+
+class GRUTagger(nn.Module):
+    """Embedding -> GRU -> Linear: tags each character of Shakespeare with the class of the next one
+    (lower-case vowel, other lower-case letter, capital, space or newline, anything else)."""
+
+    def __init__(self, vocab: int, classes: int = 5, width: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 64)
+        self.gru = nn.GRU(64, width, batch_first=True)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(self.embed(x))[0])
+
+
+def _char_classes(vocab: str) -> torch.Tensor:
+    """The tag of each character of ``vocab`` (:class:`GRUTagger`)."""
+    def tag(c: str) -> int:
+        if c in "aeiou":
+            return 0
+        if c.islower():
+            return 1
+        if c.isupper():
+            return 2
+        return 3 if c.isspace() else 4
+    return torch.tensor([tag(c) for c in vocab], dtype=torch.int64)
 
 
 def workload(name: str):
@@ -87,11 +122,13 @@ def workload(name: str):
     text = load_shakespeare()
     v = len(text.vocab)
     model = {"transformer": lambda: build_model("transformer", seed=0, vocab_size=v),
-             "lstm": lambda: build_model("lstm", vocab_size=v), "decoder": lambda: Decoder(v)}[name]()
+             "lstm": lambda: build_model("lstm", vocab_size=v), "decoder": lambda: Decoder(v),
+             "gru_tagger": lambda: GRUTagger(v)}[name]()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     def batch():
-        return text.get_batch(16, 64, generator=gen)
+        x, y = text.get_batch(16, 64, generator=gen)
+        return (x, _char_classes(text.vocab)[y]) if name == "gru_tagger" else (x, y)
 
     def loss_fn(m, b):
         out = m(b[0])
@@ -120,7 +157,11 @@ def measure(name: str, plans: dict, steps: int, batches: int, draws: int) -> dic
         meas = gradstats.noise_probe(model, probe_batches, plan, loss_fn, draws=draws).to_dataframe().set_index("layer")
         down = gradstats.noise.predict.downstream(path)
         rows = []
+        rules = plan.resolve(model)
+        bits = {c["layer"]: c.get("bits") for c in plan.noise}
         for layer in pred.index:
+            if layer not in meas.index:
+                continue
             p, m = pred.loc[layer], meas.loc[layer]
             # the first version's model: noise carried back unchanged (gain 1), no compounding
             additive = (p["error"] + sum(pred.loc[k, "error"] for k in down.get(layer, ()) if k in pred.index)) \
@@ -129,7 +170,9 @@ def measure(name: str, plans: dict, steps: int, batches: int, draws: int) -> dic
                          "predicted": p["noise"], "additive": additive, "measured": m["ratio"],
                          "measured_se": m["added_se"] / m["minibatch"] if m["minibatch"] > 0 else math.nan,
                          "minibatch_trace": p["minibatch"], "minibatch_probe": m["minibatch"],
-                         "sparsity": plan.resolve(model)[layer].sparsity or 0.0})
+                         "sparsity": rules[layer].sparsity or 0.0,
+                         "format": None if rules[layer].format is None else str(rules[layer].scheme),
+                         "bits": bits.get(layer), "bound": plan.noise_bound})
         out[label] = rows
         log.info("%s %s: median |log2(pred/meas)| %.2f", name, label, _median_log2(rows, "predicted"))
     return out
@@ -153,12 +196,29 @@ def report(results: dict, batches: int = 8, draws: int = 2) -> str:
                          f"{_median_log2(rows, 'additive'):6.2f} {within:4d}/{len(ok):<4d} "
                          f"{max((r['measured'] for r in ok), default=math.nan):10.4g} "
                          f"{sum(r['predicted'] for r in ok):10.4g} {sum(r['measured'] for r in ok):10.4g}")
+    cover = [(model, label, rows) for model, plans in results.items() for label, rows in plans.items()
+             if label in COVERAGE]
+    if cover:
+        lines += ["", "Whole-plan bound, the plans a user gets (R of every planned layer, layers left in full",
+                  "precision included; mean bits element-weighted from the plan's records):", "",
+                  f"{'model':12s} {'plan':34s} {'layers':>6s} {'max R pred':>10s} {'<= bound':>8s} {'max R meas':>10s} "
+                  f"{'meas <= 2 x bound':>17s} {'meas within 2x pred':>19s} {'< 8 bits':>8s} {'16-bit':>6s}"]
+        for model, label, rows in cover:
+            bound = rows[0].get("bound") if rows else None
+            ok = [r for r in rows if math.isfinite(r["predicted"]) and r["measured"] > 0]
+            within = sum(0.5 <= r["predicted"] / r["measured"] <= 2.0 for r in ok)
+            lines.append(f"{model:12s} {label:34s} {len(rows):6d} {max((r['predicted'] for r in rows), default=math.nan):10.4g} "
+                         f"{sum(r['predicted'] <= bound * (1 + 1e-6) for r in rows) if bound else 0:4d}/{len(rows):<3d} "
+                         f"{max((r['measured'] for r in ok), default=math.nan):10.4g} "
+                         f"{sum(r['measured'] <= 2 * bound for r in ok) if bound else 0:13d}/{len(ok):<3d} "
+                         f"{within:15d}/{len(ok):<3d} {sum((r.get('bits') or 16) < 8 for r in rows):8d} "
+                         f"{sum((r.get('bits') or 16) >= 16 for r in rows):6d}")
     lines += ["", "Per layer (predicted / measured R; sparsity granted):"]
     for model, plans in results.items():
         for label, rows in plans.items():
             lines.append(f"\n{model} · {label}")
             for r in rows:
-                lines.append(f"  {r['layer']:28s} sp {r['sparsity']:.3f}  e {r['error']:.4f}  "
+                lines.append(f"  {r['layer']:28s} {str(r.get('format') or '-'):16s} sp {r['sparsity']:.3f}  e {r['error']:.4f}  "
                              f"R {r['predicted']:.4g} / {r['measured']:.4g}  (gain = 1: {r['additive']:.4g}; "
                              f"minibatch trace/probe {r['minibatch_trace']:.3g}/{r['minibatch_probe']:.3g})")
     return "\n".join(lines) + "\n"
@@ -166,7 +226,7 @@ def report(results: dict, batches: int = 8, draws: int = 2) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="*", default=list(MODELS))
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS + EXTRA_MODELS))
     ap.add_argument("--steps", type=int, default=38)
     ap.add_argument("--batches", type=int, default=8)
     ap.add_argument("--draws", type=int, default=2)

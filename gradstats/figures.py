@@ -279,9 +279,13 @@ def layer_format_choices(plans: Mapping[int, Any]) -> dict[int, Any]:
     pred = {e.layer: e.predicted for e in first.entries}
     amax = np.array([pred[n].amax if pred[n].amax else np.nan for n in names])
     cond = {"amax": amax} if np.isfinite(amax).all() and first.defaults.block_size is None else {}
-    return {b: best_format(int(b), mu=mu, sigma=sigma, p0=p0, names=names, **cond, candidates=sorted(
-        {e.format for e in plans[b].entries if e.format is not None},
-        key=lambda f: (f.special != "fn", str(f)))) for b in plans}
+    out = {}
+    for b in plans:     # the formats of the width (a bounded plan may hold wider ones, or none)
+        cands = sorted({e.format for e in plans[b].entries if e.format is not None and e.format.bits == int(b)},
+                       key=lambda f: (f.special != "fn", str(f)))
+        if cands:
+            out[b] = best_format(int(b), mu=mu, sigma=sigma, p0=p0, names=names, **cond, candidates=cands)
+    return out
 
 
 def plot_layer_format_ranges(plans: Mapping[int, Any]) -> Any:
@@ -481,7 +485,8 @@ def write_figures(run: Any, out_dir: str | os.PathLike[str], *, plans: Mapping[i
                   errors: Any = None, only: Iterable[str] | None = None, progress: bool = False) -> dict[str, Any]:
     """Write every figure of a run as PNG files into ``out_dir``; returns ``{name: path}``.
 
-    ``plans``: ``{bits: Plan}`` for the format figures (default: ``recommend_each(run, bits=[8, 6, 4])``);
+    ``plans``: ``{bits: Plan}`` for the format figures (default: ``recommend_each(run, bits=[8, 6, 4],
+    noise_bound=None)``: each width's choice on every layer, which the noise bound would widen in places);
     ``errors``: the table of :func:`gradstats.study.error_check` (default: computed).
     ``only``: names of :data:`FIGURES` to write (default all). A figure that cannot be drawn for
     this run (e.g. the pruning checks of a run without raw samples) is skipped with a warning.
@@ -522,7 +527,7 @@ def _ctx_plans(ctx: dict[str, Any]) -> Any:
     if ctx.get("plans") is None:
         from gradstats.plan.recommend import recommend_each
 
-        ctx["plans"] = recommend_each(ctx["run"], bits=[8, 6, 4])
+        ctx["plans"] = recommend_each(ctx["run"], bits=[8, 6, 4], noise_bound=None)   # each width's own choice
     return ctx["plans"]
 
 

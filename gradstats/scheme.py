@@ -187,6 +187,18 @@ class Scheme:
         return _scale_name(self.scale_format)
 
     @property
+    def bits_per_value(self) -> float:
+        """The storage a value takes, in bits: the element's width plus its share of the block
+        scale (the per-tensor FP32 scale of NVFP4 is not counted: one per tensor).
+
+        Example:
+            >>> Scheme.parse("nvfp4").bits_per_value, Scheme.parse("mxfp4").bits_per_value, Scheme("e4m3fn").bits_per_value
+            (4.5, 4.25, 8.0)
+        """
+        extra = self.scale_format.bits / self.block_size if self.block_size is not None else 0.0
+        return float(self.element.bits + extra)
+
+    @property
     def preset(self) -> str | None:
         """The name of the preset this scheme is (:data:`PRESETS`), or None.
 

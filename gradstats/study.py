@@ -310,7 +310,8 @@ def sparsity_check(run: Any, *, targets: Sequence[float] = SPARSITY_TARGETS, rul
 def error_check(run: Any, *, steps: Sequence[int] | None = None, bits: Sequence[int] = (8, 6, 4)) -> Any:
     """Predicted against measured quantisation error on the run's raw gradient samples: at each
     sampled step (default: the latest one that also has statistics), :func:`gradstats.recommend`
-    chooses each planned layer's format and power-of-two scale from that step's statistics, and
+    chooses each planned layer's format of each width (not bounded: the width's own choice) and
+    power-of-two scale from that step's statistics, and
     :func:`gradstats.fpanalysis.measured_error` quantises the step's samples with them. Returns a
     DataFrame with columns ``layer, step, bits, format, log2_scale, sigma_log2, predicted, measured``
     (relative MSE, ``MSE / E[g^2]``).
@@ -334,7 +335,7 @@ def error_check(run: Any, *, steps: Sequence[int] | None = None, bits: Sequence[
     tables = []
     for s in steps:
         try:
-            plans = recommend_each(run, bits=list(bits), steps=int(s))
+            plans = recommend_each(run, bits=list(bits), steps=int(s), noise_bound=None)   # each width's choice
         except ValueError as exc:
             log.info("no recommendation at step %s: %s", s, exc)
             continue

@@ -524,7 +524,8 @@ def test_granted_thresholds_quick():
     """The default bounded plans export the threshold apply enforces (within the drift of a few
     steps), not the requested sparsity's, and reach the sparsity they predict."""
     table = _load("granted_thresholds").main(["--quick", "--models", "lstm", "--steps", "4"])
-    assert list(table["sparsity"]) == ["0.85", "'auto'"] and (table["layers"] == 3).all()
+    assert list(table["sparsity"]) == ["0.85", "'auto'"]
+    assert (table["layers"] == table["pruned layers"]).all() and (table["layers"] >= 1).all()   # each pruned layer
     assert table["exported / applied, min"].between(0.5, 2).all() and table["exported / applied, max"].between(0.5, 2).all()
     assert (table["requested's / applied, min"] > 2).all()
     assert ((table["predicted sparsity"] - table["achieved sparsity"]).abs() < 0.02).all()

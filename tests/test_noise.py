@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 import gradstats
-from gradstats.noise.predict import bound_sparsity, downstream, gains, incoming_noise, noise_terms
+from gradstats.noise.predict import downstream, gains, incoming_noise, noise_terms
 from gradstats.noise.record import centred_signs, downstream_layers, weight_grad_terms
+from gradstats.plan.noise_budget import FULL_PRECISION, allocate_within_bound
 
 
 def _per_sample_weight_grads(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -211,17 +212,35 @@ def test_probe_rejects_bad_input():
         gradstats.noise_probe(m, [torch.randn(2, 2)] * 2, plan, lambda mm, x: mm(x))
 
 
-def test_bound_sparsity_never_overdraws_a_budget():
+def test_the_allocation_never_overdraws_a_budget():
     layers = ["a", "b", "c"]
     down = {"a": ["b", "c"], "b": ["c"], "c": []}
     terms = pd.DataFrame({"q2": [4.0, 2.0, 1.0], "minibatch": [1.0, 1.0, 1.0]}, index=layers)
-    out = bound_sparsity(layers, {n: 0.9 for n in layers}, lambda n, s: s ** 2, terms, down, 0.1)
+    one = {n: 1 for n in layers}
+    out = allocate_within_bound(layers, one, {n: 0.9 for n in layers}, lambda n, k, s: s ** 2, terms, down, 0.1)
     for l in layers:
         total = out[l]["error"] + sum(out[m]["error"] for m in down[l])
         assert total * terms.loc[l, "q2"] <= 0.1 + 1e-9
-    assert all(0 < out[n]["granted"] < 0.9 and out[n]["reason"] == "noise bound" for n in layers)
-    loose = bound_sparsity(layers, {n: 0.9 for n in layers}, lambda n, s: s ** 2, terms, down, 100.0)
-    assert all(loose[n]["granted"] == 0.9 and loose[n]["reason"] == "requested" for n in layers)
+    assert all(0 < out[n]["granted"] < 0.9 and out[n]["sparsity_reason"] == "noise bound" for n in layers)
+    loose = allocate_within_bound(layers, one, {n: 0.9 for n in layers}, lambda n, k, s: s ** 2, terms, down, 100.0)
+    assert all(loose[n]["granted"] == 0.9 and loose[n]["sparsity_reason"] == "requested" for n in layers)
+
+
+def test_the_allocation_counts_the_rounding_and_widens_or_keeps_full_precision():
+    """The whole operator's error is bounded: an option whose rounding alone is over a layer's share
+    gives way to the next (wider) one, and to full precision after the last; a layer with no noise
+    record is not planned lossy."""
+    layers = ["a", "b", "x"]
+    terms = pd.DataFrame({"q2": [1.0, 1.0], "minibatch": [1.0, 1.0]}, index=["a", "b"])
+    rounding = {0: 0.05, 1: 0.01}                    # a narrow and a wide format: 0.05 is over any share
+    err = lambda n, k, s: rounding[k] + s / 10          # noqa: E731
+    out = allocate_within_bound(layers, {"a": 2, "b": 1, "x": 2}, {"a": 0.5}, err, terms,
+                                {"a": [], "b": [], "x": []}, 0.02)
+    assert out["a"]["option"] == 1 and out["a"]["format_reason"] == "noise bound"
+    assert out["a"]["error"] <= 0.02 + 1e-12 and 0 < out["a"]["granted"] < 0.5
+    assert out["b"]["option"] == FULL_PRECISION and out["b"]["format_reason"] == "noise bound: full precision"
+    assert out["x"]["option"] == FULL_PRECISION and out["x"]["format_reason"].startswith("no noise record")
+    assert out["b"]["error"] == out["x"]["error"] == 0.0
 
 
 def test_recommend_bounds_the_noise_by_default(tmp_path):
@@ -230,13 +249,13 @@ def test_recommend_bounds_the_noise_by_default(tmp_path):
     free = gradstats.recommend(path, sparsity=0.95, output_layer=False, noise_bound=None)
     df = bounded.to_dataframe().set_index("layer")
     assert bounded.noise_bound == gradstats.noise.NOISE_BOUND
-    assert (df["pruning_noise"] <= bounded.noise_bound * (1 + 1e-6)).all()
+    assert (df["predicted_noise"] <= bounded.noise_bound * (1 + 1e-6)).all()      # the whole plan's
     assert (df["requested_sparsity"] == 0.95).all() and (df["sparsity"] < 0.95).any()
     assert set(df["sparsity_reason"]) <= {"noise bound", "requested"}
     assert (free.to_dataframe()["sparsity"] == 0.95).all() and free.noise_bound is None
     assert gradstats.Plan.from_dict(bounded.to_dict()) == bounded
     auto = gradstats.recommend(path, sparsity="auto", output_layer=False).to_dataframe().set_index("layer")
-    assert (auto["pruning_noise"] <= gradstats.noise.NOISE_BOUND * (1 + 1e-6)).all()
+    assert (auto["predicted_noise"] <= gradstats.noise.NOISE_BOUND * (1 + 1e-6)).all()
     assert (auto["sparsity"] >= df["sparsity"] - 0.002).all()        # (bisection to 0.001)
     # the granted sparsity is what apply enforces
     rules = bounded.resolve(["0", "2", "4"])
@@ -306,18 +325,18 @@ def test_the_noise_records_describe_the_plan_as_repaired(tmp_path):
 
 @pytest.mark.parametrize("seed", [0, 2])
 def test_the_bound_holds_after_compounding_and_repair(tmp_path, seed):
-    """The pruning noise the plan reports, compounded through the measured gains and with the rules
-    as the check repaired them (here the output layer's rounding), is within the bound at every
-    layer, not a few percent over it (4.4% and 0.7% on these two runs before the bound was solved
-    again after the repair)."""
+    """The whole plan's predicted noise (pruning and rounding, compounded through the measured gains,
+    with the rules as the check repaired them) is within the bound at every layer, not a few percent
+    over it (4.4% and 0.7% on these two runs before the bound was solved again after the repair),
+    and the records are what predicted_noise says of the plan as made."""
     _, path, _, _, _ = _mlp_run(tmp_path, steps=6, seed=seed)
     plan = gradstats.recommend(path, bits=6, sparsity=0.95, output_layer=False)
     df = plan.to_dataframe().set_index("layer")
     assert (df["rounding"] == "stochastic").any() and (df["rounding"] == "nearest").any()   # a rule was repaired
-    assert (df["pruning_noise"] <= plan.noise_bound * (1 + 1e-6)).all()
-    assert df["pruning_noise"].max() > 0.9 * plan.noise_bound         # and the bound is still what limits it
-    pred = {r["layer"]: r["pruning_noise"] for r in gradstats.predicted_noise(path, plan).records}
-    assert df["pruning_noise"].to_dict() == pytest.approx(pred, rel=1e-3)
+    assert (df["predicted_noise"] <= plan.noise_bound * (1 + 1e-6)).all()
+    assert df["predicted_noise"].max() > 0.9 * plan.noise_bound         # and the bound is still what limits it
+    pred = {r["layer"]: r["noise"] for r in gradstats.predicted_noise(path, plan).records}
+    assert df["predicted_noise"].to_dict() == pytest.approx(pred, rel=1e-3)
 
 
 def ws_of(w: dict, layers: list) -> list:
@@ -383,3 +402,52 @@ def test_allocate_warns_where_its_noise_exceeds_the_bound(tmp_path, caplog):
     # the objective is the first-order noise: the weights times each layer's relative added variance
     a = allocate(run, 0.95, output_layer=None)
     assert a.objective == pytest.approx(float((a.weights * a.added_variance).sum()))
+
+
+def test_recommend_bits_auto_takes_the_fewest_bits_within_the_bound(tmp_path):
+    """bits='auto': per layer the cheapest rung (MXFP4, NVFP4, 6, 8 bits, MXFP8, full precision) whose
+    whole-plan noise fits; every layer within the bound; the storage it reports is its records'."""
+    from gradstats.plan.noise_budget import FULL_PRECISION_BITS
+
+    _, path, _, _, _ = _mlp_run(tmp_path, steps=6)
+    plans = {b: gradstats.recommend(path, bits="auto", output_layer=False, noise_bound=b) for b in (0.02, 10.0)}
+    for bound, plan in plans.items():
+        df = plan.to_dataframe().set_index("layer")
+        assert (df["predicted_noise"] <= bound * (1 + 1e-6)).all()
+        assert set(df["bits_per_value"]) <= {4.25, 4.5, 6.0, 8.0, 8.25, FULL_PRECISION_BITS}
+        st = plan.storage()
+        numel = {c["layer"]: c["numel"] for c in plan.noise}
+        assert st["mean_bits"] == pytest.approx(sum(numel[n] * df.loc[n, "bits_per_value"] for n in numel)
+                                                / sum(numel.values()))
+        assert plan.verify(path).ok
+        assert gradstats.Plan.from_dict(plan.to_dict()) == plan
+    loose, tight = plans[10.0].to_dataframe(), plans[0.02].to_dataframe()
+    assert (loose["bits_per_value"] < 8).all()                 # a loose bound: four bits everywhere
+    assert (loose["format_reason"] == "requested").all()
+    assert tight["bits_per_value"].mean() > loose["bits_per_value"].mean()
+    assert plans[0.02].storage()["saved_fraction"] < plans[10.0].storage()["saved_fraction"]
+    with pytest.raises(ValueError, match="noise_bound"):
+        gradstats.recommend(path, bits="auto", noise_bound=None)
+    with pytest.raises(ValueError, match="granularity"):
+        gradstats.recommend(path, bits="auto", granularity="mx")
+    with pytest.raises(ValueError, match="bits must be an int"):
+        gradstats.recommend(path, bits="four")
+
+
+def test_a_narrow_width_widens_under_the_bound_and_full_precision_is_whole(tmp_path):
+    """bits=4 per tensor on a tight bound: the layers whose 4-bit rounding alone exceeds their share
+    take the 8-bit plan's rule, or full precision with every block field cleared."""
+    _, path, _, _, _ = _mlp_run(tmp_path, steps=6)
+    plan = gradstats.recommend(path, bits=4, output_layer=False, noise_bound=0.002)
+    df = plan.to_dataframe().set_index("layer")
+    assert (df["predicted_noise"] <= 0.002 * (1 + 1e-6)).all()
+    assert set(df["format_reason"]) - {"requested"}             # the bound changed a format
+    rules = plan.resolve(gradstats.open_run(path))
+    for n in df.index:
+        reason = df.loc[n, "format_reason"]
+        if reason.endswith("full precision"):
+            assert rules[n].is_identity and rules[n].block_size is None and rules[n].scale_format is None
+        elif reason == "noise bound":
+            assert rules[n].format.bits == 8
+        else:
+            assert rules[n].format.bits == 4

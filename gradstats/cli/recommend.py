@@ -9,11 +9,13 @@ from gradstats.formats import PREDICTED_ROUNDINGS
 from gradstats.noise.predict import NOISE_BOUND
 
 
-def _bits(text: str) -> list[int]:
+def _bits(text: str) -> list[int] | list[str]:
+    if text.strip().lower() == "auto":
+        return ["auto"]
     try:
         return [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--bits takes an int or a comma list of ints, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--bits takes an int, a comma list of ints or 'auto', got {text!r}") from None
 
 
 def _step(text: str):
@@ -126,12 +128,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "optionally save it as a plan file (docs/plan-format.md).")
     p.add_argument("run", help="run directory")
     p.add_argument("--bits", type=_bits, default=[8],
-                   help="format width, or a comma list (then -o needs '{bits}' in its name) (default 8)")
+                   help="format width, a comma list (then -o needs '{bits}' in its name), or 'auto': per layer the "
+                        "fewest bits the noise bound allows (default 8)")
     p.add_argument("--sparsity", type=_sparsity, default=None,
                    help="target gradient sparsity in [0, 1), a ceiling the noise bound lowers per layer where "
                         "needed; 'auto': the most the noise bound allows")
     p.add_argument("--noise-bound", type=_noise_bound, default=NOISE_BOUND, metavar="R|none",
-                   help="largest noise ratio pruning may add to any planned layer's weight gradient, against "
+                   help="largest noise ratio the plan (pruning, rounding, and what later layers send back) may add "
+                        "to any planned layer's weight gradient, against "
                         f"SGD's own minibatch noise (default {NOISE_BOUND}; docs/noise.md); "
                         "none: not bounded")
     p.add_argument("--granularity", type=granularity_arg, default="tensor", metavar="NAME|N",
@@ -262,13 +266,20 @@ def recommend_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradstats.plan.recommend import recommend_each
+    from gradstats.plan.recommend import recommend, recommend_each
 
     if len(args.bits) > 1 and args.out and "{bits}" not in args.out:
         raise ValueError("with several --bits, -o needs '{bits}' in the file name (e.g. plan-{bits}.json)")
-    plans = recommend_each(args.run, bits=args.bits, **recommend_kwargs(args))
+    if args.bits == ["auto"]:
+        plans = {"auto": recommend(args.run, bits="auto", **recommend_kwargs(args))}
+    else:
+        plans = recommend_each(args.run, bits=args.bits, **recommend_kwargs(args))
     for b, plan in plans.items():
         print(f"== {b}-bit plan for {args.run}")
+        storage = plan.storage()
+        if storage is not None:
+            print(f"{storage['mean_bits']:.2f} bits per gradient value over the planned layers, "
+                  f"{100 * storage['saved_fraction']:.0f}% of their 16-bit gradient bytes saved")
         print(format_table(plan))
         if plan.output_layer:
             print(f"output layer {plan.output_layer} left in full precision and unpruned "

@@ -198,11 +198,11 @@ def predicted_noise(run: Any, plan: Any, *, steps: Any = "auto", bound: Optional
     from gradstats.run import as_run
 
     r = as_run(run)
-    rules = {n: rule for n, rule in plan.resolve(r, strict=False).items() if not rule.is_identity}
-    if not rules:
+    rules = plan.resolve(r, strict=False)      # identity rules too: what later layers send back reaches them
+    if all(rule.is_identity for rule in rules.values()):
         return NoisePrediction([], bound)
     chosen = calibration_steps(r, list(rules), steps=steps)
-    error_at = _layer_errors(rules, step_rows(r, list(rules), chosen), chosen)
+    error_at = layer_errors(rules, step_rows(r, list(rules), chosen), chosen)
     terms = noise_terms(r, list(rules), chosen)
     missing = [n for n in rules if n not in terms.index]
     if missing:
@@ -211,10 +211,10 @@ def predicted_noise(run: Any, plan: Any, *, steps: Any = "auto", bound: Optional
                                           "predicted noise is NaN", len(missing), ", ".join(missing[:5]), r.path)
         _SAID.add(("missing", str(r.path), tuple(missing)))
     sparsity = {name: rule.sparsity or 0.0 for name, rule in rules.items()}
-    return NoisePrediction(_records(error_at, sparsity, terms, downstream(r), gains(r)), bound, list(chosen))
+    return NoisePrediction(noise_records(error_at, sparsity, terms, downstream(r), gains(r)), bound, list(chosen))
 
 
-def _records(error_at: Callable[[str, float], float], sparsity: dict[str, float], terms: "pd.DataFrame",
+def noise_records(error_at: Callable[[str, float], float], sparsity: dict[str, float], terms: "pd.DataFrame",
              down: dict[str, list[str]], gain: dict[tuple[str, str], float]) -> list[dict[str, Any]]:
     """The noise records of layers pruned at ``sparsity`` (and rounded as their rules say): the whole
     operators' ratio (``noise``) and, beside it, ``pruning_noise``: the ratio of what the pruning adds
@@ -228,79 +228,12 @@ def _records(error_at: Callable[[str, float], float], sparsity: dict[str, float]
     return recs
 
 
-def bound_sparsity(layers: Sequence[str], requested: dict[str, float], error_at: Callable[[str, float], float],
-                   terms: "pd.DataFrame", down: dict[str, list[str]], bound: float, iterations: int = 10,
-                   gain: Optional[dict[tuple[str, str], float]] = None) -> dict[str, dict[str, Any]]:
-    """Per layer, the largest sparsity up to ``requested[layer]`` (layers absent from ``requested``
-    are not pruned) that keeps every layer's predicted ratio within ``bound``.
-
-    Each layer's bound is a budget of relative error ``bound * minibatch / q2`` shared by the layer
-    and the planned layers downstream of it (each weighted by the measured ``gain`` of its noise
-    to the layer, 1 without gains; to first order, as the bound keeps the errors small); layers are granted their sparsity from the output
-    backwards, each taking at most an equal share of what is left of every budget it draws on, so no
-    budget is overdrawn. ``error_at(layer, s)`` is the layer's operator error at sparsity ``s``
-    (increasing in ``s``). Returns per layer ``requested``, ``granted``, ``error``, ``reason``.
-
-    Example:
-        >>> import pandas as pd
-        >>> terms = pd.DataFrame({"q2": [1.0, 1.0], "minibatch": [1.0, 1.0]}, index=["a", "b"])
-        >>> out = bound_sparsity(["a", "b"], {"a": 0.9, "b": 0.9}, lambda n, s: s / 10, terms,
-        ...                      {"a": ["b"], "b": []}, 0.02)
-        >>> round(out["b"]["granted"], 2), round(out["a"]["granted"], 2)
-        (0.1, 0.1)
-    """
-    planned = set(layers)
-    contrib = {l: [l] + [m for m in down.get(l, ()) if m in planned] for l in layers}
-    budget, used, left = {}, {}, {}
-    for l in layers:
-        if l in terms.index and terms.loc[l, "q2"] > 0 and terms.loc[l, "minibatch"] > 0:
-            budget[l] = bound * float(terms.loc[l, "minibatch"] / terms.loc[l, "q2"])
-        else:
-            budget[l] = math.inf            # nothing recorded: no bound can be computed
-        used[l], left[l] = 0.0, len(contrib[l])
-    draws_on = {m: [l for l in layers if m in contrib[l]] for m in layers}
-    out: dict[str, dict[str, Any]] = {}
-    fixed = [m for m in layers if m not in requested]
-    pruned = sorted((m for m in layers if m in requested), key=lambda m: len(down.get(m, ())))
-    for m in fixed + pruned:
-        e0 = error_at(m, 0.0)
-        e0 = e0 if math.isfinite(e0) else 0.0
-        want = requested.get(m, 0.0)
-        w = {l: (1.0 if l == m else gain_of(gain or {}, m, l)) for l in draws_on[m]}
-        share = min(((budget[l] - used[l]) / (left[l] * w[l]) for l in draws_on[m] if w[l] > 0), default=math.inf)
-        if m not in requested or want <= 0:
-            s, e, reason = 0.0, e0, "not pruned"
-        elif not math.isfinite(share):
-            s, e, reason = want, error_at(m, want), "no noise record: requested"
-        elif e0 > share:
-            s, e, reason = 0.0, e0, "the rounding alone exceeds the noise bound"
-        else:
-            e_want = error_at(m, want)
-            if e_want <= share:
-                s, e, reason = want, e_want, "requested"
-            else:
-                lo, hi, e = 0.0, want, e0
-                for _ in range(iterations):
-                    mid = 0.5 * (lo + hi)
-                    em = error_at(m, mid)
-                    if em <= share:
-                        lo, e = mid, em
-                    else:
-                        hi = mid
-                s, reason = lo, "noise bound"
-        for l in draws_on[m]:
-            used[l] += w[l] * e
-            left[l] -= 1
-        out[m] = {"requested": want, "granted": s, "error": e, "reason": reason}
-    return out
-
-
 def rule_at(rule: Any, sparsity: float) -> Any:
     """``rule`` with its sparsity set to ``sparsity`` (None at 0)."""
     return replace(rule, sparsity=float(sparsity) if sparsity > 0 else None)
 
 
-def _layer_errors(rules: dict[str, Any], rows: dict[str, dict[int, Any]], steps: Sequence[int]) -> Callable:
+def layer_errors(rules: dict[str, Any], rows: dict[str, dict[int, Any]], steps: Sequence[int]) -> Callable:
     from gradstats.plan.checks import step_weights
 
     cache: dict[tuple[str, float], float] = {}
@@ -313,86 +246,3 @@ def _layer_errors(rules: dict[str, Any], rows: dict[str, dict[int, Any]], steps:
                                         step_weights(have) if have else None)
         return cache[key]
     return error_at
-
-
-def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float],
-               requested: Optional[float] = None, *, solve_for: Optional[float] = None) -> Any:
-    """``plan`` with each pruned layer's sparsity lowered where needed so that the noise ratio its
-    *pruning* adds (over the plan's rounding alone) stays within ``bound`` at every planned layer
-    (:func:`bound_sparsity`), and the plan's ``noise`` records filled: requested and granted
-    sparsity, the reason, ``predicted_noise`` (the whole plan's ratio, rounding included) and
-    ``pruning_noise`` (the part the bound limits; the evidence behind the default bound was measured
-    on pruning alone, ``docs/noise.md``). With ``bound=None`` only the records. ``requested``: the
-    sparsity asked for (default: each rule's). ``solve_for``: the bound the sparsities are solved for,
-    when it is to be tighter than the ``bound`` the plan records (``recommend``, after a repair).
-
-    Example:
-        >>> import tempfile, torch, gradstats
-        >>> m = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-        >>> with gradstats.trace(m, tempfile.mkdtemp(), sample_every=1) as t:
-        ...     for _ in range(2):
-        ...         m(torch.randn(64, 8)).logsumexp(1).mean().backward(); t.step()
-        >>> p = bound_plan(gradstats.Plan.uniform(sparsity=0.95, output_layer=False), t.path, [0], 1e-3)
-        >>> {c["layer"]: c["sparsity"] < 0.95 for c in p.noise}
-        {'0': True, '2': True}
-    """
-    import dataclasses
-
-    from gradstats.plan.checks import step_rows
-    from gradstats.run import as_run
-
-    r = as_run(run)
-    rules = {n: rule for n, rule in plan.resolve(r, strict=False).items() if not rule.is_identity}
-    if not rules:
-        return plan
-    rows = step_rows(r, list(rules), steps)
-    error_at = _layer_errors(rules, rows, steps)
-    terms = noise_terms(r, list(rules), steps)
-    down = downstream(r)
-    gain = gains(r)
-    want = {n: (requested if requested is not None else rule.sparsity) for n, rule in rules.items() if rule.prunes}
-    if bound is not None and (terms.empty or not down):
-        said = ("no records", str(r.path)) in _SAID          # a fact of the run: said once, not once per plan
-        (log.debug if said else log.warning)("the run at %s holds no noise records (traced before gradstats "
-                                             "recorded them, or with noise=False): plans made from it do not bound "
-                                             "their noise; trace again to bound it", r.path)
-        _SAID.add(("no records", str(r.path)))
-        bound = None
-    def added_by_pruning(n: str, sp: float) -> float:     # what the bound limits: the pruning's share
-        return max(error_at(n, sp) - error_at(n, 0.0), 0.0)
-
-    if bound is None:
-        granted = {n: {"requested": want.get(n), "granted": want.get(n, 0.0) or 0.0,
-                       "error": error_at(n, want.get(n, 0.0) or 0.0), "reason": "requested" if n in want else
-                       "not pruned"} for n in rules}
-    else:
-        granted = bound_sparsity(list(rules), want, added_by_pruning, terms, down,
-                                 float(solve_for if solve_for is not None else bound), gain=gain)
-    preds = {rec["layer"]: rec for rec in _records(error_at, {n: granted[n]["granted"] for n in rules}, terms, down,
-                                                  gain)}
-    records = [{"layer": n, "requested_sparsity": granted[n]["requested"],
-                "sparsity": granted[n]["granted"], "sparsity_reason": granted[n]["reason"],
-                "operator_error": float(preds[n]["error"]), "predicted_noise": _num(preds[n]["noise"]),
-                "pruning_noise": _num(preds[n]["pruning_noise"])} for n in rules]
-    entries: list[Any] = list(plan.entries)
-    extra: list[dict[str, Any]] = []
-    if bound is not None:
-        by_name = {e.layer: i for i, e in enumerate(entries) if not e.is_pattern}
-        for n, g in granted.items():
-            if n not in want or g["granted"] >= want[n]:
-                continue
-            s = float(g["granted"])
-            if n in by_name:
-                e = entries[by_name[n]]
-                pred = e.predicted
-                if pred is not None and dataclasses.is_dataclass(pred):
-                    pred = dataclasses.replace(pred, sparsity=s)
-                entries[by_name[n]] = dataclasses.replace(e, sparsity=s, predicted=pred)
-            else:
-                extra.append({"layer": n, "sparsity": s})
-    out = dataclasses.replace(plan, entries=tuple(entries), noise_bound=bound, noise=tuple(records))
-    return out.with_entries(*extra) if extra else out
-
-
-def _num(v: float) -> Optional[float]:
-    return float(v) if v is not None and math.isfinite(v) else None

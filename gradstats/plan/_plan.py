@@ -107,9 +107,10 @@ class Plan:
     #: why the layer's first choice was replaced, if it was
     checks: tuple = ()
     #: the largest noise ratio per layer ``recommend`` kept the plan within (None: not bounded),
-    #: and per planned layer its requested and granted sparsity, why, and the predicted noise ratio
-    #: (:mod:`gradstats.noise`; JSON-ready dicts with ``layer``, ``requested_sparsity``,
-    #: ``sparsity``, ``sparsity_reason``, ``predicted_noise``)
+    #: and per planned layer its requested and granted sparsity, why, the format's storage and why
+    #: it was chosen, and the predicted noise ratio (:mod:`gradstats.plan.noise_budget`; JSON-ready
+    #: dicts with ``layer``, ``requested_sparsity``, ``sparsity``, ``sparsity_reason``,
+    #: ``format_reason``, ``bits``, ``numel``, ``predicted_noise``, ``pruning_noise``)
     noise_bound: float | None = None
     noise: tuple = ()
 
@@ -396,6 +397,25 @@ class Plan:
         return out
 
     # -- views
+    def storage(self) -> dict[str, float] | None:
+        """What the plan stores per gradient value, over the layers ``recommend`` planned (its
+        ``noise`` records; None without them): ``mean_bits`` (element-weighted; a layer left alone
+        counts 16 bits), ``bytes`` and ``bytes_16bit`` (per call of every planned layer) and
+        ``saved_fraction`` (of the 16-bit bytes). Pruning is not counted: a sparse gradient is
+        stored dense.
+
+        Example:
+            >>> p = Plan([], noise=[{"layer": "a", "bits": 4.5, "numel": 300}, {"layer": "b", "bits": 16.0, "numel": 100}])
+            >>> p.storage()["mean_bits"], p.storage()["saved_fraction"]
+            (7.375, 0.5390625)
+        """
+        recs = [c for c in self.noise if c.get("bits") is not None and c.get("numel")]
+        if not recs:
+            return None
+        n = float(sum(c["numel"] for c in recs))
+        bits = float(sum(c["numel"] * c["bits"] for c in recs))
+        return {"mean_bits": bits / n, "bytes": bits / 8.0, "bytes_16bit": 2.0 * n, "saved_fraction": 1.0 - bits / (16.0 * n)}
+
     def to_dataframe(self, target: Any = None) -> "pd.DataFrame":
         """A pandas view: one row per entry (completed by the defaults), or with ``target`` one
         row per resolved module (with the indices of the ``entries`` that matched it).

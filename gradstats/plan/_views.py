@@ -107,9 +107,11 @@ def to_dataframe(plan: "Plan", target: Any = None) -> "pd.DataFrame":
         for row in rows:
             c = per.get(row["layer"], {})
             row.update(requested_sparsity=c.get("requested_sparsity"), sparsity_reason=c.get("sparsity_reason", ""),
+                       format_reason=c.get("format_reason", ""), bits_per_value=c.get("bits"),
                        predicted_noise=c.get("predicted_noise"), pruning_noise=c.get("pruning_noise"),
                        noise_bound=plan.noise_bound)
-        cols += ["requested_sparsity", "sparsity_reason", "predicted_noise", "pruning_noise", "noise_bound"]
+        cols += ["requested_sparsity", "sparsity_reason", "format_reason", "bits_per_value", "predicted_noise",
+                 "pruning_noise", "noise_bound"]
     df = pd.DataFrame(rows, columns=cols)
     return df.astype({"bits": "Int64", "block_size": "Int64"})
 

@@ -29,11 +29,9 @@ Example:
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import math
-from typing import Any, Iterable, Iterator, Sequence, Union
+from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
@@ -42,6 +40,7 @@ from gradstats.fpanalysis.training import FLUSH_BOUND
 from gradstats.noise.predict import NOISE_BOUND
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
 from gradstats.plan._statistics import Steps, _Moments, _moments, _select_layers, layer_moments
+from gradstats.plan.noise_budget import bound_and_repair, log_bound
 from gradstats.run import as_run
 
 log = logging.getLogger(__name__)
@@ -90,7 +89,7 @@ def _fmt(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
-def recommend(run: Any, *, bits: int = 8, sparsity: float | str | None = None,
+def recommend(run: Any, *, bits: int | str = 8, sparsity: float | str | None = None,
               granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "auto",
               threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
               layers: str | Sequence[str] | None = None, format_rule: str = "lognormal",
@@ -211,13 +210,46 @@ def recommend(run: Any, *, bits: int = 8, sparsity: float | str | None = None,
     if isinstance(bits, (list, tuple, range)):
         raise ValueError(f"recommend makes one Plan for one width, got bits={bits!r}; for one plan per width "
                          f"call recommend_each(run, bits={list(bits)!r}), which returns {{bits: Plan}}")
+    kw = dict(sparsity=sparsity, rounding=rounding, steps=steps, threshold_rule=threshold_rule, layers=layers,
+              format_rule=format_rule, objective=objective, bias_bound=bias_bound, flush_bound=flush_bound,
+              output_layer=output_layer, prune_at=prune_at, check=check)
+    if isinstance(bits, str):
+        if bits != "auto":
+            raise ValueError(f"bits must be an int (a width, 3..16) or 'auto' (per layer the fewest bits the "
+                             f"noise bound allows), got {bits!r}")
+        return _recommend_auto(run, granularity=granularity, candidates=candidates, noise_bound=noise_bound, **kw)
     widths, _ = _bits_list(bits)
-    plans = recommend_each(run, bits=widths, sparsity=sparsity, granularity=granularity, rounding=rounding,
-                           steps=steps, threshold_rule=threshold_rule,
-                           candidates=candidates, layers=layers, format_rule=format_rule, objective=objective,
-                           bias_bound=bias_bound, flush_bound=flush_bound, output_layer=output_layer,
-                           prune_at=prune_at, check=check, noise_bound=noise_bound)
-    return plans[widths[0]]
+    return _plans(run, bits=widths, granularity=granularity, candidates=candidates, noise_bound=noise_bound,
+                  **kw)[widths[0]]
+
+
+#: what ``bits="auto"`` chooses from, fewest bits per value first (``(granularity, bits)``): MXFP4
+#: (4.25 bits with its E8M0 block scales), NVFP4 (4.5), 6 and 8 bits per tensor, MXFP8 (8.25); and
+#: after them full precision
+AUTO_LADDER: tuple[tuple[str, int], ...] = (("mx", 4), ("nvfp4", 4), ("tensor", 6), ("tensor", 8), ("mx", 8))
+
+
+def _recommend_auto(run: Any, *, granularity: Any, candidates: Any, noise_bound: float | None,
+                    **kw: Any) -> Plan:
+    """``recommend(bits="auto")``: each rung of :data:`AUTO_LADDER` recommended on its own (checked,
+    not bounded), then per layer the first rung, and the sparsity in it, that the noise bound allows."""
+    if noise_bound is None:
+        raise ValueError("bits='auto' asks for the fewest bits the noise bound allows: give a noise_bound "
+                         f"(default {NOISE_BOUND}), or a width as bits")
+    if granularity != "tensor" or candidates not in (None, "ocp"):
+        raise ValueError("bits='auto' chooses among the formats hardware has (MXFP4, NVFP4, 6 and 8 bits per "
+                         "tensor, MXFP8): leave granularity and candidates out, or give a width as bits")
+    r = as_run(run)
+    rungs = [_plans(r, bits=[b], granularity=g, candidates="ocp", noise_bound=None, **kw)[b]
+             for g, b in AUTO_LADDER[1:]]
+    g, b = AUTO_LADDER[0]
+    plan = _plans(r, bits=[b], granularity=g, candidates="ocp", noise_bound=noise_bound, ladder=rungs,
+                  label="recommend(bits='auto')", **kw)[b]
+    gen = plan.provenance.generator if plan.provenance is not None else ""
+    if plan.provenance is not None:
+        plan = dataclasses.replace(plan, provenance=dataclasses.replace(
+            plan.provenance, generator="recommend(bits='auto', " + gen.split("(", 1)[1]))
+    return plan
 
 
 def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | None = None,
@@ -229,7 +261,7 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
                    prune_at: str | bool | None = None, check: bool = True,
                    noise_bound: float | None = NOISE_BOUND) -> dict[int, Plan]:
     """:func:`recommend` for each width of ``bits``: ``{bits: Plan}`` in the order given, the run read
-    once (the arguments are :func:`recommend`'s).
+    once (the arguments are :func:`recommend`'s; ``bits="auto"`` is :func:`recommend`'s alone).
 
     Example:
         >>> import tempfile, torch, gradstats
@@ -240,10 +272,28 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
         >>> {b: p.resolve(m)["0"].format.bits for b, p in plans.items()}
         {8: 8, 4: 4}
     """
+    return _plans(run, bits=bits, sparsity=sparsity, granularity=granularity, rounding=rounding, steps=steps,
+                  threshold_rule=threshold_rule, candidates=candidates, layers=layers, format_rule=format_rule,
+                  objective=objective, bias_bound=bias_bound, flush_bound=flush_bound, output_layer=output_layer,
+                  prune_at=prune_at, check=check, noise_bound=noise_bound)
+
+
+def _plans(run: Any, *, bits: Sequence[int], sparsity: float | str | None, granularity: str | int,
+           rounding: str | None, steps: Steps, threshold_rule: str | None, candidates: Any,
+           layers: str | Sequence[str] | None, format_rule: str, objective: str, bias_bound: float | None,
+           flush_bound: float | None, output_layer: str | bool | None, prune_at: str | bool | None,
+           check: bool, noise_bound: float | None, ladder: Sequence[Plan] | None = None,
+           label: str | None = None) -> dict[int, Plan]:
+    """:func:`recommend_each`; ``ladder``: the wider options of every layer under the noise bound
+    (default: the 8-bit plan behind a narrower width, :func:`_fallback`); ``label``: the plan's name
+    in the logs."""
     from gradstats import fpanalysis
     from gradstats._version import __version__  # noqa: F401 - provenance
 
     model = format_rule
+    again = dict(sparsity=sparsity, rounding=rounding, steps=steps, threshold_rule=threshold_rule, layers=layers,
+                 format_rule=format_rule, objective=objective, bias_bound=bias_bound, flush_bound=flush_bound,
+                 output_layer=output_layer, prune_at=prune_at, check=check)
     widths, _ = _bits_list(bits)
     if rounding is not None and rounding not in _ROUNDINGS:
         raise ValueError(f"rounding must be None (the objective chooses) or one of {list(_ROUNDINGS)} (the "
@@ -315,7 +365,7 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
     training = objective == "training" and block_size is None and model == "lognormal"
     plans: dict[int, Plan] = {}
     for b in widths:
-        plan_name = (f"recommend(bits={b}" + (f", sparsity={asked!r}" if asked is not None else "")
+        plan_name = label or (f"recommend(bits={b}" + (f", sparsity={asked!r}" if asked is not None else "")
                      + (f", granularity={granularity!r}" if granularity != "tensor" else "") + ")")   # in the logs
         b_round = rounding or ("stochastic" if b <= 6 else "nearest")
         per_layer: list[dict[str, Any]] = [{} for _ in mom.layers]
@@ -376,17 +426,14 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
         chk = cal_steps or calibration_steps(r, mom.layers, steps=steps)
         pool = (cands if isinstance(cands, list) else fpanalysis.preset_formats(
             cands, b, granularity="tensor" if block_size is None else granularity)) if check else None
-        plans[b] = _bound_and_repair(plans[b], r, chk, noise_bound if sparsity is not None else None,
-                                     bounded=sparsity is not None or noise_bound is not None, pool=pool,
-                                     bias_bound=bias_bound, flush_bound=flush_bound)
+        wider = (ladder if ladder is not None else _fallback(r, b, granularity, candidates, again)) \
+            if noise_bound is not None else ()
+        plans[b] = bound_and_repair(plans[b], r, chk, noise_bound, bounded=sparsity is not None or
+                                    noise_bound is not None, pool=pool, bias_bound=bias_bound,
+                                    flush_bound=flush_bound, ladder=wider)
         plans[b] = _granted_thresholds(plans[b], r, mom, threshold_rule)
         if plans[b].noise_bound is not None:
-            cut = [c for c in plans[b].noise if c["sparsity_reason"] == "noise bound"]
-            if cut:
-                log.info("%s: the noise bound %g lowered the sparsity of %d of %d pruned layers "
-                         "(mean granted %.3f); plan.to_dataframe() shows each", plan_name, noise_bound, len(cut),
-                         sum(1 for c in plans[b].noise if c["requested_sparsity"]),
-                         float(np.mean([c["sparsity"] for c in plans[b].noise if c["requested_sparsity"]])))
+            log_bound(plan_name, plans[b])
     if default_selection:
         from gradstats.layers import log_unplanned
 
@@ -394,50 +441,20 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
     return plans
 
 
-def _bound_and_repair(plan: Plan, r: Any, chk: Sequence[int], noise_bound: float | None, *, bounded: bool,
-                      pool: list[Any] | None, bias_bound: float, flush_bound: float | None, rounds: int = 3) -> Plan:
-    """``plan`` with its sparsities bounded (``noise_bound``; the records alone when None), then
-    repaired by the check (``pool``: its candidate formats; None: no check), with the noise records
-    of the rules as repaired. The bound's allocation is first order in the measured gains, and a
-    repair that changes a layer's rounding changes what its pruning adds: where the plan's pruning
-    noise (compounded, rules as repaired) ends over the bound, the bound is solved again a little
-    tighter (the records keep the user's bound)."""
-    from gradstats.plan._shared import shared_work
+def _fallback(r: Any, bits: int, granularity: Any, candidates: Any, kw: dict[str, Any]) -> list[Plan]:
+    """The wider option behind a width under 8 bits: the 8-bit plan per tensor (of ``candidates`` where
+    they have 8-bit formats, else the hardware formats), checked, not bounded."""
+    if bits >= 8:
+        return []
+    from gradstats import fpanalysis
 
-    with shared_work():        # the rounds predict and replay the same operators: each computed once
-        return _bound_and_repair_rounds(plan, r, chk, noise_bound, bounded=bounded, pool=pool, bias_bound=bias_bound,
-                                        flush_bound=flush_bound, rounds=rounds)
-
-
-def _bound_and_repair_rounds(plan: Plan, r: Any, chk: Sequence[int], noise_bound: float | None, *, bounded: bool,
-                             pool: list[Any] | None, bias_bound: float, flush_bound: float | None,
-                             rounds: int) -> Plan:
-    from gradstats.noise.predict import bound_plan
-
-    solve_for = noise_bound
-    for again in range(rounds):
-        out = bound_plan(plan, r, chk, noise_bound, solve_for=solve_for) if bounded else plan
-        if pool is not None:
-            from gradstats.formats import FPFormat
-            from gradstats.plan.checks import repair
-
-            with _quiet("gradstats.plan.checks", again > 0):     # its repairs were logged the first time
-                out = repair(out, r, chk, candidates=[FPFormat.parse(c) for c in pool], bias_bound=bias_bound,
-                             flush_bound=flush_bound)
-            if out.noise:       # the predicted noise of the rules as repaired, both parts
-                from gradstats.noise.predict import predicted_noise
-
-                now = {rec["layer"]: rec for rec in predicted_noise(r, out, steps=chk).records}
-                out = dataclasses.replace(out, noise=tuple(
-                    {**c, "predicted_noise": _fmt(now.get(c["layer"], {}).get("noise", math.nan)),
-                     "pruning_noise": _fmt(now.get(c["layer"], {}).get("pruning_noise", math.nan))}
-                    for c in out.noise))
-        worst = max((c["pruning_noise"] for c in out.noise or () if c.get("pruning_noise") is not None),
-                    default=0.0)
-        if noise_bound is None or solve_for is None or worst <= noise_bound * (1 + 1e-6):
-            break
-        solve_for *= noise_bound / worst * 0.99     # (a margin for the bisection's resolution)
-    return out
+    try:
+        cands = _candidates(fpanalysis, candidates, [8], "tensor")
+        if isinstance(cands, list) and not any(c.bits == 8 for c in cands):
+            cands = "ocp"
+    except ValueError:
+        cands = "ocp"
+    return [_plans(r, bits=[8], granularity="tensor", candidates=cands, noise_bound=None, **kw)[8]]
 
 
 def _granted_thresholds(plan: Plan, r: Any, mom: _Moments, threshold_rule: str) -> Plan:
@@ -463,19 +480,6 @@ def _granted_thresholds(plan: Plan, r: Any, mom: _Moments, threshold_rule: str) 
     for (k, e), a in zip(todo, thr):
         entries[k] = dataclasses.replace(e, predicted=dataclasses.replace(e.predicted, threshold=_fmt(a)))
     return dataclasses.replace(plan, entries=tuple(entries))
-
-
-@contextlib.contextmanager
-def _quiet(logger: str, on: bool) -> Iterator[None]:
-    """Below ERROR, nothing from ``logger`` while ``on``."""
-    lg = logging.getLogger(logger)
-    level = lg.level
-    if on:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        lg.setLevel(level)
 
 
 def granularity_recipe(granularity: Any) -> tuple[Any, dict[str, Any]]:

@@ -51,8 +51,12 @@ def carries(rule, label: str) -> bool:
     return bool(ok)
 
 
-KWARGS = (dict(bits=4, granularity="mx"), dict(bits=4, granularity="mx", rounding="nearest"),
-          dict(bits=4, granularity="nvfp4"), dict(bits=4, granularity="nvfp4", rounding="nearest"),
+#: unbounded, the 4-bit plans keep their formats and carry the check's repairs; bounded, the noise
+#: bound widens their formats (mixed plans, which must pass their own verify too)
+KWARGS = (dict(bits=4, granularity="mx", noise_bound=None), dict(bits=4, granularity="mx", rounding="nearest", noise_bound=None),
+          dict(bits=4, granularity="nvfp4", noise_bound=None),
+          dict(bits=4, granularity="nvfp4", rounding="nearest", noise_bound=None),
+          dict(bits=4, granularity="mx"), dict(bits="auto"),
           dict(bits=6, sparsity=0.85), dict(bits=6, sparsity=0.85, noise_bound=None))
 
 
@@ -61,7 +65,7 @@ def test_recommended_plans_pass_their_own_verify(mlp_run):
         plan = gradstats.recommend(mlp_run, output_layer=False, **kw)
         rules = plan.resolve(mlp_run)
         done = repaired(plan)
-        if kw.get("granularity") == "mx" or kw.get("rounding") == "nearest":
+        if (kw.get("granularity") == "mx" or kw.get("rounding") == "nearest") and "noise_bound" in kw:
             assert done, (kw, plan.checks)          # these plans have repairs to carry
         for layer, label in done.items():
             assert carries(rules[layer], label), (kw, layer, label, rules[layer])
@@ -87,7 +91,7 @@ def test_recommended_plans_pass_their_own_verify(mlp_run):
 def test_mx_repair_to_rounded_up_scales_is_carried_and_applied(mlp_run):
     """The reported case: MX 4-bit scales rounded down fail, rounded up (rceil) pass; the plan carried
     the note but not the rounding, so verify failed on every layer and apply enforced the floor rule."""
-    plan = gradstats.recommend(mlp_run, bits=4, granularity="mx", output_layer=False)
+    plan = gradstats.recommend(mlp_run, bits=4, granularity="mx", output_layer=False, noise_bound=None)
     rules = plan.resolve(mlp_run)
     rceil = [n for n, label in repaired(plan).items() if "rceil" in label]
     assert rceil and all(rules[n].scale_rounding == "rceil" for n in rceil)
