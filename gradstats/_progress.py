@@ -39,15 +39,14 @@ def show_progress(progress: bool = True, stream: Optional[IO[str]] = None) -> bo
     or ``0``; else when the stream is a terminal or the code runs in a Jupyter kernel.
 
     Example:
-        >>> import io, os
-        >>> os.environ.pop(ENV, None) is None or True
-        True
-        >>> show_progress(True, io.StringIO()), show_progress(False, io.StringIO())
-        (False, False)
-        >>> os.environ[ENV] = "1"
-        >>> show_progress(True, io.StringIO()), show_progress(False, io.StringIO())
-        (True, False)
-        >>> del os.environ[ENV]
+        >>> import io
+        >>> class Terminal(io.StringIO):
+        ...     def isatty(self):
+        ...         return True
+        >>> show_progress(False, Terminal())     # progress=False: hidden whatever the stream or GRADSTATS_PROGRESS
+        False
+        >>> show_progress(True, io.StringIO())   # not a terminal (GRADSTATS_PROGRESS unset): hidden
+        False
     """
     if not progress:
         return False
@@ -106,9 +105,14 @@ class Progress:
 
         Example:
             >>> import io, logging
-            >>> bar = progress_bar(total=2, desc="analyse", file=io.StringIO(), logger=logging.getLogger("doc"))
-            >>> bar.stage("fit")         # hidden bar: INFO "analyse: fit" on the logger "doc"
+            >>> lines = io.StringIO()
+            >>> logger = logging.Logger("doc")             # a logger of its own, not registered
+            >>> logger.addHandler(logging.StreamHandler(lines))
+            >>> bar = progress_bar(total=2, desc="analyse", unit="stage", file=io.StringIO(), logger=logger)
+            >>> bar.stage("fit")         # a hidden bar: one INFO line
             >>> bar.close()
+            >>> lines.getvalue().splitlines()
+            ['analyse: 2 stages', 'analyse: fit']
         """
         if self.shown:
             self.bar.set_postfix_str(text)

@@ -225,6 +225,7 @@ def test_tracer_records_what_comes_before_it(tmp_path, tracer_first):
     tr.detach()
     applied.remove()
     logits = gradstats.open_run(tmp_path).stats().query("layer == 'fc2'")
+    assert len(logits) == 2                                 # one row per step: .all() below is not vacuous
     zero_fraction = logits["n_zero"] / logits["n"]
     if tracer_first:
         assert (zero_fraction == 0).all()                   # softmax minus one-hot: no zeros

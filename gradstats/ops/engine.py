@@ -17,8 +17,10 @@ Unset, each device gets its default: ``native`` on the CPU, ``triton`` on CUDA (
 notebooks may change it between calls).
 
 Example:
-    >>> active_engine("cpu") in ENGINES
+    >>> active_engine("cpu") == (requested_engine() or "native")   # the CPU's: the one asked for, else native
     True
+    >>> active_engine("mps")          # a device without kernels of its own: the torch reference path
+    'torch'
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ def triton_available() -> bool:
     """True when Triton imports (it may still lack a GPU; see :func:`use_triton`).
 
     Example:
-        >>> triton_available() in (True, False)
+        >>> import importlib.util
+        >>> triton_available() == (importlib.util.find_spec("triton") is not None)   # installed, so importable
         True
     """
     try:
@@ -51,7 +54,8 @@ def interpreting() -> bool:
     """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``).
 
     Example:
-        >>> interpreting() in (True, False)
+        >>> import os
+        >>> interpreting() == (os.environ.get("TRITON_INTERPRET") == "1")   # "1" only: unset or "0" is False
         True
     """
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -62,7 +66,7 @@ def requested_engine() -> str | None:
 
     Example:
         >>> import os
-        >>> os.environ.get(ENV) is None or requested_engine() in ENGINES
+        >>> requested_engine() == (os.environ.get(ENV, "").strip().lower() or None)   # " Torch " asks for "torch"
         True
     """
     name = os.environ.get(ENV, "").strip().lower()
@@ -83,10 +87,9 @@ def active_engine(device_type: str) -> str:
     path than the one asked for.
 
     Example:
-        >>> import os
-        >>> os.environ.pop("GRADSTATS_ENGINE", None) is None or True
-        True
-        >>> active_engine("cuda") in ("triton", "torch")
+        >>> active_engine("mps")
+        'torch'
+        >>> active_engine("cuda") == ("triton" if triton_available() and requested_engine() != "torch" else "torch")
         True
     """
     if device_type == "cpu" and not os.environ.get(ENV):
@@ -115,7 +118,9 @@ def use_triton(device_type: str) -> bool:
     """Whether a tensor on ``device_type`` goes through the Triton kernels.
 
     Example:
-        >>> use_triton("cpu") == (active_engine("cpu") == "triton")
+        >>> use_triton("mps")
+        False
+        >>> use_triton("cpu") == (requested_engine() == "triton")   # CPU tensors only when it is asked for
         True
     """
     return active_engine(device_type) == "triton"
@@ -127,6 +132,8 @@ def use_native(device_type: str) -> bool:
     Example:
         >>> use_native("cuda")
         False
+        >>> use_native("cpu") == (requested_engine() in (None, "native"))   # the CPU's default
+        True
     """
     return device_type == "cpu" and active_engine("cpu") == "native"
 

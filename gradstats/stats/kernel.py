@@ -5,8 +5,12 @@ against the declaration by a test), then the binade counts and the largest magni
 addresses it is given.
 
 Example:
-    >>> has_native_kernel() in (True, False)
+    >>> import torch
+    >>> from gradstats.ops.native import load
+    >>> has_native_kernel() == (load("stats") is not None)   # here when a C compiler built ops/native/stats.c
     True
+    >>> kernel_applies(torch.ones(3, dtype=torch.float64))   # float32 only: others take tensor_stats_vector
+    False
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradstats.ops.engine import ENV, active_engine, use_native, use_triton
+from gradstats.ops.engine import ENV, active_engine, interpreting, requested_engine, use_native, use_triton
 from gradstats.ops.triton import triton_available
 
 
@@ -14,6 +14,29 @@ def test_defaults_per_device(monkeypatch):
     assert active_engine("cpu") == "native" and use_native("cpu") and not use_triton("cpu")
     assert active_engine("cuda") == ("triton" if triton_available() else "torch")
     assert active_engine("mps") == "torch" and not use_native("cuda")
+
+
+def test_native_asks_nothing_of_cuda_tensors(monkeypatch):
+    monkeypatch.setenv(ENV, "native")                 # the C kernels are the CPU's: CUDA keeps its default
+    assert active_engine("cuda") == ("triton" if triton_available() else "torch")
+    assert not use_native("cuda") and use_native("cpu")
+
+
+def test_the_request_is_read_at_each_call(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert requested_engine() is None
+    for value, asked in (("", None), ("  ", None), (" Torch ", "torch"), ("TRITON", "triton"), ("native", "native")):
+        monkeypatch.setenv(ENV, value)
+        assert requested_engine() == asked, value
+
+
+def test_interpreting_is_triton_interpret_set_to_1(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert interpreting() is False
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert interpreting() is False
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert interpreting() is True
 
 
 def test_torch_engine_everywhere(monkeypatch):

@@ -7,6 +7,7 @@ or changes its return type fails the type check.
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -33,8 +34,9 @@ def main() -> None:
     q: torch.Tensor = quantize(x, fmt, rounding="stochastic", generator=torch.Generator().manual_seed(0))
     p: torch.Tensor = stochastic_prune(x, 0.5, generator=torch.Generator().manual_seed(0))
     h: torch.Tensor = hard_prune(x, 0.5)
-    c = prune_quantize(x, 0.5, "e4m3fn")
-    assert q.shape == p.shape == h.shape == x.shape and c is not None
+    y, counts = prune_quantize(x, 0.5, "e4m3fn")
+    assert q.shape == p.shape == h.shape == y.shape == x.shape and counts.n == x.numel()
+    assert counts.zeros == int((y == 0).sum()) > 0                     # values below 0.5 are pruned
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     with trace(model, tempfile.mkdtemp()) as t:
@@ -56,8 +58,8 @@ def main() -> None:
     a = float(threshold(0.8, row))
     pick = best_format_from_stats(8, merged)
     w_row: dict[str, float] = predict_from_stats(row, "e4m3fn")
-    assert n == 2 * x.numel() and pick is not None and "underflow" in w_row
-    assert result is not None and len(fits) > 0 and a > 0
+    assert n == 2 * x.numel() and pick.format.bits == 8 and "underflow" in w_row
+    assert result.best == "normal" and len(fits) > 0 and a > 0        # x is Gaussian
 
     plan: Plan = recommend(run, bits=8, sparsity=0.5)
     plans: dict[int, Plan] = recommend_each(run, bits=[8, 6])
@@ -75,8 +77,10 @@ def main() -> None:
     table = crossover_table(bits=[6], sigma_max=3.0)
     w: pd.DataFrame = what_if(run, ["e4m3fn", "e2m1fn"])
     alloc = allocate(run, 0.8)
-    assert best is not None and table is not None and len(w) > 0 and alloc is not None
-    assert data_dir() is None or data_dir() is not None
+    assert str(best.choices()[0].format) == "e4m3fn" and {r["bits"] for r in table.ranges} == {6} and len(w) > 0
+    assert alloc.layers == run.layers and abs(alloc.achieved - 0.8) < 1e-6
+    data: Path | None = data_dir()
+    assert data is not None and (data / "fashion-mnist").is_dir()       # the checkout's data/
 
 
 if __name__ == "__main__":
