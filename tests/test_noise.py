@@ -451,3 +451,22 @@ def test_a_narrow_width_widens_under_the_bound_and_full_precision_is_whole(tmp_p
             assert rules[n].format.bits == 8
         else:
             assert rules[n].format.bits == 4
+
+
+def test_the_fast_whole_plan_ratio_is_the_records_ratio(tmp_path):
+    """The allocation's trial evaluator gives the largest ratio the noise records give."""
+    import random
+
+    from gradstats.noise.predict import noise_records
+    from gradstats.plan.noise_budget import _worst_ratio
+
+    _, path, _, _, _ = _mlp_run(tmp_path, steps=6)
+    layers = ["0", "2", "4"]
+    terms, down, gain = noise_terms(path, layers), downstream(path), gains(path)
+    worst = _worst_ratio(layers, terms, down, gain)
+    rnd = random.Random(0)
+    for _ in range(20):
+        errors = {n: rnd.choice([0.0, rnd.random() * 0.1, float("nan")]) for n in layers}
+        recs = noise_records(lambda n, s: errors[n], {n: 0.0 for n in layers}, terms, down, gain)
+        want = max((r["noise"] for r in recs if r["noise"] == r["noise"]), default=0.0)
+        assert worst(errors) == pytest.approx(want, rel=1e-12, abs=1e-15)

@@ -175,11 +175,19 @@ def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float]
     from gradstats.run import as_run
 
     r = as_run(run)
-    rules = {n: rule for n, rule in plan.resolve(r, strict=False).items() if not rule.is_identity}
+    resolved = [p.resolve(r, strict=False) for p in (plan, *ladder)]
+    # each layer's options, cheapest first, and which plan each comes from (0: the plan's own rule); a
+    # layer the plan leaves alone (its check repaired it to full precision) keeps the ladder's options
+    opts: dict[str, list[Any]] = {}
+    origin: dict[str, list[int]] = {}
+    for i, rs in enumerate(resolved):
+        for n, rule in rs.items():
+            if not rule.is_identity:
+                opts.setdefault(n, []).append(rule)
+                origin.setdefault(n, []).append(i)
+    rules = {n: o[0] for n, o in opts.items()}
     if not rules:
         return plan
-    wider = [p.resolve(r, strict=False) for p in ladder]
-    opts = {n: [rule] + [w[n] for w in wider if n in w and not w[n].is_identity] for n, rule in rules.items()}
     rows = step_rows(r, list(rules), steps)
     per_option = [layer_errors({n: o[k] for n, o in opts.items() if k < len(o)}, rows, steps)
                   for k in range(max(len(o) for o in opts.values()))]
@@ -187,6 +195,7 @@ def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float]
     down = downstream(r)
     gain = gains(r)
     want = {n: (requested if requested is not None else rule.sparsity) for n, rule in rules.items() if rule.prunes}
+    own = {n: origin[n][0] == 0 for n in rules}       # the first option is the plan's own rule
     if bound is not None and (terms.empty or not down):
         said = ("no records", str(r.path)) in _SAID          # a fact of the run: said once, not once per plan
         (log.debug if said else log.warning)("the run at %s holds no noise records (traced before gradstats "
@@ -209,6 +218,8 @@ def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float]
                           error_at, terms, down, gain, float(solve_for if solve_for is not None else bound))
     for n, c in chosen.items():
         c["requested"] = want.get(n)
+        if c["option"] != FULL_PRECISION and not own[n]:    # the plan's own rule failed its check
+            c["format_reason"] = "check: a wider format"
     preds = {rec["layer"]: rec for rec in noise_records(lambda n, s: error_at(n, chosen[n]["option"], s),
                                                   {n: chosen[n]["granted"] for n in rules}, terms, down, gain)}
 
@@ -226,9 +237,10 @@ def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float]
     if bound is not None:
         by_name = {e.layer: i for i, e in enumerate(entries) if not e.is_pattern}
         for n, c in chosen.items():
-            if c["option"] == 0 and (n not in want or c["granted"] >= want[n]):
+            mine = c["option"] == 0 and own[n]
+            if mine and (n not in want or c["granted"] >= want[n]):
                 continue                      # the plan's own rule, as requested
-            if c["option"] == 0:              # the plan's rule at a lower sparsity
+            if mine:                          # the plan's rule at a lower sparsity
                 s = float(c["granted"])
                 if n in by_name:
                     e = entries[by_name[n]]
@@ -263,14 +275,10 @@ def _improve(chosen: dict[str, dict[str, Any]], bits: dict[str, list[float]], nu
     out = {n: dict(c) for n, c in chosen.items()}
     layers = list(out)
     recordable = {n for n in layers if n in terms.index and terms.loc[n, "minibatch"] > 0}
-
-    def worst(trial: dict[str, dict[str, Any]]) -> float:
-        recs = noise_records(lambda n, s: error_at(n, trial[n]["option"], s), {n: trial[n]["granted"] for n in layers},
-                        terms, down, gain)
-        return max((r["noise"] for r in recs if math.isfinite(r["noise"])), default=0.0)
+    worst = _worst_ratio(layers, terms, down, gain)
 
     def fits(trial: dict[str, dict[str, Any]]) -> bool:
-        return worst(trial) <= bound
+        return worst({n: error_at(n, c["option"], c["granted"]) for n, c in trial.items()}) <= bound
 
     if not fits(out):
         return out
@@ -305,6 +313,38 @@ def _improve(chosen: dict[str, dict[str, Any]], bits: dict[str, list[float]], nu
         if s_new > c["granted"]:
             out[n] = {**c, "granted": s_new, "error": error_at(n, c["option"], s_new), "sparsity_reason": reason}
     return out
+
+
+def _worst_ratio(layers: Sequence[str], terms: "pd.DataFrame", down: dict[str, list[str]],
+                 gain: dict[tuple[str, str], float]) -> Callable[[dict[str, float]], float]:
+    """The largest predicted ratio over ``layers`` given each layer's operator error: what
+    :func:`gradstats.noise.predict.noise_records` computes (:func:`~gradstats.noise.predict.incoming_noise`
+    compounded downstream first, times ``q2 / minibatch``), with the table lookups done once, for
+    the many trial allocations of :func:`_improve`."""
+    planned = set(layers)
+    order = sorted(layers, key=lambda n: len(down.get(n, ())))
+    edges = {n: [(m, gain_of(gain, m, n)) for m in down.get(n, ()) if m in planned] for n in layers}
+    coef = {n: float(terms.loc[n, "q2"] / terms.loc[n, "minibatch"]) for n in layers
+            if n in terms.index and terms.loc[n, "minibatch"] > 0}
+    compound = bool(gain)
+
+    def worst(errors: dict[str, float]) -> float:
+        inc: dict[str, float] = {}
+        top = 0.0
+        for n in order:
+            total = 0.0
+            for m, g in edges[n]:
+                e = errors[m]
+                if math.isfinite(e):
+                    total += g * e * ((1.0 + inc.get(m, 0.0)) if compound else 1.0)
+            inc[n] = total
+            c = coef.get(n)
+            if c is not None:
+                r = (total + errors[n] * (1.0 + total)) * c
+                if r > top:
+                    top = r
+        return top
+    return worst
 
 
 def _num(v: float) -> Optional[float]:

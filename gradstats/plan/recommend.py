@@ -240,8 +240,8 @@ def _recommend_auto(run: Any, *, granularity: Any, candidates: Any, noise_bound:
         raise ValueError("bits='auto' chooses among the formats hardware has (MXFP4, NVFP4, 6 and 8 bits per "
                          "tensor, MXFP8): leave granularity and candidates out, or give a width as bits")
     r = as_run(run)
-    rungs = [_plans(r, bits=[b], granularity=g, candidates="ocp", noise_bound=None, **kw)[b]
-             for g, b in AUTO_LADDER[1:]]
+    rungs = [_plans(r, bits=[b], granularity=g, candidates="ocp", noise_bound=None, **{**kw, "check": False})[b]
+             for g, b in AUTO_LADDER[1:]]       # checked once mixed (the base plan's check)
     g, b = AUTO_LADDER[0]
     plan = _plans(r, bits=[b], granularity=g, candidates="ocp", noise_bound=noise_bound, ladder=rungs,
                   label="recommend(bits='auto')", **kw)[b]
@@ -428,6 +428,8 @@ def _plans(run: Any, *, bits: Sequence[int], sparsity: float | str | None, granu
             cands, b, granularity="tensor" if block_size is None else granularity)) if check else None
         wider = (ladder if ladder is not None else _fallback(r, b, granularity, candidates, again)) \
             if noise_bound is not None else ()
+        if pool is not None and wider:      # the wider options are checked in the mixed plan
+            pool = list(dict.fromkeys([*pool, *_widths_formats(fpanalysis, wider)]))
         plans[b] = bound_and_repair(plans[b], r, chk, noise_bound, bounded=sparsity is not None or
                                     noise_bound is not None, pool=pool, bias_bound=bias_bound,
                                     flush_bound=flush_bound, ladder=wider)
@@ -443,7 +445,7 @@ def _plans(run: Any, *, bits: Sequence[int], sparsity: float | str | None, granu
 
 def _fallback(r: Any, bits: int, granularity: Any, candidates: Any, kw: dict[str, Any]) -> list[Plan]:
     """The wider option behind a width under 8 bits: the 8-bit plan per tensor (of ``candidates`` where
-    they have 8-bit formats, else the hardware formats), checked, not bounded."""
+    they have 8-bit formats, else the hardware formats), not bounded, checked where it is chosen."""
     if bits >= 8:
         return []
     from gradstats import fpanalysis
@@ -454,7 +456,16 @@ def _fallback(r: Any, bits: int, granularity: Any, candidates: Any, kw: dict[str
             cands = "ocp"
     except ValueError:
         cands = "ocp"
-    return [_plans(r, bits=[8], granularity="tensor", candidates=cands, noise_bound=None, **kw)[8]]
+    return [_plans(r, bits=[8], granularity="tensor", candidates=cands, noise_bound=None, **{**kw, "check": False})[8]]
+
+
+def _widths_formats(fpanalysis: Any, plans: Sequence[Plan]) -> list[Any]:
+    """The hardware formats (per tensor) of every width the ``plans`` use: the check's other choices
+    for their rules."""
+    from gradstats.formats import FPFormat
+
+    widths = sorted({e.format.bits for p in plans for e in p.entries if isinstance(e.format, FPFormat)})
+    return [f for w in widths for f in fpanalysis.preset_formats("ocp", w, granularity="tensor")]
 
 
 def _granted_thresholds(plan: Plan, r: Any, mom: _Moments, threshold_rule: str) -> Plan:
