@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -135,6 +136,94 @@ def plot_ranking(rows: list[dict], path: Path, bound: float = 0.02) -> Path:
     return path
 
 
+_NAMES = {"resnet20": "ResNet-20", "transformer": "the transformer", "lstm": "the LSTM", "cnn": "the CNN"}
+_AUTO, _FIXED, _FP6 = "recommend(sparsity='auto')", "recommend(sparsity=0.85)", "recommend(bits=6)"
+
+
+def _stored(plans: dict, model: str, label: str) -> dict | None:
+    return next((v["plan"] for k, v in plans.items() if k.startswith(f"{model}/{label}/")), None)
+
+
+def _noise(plans: dict, model: str, label: str) -> pd.DataFrame:
+    """The noise records (``Plan.noise``) of a stored plan, R and pruning_noise as numbers (NaN: none)."""
+    t = pd.DataFrame((_stored(plans, model, label) or {}).get("noise") or [],
+                     columns=["layer", "predicted_noise", "pruning_noise"])
+    return t.assign(**{c: pd.to_numeric(t[c], errors="coerce") for c in ("predicted_noise", "pruning_noise")})
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _predates(plans: dict, models: list[str]) -> str:
+    """What the stored plans bounded (they predate the whole-plan bound): the pruning plans' largest
+    ``pruning_noise`` and per model their largest whole-plan R; the unbounded ``bits=6`` plans'
+    largest R; a layer the plans hold no R for."""
+    pr = {m: _noise(plans, m, _FIXED) for m in models}
+    prune_max = max(max(pr[m]["pruning_noise"].max(), _noise(plans, m, _AUTO)["pruning_noise"].max()) for m in models)
+    whole = [f"{pr[m]['predicted_noise'].max():.2g} on {_NAMES.get(m, m)}"
+             + (" (its stem)" if i == 0 and pr[m]["predicted_noise"].idxmax() == 0 else "") for i, m in enumerate(models)]
+    fp6 = [f"{_noise(plans, m, _FP6)['predicted_noise'].max():.2g}" for m in models]
+    text = (" The plans predate the whole-plan bound: the two pruning plans (8 bits per tensor, `recommend`'s default "
+            f"width) bounded the noise their pruning adds (`pruning_noise`, at most {prune_max:.4f}), not the whole "
+            f"plan's: a layer's whole predicted R reached {_and(whole)}; `recommend(bits=6)` was made with no bound "
+            f"(its largest R {_and(fp6)}).")
+    for m in models:
+        missing = pr[m][pr[m]["predicted_noise"].isna()]
+        if len(missing):
+            what = "recurrent layer" if m == "lstm" else "layer " + _and(list(missing["layer"]))
+            rest = {1: "one", 2: "two", 3: "three"}.get(len(pr[m]) - len(missing), str(len(pr[m]) - len(missing)))
+            text += f" The plans hold no predicted R for {_NAMES.get(m, m)}'s {what}; its *R* is the mean over the other {rest}."
+    return text
+
+
+def _one_plan(plans: dict, jobs: pd.DataFrame, claims: pd.DataFrame) -> str:
+    """``sparsity='auto'`` and ``sparsity=0.85`` where the bound makes them one plan (the same layers,
+    formats and roundings, every granted sparsity under 0.85): how close the stored plans are, and
+    how far their trainings landed apart ("auto" minus 0.85 per seed). Empty where they differ."""
+    gaps, apart, flips = {}, [], []
+    for model in dict.fromkeys(claims["model"]):
+        a, b = (_stored(plans, model, lab) for lab in (_AUTO, _FIXED))
+        if a is None or b is None:
+            continue
+        a, b = ({e["layer"]: e for e in p["layers"]} for p in (a, b))
+        same = set(a) == set(b) and all((a[k].get("format"), a[k].get("rounding")) == (b[k].get("format"), b[k].get("rounding"))
+                                        for k in a)
+        if not same or max(float(e.get("sparsity") or 0) for e in b.values()) >= 0.85:
+            return ""
+        gap = max(abs(float(a[k].get("sparsity") or 0) - float(b[k].get("sparsity") or 0)) for k in a)
+        gaps.setdefault(f"{math.ceil(gap * 1000 - 1e-9) / 1000:g}", []).append(_NAMES.get(model, model))
+        rows = claims[claims["model"] == model].set_index("label")
+        if rows.loc[_AUTO, "verdict"] != rows.loc[_FIXED, "verdict"]:
+            flips.append(_NAMES.get(model, model))
+        j = jobs[(jobs["model"] == model) & jobs["label"].isin([_AUTO, _FIXED])]
+        j = j[j["steps"] == j.loc[j["label"] == _AUTO, "steps"].iloc[0]]
+        acc = bool(j["test_accuracy"].notna().all()) and model in ("resnet20", "cnn")
+        w = j.assign(v=j["test_accuracy"] * 100 if acc else -j["test_loss"]).pivot_table(index="seed", columns="label", values="v")
+        d = w[_AUTO] - w[_FIXED]
+        apart.append(f"{_NAMES.get(model, model)} {d.mean():+.2f} points ({d.min():+.2f} to {d.max():+.2f} per seed)" if acc
+                     else f"{_NAMES.get(model, model)} {d.mean():+.3f} nats")
+    if not gaps:
+        return ""
+    within = ", ".join(f"{g} on {_and(ms)}" if i else f"{g} of each other on {_and(ms)}" for i, (g, ms) in enumerate(gaps.items()))
+    return (f"\n`{_AUTO}` and `{_FIXED}` are one plan on each of these models: the bound granted every layer less "
+            "than 0.85, and the two stored plans have the same formats and roundings and per-layer sparsities within "
+            f"{within} (`noise_plans.json`). Each model's two rows are that plan trained twice on the same seeds, so "
+            "their opposite verdicts" + (f" on {' and on '.join(flips)}" if flips else "") + " are two draws of one "
+            "configuration, the training's noise, not evidence about \"auto\". How far the two draws landed apart "
+            "(\"auto\" minus 0.85, mean over seeds): " + ", ".join(apart) + ".\n")
+
+
+def _exact_losses(rows: list[dict], res: Path) -> list[dict]:
+    """The 1.2 rows' loss in margins from the exact paired differences of the jobs (``noise_ranking.json``
+    holds them as rounded in 1.2's table); the rows of this section have theirs already."""
+    ss = _module("scale_study")
+    df, _ = ss.load_results(res)
+    exact = {(r.model, r.label): r.diff_mean for r in ss.paired_table(df, ss.PROTOCOL).itertuples()}
+    return [{**r, "loss_margins": -exact[(r["model"], r["label"])] / abs(ss.PROTOCOL[r["model"]]["margin"])}
+            if r["source"] == "1.2" and (r["model"], r["label"]) in exact else r for r in rows]
+
+
 def _findings(claims: pd.DataFrame) -> str:
     """Per model, the mean sparsity its bounded plans reached, and whether it trained with no loss."""
     out = []
@@ -154,7 +243,7 @@ def section_noise_study(res: Path, *, quick: bool = False, figures: Path | None 
     ns = _module("noise_study")
     head = ("\n### 1.8 The claims re-measured with the noise bound (prospective)\n\n"
             "The protocol `docs/protocol-noise.md` was committed before any of these trainings ran. "
-            "It covers the default `recommend(calibration, sparsity=0.85)`, now bounded at a predicted R of 0.02, "
+            "It covers the default `recommend(calibration, sparsity=0.85)`, bounded at a predicted R of 0.02, "
             "`recommend(sparsity=\"auto\")`, the most the bound allows, and `recommend(bits=6)`. The models are "
             "ResNet-20 (6 seeds), the transformer (8 seeds) and a character LSTM new to the study (8 seeds, "
             "margin -0.01 nats). The plans are made once from each model's calibration trace: the plain model's "
@@ -164,6 +253,12 @@ def section_noise_study(res: Path, *, quick: bool = False, figures: Path | None 
             "*R*: the plan's mean predicted noise ratio. Command: `python experiments/noise_study.py` "
             "(resumable; `--remaining` prints what is left).\n\n")
     jobs, claims, length = noise_study_rows(res, quick=quick)
+    plans_path = res / f"noise_plans{'_quick' if quick else ''}.json"
+    plans = json.loads(plans_path.read_text()) if plans_path.exists() else {}
+    models = [m for m in dict.fromkeys(claims["model"]) if _stored(plans, m, _FIXED) and _stored(plans, m, _FP6)] \
+        if len(claims) else []
+    if models and not quick:
+        head = head.replace("and `recommend(bits=6)`. ", "and `recommend(bits=6)`." + _predates(plans, models) + " ", 1)
     if not len(claims):
         return head + "No results yet.\n", 0.0
     own = jobs[jobs["experiment"] == ns.EXPERIMENT] if "experiment" in jobs else jobs
@@ -187,18 +282,25 @@ def section_noise_study(res: Path, *, quick: bool = False, figures: Path | None 
         text += _length_reading(lt, ns.UNIFORM)
     ranking_path = res / "noise_ranking.json"
     if ranking_path.exists() and not quick:
-        rows = ranking_rows(json.loads(ranking_path.read_text()), t)
+        rounded = ranking_rows(json.loads(ranking_path.read_text()), t)
+        rows = _exact_losses(rounded, res)
         rho, lo, hi = _module("noise_ranking").spearman([r["R"] for r in rows], [r["loss_margins"] for r in rows])
+        rho_r, lo_r, hi_r = _module("noise_ranking").spearman([r["R"] for r in rounded],
+                                                              [r["loss_margins"] for r in rounded])
         new = sum(r["source"] == "1.8" for r in rows)
         text += (f"\nSpearman's rho of the predicted R against the loss in margins, over the {len(rows)} pruning rows "
                  f"of 1.2 and this section ({new} of them new, each on "
-                 f"{'the seeds finished so far' if left else 'all its seeds'}): **{rho:.2f}** "
-                 f"[{lo:.2f}, {hi:.2f}] (bootstrap 95%).\n\n"
+                 f"{'the seeds finished so far' if left else 'all its seeds'}): **{rho:.3f}** "
+                 f"[{lo:.2f}, {hi:.2f}] (bootstrap 95%; the losses from the exact paired differences of "
+                 "`scale_jobs.jsonl` and `noise_jobs.jsonl`, with `noise_ranking.spearman`; from 1.2's differences "
+                 f"as rounded in its table it reads {rho_r:.2f} [{lo_r:.2f}, {hi_r:.2f}]).\n\n"
                  "![predicted R against loss](../experiments/results/noise_ranking.png)\n")
         plot_ranking(rows, (figures or res) / "noise_ranking.png")
     findings = _findings(t)
     if findings:
         text += "\nWhat the bounded plans reached:\n\n" + findings + "\n"
+        if not quick:
+            text += _one_plan(plans, jobs, claims.assign(verdict=t["verdict"]))
     core = float(own["wall_s"].sum()) if len(own) else 0.0
     text += (f"\n*Cost so far*: {len(own)} jobs of this protocol, {core / 3600:.2f} core hours (the wall time of each job, "
              "one torch thread each; it grows when other work shares the machine's 2 cores; the jobs adopted from "
