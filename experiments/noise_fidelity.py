@@ -159,6 +159,7 @@ def measure(name: str, plans: dict, steps: int, batches: int, draws: int) -> dic
         rows = []
         rules = plan.resolve(model)
         bits = {c["layer"]: c.get("bits") for c in plan.noise}
+        storage = plan.storage() or {}
         for layer in pred.index:
             if layer not in meas.index:
                 continue
@@ -172,7 +173,8 @@ def measure(name: str, plans: dict, steps: int, batches: int, draws: int) -> dic
                          "minibatch_trace": p["minibatch"], "minibatch_probe": m["minibatch"],
                          "sparsity": rules[layer].sparsity or 0.0,
                          "format": None if rules[layer].format is None else str(rules[layer].scheme),
-                         "bits": bits.get(layer), "bound": plan.noise_bound})
+                         "bits": bits.get(layer), "bound": plan.noise_bound,
+                         "mean_bits": storage.get("mean_bits", math.nan)})
         out[label] = rows
         log.info("%s %s: median |log2(pred/meas)| %.2f", name, label, _median_log2(rows, "predicted"))
     return out
@@ -202,7 +204,8 @@ def report(results: dict, batches: int = 8, draws: int = 2) -> str:
         lines += ["", "Whole-plan bound, the plans a user gets (R of every planned layer, layers left in full",
                   "precision included; mean bits element-weighted from the plan's records):", "",
                   f"{'model':12s} {'plan':34s} {'layers':>6s} {'max R pred':>10s} {'<= bound':>8s} {'max R meas':>10s} "
-                  f"{'meas <= 2 x bound':>17s} {'meas within 2x pred':>19s} {'< 8 bits':>8s} {'16-bit':>6s}"]
+                  f"{'meas <= 2 x bound':>17s} {'meas within 2x pred':>19s} {'< 8 bits':>8s} {'16-bit':>6s} "
+                  f"{'mean bits':>9s}"]
         for model, label, rows in cover:
             bound = rows[0].get("bound") if rows else None
             ok = [r for r in rows if math.isfinite(r["predicted"]) and r["measured"] > 0]
@@ -212,7 +215,8 @@ def report(results: dict, batches: int = 8, draws: int = 2) -> str:
                          f"{max((r['measured'] for r in ok), default=math.nan):10.4g} "
                          f"{sum(r['measured'] <= 2 * bound for r in ok) if bound else 0:13d}/{len(ok):<3d} "
                          f"{within:15d}/{len(ok):<3d} {sum((r.get('bits') or 16) < 8 for r in rows):8d} "
-                         f"{sum((r.get('bits') or 16) >= 16 for r in rows):6d}")
+                         f"{sum((r.get('bits') or 16) >= 16 for r in rows):6d} "
+                         f"{rows[0].get('mean_bits', math.nan) if rows else math.nan:9.2f}")
     lines += ["", "Per layer (predicted / measured R; sparsity granted):"]
     for model, plans in results.items():
         for label, rows in plans.items():
