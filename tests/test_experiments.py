@@ -3,25 +3,13 @@ Fashion-MNIST subset, a few steps, one seed. They keep the scripts from rotting 
 bookkeeping the full tables rest on; the accuracies of so short a training mean nothing."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
-
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(EXPERIMENTS))
-    spec = importlib.util.spec_from_file_location(f"exp_{name}", EXPERIMENTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod              # dataclasses resolve their annotations through it
-    spec.loader.exec_module(mod)
-    return mod
+from experiment_scripts import EXPERIMENTS
+from experiment_scripts import load_experiment as _load
 
 
 @pytest.fixture(scope="module")
