@@ -207,7 +207,10 @@ def bound_plan(plan: Any, run: Any, steps: Sequence[int], bound: Optional[float]
     def error_at(n: str, k: int, s: float) -> float:
         return 0.0 if k == FULL_PRECISION else per_option[k](n, s)
 
-    if bound is None:
+    if bound is None:                 # the plan's own rules, recorded
+        rules = {n: rule for n, rule in rules.items() if own[n]}
+        if not rules:
+            return plan
         chosen = {n: {"option": 0, "requested": want.get(n), "granted": want.get(n, 0.0) or 0.0,
                       "format_reason": "requested", "sparsity_reason": "requested" if n in want else "not pruned"}
                   for n in rules}
