@@ -378,8 +378,26 @@ def bound_and_repair(plan: Plan, r: Any, chk: Sequence[int], noise_bound: float 
     from gradstats.plan._shared import shared_work
 
     with shared_work():        # the rounds predict and replay the same operators: each computed once
-        return _rounds(plan, r, chk, noise_bound, bounded=bounded, pool=pool, bias_bound=bias_bound,
-                       flush_bound=flush_bound, rounds=rounds, ladder=ladder)
+        out = _rounds(plan, r, chk, noise_bound, bounded=bounded, pool=pool, bias_bound=bias_bound,
+                      flush_bound=flush_bound, rounds=rounds, ladder=ladder)
+    return _width_reasons(plan, out, r)
+
+
+def _width_reasons(asked: Plan, out: Plan, r: Any) -> Plan:
+    """``out``'s records with ``format_reason`` "requested" only where a layer keeps the width it was
+    asked for: a later round starts from the rules the check repaired, which may be a wider option
+    the bound chose ("noise bound")."""
+    if not out.noise:
+        return out
+    before, after = asked.resolve(r, strict=False), out.resolve(r, strict=False)
+    recs = []
+    for c in out.noise:
+        n = c["layer"]
+        if c.get("format_reason") == "requested" and n in after and n in before and \
+                bits_of(after[n]) != bits_of(before[n]):
+            c = {**c, "format_reason": "noise bound" if bits_of(after[n]) > bits_of(before[n]) else "check: another format"}
+        recs.append(c)
+    return dataclasses.replace(out, noise=tuple(recs))
 
 
 def _rounds(plan: Plan, r: Any, chk: Sequence[int], noise_bound: float | None, *, bounded: bool,
