@@ -268,7 +268,7 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
         >>> m = torch.nn.Sequential(torch.nn.Linear(16, 16))
         >>> with gradstats.trace(m, tempfile.mkdtemp()) as t:
         ...     m(torch.randn(32, 16)).exp().sum().backward(); t.step()
-        >>> plans = recommend_each(t.path, bits=[8, 4], output_layer=False)
+        >>> plans = recommend_each(t.path, bits=[8, 4], output_layer=False, noise_bound=None)  # each width as such
         >>> {b: p.resolve(m)["0"].format.bits for b, p in plans.items()}
         {8: 8, 4: 4}
     """
