@@ -247,7 +247,10 @@ def analyse(run: Any, *, sparsities: Iterable[float] = SPARSITIES, bits: Iterabl
     logits = output_layer(run)          # left in full precision and unpruned, as recommend does
     planned = [n for n in names if n in matmul and n in at_step and n != logits]
     if planned:
-        plans = {s: recommend_each(run, bits=list(bts), sparsity=s, steps=plan_step, layers=planned) for s in sps}
+        # each width's own choice on every layer (the whole-plan noise bound would widen some: a
+        # 4-bit column of 8-bit formats), as the format figures draw them
+        plans = {s: recommend_each(run, bits=list(bts), sparsity=s, steps=plan_step, layers=planned, noise_bound=None)
+                 for s in sps}
     else:
         log.warning("no plans: none of the analysed layers %s is a convolution or linear layer with statistics "
                     "at step %d", names, plan_step)
