@@ -40,9 +40,9 @@ demo: $(RUNTIME)
 	$(VENV)/bin/gradstats demo
 
 # The default test run (CI): the lint, the type check of the public API, then every test except
-# those marked slow, on the pinned versions.
+# those marked slow, on the pinned versions; it prints its 15 slowest tests.
 test: venv lint typecheck
-	$(PY) $(PYTEST_DEFAULT)
+	$(PY) $(PYTEST_DEFAULT) --durations=15
 
 # ruff: unused and undefined names, pycodestyle, import order ([tool.ruff] in pyproject.toml)
 lint: venv
