@@ -155,7 +155,7 @@ def measure(name: str, plans: dict, steps: int, batches: int, draws: int) -> dic
         plan = make(path)
         pred = gradstats.predicted_noise(path, plan, steps=sampled).to_dataframe().set_index("layer")
         meas = gradstats.noise_probe(model, probe_batches, plan, loss_fn, draws=draws).to_dataframe().set_index("layer")
-        down = gradstats.noise.predict.downstream(path)
+        down = gradstats.plan.noise_prediction.downstream(path)
         rows = []
         rules = plan.resolve(model)
         bits = {c["layer"]: c.get("bits") for c in plan.noise}

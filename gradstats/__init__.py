@@ -61,8 +61,8 @@ _EXPORTS: dict[str, str] = {
     "ApplyConfig": "gradstats.apply",
     "prune_quantize": "gradstats.ops.fused",
     # what a plan costs
-    "predicted_noise": "gradstats.noise",
-    "noise_probe": "gradstats.noise",
+    "predicted_noise": "gradstats.plan.noise_prediction",
+    "noise_probe": "gradstats.apply.noise_probe",
 }
 # stage modules exposed as attributes (``gradstats.pruning.threshold(...)``)
 _SUBMODULES = {"formats", "ops", "stats", "layers", "tracer", "alarms", "run", "fitting", "pruning", "fpanalysis",

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import gradstats
-from gradstats.noise.predict import downstream, gains, incoming_noise, noise_terms
-from gradstats.noise.record import centred_signs, downstream_layers, weight_grad_terms
 from gradstats.plan.noise_budget import FULL_PRECISION, allocate_within_bound
+from gradstats.plan.noise_prediction import downstream, gains, incoming_noise, noise_terms
+from gradstats.tracer.noise import centred_signs, downstream_layers, weight_grad_terms
 
 
 def _per_sample_weight_grads(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -457,8 +457,8 @@ def test_the_fast_whole_plan_ratio_is_the_records_ratio(tmp_path):
     """The allocation's trial evaluator gives the largest ratio the noise records give."""
     import random
 
-    from gradstats.noise.predict import noise_records
     from gradstats.plan.noise_budget import _worst_ratio
+    from gradstats.plan.noise_prediction import noise_records
 
     _, path, _, _, _ = _mlp_run(tmp_path, steps=6)
     layers = ["0", "2", "4"]

@@ -217,11 +217,11 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("ops", ("gradstats.ops",)),
     ("stats", ("gradstats.stats", "gradstats.families")),
     ("run", ("gradstats.run",)),
-    ("capture", ("gradstats.layers", "gradstats.alarms", "gradstats.noise.record", "gradstats.tracer")),
+    ("capture", ("gradstats.layers", "gradstats.alarms", "gradstats.tracer")),
     ("fit", ("gradstats.fitting",)),
-    ("analyse", ("gradstats.pruning", "gradstats.fpanalysis", "gradstats.noise.terms")),
-    ("plan", ("gradstats.plan", "gradstats.noise.predict")),
-    ("apply", ("gradstats.apply", "gradstats.noise")),
+    ("analyse", ("gradstats.pruning", "gradstats.fpanalysis", "gradstats.noise")),
+    ("plan", ("gradstats.plan",)),
+    ("apply", ("gradstats.apply",)),
     ("adapters", ("gradstats.integrations",)),
     ("outputs", ("gradstats.plots", "gradstats.study", "gradstats.figures", "gradstats.report", "gradstats.cli",
                  "gradstats.__main__")),
@@ -230,7 +230,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
 
 def stage(name: str) -> int | None:
     """Index of a module's stage in :data:`STAGES` (None: the lazy root package); the longest
-    matching prefix decides (``gradstats.noise.record`` is capture, the rest of the package later)."""
+    matching prefix decides."""
     best, length = None, -1
     for i, (_, prefixes) in enumerate(STAGES):
         for p in prefixes:

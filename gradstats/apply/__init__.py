@@ -74,12 +74,12 @@ from gradstats.apply.settings import (
     widen,
 )
 from gradstats.layers import module_types
-from gradstats.noise.record import sending_back
 from gradstats.ops.engine import use_triton
 from gradstats.ops.fused import prune_quantize
 from gradstats.ops.layout import channel_dim
 from gradstats.tracer import taps
 from gradstats.tracer.capture import first_grad_tensor
+from gradstats.tracer.noise import sending_back
 from gradstats.tracer.taps import grad_tap, observe, replace_first_grad_tensor
 from gradstats.wrappers import named_layers, unwrap
 

@@ -6,7 +6,7 @@ import math
 from typing import Any, Callable, Iterable
 
 from gradstats.formats import PREDICTED_ROUNDINGS
-from gradstats.noise.predict import NOISE_BOUND
+from gradstats.noise import NOISE_BOUND
 
 
 def _bits(text: str) -> list[int] | list[str]:
@@ -188,7 +188,7 @@ def format_table(plan) -> str:
     from gradstats.plan import amax_scale
 
     df = plan.to_dataframe()
-    rules = [plan._complete([e], "") for e in plan.entries]
+    rules = [plan.rule_of([e], "") for e in plan.entries]
     fmts = [r.format for r in rules]
     amax = [e.predicted.amax if e.predicted is not None else None for e in plan.entries]
     ln2 = math.log(2.0)

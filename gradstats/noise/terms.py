@@ -3,8 +3,8 @@ output gradient into a noise ratio of its weight gradient (:func:`noise_terms`),
 which (:func:`downstream`), how much noise travels back between them (:func:`gains`), and from
 those the first-order cost of a unit of error at each layer (:func:`noise_weights`, the weights
 :func:`gradstats.pruning.allocate` spends its budget with). It reads what the trace recorded
-(:mod:`gradstats.noise.record`) and nothing of a plan: the analysis stage, below
-:mod:`gradstats.noise.predict`, which predicts what a whole plan costs.
+(:mod:`gradstats.tracer.noise`) and nothing of a plan: the analysis stage, below
+:mod:`gradstats.plan.noise_prediction`, which predicts what a whole plan costs.
 
 Example:
     >>> import tempfile, torch, gradstats
@@ -38,7 +38,7 @@ NOISE_BOUND = 0.02
 def noise_terms(run: Any, layers: Sequence[str], steps: Optional[Sequence[int]] = None) -> "pd.DataFrame":
     """Per layer, from the run's ``"noise"`` table (on ``steps``, else all): ``q2`` and
     ``minibatch`` (means over steps, calls added: the smaller of the two estimates of
-    :mod:`gradstats.noise.record`, ``pair`` and ``signs``, the side on which the ratio is not
+    :mod:`gradstats.tracer.noise`, ``pair`` and ``signs``, the side on which the ratio is not
     under-stated), ``batch`` and ``steps`` (how many). Layers with no record are absent.
 
     Example:
@@ -109,7 +109,7 @@ def downstream(run: Any) -> dict[str, list[str]]:
 def gains(run: Any) -> dict[tuple[str, str], float]:
     """``{(source, layer): gain}`` from the run's ``"noise_gain"`` table: the relative noise ``layer``'s
     gradient receives per unit of relative noise added at ``source``'s output gradient, measured once
-    in the trace (:class:`gradstats.noise.record.Propagation`); empty for a run without it.
+    in the trace (:class:`gradstats.tracer.noise.Propagation`); empty for a run without it.
 
     Example:
         >>> import tempfile, torch, gradstats

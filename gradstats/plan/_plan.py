@@ -150,7 +150,7 @@ class Plan:
         object.__setattr__(self, "noise", tuple(dict(c) for c in self.noise))
         # each entry completed by the defaults alone must be a valid rule
         for i, e in enumerate(entries):
-            self._complete([e], f"layers[{i}] ({e.layer!r}) with the defaults")
+            self.rule_of([e], f"layers[{i}] ({e.layer!r}) with the defaults")
 
     # -- construction
     @classmethod
@@ -258,7 +258,15 @@ class Plan:
         return self.with_entries(*(PlanEntry(name, sparsity=t) for name, t in targets.items()))
 
     # -- resolution
-    def _complete(self, matched: Sequence[PlanEntry], where: str) -> Rule:
+    def rule_of(self, matched: Sequence[PlanEntry], where: str = "") -> Rule:
+        """The complete :class:`Rule` of a layer that ``matched`` entries select: the defaults,
+        then the patterns' overrides, then the exact entries' (``where`` names the layer in an error).
+
+        Example:
+            >>> e = [PlanEntry("*", sparsity=0.5), PlanEntry("fc", format="e5m2")]
+            >>> Plan(e).rule_of(e).describe()[:4]
+            'e5m2'
+        """
         fields = {k: getattr(self.defaults, k) for k in RULE_FIELDS}
         for e in sorted(matched, key=lambda e: not e.is_pattern):  # stable: patterns, then exact
             fields.update(e.overrides)
@@ -281,7 +289,7 @@ class Plan:
             >>> {n: r.sparsity for n, r in plan.resolve(["a", "b", "bb"]).items()}
             {'a': 0.5, 'b': 0.9, 'bb': 0.7}
         """
-        return {name: rule for name, rule, _ in self._resolve(target, strict=strict)}
+        return {name: rule for name, rule, _ in self.resolve_entries(target, strict=strict)}
 
     def output_layer_of(self, target: Any) -> str | None:
         """The layer of ``target`` this plan leaves untouched (see ``output_layer``), or None.
@@ -345,7 +353,13 @@ class Plan:
         df = self.explain(target)
         return dict(zip(df["layer"][~df["planned"]], df["why"][~df["planned"]]))
 
-    def _resolve(self, target: Any, *, strict: bool) -> list[tuple[str, Rule, list[int]]]:
+    def resolve_entries(self, target: Any, *, strict: bool = True) -> list[tuple[str, Rule, list[int]]]:
+        """:meth:`resolve` with the entries behind each rule: ``[(module, rule, entry indices)]``.
+
+        Example:
+            >>> Plan([PlanEntry("*", sparsity=0.5), PlanEntry("b", sparsity=0.9)]).resolve_entries(["a", "b"])[1][2]
+            [0, 1]
+        """
         modules = module_candidates(target)
         skip = self.output_layer_of(target)
         pruned = self.pruned_layers_of(target)
@@ -365,7 +379,7 @@ class Plan:
                 hits[i] += 1
             if name == skip and all(self.entries[i].is_pattern for i in idx):
                 continue            # the output layer: only an entry naming it exactly plans it
-            rule = self._complete([self.entries[i] for i in idx],
+            rule = self.rule_of([self.entries[i] for i in idx],
                                   f"module {name!r} (entries {[self.entries[i].layer for i in idx]})")
             if (pruned is not None and name not in pruned and rule.prunes and not any(
                     not self.entries[i].is_pattern and "sparsity" in self.entries[i].overrides for i in idx)):
@@ -540,7 +554,7 @@ class Plan:
         run's stored samples, against the bounds on clipping, magnitude gain and bias, and flushing
         (:func:`gradstats.plan.checks.verify`; a :class:`~gradstats.plan.checks.Verification`, whose
         ``table()`` prints it), with each layer's predicted noise ratio (``noise``, the
-        ``predicted_noise`` column; :func:`gradstats.noise.predicted_noise`).
+        ``predicted_noise`` column; :func:`gradstats.predicted_noise`).
 
         Example:
             >>> import tempfile, torch, gradstats
@@ -550,8 +564,8 @@ class Plan:
             >>> Plan.uniform(format="e5m2", rounding="stochastic", output_layer=False).verify(t.path).ok
             True
         """
-        from gradstats.noise.predict import predicted_noise
         from gradstats.plan.checks import OVERFLOW_BOUND, verify
+        from gradstats.plan.noise_prediction import predicted_noise
 
         v = verify(self, run, steps=steps, seed=seed, bias_bound=bias_bound, flush_bound=flush_bound,
                    overflow_bound=OVERFLOW_BOUND if overflow_bound is None else overflow_bound)
@@ -562,8 +576,7 @@ class Plan:
 
     def to_torchao(self, model: Any, *, emulate: bool = False, strict: bool = False) -> list:
         """The plan as real ``torchao.float8`` objects: ``[(Float8LinearConfig, module_filter_fn)]``,
-        one pair per distinct config (:func:`gradstats.integrations.torchao.to_torchao`; apply them
-        with :func:`gradstats.integrations.torchao.convert`). Needs torchao.
+        one pair per config (applied by :func:`gradstats.integrations.torchao.convert`). Needs torchao.
 
         Example:
             >>> import torch
@@ -572,7 +585,7 @@ class Plan:
             ...  for c, keep in Plan.uniform(format="e4m3fn", scale="amax").to_torchao(m)]
             [('torch.float8_e4m3fn', True, False)]
         """
-        from gradstats.integrations.torchao import to_torchao
+        from gradstats.plan.export.torchao_objects import to_torchao
 
         return to_torchao(self, model, emulate=emulate, strict=strict)
 

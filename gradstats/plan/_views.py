@@ -12,10 +12,8 @@ from gradstats.plan._values import Prediction
 if TYPE_CHECKING:
     import pandas as pd
 
-    from gradstats.plan._plan import Plan
 
-
-def explain(plan: "Plan", target: Any) -> "pd.DataFrame":
+def explain(plan: Any, target: Any) -> "pd.DataFrame":
     """:meth:`Plan.explain`."""
     import pandas as pd
     import torch.nn as nn
@@ -23,7 +21,7 @@ def explain(plan: "Plan", target: Any) -> "pd.DataFrame":
     from gradstats.layers import LayerRecord, layer_records, why_not_matmul
 
     rows = []
-    resolved = {name: (rule, idx) for name, rule, idx in plan._resolve(target, strict=False)}
+    resolved = {name: (rule, idx) for name, rule, idx in plan.resolve_entries(target, strict=False)}
     skip = plan.output_layer_of(target)
     pruned = plan.pruned_layers_of(target)
     owners = None
@@ -77,14 +75,14 @@ def explain(plan: "Plan", target: Any) -> "pd.DataFrame":
     return pd.DataFrame(rows, columns=["layer", "type", "planned", "rule", "why"])
 
 
-def to_dataframe(plan: "Plan", target: Any = None) -> "pd.DataFrame":
+def to_dataframe(plan: Any, target: Any = None) -> "pd.DataFrame":
     """:meth:`Plan.to_dataframe`."""
     import pandas as pd
 
     rows = []
     if target is None:
         for i, e in enumerate(plan.entries):
-            r = plan._complete([e], f"layers[{i}]")
+            r = plan.rule_of([e], f"layers[{i}]")
             note = ""
             if plan.prune_at is not None and r.prunes and (e.is_pattern or "sparsity" not in e.overrides):
                 if isinstance(e.predicted, Prediction):     # recommended: a threshold where it prunes
@@ -96,8 +94,8 @@ def to_dataframe(plan: "Plan", target: Any = None) -> "pd.DataFrame":
             rows.append({"layer": e.layer, "match": _kind(e), "types": list(e.types) if e.types else None,
                          **_rule_row(r), "sparsity_note": note})
     else:
-        for name, r, idx in plan._resolve(target, strict=False):
-            dropped = not r.prunes and plan._complete([plan.entries[i] for i in idx], name).prunes
+        for name, r, idx in plan.resolve_entries(target, strict=False):
+            dropped = not r.prunes and plan.rule_of([plan.entries[i] for i in idx], name).prunes
             rows.append({"layer": name, "entries": idx, **_rule_row(r),
                          "sparsity_note": _not_pruned(plan.prune_at) if dropped else ""})
     cols = ["layer", "match", "types"] if target is None else ["layer", "entries"]

@@ -1,5 +1,5 @@
 """The whole plan under one noise budget: per layer the cheapest format and the largest sparsity
-whose predicted noise ratio (:mod:`gradstats.noise.predict`), counting what the layers after it
+whose predicted noise ratio (:mod:`gradstats.plan.noise_prediction`), counting what the layers after it
 send back, keeps every planned layer within ``noise_bound``.
 
 Each planned layer has *options*, cheapest first: the plan's own rule, then the wider rules of a
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from gradstats.noise.predict import layer_errors, noise_records, rule_at
 from gradstats.noise.terms import downstream, gain_of, gains, noise_terms
+from gradstats.plan.noise_prediction import layer_errors, noise_records, rule_at
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -274,7 +274,7 @@ def _improve(chosen: dict[str, dict[str, Any]], bits: dict[str, list[float]], nu
     its equal shares leave budget unspent (a layer served early takes at most its share; the rest
     of a budget may go unused), so each layer in turn, the largest first, takes the cheapest option
     and then the largest sparsity up to the requested one with which every layer's predicted ratio,
-    compounded (:func:`gradstats.noise.predict.noise_records`), stays within ``bound``."""
+    compounded (:func:`gradstats.plan.noise_prediction.noise_records`), stays within ``bound``."""
     out = {n: dict(c) for n, c in chosen.items()}
     layers = list(out)
     recordable = {n for n in layers if n in terms.index and terms.loc[n, "minibatch"] > 0}
@@ -321,7 +321,7 @@ def _improve(chosen: dict[str, dict[str, Any]], bits: dict[str, list[float]], nu
 def _worst_ratio(layers: Sequence[str], terms: "pd.DataFrame", down: dict[str, list[str]],
                  gain: dict[tuple[str, str], float]) -> Callable[[dict[str, float]], float]:
     """The largest predicted ratio over ``layers`` given each layer's operator error: what
-    :func:`gradstats.noise.predict.noise_records` computes (:func:`~gradstats.noise.predict.incoming_noise`
+    :func:`gradstats.plan.noise_prediction.noise_records` computes (:func:`~gradstats.plan.noise_prediction.incoming_noise`
     compounded downstream first, times ``q2 / minibatch``), with the table lookups done once, for
     the many trial allocations of :func:`_improve`."""
     planned = set(layers)
@@ -415,7 +415,7 @@ def _rounds(plan: Plan, r: Any, chk: Sequence[int], noise_bound: float | None, *
                 out = repair(out, r, chk, candidates=[FPFormat.parse(c) for c in pool], bias_bound=bias_bound,
                              flush_bound=flush_bound)
             if out.noise:       # the predicted noise of the rules as repaired, both parts
-                from gradstats.noise.predict import predicted_noise
+                from gradstats.plan.noise_prediction import predicted_noise
 
                 now = {rec["layer"]: rec for rec in predicted_noise(r, out, steps=chk).records}
                 resolved = out.resolve(r, strict=False)

@@ -37,10 +37,10 @@ import numpy as np
 
 from gradstats.fpanalysis.granularity import GRANULARITIES, Layout, granularity_layout
 from gradstats.fpanalysis.training import FLUSH_BOUND
-from gradstats.noise.predict import NOISE_BOUND
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
 from gradstats.plan._statistics import Steps, _Moments, _moments, _select_layers, layer_moments
 from gradstats.plan.noise_budget import bound_and_repair, log_bound
+from gradstats.plan.noise_prediction import NOISE_BOUND
 from gradstats.run import as_run
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def recommend(run: Any, *, bits: int | str = 8, sparsity: float | str | None = N
             most the noise bound allows (up to 0.99); None for no pruning.
         noise_bound: the largest noise ratio the plan may add to any planned layer's weight gradient,
             relative to that gradient's own minibatch noise at the run's batch size, as predicted from
-            the run (:mod:`gradstats.noise`: the plan's pruning and rounding at the layer and at the
+            the run (:mod:`gradstats.plan.noise_prediction`: the plan's pruning and rounding at the layer and at the
             layers after it, whose noise flows back). Default :data:`gradstats.noise.NOISE_BOUND`
             (0.02; ``docs/noise.md`` says why); None: not bounded (the requested sparsity on every
             layer, as before). The plan's ``to_dataframe()`` shows per layer the requested and granted

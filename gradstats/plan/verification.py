@@ -55,7 +55,7 @@ class Verification:
     overflow_bound: float
     steps: list[int] = field(default_factory=list)
     #: per layer, the noise ratio the whole plan is predicted to add to its weight gradient
-    #: (:func:`gradstats.noise.predicted_noise`, filled by ``Plan.verify``; NaN where the run holds
+    #: (:func:`gradstats.predicted_noise`, filled by ``Plan.verify``; NaN where the run holds
     #: no noise records)
     noise: dict[str, float] = field(default_factory=dict)
 

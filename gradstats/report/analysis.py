@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from gradstats.pruning.allocation import output_layer
-from gradstats.report.write import Report, _pct, _write
+from gradstats.report.write import Report, pct_label, write_report
 from gradstats.run import as_run
 from gradstats.study import plan_errors
 
@@ -99,7 +99,7 @@ class Analysis:
         return {"run": str(self.run.path), "sparsities": list(self.sparsities), "bits": list(self.bits),
                 "fit_steps": list(self.fit_steps), "plan_step": self.plan_step, "context": dict(self.context),
                 "layers": _records(self.table),
-                "plans": {_pct(s): {str(b): p.to_dict() for b, p in ps.items()} for s, ps in self.plans.items()},
+                "plans": {pct_label(s): {str(b): p.to_dict() for b, p in ps.items()} for s, ps in self.plans.items()},
                 "skipped": dict(self.skipped), "failures": _records(self.failures)}
 
     def summary(self) -> pd.DataFrame:
@@ -118,7 +118,7 @@ class Analysis:
 
     def write(self, out_dir: str | os.PathLike[str], *, figures: bool = True, progress: bool = False) -> "Report":
         """Write the plans, tables, figures and ``report.md`` into ``out_dir``; see :func:`report`."""
-        return _write(self, Path(out_dir), figures=figures, progress=progress)
+        return write_report(self, Path(out_dir), figures=figures, progress=progress)
 
 
 def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
@@ -294,8 +294,8 @@ def _layer_table(run: Any, names: Sequence[str], verdicts: pd.DataFrame, plans: 
             "planned": any(name in entries[(s, b)] for s in sps for b in bts)}
         for s in sps:
             e = entries[(s, bts[0])].get(name)
-            row[f"threshold_{_pct(s)}"] = e.predicted.threshold if e is not None else math.nan
-            row[f"predicted_sparsity_{_pct(s)}"] = e.predicted.sparsity if e is not None else math.nan
+            row[f"threshold_{pct_label(s)}"] = e.predicted.threshold if e is not None else math.nan
+            row[f"predicted_sparsity_{pct_label(s)}"] = e.predicted.sparsity if e is not None else math.nan
         for b in bts:
             e = entries[(sps[0], b)].get(name)
             row[f"fp{b}"] = str(e.format) if e is not None else None
@@ -321,7 +321,7 @@ def _fmt_thr(t: float, p0: float, s: float) -> str:
 
 def _summary_rows(a: Analysis) -> tuple[list[str], list[list[str]]]:
     head = ["layer", "std log2|g|", "zeros", "best fit", "KS lognormal"]
-    head += [f"thr {_pct(s)}%" for s in a.sparsities]
+    head += [f"thr {pct_label(s)}%" for s in a.sparsities]
     head += [f"FP{b}" for b in a.bits]
     rows = []
     num = lambda v, f: f"{v:{f}}" if isinstance(v, (int, float)) and math.isfinite(v) else "-"  # noqa: E731
@@ -336,7 +336,7 @@ def _summary_rows(a: Analysis) -> tuple[list[str], list[list[str]]]:
             verdict = "failed" if verdict == "-" else f"{verdict}, {bad} failed"
         row = [r["layer"], num(r["std_log2"], ".2f"), num(r["zero_fraction"], ".0%"), verdict,
                num(r["ks_lognormal"], ".3f")]
-        row += [_fmt_thr(r[f"threshold_{_pct(s)}"], r["zero_fraction"], s) for s in a.sparsities]
+        row += [_fmt_thr(r[f"threshold_{pct_label(s)}"], r["zero_fraction"], s) for s in a.sparsities]
         for b in a.bits:
             f = r[f"fp{b}"]
             row.append("-" if not isinstance(f, str) else f"{f} 2^{int(r[f'fp{b}_log2_scale'])}"

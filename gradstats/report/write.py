@@ -16,19 +16,17 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
 from gradstats.pruning.allocation import output_layer
 
-if TYPE_CHECKING:  # pragma: no cover
-    from gradstats.report.analysis import Analysis
-
 __all__ = ["Report"]
 
 
-def _pct(s: float) -> str:
+def pct_label(s: float) -> str:
+    """A sparsity as the whole percent that names its plan and columns (0.85 -> ``"85"``)."""
     return f"{round(100 * s):d}"
 
 
@@ -52,7 +50,7 @@ class Report:
     """
 
     out_dir: Path
-    analysis: "Analysis"
+    analysis: Any          # the Analysis (gradstats.report.analysis) that was written
     files: dict[str, Path]
     figures: dict[str, Path]
 
@@ -86,7 +84,7 @@ class Report:
                 "figures": {k: str(v) for k, v in self.figures.items()}, "analysis": self.analysis.to_dict()}
 
 
-def _write(a: "Analysis", out: Path, *, figures: bool, progress: bool) -> Report:
+def write_report(a: Any, out: Path, *, figures: bool, progress: bool) -> Report:
     from gradstats.figures import FIGURES, write_figures
 
     out.mkdir(parents=True, exist_ok=True)
@@ -97,9 +95,9 @@ def _write(a: "Analysis", out: Path, *, figures: bool, progress: bool) -> Report
         (out / "plans").mkdir(exist_ok=True)
     for s, ps in a.plans.items():
         for b, p in ps.items():
-            path = out / "plans" / f"fp{b}-s{_pct(s)}.json"
+            path = out / "plans" / f"fp{b}-s{pct_label(s)}.json"
             p.save(path)
-            files[f"plan_fp{b}_s{_pct(s)}"] = path
+            files[f"plan_fp{b}_s{pct_label(s)}"] = path
     a.table.to_csv(out / "layers.csv", index=False)
     files["layers"] = out / "layers.csv"
     a.fits.to_parquet(out / "fits.parquet", index=False)
@@ -116,7 +114,7 @@ def _write(a: "Analysis", out: Path, *, figures: bool, progress: bool) -> Report
     return Report(out_dir=out, analysis=a, files=files, figures=figs)
 
 
-def _markdown(a: "Analysis", out: Path, files: Mapping[str, Path], figs: Mapping[str, Path],
+def _markdown(a: Any, out: Path, files: Mapping[str, Path], figs: Mapping[str, Path],
               captions: Mapping[str, str]) -> str:
     from gradstats import __version__
 
@@ -205,7 +203,7 @@ def _markdown(a: "Analysis", out: Path, files: Mapping[str, Path], figs: Mapping
             lines += [f"### {cap[:1].upper() + cap[1:]}", "", f"![{name}]({rel(p)})", ""]
     lines += ["## Plans", ""]
     if "plan" in files:
-        lines += [f"- `{rel(files['plan'])}`: FP{a.bits[0]} with {_pct(a.sparsities[0])}% sparsity (the default plan)"]
+        lines += [f"- `{rel(files['plan'])}`: FP{a.bits[0]} with {pct_label(a.sparsities[0])}% sparsity (the default plan)"]
         lines += [f"- `{rel(p)}`" for k, p in files.items() if k.startswith("plan_")]
         lines += ["", "Apply one during training (the schema is documented in `docs/plan-format.md`):", "",
                   "```python", "import gradstats", "",

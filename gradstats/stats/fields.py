@@ -28,8 +28,6 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from gradstats.stats.reference import Pass
-
 #: lowest binade of float32: the smallest subnormal is 2**-149
 HIST_MIN_EXP = -149
 #: highest binade of float32: the largest finite value is just below 2**128
@@ -101,7 +99,7 @@ class Statistic:
 
     name: str
     merge: str
-    compute: Callable[["Pass"], "torch.Tensor"]
+    compute: Callable[[Any], "torch.Tensor"]    # of a reference pass (gradstats.stats.reference.Pass)
     empty: float = 0.0
     length: int = 1
     optional: bool = False

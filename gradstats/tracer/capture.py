@@ -1,7 +1,7 @@
 """The capture side of the tracer: the hooks on each selected module (a forward hook that registers a
 tensor hook on the module's output), what a hook records (a statistics row written in place, per-block
 statistics, a sample), the parameters taken when a step closes, and the glue to the noise records
-(:mod:`gradstats.noise.record`). :class:`gradstats.tracer.Tracer` is made of it and of
+(:mod:`gradstats.tracer.noise`). :class:`gradstats.tracer.Tracer` is made of it and of
 :class:`gradstats.tracer.commit.Commit`.
 
 Example:
@@ -20,7 +20,12 @@ import torch
 from torch import nn
 
 from gradstats.layers import module_types
-from gradstats.noise.record import (
+from gradstats.ops.host import Outbox
+from gradstats.ops.layout import channel_dim, gemm_matrix
+from gradstats.run import sample_key
+from gradstats.stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
+from gradstats.stats.blocks import BLOCK_SIZES, RANGE_BINS
+from gradstats.tracer.noise import (
     Propagation,
     flat_grad,
     has_closed_form,
@@ -31,11 +36,6 @@ from gradstats.noise.record import (
     vjp_terms,
     weight_grad_terms,
 )
-from gradstats.ops.host import Outbox
-from gradstats.ops.layout import channel_dim, gemm_matrix
-from gradstats.run import sample_key
-from gradstats.stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
-from gradstats.stats.blocks import BLOCK_SIZES, RANGE_BINS
 from gradstats.tracer.taps import grad_tap, observe, replace_first_grad_tensor
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ class Capture:
     _propagation: Propagation | None
     _noise_prev: tuple[int, dict[str, torch.Tensor]] | None
     #: the autograd edges of the outputs of the sampled step's calls whose noise terms are
-    #: vector-Jacobian products (:func:`gradstats.noise.record.vjp_terms`), by (step, layer, call):
+    #: vector-Jacobian products (:func:`gradstats.tracer.noise.vjp_terms`), by (step, layer, call):
     #: held here, not in the tensor hook (a hook that held its own tensor's graph would keep it
     #: alive), released when the step closes
     _noise_edges: dict[tuple[int, str, int], Any]
@@ -278,7 +278,7 @@ class Capture:
                 self.log_rows("noise_gain", gains)
 
     def _capture_noise_pair(self) -> None:
-        """SGD's own noise of each recorded layer's gradient (of its :func:`gradstats.noise.record.noise_params`),
+        """SGD's own noise of each recorded layer's gradient (of its :func:`gradstats.tracer.noise.noise_params`),
         from two batches: the gradients of a sampled step ``s`` and of the next, ``|G_s - G_(s+1)|^2 / 2``
         (into the ``"noise"`` table as ``pair``, at step ``s + 1`` with ``of_step = s``; one update apart,
         the model's drift is small next to the minibatch noise)."""
@@ -391,7 +391,7 @@ class Capture:
     def _noise_input(self, step: int, name: str, call: int, module: nn.Module, inputs: Any, output: Any,
                      out: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
         """On a sampled step: what the noise terms of the call's gradient need
-        (:mod:`gradstats.noise.record`), as the function that records them from the output gradient:
+        (:mod:`gradstats.tracer.noise`), as the function that records them from the output gradient:
         the layer's input for a closed form (autograd holds it already), else the autograd edge of its
         output, kept until the step closes; and the autograd nodes of the step's first calls, from
         which the layers downstream of each are worked out once."""
@@ -443,7 +443,7 @@ class Capture:
     def _record_noise_vjp(self, key: tuple[int, str, int], params: list[torch.Tensor], batch: int,
                           where: int | torch.Tensor | None, grad: torch.Tensor) -> None:
         """The noise terms of a call without a closed form, by vector-Jacobian products through the
-        module's graph (:func:`gradstats.noise.record.vjp_terms`), from the edge its forward kept."""
+        module's graph (:func:`gradstats.tracer.noise.vjp_terms`), from the edge its forward kept."""
         step, layer, call = key
         edge = self.__dict__.get("_noise_edges", {}).pop(key, None)
         if edge is None:

@@ -31,7 +31,7 @@ from gradstats.wrappers import unwrap
 
 log = logging.getLogger(__name__)
 
-#: the tables of the noise records (:mod:`gradstats.noise.record`): not steps of the run by themselves
+#: the tables of the noise records (:mod:`gradstats.tracer.noise`): not steps of the run by themselves
 NOISE_TABLES = ("noise", "noise_graph", "noise_gain")
 
 

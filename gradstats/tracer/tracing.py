@@ -32,7 +32,6 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from gradstats.noise.record import Propagation
 from gradstats.ops.host import Outbox
 from gradstats.run import RunWriter, last_committed_step
 from gradstats.stats import VectorRows
@@ -41,6 +40,7 @@ from gradstats.tracer import taps
 from gradstats.tracer.capture import Capture, _dist_info
 from gradstats.tracer.commit import Commit
 from gradstats.tracer.config import LayerSelect, Schedule, TraceConfig, module_selector, schedule
+from gradstats.tracer.noise import Propagation
 from gradstats.wrappers import named_layers, unwrap
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class Tracer(Capture, Commit):
         self._written_shapes: dict[str, list[int]] = {}
         self._created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self._attached = False
-        #: record the noise terms of :mod:`gradstats.noise.record` on sampled steps
+        #: record the noise terms of :mod:`gradstats.tracer.noise` on sampled steps
         self.noise = bool(noise)
         # the step whose noise propagation is measured (the first sampled one), and the measurement
         self._graph_step: int | None = None
@@ -377,11 +377,11 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, config: TraceConfig
             sample (default 512, ``512 / B`` tiles: a cost that does not grow with the tensor,
             fractions of blocks within about 2.2 points, of entries closer); None: every block (a few passes over the tensor).
         noise: on sampled steps, record per call of each traced module with trainable parameters
-            the terms from which :func:`gradstats.noise.predicted_noise` predicts the noise a plan
+            the terms from which :func:`gradstats.predicted_noise` predicts the noise a plan
             adds to the layer's weight gradient against SGD's own minibatch noise (for a Linear or a
             1-d/2-d convolution one extra weight-gradient product per layer on those steps; for
             other modules, a GRU, an Embedding, two backward passes through the module; the
-            ``"noise"`` and ``"noise_graph"`` tables, :mod:`gradstats.noise.record`). Default on.
+            ``"noise"`` and ``"noise_graph"`` tables, :mod:`gradstats.tracer.noise`). Default on.
 
     Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
 

@@ -1,5 +1,5 @@
 """Noise terms of any module with trainable parameters: the vector-Jacobian products of
-gradstats.noise.record against the closed form and brute force, a GRU tagger traced end to end,
+gradstats.tracer.noise against the closed form and brute force, a GRU tagger traced end to end,
 and the step's own gradients left as they are."""
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import gradstats
-from gradstats.noise.probe import _weight_grads
-from gradstats.noise.record import (
+from gradstats.apply.noise_probe import _weight_grads
+from gradstats.noise.terms import noise_terms
+from gradstats.tracer.noise import (
     centred_signs,
     noise_params,
     records_noise,
@@ -22,7 +23,6 @@ from gradstats.noise.record import (
     vjp_terms,
     weight_grad_terms,
 )
-from gradstats.noise.terms import noise_terms
 
 
 class Tagger(nn.Module):
@@ -206,7 +206,7 @@ def test_the_probe_measures_all_of_a_grus_parameters():
     got = _weight_grads({"gru": model.gru, "out": model.out})
     assert got["gru"].numel() == sum(p.numel() for p in model.gru.parameters())
     assert got["out"].numel() == model.out.weight.numel() and got["gru"].dtype == torch.float64
-    probe = gradstats.noise.noise_probe(model, [_batch(s) for s in range(3)],
+    probe = gradstats.noise_probe(model, [_batch(s) for s in range(3)],
                                         gradstats.Plan.uniform(sparsity=0.85, output_layer=False), _loss, draws=1)
     assert math.isfinite(probe["gru"]) and probe["gru"] > 0
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 # the built-in targets register themselves on import (a new target: one module, imported here)
 from gradstats.plan.export import plain as plain
@@ -44,9 +44,6 @@ from gradstats.plan.export.base import (
 from gradstats.plan.export.torchao import TORCHAO_DTYPES, TORCHAO_MX_SCALE_ROUNDINGS
 from gradstats.plan.export.transformer_engine import te_yaml
 
-if TYPE_CHECKING:  # pragma: no cover
-    from gradstats.plan._plan import Plan
-
 #: targets of :meth:`gradstats.plan.Plan.export` (their names; aliases are in :data:`EXPORTERS`)
 EXPORT_TARGETS = tuple(target_names())
 
@@ -54,7 +51,7 @@ __all__ = ["export", "te_yaml", "Exporter", "EXPORTERS", "EXPORT_TARGETS", "EXPO
            "TORCHAO_DTYPES", "TORCHAO_MX_SCALE_ROUNDINGS", "exporter", "register", "target_names"]
 
 
-def _resolved(plan: "Plan", model: Any, need_types: bool) -> list[Resolved]:
+def _resolved(plan: Any, model: Any, need_types: bool) -> list[Resolved]:
     from gradstats.layers import module_candidates
 
     if model is None:
@@ -67,10 +64,10 @@ def _resolved(plan: "Plan", model: Any, need_types: bool) -> list[Resolved]:
                              "or a mapping name -> class name)")
         model = list(dict.fromkeys(e.layer for e in plan.entries))
     types = dict(module_candidates(model))
-    return [(name, rule, types.get(name)) for name, rule, _ in plan._resolve(model, strict=True)]
+    return [(name, rule, types.get(name)) for name, rule, _ in plan.resolve_entries(model, strict=True)]
 
 
-def export(plan: "Plan", target: str, model: Any = None, *, path: str | os.PathLike[str] | None = None,
+def export(plan: Any, target: str, model: Any = None, *, path: str | os.PathLike[str] | None = None,
            strict: bool = False) -> dict[str, Any]:
     """See :meth:`gradstats.plan.Plan.export`."""
     one = exporter(target)

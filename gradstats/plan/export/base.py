@@ -15,12 +15,9 @@ Example:
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from gradstats.plan._rules import Rule
-
-if TYPE_CHECKING:  # pragma: no cover
-    from gradstats.plan._plan import Plan
 
 #: schema name and version of an export document
 EXPORT_SCHEMA = "gradstats.plan.export"
@@ -47,7 +44,7 @@ class Exporter:
     needs_types: ClassVar[bool] = False
     help: ClassVar[str] = ""
 
-    def body(self, plan: "Plan", model: Any, resolved: list[Resolved], skipped: dict[str, str],
+    def body(self, plan: Any, model: Any, resolved: list[Resolved], skipped: dict[str, str],
              dropped: dict[str, list[str]]) -> dict[str, Any]:
         """The document's keys after its header. Layers the target skips go into ``skipped``
         (name -> why), what it drops of a layer's rule into ``dropped`` (name -> notes)."""

@@ -11,14 +11,11 @@ Example:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gradstats.ops.hadamard import signs
 from gradstats.plan._rules import Rule, amax_scale
 from gradstats.plan.export.base import Exporter, Resolved, register
-
-if TYPE_CHECKING:  # pragma: no cover
-    from gradstats.plan._plan import Plan
 
 
 def _plain_scale(r: Rule) -> float | None:
@@ -74,6 +71,6 @@ class JSONExporter(Exporter):
     target = "json"
     help = "plain data per layer (no gradstats types)"
 
-    def body(self, plan: "Plan", model: Any, resolved: list[Resolved], skipped: dict[str, str],
+    def body(self, plan: Any, model: Any, resolved: list[Resolved], skipped: dict[str, str],
              dropped: dict[str, list[str]]) -> dict[str, Any]:
         return {"layers": {name: _json_layer(r) for name, r, _ in resolved}}

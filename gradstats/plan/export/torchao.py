@@ -17,14 +17,11 @@ Example:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gradstats.ops.hadamard import signs
 from gradstats.plan._rules import Rule
 from gradstats.plan.export.base import Exporter, Resolved, register
-
-if TYPE_CHECKING:  # pragma: no cover
-    from gradstats.plan._plan import Plan
 
 #: float8 dtypes torchao.float8 casts to (fnuz: ROCm)
 TORCHAO_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -152,7 +149,7 @@ class TorchaoExporter(Exporter):
     needs_types = True
     help = "torchao.float8 casts (and MXFP8, NVFP4 training recipes) per nn.Linear"
 
-    def body(self, plan: "Plan", model: Any, resolved: list[Resolved], skipped: dict[str, str],
+    def body(self, plan: Any, model: Any, resolved: list[Resolved], skipped: dict[str, str],
              dropped: dict[str, list[str]]) -> dict[str, Any]:
         configs = {}
         for name, r, types in resolved:

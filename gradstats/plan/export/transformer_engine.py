@@ -40,13 +40,10 @@ loads the file, TE the keys and values when a layer first calls them.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gradstats.plan._rules import Rule
 from gradstats.plan.export.base import EXPORT_SCHEMA, EXPORT_VERSION, Exporter, Resolved, register
-
-if TYPE_CHECKING:  # pragma: no cover
-    from gradstats.plan._plan import Plan
 
 #: the namespace TE registers its debug features under
 TE_NAMESPACE = "transformer_engine"
@@ -194,7 +191,7 @@ class TransformerEngineExporter(Exporter):
     target = "transformer_engine"
     help = "Transformer Engine's debug config for nvdlfw-inspect (YAML)"
 
-    def body(self, plan: "Plan", model: Any, resolved: list[Resolved], skipped: dict[str, str],
+    def body(self, plan: Any, model: Any, resolved: list[Resolved], skipped: dict[str, str],
              dropped: dict[str, list[str]]) -> dict[str, Any]:
         from gradstats.layers import module_candidates
 

@@ -68,7 +68,7 @@ def has_closed_form(module: nn.Module) -> bool:
 
 def noise_params(module: nn.Module) -> list[torch.Tensor]:
     """The parameters whose gradient ``module``'s noise terms describe (the trace's records, the
-    ``pair`` estimate, :func:`gradstats.noise.noise_probe`): the weight of a layer with a closed form
+    ``pair`` estimate, :func:`gradstats.noise_probe`): the weight of a layer with a closed form
     (:func:`has_closed_form`), else every trainable parameter of the module, its submodules' included
     (a GRU's ``weight_ih_l0``, ``weight_hh_l0``, biases; a MultiheadAttention's ``out_proj``, which it
     applies itself). Empty for a module with none.

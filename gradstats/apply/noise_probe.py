@@ -7,7 +7,7 @@ reaches the earlier ones) for ``K`` independent draws of its stochastic pruning 
 - added noise: the mean over batches and draws of ``|G_plan - G_exact|^2``;
 - SGD's minibatch noise: the variance of ``G_exact`` across the batches (the trace of its
   covariance, ``B - 1`` in the denominator);
-- the ratio ``R`` of the two, the quantity :func:`gradstats.noise.predicted_noise` predicts.
+- the ratio ``R`` of the two, the quantity :func:`gradstats.predicted_noise` predicts.
 
 The model's parameters and buffers (BatchNorm's running statistics) are as before when it returns,
 its gradients are cleared, and random ops in the forward pass (dropout) draw the same values for the
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import torch
 from torch import nn
 
-from gradstats.noise.predict import PerLayer
+from gradstats.plan.noise_prediction import PerLayer
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -75,9 +75,9 @@ class NoiseProbe(PerLayer):
 
 def _weight_grads(modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
     """Per layer, the gradient of the parameters its noise is measured over (as the trace records
-    and predicts it, :func:`gradstats.noise.record.noise_params`: a Linear's or convolution's weight,
+    and predicts it, :func:`gradstats.tracer.noise.noise_params`: a Linear's or convolution's weight,
     all of a GRU's parameters), flat, float64."""
-    from gradstats.noise.record import flat_grad, noise_params
+    from gradstats.tracer.noise import flat_grad, noise_params
 
     out = {}
     for name, mod in modules.items():

@@ -10,16 +10,16 @@ For a planned layer ``l`` the *noise ratio* is
   stochastic pruning ``|g| (a - |g|)`` below the threshold, no lognormal tail);
 - ``i_l``: the relative noise that the planned layers ``m`` downstream of ``l`` (its output feeds
   their input, from the autograd graph the trace recorded) send back into ``l``'s output gradient.
-  ``gain[m, l]`` is measured once by the trace (:class:`gradstats.noise.record.Propagation`: noise
+  ``gain[m, l]`` is measured once by the trace (:class:`gradstats.tracer.noise.Propagation`: noise
   shaped like ``g_m`` sent back from ``m`` alone); each operator adds its error to the gradient it
   receives, noise included, so noise compounds through pruned layers in series. A run without
   measured gains falls back to ``gain = 1`` and no compounding;
 - ``q2_l = sum_r |g_r|^2 |x_r|^2`` turns a relative error of the output gradient into added variance
   of the weight gradient (independent per entry), and ``minibatch_l`` is that weight gradient's
   minibatch variance at the run's batch size (both recorded by the trace,
-  :mod:`gradstats.noise.record`).
+  :mod:`gradstats.tracer.noise`).
 
-``R = 1`` doubles the noise SGD already has. :func:`gradstats.noise.noise_probe` measures the same
+``R = 1`` doubles the noise SGD already has. :func:`gradstats.noise_probe` measures the same
 ratio by running the plan; ``docs/noise.md`` compares the two and explains the default bound.
 
 Example:
