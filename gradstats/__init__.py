@@ -55,6 +55,7 @@ _EXPORTS: dict[str, str] = {
     "Rule": "gradstats.plan",
     "recommend": "gradstats.plan.recommend",
     "recommend_each": "gradstats.plan.recommend",
+    "RecommendConfig": "gradstats.plan.config",
     "what_if": "gradstats.fpanalysis.what_if",
     "apply": "gradstats.apply",
     "Applied": "gradstats.apply",

@@ -39,6 +39,7 @@ from gradstats.fpanalysis.granularity import GRANULARITIES, Layout, granularity_
 from gradstats.fpanalysis.training import FLUSH_BOUND
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
 from gradstats.plan._statistics import Steps, _Moments, _moments, _select_layers, layer_moments
+from gradstats.plan.config import RecommendConfig
 from gradstats.plan.noise_budget import bound_and_repair, log_bound
 from gradstats.plan.noise_prediction import NOISE_BOUND
 from gradstats.run import as_run
@@ -89,11 +90,11 @@ def _fmt(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
-def recommend(run: Any, *, bits: int | str = 8, sparsity: float | str | None = None,
-              granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "auto",
-              threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
-              layers: str | Sequence[str] | None = None, format_rule: str = "lognormal",
-              objective: str = "training", bias_bound: float | None = None,
+def recommend(run: Any, config: RecommendConfig | None = None, *, bits: int | str = 8,
+              sparsity: float | str | None = None, granularity: str | int = "tensor", rounding: str | None = None,
+              steps: Steps = "auto", threshold_rule: str | None = None,
+              candidates: str | Iterable[Any] | None = "ocp", layers: str | Sequence[str] | None = None,
+              format_rule: str = "lognormal", objective: str = "training", bias_bound: float | None = None,
               flush_bound: float | None = FLUSH_BOUND, output_layer: str | bool | None = None,
               prune_at: str | bool | None = None, check: bool = True,
               noise_bound: float | None = NOISE_BOUND) -> Plan:
@@ -101,6 +102,8 @@ def recommend(run: Any, *, bits: int | str = 8, sparsity: float | str | None = N
 
     Args:
         run: a :class:`gradstats.run.Run` or the path of a run directory.
+        config: the options below as one value (:class:`gradstats.RecommendConfig`); a keyword
+            given too must agree with it.
         bits: the format width (:func:`recommend_each` makes one plan per width of a list, from one
             read of the run).
         sparsity: target fraction of zeros in ``[0, 1)`` for every pruned layer (stochastic
@@ -210,17 +213,18 @@ def recommend(run: Any, *, bits: int | str = 8, sparsity: float | str | None = N
     if isinstance(bits, (list, tuple, range)):
         raise ValueError(f"recommend makes one Plan for one width, got bits={bits!r}; for one plan per width "
                          f"call recommend_each(run, bits={list(bits)!r}), which returns {{bits: Plan}}")
-    kw = dict(sparsity=sparsity, rounding=rounding, steps=steps, threshold_rule=threshold_rule, layers=layers,
-              format_rule=format_rule, objective=objective, bias_bound=bias_bound, flush_bound=flush_bound,
-              output_layer=output_layer, prune_at=prune_at, check=check)
+    cfg = RecommendConfig.resolve(
+        config, "recommend", sparsity=sparsity, granularity=granularity, rounding=rounding, steps=steps,
+        threshold_rule=threshold_rule, candidates=candidates, layers=layers, format_rule=format_rule,
+        objective=objective, bias_bound=bias_bound, flush_bound=flush_bound, output_layer=output_layer,
+        prune_at=prune_at, check=check, noise_bound=noise_bound).options()
     if isinstance(bits, str):
         if bits != "auto":
             raise ValueError(f"bits must be an int (a width, 3..16) or 'auto' (per layer the fewest bits the "
                              f"noise bound allows), got {bits!r}")
-        return _recommend_auto(run, granularity=granularity, candidates=candidates, noise_bound=noise_bound, **kw)
+        return _recommend_auto(run, **cfg)
     widths, _ = _bits_list(bits)
-    return _plans(run, bits=widths, granularity=granularity, candidates=candidates, noise_bound=noise_bound,
-                  **kw)[widths[0]]
+    return _plans(run, bits=widths, **cfg)[widths[0]]
 
 
 #: what ``bits="auto"`` chooses from, fewest bits per value first (``(granularity, bits)``): MXFP4
@@ -252,16 +256,11 @@ def _recommend_auto(run: Any, *, granularity: Any, candidates: Any, noise_bound:
     return plan
 
 
-def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | None = None,
-                   granularity: str | int = "tensor", rounding: str | None = None, steps: Steps = "auto",
-                   threshold_rule: str | None = None, candidates: str | Iterable[Any] | None = "ocp",
-                   layers: str | Sequence[str] | None = None, format_rule: str = "lognormal",
-                   objective: str = "training", bias_bound: float | None = None,
-                   flush_bound: float | None = FLUSH_BOUND, output_layer: str | bool | None = None,
-                   prune_at: str | bool | None = None, check: bool = True,
-                   noise_bound: float | None = NOISE_BOUND) -> dict[int, Plan]:
+def recommend_each(run: Any, config: RecommendConfig | None = None, *, bits: Sequence[int],
+                   **options: Any) -> dict[int, Plan]:
     """:func:`recommend` for each width of ``bits``: ``{bits: Plan}`` in the order given, the run read
-    once (the arguments are :func:`recommend`'s; ``bits="auto"`` is :func:`recommend`'s alone).
+    once. ``config`` and ``options`` are :func:`recommend`'s (a :class:`gradstats.RecommendConfig`, and
+    its fields as keywords); ``bits="auto"`` is :func:`recommend`'s alone.
 
     Example:
         >>> import tempfile, torch, gradstats
@@ -272,10 +271,7 @@ def recommend_each(run: Any, *, bits: Sequence[int], sparsity: float | str | Non
         >>> {b: p.resolve(m)["0"].format.bits for b, p in plans.items()}
         {8: 8, 4: 4}
     """
-    return _plans(run, bits=bits, sparsity=sparsity, granularity=granularity, rounding=rounding, steps=steps,
-                  threshold_rule=threshold_rule, candidates=candidates, layers=layers, format_rule=format_rule,
-                  objective=objective, bias_bound=bias_bound, flush_bound=flush_bound, output_layer=output_layer,
-                  prune_at=prune_at, check=check, noise_bound=noise_bound)
+    return _plans(run, bits=bits, **RecommendConfig.resolve(config, "recommend_each", **options).options())
 
 
 def _plans(run: Any, *, bits: Sequence[int], sparsity: float | str | None, granularity: str | int,

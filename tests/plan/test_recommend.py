@@ -10,6 +10,7 @@ import gradstats
 from gradstats import fpanalysis, pruning
 from gradstats.cli import main
 from gradstats.plan import Plan
+from gradstats.plan.config import RecommendConfig
 from gradstats.plan.recommend import layer_moments, recommend, recommend_each
 from gradstats.zoo.data import load_fashion_mnist
 from gradstats.zoo.models import build_model
@@ -598,3 +599,35 @@ def test_recommend_takes_schemes_as_candidates(narrow_run, tmp_path):
     out = tmp_path / "nv.json"
     assert main(["recommend", str(run.path), "--bits", "4", "--candidates", "nvfp4", "-o", str(out)]) == 0
     assert (Plan.load(out).defaults.block_size, Plan.load(out).defaults.scale_format) == (16, "e4m3")
+
+
+# -- RecommendConfig: recommend's options as one value, resolved against keywords by the configs' one rule
+def test_a_config_gives_the_same_plan_as_its_keywords(narrow_run):
+    _, run = narrow_run
+    cfg = RecommendConfig(sparsity=0.5, rounding="stochastic", noise_bound=None, check=False)
+    by_config = gradstats.recommend(run, cfg, bits=6)
+    by_keywords = gradstats.recommend(run, bits=6, sparsity=0.5, rounding="stochastic", noise_bound=None,
+                                      check=False)
+    assert by_config.to_dict()["layers"] == by_keywords.to_dict()["layers"]
+    assert by_config.defaults == by_keywords.defaults
+    each = gradstats.recommend_each(run, cfg, bits=[6])
+    assert each[6].to_dict()["layers"] == by_config.to_dict()["layers"]
+
+
+def test_a_keyword_that_contradicts_the_config_is_an_error(narrow_run):
+    _, run = narrow_run
+    with pytest.raises(ValueError, match="contradicts the config's sparsity=0.5"):
+        gradstats.recommend(run, RecommendConfig(sparsity=0.5), sparsity=0.9)
+    with pytest.raises(ValueError, match="unknown recommend_each option"):
+        gradstats.recommend_each(run, bits=[8], sparsty=0.5)
+    with pytest.raises(ValueError, match="config must be a gradstats.RecommendConfig"):
+        gradstats.recommend(run, {"sparsity": 0.5})
+
+
+def test_the_config_holds_every_option_of_recommend():
+    import inspect
+
+    params = inspect.signature(gradstats.recommend).parameters
+    options = set(params) - {"run", "config", "bits"}
+    assert options == set(RecommendConfig().options())
+    assert all(params[k].default == getattr(RecommendConfig(), k) for k in options)
