@@ -6,17 +6,11 @@ stochastic (unbiased, reproducible with a ``torch.Generator``) or toward zero; o
 follows the format's own convention; scales are per tensor, per channel (a broadcastable tensor) or
 per block (OCP MX: shared E8M0 power of two; NVFP4: E4M3 block scale times a float32 tensor scale).
 
-How it works (see ``docs/formats.md``): all arithmetic is on float32 and its int32 bit pattern, no
-search over values. Nearest-even adds a per-element power of two ``C = 2**(max(e, emin) - M + 23)``
-(``e`` the element's binade) so that float32's own round-to-nearest-even happens exactly at the
-format's spacing, subnormal range included, then subtracts it. Stochastic rounding adds uniform random
-bits below the kept mantissa bits of the int32 pattern and truncates (below the smallest normal the
-value is first offset by ``2**emin`` so the spacing is fixed). Rare cases (toward-zero, formats without
-subnormals, ``e8m0fnu``, 23 mantissa bits, E8 formats) take an exact integer path. The unsigned ``fnu``
-formats give NaN for negative inputs (they have no code for them). On CUDA (and on the CPU under
-``TRITON_INTERPRET=1``) a Triton kernel (:mod:`gradstats.ops.triton.quantize`) does the same in one pass
-(every format but the ``fnu`` ones, which take the torch path). The CPU path works on cache-sized
-chunks with reused buffers and in-place operations.
+How it works (``docs/formats.md``): all arithmetic is on float32 and its int32 bit pattern, no search
+over values: nearest-even adds a per-element power of two so that float32's own rounding happens at the
+format's spacing, stochastic rounding adds random bits below the kept mantissa bits and truncates, and rare
+cases take an exact integer path. On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) a Triton kernel
+(:mod:`gradstats.ops.triton.quantize`) does the same in one pass; the CPU path works on cache-sized chunks.
 
 Example:
     >>> import torch
@@ -31,12 +25,13 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Optional, Union
 
 import torch
 
 from gradstats import _threads
-from gradstats.formats import OVERFLOWS, ROUNDINGS, FPFormat, parse
+from gradstats.formats import OVERFLOWS, ROUNDINGS, FPFormat, amax_scale, parse
 from gradstats.ops.block_scales import _scales_of_blocks, mx_shared_exponent
 from gradstats.ops.consts import _BF16, _EXP, _FP16, _FP32
 from gradstats.ops.consts import consts as _consts
@@ -69,7 +64,7 @@ def quantize(
     x: torch.Tensor,
     fmt: Union[FPFormat, Scheme, str],
     *,
-    scale: Union[float, torch.Tensor, None] = None,
+    scale: Union[float, torch.Tensor, str, None] = None,
     rounding: Optional[str] = None,
     overflow: str = "saturate",
     generator: Optional[torch.Generator] = None,
@@ -86,15 +81,15 @@ def quantize(
 
     Args:
         x: float32, float16 or bfloat16 tensor of any shape, contiguous or not, on CPU or CUDA.
-            float16/bfloat16 are computed in float32 and cast back; when ``fmt`` is not a subset of
-            the input dtype (e.g. ``e8m3`` on float16 input) that cast rounds a second time (and can
-            overflow to inf) -- pass float32 for exact emulation.
+            float16/bfloat16 are computed in float32 and cast back, which rounds again where ``fmt``
+            is not a subset of the dtype (``e8m3`` on float16): pass float32 for exact emulation.
         fmt: an :class:`FPFormat` or a name accepted by :func:`gradstats.formats.parse`; or a
             :class:`~gradstats.scheme.Scheme` or a scheme's name (a preset such as ``"nvfp4"`` or
             ``"mxfp8_e4m3"``), which sets ``rounding``, ``block_size``, ``scale_format``,
             ``scale_rounding`` and ``hadamard``: those given here replace the scheme's.
-        scale: ``None``, a positive float, or a positive tensor broadcastable to ``x`` (per tensor
-            or per channel): quantise ``x * scale`` and divide by ``scale`` (exact for powers of two).
+        scale: ``None`` (1), ``"amax"`` (:func:`gradstats.formats.amax_scale`, what_if's default), a
+            positive float, or a positive tensor broadcastable to ``x`` (per tensor or channel): quantise
+            ``x * scale``, divide by ``scale``. None warns where it flushes most of ``x`` (a gradient).
         rounding: ``"nearest"`` (ties to even; None: the scheme's, else nearest), ``"stochastic"`` (rounds up with probability equal
             to the fractional distance between the two neighbours; unbiased), ``"toward_zero"``.
         overflow: ``"saturate"`` (to +-max; +-inf too) or ``"nonfinite"`` (the format's own rule:
@@ -158,6 +153,9 @@ def quantize(
         fmt, rounding, block_size, scale_format, scale_rounding, hadamard)
     check_hadamard(hadamard, block_size)
     orientation = resolve_orientation(orientation, hadamard)
+    unscaled = scale is None and block_size is None
+    if isinstance(scale, str) and scale == "amax" and block_size is None:   # else _check says what is wrong
+        scale = amax_scale(parse(fmt), float(x.detach().abs().max()) if x.numel() else 0.0)
     fmt, scale = _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format,
                         orientation)
     _check_scale_rounding(scale_rounding)
@@ -174,8 +172,22 @@ def quantize(
             y = _quantize(m, fmt, None, rounding, overflow, rng, block_size, -1, scale_format, scale_rounding,
                           "columns", tensor_amax)
             return unrotate(y, hctx).to(x.dtype)
-        return _quantize(x.detach(), fmt, scale, rounding, overflow, rng, block_size, block_dim, scale_format,
-                         scale_rounding, orientation, tensor_amax)
+        y = _quantize(x.detach(), fmt, scale, rounding, overflow, rng, block_size, block_dim, scale_format,
+                      scale_rounding, orientation, tensor_amax)
+        if unscaled:
+            _warn_if_flushed(x, y, fmt)
+        return y
+
+
+def _warn_if_flushed(x: torch.Tensor, y: torch.Tensor, fmt: FPFormat) -> None:
+    step = max(1, x.numel() // 4096)    # a glance at <= 8192 evenly spaced entries, not a pass
+    xs, ys = x.detach().reshape(-1)[::step], y.reshape(-1)[::step]
+    nonzero, flushed = int((xs != 0).sum()), int(((xs != 0) & (ys == 0)).sum())
+    if 2 * flushed > nonzero:           # an unscaled gradient lies below a narrow format's range
+        warnings.warn(f"quantize(x, {str(fmt)!r}) without a scale flushed about {flushed / nonzero:.0%} of x's "
+                      "non-zero entries to zero (its values lie below the format's range): pass scale='amax' (the "
+                      "rule of what_if and the plans) or a block_size, or scale=1.0 to keep this on purpose",
+                      UserWarning, stacklevel=3)
 
 
 def spell_out(fmt: Union[FPFormat, Scheme, str], rounding: Optional[str] = None, block_size: Optional[int] = None,
@@ -190,8 +202,6 @@ def spell_out(fmt: Union[FPFormat, Scheme, str], rounding: Optional[str] = None,
     Example:
         >>> spell_out("nvfp4")
         (FPFormat('e2m1fn'), 'nearest', 16, 'e4m3', 'floor', None)
-        >>> spell_out("mxfp4", scale_rounding="rceil")[2:], spell_out("nvfp4_training")[1::4]
-        ((32, 'e8m0', 'rceil', None), ('stochastic', 16))
     """
     if not names_scheme(fmt):
         return (fmt, rounding or "nearest", block_size, scale_format or "e8m0", scale_rounding or "floor", hadamard)
@@ -324,7 +334,7 @@ def _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, 
             if scale == 1.0:
                 scale = None
         else:
-            raise ValueError(f"quantize: scale must be None, a float or a tensor, got {type(scale).__name__}")
+            raise ValueError(f"quantize: scale must be None, 'amax', a float or a tensor, got {scale!r}")
     if block_size is not None:
         _check_block(x, block_size, block_dim, scale_format, orientation)
     elif scale_format not in SCALE_FORMATS:

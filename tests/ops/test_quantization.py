@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -667,3 +668,34 @@ def test_scale_outside_float32_is_an_error_not_nan(scale):
     # the edges of the allowed range still quantise to finite values
     for ok in (2.0 ** 127, 2.0 ** -127):
         assert torch.isfinite(gradstats.quantize(torch.tensor([1e-30, 1.0]), "e4m3fn", scale=ok)).all()
+
+
+# -- the default scale: quantize(scale="amax") is what_if's rule; an unscaled call that flushes most of x says so
+def test_amax_scale_is_the_power_of_two_of_what_if_and_the_plans():
+    from gradstats.formats import amax_scale
+
+    g = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 3e-6
+    for fmt in ("e4m3fn", "e5m2", "e2m1fn"):
+        s = amax_scale(fmt, float(g.abs().max()))
+        assert s == 2.0 ** math.floor(math.log2(FPFormat.parse(fmt).max / float(g.abs().max())))
+        assert torch.equal(quantize(g, fmt, scale="amax"), quantize(g, fmt, scale=s))
+        assert (quantize(g, fmt, scale="amax") == 0).float().mean() < 0.5
+
+
+def test_an_unscaled_quantize_that_flushes_most_of_a_gradient_warns():
+    g = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 1e-6
+    with pytest.warns(UserWarning, match=r"flushed about 100% of x's non-zero entries.*scale='amax'"):
+        assert bool((quantize(g, "e4m3fn") == 0).all())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # on purpose (scale=1.0), with a scale, in blocks, or not flushed
+        quantize(g, "e4m3fn", scale=1.0)
+        quantize(g, "e4m3fn", scale="amax")
+        quantize(g, "e4m3fn", block_size=32)
+        quantize(g * 1e6, "e4m3fn")
+
+
+def test_a_bad_scale_names_the_choices():
+    with pytest.raises(ValueError, match="scale must be None, 'amax', a float or a tensor, got 'max'"):
+        quantize(torch.ones(4), "e4m3fn", scale="max")
+    with pytest.raises(ValueError, match="either scale or block_size"):
+        quantize(torch.ones(64), "e4m3fn", scale="amax", block_size=32)
