@@ -1,28 +1,53 @@
-"""One safeguarded Newton iteration for the scalar root finders (threshold for a target
-sparsity, the allocation's variance and sparsity budgets): Newton steps inside a bracket,
-bisection whenever a step would leave it."""
+"""The one root finder of the package: a safeguarded Newton iteration inside a bracket, for one
+root in Python floats or for many at once in numpy arrays (the threshold for a target sparsity in
+every family, the histogram rule, the allocation's variance and sparsity budgets, the ratio of the
+cosine floors).
+
+Each iteration evaluates the function, stops where ``|value| <= tol``, shrinks the bracket to the
+side of the root, then takes the Newton step if it lands strictly inside the bracket and bisects
+otherwise (bisects always where no slope is given); it stops where the bracket is two adjacent
+floats. The array path runs the same iteration on every entry, evaluating only the entries not yet
+done (``fn(x, idx)`` gets their indices, so that it can pick their parameters).
+"""
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+#: ``fn(x, idx) -> (value, slope)``: ``idx`` None for one root, else the indices of the entries of
+#: ``x`` (those not yet done); ``slope`` may be None (bisection)
+RootFunction = Callable[[Any, Optional[np.ndarray]], tuple[Any, Any]]
 
 
-def bracketed_newton(fn: Callable[[float], tuple[float, float]], lo: float, hi: float, x: float, *,
-                     tol: float = 1e-13, iters: int = 200, best: bool = False) -> float:
-    """A root of the increasing ``fn`` (``x -> (value, slope)``) in ``[lo, hi]``, from ``x``.
+def bracketed_newton(fn: RootFunction, lo: Any, hi: Any, x: Any = None, *, tol: float = 1e-13,
+                     iters: int = 200, best: bool = False) -> Any:
+    """A root of the increasing ``fn`` in ``[lo, hi]`` (``fn(lo) <= 0 <= fn(hi)``), from ``x``
+    (default: the bracket's middle); elementwise where ``lo`` and ``hi`` are arrays.
 
-    Each iteration evaluates ``fn(x)``, stops when ``|value| <= tol``, shrinks the bracket to
-    the side of the root, then takes the Newton step if it lands strictly inside the bracket and
-    bisects otherwise; it stops when the bracket is two adjacent floats. Returns the last
-    iterate, or with ``best`` the evaluated point of smallest ``|value|``.
+    ``fn(x, idx)`` returns ``(value, slope)`` at ``x``: with float ``lo`` and ``hi`` one root, ``x``
+    a float and ``idx`` None; with arrays ``x`` holds the entries ``idx`` still being solved.
+    Returns the last iterate, or with ``best`` the evaluated point of smallest ``|value|``.
 
     Example:
-        >>> round(bracketed_newton(lambda x: (x * x - 2.0, 2.0 * x), 0.0, 2.0, 1.0), 12)
+        >>> round(bracketed_newton(lambda x, _: (x * x - 2.0, 2.0 * x), 0.0, 2.0), 12)
         1.414213562373
+        >>> import numpy as np
+        >>> c = np.array([2.0, 3.0])
+        >>> bracketed_newton(lambda x, i: (x * x - c[i], 2.0 * x), np.zeros(2), np.full(2, 2.0)).round(12).tolist()
+        [1.414213562373, 1.732050807569]
     """
+    if type(lo) is float and type(hi) is float or isinstance(lo, (float, int)) and isinstance(hi, (float, int)):
+        return _one(fn, float(lo), float(hi), 0.5 * (lo + hi) if x is None else x, tol, iters, best)
+    return _many(fn, lo, hi, x, tol, iters, best)
+
+
+def _one(fn: RootFunction, lo: float, hi: float, x: float, tol: float, iters: int, best: bool) -> float:
+    """One root, in floats (a few microseconds: what apply's refresh solves on every step)."""
     best_v, best_x = math.inf, hi
     for _ in range(iters):
-        v, slope = fn(x)
+        v, slope = fn(x, None)
         if abs(v) < best_v:
             best_v, best_x = abs(v), x
         if abs(v) <= tol:
@@ -32,8 +57,43 @@ def bracketed_newton(fn: Callable[[float], tuple[float, float]], lo: float, hi: 
         else:
             hi = x
         mid = 0.5 * (lo + hi)
-        nx = x - v / slope if slope != 0 else math.nan
+        nx = x - v / slope if slope else math.nan
         x = nx if (math.isfinite(nx) and lo < nx < hi) else mid
         if mid <= lo or mid >= hi:  # the bracket is two adjacent floats
             break
+    return best_x if best else x
+
+
+def _many(fn: RootFunction, lo: Any, hi: Any, x0: Any, tol: float, iters: int, best: bool) -> np.ndarray:
+    """Every root of the arrays at once: the iteration of :func:`_one`, entry by entry."""
+    lo = np.array(lo, dtype=np.float64, copy=True)
+    hi = np.array(hi, dtype=np.float64, copy=True)
+    x = 0.5 * (lo + hi) if x0 is None else np.array(np.broadcast_to(x0, lo.shape), dtype=np.float64)
+    best_v, best_x = np.full(x.shape, np.inf), hi.copy()
+    active = np.arange(x.size)
+    lo_f, hi_f, x_f, bv_f, bx_f = (a.reshape(-1) for a in (lo, hi, x, best_v, best_x))
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+        for _ in range(iters):
+            if active.size == 0:
+                break
+            xa = x_f[active]
+            fa, da = fn(xa, active)
+            fa = np.asarray(fa, dtype=np.float64)
+            if best:
+                better = np.abs(fa) < bv_f[active]
+                bv_f[active[better]], bx_f[active[better]] = np.abs(fa[better]), xa[better]
+            done = np.abs(fa) <= tol
+            neg = fa < 0
+            la = np.where(neg, xa, lo_f[active])
+            ha = np.where(neg, hi_f[active], xa)
+            lo_f[active], hi_f[active] = la, ha
+            mid = 0.5 * (la + ha)
+            if da is not None:
+                nx = xa - fa / da
+                nx = np.where(np.isfinite(nx) & (nx > la) & (nx < ha), nx, mid)
+            else:
+                nx = mid
+            stuck = (mid <= la) | (mid >= ha)  # the bracket is two adjacent floats
+            x_f[active] = np.where(done, xa, nx)
+            active = active[~(done | stuck)]
     return best_x if best else x

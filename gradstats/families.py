@@ -14,7 +14,9 @@ Example:
     0.5
 
 Each family describes ``|g|`` of the non-zero entries and works in a standardised log-threshold
-``x`` (float64 numpy arrays, vectorised over layers):
+``x``. Every formula is written once, for Python floats (one layer, in ``math``: what apply's refresh
+solves on every step) and float64 numpy arrays (vectorised over layers) alike, and the fitting's
+for torch tensors too (:mod:`gradstats._special` picks the library by the argument):
 
 ============  ========================  =====================================================
 model         parameters                ``x`` for a threshold ``a``
@@ -26,102 +28,195 @@ laplace       ``scale`` (``b = E|g|``)    ``x = ln(a / b)``   (exponential magni
 
 For every model the stochastic operator's zero fraction is ``S = H - U`` with ``H = P(|g| < a)``
 (the hard-threshold fraction) and ``U = E[|g| 1{|g| < a}] / a`` (the mass rounded *up* to ``a``),
-and ``dS/dx = U > 0``: ``S`` is increasing and the safeguarded Newton step is cheap.
+and ``dS/dx = U > 0``: ``S`` is increasing and the safeguarded Newton step of
+:func:`gradstats._roots.bracketed_newton` (the package's one root finder) is cheap.
 ``r(x) = E[T(g)^2] / E[g^2]`` gives the cosine similarity ``1/sqrt(r)`` and the relative added
 variance ``r - 1``.
 """
 from __future__ import annotations
 
 import math
-from statistics import NormalDist
-from typing import Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
-from scipy import special
 
 from gradstats._roots import bracketed_newton
+from gradstats._special import (
+    all_,
+    any_,
+    erf,
+    erfinv,
+    exp,
+    expm1,
+    isfinite,
+    log,
+    log1p,
+    log_ndtr,
+    maximum,
+    ndtr,
+    ndtri,
+    shown,
+    where,
+)
 
+_SQRT2 = math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _LN2_ = math.log(2.0)
 _HALF_LN_2PI = 0.5 * math.log(2.0 * math.pi)
 _HALF_LN_2_OVER_PI = 0.5 * math.log(2.0 / math.pi)
 
-#: the families compared, in display order
-FAMILIES = ("lognormal", "normal", "laplace")
-#: number of fitted parameters of each magnitude model (for AIC and BIC)
-N_PARAMS = {"lognormal": 2, "normal": 1, "laplace": 1}
-#: the magnitude model behind each family name
-MAGNITUDE_MODEL = {"lognormal": "lognormal", "normal": "half-normal", "laplace": "exponential"}
-
 
 class Family:
-    """Base: subclasses set ``name`` and implement the methods on float64 arrays."""
+    """Base of the magnitude models: subclasses set ``name``, ``n_params``, ``magnitude_model``
+    and implement the methods once, for parameters and arguments that are Python floats (one layer,
+    computed in ``math``), numpy arrays of one shape (many layers) or, for the fitting's methods,
+    torch tensors (:mod:`gradstats._special` picks the library by the argument).
 
+    Example:
+        >>> import numpy as np
+        >>> one = Lognormal(0.0, 1.0).stochastic(0.0)                                # math
+        >>> many = Lognormal(np.zeros(2), np.array([1.0, 2.0])).stochastic(np.zeros(2))  # numpy
+        >>> round(one, 6), many.round(6).tolist()
+        (0.238422, [0.238422, 0.331898])
+    """
+
+    __slots__ = ()
     name = ""
+    #: number of fitted parameters (for AIC and BIC)
+    n_params = 0
+    #: the distribution of ``|g|`` the family name stands for
+    magnitude_model = ""
 
-    def to_x(self, a: np.ndarray) -> np.ndarray:
+    def params(self) -> tuple[Any, ...]:
+        """The parameters, in the constructor's order."""
         raise NotImplementedError
 
-    def from_x(self, x: np.ndarray) -> np.ndarray:
+    @classmethod
+    def from_params(cls, p: Mapping[str, Any]) -> "Family":
+        """The family at a fit's parameters (``{"mu": ..., "sigma": ...}`` or ``{"scale": ...}``)."""
         raise NotImplementedError
 
-    def hard(self, x: np.ndarray) -> np.ndarray:
+    def at(self, idx: Optional[np.ndarray]) -> "Family":
+        """The model restricted to the entries ``idx`` of its (flat) parameters; itself for None."""
+        if idx is None:
+            return self
+        ps = self.params()
+        if idx.size == np.size(ps[0]):
+            return self
+        return type(self)(*(p if np.size(p) == 1 else np.reshape(p, -1)[idx] for p in ps))
+
+    # -- the threshold's maths, in x
+    def to_x(self, a: Any) -> Any:
+        """The standardised log-threshold of a threshold ``a``."""
+        raise NotImplementedError
+
+    def from_x(self, x: Any) -> Any:
+        """The threshold at ``x``."""
+        raise NotImplementedError
+
+    def ln_from_x(self, x: Any) -> Any:
+        """``ln`` of the threshold at ``x`` (without forming it)."""
+        raise NotImplementedError
+
+    def hard(self, x: Any) -> Any:
         """``P(|g| < a)``."""
         raise NotImplementedError
 
-    def up(self, x: np.ndarray) -> np.ndarray:
+    def up(self, x: Any) -> Any:
         """``E[|g| 1{|g| < a}] / a`` (also ``dS/dx``)."""
         raise NotImplementedError
 
-    def hard_quantile(self, q: np.ndarray) -> np.ndarray:
+    def hard_quantile(self, q: Any) -> Any:
         """``x`` with ``hard(x) = q``."""
         raise NotImplementedError
 
-    def step(self) -> np.ndarray:
+    def step(self) -> Any:
         """A natural unit of ``x`` for bracketing."""
-        return np.ones(1)
+        return 1.0
 
-    def et2_ratio(self, x: np.ndarray) -> np.ndarray:
+    def et2_ratio(self, x: Any) -> Any:
         """``E[T(g)^2] / E[g^2]`` of the non-zero entries."""
         raise NotImplementedError
 
-    def m2(self) -> np.ndarray:
+    def m2(self) -> Any:
         """``E[g^2]`` of the non-zero entries."""
         raise NotImplementedError
 
-    def added_rel(self, x: np.ndarray) -> np.ndarray:
+    def added_rel(self, x: Any) -> Any:
         """``E[T(g)^2] / E[g^2] - 1`` (relative added variance), >= 0."""
-        return np.maximum(self.et2_ratio(x) - 1.0, 0.0)
+        return maximum(self.et2_ratio(x) - 1.0, 0.0)
 
-    def stochastic(self, x: np.ndarray) -> np.ndarray:
+    def stochastic(self, x: Any) -> Any:
+        """The stochastic operator's zero fraction ``S = H - U`` of the non-zero entries."""
         return self.hard(x) - self.up(x)
+
+    # -- the fitting's maths, in the magnitudes a
+    def cdf(self, a: Any) -> Any:
+        """``P(|g| <= a)`` (``a >= 0``, may hold inf)."""
+        return self.hard(self.to_x(a))
+
+    def log_density(self, a: Any) -> Any:
+        """The log-density of ``|g|`` at ``a > 0``."""
+        raise NotImplementedError
+
+    def mean_loglik(self) -> float:
+        """The mean log-likelihood per magnitude of the data the parameters are the MLE of (closed form)."""
+        raise NotImplementedError
+
+    def log2_density(self, t: Any) -> Any:
+        """The density of ``log2|g|`` at ``t``: ``ln 2 * a * f(a)`` at ``a = 2**t``, in logs."""
+        a = exp(t * _LN2_)
+        return _LN2_ * exp(self.log_density(a) + log(a))
+
+    def ln_quantile(self, q: Any) -> Any:
+        """The quantiles of ``ln|g|`` at probabilities ``q`` (Q-Q plots)."""
+        return self.ln_from_x(self.hard_quantile(q))
 
 
 class Lognormal(Family):
-    name = "lognormal"
+    """``ln|g| ~ N(mu, sigma^2)``, solved in ``x = ln a - mu``.
 
-    def __init__(self, mu: np.ndarray, sigma: np.ndarray) -> None:
+    Example:
+        >>> round(Lognormal(0.0, 1.0).stochastic(0.0), 6)     # the brief's check value
+        0.238422
+    """
+
+    __slots__ = ("mu", "sigma")
+    name = "lognormal"
+    n_params = 2
+    magnitude_model = "lognormal"
+
+    def __init__(self, mu: Any, sigma: Any) -> None:
         self.mu, self.sigma = mu, sigma
 
+    def params(self) -> tuple[Any, ...]:
+        return self.mu, self.sigma
+
+    @classmethod
+    def from_params(cls, p: Mapping[str, Any]) -> "Lognormal":
+        return cls(p["mu"], p["sigma"])
+
     def to_x(self, a):
-        with np.errstate(divide="ignore"):
-            return np.log(a) - self.mu
+        return log(a) - self.mu
 
     def from_x(self, x):
-        return np.exp(self.mu + x)
+        return exp(self.mu + x)
+
+    def ln_from_x(self, x):
+        return self.mu + x
 
     def hard(self, x):
-        return special.ndtr(x / self.sigma)
+        return ndtr(x / self.sigma)
 
     def up(self, x):
         s = self.sigma
         # exp(mu + s^2/2) / a * Phi(z - s), in logs so that no factor overflows: the exponent
         # is about -x^2 / (2 s^2) for very negative x, and at most s^2/2 - x + 0 otherwise
-        return np.exp(0.5 * s * s - x + special.log_ndtr(x / s - s))
+        return exp(0.5 * s * s - x + log_ndtr(x / s - s))
 
     def hard_quantile(self, q):
-        return self.sigma * special.ndtri(q)
+        return self.sigma * ndtri(q)
 
     def step(self):
         return self.sigma
@@ -129,401 +224,136 @@ class Lognormal(Family):
     def et2_ratio(self, x):
         s = self.sigma
         z = x / s
-        with np.errstate(over="ignore", invalid="ignore"):
-            tail = special.ndtr(2.0 * s - z)  # E[g^2 1{|g| >= a}] / E g^2
-            low = np.exp(x - 1.5 * s * s + special.log_ndtr(z - s))  # a E[|g| 1{|g|<a}] / E g^2
+        tail = ndtr(2.0 * s - z)  # E[g^2 1{|g| >= a}] / E g^2
+        low = exp(x - 1.5 * s * s + log_ndtr(z - s))  # a E[|g| 1{|g|<a}] / E g^2
         return tail + low
 
     def m2(self):
-        return np.exp(2.0 * self.mu + 2.0 * self.sigma ** 2)
+        return exp(2.0 * self.mu + 2.0 * self.sigma ** 2)
 
     def added_rel(self, x):
         # a E[|g| 1{|g|<a}] / E g^2 - E[g^2 1{|g|<a}] / E g^2, without forming 1 + tiny - 1
         s = self.sigma
         z = x / s
-        with np.errstate(over="ignore", invalid="ignore"):
-            up = np.exp(x - 1.5 * s * s + special.log_ndtr(z - s))
-        return np.maximum(up - special.ndtr(z - 2.0 * s), 0.0)
+        up = exp(x - 1.5 * s * s + log_ndtr(z - s))
+        return maximum(up - ndtr(z - 2.0 * s), 0.0)
+
+    def log_density(self, a):
+        la = log(a)
+        z = (la - self.mu) / self.sigma
+        return -la - log(self.sigma) - _HALF_LN_2PI - 0.5 * z * z
+
+    def mean_loglik(self):
+        return -self.mu - log(self.sigma) - _HALF_LN_2PI - 0.5
 
 
 class _ScaleFamily(Family):
     """A magnitude model with one scale parameter, solved in ``x = ln(a / scale)``."""
 
-    def __init__(self, scale: np.ndarray) -> None:
+    __slots__ = ("scale",)
+    n_params = 1
+
+    def __init__(self, scale: Any) -> None:
         self.scale = scale
 
+    def params(self) -> tuple[Any, ...]:
+        return (self.scale,)
+
+    @classmethod
+    def from_params(cls, p: Mapping[str, Any]) -> "_ScaleFamily":
+        return cls(p["scale"])
+
     def to_x(self, a):
-        with np.errstate(divide="ignore"):
-            return np.log(a / self.scale)
+        return log(a / self.scale)
 
     def from_x(self, x):
-        return self.scale * np.exp(x)
+        return self.scale * exp(x)
+
+    def ln_from_x(self, x):
+        return log(self.scale) + x
 
 
 class HalfNormal(_ScaleFamily):
+    """``|g|`` of a zero-mean normal (``scale^2 = E g^2``).
+
+    Example:
+        >>> round(HalfNormal(1.0).cdf(1.0), 6)     # P(|N(0, 1)| <= 1)
+        0.682689
+    """
+
+    __slots__ = ()
     name = "normal"
+    magnitude_model = "half-normal"
 
     def hard(self, x):
-        return special.erf(np.exp(x) / math.sqrt(2.0))
+        return erf(exp(x) / _SQRT2)
 
     def up(self, x):
-        u = np.exp(x)
-        return _SQRT_2_OVER_PI * -np.expm1(-0.5 * u * u) / u
+        u = exp(x)
+        return _SQRT_2_OVER_PI * -expm1(-0.5 * u * u) / u
 
     def hard_quantile(self, q):
-        return np.log(math.sqrt(2.0) * special.erfinv(q))
+        return log(_SQRT2 * erfinv(q))
 
     def et2_ratio(self, x):
-        u = np.exp(x)
-        return 2.0 * special.ndtr(-u) + _SQRT_2_OVER_PI * u
+        u = exp(x)
+        return 2.0 * ndtr(-u) + _SQRT_2_OVER_PI * u
 
     def m2(self):
         return self.scale ** 2
 
+    def log_density(self, a):
+        return _HALF_LN_2_OVER_PI - log(self.scale) - 0.5 * (a / self.scale) ** 2
+
+    def mean_loglik(self):
+        return _HALF_LN_2_OVER_PI - log(self.scale) - 0.5
+
 
 class Exponential(_ScaleFamily):
+    """``|g|`` of a zero-mean Laplace (``scale = E|g|``).
+
+    Example:
+        >>> round(Exponential(1.0).cdf(1.0), 6)     # 1 - 1/e
+        0.632121
+    """
+
+    __slots__ = ()
     name = "laplace"
+    magnitude_model = "exponential"
 
     def hard(self, x):
-        return -np.expm1(-np.exp(x))
+        return -expm1(-exp(x))
 
     def up(self, x):
-        v = np.exp(x)
-        return (-np.expm1(-v) - v * np.exp(-v)) / v
+        v = exp(x)
+        return -expm1(-v) / v - exp(-v)      # (1 - e^-v) / v - e^-v: 0 at v = inf
 
     def hard_quantile(self, q):
-        return np.log(-np.log1p(-q))
+        return log(-log1p(-q))
 
     def et2_ratio(self, x):
-        v = np.exp(x)
-        return 0.5 * (np.exp(-v) * (v + 2.0) + v)
+        v = exp(x)
+        return 0.5 * (exp(-v) * (v + 2.0) + v)
 
     def m2(self):
         return 2.0 * self.scale ** 2
 
+    def log_density(self, a):
+        return -log(self.scale) - a / self.scale
 
-def bracket_solve(fg: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray | None]],
-                  lo: np.ndarray, hi: np.ndarray, *, ftol: float = 1e-13,
-                  max_iter: int = 200) -> np.ndarray:
-    """Root of increasing ``f(x, idx)`` in ``[lo, hi]`` elementwise (``f(lo) <= 0 <= f(hi)``).
+    def mean_loglik(self):
+        return -log(self.scale) - 1.0
 
-    ``fg(x, idx)`` returns ``(f, f')`` (``f'`` may be None) for the entries ``idx`` still being
-    solved (so that it can pick their parameters). Safeguarded Newton when ``f'`` is given (a
-    step leaving the current bracket becomes a bisection), plain bisection otherwise. Stops per
-    entry when ``|f| <= ftol`` or the bracket no longer shrinks in float64.
-    """
-    lo = np.array(lo, dtype=np.float64, copy=True)
-    hi = np.array(hi, dtype=np.float64, copy=True)
-    x = 0.5 * (lo + hi)
-    active = np.arange(x.size)
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
-        for _ in range(max_iter):
-            if active.size == 0:
-                break
-            xa = x[active]
-            fa, da = fg(xa, active)
-            done = np.abs(fa) <= ftol
-            neg = fa < 0
-            la = np.where(neg, xa, lo[active])
-            ha = np.where(neg, hi[active], xa)
-            lo[active], hi[active] = la, ha
-            mid = 0.5 * (la + ha)
-            if da is not None:
-                nx = xa - fa / da
-                nx = np.where(np.isfinite(nx) & (nx > la) & (nx < ha), nx, mid)
-            else:
-                nx = mid
-            stuck = (mid <= la) | (mid >= ha)  # the bracket is two adjacent floats
-            x[active] = np.where(done, xa, nx)
-            active = active[~(done | stuck)]
-    return x
 
-
-def solve_sparsity(model: Family, target: np.ndarray, *, stochastic: bool = True) -> np.ndarray:
-    """``x`` with ``S(x) = target`` for ``0 < target < 1`` (arrays of one shape)."""
-    xh = model.hard_quantile(target)
-    if not stochastic:
-        return xh
-    # S <= H everywhere, so the hard quantile is a lower bound; walk up to an upper bound
-    step = np.broadcast_to(model.step(), target.shape).astype(np.float64)
-    hi = xh + step
-    for _ in range(64):
-        low = model.stochastic(hi) < target
-        if not low.any():
-            break
-        step = np.where(low, 2.0 * step, step)
-        hi = np.where(low, hi + step, hi)
-    sub = _Sub(model)
-
-    def fg(x: np.ndarray, i: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        m = sub.at(i)
-        u = m.up(x)  # dS/dx
-        return m.hard(x) - u - target[i], u
-
-    return bracket_solve(fg, xh, hi)
-
-
-def solve_ratio(model: Family, ratio: np.ndarray) -> np.ndarray:
-    """``x`` with ``et2_ratio(x) = ratio`` (``ratio > 1``; the ratio grows from 1 with ``x``)."""
-    shape = ratio.shape
-    lo = np.full(shape, -1.0)
-    hi = np.full(shape, 1.0)
-    sub = _Sub(model)
-    for _ in range(200):
-        bad = model.et2_ratio(lo) > ratio
-        if not bad.any():
-            break
-        lo = np.where(bad, 2.0 * lo, lo)
-    for _ in range(200):
-        bad = model.et2_ratio(hi) < ratio
-        if not bad.any():
-            break
-        hi = np.where(bad, 2.0 * hi, hi)
-    return bracket_solve(lambda x, i: (sub.at(i).et2_ratio(x) - ratio[i], None), lo, hi)
-
-
-class _Sub:
-    """The model restricted to a subset of entries (parameters indexed by ``idx``)."""
-
-    def __init__(self, model: Family) -> None:
-        self.model = model
-
-    def at(self, idx: np.ndarray) -> Family:
-        m = self.model
-        if idx.size == _size(m):
-            return m
-        if isinstance(m, Lognormal):
-            return Lognormal(_take(m.mu, idx), _take(m.sigma, idx))
-        if isinstance(m, HalfNormal):
-            return HalfNormal(_take(m.scale, idx))
-        return Exponential(_take(m.scale, idx))
-
-
-def _size(m: Family) -> int:
-    return (m.mu if isinstance(m, Lognormal) else m.scale).size
-
-
-def _take(p: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    return p if p.size == 1 else p.reshape(-1)[idx]
-
-
-# ----------------------------------------------------------------------------- one layer, in floats
-# The same families for one layer in Python floats (``math``): a single layer's solve is
-# dominated by array bookkeeping (validation, broadcasting, error-state contexts, scipy calls on
-# size-1 arrays), not arithmetic. Each method repeats its array twin's formula; tests compare
-# them over a grid (``tests/test_families.py``).
-_SQRT1_2 = math.sqrt(0.5)
-_SQRT2 = math.sqrt(2.0)
-_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
-_EXP_MAX = 709.78
-_inv_cdf = NormalDist().inv_cdf
-
-
-def exp_or_inf(x: float) -> float:
-    """``exp`` that overflows to inf instead of raising (numpy's behaviour): ``exp_or_inf(1e3) == inf``."""
-    return math.exp(x) if x < _EXP_MAX else math.inf
-
-
-def ndtr1(x: float) -> float:
-    """The standard normal CDF of one float (as scipy's ``ndtr``: ``erf`` near 0, ``erfc`` in the tails).
-
-    Example:
-        >>> ndtr1(0.0)
-        0.5
-    """
-    z = abs(x) * _SQRT1_2
-    if z < _SQRT1_2:
-        return 0.5 + 0.5 * math.erf(x * _SQRT1_2)
-    y = 0.5 * math.erfc(z)
-    return 1.0 - y if x > 0 else y
-
-
-def log_ndtr1(x: float) -> float:
-    """``ln Phi(x)`` of one float, accurate in both tails (the asymptotic series far below the mean).
-
-    Example:
-        >>> round(log_ndtr1(0.0), 12) == round(math.log(0.5), 12)
-        True
-    """
-    if x >= -1.0:
-        return math.log1p(-0.5 * math.erfc(x * _SQRT1_2))
-    if x > -37.0:
-        return math.log(0.5 * math.erfc(-x * _SQRT1_2))
-    r = 1.0 / (x * x)
-    # 1 - 1/x^2 + 3/x^4 - 15/x^6 + ...: at |x| >= 37 the terms fall below 1e-17 by the eighth
-    series, term = 1.0, 1.0
-    for k in range(1, 10):
-        term *= -(2 * k - 1) * r
-        series += term
-    return -0.5 * x * x - math.log(-x) - _HALF_LN_2PI + math.log(series)
-
-
-def _ndtri1(q: float) -> float:
-    """The standard normal quantile ``Phi^-1(q)`` of one float (-inf at 0, inf at 1, NaN outside)."""
-    if q <= 0.0:
-        return -math.inf if q == 0.0 else math.nan
-    if q >= 1.0:
-        return math.inf if q == 1.0 else math.nan
-    return _inv_cdf(q)
-
-
-def _erfinv1(q: float) -> float:
-    """The inverse error function of one float in ``[0, 1]``: the normal quantile, refined by
-    Newton steps on ``erf`` (or ``erfc`` above 1/2, where ``1 - q`` is exact)."""
-    if q <= 0.0:
-        return 0.0 if q == 0.0 else -_erfinv1(-q)
-    if q >= 1.0:
-        return math.inf if q == 1.0 else math.nan
-    x = _ndtri1(0.5 * (1.0 + q)) * _SQRT1_2
-    for _ in range(3):
-        f = math.erf(x) - q if q < 0.5 else (1.0 - q) - math.erfc(x)
-        d = _TWO_OVER_SQRT_PI * math.exp(-x * x)
-        if d == 0.0:
-            break
-        x -= f / d
-    return x
-
-
-class OneLognormal:
-    """:class:`Lognormal` for one layer in floats (the same methods; ``step`` an attribute)."""
-
-    __slots__ = ("mu", "sigma")
-    name = "lognormal"
-
-    def __init__(self, mu: float, sigma: float) -> None:
-        self.mu, self.sigma = mu, sigma
-
-    @property
-    def step(self) -> float:
-        return self.sigma
-
-    def to_x(self, a: float) -> float:
-        return math.log(a) - self.mu
-
-    def from_x(self, x: float) -> float:
-        return exp_or_inf(self.mu + x)
-
-    def hard(self, x: float) -> float:
-        return ndtr1(x / self.sigma)
-
-    def up(self, x: float) -> float:
-        s = self.sigma
-        return exp_or_inf(0.5 * s * s - x + log_ndtr1(x / s - s))
-
-    def hard_quantile(self, q: float) -> float:
-        return self.sigma * _ndtri1(q)
-
-    def stochastic(self, x: float) -> float:
-        return self.hard(x) - self.up(x)
-
-
-class _OneScaleFamily:
-    __slots__ = ("scale",)
-    name = ""
-    step = 1.0
-
-    def __init__(self, scale: float) -> None:
-        self.scale = scale
-
-    def to_x(self, a: float) -> float:
-        return math.log(a / self.scale)
-
-    def from_x(self, x: float) -> float:
-        return self.scale * exp_or_inf(x)
-
-    def stochastic(self, x: float) -> float:
-        return self.hard(x) - self.up(x)
-
-
-class OneHalfNormal(_OneScaleFamily):
-    """:class:`HalfNormal` for one layer in floats."""
-
-    __slots__ = ()
-    name = "normal"
-
-    def hard(self, x: float) -> float:
-        return math.erf(exp_or_inf(x) / _SQRT2)
-
-    def up(self, x: float) -> float:
-        u = exp_or_inf(x)
-        return _SQRT_2_OVER_PI * -math.expm1(-0.5 * u * u) / u if u < math.inf else 0.0
-
-    def hard_quantile(self, q: float) -> float:
-        return math.log(_SQRT2 * _erfinv1(q))
-
-
-class OneExponential(_OneScaleFamily):
-    """:class:`Exponential` for one layer in floats."""
-
-    __slots__ = ()
-    name = "laplace"
-
-    def hard(self, x: float) -> float:
-        return -math.expm1(-exp_or_inf(x))
-
-    def up(self, x: float) -> float:
-        v = exp_or_inf(x)
-        return (-math.expm1(-v) - v * math.exp(-v)) / v if v < math.inf else 0.0
-
-    def hard_quantile(self, q: float) -> float:
-        return math.log(-math.log1p(-q))
-
-
-def one_family(name: str, *, mu: Optional[float] = None, sigma: Optional[float] = None,
-               scale: Optional[float] = None) -> "OneLognormal | _OneScaleFamily":
-    """The family ``name`` of :data:`FAMILIES` for one layer in floats; a ``ValueError`` names a
-    missing or invalid parameter.
-
-    Example:
-        >>> m = one_family("lognormal", mu=0.0, sigma=1.0)
-        >>> round(m.stochastic(0.0), 6)
-        0.238422
-    """
-    fam = family(name)
-    if fam is Lognormal:
-        if mu is None or sigma is None or not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
-            raise ValueError(f"the lognormal family needs a finite mu and a positive finite sigma (of ln|g|), "
-                             f"got mu={mu!r}, sigma={sigma!r}")
-        return OneLognormal(float(mu), float(sigma))
-    if scale is None or not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale of the {name} family must be positive and finite, got {scale!r}")
-    return fam.one(float(scale))
-
-
-def solve_sparsity_one(model: "OneLognormal | _OneScaleFamily", target: float, *,
-                       stochastic: bool = True) -> float:
-    """:func:`solve_sparsity` for one layer in floats (a family of :func:`one_family`): the same
-    bracket (walked up from the hard quantile in doubling steps) and safeguarded Newton iteration.
-
-    Example:
-        >>> x = solve_sparsity_one(one_family("lognormal", mu=0.0, sigma=1.0), 0.238422)
-        >>> abs(x) < 1e-5
-        True
-    """
-    xh = model.hard_quantile(target)
-    if not stochastic:
-        return xh
-    step = model.step
-    hi = xh + step
-    for _ in range(64):
-        if not model.stochastic(hi) < target:
-            break
-        step *= 2.0
-        hi += step
-
-    def f(x: float) -> tuple[float, float]:
-        u = model.up(x)
-        return model.hard(x) - u - target, u
-    return bracketed_newton(f, xh, hi, 0.5 * (xh + hi))
-
-
-Lognormal.one = OneLognormal          # type: ignore[attr-defined]
-HalfNormal.one = OneHalfNormal        # type: ignore[attr-defined]
-Exponential.one = OneExponential      # type: ignore[attr-defined]
-
-#: the registry of magnitude families: name -> its class (arrays; ``.one``: the same for one layer
-#: in floats). Adding a family is one class with the :class:`Family` methods and its entry here.
+#: the registry of magnitude families: name -> its class. Adding a family is one class with the
+#: :class:`Family` methods and its entry here.
 FAMILY_REGISTRY: dict[str, type[Family]] = {"lognormal": Lognormal, "normal": HalfNormal, "laplace": Exponential}
+#: the families compared, in display order
+FAMILIES = tuple(FAMILY_REGISTRY)
+#: number of fitted parameters of each magnitude model (for AIC and BIC)
+N_PARAMS = {name: cls.n_params for name, cls in FAMILY_REGISTRY.items()}
+#: the magnitude model behind each family name
+MAGNITUDE_MODEL = {name: cls.magnitude_model for name, cls in FAMILY_REGISTRY.items()}
 
 
 def family(name: str) -> type[Family]:
@@ -539,56 +369,114 @@ def family(name: str) -> type[Family]:
         raise ValueError(f"family must be one of {tuple(FAMILY_REGISTRY)}, got {name!r}") from None
 
 
+def make_family(name: str, *, mu: Any = None, sigma: Any = None, scale: Any = None) -> Family:
+    """The family ``name`` at checked parameters: floats (one layer) or arrays of one shape; a
+    ``ValueError`` names a missing or invalid parameter.
 
-# ----------------------------------------------------------------------------- likelihood
+    Example:
+        >>> m = make_family("lognormal", mu=0.0, sigma=1.0)
+        >>> round(m.stochastic(0.0), 6)
+        0.238422
+    """
+    cls = family(name)
+    if cls is Lognormal:
+        if type(mu) is float and type(sigma) is float and math.isfinite(mu) and 0 < sigma < math.inf:
+            return Lognormal(mu, sigma)          # one layer: the common case, checked in floats
+        if mu is None or sigma is None or not all_(isfinite(mu) & isfinite(sigma) & (sigma > 0)):
+            raise ValueError(f"the lognormal family needs a finite mu and a positive finite sigma (of ln|g|), "
+                             f"got mu={mu!r}, sigma={sigma!r}")
+        return Lognormal(mu, sigma)
+    if type(scale) is float and 0 < scale < math.inf:
+        return cls(scale)
+    if scale is None or not all_(isfinite(scale) & (scale > 0)):
+        raise ValueError(f"scale of the {name} family must be positive and finite, got "
+                         f"{scale if scale is None else shown(scale, isfinite(scale) & (scale > 0))!r}")
+    return cls(scale)
+
+
+def solve_sparsity(model: Family, target: Any, *, stochastic: bool = True) -> Any:
+    """``x`` with ``S(x) = target`` for ``0 < target < 1``: one layer in floats, or arrays of one
+    shape. The hard quantile bounds it below (``S <= H``); an upper bound is walked up from there
+    in doubling steps of :meth:`Family.step`; then :func:`gradstats._roots.bracketed_newton`
+    (``dS/dx = up``).
+
+    Example:
+        >>> abs(solve_sparsity(Lognormal(0.0, 1.0), 0.238422)) < 1e-5
+        True
+    """
+    xh = model.hard_quantile(target)
+    if not stochastic:
+        return xh
+    step = model.step()
+    hi = xh + step
+    for _ in range(64):
+        low = model.stochastic(hi) < target
+        if not any_(low):
+            break
+        step = where(low, 2.0 * step, step)
+        hi = where(low, hi + step, hi)
+
+    def fg(x: Any, i: Optional[np.ndarray]) -> tuple[Any, Any]:
+        m, t = (model, target) if i is None else (model.at(i), target[i])
+        u = m.up(x)  # dS/dx
+        return m.hard(x) - u - t, u
+
+    return bracketed_newton(fg, xh, hi)
+
+
+def solve_ratio(model: Family, ratio: Any) -> Any:
+    """``x`` with ``et2_ratio(x) = ratio`` (``ratio > 1``; the ratio grows from 1 with ``x``):
+    one layer in floats, or arrays of one shape.
+
+    Example:
+        >>> m = Lognormal(0.0, 2.0)
+        >>> abs(m.et2_ratio(solve_ratio(m, 1.25)) - 1.25) < 1e-12
+        True
+    """
+    lo = -1.0 + 0.0 * ratio
+    hi = 1.0 + 0.0 * ratio
+    for _ in range(200):
+        bad = model.et2_ratio(lo) > ratio
+        if not any_(bad):
+            break
+        lo = where(bad, 2.0 * lo, lo)
+    for _ in range(200):
+        bad = model.et2_ratio(hi) < ratio
+        if not any_(bad):
+            break
+        hi = where(bad, 2.0 * hi, hi)
+
+    def f(x: Any, i: Optional[np.ndarray]) -> tuple[Any, None]:
+        return model.at(i).et2_ratio(x) - (ratio if i is None else ratio[i]), None
+
+    return bracketed_newton(f, lo, hi)
+
+
+# ----------------------------------------------------------------------------- by name (fitting, plots)
+def _of(name: str, p: Mapping[str, Any]) -> Family:
+    return family(name).from_params(p)
+
+
 def mean_loglik(family: str, p: Mapping[str, float]) -> float:
-    """Mean log-likelihood per magnitude at the MLE (closed form; see the module docstring)."""
-    if family == "lognormal":
-        return -p["mu"] - math.log(p["sigma"]) - _HALF_LN_2PI - 0.5
-    if family == "normal":
-        return _HALF_LN_2_OVER_PI - math.log(p["scale"]) - 0.5
-    return -math.log(p["scale"]) - 1.0
+    """Mean log-likelihood per magnitude at the MLE (:meth:`Family.mean_loglik`)."""
+    return _of(family, p).mean_loglik()
 
 
 def cdf64(family: str, a: torch.Tensor, p: Mapping[str, float]) -> torch.Tensor:
-    """The family's CDF of the magnitudes at ``a`` (computed in float64; ``a >= 0``, may hold inf)."""
-    a = a.to(torch.float64)
-    if family == "lognormal":
-        return torch.special.ndtr((torch.log(a) - p["mu"]) / p["sigma"])
-    if family == "normal":
-        return torch.erf(a / (p["scale"] * math.sqrt(2.0)))
-    return -torch.expm1(-a / p["scale"])
+    """The family's CDF of the magnitudes at ``a`` (:meth:`Family.cdf` in float64; ``a >= 0``, may hold inf)."""
+    return _of(family, p).cdf(a.to(torch.float64))
 
 
 def log_density64(family: str, a: torch.Tensor, p: Mapping[str, float]) -> torch.Tensor:
-    """The family's log-density of the magnitudes at ``a > 0`` (float64)."""
-    a = a.to(torch.float64)
-    if family == "lognormal":
-        la = torch.log(a)
-        return -la - math.log(p["sigma"]) - _HALF_LN_2PI - 0.5 * ((la - p["mu"]) / p["sigma"]) ** 2
-    if family == "normal":
-        return _HALF_LN_2_OVER_PI - math.log(p["scale"]) - 0.5 * (a / p["scale"]) ** 2
-    return -math.log(p["scale"]) - a / p["scale"]
+    """The family's log-density of the magnitudes at ``a > 0`` (:meth:`Family.log_density` in float64)."""
+    return _of(family, p).log_density(a.to(torch.float64))
 
 
 def log2_density(family: str, t: np.ndarray, p: Mapping[str, float]) -> np.ndarray:
-    """The family's density of ``log2|g|`` at ``t`` (parameters ``p`` as a fit gives them)."""
-    a = np.exp2(t)
-    if family == "lognormal":
-        z = (t * _LN2_ - p["mu"]) / p["sigma"]
-        return np.exp(-0.5 * z * z) / (p["sigma"] * math.sqrt(2 * math.pi)) * _LN2_
-    s = p["scale"]
-    if family == "normal":
-        f = math.sqrt(2 / math.pi) / s * np.exp(-0.5 * (a / s) ** 2)
-    else:
-        f = np.exp(-a / s) / s
-    return f * a * _LN2_
+    """The family's density of ``log2|g|`` at ``t`` (:meth:`Family.log2_density`; ``p`` as a fit gives them)."""
+    return _of(family, p).log2_density(np.asarray(t, dtype=np.float64))
 
 
 def ln_quantile(family: str, q: np.ndarray, p: Mapping[str, float]) -> np.ndarray:
-    """The family's quantiles of ``ln|g|`` at probabilities ``q`` (for Q-Q plots)."""
-    if family == "lognormal":
-        return p["mu"] + p["sigma"] * special.ndtri(q)
-    if family == "normal":
-        return np.log(p["scale"] * math.sqrt(2.0) * special.erfinv(q))
-    return np.log(-p["scale"] * np.log1p(-q))
+    """The family's quantiles of ``ln|g|`` at probabilities ``q`` (:meth:`Family.ln_quantile`, for Q-Q plots)."""
+    return _of(family, p).ln_quantile(np.asarray(q, dtype=np.float64))

@@ -210,7 +210,7 @@ def module_level_plot_imports(mods: dict[str, Module]) -> list[str]:
 
 #: the stages, in data-flow order; a module may import its own stage and earlier ones only
 STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("values", ("gradstats._version", "gradstats._threads", "gradstats._roots", "gradstats._config", "gradstats._progress",
+    ("values", ("gradstats._version", "gradstats._threads", "gradstats._roots", "gradstats._special", "gradstats._config", "gradstats._progress",
                 "gradstats.formats",
                 "gradstats.scheme", "gradstats.wrappers")),
     ("testbed", ("gradstats.zoo",)),

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import numpy as np
 from scipy.special import ndtr
 
-from gradstats.families import exp_or_inf, log_ndtr1
+from gradstats._special import exp_or_inf, log_ndtr1
 from gradstats.formats import ROUNDINGS, FPFormat, parse
 from gradstats.fpanalysis._pieces import cells as one_layer_cells
 

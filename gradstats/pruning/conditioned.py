@@ -333,7 +333,7 @@ class ConditionedModel:
         if self.amax > 0 and s >= self._sparsity1(self.amax):
             return self.mean_abs / (self.f_inf - s)
 
-        def f(la: float) -> tuple[float, float]:
+        def f(la: float, _: None) -> tuple[float, float]:
             a = math.exp(la)
             Fa, m1, _ = self._parts1(a)
             return Fa - m1 / a - s, m1 / a
@@ -348,7 +348,7 @@ class ConditionedModel:
         if self.amax > 0 and d >= self.added_variance(self.amax, relative=True):
             return (d * self.mean_sq + self.mean_sq) / self.mean_abs
 
-        def f(la: float) -> tuple[float, float]:
+        def f(la: float, _: None) -> tuple[float, float]:
             a = math.exp(la)
             _, m1, m2 = self._parts1(a)
             return (a * m1 - m2) / self.mean_sq - d, a * m1 / self.mean_sq

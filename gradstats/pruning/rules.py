@@ -1,6 +1,8 @@
-"""The threshold rules, one object per rule name, for one layer at a time.
+"""The threshold rules, one object per rule name: the one path from a layer's statistics to its
+threshold, for ``recommend`` and the plan's checks (through :func:`gradstats.pruning.threshold`),
+apply's refresh and :func:`gradstats.pruning.prune`.
 
-Every rule answers the same three questions about one layer described by a :class:`LayerStats`:
+Every rule answers the same three questions about the layers a :class:`LayerStats` describes:
 
 - ``threshold(target, stats)``: the threshold ``a`` whose expected sparsity is ``target``;
 - ``expected_sparsity(a, stats)``: the sparsity the rule's model expects at a threshold;
@@ -10,13 +12,12 @@ Every rule answers the same three questions about one layer described by a :clas
 
 :data:`THRESHOLD_RULES` maps each name of :data:`gradstats.pruning.RULES` (and ``"exact"``, the
 selection on the tensor itself, registered beside it in :mod:`gradstats.pruning.operator`) to its
-rule. :func:`gradstats.apply` refreshes every threshold through it; each rule solves the same
-equation as the vectorised :func:`gradstats.pruning.threshold` that ``recommend`` calls, to about
-1e-12 relative (``tests/pruning/test_one_layer.py``). Adding a rule is one class here and its entry.
+rule. Adding a rule is one class here and its entry.
 
-The model rules run on the families in floats (:func:`gradstats.families.one_family`), the
-histogram rule on :class:`gradstats.pruning.histogram.OneLogHistogram`: a single layer's solve
-costs microseconds, not the array bookkeeping of the vectorised verbs.
+The model rules are written once for one layer in Python floats (what apply's refresh solves on
+every step: microseconds, no array bookkeeping) and for many layers in numpy arrays of one shape
+(what :func:`gradstats.pruning.threshold` passes): the families' maths of
+:mod:`gradstats.families`, solved by :func:`gradstats.families.solve_sparsity`.
 
 Example:
     >>> from gradstats.pruning.rules import THRESHOLD_RULES, LayerStats
@@ -31,13 +32,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from gradstats.families import one_family, solve_sparsity_one
+from gradstats._special import all_, any_, isfinite, maximum, minimum, shown, where
+from gradstats.families import Family, make_family, solve_sparsity
 from gradstats.pruning.histogram import OneLogHistogram
 
 
 @dataclass(frozen=True)
 class LayerStats:
-    """One layer's statistics, as the threshold rules read them.
+    """The statistics of one layer (floats) or of many (numpy arrays of one shape), as the threshold
+    rules read them.
 
     Attributes:
         mu, sigma: mean and std of ``ln|g|`` of the non-zero entries (the lognormal rules).
@@ -46,30 +49,60 @@ class LayerStats:
             ``"normal"`` and ``"laplace"`` rules).
         amax, mean_abs: the tensor's largest ``|g|`` and its mean ``|g|`` over all entries (zeros
             included): the model rules' conditioning (see :func:`gradstats.pruning.threshold`).
-        hist: the binade histogram (the ``"histogram"`` rule).
-        tensor: the gradient itself (the ``"exact"`` rule).
+        hist: the binade histogram (the ``"histogram"`` rule; one layer).
+        tensor: the gradient itself (the ``"exact"`` rule; one layer).
 
     Example:
         >>> LayerStats(mu=0.0, sigma=1.0).p0
         0.0
     """
 
-    mu: float = math.nan
-    sigma: float = math.nan
-    p0: float = 0.0
-    scale_normal: float = math.nan
-    scale_laplace: float = math.nan
-    amax: Optional[float] = None
-    mean_abs: Optional[float] = None
+    mu: Any = math.nan
+    sigma: Any = math.nan
+    p0: Any = 0.0
+    scale_normal: Any = math.nan
+    scale_laplace: Any = math.nan
+    amax: Any = None
+    mean_abs: Any = None
     hist: Optional[OneLogHistogram] = None
     tensor: Any = None
 
 
-def _check_fraction(name: str, v: float) -> float:
-    v = float(v)
-    if not 0.0 <= v < 1.0:
-        raise ValueError(f"{name} must lie in [0, 1) (a fraction of zeros below 1); got {v!r}")
+def _check_fraction(name: str, v: Any) -> Any:
+    if type(v) is float:
+        if 0.0 <= v < 1.0:
+            return v
+        ok: Any = False
+    else:
+        v = float(v) if isinstance(v, int) else v
+        ok = (v >= 0.0) & (v < 1.0)
+    if not all_(ok):
+        raise ValueError(f"{name} must lie in [0, 1) (a fraction of zeros below 1); got {shown(v, ok)!r}")
     return v
+
+
+def condition_on_amax(a: Any, target: Any, amax: Any, mean_abs: Any, stochastic: bool) -> Any:
+    """A model's threshold ``a`` for ``target`` conditioned on the tensor's largest ``|g|``
+    (``amax``) and its mean ``|g|`` over all entries (``mean_abs``): capped at ``amax``, and where
+    ``target >= 1 - mean_abs / amax`` the threshold that is exact on the tensor, ``mean_abs / (1 -
+    target)`` (the stochastic operator; see :func:`gradstats.pruning.threshold`). Floats or arrays.
+
+    Example:
+        >>> condition_on_amax(1e-3, 0.9, 1e-4, 2e-6, True)     # capped at amax
+        0.0001
+    """
+    ok = isfinite(amax) & (amax > 0)
+    if not all_(ok):
+        raise ValueError(f"amax must be positive and finite (the largest |g| of the tensor), got {shown(amax, ok)!r}")
+    if not stochastic:
+        return minimum(a, amax)
+    if mean_abs is None:
+        raise ValueError("conditioning the stochastic operator's threshold on amax needs mean_abs= too "
+                         "(the mean |g| over all entries, zeros included)")
+    if not all_((mean_abs >= 0) & (mean_abs <= amax)):
+        raise ValueError("mean_abs must lie in [0, amax] (the mean |g| over all entries, zeros included)")
+    above = (a > 0) & (target >= 1.0 - mean_abs / amax)      # every entry lies below: exact on the tensor
+    return where(above, mean_abs / (1.0 - target), minimum(a, amax))
 
 
 class ThresholdRule:
@@ -77,10 +110,10 @@ class ThresholdRule:
 
     name = ""
 
-    def threshold(self, target: float, stats: LayerStats, *, stochastic: bool = True) -> float:
+    def threshold(self, target: Any, stats: LayerStats, *, stochastic: bool = True) -> Any:
         raise NotImplementedError
 
-    def expected_sparsity(self, a: float, stats: LayerStats, *, stochastic: bool = True) -> float:
+    def expected_sparsity(self, a: Any, stats: LayerStats, *, stochastic: bool = True) -> Any:
         raise NotImplementedError
 
     def predicted_sparsity(self, target: float, a: float, stats: LayerStats) -> float:
@@ -94,59 +127,60 @@ class ThresholdRule:
 class FamilyRule(ThresholdRule):
     """A model rule: the family's threshold for the non-zero part (aimed at
     ``(target - p0) / (1 - p0)``), conditioned on the tensor's ``amax`` and ``mean_abs`` when
-    ``stats`` has them. ``rounds_up=False`` is the naive rule: the family's hard quantile, which
-    ignores the values the stochastic operator rounds up to the threshold."""
+    ``stats`` has them (:func:`condition_on_amax`). ``rounds_up=False`` is the naive rule: the
+    family's hard quantile, which ignores the values the stochastic operator rounds up to the
+    threshold. One layer in floats or many in arrays of one shape.
+
+    Example:
+        >>> import numpy as np
+        >>> rule = THRESHOLD_RULES["lognormal"]
+        >>> one = rule.threshold(0.9, LayerStats(mu=-10.0, sigma=2.0))
+        >>> many = rule.threshold(np.full(2, 0.9), LayerStats(mu=np.full(2, -10.0), sigma=np.full(2, 2.0)))
+        >>> bool(abs(many[0] - one) <= 1e-12 * one)
+        True
+    """
 
     def __init__(self, name: str, family: str, rounds_up: bool = True) -> None:
         self.name, self.family, self.rounds_up = name, family, rounds_up
 
-    def model(self, stats: LayerStats) -> Any:
-        """The family for one layer in floats (a ``ValueError`` names a missing parameter)."""
-        scale = {"normal": stats.scale_normal, "laplace": stats.scale_laplace}.get(self.family)
-        return one_family(self.family, mu=stats.mu, sigma=stats.sigma, scale=scale)
+    def model(self, stats: LayerStats) -> Family:
+        """The family at the layers' parameters (a ``ValueError`` names a missing parameter)."""
+        if self.family == "lognormal":
+            return make_family("lognormal", mu=stats.mu, sigma=stats.sigma)
+        return make_family(self.family, scale=stats.scale_normal if self.family == "normal" else stats.scale_laplace)
 
-    def threshold(self, target: float, stats: LayerStats, *, stochastic: bool = True) -> float:
+    def threshold(self, target: Any, stats: LayerStats, *, stochastic: bool = True) -> Any:
         stochastic = stochastic and self.rounds_up
         s = _check_fraction("target sparsity", target)
         z = _check_fraction("p0 (fraction of exact zeros)", stats.p0)
         m = self.model(stats)
         q = (s - z) / (1.0 - z)
-        a = m.from_x(solve_sparsity_one(m, q, stochastic=stochastic)) if q > 0 else 0.0
+        pos = q > 0                              # else the zeros meet the target: nothing to prune
+        if any_(pos):
+            a = where(pos, m.from_x(solve_sparsity(m, where(pos, q, 0.5), stochastic=stochastic)), 0.0)
+        else:
+            a = where(pos, q, 0.0)
         if stats.amax is None:
             return a
-        am = float(stats.amax)
-        if not (am > 0 and math.isfinite(am)):
-            raise ValueError(f"amax must be positive and finite (the largest |g| of the tensor), got {am!r}")
-        if not stochastic:
-            return min(a, am)
-        if stats.mean_abs is None:
-            raise ValueError("conditioning the stochastic operator's threshold on amax needs mean_abs= too "
-                             "(the mean |g| over all entries, zeros included)")
-        ma = float(stats.mean_abs)
-        if not 0 <= ma <= am:
-            raise ValueError("mean_abs must lie in [0, amax] (the mean |g| over all entries, zeros included)")
-        if a > 0 and s >= 1.0 - ma / am:       # every entry lies below: exact on the tensor
-            return ma / (1.0 - s)
-        return min(a, am)
+        return condition_on_amax(a, s, stats.amax, stats.mean_abs, stochastic)
 
-    def expected_sparsity(self, a: float, stats: LayerStats, *, stochastic: bool = True) -> float:
-        a = float(a)
-        if not a >= 0:
-            raise ValueError(f"threshold must be >= 0, got {a!r}")
+    def expected_sparsity(self, a: Any, stats: LayerStats, *, stochastic: bool = True) -> Any:
+        a = float(a) if isinstance(a, int) else a
+        if not all_(a >= 0):
+            raise ValueError(f"threshold must be >= 0, got {shown(a, a >= 0)!r}")
         z = _check_fraction("p0 (fraction of exact zeros)", stats.p0)
         m = self.model(stats)
-        if math.isinf(a):
-            s = 1.0
-        elif a > 0:
-            x = m.to_x(a)
-            s = m.stochastic(x) if stochastic else m.hard(x)
+        pos = (a > 0) & isfinite(a)
+        if any_(pos):
+            x = m.to_x(where(pos, a, 1.0))
+            s = where(pos, m.stochastic(x) if stochastic else m.hard(x), where(a > 0, 1.0, 0.0))
         else:
-            s = 0.0
-        return z + (1.0 - z) * min(max(s, 0.0), 1.0)
+            s = where(a > 0, 1.0, 0.0)           # inf: every finite value below
+        return z + (1.0 - z) * minimum(maximum(s, 0.0), 1.0)
 
     def predicted_sparsity(self, target: float, a: float, stats: LayerStats) -> float:
         """Exact on the tensor above its ``amax`` (``1 - mean_abs / a``); ``target`` where the
-        stochastic model was solved for it (to 1e-9); else the model's expected sparsity."""
+        stochastic model was solved for it (to 1e-9); else the model's expected sparsity. One layer."""
         cond = stats.amax is not None and stats.mean_abs is not None
         if cond and a >= stats.amax:
             return 1.0 - stats.mean_abs / a

@@ -22,8 +22,8 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from gradstats.families import FAMILY_REGISTRY, Exponential, Family, HalfNormal, Lognormal, solve_sparsity
-from gradstats.pruning.rules import THRESHOLD_RULES
+from gradstats.families import FAMILY_REGISTRY, Exponential, Family, HalfNormal, Lognormal
+from gradstats.pruning.rules import THRESHOLD_RULES, LayerStats
 from gradstats.stats import lognormal_moments, n_nonzero
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
@@ -281,13 +281,7 @@ def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike
     if np.isnan(a).any() or (a < 0).any():
         raise ValueError(f"threshold must be >= 0, got {a[~(a >= 0)].reshape(-1)[:5]}")
     m, p0f, af, shape = _broadcast(m, p0v, a)
-    pos = (af > 0) & np.isfinite(af)
-    s = np.where(np.isinf(af), 1.0, 0.0)
-    if pos.any():
-        sub = _subset(m, pos)
-        x = sub.to_x(af[pos])
-        s[pos] = sub.stochastic(x) if stochastic else sub.hard(x)
-    out = (p0f + (1.0 - p0f) * np.clip(s, 0.0, 1.0)).reshape(shape)
+    out = THRESHOLD_RULES[model].expected_sparsity(af, _layer_stats(m, p0f), stochastic=stochastic).reshape(shape)
     return _wrap(out, (threshold, mu, sigma, p0, scale))
 
 
@@ -347,9 +341,7 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
         0.0001
     """
     model = _rule(threshold_rule, source, mu, sigma, p0, scale)
-    if model == "naive_lognormal":
-        model, stochastic = "lognormal", False
-    elif model == "histogram":
+    if model == "histogram":
         hs, single = _histograms(source)
         sv = _as_array(target)
         _check_range("target sparsity", sv, 0.0, 1.0, "a fraction of zeros below 1")
@@ -360,45 +352,29 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
             sb = np.broadcast_to(sv, (len(hs),))
             out = np.array([h.threshold(float(v), stochastic=stochastic) for h, v in zip(hs, sb)])
         return _wrap(out, (target,))
-    elif model not in FAMILIES:
+    elif model not in FAMILIES and model != "naive_lognormal":
         raise ValueError(f"threshold_rule must be one of {RULES}, got {model!r}")
-    m, p0v, _ = resolve(source, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
+    m, p0v, _ = resolve(source, model="lognormal" if model == "naive_lognormal" else model, mu=mu, sigma=sigma, p0=p0, scale=scale)
     s = _as_array(target)
     _check_range("target sparsity", s, 0.0, 1.0, "a fraction of zeros below 1")
     m, p0f, sf, shape = _broadcast(m, p0v, s)
-    q = (sf - p0f) / (1.0 - p0f)
-    a = np.zeros_like(q)
-    pos = q > 0
-    if pos.any():
-        sub = _subset(m, pos)
-        a[pos] = sub.from_x(solve_sparsity(sub, q[pos], stochastic=stochastic))
     if amax is None and source is not None:
         params, _ = _source_params(source)
         if "amax" in params and np.all(np.isfinite(params["amax"])):
             amax, mean_abs = params["amax"], params["mean_abs"]
-    if amax is not None:
-        a = _condition_on_amax(a, sf, amax, mean_abs, stochastic, shape)
+    flat = (lambda v: None if v is None else np.broadcast_to(_as_array(v), shape).ravel())  # noqa: E731
+    stats = _layer_stats(m, p0f, flat(amax), flat(mean_abs))
+    a = THRESHOLD_RULES[model].threshold(sf, stats, stochastic=stochastic)    # the rule apply's refresh runs too
     return _wrap(a.reshape(shape), (target, mu, sigma, p0, scale))
 
 
-def _condition_on_amax(a: np.ndarray, s: np.ndarray, amax: ArrayLike, mean_abs: ArrayLike | None,
-                       stochastic: bool, shape: tuple) -> np.ndarray:
-    """Cap thresholds at the tensor's maximum; above it, the exact stochastic threshold (see
-    :func:`threshold`). Flat arrays in, flat array out."""
-    am = np.broadcast_to(_as_array(amax), shape).ravel()
-    if np.any(~(am > 0)) or np.any(~np.isfinite(am)):
-        raise ValueError(f"amax must be positive and finite (the largest |g| of the tensor), got {am[~(am > 0)][:5]}")
-    out = np.minimum(a, am)
-    if stochastic:
-        if mean_abs is None:
-            raise ValueError("conditioning the stochastic operator's threshold on amax needs mean_abs= too "
-                             "(the mean |g| over all entries, zeros included)")
-        ma = np.broadcast_to(_as_array(mean_abs), shape).ravel()
-        if np.any(~(ma >= 0)) or np.any(ma > am):
-            raise ValueError("mean_abs must lie in [0, amax] (the mean |g| over all entries, zeros included)")
-        above = (a > 0) & (s >= 1.0 - ma / am)
-        out = np.where(above, ma / (1.0 - s), out)
-    return out
+def _layer_stats(m: Family, p0: np.ndarray, amax: np.ndarray | None = None,
+                 mean_abs: np.ndarray | None = None) -> LayerStats:
+    """The rules' :class:`LayerStats` of a resolved model's layers (flat arrays of one shape)."""
+    if isinstance(m, Lognormal):
+        return LayerStats(mu=m.mu, sigma=m.sigma, p0=p0, amax=amax, mean_abs=mean_abs)
+    key = "scale_normal" if isinstance(m, HalfNormal) else "scale_laplace"
+    return LayerStats(p0=p0, amax=amax, mean_abs=mean_abs, **{key: m.scale})
 
 
 def predicted_cosine(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,

@@ -1,7 +1,8 @@
-"""The one-layer paths that apply's refresh calls agree with the vectorised reference solvers beside
-them (to about 1e-12 relative): the families in floats (gradstats.families), the threshold rules
-(gradstats.pruning.rules) and the histogram rule (OneLogHistogram), the scale search
-(gradstats.fpanalysis.optimal_scale for one layer) and the prediction (composed.predict_one)."""
+"""The paths that apply's refresh calls: the threshold rules (gradstats.pruning.rules) against
+scipy.stats references (the operator's sparsity by scipy's distributions and quadrature, solved by
+brentq; the conditioning on amax by its definition), one layer in floats and many in arrays through
+the same rule; the histogram rule (OneLogHistogram), the scale search (gradstats.fpanalysis.optimal_scale
+for one layer) and the prediction (composed.predict_one)."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy import integrate
+from scipy import integrate, optimize, stats
 
 from gradstats import fpanalysis, pruning
 from gradstats.formats import FPFormat
@@ -58,9 +59,67 @@ class S:
         return THRESHOLD_RULES[model].expected_sparsity(a, _stats(p0, **kw), stochastic=stochastic)
 
 
+def _dist(model: str, mu: float, sigma: float):
+    if "lognormal" in model:
+        return stats.lognorm(s=sigma, scale=math.exp(mu))
+    return (stats.halfnorm if model == "normal" else stats.expon)(scale=math.exp(mu + sigma))
+
+
+def _ref_sparsity(d, a: float, p0: float, stochastic: bool = True) -> float:
+    """p0 + (1 - p0) (P(|g| < a) - E[|g| 1{|g| < a}] / a), from scipy.stats and quadrature in ln|g|."""
+    if not stochastic:
+        return p0 + (1 - p0) * float(d.cdf(a))
+    la = math.log(a)
+    m1 = integrate.quad(lambda l: math.exp(2 * l) * d.pdf(math.exp(l)), la - 80, la, epsabs=0, epsrel=1e-13,
+                        limit=400)[0]
+    return p0 + (1 - p0) * (float(d.cdf(a)) - m1 / a)
+
+
+def _ref_threshold(model: str, t: float, p0: float, mu: float, sigma: float) -> float:
+    """The threshold by its definition: brentq on the reference sparsity (the quantile for the naive rule)."""
+    d = _dist(model, mu, sigma)
+    q = (t - p0) / (1 - p0)
+    if q <= 0:
+        return 0.0
+    lq = math.log(d.ppf(q))
+    if model == "naive_lognormal":
+        return math.exp(lq)
+    return math.exp(optimize.brentq(lambda la: _ref_sparsity(d, math.exp(la), p0) - t, lq, lq + 40,
+                                    xtol=1e-15, rtol=1e-15))
+
+
+def _ref_conditioned(model: str, t: float, a: float, amax: float, mean_abs: float) -> float:
+    """``a`` capped at amax, or mean_abs / (1 - t) where the target lies above 1 - mean_abs / amax."""
+    if model != "naive_lognormal" and t >= 1 - mean_abs / amax:
+        return mean_abs / (1 - t)
+    return min(a, amax)
+
+
 @pytest.mark.parametrize("model", ["lognormal", "naive_lognormal", "normal", "laplace"])
-def test_threshold_and_expected_sparsity_match_the_reference(model):
-    """Over a grid of mu, sigma, p0 and targets, without and with the conditioning on amax."""
+def test_threshold_and_expected_sparsity_against_scipy(model):
+    """The rule's threshold and expected sparsity, one layer in floats and many in arrays, against
+    the references above, without and with the conditioning on amax."""
+    for mu, sigma, p0, t in itertools.product([-9.0, 0.0], [0.7, 4.5], [0.0, 0.3], [0.05, 0.5, 0.95]):
+        kw = _params(model, mu, sigma)
+        ref = _ref_threshold(model, t, p0, mu, sigma)
+        a = S.threshold(t, model, p0=p0, **kw)
+        assert (a == 0) == (ref == 0) and rel(a, ref) <= 1e-9, (mu, sigma, p0, t)
+        if ref == 0:
+            continue
+        d = _dist(model, mu, sigma)
+        em = "lognormal" if model == "naive_lognormal" else model
+        for x in (ref, 0.37 * ref, 4.1 * ref):
+            for sto in (True, False):
+                assert abs(S.expected_sparsity(x, em, p0=p0, stochastic=sto, **kw) - _ref_sparsity(d, x, p0, sto)) <= 1e-9
+        for am, frac in ((0.5 * ref, 0.2), (0.5 * ref, 0.02), (3.0 * ref, 0.1)):
+            cond = {"amax": am, "mean_abs": frac * am}
+            assert rel(S.threshold(t, model, p0=p0, **kw, **cond), _ref_conditioned(model, t, ref, **cond)) <= 1e-9
+
+
+@pytest.mark.parametrize("model", ["lognormal", "naive_lognormal", "normal", "laplace"])
+def test_one_layer_and_many_layers_agree(model):
+    """The same rule on one layer's floats (math) and on arrays (numpy, through pruning.threshold),
+    over a grid of mu, sigma, p0 and targets, without and with the conditioning on amax."""
     worst = 0.0
     for mu, sigma, p0, t in itertools.product(MUS, SIGMAS, P0S, TARGETS):
         kw = _params(model, mu, sigma)
