@@ -258,11 +258,11 @@ def bench_blocks(timer: Timer, n: int, copy_gbs: float) -> list[dict]:
             ("mxfp8_e4m3 nearest", "mxfp8_e4m3"), ("mxfp4 stochastic", "mxfp4:rounding=stochastic"),
             ("nvfp4 nearest", "nvfp4"), ("nvfp4_training (Hadamard: 2 launches)", "nvfp4_training")]
         for name, scheme in cases:
-            from gradstats.ops.quantization import spell_out
+            from gradstats.scheme import Scheme
 
-            fmt, rounding, bs, sf, sr, had = spell_out(scheme)
-            path = (f"Triton block kernel ({'two passes' if had else 'one pass'}, counts on the device)"
-                    if kb.supports(fmt, bs, sf, had, x, block_dim) else "composed (not the block kernel)")
+            resolved = Scheme.of(scheme)
+            path = (f"Triton block kernel ({'two passes' if resolved.hadamard else 'one pass'}, counts on the device)"
+                    if kb.supports(resolved, x, block_dim) else "composed (not the block kernel)")
             ms, _ = timer.median_ms(lambda s=scheme: prune_quantize_into(x, thr, s, seed=1, block_dim=block_dim,
                                                                           stats=v))
             gbs = 8 * m / ms / 1e6

@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import describe, interleaved  # noqa: E402
-from gradstats.formats import FPFormat  # noqa: E402
 from gradstats.ops.fused import _composed, prune_quantize  # noqa: E402
 from gradstats.ops.quantization import quantize  # noqa: E402
+from gradstats.scheme import Scheme  # noqa: E402
 
 #: the row a row's "vs ours" divides by, where it is not our nearest (or stochastic) e5m2
 REFERENCE = {"the same, torch ops (no-compiler path)": "gradstats prune_quantize e5m2, fused",
@@ -63,8 +63,7 @@ def peers(x: torch.Tensor):
         # in one pass, with the counts and float64 sums of the training log
         "gradstats prune_quantize e5m2, fused": (lambda: prune_quantize(x, 0.67, "e5m2", seed=1), ""),
         "the same, torch ops (no-compiler path)": (
-            lambda: _composed(x, 0.67, FPFormat.parse("e5m2"), scale=1.0, rounding="nearest", seed=1,
-                              block_size=None, out=None), ""),
+            lambda: _composed(x, 0.67, Scheme.of("e5m2"), scale=1.0, seed=1), ""),
     }
     try:
         from qtorch.quant import float_quantize

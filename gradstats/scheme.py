@@ -46,6 +46,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Union
@@ -124,7 +125,7 @@ class Scheme:
 
     Example:
         >>> s = Scheme("e2m1fn", block_size=16, scale_format="e4m3")
-        >>> s == Scheme.parse("nvfp4"), s.preset, s.quantize_kwargs()["scale_format"]
+        >>> s == Scheme.parse("nvfp4"), s.preset, s.scale_format_name
         (True, 'nvfp4', 'e4m3')
         >>> Scheme("e4m3fn", scale_format="e8m0")
         Traceback (most recent call last):
@@ -225,22 +226,33 @@ class Scheme:
         return Scheme(self.element, block_size=self.block_size, scale_format=self.scale_format,
                       tensor_scale=self.tensor_scale, hadamard=self.hadamard)
 
-    def quantize_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`gradstats.quantize` that spell this scheme out (``scale_rounding``
-        only when not the default ``"floor"``, ``hadamard`` only when set).
+    @classmethod
+    def of(cls, fmt: "str | FPFormat | Scheme", *, rounding: str | None = None, block_size: int | None = None,
+           scale_format: "str | FPFormat | None" = None, scale_rounding: str | None = None,
+           hadamard: int | None = None, what: str = "Scheme.of") -> "Scheme":
+        """The scheme of an operator's arguments, resolved once: the one door of :func:`gradstats.quantize`,
+        :func:`gradstats.prune_quantize` and :func:`gradstats.ops.block_scales`.
+
+        ``fmt`` is an :class:`FPFormat` or a format name (one scale per tensor unless ``block_size`` is
+        given; then E8M0 scales rounded by the OCP rule unless told otherwise), or a scheme or a scheme's
+        name (:meth:`parse`), whose fields the keywords given replace. With a plain format, keywords that
+        do not apply are checked and dropped: a scale format or scale rounding without blocks, an E8M0
+        scale rounding with E4M3 scales. ``what`` names the caller in the errors.
 
         Example:
-            >>> Scheme.parse("mxfp4").quantize_kwargs()
-            {'fmt': FPFormat('e2m1fn'), 'rounding': 'nearest', 'block_size': 32, 'scale_format': 'e8m0'}
+            >>> Scheme.of("e2m1fn", block_size=16, scale_format="e4m3") == PRESETS["nvfp4"]
+            True
+            >>> str(Scheme.of("mxfp4", scale_rounding="rceil")), str(Scheme.of("e4m3fn", scale_format="e4m3"))
+            ('mxfp4:scale_rounding=rceil', 'e4m3fn')
+            >>> Scheme.of("e4m3fn", rounding="up", what="quantize")
+            Traceback (most recent call last):
+            ...
+            ValueError: quantize: rounding must be one of ('nearest', 'stochastic', 'toward_zero'), got 'up'
         """
-        kw: dict[str, Any] = {"fmt": self.element, "rounding": self.rounding}
-        if self.block_size is not None:
-            kw.update(block_size=self.block_size, scale_format=self.scale_format_name)
-            if self.scale_rounding not in (None, "floor"):  # "floor" is quantize's default
-                kw["scale_rounding"] = self.scale_rounding
-        if self.hadamard is not None:
-            kw["hadamard"] = self.hadamard
-        return kw
+        try:
+            return _of(fmt, rounding, block_size, scale_format, scale_rounding, hadamard, what)
+        except TypeError:   # an unhashable argument: resolved without the cache (and refused there)
+            return _of.__wrapped__(fmt, rounding, block_size, scale_format, scale_rounding, hadamard, what)
 
     def replace(self, **changes: Any) -> "Scheme":
         """A copy with ``changes``; fields derived from a changed block layout are derived anew.
@@ -356,6 +368,45 @@ class Scheme:
         if changes.get("block_size") is not None and s.block_size is None and "scale_format" not in changes:
             changes["scale_format"] = "e8m0"
         return s.replace(**changes) if changes else s
+
+
+@functools.lru_cache(maxsize=512, typed=True)
+def _of(fmt: Any, rounding: Any, block_size: Any, scale_format: Any, scale_rounding: Any, hadamard: Any,
+        what: str) -> Scheme:
+    """:meth:`Scheme.of`, cached on its (hashable) arguments: an operator called once per layer and step
+    resolves its scheme once."""
+    if isinstance(fmt, Scheme) and rounding is None and block_size is None and scale_format is None \
+            and scale_rounding is None and hadamard is None:
+        return fmt
+    if names_scheme(fmt):
+        s = Scheme.parse(fmt)
+        given = {k: v for k, v in (("rounding", rounding), ("block_size", block_size), ("scale_format", scale_format),
+                                   ("scale_rounding", scale_rounding), ("hadamard", hadamard)) if v is not None}
+        return s.replace(**given) if given else s
+    element = parse(fmt)
+    rounding = "nearest" if rounding is None else rounding
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"{what}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if hadamard is not None:
+        if isinstance(hadamard, bool) or hadamard not in HADAMARD_SIZES:
+            raise ValueError(f"{what}: hadamard must be one of {HADAMARD_SIZES} (NVFP4 training uses 16) or None, "
+                             f"got {hadamard!r}")
+        if block_size is None:
+            raise ValueError(f"{what}: a Hadamard transform feeds block-scaled quantisation along the tokens: set "
+                             "block_size (NVFP4 uses 16), or remove hadamard")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"{what}: block_size must be a positive int, got {block_size!r}")
+    try:
+        sf = E8M0 if scale_format is None else scale_format_of(scale_format)
+    except ValueError:
+        raise ValueError(f"{what}: scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}") from None
+    sr = "floor" if scale_rounding is None else scale_rounding
+    if sr not in SCALE_ROUNDINGS:
+        raise ValueError(f"{what}: scale_rounding must be one of {SCALE_ROUNDINGS}, got {scale_rounding!r}")
+    if block_size is None:
+        return Scheme(element, rounding=rounding)
+    return Scheme(element, block_size=block_size, scale_format=sf, scale_rounding=sr if sf == E8M0 else None,
+                  rounding=rounding, hadamard=hadamard)
 
 
 def names_scheme(value: Any) -> bool:

@@ -183,8 +183,7 @@ def test_the_nvfp4_training_preset_is_the_recipes_gradient():
     assert Scheme.parse("nvfp4:rounding=stochastic:hadamard=16") == s
     assert Scheme.parse("e2m1fn:block=16:scale=e4m3:rounding=stochastic:hadamard=16") == s
     assert Scheme.from_dict(s.to_dict()) == s and s.to_dict()["hadamard"] == 16
-    assert s.quantize_kwargs() == {"fmt": FPFormat.parse("e2m1fn"), "rounding": "stochastic", "block_size": 16,
-                                   "scale_format": "e4m3", "hadamard": 16}
+    assert Scheme.of("e2m1fn", rounding="stochastic", block_size=16, scale_format="e4m3", hadamard=16) == s
     near = Scheme.parse("nvfp4_training:rounding=nearest")
     assert str(near) == "nvfp4:hadamard=16" and Scheme.parse(str(near)) == near and near.preset is None
     assert Scheme.parse("nvfp4_training:hadamard=none") == Scheme.parse("nvfp4:rounding=stochastic")
@@ -214,7 +213,7 @@ hadamard_schemes = st.builds(
 @given(hadamard_schemes)
 def test_hadamard_schemes_round_trip_as_text_and_dict(s):
     assert Scheme.parse(str(s)) == s and Scheme.from_dict(s.to_dict()) == s
-    assert s.to_dict()["name"] == str(s) and s.quantize_kwargs()["hadamard"] == s.hadamard
+    assert s.to_dict()["name"] == str(s) and Scheme.of(str(s)) == s
 
 
 def test_the_preset_quantizes_as_its_spelled_out_keywords():

@@ -230,8 +230,8 @@ class Applied(Refreshing, Alerting, DevicePath):
         tokens, rotated, as the weight-gradient GEMM reads them (:func:`gradstats.quantize`)."""
         if not rule.quantizes:
             return {"fmt": None, "rounding": rule.rounding}
-        q = rule.quantize_kwargs()
-        if q.get("block_size") is not None:
+        q: dict[str, Any] = {"fmt": rule.scheme}
+        if rule.scheme.block_size is not None:
             q["block_dim"] = channel_dim(self._types[name], g.dim())
         return q
 

@@ -58,7 +58,8 @@ RECORD_LEN = 13
 
 
 def _one_kernel(g: torch.Tensor, fmt: Any, scale: float) -> bool:
-    """Whether the fused Triton kernel takes the call whole (its lag correction included)."""
+    """Whether the fused Triton kernel takes the call whole (its lag correction included); ``fmt`` the element
+    format of the rule's scheme, or None."""
     from gradstats.ops.engine import use_triton
     from gradstats.ops.fused import fused_covers
     from gradstats.ops.triton import fused as kfused
@@ -68,23 +69,20 @@ def _one_kernel(g: torch.Tensor, fmt: Any, scale: float) -> bool:
 
 
 def _block_kernel(g: torch.Tensor, fmt: Any, q: dict[str, Any], st: LayerState, rule: Any) -> dict[str, Any] | None:
-    """The block kernel's arguments for the call (its format spelled out), or None where it does not take it
-    whole (:func:`gradstats.ops.triton.blocks.supports`, a finite threshold, a contiguous gradient)."""
+    """The block kernel's arguments for the call (the rule's scheme ``fmt`` and the block dim), or None where
+    it does not take it whole (:func:`gradstats.ops.triton.blocks.supports`, a finite threshold, a contiguous
+    gradient)."""
     from gradstats.ops.engine import use_triton
-    from gradstats.ops.fused import spelled
     from gradstats.ops.triton import blocks as kblocks
 
     if not (use_triton(g.device.type) and g.numel() > 0 and g.is_contiguous()):
         return None
     if rule.prunes and not (math.isfinite(st.threshold) and st.threshold >= 0):
         return None
-    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = spelled(
-        fmt, q.get("rounding"), q.get("block_size"), q.get("scale_format"), q.get("scale_rounding"), q.get("hadamard"))
     block_dim = q.get("block_dim", -1)
-    if not kblocks.supports(fmt, block_size, scale_format, hadamard, g, block_dim):
+    if not kblocks.supports(fmt, g, block_dim):
         return None
-    return {"fmt": fmt, "rounding": rounding, "block_size": block_size, "scale_format": scale_format,
-            "scale_rounding": scale_rounding, "hadamard": hadamard, "block_dim": block_dim}
+    return {"s": fmt, "block_dim": block_dim}
 
 
 _F = {"n": 0, "n_zero": 1, "n_nonfinite": 2, "sum_ln_abs": 6, "max_abs": 9}
@@ -157,19 +155,20 @@ class DevicePath:
         if refresh and rule.prunes and rule.threshold_rule == "exact":
             self._solve(name, True, g.numel(), g)    # type: ignore[attr-defined]   (reads its threshold back)
         q = self._quantize_args(name, rule, g)        # type: ignore[attr-defined]
-        fmt = q.pop("fmt")
-        if q.get("block_size") is None and _one_kernel(g, fmt, st.scale):
+        fmt = q.pop("fmt")                           # the rule's scheme (None: no quantisation)
+        el = None if fmt is None else fmt.element
+        if (el is None or fmt.block_size is None) and _one_kernel(g, el, st.scale):
             # one launch: the fused kernel corrects the settings for the lag from v itself and
             # writes its counts, sums and the settings it used into one zeroed buffer
             from gradstats.ops.triton import fused as kfused
 
             buf = torch.zeros(RECORD_LEN, dtype=torch.float64, device=g.device)
             out, _, _ = kfused.prune_quantize_triton(
-                g, st.threshold if rule.prunes else 0.0, fmt, scale=st.scale, rounding=q["rounding"],
+                g, st.threshold if rule.prunes else 0.0, el, scale=st.scale, rounding=rule.rounding,
                 seed=self._next_seed(), counts=buf[:5].view(torch.int64), sums=buf[5:11], used=buf[11:13],
                 stats=v, solved_mu=st.solved_mu, correct_threshold=rule.prunes,
                 correct_scale=rule.quantizes and rule.scale != "fixed")
-        elif q.get("block_size") is not None and (b := _block_kernel(g, fmt, q, st, rule)) is not None:
+        elif el is not None and fmt.block_size is not None and (b := _block_kernel(g, fmt, q, st, rule)) is not None:
             # block scales, one launch (two with a Hadamard transform): the kernel corrects the threshold for
             # the lag from v, takes NVFP4's tensor scale from v's maximum, and writes its counts, sums and the
             # settings it used into one zeroed buffer
@@ -177,11 +176,11 @@ class DevicePath:
 
             buf = torch.zeros(RECORD_LEN, dtype=torch.float64, device=g.device)
             out, _, _ = kblocks.prune_quantize_blocks_triton(
-                g, st.threshold if rule.prunes else 0.0, b.pop("fmt"), seed=self._next_seed(),
+                g, st.threshold if rule.prunes else 0.0, b.pop("s"), seed=self._next_seed(),
                 counts=buf[:5].view(torch.int64), sums=buf[5:11], used=buf[11:13], stats=v,
                 solved_mu=st.solved_mu, correct_threshold=rule.prunes, scale=float(st.scale), **b)
         else:    # other block rules: the operators one after the other
-            threshold, scale = current_settings(v, st, rule, fmt)
+            threshold, scale = current_settings(v, st, rule, el)
             out, counts, sums = prune_quantize_into(g, threshold, fmt, scale=scale, seed=self._next_seed(), stats=v,
                                                     **q)
             used = torch.stack([torch.as_tensor(threshold, dtype=torch.float64, device=g.device).reshape(()),

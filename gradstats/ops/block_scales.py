@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 
 from gradstats.formats import FPFormat, parse
-from gradstats.scheme import E4M3, SCALE_ROUNDINGS
+from gradstats.scheme import SCALE_ROUNDINGS, Scheme
 
 __all__ = ["mx_shared_exponent"]
 
@@ -62,17 +62,16 @@ def mx_shared_exponent(amax: torch.Tensor, fmt: Union[FPFormat, str], rounding: 
     return e.clamp_(-127, 127).to(torch.int32)
 
 
-def _scales_of_blocks(xb: torch.Tensor, fmt: FPFormat, scale_format: str, scale_rounding: str = "floor",
-                      tensor_amax: Optional[float] = None) -> torch.Tensor:
-    """Decode scale per block of ``xb`` ``(..., n_blocks, B)``, shape ``(..., n_blocks, 1)``. NVFP4's
-    float32 tensor scale comes from ``tensor_amax`` where given (a part of a tensor quantised as the
-    whole tensor would be), else from the largest block amax."""
+def _scales_of_blocks(xb: torch.Tensor, s: Scheme, tensor_amax: Optional[float] = None) -> torch.Tensor:
+    """Decode scale per block of ``xb`` ``(..., n_blocks, B)`` under the block-scaled scheme ``s``, shape
+    ``(..., n_blocks, 1)``. NVFP4's float32 tensor scale comes from ``tensor_amax`` where given (a part of a
+    tensor quantised as the whole tensor would be), else from the largest block amax."""
     ab = xb.abs()
     ab = torch.where(torch.isfinite(ab), ab, 0.0)
     amax = ab.amax(dim=-1, keepdim=True)
-    if scale_format == "e8m0":
-        return torch.ldexp(torch.ones_like(amax), mx_shared_exponent(amax, fmt, scale_rounding))
-    e4m3 = E4M3
+    if s.tensor_scale is None:          # E8M0 (MX)
+        return torch.ldexp(torch.ones_like(amax), mx_shared_exponent(amax, s.element, s.scale_rounding or "floor"))
+    fmt, e4m3 = s.element, s.scale_format
     if tensor_amax is not None:
         tmax = torch.tensor(float(tensor_amax), dtype=torch.float32, device=xb.device)
     else:

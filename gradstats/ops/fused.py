@@ -34,8 +34,6 @@ from gradstats.formats import ROUNDING_CODES, FPFormat
 from gradstats.ops import random as _rng
 from gradstats.ops.consts import fused_covers
 from gradstats.ops.engine import use_native, use_triton
-from gradstats.ops.hadamard import check_hadamard
-from gradstats.ops.quantization import spell_out
 from gradstats.scheme import Scheme
 
 
@@ -104,22 +102,16 @@ def _native():
     return prune_quant()
 
 
-def spelled(fmt: Any, rounding: Optional[str], block_size: Optional[int], scale_format: Optional[str],
-            scale_rounding: Optional[str], hadamard: Optional[int] = None) -> tuple[Any, ...]:
-    """The operator's format arguments spelled out (:func:`spell_out`; without a format: nearest
-    rounding and the default block-scale settings, no Hadamard transform).
-
-    Example:
-        >>> spelled(None, None, None, None, None)
-        (None, 'nearest', None, 'e8m0', 'floor', None)
-    """
+def _door(fmt: Any, rounding: Optional[str], block_size: Optional[int], scale_format: Optional[str],
+          scale_rounding: Optional[str], hadamard: Optional[int], what: str) -> Optional[Scheme]:
+    """The operator's scheme, resolved once (:meth:`gradstats.scheme.Scheme.of`); None without a format
+    (its rounding still checked)."""
     if fmt is None:
-        return (None, "nearest" if rounding is None else rounding, block_size, scale_format or "e8m0",
-                scale_rounding or "floor", None)
-    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = spell_out(
-        fmt, rounding, block_size, scale_format, scale_rounding, hadamard)
-    check_hadamard(hadamard, block_size, "prune_quantize")
-    return fmt, rounding, block_size, scale_format, scale_rounding, hadamard
+        if rounding is not None and rounding not in ROUNDING_CODES:
+            raise ValueError(f"rounding must be one of {sorted(ROUNDING_CODES)}, got {rounding!r}")
+        return None
+    return Scheme.of(fmt, rounding=rounding, block_size=block_size, scale_format=scale_format,
+                     scale_rounding=scale_rounding, hadamard=hadamard, what=what)
 
 
 def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Scheme, str, None], *,
@@ -138,7 +130,7 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
     ``"e8m0"`` (MX, rounded as ``scale_rounding`` says) or ``"e4m3"`` (NVFP4), as :func:`gradstats.quantize`.
     ``fmt`` may be a :class:`~gradstats.scheme.Scheme` or a preset name (``"nvfp4"``, ``"mxfp8_e4m3"``),
     which sets ``rounding``, ``block_size``, ``scale_format`` and ``scale_rounding`` (those given here
-    replace the scheme's), resolved as :func:`gradstats.quantize` does (:func:`~gradstats.ops.quantization.spell_out`);
+    replace the scheme's), resolved once as :func:`gradstats.quantize` does (:meth:`~gradstats.scheme.Scheme.of`);
     the defaults are nearest rounding, one scale per tensor, and E8M0 block scales rounded by the OCP rule.
     ``seed`` (an int in ``[0, 2**64)``) or ``generator`` (one seed drawn from it) seeds both the
     pruning and the rounding streams. Blocks run along the channels, ``block_dim`` (1 for a
@@ -163,51 +155,49 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
         raise ValueError(f"prune_quantize expects a floating-point tensor, got {type(x).__name__}")
     if not (threshold >= 0):
         raise ValueError(f"threshold must be >= 0 (0 = no pruning), got {threshold}")
-    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = spelled(
-        fmt, rounding, block_size, scale_format, scale_rounding, hadamard)
-    if rounding not in ROUNDING_CODES:
-        raise ValueError(f"rounding must be one of {sorted(ROUNDING_CODES)}, got {rounding!r}")
+    s = _door(fmt, rounding, block_size, scale_format, scale_rounding, hadamard, "prune_quantize")
     if not (scale > 0):
         raise ValueError(f"scale must be a positive number, got {scale}")
-    fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
+    el = None if s is None else s.element
+    blocks = s is not None and s.block_size is not None
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    stochastic = threshold > 0 or (fmt is not None and rounding == "stochastic")
+    stochastic = threshold > 0 or (s is not None and s.rounding == "stochastic")
     if seed is not None:
         seed = _rng.resolve_seed(seed, generator, "prune_quantize")
     elif stochastic:
         seed = _rng.draw_seed(generator)
     n = x.numel()
-    if use_triton(x.device.type) and block_size is not None and n > 0:
+    if blocks and n > 0 and use_triton(x.device.type):
         from gradstats.ops.triton import blocks as kblocks
 
-        if kblocks.supports(fmt, block_size, scale_format, hadamard, x, block_dim):   # one Triton pass
-            y, c, s = kblocks.prune_quantize_blocks_triton(
-                x, threshold, fmt, block_size=block_size, scale_format=scale_format, scale_rounding=scale_rounding,
-                rounding=rounding, seed=seed or 0, block_dim=block_dim, hadamard=hadamard, tensor_amax=tensor_amax,
+        if kblocks.supports(s, x, block_dim):   # one Triton pass
+            y, c, sums = kblocks.prune_quantize_blocks_triton(
+                x, threshold, s, seed=seed or 0, block_dim=block_dim, tensor_amax=tensor_amax,
                 out=out if out is not None and out.is_contiguous() else None)
             if out is not None and y is not out:
                 out.copy_(y)
                 y = out
-            return y, CompressCounts(n, *c.tolist(), *s.tolist())
-    if use_triton(x.device.type) and block_size is None and n > 0 and fused_covers(fmt, scale):
+            return y, CompressCounts(n, *c.tolist(), *sums.tolist())
+    if not blocks and n > 0 and use_triton(x.device.type) and fused_covers(el, scale):
         from gradstats.ops.triton import fused as kfused
 
-        if kfused.supports(fmt, block_size):        # one Triton pass; the counts read back once, here
-            y, c, s = kfused.prune_quantize_triton(x, threshold, fmt, scale=scale, rounding=rounding,
-                                                   seed=seed or 0, out=out)
-            return y, CompressCounts(n, *c.tolist(), *s.tolist())
+        if kfused.supports(el):        # one Triton pass; the counts read back once, here
+            y, c, sums = kfused.prune_quantize_triton(x, threshold, el, scale=scale,
+                                                      rounding="nearest" if s is None else s.rounding,
+                                                      seed=seed or 0, out=out)
+            return y, CompressCounts(n, *c.tolist(), *sums.tolist())
     fn = _native() if use_native(x.device.type) and x.dtype == torch.float32 else None
-    if fn is not None and block_size is None and fused_covers(fmt, scale) and n > 0:
+    if fn is not None and not blocks and fused_covers(el, scale) and n > 0:
         xc = x.contiguous()
         res = out if out is not None and out.is_contiguous() else torch.empty_like(xc)
         counts = torch.zeros(5, dtype=torch.int64)
         sums = torch.zeros(6, dtype=torch.float64)
-        q = fmt is not None
+        q = el is not None
         rc = fn(xc.data_ptr(), res.data_ptr(), n, float(threshold), float(scale), int(q),
-                fmt.man_bits if q else 0, fmt.emin if q else 0, fmt.max if q else 0.0,
-                int(fmt.subnormals) if q else 1, ROUNDING_CODES[rounding],
-                int(fmt.has_negative_zero) if q else 1, _rng.stream(seed or 0, _rng.PRUNE),
+                el.man_bits if q else 0, el.emin if q else 0, el.max if q else 0.0,
+                int(el.subnormals) if q else 1, ROUNDING_CODES["nearest" if s is None else s.rounding],
+                int(el.has_negative_zero) if q else 1, _rng.stream(seed or 0, _rng.PRUNE),
                 _rng.stream(seed or 0, _rng.ROUND), torch.get_num_threads(), counts.data_ptr(), sums.data_ptr())
         if rc != 0:  # pragma: no cover - arguments are validated above
             raise RuntimeError("the fused prune/quantise kernel rejected its arguments")
@@ -218,20 +208,21 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
                 out.copy_(result)
             result = out
         return result, CompressCounts(n, *c, *sums.tolist())
-    return _composed(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format, scale_rounding,
-                     block_dim, tensor_amax, hadamard)
+    return _composed(x, threshold, s, scale, seed, out, block_dim, tensor_amax)
 
 
-def _composed(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format="e8m0",
-              scale_rounding="floor", block_dim=-1, tensor_amax=None, hadamard=None):
-    """Reference path: the pruning and quantisation operators one after the other, with one seed."""
-    y, c, s = _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format,
-                                  scale_rounding, block_dim, tensor_amax, hadamard)
-    return y, CompressCounts(x.numel(), *c.tolist(), *s.tolist())
+def _composed(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: float, seed: Optional[int],
+              out: Optional[torch.Tensor] = None, block_dim: int = -1, tensor_amax: Optional[float] = None
+              ) -> tuple[torch.Tensor, CompressCounts]:
+    """Reference path: the pruning and quantisation operators one after the other, with one seed; ``s`` the
+    resolved scheme (None: no quantisation)."""
+    y, c, sums = _composed_on_device(x, threshold, s, scale, seed, out, block_dim, tensor_amax)
+    return y, CompressCounts(x.numel(), *c.tolist(), *sums.tolist())
 
 
-def _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, out, scale_format="e8m0",
-                        scale_rounding="floor", block_dim=-1, tensor_amax=None, hadamard=None):
+def _composed_on_device(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: Any, seed: Optional[int],
+                        out: Optional[torch.Tensor] = None, block_dim: int = -1, tensor_amax: Optional[float] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_composed` with its counts (int64[5]) and sums (float64[6]) left as tensors on ``x``'s
     device (nothing read back)."""
     from gradstats.ops.prune import stochastic_prune
@@ -246,16 +237,13 @@ def _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, ou
         y = stochastic_prune(x, threshold, seed=seed) if threshold > 0 else x
     pruned = (nonzero_in & (y == 0)).sum()
     saturated = underflow = torch.zeros((), dtype=torch.int64, device=x.device)
-    if fmt is not None:
-        if block_size is not None:
-            z = quantize(y, fmt, rounding=rounding, seed=seed, block_size=block_size, block_dim=block_dim,
-                         scale_format=scale_format, scale_rounding=scale_rounding, tensor_amax=tensor_amax,
-                         hadamard=hadamard)
-            saturated = _block_saturated(y, fmt, block_size, scale_format, scale_rounding, block_dim, tensor_amax,
-                                         hadamard)
+    if s is not None:
+        if s.block_size is not None:
+            z = quantize(y, s, seed=seed, block_dim=block_dim, tensor_amax=tensor_amax)
+            saturated = _block_saturated(y, s, block_dim, tensor_amax)
         else:
-            z = quantize(y, fmt, scale=scale, rounding=rounding, seed=seed)
-            saturated = ((y.abs() * scale) > fmt.max).sum()
+            z = quantize(y, s, scale=scale, seed=seed)
+            saturated = ((y.abs() * scale) > s.element.max).sum()
         underflow = ((y != 0) & (z == 0)).sum()
         y = z
     zeros = (y == 0).sum()
@@ -298,57 +286,52 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
         >>> y.tolist(), c.tolist()
         ([1.0, 6.0], [0, 0, 0, 1, 0])
     """
-    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = spelled(
-        fmt, rounding, block_size, scale_format, scale_rounding, hadamard)
-    fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
-    if use_triton(x.device.type) and block_size is not None and x.numel() > 0:
+    s = _door(fmt, rounding, block_size, scale_format, scale_rounding, hadamard, "prune_quantize")
+    el = None if s is None else s.element
+    blocks = s is not None and s.block_size is not None
+    if blocks and x.numel() > 0 and use_triton(x.device.type):
         from gradstats.ops.triton import blocks as kblocks
 
-        if kblocks.supports(fmt, block_size, scale_format, hadamard, x, block_dim):
-            return kblocks.prune_quantize_blocks_triton(
-                x, threshold, fmt, block_size=block_size, scale_format=scale_format, scale_rounding=scale_rounding,
-                rounding=rounding, seed=seed, block_dim=block_dim, hadamard=hadamard, tensor_amax=tensor_amax,
-                stats=stats)
-    if use_triton(x.device.type) and block_size is None and x.numel() > 0:
+        if kblocks.supports(s, x, block_dim):
+            return kblocks.prune_quantize_blocks_triton(x, threshold, s, seed=seed, block_dim=block_dim,
+                                                        tensor_amax=tensor_amax, stats=stats)
+    if not blocks and x.numel() > 0 and use_triton(x.device.type):
         from gradstats.ops.triton import fused as kfused
 
         # a scale on the device is not read back to be checked (the caller made it positive)
-        if kfused.supports(fmt, block_size) and fused_covers(fmt, 1.0 if isinstance(scale, torch.Tensor) else scale):
-            return kfused.prune_quantize_triton(x, threshold, fmt, scale=scale, rounding=rounding, seed=seed)
+        if kfused.supports(el) and fused_covers(el, 1.0 if isinstance(scale, torch.Tensor) else scale):
+            return kfused.prune_quantize_triton(x, threshold, el, scale=scale,
+                                                rounding="nearest" if s is None else s.rounding, seed=seed)
     if not use_triton(x.device.type):              # other engines take host numbers
         threshold = float(threshold) if isinstance(threshold, torch.Tensor) else threshold
     scale = float(scale) if isinstance(scale, torch.Tensor) else scale   # (block scales ignore it)
     if use_native(x.device.type) and x.numel() > 0:
-        y, c = prune_quantize(x, threshold, fmt, scale=scale, rounding=rounding, seed=seed, block_size=block_size,
-                              scale_format=scale_format, scale_rounding=scale_rounding, block_dim=block_dim,
-                              hadamard=hadamard, tensor_amax=tensor_amax)
+        y, c = prune_quantize(x, threshold, s, scale=scale, seed=seed, block_dim=block_dim, tensor_amax=tensor_amax)
         return y, torch.tensor([c.zeros, c.pruned, c.underflow, c.saturated, c.nonfinite]), torch.tensor(
             [c.dot, c.norm2, c.err2, c.noise2, c.abs_out, c.abs_in], dtype=torch.float64)
-    return _composed_on_device(x, threshold, fmt, scale, rounding, seed, block_size, None, scale_format,
-                               scale_rounding, block_dim, tensor_amax, hadamard)
+    return _composed_on_device(x, threshold, s, scale, seed, None, block_dim, tensor_amax)
 
 
-def _block_saturated(y: torch.Tensor, fmt: FPFormat, block_size: int, scale_format: str,
-                     scale_rounding: str, block_dim: int = -1, tensor_amax: Optional[float] = None,
-                     hadamard: Optional[int] = None) -> torch.Tensor:
+def _block_saturated(y: torch.Tensor, s: Scheme, block_dim: int = -1,
+                     tensor_amax: Optional[float] = None) -> torch.Tensor:
     """Entries whose magnitude over their block's decode scale exceeds the format's max (clipped):
     MX's floor scale leaves a block's largest value up to ``2**(emax + 1)`` (above e2m1fn's 6, for one),
     and NVFP4's e4m3 scale may round down. With ``hadamard``: those of the rotated matrix, in blocks
     along its tokens (what :func:`gradstats.quantize` rounds), as a fraction of its entries times
     ``y.numel()`` (rounded down), so that ``saturated / n`` is the fraction clipped."""
+    from gradstats.ops.block_scales import _scales_of_blocks
     from gradstats.ops.hadamard import rotate
     from gradstats.ops.layout import to_blocks
-    from gradstats.ops.quantization import _scales_of_blocks
 
     rotated = 0
-    if hadamard is not None:
-        r = rotate(y, hadamard, block_dim)[0]
-        xb, _ = to_blocks(r, block_size, "columns", -1)
+    if s.hadamard is not None:
+        r = rotate(y, s.hadamard, block_dim)[0]
+        xb, _ = to_blocks(r, s.block_size, "columns", -1)
         rotated = r.numel()
     else:
-        xb, _ = to_blocks(y, block_size, "rows", block_dim)
-    X = _scales_of_blocks(xb, fmt, scale_format, scale_rounding, tensor_amax)
-    clipped = ((xb.abs() / torch.where(X > 0, X, 1.0) > fmt.max) & (X > 0)).sum()
+        xb, _ = to_blocks(y, s.block_size, "rows", block_dim)
+    X = _scales_of_blocks(xb, s, tensor_amax)
+    clipped = ((xb.abs() / torch.where(X > 0, X, 1.0) > s.element.max) & (X > 0)).sum()
     if rotated:          # clipped entries of the rotated matrix (its padding tokens too) as a share of y's
         return clipped * y.numel() // rotated
     return clipped

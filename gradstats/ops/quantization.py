@@ -31,12 +31,12 @@ from typing import Optional, Union
 import torch
 
 from gradstats import _threads
-from gradstats.formats import OVERFLOWS, ROUNDINGS, FPFormat, amax_scale, parse
+from gradstats.formats import OVERFLOWS, ROUNDINGS, FPFormat, amax_scale
 from gradstats.ops.block_scales import _scales_of_blocks, mx_shared_exponent
 from gradstats.ops.consts import _BF16, _EXP, _FP16, _FP32
 from gradstats.ops.consts import consts as _consts
 from gradstats.ops.engine import use_triton
-from gradstats.ops.hadamard import check_hadamard, resolve_orientation, rotate, unrotate
+from gradstats.ops.hadamard import resolve_orientation, rotate, unrotate
 from gradstats.ops.layout import check_orientation, from_blocks, from_gemm_matrix, to_blocks
 from gradstats.ops.random import hash_bits as _hash_bits
 from gradstats.ops.random import iota as _iota
@@ -44,7 +44,7 @@ from gradstats.ops.random import resolve_seed as _resolve_seed
 from gradstats.ops.random import rounding_stream as _round_stream
 from gradstats.scheme import SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme
 
-__all__ = ["quantize", "spell_out", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS",
+__all__ = ["quantize", "block_scales", "mx_shared_exponent", "ROUNDINGS", "OVERFLOWS", "SCALE_FORMATS",
            "SCALE_ROUNDINGS"]
 
 log = logging.getLogger(__name__)
@@ -149,16 +149,13 @@ def quantize(
         >>> torch.equal(quantize(x, "nvfp4"), quantize(x, "e2m1fn", block_size=16, scale_format="e4m3"))
         True
     """
-    fmt, rounding, block_size, scale_format, scale_rounding, hadamard = spell_out(
-        fmt, rounding, block_size, scale_format, scale_rounding, hadamard)
-    check_hadamard(hadamard, block_size)
-    orientation = resolve_orientation(orientation, hadamard)
-    unscaled = scale is None and block_size is None
-    if isinstance(scale, str) and scale == "amax" and block_size is None:   # else _check says what is wrong
-        scale = amax_scale(parse(fmt), float(x.detach().abs().max()) if x.numel() else 0.0)
-    fmt, scale = _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format,
-                        orientation)
-    _check_scale_rounding(scale_rounding)
+    s = Scheme.of(fmt, rounding=rounding, block_size=block_size, scale_format=scale_format,
+                  scale_rounding=scale_rounding, hadamard=hadamard, what="quantize")
+    orientation = resolve_orientation(orientation, s.hadamard)
+    unscaled = scale is None and s.block_size is None
+    if isinstance(scale, str) and scale == "amax" and s.block_size is None:   # else _check says what is wrong
+        scale = amax_scale(s.element, float(x.detach().abs().max()) if x.numel() else 0.0)
+    scale = _check(x, s, scale, overflow, generator, block_dim, orientation)
     if tensor_amax is not None and not (isinstance(tensor_amax, (int, float)) and math.isfinite(tensor_amax)
                                         and tensor_amax >= 0):
         raise ValueError(f"quantize: tensor_amax must be a finite number >= 0 (the whole tensor's largest "
@@ -167,15 +164,13 @@ def quantize(
     if seed is not None:
         rng = _resolve_seed(seed, generator, "quantize")
     with torch.no_grad():  # quantise-dequantise is not differentiable; results never track gradients
-        if hadamard is not None:        # R^T Q(R x): the rotated channels-last matrix, blocks along its tokens
-            m, hctx = rotate(x.detach(), hadamard, block_dim)
-            y = _quantize(m, fmt, None, rounding, overflow, rng, block_size, -1, scale_format, scale_rounding,
-                          "columns", tensor_amax)
+        if s.hadamard is not None:      # R^T Q(R x): the rotated channels-last matrix, blocks along its tokens
+            m, hctx = rotate(x.detach(), s.hadamard, block_dim)
+            y = _quantize(m, s, None, overflow, rng, -1, "columns", tensor_amax)
             return unrotate(y, hctx).to(x.dtype)
-        y = _quantize(x.detach(), fmt, scale, rounding, overflow, rng, block_size, block_dim, scale_format,
-                      scale_rounding, orientation, tensor_amax)
+        y = _quantize(x.detach(), s, scale, overflow, rng, block_dim, orientation, tensor_amax)
         if unscaled:
-            _warn_if_flushed(x, y, fmt)
+            _warn_if_flushed(x, y, s.element)
         return y
 
 
@@ -190,48 +185,22 @@ def _warn_if_flushed(x: torch.Tensor, y: torch.Tensor, fmt: FPFormat) -> None:
                       UserWarning, stacklevel=3)
 
 
-def spell_out(fmt: Union[FPFormat, Scheme, str], rounding: Optional[str] = None, block_size: Optional[int] = None,
-              scale_format: Optional[str] = None, scale_rounding: Optional[str] = None,
-              hadamard: Optional[int] = None
-              ) -> tuple[Union[FPFormat, str], str, Optional[int], str, str, Optional[int]]:
-    """``(fmt, rounding, block_size, scale_format, scale_rounding, hadamard)`` of a call of :func:`quantize`:
-    a plain format with the keywords' defaults filled in (names are checked later), or the element
-    format and fields of a scheme (:meth:`gradstats.scheme.Scheme.parse`) with the keywords given
-    replacing its own.
-
-    Example:
-        >>> spell_out("nvfp4")
-        (FPFormat('e2m1fn'), 'nearest', 16, 'e4m3', 'floor', None)
-    """
-    if not names_scheme(fmt):
-        return (fmt, rounding or "nearest", block_size, scale_format or "e8m0", scale_rounding or "floor", hadamard)
-    s = Scheme.parse(fmt)
-    given = {k: v for k, v in (("rounding", rounding), ("block_size", block_size), ("scale_format", scale_format),
-                               ("scale_rounding", scale_rounding), ("hadamard", hadamard)) if v is not None}
-    if given:
-        s = s.replace(**given)
-    return (s.element, s.rounding, s.block_size, s.scale_format_name or "e8m0", s.scale_rounding or "floor",
-            s.hadamard)
-
-
-def _check_scale_rounding(scale_rounding: str) -> None:
-    if scale_rounding not in SCALE_ROUNDINGS:
-        raise ValueError(f"quantize: scale_rounding must be one of {SCALE_ROUNDINGS}, got {scale_rounding!r}")
-
-
-def _quantize(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format,
-              scale_rounding="floor", orientation="rows", tensor_amax=None):
+def _quantize(x: torch.Tensor, s: Scheme, scale: Union[float, torch.Tensor, None], overflow: str,
+              generator: Union[torch.Generator, int, None], block_dim: int = -1, orientation: str = "rows",
+              tensor_amax: Optional[float] = None) -> torch.Tensor:
+    """Quantise ``x`` (validated) as the resolved scheme ``s`` says, at ``scale`` without blocks."""
     if x.numel() == 0:
         return x.clone()
-    if block_size is not None:
-        return _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_dim, scale_format,
-                                scale_rounding, orientation, tensor_amax)
+    if s.block_size is not None:
+        return _quantize_blocks(x, s, overflow, generator, block_dim, orientation, tensor_amax)
+    fmt = s.element
     if use_triton(x.device.type):
         from gradstats.ops.triton import quantize as kq
 
         if kq.supports(fmt):
-            return kq.quantize_triton(x, fmt, scale=scale, rounding=rounding, overflow=overflow, generator=generator)
-    return _quantize_eager(x, fmt, scale, rounding, overflow, generator)
+            return kq.quantize_triton(x, fmt, scale=scale, rounding=s.rounding, overflow=overflow,
+                                      generator=generator)
+    return _quantize_eager(x, fmt, scale, s.rounding, overflow, generator)
 
 
 def block_scales(
@@ -262,19 +231,17 @@ def block_scales(
         >>> block_scales(torch.tensor([[1.0, 3.0, 0.5, 0.25]]), "e2m1fn", block_size=2).tolist()
         [[0.5, 0.125]]
     """
-    fmt, _, block_size, scale_format, scale_rounding, hadamard = spell_out(fmt, None, block_size, scale_format,
-                                                                           scale_rounding)
-    if block_size is None:
-        block_size = 32
-    orientation = resolve_orientation(orientation, hadamard)
-    if hadamard is not None:
-        check_hadamard(hadamard, block_size, "block_scales")
-        x, block_dim = rotate(x, hadamard, block_dim)[0], -1
-    fmt = parse(fmt)
-    _check_block(x, block_size, block_dim, scale_format, orientation)
-    _check_scale_rounding(scale_rounding)
+    if block_size is None and not (names_scheme(fmt) and Scheme.parse(fmt).block_size is not None):
+        block_size = 32                 # MX's, where neither the call nor its scheme sets one
+    s = Scheme.of(fmt, block_size=block_size, scale_format=scale_format, scale_rounding=scale_rounding,
+                  what="block_scales")
+    block_size = s.block_size
+    orientation = resolve_orientation(orientation, s.hadamard)
+    if s.hadamard is not None:
+        x, block_dim = rotate(x, s.hadamard, block_dim)[0], -1
+    _check_block(x, block_dim, orientation)
     xb, ctx = to_blocks(x, block_size, orientation, block_dim)
-    X = _scales_of_blocks(xb, fmt, scale_format, scale_rounding, tensor_amax)[:, 0]
+    X = _scales_of_blocks(xb, s, tensor_amax)[:, 0]
     if orientation != "rows":
         return X
     shape = list(x.shape) if x.dim() else [1]
@@ -290,14 +257,15 @@ def block_scales(
 _SCALE_MIN, _SCALE_MAX = 2.0 ** -127, 2.0 ** 127
 
 
-def _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, scale_format, orientation="rows"):
+def _check(x: torch.Tensor, s: Scheme, scale: Union[float, torch.Tensor, str, None], overflow: str,
+           generator: Optional[torch.Generator], block_dim: int, orientation: str = "rows"
+           ) -> Union[float, torch.Tensor, None]:
+    """The call's arguments beyond its scheme (resolved at the door) checked; the scale as the passes take it."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"quantize: x must be float32, float16 or bfloat16, got {x.dtype} (cast it first)")
-    fmt = parse(fmt)
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"quantize: rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    block_size = s.block_size
     if overflow not in OVERFLOWS:
         raise ValueError(f"quantize: overflow must be one of {OVERFLOWS}, got {overflow!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -336,25 +304,19 @@ def _check(x, fmt, scale, rounding, overflow, generator, block_size, block_dim, 
         else:
             raise ValueError(f"quantize: scale must be None, 'amax', a float or a tensor, got {scale!r}")
     if block_size is not None:
-        _check_block(x, block_size, block_dim, scale_format, orientation)
-    elif scale_format not in SCALE_FORMATS:
-        raise ValueError(f"quantize: scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
-    return fmt, scale
+        _check_block(x, block_dim, orientation)
+    return scale
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def _check_block(x, block_size, block_dim, scale_format, orientation="rows"):
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"quantize: block_size must be a positive int, got {block_size!r}")
+def _check_block(x: torch.Tensor, block_dim: int, orientation: str = "rows") -> None:
     if x.dim() == 0:
         raise ValueError("quantize: block scaling needs a tensor with at least one dimension")
     if not isinstance(block_dim, int) or not -x.dim() <= block_dim < x.dim():
         raise ValueError(f"quantize: block_dim must be in [{-x.dim()}, {x.dim() - 1}], got {block_dim!r}")
-    if scale_format not in SCALE_FORMATS:
-        raise ValueError(f"quantize: scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
     check_orientation(orientation)
 
 
@@ -578,10 +540,12 @@ def _round_generic(v, c, s, rounding, overflow, generator, rbits, *, key=None, l
 # ---------------------------------------------------------------------------------------------
 # block scaling (the layout of the blocks: gradstats.ops.layout)
 # ---------------------------------------------------------------------------------------------
-def _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_dim, scale_format,
-                     scale_rounding="floor", orientation="rows", tensor_amax=None):
-    xb, ctx = to_blocks(x, block_size, orientation, block_dim)
-    X = _scales_of_blocks(xb, fmt, scale_format, scale_rounding, tensor_amax)
+def _quantize_blocks(x: torch.Tensor, s: Scheme, overflow: str, generator: Union[torch.Generator, int, None],
+                     block_dim: int = -1, orientation: str = "rows", tensor_amax: Optional[float] = None
+                     ) -> torch.Tensor:
+    fmt, rounding = s.element, s.rounding
+    xb, ctx = to_blocks(x, s.block_size, orientation, block_dim)
+    X = _scales_of_blocks(xb, s, tensor_amax)
     Xs = torch.where(X > 0, X, 1.0)
     if use_triton(x.device.type):
         from gradstats.ops.triton import quantize as kq
@@ -593,7 +557,7 @@ def _quantize_blocks(x, fmt, rounding, overflow, generator, block_size, block_di
             y = _quantize_eager(xb / Xs, fmt, None, rounding, overflow, generator) * Xs
     else:
         y = _quantize_eager(xb / Xs, fmt, None, rounding, overflow, generator) * Xs
-    if scale_format == "e4m3":
+    if s.tensor_scale is not None:      # E4M3 scales: X == 0 marks a block that encodes as zeros
         y = torch.where(X > 0, y, y * 0.0)
     if fmt.special == "fnuz":
         y = y + 0.0

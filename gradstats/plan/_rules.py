@@ -14,7 +14,6 @@ from typing import Any, Mapping, Sequence
 # value layer's names (those of :func:`gradstats.quantize`), re-exported as the plan's vocabulary
 from gradstats.formats import PREDICTED_ROUNDINGS, ROUNDINGS, FPFormat
 from gradstats.formats import amax_scale as _amax_scale
-from gradstats.fpanalysis.granularity import Layout
 from gradstats.plan._values import Prediction, _check_keys, _err, _opt_float
 from gradstats.pruning import METHODS as _METHODS
 from gradstats.scheme import E8M0, HADAMARD_SIZES, SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme, scale_format_of
@@ -144,6 +143,9 @@ class Rule:
     def __post_init__(self) -> None:
         _set_fields(self, _check_fields({k: getattr(self, k) for k in _RULE_NAMES}, ""))
         _check_combination(self, "")
+        object.__setattr__(self, "_scheme", None if self.format is None else Scheme(
+            self.format, block_size=self.block_size, scale_format=self.scale_format,
+            scale_rounding=self.scale_rounding, rounding=self.rounding, hadamard=self.hadamard))
 
     # -- what it does
     @property
@@ -189,7 +191,9 @@ class Rule:
 
     @property
     def scheme(self) -> Scheme | None:
-        """How the rule quantises, as one :class:`~gradstats.scheme.Scheme` (None without a format).
+        """How the rule quantises, as one :class:`~gradstats.scheme.Scheme` (None without a format): what
+        the operators take (``prune_quantize(g, threshold, rule.scheme, scale=rule.scale_for(...))``),
+        resolved once, when the rule is made.
 
         Example:
             >>> Rule(format="nvfp4").scheme, Rule(format="e4m3fn").scheme
@@ -197,24 +201,7 @@ class Rule:
             >>> Rule(format="e2m1fn", scale="amax", block_size=32).scheme.preset
             'mxfp4'
         """
-        if self.format is None:
-            return None
-        return Scheme(self.format, block_size=self.block_size, scale_format=self.scale_format,
-                      scale_rounding=self.scale_rounding, rounding=self.rounding, hadamard=self.hadamard)
-
-    def quantize_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`gradstats.ops.quantization.quantize` for this rule, except ``scale``
-        (which depends on the step: see :meth:`scale_for`): :meth:`Scheme.quantize_kwargs` of :attr:`scheme`.
-
-        Example:
-            >>> Rule(format="e2m1fn", scale="amax", block_size=32).quantize_kwargs()
-            {'fmt': FPFormat('e2m1fn'), 'rounding': 'nearest', 'block_size': 32, 'scale_format': 'e8m0'}
-            >>> Rule(format="e4m3fn", scale="amax", block_size=32, scale_rounding="rceil").quantize_kwargs()["scale_rounding"]
-            'rceil'
-        """
-        if self.scheme is None:
-            raise ValueError("this rule has no format: nothing is quantised")
-        return self.scheme.quantize_kwargs()
+        return self._scheme  # type: ignore[attr-defined,no-any-return]
 
     def scale_for(self, *, mu: float | None = None, sigma: float | None = None,
                   amax: float | None = None) -> float:
@@ -379,7 +366,7 @@ def _check_combination(r: Rule, where: str) -> None:
     if r.scale_format is not None and r.block_size is None:
         raise _err(where, "scale_format applies to block scaling only: set block_size too, or remove it")
     if r.block_size is not None and r.scale_format is None:     # blocks have E8M0 scales unless told
-        object.__setattr__(r, "scale_format", Layout(r.block_size).scale_format_name)
+        object.__setattr__(r, "scale_format", "e8m0")
     if r.hadamard is not None and r.format is not None and r.block_size is None:
         raise _err(where, f"hadamard {r.hadamard} rotates the gradient for block-scaled quantisation along the "
                           "tokens: set block_size (NVFP4 16, scale 'amax'), or remove hadamard")

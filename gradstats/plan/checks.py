@@ -126,10 +126,10 @@ def replay(rule: Any, x: torch.Tensor, threshold: float, scale: float, *, seed: 
     x = x.detach().float()
     if x.dim() != 2:
         x = x.reshape(-1)
-    q = rule.quantize_kwargs() if rule.quantizes else {"fmt": None, "rounding": rule.rounding}
-    if q.get("block_size") is not None and tensor_amax is not None and q.get("scale_format") == "e4m3":
+    s, q = rule.scheme, {}
+    if s is not None and s.tensor_scale is not None and tensor_amax is not None:      # NVFP4's two-level scale
         whole = max(float(tensor_amax), threshold)               # pruning rounds small values up to the threshold
-        if q.get("hadamard") is None:
+        if s.hadamard is None:
             q["tensor_amax"] = whole
         elif x.numel():
             # rotated: the whole rotated tensor's maximum, estimated as the sample's rotated maximum times
@@ -138,8 +138,8 @@ def replay(rule: Any, x: torch.Tensor, threshold: float, scale: float, *, seed: 
 
             part = max(float(x.abs().max()), threshold)
             if part > 0:
-                q["tensor_amax"] = float(rotate(x, q["hadamard"])[0].abs().max()) * whole / part
-    out, c = prune_quantize(x, threshold, q.pop("fmt"), scale=scale, seed=seed, **q)
+                q["tensor_amax"] = float(rotate(x, s.hadamard)[0].abs().max()) * whole / part
+    out, c = prune_quantize(x, threshold, s, scale=scale, seed=seed, **q)
     n = max(c.n, 1)
     nz = max(int((x != 0).sum()), 1)
     da = (out.abs() - x.abs()).double()

@@ -142,8 +142,9 @@ def test_a_scheme_in_place_of_the_format_equals_its_spelled_out_keywords(preset)
 
     x = lognormal(8_192, sigma=2.0).reshape(64, 128)
     s = Scheme.parse(preset)
-    kw = s.quantize_kwargs()
-    ref, c_ref = prune_quantize(x, 0.05, kw.pop("fmt"), seed=7, **kw)
+    kw = {"rounding": s.rounding, "block_size": s.block_size, "scale_format": s.scale_format_name,
+          "scale_rounding": s.scale_rounding}
+    ref, c_ref = prune_quantize(x, 0.05, s.element, seed=7, **kw)
     for fmt in (preset, s):
         got, c = prune_quantize(x, 0.05, fmt, seed=7)
         same = (ref.view(torch.int32) == got.view(torch.int32)) | (ref.isnan() & got.isnan())

@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 from gradstats.ops.fused import CompressCounts, prune_quantize, prune_quantize_into  # noqa: E402
 from gradstats.ops.triton import blocks as kb  # noqa: E402
+from gradstats.scheme import Scheme  # noqa: E402
 
 #: (name, format, keywords): MX floor and rceil, NVFP4, NVFP4 with the Hadamard transform
 SCHEMES = [
@@ -46,6 +47,15 @@ def cpu_path(x, threshold, fmt, **kw):
     return prune_quantize(x, threshold, fmt, **kw)
 
 
+_SCHEME_KEYS = ("rounding", "block_size", "scale_format", "scale_rounding", "hadamard")
+
+
+def kernel(x, threshold, fmt, **kw):
+    """The block kernel on the scheme a call's format and keywords resolve to (as the operators' door does)."""
+    s = Scheme.of(fmt, **{k: kw.pop(k) for k in _SCHEME_KEYS if k in kw})
+    return kb.prune_quantize_blocks_triton(x, threshold, s, **kw)
+
+
 def same_bits(a, b):
     both_nan = torch.isnan(a) & torch.isnan(b)
     return bool(((a.view(torch.int32) == b.view(torch.int32)) | both_nan).all())
@@ -66,7 +76,7 @@ def close_sums(got, want):
 
 def check(x, threshold, fmt, kw, **extra):
     want_y, want = cpu_path(x, threshold, fmt, **kw)
-    y, counts, sums = kb.prune_quantize_blocks_triton(x, threshold, fmt, **kw, **extra)
+    y, counts, sums = kernel(x, threshold, fmt, **kw, **extra)
     assert same_bits(y, want_y)
     assert counts.tolist() == counts_of(want)
     assert close_sums(sums.tolist(), sums_of(want))
@@ -113,11 +123,11 @@ def test_tensor_amax_from_the_host_or_the_statistics_vector(scheme):
     check(x, 0.0, fmt, dict(kw, tensor_amax=1e4))  # the CPU path with the same host amax
     want_y, want = cpu_path(x, 0.5, fmt, **kw)
     v = tensor_stats_vector(x, full=False)
-    y, counts, _ = kb.prune_quantize_blocks_triton(x, torch.tensor(0.5), fmt, stats=v, **kw)
+    y, counts, _ = kernel(x, torch.tensor(0.5), fmt, stats=v, **kw)
     assert same_bits(y, want_y) and counts.tolist() == counts_of(want)
     small = gradient((2, 32), seed=9, specials=False) * 1e-2          # the threshold above the maximum
     want_y, want = cpu_path(small, 1.0, fmt, **kw)
-    y, counts, _ = kb.prune_quantize_blocks_triton(small, 1.0, fmt, stats=tensor_stats_vector(small, full=False), **kw)
+    y, counts, _ = kernel(small, 1.0, fmt, stats=tensor_stats_vector(small, full=False), **kw)
     assert same_bits(y, want_y) and counts.tolist() == counts_of(want)
 
 
@@ -126,7 +136,7 @@ def test_tensor_amax_host_float_matches_quantize_with_it():
 
     x = gradient((3, 48), seed=3, specials=False)
     got, _ = prune_quantize(x, 0.0, "nvfp4", tensor_amax=77.0)
-    y, _, _ = kb.prune_quantize_blocks_triton(x, 0.0, "e2m1fn", block_size=16, scale_format="e4m3", tensor_amax=77.0)
+    y, _, _ = kernel(x, 0.0, "e2m1fn", block_size=16, scale_format="e4m3", tensor_amax=77.0)
     assert same_bits(y, got) and same_bits(y, quantize(x, "nvfp4", tensor_amax=77.0))
 
 
@@ -150,20 +160,20 @@ def test_the_engine_dispatches_block_formats_to_the_kernel(monkeypatch):
 def test_counts_and_sums_add_up_over_calls():
     x = gradient((4, 32), seed=6)
     kw = dict(block_size=32, scale_format="e8m0", rounding="stochastic", seed=1)
-    _, c1, s1 = kb.prune_quantize_blocks_triton(x, 0.2, "e4m3fn", **kw)
-    _, c2, s2 = kb.prune_quantize_blocks_triton(x, 0.2, "e4m3fn", counts=c1.clone(), sums=s1.clone(), **kw)
+    _, c1, s1 = kernel(x, 0.2, "e4m3fn", **kw)
+    _, c2, s2 = kernel(x, 0.2, "e4m3fn", counts=c1.clone(), sums=s1.clone(), **kw)
     assert c2.tolist() == (2 * c1).tolist()
     assert torch.allclose(s2, 2 * s1, rtol=1e-12, equal_nan=True)
 
 
 def test_rejects_what_it_does_not_take():
     x = torch.ones(4, 16)
-    assert not kb.supports("e2m1fn", 16, "e4m3", hadamard=8)
-    assert not kb.supports("e2m1fn", 16, "e4m3", x=x.double())
+    assert not kb.supports(Scheme.of("e2m1fn", block_size=16, scale_format="e4m3", hadamard=8))
+    assert not kb.supports(Scheme.of("e2m1fn", block_size=16, scale_format="e4m3"), x=x.double())
     with pytest.raises(ValueError, match="block_size"):
-        kb.prune_quantize_blocks_triton(x, 0.0, "e2m1fn", block_size=16, hadamard=8)
+        kernel(x, 0.0, "e2m1fn", block_size=16, hadamard=8)
     with pytest.raises(ValueError, match="scale_rounding"):
-        kb.prune_quantize_blocks_triton(x, 0.0, "e2m1fn", block_size=16, scale_rounding="up")
+        kernel(x, 0.0, "e2m1fn", block_size=16, scale_rounding="up")
 
 
 def test_rceil_is_exact_above_a_power_of_two():
@@ -191,7 +201,7 @@ def test_cuda_block_kernel_matches_the_cpu_path(monkeypatch):
                 if threshold == 0:              # fewer compilations: the pruning calls cover the kernel's paths
                     continue
                 want_y, want = cpu_path(x, threshold, fmt, **kw)
-                y, counts, sums = kb.prune_quantize_blocks_triton(x.cuda(), threshold, fmt, **kw)
+                y, counts, sums = kernel(x.cuda(), threshold, fmt, **kw)
                 assert same_bits(y.cpu(), want_y), (scheme[0], shape[0], kw)
                 assert counts.cpu().tolist() == counts_of(want)
                 assert close_sums(sums.cpu().tolist(), sums_of(want))
@@ -208,7 +218,7 @@ def test_lag_correction_in_the_kernel_as_the_per_tensor_kernel():
     v = tensor_stats_vector(x, full=False)
     mu = float(v[6] / (v[0] - v[1])) - 0.4
     used, used_pt = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
-    y, counts, _ = kb.prune_quantize_blocks_triton(x, 0.3, "e2m1fn", block_size=16, scale_format="e4m3",
+    y, counts, _ = kernel(x, 0.3, "e2m1fn", block_size=16, scale_format="e4m3",
                                                    rounding="stochastic", seed=6, stats=v, solved_mu=mu, used=used,
                                                    scale=0.5)
     kf.prune_quantize_triton(x, 0.3, "e2m1fn", scale=0.5, seed=6, stats=v, solved_mu=mu, used=used_pt,

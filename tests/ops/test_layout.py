@@ -64,7 +64,7 @@ def test_e4m3_block_scales_round_as_quantize_does():
     v = torch.cat([torch.exp2(torch.rand(200_000, generator=torch.Generator().manual_seed(0)) * 30 - 20),
                    (grid[1:] + grid[:-1]) / 2, grid, torch.tensor([500.0, 1e30])])
     xb = v[:, None] * 6.0                          # one-entry blocks: scale = e4m3(amax / (6 * t)) * t, t = 1
-    X = _scales_of_blocks(xb, gradstats.FPFormat.parse("e2m1fn"), "e4m3", tensor_amax=6.0 * 448.0)
+    X = _scales_of_blocks(xb, gradstats.Scheme("e2m1fn", block_size=1, scale_format="e4m3"), tensor_amax=6.0 * 448.0)
     assert torch.equal(X[:, 0], _quantize_eager(v, E4M3, None, "nearest", "saturate", None))
 
 

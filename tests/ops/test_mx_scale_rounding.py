@@ -88,7 +88,7 @@ def test_plans_carry_the_scale_rounding():
     plan = gradstats.Plan.uniform(format="e4m3fn", block_size=32, scale_rounding="rceil")
     again = gradstats.Plan.from_dict(plan.to_dict())
     assert again == plan and again.defaults.scale_rounding == "rceil"
-    assert gradstats.Plan.uniform(format="e2m1fn", block_size=32).defaults.quantize_kwargs().get("scale_rounding") is None
+    assert gradstats.Plan.uniform(format="e2m1fn", block_size=32).defaults.scheme.scale_rounding == "floor"
     with pytest.raises(ValueError, match="rounds MX \\(e8m0\\) block scales"):
         gradstats.plan.Rule(format="e2m1fn", scale="amax", block_size=16, scale_format="e4m3", scale_rounding="rceil")
     with pytest.raises(ValueError, match="scale_rounding"):

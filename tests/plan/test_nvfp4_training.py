@@ -21,7 +21,7 @@ def test_the_rule_spells_the_preset_out_and_round_trips_through_plan_json(tmp_pa
     r = Rule(format="nvfp4_training")
     assert (str(r.format), r.block_size, r.scale_format, r.rounding, r.scale, r.hadamard) == \
         ("e2m1fn", 16, "e4m3", "stochastic", "amax", 16)
-    assert r.scheme == gradstats.Scheme.parse("nvfp4_training") and r.quantize_kwargs()["hadamard"] == 16
+    assert r.scheme == gradstats.Scheme.parse("nvfp4_training") and r.scheme.hadamard == 16
     assert r == Rule(format="e2m1fn", scale="amax", block_size=16, scale_format="e4m3", rounding="stochastic",
                      hadamard=16)
     assert r.describe() == "e2m1fn stochastic amax (blocks of 16, e4m3 scales, Hadamard 16); no pruning"

@@ -75,20 +75,18 @@ def test_rule_validation_errors(kw, msg):
 def test_block_rule_defaults_to_mx_scale():
     r = Rule(format="e2m1fn", scale="amax", block_size=32)
     assert r.scale_format == "e8m0"
-    assert r.quantize_kwargs() == {"fmt": FPFormat.parse("e2m1fn"), "rounding": "nearest",
-                                   "block_size": 32, "scale_format": "e8m0"}
+    assert r.scheme == gradstats.Scheme(FPFormat.parse("e2m1fn"), block_size=32, scale_format="e8m0", rounding="nearest")
     with pytest.raises(ValueError, match="no per-tensor scale"):
         r.scale_for(amax=1.0)
-    with pytest.raises(ValueError, match="no format"):
-        Rule().quantize_kwargs()
+    assert Rule().scheme is None
 
 
 def test_rule_kwargs_drive_quantize_exactly():
-    """quantize_kwargs plus scale_for give values of the format after unscaling."""
+    """The rule's scheme plus scale_for give values of the format after unscaling."""
     rule = Rule(format="e3m2fn", scale="amax", rounding="stochastic")
     g = torch.randn(4096).mul(3).exp() * 1e-6
     s = rule.scale_for(amax=float(g.abs().max()))
-    q = gradstats.quantize(g, scale=s, **rule.quantize_kwargs())
+    q = gradstats.quantize(g, rule.scheme, scale=s)
     values = set((FPFormat.parse("e3m2fn").values()).tolist())
     assert set((q.double() * s).tolist()) <= values
     assert float((g * s).abs().max()) <= rule.format.max
@@ -601,7 +599,7 @@ def test_rule_and_uniform_plan_take_a_scheme(name):
     assert r.scheme == s and r.format == s.element and r.block_size == s.block_size
     assert r.scale == "amax" and r.scale_format == s.scale_format_name and r.scale_rounding is None
     assert r == Rule(format=str(s.element), scale="amax", block_size=s.block_size, scale_format=s.scale_format_name)
-    assert r.quantize_kwargs() == {"fmt": s.element, **{k: v for k, v in s.quantize_kwargs().items() if k != "fmt"}}
+    assert r.scheme.to_dict() == s.to_dict()
     plan = Plan.uniform(format=name)
     assert plan.defaults.scheme.replace(rounding="nearest") == s
     assert Plan.from_dict(json.loads(plan.to_json())).defaults == plan.defaults

@@ -168,7 +168,7 @@ def test_recommend_from_the_histograms(cnn_run):
 
 
 def _measured(g: torch.Tensor, rule, scale: float) -> float:
-    q = gradstats.quantize(g, scale=scale, **rule.quantize_kwargs())
+    q = gradstats.quantize(g, rule.scheme, scale=scale)
     return float(((q.double() - g.double()) ** 2).sum() / (g.double() ** 2).sum())
 
 

@@ -24,8 +24,8 @@ largest magnitude of the *rotated* tensor, which no earlier pass knows: that cal
 (unless ``tensor_amax`` is given).
 
 Example:
-    >>> from gradstats.formats import FPFormat
-    >>> supports(FPFormat.parse("e2m1fn"), 16, "e4m3"), supports(FPFormat.parse("e2m1fn"), 16, "e4m3", hadamard=8)
+    >>> from gradstats.scheme import Scheme
+    >>> supports(Scheme.parse("nvfp4")), supports(Scheme.parse("nvfp4:hadamard=8"))
     (True, False)
 """
 from __future__ import annotations
@@ -37,9 +37,11 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from gradstats.formats import ROUNDING_CODES, FPFormat
+from gradstats.formats import ROUNDING_CODES
 from gradstats.ops import random as _rng
 from gradstats.ops.triton import interpreting, triton_available
+from gradstats.scheme import E4M3 as _E4M3
+from gradstats.scheme import Scheme
 
 try:  # the kernel bodies refer to ``tl``; they are only compiled when Triton is installed
     import triton.language as tl
@@ -290,28 +292,26 @@ def _kernels(interpret: bool):
     return rows, had
 
 
-def supports(fmt: FPFormat | str | None, block_size: int | None, scale_format: str = "e8m0",
-             hadamard: int | None = None, x: torch.Tensor | None = None, block_dim: int = -1) -> bool:
-    """Whether :func:`prune_quantize_blocks_triton` takes a call: Triton installed; ``fmt`` one the fused
-    kernels cover (:func:`gradstats.ops.consts.fused_covers`), ``block_size`` set, up to 256; ``scale_format``
-    ``"e8m0"`` or ``"e4m3"``; no Hadamard transform or one of ``block_size`` points; and, given ``x``: a
-    float32 tensor of at least one dim, ``block_dim`` one of its dims, whose element and blocked-layout
-    indices stay below ``2**32`` (one segment of the random streams).
+def supports(s: Scheme | None, x: torch.Tensor | None = None, block_dim: int = -1) -> bool:
+    """Whether :func:`prune_quantize_blocks_triton` takes a call of the resolved scheme ``s``: Triton installed;
+    an element format the fused kernels cover (:func:`gradstats.ops.consts.fused_covers`), blocks of up to 256;
+    no Hadamard transform or one of ``block_size`` points; and, given ``x``: a float32 tensor of at least one
+    dim, ``block_dim`` one of its dims, whose element and blocked-layout indices stay below ``2**32`` (one
+    segment of the random streams).
 
     Example:
-        >>> supports("e2m1fn", 32), supports("e2m1fn", None), supports("e2m1fn", 16, "e4m3", hadamard=16)
+        >>> from gradstats.scheme import Scheme
+        >>> supports(Scheme.parse("mxfp4")), supports(Scheme.parse("e2m1fn")), supports(Scheme.parse("nvfp4_training"))
         (True, False, True)
     """
     from gradstats.ops.consts import fused_covers
 
-    if block_size is None or not triton_available() or scale_format not in ("e8m0", "e4m3"):
+    if s is None or s.block_size is None or not triton_available() or s.block_size > 256:
         return False
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= 256:
-        return False
+    block_size, hadamard = s.block_size, s.hadamard
     if hadamard is not None and hadamard != block_size:
         return False
-    fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
-    if fmt is None or not fused_covers(fmt, 1.0):
+    if not fused_covers(s.element, 1.0):
         return False
     if x is not None:
         if x.dtype != torch.float32 or x.dim() == 0:
@@ -342,18 +342,16 @@ def _bits(v: float) -> int:
     return int(np.asarray(v, dtype=np.float32).view(np.int32))
 
 
-def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.Tensor], fmt: FPFormat | str, *,
-                                 block_size: int, scale_format: str = "e8m0", scale_rounding: str = "floor",
-                                 rounding: str = "nearest", seed: int = 0, block_dim: int = -1,
-                                 hadamard: Optional[int] = None, tensor_amax: Optional[float] = None,
+def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.Tensor], s: Scheme, *,
+                                 seed: int = 0, block_dim: int = -1, tensor_amax: Optional[float] = None,
                                  stats: torch.Tensor | None = None, out: torch.Tensor | None = None,
                                  counts: torch.Tensor | None = None, sums: torch.Tensor | None = None,
                                  solved_mu: float | None = None, correct_threshold: bool = True,
                                  used: torch.Tensor | None = None, scale: float = 1.0,
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stochastic pruning at ``threshold`` (0 = none; a Python float or a one-element tensor on ``x``'s
-    device, rounded to float32), then block-scaled rounding to ``fmt`` as :func:`gradstats.quantize` does it
-    (``block_size``, ``block_dim``, ``scale_format``, ``scale_rounding``, ``hadamard``, ``tensor_amax``:
+    device, rounded to float32), then block-scaled rounding as the resolved scheme ``s`` says
+    (:meth:`gradstats.scheme.Scheme.of`), as :func:`gradstats.quantize` does it (``block_dim``, ``tensor_amax``:
     see there), in one Triton pass. Returns ``(result, counts, sums)``: int64[5] and float64[6] on ``x``'s
     device as :func:`gradstats.ops.triton.fused.prune_quantize_triton` makes them (added to when given),
     with ``saturated`` counted as :func:`gradstats.ops.fused.prune_quantize` counts it (with ``hadamard``,
@@ -372,7 +370,7 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
         >>> import os
         >>> old = os.environ.get("TRITON_INTERPRET"); os.environ["TRITON_INTERPRET"] = "1"
         >>> x = torch.tensor([[0.001, -0.3, 0.6, 5.0], [1.0, 2.0, 3.0, 100.0]])
-        >>> y, counts, sums = prune_quantize_blocks_triton(x, 0.0, "e2m1fn", block_size=2)
+        >>> y, counts, sums = prune_quantize_blocks_triton(x, 0.0, Scheme("e2m1fn", block_size=2))
         >>> y.tolist(), counts.tolist()
         ([[0.0, -0.25, 0.5, 4.0], [1.0, 2.0, 0.0, 96.0]], [2, 0, 2, 1, 0])
         >>> _ = os.environ.pop("TRITON_INTERPRET") if old is None else os.environ.update(TRITON_INTERPRET=old)
@@ -380,20 +378,17 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
     from gradstats.ops.consts import consts
     from gradstats.ops.triton.fused import _check_value, _halves, _prepare
     from gradstats.ops.triton.stats import SCALARS
-    from gradstats.scheme import E4M3
-
-    fmt = FPFormat.parse(fmt) if isinstance(fmt, str) else fmt
-    if not isinstance(x, torch.Tensor) or not supports(fmt, block_size, scale_format, hadamard, x, block_dim):
+    if not isinstance(s, Scheme):
+        raise ValueError(f"prune_quantize_blocks_triton takes a resolved Scheme (gradstats.scheme.Scheme.of), got "
+                         f"{type(s).__name__}")
+    if not isinstance(x, torch.Tensor) or not supports(s, x, block_dim):
         got = (x.dtype, tuple(x.shape), block_dim) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"prune_quantize_blocks_triton takes a float32 tensor of at least one dim (fewer than 2**32 "
-                         f"elements, padding included) with block_dim one of its dims, a format the fused kernels cover with block_size in [1, 256], "
-                         f"scale_format 'e8m0' or 'e4m3' and hadamard None or equal to block_size; got x (dtype, shape, block_dim) {got}, "
-                         f"fmt {fmt}, block_size {block_size!r}, scale_format {scale_format!r}, hadamard {hadamard!r}: "
-                         "use gradstats.ops.fused.prune_quantize")
-    if rounding not in ROUNDING_CODES:
-        raise ValueError(f"rounding must be one of {sorted(ROUNDING_CODES)}, got {rounding!r}")
-    if scale_rounding not in SCALE_ROUNDING_CODES:
-        raise ValueError(f"scale_rounding must be one of {sorted(SCALE_ROUNDING_CODES)}, got {scale_rounding!r}")
+                         f"elements, padding included) with block_dim one of its dims, and a scheme whose format the "
+                         f"fused kernels cover with block_size in [1, 256] and hadamard None or equal to block_size; "
+                         f"got x (dtype, shape, block_dim) {got}, scheme {s}: use gradstats.ops.fused.prune_quantize")
+    fmt, E4M3, rounding, hadamard, block_size = s.element, _E4M3, s.rounding, s.hadamard, s.block_size
+    sround, e4m3 = s.scale_rounding or "floor", s.tensor_scale is not None   # E4M3 scales under a float32 one
     _check_value(threshold, "threshold", x, positive=False)
     if tensor_amax is not None and not (isinstance(tensor_amax, (int, float)) and math.isfinite(tensor_amax)
                                         and tensor_amax >= 0):
@@ -411,7 +406,6 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
         return p.res, p.counts, p.sums
     xc, res, counts, sums, n, correct = p.xc, p.res, p.counts, p.sums, p.n, p.correct
     a_ptr, prune, a_f, A = p.a_ptr, p.prune, p.a_f, p.A
-    e4m3 = scale_format == "e4m3"
     ta_mode, ta_f = 0, 0
     if e4m3:
         if tensor_amax is not None:
@@ -426,7 +420,7 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
     pk1, pk2, rk1, rk2 = (_rng._s32(v) for v in (*sp, *sr))
     P, K, Q = _geometry(xc, block_dim)
     common = dict(PRUNE=bool(prune), A_PTR=a_ptr, TA_MODE=ta_mode, I_MAX=SCALARS.index("max_abs"), E4M3=e4m3,
-                  SROUND=SCALE_ROUNDING_CODES[scale_rounding], EMAX=fmt.emax, MANB=fmt.man_bits,
+                  SROUND=SCALE_ROUNDING_CODES[sround], EMAX=fmt.emax, MANB=fmt.man_bits,
                   FMAX=float(fmt.max), TDIV=float(np.float32(fmt.max * E4M3.max)), SM=s.M, SMSUB=s.Msub,
                   SE0F=s.E0F, SMAXBITS=s.MAXBITS, SC0F=E4M3.min_normal, M=c.M, MSUB=c.Msub, E0F=c.E0F,
                   MAXBITS=c.MAXBITS, C0F=fmt.min_normal, ROUNDING=ROUNDING_CODES[rounding],
