@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from gradstats.fpanalysis.composed import predict_one
-from gradstats.pruning.histogram import OneLogHistogram
+from gradstats.pruning.histogram import LogHistogram
 from gradstats.pruning.rules import THRESHOLD_RULES, LayerStats
 from gradstats.stats import HIST_BINS, HIST_MIN_EXP, SCALAR_FIELDS, VECTOR_LEN, tensor_stats_vector
 
@@ -87,7 +87,7 @@ class LayerState:
     mean_abs: float = math.nan      # running E|g| (Laplace-model thresholds)
     threshold: float = 0.0
     predicted_sparsity: float = math.nan
-    hist: Optional[OneLogHistogram] = None   # the latest refresh's histogram (threshold_rule="histogram")
+    hist: Optional[LogHistogram] = None   # the latest refresh's histogram (threshold_rule="histogram")
     scale: float = 1.0
     zero_run: int = 0               # consecutive calls whose output was all zeros
     alerts: dict[str, str] = field(default_factory=dict)   # kind -> message of each alert fired
@@ -136,7 +136,7 @@ def stats_vector(g: torch.Tensor, full: bool) -> torch.Tensor:
     return out
 
 
-def histogram_of(v: torch.Tensor) -> OneLogHistogram:
+def histogram_of(v: torch.Tensor) -> LogHistogram:
     """The histogram rule's distribution of a statistics vector: :meth:`LogHistogram.from_stats`
     of its row, in floats (the binade counts, the top magnitudes as atoms, the data's range)."""
     k = len(SCALAR_FIELDS)
@@ -145,7 +145,7 @@ def histogram_of(v: torch.Tensor) -> OneLogHistogram:
     nz = np.flatnonzero(h > 0)
     i = int(nz[0]) if nz.size else 0
     j = int(nz[-1]) + 1 if nz.size else 0
-    return OneLogHistogram.from_stats(h[i:j].tolist(), HIST_MIN_EXP + i, int(a[_F["n"]]), int(a[_F["n_zero"]]),
+    return LogHistogram.from_binades(h[i:j].tolist(), HIST_MIN_EXP + i, int(a[_F["n"]]), int(a[_F["n_zero"]]),
                                      a[k + HIST_BINS:].astype(np.float32).tolist(), float(a[_F["min_abs"]]),
                                      float(a[_F["max_abs"]]))
 

@@ -14,7 +14,7 @@ import torch
 
 from gradstats.ops import cpu as _cpu
 from gradstats.ops.prune import check_generator, check_out, check_tensor, hard_prune, stochastic_prune
-from gradstats.pruning.rules import LayerStats, ThresholdRule, register
+from gradstats.pruning.rules import THRESHOLD_RULES, LayerStats, ThresholdRule, register
 from gradstats.pruning.thresholds import DEFAULT_RULE, RULES
 from gradstats.pruning.thresholds import threshold as _threshold
 from gradstats.stats import SCALAR_FIELDS, has_native_kernel, tensor_stats, tensor_stats_vector
@@ -177,7 +177,8 @@ def prune(x: torch.Tensor, target: float, *, threshold_rule: str = DEFAULT_RULE,
     if method == "exact":
         a = exact_threshold(x, s, stochastic=stochastic)
     elif method == "histogram":
-        a = min(_histogram(x).threshold(s, stochastic=stochastic), float(torch.finfo(x.dtype).max))
+        a = THRESHOLD_RULES["histogram"].threshold(s, LayerStats(hist=_histogram(x)), stochastic=stochastic)
+        a = min(a, float(torch.finfo(x.dtype).max))
     else:
         st = _estimate(x, method)
         if int(st["n"]) - int(st["n_zero"]) - int(st.get("n_nonfinite", 0)) <= 0:

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from gradstats._special import all_, any_, isfinite, maximum, minimum, shown, where
 from gradstats.families import Family, make_family, solve_sparsity
-from gradstats.pruning.histogram import OneLogHistogram
+from gradstats.pruning.histogram import LogHistogram
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class LayerStats:
     scale_laplace: Any = math.nan
     amax: Any = None
     mean_abs: Any = None
-    hist: Optional[OneLogHistogram] = None
+    hist: Optional[LogHistogram] = None
     tensor: Any = None
 
 
@@ -191,15 +191,15 @@ class FamilyRule(ThresholdRule):
 
 class HistogramRule(ThresholdRule):
     """The model-free rule: the operator's sparsity read off ``stats.hist``
-    (:class:`~gradstats.pruning.histogram.OneLogHistogram`)."""
+    (:class:`~gradstats.pruning.histogram.LogHistogram`)."""
 
     name = "histogram"
 
     @staticmethod
-    def _hist(stats: LayerStats) -> OneLogHistogram:
+    def _hist(stats: LayerStats) -> LogHistogram:
         if stats.hist is None:
             raise ValueError("the histogram rule needs LayerStats(hist=...): the binade histogram "
-                             "(OneLogHistogram.from_stats of a statistics row)")
+                             "(LogHistogram.from_stats of a statistics row)")
         return stats.hist
 
     def threshold(self, target: float, stats: LayerStats, *, stochastic: bool = True) -> float:

@@ -270,11 +270,15 @@ def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike
         a = _as_array(threshold)
         if np.isnan(a).any() or (a < 0).any():
             raise ValueError(f"threshold must be >= 0, got {a[~(a >= 0)].reshape(-1)[:5]}")
+        rule = THRESHOLD_RULES["histogram"]
         if single:
-            out = hs[0].expected_sparsity(a.ravel(), stochastic=stochastic).reshape(a.shape)
+            st = LayerStats(hist=hs[0])
+            out = np.array([rule.expected_sparsity(float(v), st, stochastic=stochastic) for v in a.ravel()])
+            out = out.reshape(a.shape)
         else:
             ab = np.broadcast_to(a, (len(hs),))
-            out = np.array([h.expected_sparsity(v, stochastic=stochastic)[0] for h, v in zip(hs, ab)])
+            out = np.array([rule.expected_sparsity(float(v), LayerStats(hist=h), stochastic=stochastic)
+                            for h, v in zip(hs, ab)])
         return _wrap(out, (threshold,))
     m, p0v, single = resolve(source, model=model, mu=mu, sigma=sigma, p0=p0, scale=scale)
     a = _as_array(threshold)
@@ -345,12 +349,15 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
         hs, single = _histograms(source)
         sv = _as_array(target)
         _check_range("target sparsity", sv, 0.0, 1.0, "a fraction of zeros below 1")
+        rule = THRESHOLD_RULES["histogram"]
         if single:
-            out = np.array([hs[0].threshold(float(v), stochastic=stochastic) for v in sv.ravel()])
+            st = LayerStats(hist=hs[0])
+            out = np.array([rule.threshold(float(v), st, stochastic=stochastic) for v in sv.ravel()])
             out = out.reshape(sv.shape)
         else:
             sb = np.broadcast_to(sv, (len(hs),))
-            out = np.array([h.threshold(float(v), stochastic=stochastic) for h, v in zip(hs, sb)])
+            out = np.array([rule.threshold(float(v), LayerStats(hist=h), stochastic=stochastic)
+                            for h, v in zip(hs, sb)])
         return _wrap(out, (target,))
     elif model not in FAMILIES and model != "naive_lognormal":
         raise ValueError(f"threshold_rule must be one of {RULES}, got {model!r}")

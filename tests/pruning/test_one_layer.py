@@ -1,7 +1,7 @@
 """The paths that apply's refresh calls: the threshold rules (gradstats.pruning.rules) against
 scipy.stats references (the operator's sparsity by scipy's distributions and quadrature, solved by
 brentq; the conditioning on amax by its definition), one layer in floats and many in arrays through
-the same rule; the histogram rule (OneLogHistogram), the scale search (gradstats.fpanalysis.optimal_scale
+the same rule; the histogram rule (LogHistogram) against scipy's PCHIP and quadrature, the scale search (gradstats.fpanalysis.optimal_scale
 for one layer) and the prediction (composed.predict_one)."""
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy import integrate, optimize, stats
+from scipy import integrate, interpolate, optimize, stats
 
 from gradstats import fpanalysis, pruning
 from gradstats.formats import FPFormat
 from gradstats.fpanalysis._pieces import build
 from gradstats.fpanalysis._pieces import integrate as pieces_integrate
 from gradstats.fpanalysis.composed import predict_one
-from gradstats.pruning.histogram import LogHistogram, OneLogHistogram
+from gradstats.pruning.histogram import LogHistogram
 from gradstats.pruning.rules import THRESHOLD_RULES, LayerStats
 from gradstats.stats import HIST_MIN_EXP, tensor_stats
 
@@ -185,28 +185,69 @@ def _rows():
     return rows
 
 
-@pytest.mark.parametrize("row", _rows(), ids=lambda r: f"n{r['n']}")
-def test_histogram_rule_matches_log_histogram(row):
-    ref = LogHistogram.from_stats(row)
-    h = OneLogHistogram.from_stats(row["hist"].tolist(), HIST_MIN_EXP, row["n"], row["n_zero"], row["top_abs"].tolist(),
-                               row["min_abs"], row["max_abs"])
-    for t, stochastic in itertools.product([0.0, 0.1, 0.3, 0.5, 0.7, 0.85, 0.95, 0.99], [True, False]):
-        a, b = h.threshold(t, stochastic=stochastic), ref.threshold(t, stochastic=stochastic)
-        if b == 0 or math.isinf(b):
-            assert a == b
+class _RefHistogram:
+    """The histogram rule's distribution by its definition, from scipy: F in ln|g| by scipy's
+    PchipInterpolator through the cumulative fractions at the bin edges (constant outside them),
+    each atom a step of 1/n; S(a) = (1/a) integral_0^a F(x) dx by quadrature in ln x."""
+
+    def __init__(self, h: LogHistogram) -> None:
+        self.n, self.n_zero, self.atoms = h.n, h.n_zero, h.atoms
+        self.binned = h.counts.size > 0
+        if self.binned:
+            x = np.concatenate([h.lower[:1], h.upper])
+            self.l = np.log(x)
+            self.F = np.concatenate([[h.n_zero], h.n_zero + np.cumsum(h.counts)]) / h.n
+            self.P = (interpolate.PchipInterpolator(self.l, self.F) if self.l.size >= 3 else
+                      interpolate.interp1d(self.l, self.F))
+
+    def _cont(self, la: float) -> float:
+        if not self.binned:
+            return self.n_zero / self.n
+        return float(self.F[0] if la <= self.l[0] else self.F[-1] if la >= self.l[-1] else self.P(la))
+
+    def sparsity(self, a: float, stochastic: bool) -> float:
+        below = self.atoms[self.atoms < a]
+        if not stochastic:
+            return self._cont(math.log(a)) + below.size / self.n
+        integral = self.n_zero / self.n * a
+        if self.binned:
+            lo, hi = self.l[0], min(math.log(a), self.l[-1])
+            integral = self.F[0] * math.exp(lo) if a > math.exp(lo) else self.F[0] * a
+            if hi > lo:
+                pts = [v for v in self.l if lo < v < hi]
+                integral += integrate.quad(lambda t: self._cont(t) * math.exp(t), lo, hi, points=pts[:100] or None,
+                                           epsabs=0, epsrel=1e-13, limit=2000)[0]
+                integral += self.F[-1] * max(a - math.exp(self.l[-1]), 0.0)
+        return (integral + float(np.sum(a - below)) / self.n) / a
+
+
+def _check_histogram(h: LogHistogram, targets) -> None:
+    ref = _RefHistogram(h)
+    for t, stochastic in itertools.product(targets, [True, False]):
+        a = h.threshold(t, stochastic=stochastic)
+        if a == 0 or math.isinf(a):
             continue
-        # both solve S(a) = t to the float resolution of ln a; at the top of the distribution the
-        # sparsity is flat (dS/dln a = F - S ~ 1e-3), so the roots may differ by 1e-16 / 1e-3
-        slope = float(ref.expected_sparsity(b * 1.001, stochastic=stochastic)[0]
-                      - ref.expected_sparsity(b, stochastic=stochastic)[0]) / 1e-3
-        assert rel(a, b) <= max(RTOL, 4e-16 / max(slope, 1e-300)), (t, stochastic, a, b)
+        s = ref.sparsity(a, stochastic)
+        if stochastic or not h.atoms.size:       # (the hard fraction is a step at an atom)
+            assert abs(s - t) <= 1e-11, (t, stochastic, a, s)
         for x in (a, 0.3 * a, 7.0 * a, 1e6 * a):
-            assert abs(h.expected_sparsity(x, stochastic=stochastic)
-                       - float(ref.expected_sparsity(x, stochastic=stochastic)[0])) <= RTOL
-    # the same functions through the public verbs
-    a = h.threshold(0.85)
-    assert rel(a, pruning.threshold(0.85, row, threshold_rule="histogram")) <= 1e-11
-    assert abs(h.expected_sparsity(a) - pruning.expected_sparsity(a, row, threshold_rule="histogram")) <= RTOL
+            assert abs(h.expected_sparsity(x, stochastic=stochastic) - ref.sparsity(x, stochastic)) <= 1e-11
+
+
+@pytest.mark.parametrize("row", _rows(), ids=lambda r: f"n{r['n']}")
+def test_histogram_rule_against_its_definition(row):
+    h = LogHistogram.from_stats(row)
+    _check_histogram(h, [0.0, 0.1, 0.3, 0.5, 0.7, 0.85, 0.95, 0.99])
+    # the same rule through the public verbs and the registry (what apply's refresh runs)
+    a = THRESHOLD_RULES["histogram"].threshold(0.85, LayerStats(hist=h))
+    assert a == pruning.threshold(0.85, row, threshold_rule="histogram")
+    assert abs(h.expected_sparsity(a) - pruning.expected_sparsity(a, row, threshold_rule="histogram")) == 0.0
+    # the refresh's reading of the binades (a slice of hist, from its lowest non-empty binade)
+    nz = np.flatnonzero(np.asarray(row["hist"]) > 0)
+    if nz.size:
+        h2 = LogHistogram.from_binades(row["hist"][nz[0]:].tolist(), HIST_MIN_EXP + int(nz[0]), row["n"], row["n_zero"],
+                                       row["top_abs"].tolist(), row["min_abs"], row["max_abs"])
+        assert h2.threshold(0.85) == a
 
 
 def test_histogram_from_quarter_binade_counts():
@@ -215,11 +256,8 @@ def test_histogram_from_quarter_binade_counts():
     x = torch.exp(torch.randn(50_000, generator=g) * 2.0 - 6.0).numpy().astype(np.float32)
     key = (x.view(np.uint32) & 0x7FFFFFFF) >> (23 - 2)
     counts = np.bincount(key, minlength=256 << 2)
-    ref = LogHistogram.from_counts(counts, mbits=2, float64=False, n=x.size)
-    h = OneLogHistogram(ref.counts.tolist(), ref.lower.tolist(), ref.upper.tolist(), ref.n, ref.n_zero)
-    for t in (0.2, 0.5, 0.85, 0.97):
-        assert rel(h.threshold(t), ref.threshold(t)) <= 1e-11
-        assert abs(h.expected_sparsity(ref.threshold(t)) - t) <= 1e-12
+    h = LogHistogram.from_counts(counts, mbits=2, float64=False, n=x.size)
+    _check_histogram(h, (0.2, 0.5, 0.85, 0.97))
 
 
 FORMATS = ["e3m2fn", "e2m3fn", "e2m1fn", "e4m3fn", "e5m2", "e4m3fnuz"]
