@@ -33,7 +33,7 @@ def first_alert(h, gains, se) -> int:
     st = LayerState()
     for k, g in enumerate(gains, 1):
         st.seq = k
-        h._check("0", st, counts(g, se))
+        h.checks.check("0", st, counts(g, se))
         if "gain" in st.alerts:
             return k
     return 0

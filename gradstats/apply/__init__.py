@@ -54,9 +54,9 @@ import pandas as pd
 import torch
 from torch import nn
 
-from gradstats.apply.alerts import Alerting
+from gradstats.apply.alerts import Alerts
 from gradstats.apply.device import DevicePath
-from gradstats.apply.refresh import LayerState, Refreshing, fill_predictions, relative_error
+from gradstats.apply.refresh import LayerState, Records, Refresher, record_snapshot, relative_error
 from gradstats.apply.settings import (
     _STATE_FIELDS,
     _STATE_FIELDS_V2,
@@ -89,7 +89,7 @@ __all__ = ["apply", "Applied", "ApplyConfig", "Fallback", "widen", "ALERT_KINDS"
 log = logging.getLogger("gradstats.apply")
 
 
-class Applied(Refreshing, Alerting, DevicePath):
+class Applied:
     """The handle :func:`apply` returns: removes the hooks (``.remove()``, or use it as a
     context manager) and holds what was done (``.history``, ``.to_dataframe()``,
     ``.summary()``, ``.alerts``); ``state_dict()`` / ``load_state_dict()`` checkpoint it.
@@ -135,9 +135,16 @@ class Applied(Refreshing, Alerting, DevicePath):
         self.fallbacks: list[dict[str, Any]] = []
         self.log_to = log_to
         self.generator = torch.Generator().manual_seed(self.config.seed)
-        self.history: list[dict[str, Any]] = []
         self.state = {n: LayerState() for n in self.rules}
-        self._device_init()
+        # its parts, sharing the rules in force and the state: the refresh of each layer's settings, the
+        # checks of each call (alerts, fallbacks), the device path, the records
+        #: the refresh (:class:`~gradstats.apply.refresh.Refresher`)
+        self.refresher = Refresher(self.rules, self.state, self.config)
+        #: the alerts and fallbacks (:class:`~gradstats.apply.alerts.Alerts`)
+        self.checks = Alerts(self.rules, self.plan_rules, self.config, self.fallbacks, log_to)
+        #: the device path (:class:`~gradstats.apply.device.DevicePath`)
+        self.device_path = DevicePath(self.refresher, self.config, self._quantize_args, self._account)
+        self._records = Records()
         modules = dict(named_layers(root))
         self._types = {n: module_types(modules[n]) for n in self.rules}
         # the taps of a compiled model (gradstats.tracer.taps): per layer, the settling and compressing slots
@@ -168,7 +175,7 @@ class Applied(Refreshing, Alerting, DevicePath):
         def hook(module: nn.Module, inputs: Any, output: Any) -> Any:
             if torch.compiler.is_compiling():   # a graph dynamo traces: taps (gradstats.tracer.taps)
                 return self._tap_compiled(name, module, output)
-            if self._inflight:           # the device path's last backward: settled here, outside it
+            if self.device_path.inflight:     # the device path's last backward: settled here, outside it
                 self.settle()
             if not (torch.is_grad_enabled() and module.training):
                 return None
@@ -195,31 +202,31 @@ class Applied(Refreshing, Alerting, DevicePath):
         return None if sending_back() else self._compress(name, g)
 
     def _settle_now(self, _: torch.Tensor) -> None:
-        if self._inflight:
+        if self.device_path.inflight:
             self.settle()
 
     @torch.compiler.disable
     def _compress(self, name: str, g: torch.Tensor) -> torch.Tensor:
         if use_triton(g.device.type):       # the device path: nothing read back here (apply.device)
             with torch.no_grad():
-                return self._compress_on_device(name, g)
+                return self.device_path.compress(name, g)
         rule, st = self.rules[name], self.state[name]
         k = st.seq - self.config.warmup                       # the call index since the warm-up
         if k < 0:                 # warm-up: the gradient passes unchanged, the statistics follow it
             with torch.no_grad():
-                self._refresh(name, g, True)
+                self.refresher.refresh(name, g, True)
             st.seq += 1
             return g
-        refresh = self._refreshes(k)
+        refresh = self.refresher.refreshes(k)
         err = math.nan
         with torch.no_grad():
-            self._refresh(name, g, refresh)
+            self.refresher.refresh(name, g, refresh)
             q = self._quantize_args(name, rule, g)
             out, counts = prune_quantize(g, st.threshold if rule.prunes else 0.0, q.pop("fmt"), scale=st.scale,
                                          generator=self.generator, **q)
             if self.config.fallback is not None and self.config.fallback.error is not None and counts.n:
                 err = relative_error(out, g)
-        self._account(name, rule, st.seq, counts, err, self._record_snapshot(st))
+        self._account(name, rule, st.seq, counts, err, record_snapshot(st))
         st.seq += 1
         return out.to(g.dtype)
 
@@ -241,7 +248,7 @@ class Applied(Refreshing, Alerting, DevicePath):
         filled in when the records are read, or at once to log them)."""
         st = self.state[name]
         if counts.n:
-            self._check(name, st, counts)
+            self.checks.check(name, st, counts)
         rec = None
         pending = snap.get("pending")
         if self.config.record:       # before a fallback changes the rule (and its scale and predictions)
@@ -265,18 +272,34 @@ class Applied(Refreshing, Alerting, DevicePath):
                    "fallback": "",
                    "mu": snap["mu"], "sigma": snap["sigma"], "p0": snap["p0"], "amax": snap["amax"]}
         if self.config.fallback is not None and counts.n:
-            action = self._drift(name, st, counts, err)
+            action = self.checks.drift(name, st, counts, err)
             if rec is not None:
                 rec["fallback"] = action
-        if rec is not None:
-            if pending is not None:          # computed when the records are read (history), or now to log them
-                if self.log_to is not None:
-                    fill_predictions(rec, pending, rule.quantizes)
-                else:
-                    self._unresolved.append((rec, pending, rule.quantizes))
-            self._history.append(rec)
+        if rec is not None:          # its predictions computed when the records are read, or now to log them
+            self._records.add(rec, pending, rule.quantizes, now=self.log_to is not None)
             if self.log_to is not None:
                 self.log_to.log_rows("applied", [rec])
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every recorded call, one dict each (see the class); the predictions of the calls recorded
+        since the last read are computed here, once each."""
+        return self._records.read()
+
+    @history.setter
+    def history(self, records: list[dict[str, Any]]) -> None:
+        self._records.reset(records)
+
+    @property
+    def device_calls(self) -> int:
+        """The calls enforced on the device path so far (their seeds follow from it; checkpointed)."""
+        return self.device_path.calls
+
+    def settle(self) -> None:
+        """Bring the device path's statistics and counts of every call so far to the host (one wait)
+        and solve, check and record them, in order (:meth:`~gradstats.apply.device.DevicePath.settle`); the handle calls it
+        itself (next forward, results, checkpoints), and it is harmless to call again."""
+        self.device_path.settle()
 
     @property
     def alerts(self) -> dict[str, dict[str, str]]:
@@ -375,10 +398,12 @@ class Applied(Refreshing, Alerting, DevicePath):
                                      f"does not load: {exc}") from None
             states[n] = st
         self.generator.set_state(gen.clone())
-        self.device_calls = int(sd.get("device_calls", 0))
-        self.state = states
-        self.rules = rules
-        self.fallbacks = [dict(r) for r in sd.get("fallbacks", [])]
+        self.device_path.calls = int(sd.get("device_calls", 0))
+        self.state.clear()              # in place: the refresh, the checks and the device path share them
+        self.state.update(states)
+        self.rules.clear()
+        self.rules.update(rules)
+        self.fallbacks[:] = [dict(r) for r in sd.get("fallbacks", [])]
 
     # -- results
     def to_dataframe(self) -> pd.DataFrame:

@@ -3,15 +3,17 @@ bounds (logged once per layer and kind), and a layer's rule changed a step at a 
 gradient drifts past a :class:`~gradstats.apply.Fallback`'s bounds.
 
 Example:
-    >>> from gradstats.apply import Applied
-    >>> from gradstats.apply.alerts import Alerting
-    >>> issubclass(Applied, Alerting)
-    True
+    >>> import torch, gradstats
+    >>> h = gradstats.apply(torch.nn.Sequential(torch.nn.Linear(4, 4)),
+    ...                     gradstats.Plan.uniform(format="e4m3fn", output_layer=False))
+    >>> type(h.checks).__name__, h.checks.rules is h.rules          # one rule set, changed by a fallback
+    ('Alerts', True)
 """
 from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 from gradstats.alarms import Alarm
 from gradstats.apply.refresh import LayerState, predict, predicted_share, scale_for
@@ -34,10 +36,17 @@ def block_band(predicted: float) -> float:
     return predicted + max(0.5 * predicted, 0.01)
 
 
-class Alerting:
-    """The checks of :class:`~gradstats.apply.Applied` (alerts and fallbacks, from the counts of each call)."""
+class Alerts:
+    """The checks of :class:`~gradstats.apply.Applied` (alerts and fallbacks, from the counts of each
+    call). It shares the handle's ``rules`` (a fallback changes the rule in force there), the rules as
+    planned, its ``fallbacks`` (each change made) and the tracer it logs to."""
 
-    def _check(self, name: str, st: LayerState, c: CompressCounts) -> None:
+    def __init__(self, rules: dict[str, Any], plan_rules: dict[str, Any], config: Any,
+                 fallbacks: list[dict[str, Any]], log_to: Any = None) -> None:
+        self.rules, self.plan_rules, self.config = rules, plan_rules, config
+        self.fallbacks, self.log_to = fallbacks, log_to
+
+    def check(self, name: str, st: LayerState, c: CompressCounts) -> None:
         """The alerts, from the counts and sums the kernel returns anyway: a few scalar operations."""
         rule = self.rules[name]
         if c.nonfinite and "nonfinite" not in st.alerts:
@@ -137,7 +146,7 @@ class Alerting:
         if self.log_to is not None:
             self.log_to.log_rows("applied_alerts", [Alarm(kind, name, msg, seq=st.seq).alert_row()])
 
-    def _drift(self, name: str, st: LayerState, c: CompressCounts, err: float) -> str:
+    def drift(self, name: str, st: LayerState, c: CompressCounts, err: float) -> str:
         """Compare the call with its bounds; after ``patience`` drifting calls in a row, change the
         layer's rule by the next applicable action. Returns the action taken, or ``""``."""
         fb, rule = self.config.fallback, self.rules[name]

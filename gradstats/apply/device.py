@@ -17,8 +17,8 @@ Nothing is read back there. The handle *settles* outside the backward pass, at t
 a planned layer (or when a result is asked for: ``to_dataframe()``, ``summary()``, ``alerts``,
 ``state_dict()``, ``remove()``): one wait for every copy of the step, then, per call in order, the
 statistics are folded into the layer's running state and its threshold, scale and predictions
-solved (the same host code as the CPU path: :class:`gradstats.apply.refresh.Refreshing`), and the
-counts checked and recorded (:class:`gradstats.apply.alerts.Alerting`).
+solved (the same host code as the CPU path: :class:`gradstats.apply.refresh.Refresher`), and the
+counts checked and recorded (:class:`gradstats.apply.alerts.Alerts`).
 
 **The lag.** The threshold and scale a call uses are solved from the statistics of the calls
 before the last settling: with ``refresh_every=1``, the previous step's gradient instead of the
@@ -36,18 +36,20 @@ on the CPU through the interpreter make the same draws, and a checkpoint resumes
 (``state_dict()`` holds the index).
 
 Example:
-    >>> from gradstats.apply.device import DevicePath
-    >>> DevicePath.__name__
-    'DevicePath'
+    >>> import torch, gradstats
+    >>> h = gradstats.apply(torch.nn.Sequential(torch.nn.Linear(4, 4)),
+    ...                     gradstats.Plan.uniform(format="e4m3fn", output_layer=False))
+    >>> h.device_path.calls, h.device_path.inflight, h.device_path.refresher is h.refresher   # none on the CPU
+    (0, [], True)
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from gradstats.apply.refresh import LayerState, snapshot
+from gradstats.apply.refresh import LayerState, Refresher, snapshot
 from gradstats.ops import random as _rng
 from gradstats.ops.fused import CompressCounts, prune_quantize_into
 from gradstats.ops.host import Outbox
@@ -117,44 +119,44 @@ def current_settings(v: torch.Tensor, st: LayerState, rule: Any, fmt: Any) -> tu
 
 
 class DevicePath:
-    """The device path of :class:`~gradstats.apply.Applied` (see the module's docstring)."""
+    """The device path of :class:`~gradstats.apply.Applied` (see the module's docstring): it shares
+    the handle's ``rules`` and ``state``, solves with its :class:`~gradstats.apply.refresh.Refresher`,
+    and hands each settled call to ``account`` (the handle's checks and records)."""
 
-    rules: dict[str, Any]
-    state: dict[str, LayerState]
-    config: Any
-    generator: torch.Generator
-
-    def _device_init(self) -> None:
-        self._outbox = Outbox()
-        self._inflight: list[tuple[Any, ...]] = []
+    def __init__(self, refresher: Refresher, config: Any, quantize_args: Callable[[str, Any, torch.Tensor], dict],
+                 account: Callable[..., None]) -> None:
+        self.refresher, self.rules, self.state = refresher, refresher.rules, refresher.state
+        self.config, self.quantize_args, self.account = config, quantize_args, account
+        self.outbox = Outbox()
+        self.inflight: list[tuple[Any, ...]] = []
         #: enforced calls on the device path so far (their seeds follow from it; checkpointed)
-        self.device_calls = 0
+        self.calls = 0
 
     def _next_seed(self) -> int:
         """The seed of the next call, from the handle's seed and the call's index: host integers,
         no draw from a generator (which reads a tensor)."""
-        self.device_calls += 1
-        return _rng.mix64(_rng.mix64(self.config.seed) + self.device_calls) >> 2
+        self.calls += 1
+        return _rng.mix64(_rng.mix64(self.config.seed) + self.calls) >> 2
 
-    def _compress_on_device(self, name: str, g: torch.Tensor) -> torch.Tensor:
+    def compress(self, name: str, g: torch.Tensor) -> torch.Tensor:
         from gradstats.apply.refresh import all_reduce_stats, stats_vector
 
         rule, st = self.rules[name], self.state[name]
         k = st.seq - self.config.warmup
-        refresh = k < 0 or self._refreshes(k)        # type: ignore[attr-defined]
+        refresh = k < 0 or self.refresher.refreshes(k)
         hist = rule.prunes and rule.threshold_rule == "histogram"
         v = stats_vector(g, full=refresh and hist)   # every call: its location corrects the lag below
         if self.config.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
             v = all_reduce_stats(v)
-        if self._needs_stats(rule, refresh):         # type: ignore[attr-defined]
-            self._outbox.put(v)
-            self._inflight.append(("stats", name, refresh, refresh and hist, g.numel()))
+        if self.refresher.needs_stats(rule, refresh):
+            self.outbox.put(v)
+            self.inflight.append(("stats", name, refresh, refresh and hist, g.numel()))
         if k < 0 or math.isnan(st.mu):       # warm-up, or the layer's first call: no statistics back yet
             st.seq += 1
             return g
         if refresh and rule.prunes and rule.threshold_rule == "exact":
-            self._solve(name, True, g.numel(), g)    # type: ignore[attr-defined]   (reads its threshold back)
-        q = self._quantize_args(name, rule, g)        # type: ignore[attr-defined]
+            self.refresher.solve(name, True, g.numel(), g)    # (reads its threshold back)
+        q = self.quantize_args(name, rule, g)
         fmt = q.pop("fmt")                           # the rule's scheme (None: no quantisation)
         el = None if fmt is None else fmt.element
         if (el is None or fmt.block_size is None) and _one_kernel(g, el, st.scale):
@@ -186,8 +188,8 @@ class DevicePath:
             used = torch.stack([torch.as_tensor(threshold, dtype=torch.float64, device=g.device).reshape(()),
                                 torch.as_tensor(scale, dtype=torch.float64, device=g.device).reshape(())])
             buf = torch.cat([counts.view(torch.float64), sums, used])
-        self._outbox.put(buf)
-        self._inflight.append(("counts", name, st.seq, g.numel(), rule, snapshot(st)))
+        self.outbox.put(buf)
+        self.inflight.append(("counts", name, st.seq, g.numel(), rule, snapshot(st)))
         st.seq += 1
         return out
 
@@ -195,22 +197,22 @@ class DevicePath:
         """Bring the device's statistics and counts of every call so far to the host (one wait),
         then update each layer's state, solve its settings, check and record its calls, in order.
         Called by the handle itself (next forward, results, checkpoints); harmless to call again."""
-        if not self._inflight:
+        if not self.inflight:
             return
-        items = iter(self._outbox.collect())
-        inflight, self._inflight = self._inflight, []
+        items = iter(self.outbox.collect())
+        inflight, self.inflight = self.inflight, []
         for entry in inflight:
             if entry[0] == "stats":
                 _, name, refresh, hist, numel = entry
-                self._fold(name, next(items), hist)                 # type: ignore[attr-defined]
-                self._solve(name, refresh, numel)                   # type: ignore[attr-defined]
+                self.refresher.fold(name, next(items), hist)
+                self.refresher.solve(name, refresh, numel)
                 continue
             _, name, seq, numel, rule, snap = entry
             buf = next(items)
             thr, scale = buf[11:13].tolist()
             snap = {**snap, "threshold": thr, "scale": scale}      # as the kernel used them
             counts = CompressCounts(numel, *buf[:5].view(torch.int64).tolist(), *buf[5:11].tolist())
-            self._account(name, rule, seq, counts, math.nan, snap)  # type: ignore[attr-defined]
+            self.account(name, rule, seq, counts, math.nan, snap)
 
 
 __all__ = ["DevicePath"]

@@ -290,59 +290,72 @@ def all_reduce_stats(v: torch.Tensor) -> torch.Tensor:
 PREDICTED = ("predicted_underflow", "predicted_overflow", "predicted_error")
 
 
-class Refreshing:
-    """The refresh of :class:`~gradstats.apply.Applied` (its per-layer settings from the running statistics)."""
+class Records:
+    """The per-call records of :class:`~gradstats.apply.Applied` (its ``history``): a call's
+    predictions may be left pending by a lazy solve and are computed when the records are read, once
+    each."""
 
-    _history: list[dict[str, Any]]
-    _unresolved: list[tuple[dict[str, Any], Pending, bool]]
+    def __init__(self) -> None:
+        self._records: list[dict[str, Any]] = []
+        self._unresolved: list[tuple[dict[str, Any], Pending, bool]] = []
 
-    @property
-    def history(self) -> list[dict[str, Any]]:
-        """Every recorded call, one dict each (see :class:`~gradstats.apply.Applied`); the predictions
-        of the calls recorded since the last read are computed here, once each."""
-        if self._unresolved:
-            self._resolve_records()
-        return self._history
-
-    @history.setter
-    def history(self, records: list[dict[str, Any]]) -> None:
-        self._history = records
-        self._unresolved = []
-
-    def _resolve_records(self) -> None:
-        """Fill in the predictions of the records whose solve left them pending."""
+    def read(self) -> list[dict[str, Any]]:
+        """Every record, the pending predictions computed first."""
         todo, self._unresolved = self._unresolved, []
         for rec, pending, quantizes in todo:
             fill_predictions(rec, pending, quantizes)
+        return self._records
 
-    def _record_snapshot(self, st: LayerState) -> dict[str, Any]:
-        """:func:`snapshot` of the state for a call's record, its predictions left pending (under
-        ``"pending"``) where the solve left them so."""
-        if st.pending is None:
-            return snapshot(st)
-        snap: dict[str, Any] = {k: getattr(st, k) for k in SNAPSHOT if k not in PREDICTED}
-        snap["pending"] = st.pending
-        return snap
+    def reset(self, records: list[dict[str, Any]]) -> None:
+        self._records, self._unresolved = records, []
 
-    def _refresh(self, name: str, g: torch.Tensor, refresh: bool) -> None:
+    def add(self, rec: dict[str, Any], pending: Optional[Pending], quantizes: bool, *, now: bool = False) -> None:
+        """Keep ``rec``; its predictions, where ``pending``, computed when read (or ``now``)."""
+        if pending is not None:
+            if now:
+                fill_predictions(rec, pending, quantizes)
+            else:
+                self._unresolved.append((rec, pending, quantizes))
+        self._records.append(rec)
+
+
+def record_snapshot(st: LayerState) -> dict[str, Any]:
+    """:func:`snapshot` of the state for a call's record, its predictions left pending (under
+    ``"pending"``) where the solve left them so."""
+    if st.pending is None:
+        return snapshot(st)
+    snap: dict[str, Any] = {k: getattr(st, k) for k in SNAPSHOT if k not in PREDICTED}
+    snap["pending"] = st.pending
+    return snap
+
+
+class Refresher:
+    """The refresh of :class:`~gradstats.apply.Applied`: each planned layer's settings (threshold,
+    scale, predictions) from its running statistics. It shares the handle's ``rules`` (in force,
+    changed by a fallback) and ``state``."""
+
+    def __init__(self, rules: dict[str, Any], state: dict[str, LayerState], config: Any) -> None:
+        self.rules, self.state, self.config = rules, state, config
+
+    def refresh(self, name: str, g: torch.Tensor, refresh: bool) -> None:
         """The statistics of ``g`` folded into the layer's state, then its settings solved from
         them (the synchronous path: the host reads the statistics in the backward pass)."""
         rule = self.rules[name]
         hist_rule = rule.prunes and rule.threshold_rule == "histogram"
-        if self._needs_stats(rule, refresh):   # the histogram rule reads the binade counts; the others the moments alone
+        if self.needs_stats(rule, refresh):   # the histogram rule reads the binade counts; the others the moments alone
             v = stats_vector(g, full=refresh and hist_rule)
             if self.config.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
                 v = all_reduce_stats(v)
-            self._fold(name, v, refresh and hist_rule)
-        self._solve(name, refresh, g.numel(), g, lazy=True)
+            self.fold(name, v, refresh and hist_rule)
+        self.solve(name, refresh, g.numel(), g, lazy=True)
 
     @staticmethod
-    def _needs_stats(rule: Any, refresh: bool) -> bool:
+    def needs_stats(rule: Any, refresh: bool) -> bool:
         """Whether a call reads the gradient's statistics: on a refresh, and on every call of a
         per-tensor ``"amax"`` scale."""
         return refresh or (rule.quantizes and rule.scale == "amax" and rule.block_size is None)
 
-    def _fold(self, name: str, v: torch.Tensor, hist: bool) -> None:
+    def fold(self, name: str, v: torch.Tensor, hist: bool) -> None:
         """Fold one statistics vector (on the host) into the layer's running state; ``hist``: keep
         its binade counts for the histogram rule."""
         st = self.state[name]
@@ -350,7 +363,7 @@ class Refreshing:
         if hist:
             st.hist = histogram_of(v)
 
-    def _solve(self, name: str, refresh: bool, numel: int, g: Optional[torch.Tensor] = None, *,
+    def solve(self, name: str, refresh: bool, numel: int, g: Optional[torch.Tensor] = None, *,
                lazy: bool = False) -> None:
         """The layer's threshold, predicted sparsity, scale and predictions from its running state
         (``g``: the gradient, which the exact rule selects from; ``numel``: its size). ``lazy``: the
@@ -373,7 +386,7 @@ class Refreshing:
             predict_(rule, st, numel)
         st.solved_mu = st.mu
 
-    def _refreshes(self, k: int) -> bool:
+    def refreshes(self, k: int) -> bool:
         """Whether call ``k`` (counted from the end of the warm-up) refreshes: every
         ``refresh_every``-th, or as the schedule says; the first always does."""
         if k == 0:
