@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Union
@@ -253,6 +254,53 @@ class Scheme:
             return _of(fmt, rounding, block_size, scale_format, scale_rounding, hadamard, what)
         except TypeError:   # an unhashable argument: resolved without the cache (and refused there)
             return _of.__wrapped__(fmt, rounding, block_size, scale_format, scale_rounding, hadamard, what)
+
+    @property
+    def block_top_log2(self) -> float:
+        """The block-scale rule as the estimators read it: ``log2`` of where a block's largest magnitude
+        lands once divided by its decode scale. E8M0 scales (MX, the OCP floor rule
+        ``2**(floor(log2 amax) - emax)``) put it in the element's top binade ``[2**emax, 2**(emax + 1))``,
+        its mantissa kept (``emax`` is returned); E4M3 scales (NVFP4) map it onto the element's maximum
+        (``log2 fmt.max``, up to the scale's own e4m3 rounding). The exact rule on tensors, every E8M0
+        rounding included, is :func:`gradstats.ops.block_scales.block_decode_scales`.
+
+        Example:
+            >>> Scheme.parse("mxfp4").block_top_log2, round(Scheme.parse("nvfp4").block_top_log2, 4)
+            (2.0, 2.585)
+        """
+        if self.block_size is None:
+            raise ValueError(f"scheme {self}: one scale per tensor has no block scale: set block_size")
+        return float(self.element.emax) if self.tensor_scale is None else math.log2(self.element.max)
+
+    @property
+    def block_scale_floor_log2(self) -> float | None:
+        """``log2`` of the ratio of a block's maximum to the tensor's below which NVFP4's E4M3 block scale
+        ``e4m3(448 * m / max|x|)`` rounds to zero (half the smallest e4m3 subnormal, relative to 448) and
+        flushes the block whole; None for E8M0 scales (they reach ``2**-127``) and without blocks.
+
+        Example:
+            >>> Scheme.parse("nvfp4").block_scale_floor_log2, Scheme.parse("mxfp4").block_scale_floor_log2
+            (-18.807354922057606, None)
+        """
+        if self.block_size is None or self.tensor_scale is None:
+            return None
+        sf = self.scale_format
+        return math.log2(sf.min_subnormal) - 1 - math.log2(sf.max)
+
+    @property
+    def block_layout(self) -> "Scheme":
+        """Where the scheme's scales live and nothing else: its block size and scale formats on float32
+        elements, rounded to nearest, without a transform (what a granularity names:
+        :func:`gradstats.fpanalysis.granularity.granularity_layout`); ``.replace(element=f)`` puts a
+        format in it.
+
+        Example:
+            >>> Scheme.parse("mxfp4").block_layout == Scheme.parse("mxfp8_e4m3:rounding=stochastic").block_layout
+            True
+            >>> str(Scheme.parse("nvfp4_training").block_layout.replace(element="e2m1fn"))
+            'nvfp4'
+        """
+        return Scheme(FP32, block_size=self.block_size, scale_format=self.scale_format, tensor_scale=self.tensor_scale)
 
     def replace(self, **changes: Any) -> "Scheme":
         """A copy with ``changes``; fields derived from a changed block layout are derived anew.

@@ -16,7 +16,7 @@ import torch
 from gradstats.formats import FPFormat, parse
 from gradstats.scheme import SCALE_ROUNDINGS, Scheme
 
-__all__ = ["mx_shared_exponent"]
+__all__ = ["mx_shared_exponent", "block_decode_scales"]
 
 
 def mx_shared_exponent(amax: torch.Tensor, fmt: Union[FPFormat, str], rounding: str = "floor") -> torch.Tensor:
@@ -62,21 +62,40 @@ def mx_shared_exponent(amax: torch.Tensor, fmt: Union[FPFormat, str], rounding: 
     return e.clamp_(-127, 127).to(torch.int32)
 
 
-def _scales_of_blocks(xb: torch.Tensor, s: Scheme, tensor_amax: Optional[float] = None) -> torch.Tensor:
-    """Decode scale per block of ``xb`` ``(..., n_blocks, B)`` under the block-scaled scheme ``s``, shape
-    ``(..., n_blocks, 1)``. NVFP4's float32 tensor scale comes from ``tensor_amax`` where given (a part of a
-    tensor quantised as the whole tensor would be), else from the largest block amax."""
-    ab = xb.abs()
-    ab = torch.where(torch.isfinite(ab), ab, 0.0)
-    amax = ab.amax(dim=-1, keepdim=True)
+def block_decode_scales(amax: torch.Tensor, s: Scheme, tensor_amax: Optional[float] = None) -> torch.Tensor:
+    """The block-scale rule, the one home of it on tensors: the float32 decode scale of blocks whose largest
+    finite magnitude is ``amax`` under the block-scaled scheme ``s``. E8M0 (MX): ``2**e`` with ``e`` of
+    :func:`mx_shared_exponent` at the scheme's scale rounding. E4M3 (NVFP4): a float32 tensor scale
+    ``t = tmax / (fmt.max * 448)`` (1 for ``tmax == 0``), ``tmax`` the tensor's largest magnitude
+    (``tensor_amax`` where given, else the largest ``amax``), and ``e4m3fn(amax / (fmt.max * t)) * t``;
+    ``0`` marks a block that encodes as zeros. The Triton block kernel computes the same on the same bits.
+
+    Example:
+        >>> import torch
+        >>> from gradstats.scheme import Scheme
+        >>> block_decode_scales(torch.tensor([1.0, 6.0, 0.0]), Scheme.parse("mxfp4")).tolist()
+        [0.25, 1.0, 5.877471754111438e-39]
+        >>> block_decode_scales(torch.tensor([1.0, 6.0, 0.0]), Scheme.parse("nvfp4")).tolist()
+        [0.1607142984867096, 1.0, 0.0]
+    """
+    if s.block_size is None:
+        raise ValueError(f"block_decode_scales: scheme {s} has one scale per tensor: set block_size")
     if s.tensor_scale is None:          # E8M0 (MX)
         return torch.ldexp(torch.ones_like(amax), mx_shared_exponent(amax, s.element, s.scale_rounding or "floor"))
     fmt, e4m3 = s.element, s.scale_format
     if tensor_amax is not None:
-        tmax = torch.tensor(float(tensor_amax), dtype=torch.float32, device=xb.device)
+        tmax = torch.tensor(float(tensor_amax), dtype=torch.float32, device=amax.device)
     else:
         tmax = amax.amax() if amax.numel() else amax.new_zeros(())
     t = torch.where(tmax > 0, tmax / (fmt.max * e4m3.max), 1.0)
     # e4m3fn, nearest-even, saturating: torch's cast, bit for bit gradstats.quantize's (checked in the tests)
     sb = (amax / (fmt.max * t)).clamp(max=e4m3.max).to(torch.float8_e4m3fn).float()
     return sb * t
+
+
+def _scales_of_blocks(xb: torch.Tensor, s: Scheme, tensor_amax: Optional[float] = None) -> torch.Tensor:
+    """Decode scale per block of ``xb`` ``(..., n_blocks, B)`` (:func:`block_decode_scales` of each block's
+    largest finite magnitude), shape ``(..., n_blocks, 1)``."""
+    ab = xb.abs()
+    amax = torch.where(torch.isfinite(ab), ab, 0.0).amax(dim=-1, keepdim=True)
+    return block_decode_scales(amax, s, tensor_amax)

@@ -34,8 +34,9 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
-from gradstats.formats import FPFormat, parse
+from gradstats.formats import FPFormat
 from gradstats.ops import layout as _layout
+from gradstats.scheme import SCALE_FORMATS, Scheme
 
 __all__ = ["block_stats", "blocks_stats", "kernel_block_stats", "flushed_blocks", "oriented_block_stats", "flush_probability",
            "block_flush_probability", "flushed_entries", "RANGE_BINS", "BLOCK_SIZES", "BELOW_BINS", "ORIENTATIONS"]
@@ -134,11 +135,13 @@ def blocks_stats(x: torch.Tensor, block_sizes: Iterable[int], *, sample: int | N
         return out
 
 
-def flushed_blocks(rows: Iterable[Mapping[str, Any]] | Mapping[str, Any], fmt: FPFormat | str, *,
-                   scale_format: str = "e8m0", orientation: str = "rows") -> dict[str, float]:
+def flushed_blocks(rows: Iterable[Mapping[str, Any]] | Mapping[str, Any], fmt: Scheme | FPFormat | str, *,
+                   orientation: str = "rows") -> dict[str, float]:
     """Bounds on the fraction of the non-zero blocks in which round-to-nearest with block scales
-    (``"e8m0"``: MX; ``"e4m3"``: NVFP4-style, the block's largest entry mapped to the format's
-    maximum) flushes at least one non-zero entry to zero, from block statistics rows: ``low`` (blocks
+    (``fmt``: a block-scaled scheme or its name, such as ``"nvfp4"``, or a format in MX blocks: E8M0
+    scales; NVFP4's E4M3 scales map the block's largest entry to the format's maximum:
+    :attr:`~gradstats.scheme.Scheme.block_top_log2`) flushes at least one non-zero entry to zero, from
+    block statistics rows: ``low`` (blocks
     whose range is surely too wide) and ``high`` (blocks whose range may be), and the midpoint
     ``estimate``. ``orientation``: only the rows of blocks that run so (:data:`ORIENTATIONS`; a row
     without an ``orientation``, from a run recorded before blocks had one, counts as ``"rows"``: its
@@ -157,9 +160,8 @@ def flushed_blocks(rows: Iterable[Mapping[str, Any]] | Mapping[str, Any], fmt: F
         >>> flushed_blocks(block_stats(x, 16), "e2m1fn")["low"]
         1.0
     """
-    f = parse(fmt)
-    if scale_format not in ("e8m0", "e4m3"):
-        raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
+    s = _in_blocks(fmt)
+    f = s.element
     check_orientation(orientation)
     rows = [rows] if isinstance(rows, Mapping) else list(rows)
     rows = [r for r in rows if _orientation_of(r) == orientation]
@@ -169,10 +171,9 @@ def flushed_blocks(rows: Iterable[Mapping[str, Any]] | Mapping[str, Any], fmt: F
         return {"low": 0.0, "high": 0.0, "estimate": 0.0, "blocks": 0}
     L = math.log2(f.min_subnormal) - 1
     r = np.arange(RANGE_BINS)
-    if scale_format == "e8m0":
-        sure = possible = r >= f.emax + 1 - L
-    else:
-        sure, possible = r >= math.log2(f.max) + 1 - L, r > math.log2(f.max) - 1 - L
+    top = s.block_top_log2                  # the block's maximum, scaled: in binade emax (E8M0), at max (E4M3)
+    sure = r >= top + 1 - L
+    possible = sure if s.tensor_scale is None else r > top - 1 - L
     low = float(hist[sure].sum()) / total
     high = float(hist[possible].sum()) / total
     return {"low": low, "high": high, "estimate": (low + high) / 2, "blocks": int(total)}
@@ -185,6 +186,20 @@ ORIENTATIONS = _layout.ORIENTATIONS
 check_orientation = _layout.check_orientation
 #: bins of the histogram of entries by binades below their block's maximum (the last one open)
 BELOW_BINS = 64
+
+
+def _in_blocks(fmt: Scheme | FPFormat | str, scale_format: str | None = None) -> Scheme:
+    """The block-scaled scheme an estimator models: a scheme (or its name) with blocks as it is, a format
+    (or a scheme without blocks) in MX blocks, E8M0 scales (the block size is the histograms' own)."""
+    s = Scheme.of(fmt, what="block flush estimate")
+    if s.block_size is None:
+        s = s.replace(block_size=32)
+    if scale_format is not None:
+        if scale_format not in SCALE_FORMATS:
+            raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
+        if scale_format != s.scale_format_name:
+            s = s.replace(scale_format=scale_format)
+    return s
 
 
 def _orientation_of(row: Mapping[str, Any]) -> str:
@@ -291,18 +306,20 @@ def finite_max(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(a), a, 0.0).amax()
 
 
-def flush_probability(fmt: FPFormat | str, *, scale_format: str = "e8m0", rounding: str = "nearest") -> np.ndarray:
+def flush_probability(fmt: Scheme | FPFormat | str, *, rounding: str = "nearest") -> np.ndarray:
     """The probability that a non-zero entry ``d`` binades below its block's maximum
-    (``d = 0..BELOW_BINS - 1``, the index of ``below_hist``) is flushed to zero by block scaling.
+    (``d = 0..BELOW_BINS - 1``, the index of ``below_hist``) is flushed to zero by block scaling
+    (``fmt``: a block-scaled scheme or its name, or a format in MX blocks; the scale's rule:
+    :attr:`~gradstats.scheme.Scheme.block_top_log2`).
 
-    ``"e8m0"`` (MX): the scale ``2**(floor(log2 max) - emax)`` is a power of two, so the scaled entry
+    E8M0 (MX): the scale ``2**(floor(log2 max) - emax)`` is a power of two, so the scaled entry
     keeps its mantissa and sits in binade ``emax - d`` of the format. Under round-to-nearest it is
     flushed exactly when that binade lies wholly below half the smallest subnormal ``u1``:
     ``d >= emax - log2(u1) + 2`` (an entry in the binade just above, ``[u1/2, u1)``, rounds up to
     ``u1``, save a tie exactly at ``u1/2``, which rounds to zero: an entry whose mantissa is exactly 1,
     not counted). Under stochastic rounding an entry ``y < u1`` is flushed with probability ``1 - y/u1``,
     averaged over its position within its binade taken as log-uniform.
-    ``"e4m3"`` (NVFP4): the block's maximum is mapped to the format's maximum, so an entry becomes
+    E4M3 (NVFP4): the block's maximum is mapped to the format's maximum, so an entry becomes
     ``fmt.max * 2**(-d + f_x - f_m)``, with ``f_x``, ``f_m`` the entry's and the maximum's positions
     within their binades, taken as independent and log-uniform (``f_x - f_m`` triangular on
     ``(-1, 1)``); the e4m3 rounding of the block scale (within 6%) and blocks whose scale underflows
@@ -313,17 +330,16 @@ def flush_probability(fmt: FPFormat | str, *, scale_format: str = "e8m0", roundi
         >>> p[:7].tolist()
         [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
     """
-    f = parse(fmt)
-    if scale_format not in ("e8m0", "e4m3"):
-        raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
+    s = _in_blocks(fmt)
+    f = s.element
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     u1 = float(f.min_subnormal)
     g = (np.arange(256) + 0.5) / 256                     # positions within a binade (midpoints)
-    if scale_format == "e8m0":
-        log_top, pos = float(f.emax), g                  # the scaled maximum's binade; the entry's position
+    log_top = s.block_top_log2                           # where the block's maximum lands
+    if s.tensor_scale is None:
+        pos = g                                          # E8M0: the entry's position (the maximum's binade kept)
     else:
-        log_top = math.log2(f.max)
         pos = (g[:, None] - g[None, :]).reshape(-1)      # f_x - f_m
     d = np.arange(BELOW_BINS, dtype=np.float64)
     y = np.exp2(log_top - d[:, None] + pos[None, :])     # the scaled entries
@@ -334,40 +350,40 @@ def flush_probability(fmt: FPFormat | str, *, scale_format: str = "e8m0", roundi
     return p.mean(axis=1)
 
 
-def block_flush_probability(fmt: FPFormat | str, *, scale_format: str = "e8m0") -> np.ndarray:
+def block_flush_probability(fmt: Scheme | FPFormat | str) -> np.ndarray:
     """The probability that a block whose maximum sits ``D`` binades below the tensor's
     (``D = 0..BELOW_BINS - 1``, the index of ``top_hist``) is flushed whole because its scale
-    underflows. ``"e4m3"`` (NVFP4): the block scale ``e4m3(m / (fmt.max * t))`` with the float32
+    underflows (``fmt``: a block-scaled scheme or its name, or a format in MX blocks). E4M3 (NVFP4): the block scale ``e4m3(m / (fmt.max * t))`` with the float32
     tensor scale ``t = max|x| / (fmt.max * 448)`` is ``448 m / max|x|`` rounded to e4m3fn, zero below
     half its smallest subnormal ``2**-9``, with the two maxima's positions within their binades taken
-    as independent and log-uniform. ``"e8m0"`` (MX): zeros (its scales reach ``2**-127``).
+    as independent and log-uniform (:attr:`~gradstats.scheme.Scheme.block_scale_floor_log2`). E8M0 (MX): zeros
+    (its scales reach ``2**-127``).
 
     Example:
-        >>> p = block_flush_probability("e2m1fn", scale_format="e4m3")
+        >>> p = block_flush_probability("nvfp4")
         >>> p[17].item(), p[21].item()
         (0.0, 1.0)
     """
-    parse(fmt)                                                       # a format, else a ValueError
-    if scale_format not in ("e8m0", "e4m3"):
-        raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
-    if scale_format == "e8m0":
+    floor = _in_blocks(fmt).block_scale_floor_log2
+    if floor is None:
         return np.zeros(BELOW_BINS)
-    e4m3 = parse("e4m3fn")
     g = (np.arange(256) + 0.5) / 256
     pos = (g[:, None] - g[None, :]).reshape(-1)                      # f_m - f_t
     d = np.arange(BELOW_BINS, dtype=np.float64)
-    scaled = math.log2(e4m3.max) - d[:, None] + pos[None, :]         # log2(448 m / max|x|)
-    return (scaled < math.log2(e4m3.min_subnormal) - 1).mean(axis=1).astype(np.float64)
+    return ((pos[None, :] - d[:, None]) < floor).mean(axis=1).astype(np.float64)   # log2(m / max|x|) below it
 
 
-def flushed_entries(below_hist: Iterable[int] | np.ndarray, fmt: FPFormat | str, *, scale_format: str = "e8m0",
-                    rounding: str = "nearest", top_hist: Iterable[int] | np.ndarray | None = None) -> Any:
+def flushed_entries(below_hist: Iterable[int] | np.ndarray, fmt: Scheme | FPFormat | str, *,
+                    scale_format: str | None = None, rounding: str = "nearest",
+                    top_hist: Iterable[int] | np.ndarray | None = None) -> Any:
     """The fraction of the non-zero entries that block scaling flushes to zero (the expected fraction
     under stochastic rounding), from a ``below_hist`` (:func:`oriented_block_stats`; several rows'
     summed): ``below_hist @ flush_probability(...) / sum(below_hist)``; 0.0 without entries. With a
     ``top_hist`` (NVFP4's two-level scale), the entries of blocks flushed whole
     (:func:`block_flush_probability`) count too, the rest as before. Rows of histograms
-    (``(R, BELOW_BINS)``) give an array of ``R`` fractions.
+    (``(R, BELOW_BINS)``) give an array of ``R`` fractions. ``fmt``: a block-scaled scheme or its name, or a
+    format in MX blocks; ``scale_format`` (``"e8m0"``, ``"e4m3"``) replaces the scheme's (for callers that
+    still hold the pieces: pass a scheme instead).
 
     Example:
         >>> flushed_entries(oriented_block_stats(torch.tensor([[1.0, 2.0 ** -8]]), 2)["below_hist"], "e2m1fn")
@@ -384,8 +400,9 @@ def flushed_entries(below_hist: Iterable[int] | np.ndarray, fmt: FPFormat | str,
         total = counts.sum(axis=-1)
         return np.where(total > 0, counts @ prob / np.where(total > 0, total, 1.0), 0.0)
 
-    out = share(h, flush_probability(fmt, scale_format=scale_format, rounding=rounding))
+    s = _in_blocks(fmt, scale_format)
+    out = share(h, flush_probability(s, rounding=rounding))
     if top_hist is not None:
-        whole = share(np.asarray(top_hist, dtype=np.float64), block_flush_probability(fmt, scale_format=scale_format))
+        whole = share(np.asarray(top_hist, dtype=np.float64), block_flush_probability(s))
         out = whole + (1.0 - whole) * out
     return float(out) if h.ndim == 1 else out

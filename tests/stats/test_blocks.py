@@ -113,7 +113,7 @@ def test_the_tracer_records_them_and_they_bound_what_formats_flush(tmp_path):
             row = t[(t.layer == layer) & (t.step == 1) & (t.block_size == b) & (t.orientation == "rows")].iloc[0].to_dict()
             assert {k: row[k] if not k.endswith("hist") else list(row[k]) for k in ("n_blocks", "n_sampled",
                     "n_zero_blocks", "range_hist", "below_hist", "top_hist")} == oriented_block_stats(x, b, "rows")
-            bounds = flushed_blocks(row, fmt, scale_format=sf)
+            bounds = flushed_blocks(row, gradstats.Scheme.of(fmt, block_size=b, scale_format=sf))
             got = _measured_flushed(x, fmt, b, sf)
             assert bounds["low"] - 1e-3 <= got <= bounds["high"] + 1e-3, (layer, fmt, sf, bounds, got)
             if sf == "e8m0":
@@ -168,7 +168,7 @@ def test_bad_block_sizes(tmp_path):
     with pytest.raises(ValueError, match="block_sample must be"):
         gradstats.trace(torch.nn.Linear(2, 2), tmp_path / "r2", blocks=(16,), block_sample=0)
     with pytest.raises(ValueError, match="scale_format"):
-        flushed_blocks({"range_hist": [1] * RANGE_BINS}, "e2m1fn", scale_format="e5m2")
+        flushed_blocks({"range_hist": [1] * RANGE_BINS}, gradstats.Scheme.of("e2m1fn", block_size=16, scale_format="e5m2"))
 
 
 def test_several_sizes_at_once_equal_one_at_a_time():
