@@ -21,9 +21,9 @@ import numpy as np
 from gradstats.formats import FPFormat, parse
 from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis.error import default_tensor_amax, integrals
-from gradstats.fpanalysis.granularity import Layout, granularity_layout
+from gradstats.fpanalysis.granularity import granularity_layout, granularity_of
 from gradstats.fpanalysis.scale import _mode, _optimal
-from gradstats.scheme import E4M3
+from gradstats.scheme import E4M3, FP32, Scheme
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -70,7 +70,7 @@ def _granularity_key(granularity: Any) -> Optional[str]:
     """The key of :data:`CANDIDATE_PRESETS` a granularity selects (:func:`~gradstats.fpanalysis.granularity.
     granularity_layout` reads it): ``"tensor"``, ``"mx"``, ``"nvfp4"``, or None (every granularity: None,
     or a layout of no name, such as blocks of 64)."""
-    return None if granularity is None else granularity_layout(granularity).name
+    return None if granularity is None else granularity_of(granularity_layout(granularity))
 
 
 def _names_text(names: Sequence[str]) -> str:
@@ -361,8 +361,8 @@ def best_format(
     P.check_choice("rounding", rounding, P.PREDICTED_ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
     block_size = P.check_block(block_size, scale_format)
-    layout = Layout(block_size, scale_format if block_size else None)
-    cands = _resolve(candidates, bits, layout.name)
+    layout = Scheme(FP32, block_size=block_size, scale_format=scale_format if block_size else None).block_layout
+    cands = _resolve(candidates, bits, granularity_of(layout))
     for c in cands:
         P.check_format(c)
     if amax is not None and block_size is not None:

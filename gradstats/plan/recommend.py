@@ -35,7 +35,7 @@ from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
-from gradstats.fpanalysis.granularity import GRANULARITIES, Layout, granularity_layout
+from gradstats.fpanalysis.granularity import GRANULARITIES, granularity_layout, granularity_of
 from gradstats.fpanalysis.training import FLUSH_BOUND
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
 from gradstats.plan._statistics import Steps, _Moments, _moments, _select_layers, layer_moments
@@ -504,7 +504,7 @@ def granularity_recipe(granularity: Any) -> tuple[Any, dict[str, Any]]:
     if key is None or key in GRANULARITIES or key not in PRESETS or PRESETS[key].block_size is None:
         return granularity, {}
     s = PRESETS[key]
-    base = Layout.of(s).name
+    base = granularity_of(s)
     if base is None or (s.hadamard is None and s.rounding == "nearest"):
         return granularity, {}
     extra: dict[str, Any] = {"hadamard": s.hadamard} if s.hadamard is not None else {}
@@ -521,7 +521,7 @@ def _candidate_granularity(candidates: Any, granularity: Any) -> Any:
     if candidates is None or isinstance(candidates, str):
         return granularity
     schemes = [Scheme.parse(c) for c in candidates if names_scheme(c)]
-    layouts = {Layout.of(c) for c in schemes}
+    layouts = {c.block_layout for c in schemes}
     if not layouts:
         return granularity
     bad = [str(c) for c in schemes if c.rounding != "nearest" or c.scale_rounding not in (None, "floor")]
@@ -529,7 +529,7 @@ def _candidate_granularity(candidates: Any, granularity: Any) -> Any:
         raise ValueError(f"candidates {[str(c) for c in schemes]} must share one block layout and set no rounding "
                          f"({bad or 'layouts differ'}): recommend one layout at a time, and pass rounding= instead")
     layout, = layouts
-    g = layout.name or (layout.block_size if granularity_layout(layout.block_size) == layout else None)
+    g = granularity_of(layout) or (layout.block_size if granularity_layout(layout.block_size) == layout else None)
     if g is None or (granularity != "tensor" and granularity_layout(granularity) != layout):
         raise ValueError(f"candidates {[str(c) for c in schemes]} use {layout.scale_format_name} blocks of "
                          f"{layout.block_size}, which granularity="

@@ -8,32 +8,33 @@ import pytest
 import gradstats
 from gradstats import fpanalysis as fa
 from gradstats.cli import main
-from gradstats.fpanalysis.granularity import GRANULARITIES, Layout, granularity_layout
-from gradstats.scheme import E4M3, E8M0, PRESETS
+from gradstats.fpanalysis.granularity import GRANULARITIES, granularity_layout, granularity_of
+from gradstats.scheme import E4M3, E8M0, PRESETS, Scheme
 
 SAMPLE_RUN = gradstats.zoo.data.data_dir() / "sample-run"
 
 
 def test_the_names_are_the_layouts_of_the_presets_and_an_int_has_e8m0_scales():
-    assert granularity_layout("tensor") == Layout() and granularity_layout("tensor").name == "tensor"
+    assert granularity_layout("tensor") == Scheme("float32") and granularity_of(granularity_layout("tensor")) == "tensor"
     for name, preset in (("mx", "mxfp4"), ("mx", "mxfp8_e4m3"), ("nvfp4", "nvfp4")):
         lay = granularity_layout(name)
         assert (lay.block_size, lay.scale_format) == (PRESETS[preset].block_size, PRESETS[preset].scale_format)
-        assert lay.scheme(PRESETS[preset].element) == PRESETS[preset]
-        assert Layout.of(preset).name == name
+        assert lay.replace(element=PRESETS[preset].element) == PRESETS[preset]
+        assert granularity_of(preset) == name and granularity_layout(PRESETS[preset]) == lay
     for n in (32, np.int64(32), 16, 64):
         lay = granularity_layout(n)
         assert (lay.block_size, lay.scale_format, lay.scale_format_name) == (int(n), E8M0, "e8m0")
-    assert granularity_layout(32).name == "mx"
-    assert granularity_layout(16).name is None              # E8M0 blocks of 16 are not NVFP4's layout
-    assert Layout(16, "e4m3").name == "nvfp4" and Layout(16, E4M3) == granularity_layout("nvfp4")
+    assert granularity_of(granularity_layout(32)) == "mx"
+    assert granularity_of(granularity_layout(16)) is None   # E8M0 blocks of 16 are not NVFP4's layout
+    nv = Scheme("float32", block_size=16, scale_format="e4m3")
+    assert granularity_of(nv) == "nvfp4" and Scheme("float32", block_size=16, scale_format=E4M3) == granularity_layout("nvfp4")
     assert set(GRANULARITIES) == {"tensor", "mx", "nvfp4"}
     for bad in ("channel", 0, -32, True, 2.5, None):
         with pytest.raises(ValueError, match=r"granularity must be one of \['tensor', 'mx', 'nvfp4'\] or a block "
                                              r"size \(an int N: blocks of N with E8M0 scales\)"):
             granularity_layout(bad)
     with pytest.raises(ValueError, match="needs blocks"):
-        Layout(None, "e8m0")
+        Scheme("float32", scale_format="e8m0")
 
 
 def test_best_format_and_preset_formats_take_the_granularity_of_the_layout():
