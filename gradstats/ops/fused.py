@@ -102,16 +102,10 @@ def _native():
     return prune_quant()
 
 
-def _door(fmt: Any, rounding: Optional[str], block_size: Optional[int], scale_format: Optional[str],
-          scale_rounding: Optional[str], hadamard: Optional[int], what: str) -> Optional[Scheme]:
-    """The operator's scheme, resolved once (:meth:`gradstats.scheme.Scheme.of`); None without a format
-    (its rounding still checked)."""
-    if fmt is None:
-        if rounding is not None and rounding not in ROUNDING_CODES:
-            raise ValueError(f"rounding must be one of {sorted(ROUNDING_CODES)}, got {rounding!r}")
-        return None
-    return Scheme.of(fmt, rounding=rounding, block_size=block_size, scale_format=scale_format,
-                     scale_rounding=scale_rounding, hadamard=hadamard, what=what)
+def _unquantized(rounding: Optional[str]) -> None:
+    """Check the rounding of a call without a format (it rounds nothing: no scheme is resolved)."""
+    if rounding is not None and rounding not in ROUNDING_CODES:
+        raise ValueError(f"rounding must be one of {sorted(ROUNDING_CODES)}, got {rounding!r}")
 
 
 def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Scheme, str, None], *,
@@ -155,7 +149,10 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
         raise ValueError(f"prune_quantize expects a floating-point tensor, got {type(x).__name__}")
     if not (threshold >= 0):
         raise ValueError(f"threshold must be >= 0 (0 = no pruning), got {threshold}")
-    s = _door(fmt, rounding, block_size, scale_format, scale_rounding, hadamard, "prune_quantize")
+    s = None if fmt is None else Scheme.of(fmt, rounding=rounding, block_size=block_size, scale_format=scale_format,
+                                           scale_rounding=scale_rounding, hadamard=hadamard, what="prune_quantize")
+    if s is None:
+        _unquantized(rounding)
     if not (scale > 0):
         raise ValueError(f"scale must be a positive number, got {scale}")
     el = None if s is None else s.element
@@ -286,7 +283,10 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
         >>> y.tolist(), c.tolist()
         ([1.0, 6.0], [0, 0, 0, 1, 0])
     """
-    s = _door(fmt, rounding, block_size, scale_format, scale_rounding, hadamard, "prune_quantize")
+    s = None if fmt is None else Scheme.of(fmt, rounding=rounding, block_size=block_size, scale_format=scale_format,
+                                           scale_rounding=scale_rounding, hadamard=hadamard, what="prune_quantize")
+    if s is None:
+        _unquantized(rounding)
     el = None if s is None else s.element
     blocks = s is not None and s.block_size is not None
     if blocks and x.numel() > 0 and use_triton(x.device.type):
