@@ -15,14 +15,14 @@ from typing import Any, Mapping, Sequence
 from gradstats.formats import PREDICTED_ROUNDINGS, ROUNDINGS, FPFormat
 from gradstats.formats import amax_scale as _amax_scale
 from gradstats.plan._values import Prediction, _check_keys, _err, _opt_float
-from gradstats.pruning import METHODS as _METHODS
+from gradstats.pruning.rules import THRESHOLD_RULES as _THRESHOLD_RULE_REGISTRY
 from gradstats.scheme import E8M0, HADAMARD_SIZES, SCALE_FORMATS, SCALE_ROUNDINGS, Scheme, names_scheme, scale_format_of
 
 #: scale rules: a fixed multiplier, the power of two that maps the step's amax to the format's
 #: max, or the optimal power of two for the running lognormal mu and sigma
 SCALE_RULES = ("fixed", "amax", "lognormal")
-#: pruning threshold rules (those of :func:`gradstats.pruning.prune`)
-THRESHOLD_RULES: tuple[str, ...] = tuple(_METHODS)
+#: pruning threshold rules: the names of the registry :data:`gradstats.pruning.THRESHOLD_RULES`
+THRESHOLD_RULES: tuple[str, ...] = tuple(_THRESHOLD_RULE_REGISTRY)
 
 _PATTERN_CHARS = re.compile(r"[*?\[]")
 

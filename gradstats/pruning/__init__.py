@@ -19,7 +19,8 @@ Example:
 """
 from __future__ import annotations
 
-from gradstats.pruning.operator import METHODS, exact_threshold, hard_prune, prune, stochastic_prune
+from gradstats.pruning.operator import hard_prune, prune, stochastic_prune
+from gradstats.pruning.rules import THRESHOLD_RULES, exact_threshold
 from gradstats.pruning.thresholds import (
                          DEFAULT_RULE,
                          FAMILIES,
@@ -32,7 +33,7 @@ from gradstats.pruning.thresholds import (
 
 __all__ = ["expected_sparsity", "threshold", "predicted_cosine", "added_variance",
            "stochastic_prune", "hard_prune", "prune", "exact_threshold",
-           "FAMILIES", "RULES", "METHODS", "DEFAULT_RULE"]
+           "FAMILIES", "THRESHOLD_RULES", "RULES", "DEFAULT_RULE"]
 from gradstats.pruning.allocation import Allocation, allocate  # noqa: E402
 from gradstats.pruning.histogram import LogHistogram  # noqa: E402
 

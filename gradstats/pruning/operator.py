@@ -14,72 +14,12 @@ import torch
 
 from gradstats.ops import cpu as _cpu
 from gradstats.ops.prune import check_generator, check_out, check_tensor, hard_prune, stochastic_prune
-from gradstats.pruning.rules import THRESHOLD_RULES, LayerStats, ThresholdRule, register
-from gradstats.pruning.thresholds import DEFAULT_RULE, RULES
+from gradstats.pruning.rules import THRESHOLD_RULES, LayerStats, check_target, exact_threshold
+from gradstats.pruning.thresholds import DEFAULT_RULE
 from gradstats.pruning.thresholds import threshold as _threshold
 from gradstats.stats import SCALAR_FIELDS, has_native_kernel, tensor_stats, tensor_stats_vector
 
 log = logging.getLogger(__name__)
-
-#: threshold rules accepted by :func:`prune`: the analytic ones and ``"exact"``
-METHODS = RULES + ("exact",)
-
-
-def _check_target(target: Any) -> float:
-    try:
-        s = float(target)
-    except (TypeError, ValueError):
-        raise ValueError(f"target sparsity must be a number in [0, 1), got {target!r}") from None
-    if not (0.0 <= s < 1.0):
-        raise ValueError(f"target sparsity must lie in [0, 1) (a fraction of zeros below 1), got {s}")
-    return s
-
-
-def exact_threshold(x: torch.Tensor, target: float, *, stochastic: bool = False) -> float:
-    """The exact threshold of a tensor for a target sparsity (the sort/selection baseline).
-
-    ``stochastic=False``: the hard-threshold quantile by ``torch.kthvalue``: with
-    ``k = round(target * n)``, the ``(k+1)``-th smallest ``|x|``, so that hard thresholding
-    zeros exactly ``k`` entries when there are no ties (0 when the zeros already reach
-    ``k``). ``stochastic=True``: the threshold whose expected sparsity under
-    :func:`stochastic_prune` *on this very tensor* is ``target``, from the sorted ``|x|`` and
-    their prefix sums: ``S(a) = (1/n) * sum_{|x_i| < a} (1 - |x_i|/a)`` (an O(n log n) oracle).
-
-    Example:
-        >>> import torch
-        >>> x = torch.tensor([0.0, 1.0, -2.0, 3.0, 4.0])
-        >>> exact_threshold(x, 0.4)
-        2.0
-        >>> a = exact_threshold(x, 0.4, stochastic=True)
-        >>> round((1 + (1 - 1 / a) + (1 - 2 / a)) / 5, 12) if 2 < a <= 3 else a
-        0.4
-    """
-    check_tensor(x)
-    s = _check_target(target)
-    ax = x.detach().reshape(-1).abs()
-    n = ax.numel()
-    if not stochastic:
-        k = min(int(round(s * n)), n - 1)
-        return float(torch.kthvalue(ax.cpu() if ax.device.type == "mps" else ax, k + 1).values)
-    v = torch.sort(ax.double()).values
-    if s == 0.0:
-        return 0.0
-    csum = torch.cumsum(v, 0)
-    k = torch.arange(n, dtype=torch.float64, device=v.device)
-    # S at a = v[k]: the k entries before it are below a (ties at a contribute 0 either way)
-    prev = torch.cat([v.new_zeros(1), csum[:-1]])
-    with torch.no_grad():
-        s_at = torch.where(v > 0, (k - prev / v) / n, torch.zeros_like(v))
-    j = int(torch.searchsorted(s_at, torch.tensor([s], dtype=torch.float64, device=v.device),
-                               right=True)[0]) - 1
-    if j < 0:
-        return 0.0
-    # a in [v[j], v[j+1]): the j+1 entries v[0..j] are below a (or equal, contributing 0)
-    if float(s_at[j]) == s:
-        return float(v[j])
-    num, cnt = float(csum[j]), j + 1
-    return num / (cnt - n * s)
-
 
 #: bins per binade of the histogram rule in :func:`prune` (``2**HIST_MBITS``)
 HIST_MBITS = 2
@@ -168,10 +108,10 @@ def prune(x: torch.Tensor, target: float, *, threshold_rule: str = DEFAULT_RULE,
         True
     """
     check_tensor(x)
-    s = _check_target(target)
+    s = check_target(target)
     method = threshold_rule
-    if method not in METHODS:
-        raise ValueError(f"threshold_rule must be one of {METHODS}, got {method!r}")
+    if method not in THRESHOLD_RULES:
+        raise ValueError(f"threshold_rule must be one of {tuple(THRESHOLD_RULES)}, got {method!r}")
     check_out(out, x)
     check_generator(generator)
     if method == "exact":
@@ -192,40 +132,3 @@ def prune(x: torch.Tensor, target: float, *, threshold_rule: str = DEFAULT_RULE,
     else:
         y = hard_prune(x, a, out=out)
     return (y, a) if return_threshold else y
-
-
-class ExactRule(ThresholdRule):
-    """The selection baseline as a threshold rule (``"exact"`` of
-    :data:`~gradstats.pruning.rules.THRESHOLD_RULES`): :func:`exact_threshold` of ``stats.tensor``,
-    whose expected sparsity on that tensor is the target, exactly.
-
-    Example:
-        >>> import torch
-        >>> from gradstats.pruning.rules import LayerStats
-        >>> ExactRule().threshold(0.5, LayerStats(tensor=torch.tensor([1.0, 2.0, 3.0, 4.0])), stochastic=False)
-        3.0
-    """
-
-    name = "exact"
-
-    def threshold(self, target: float, stats: LayerStats, *, stochastic: bool = True) -> float:
-        if stats.tensor is None:
-            raise ValueError("the exact rule needs LayerStats(tensor=...): the gradient to select from")
-        return float(exact_threshold(stats.tensor, target, stochastic=stochastic))
-
-    def expected_sparsity(self, a: float, stats: LayerStats, *, stochastic: bool = True) -> float:
-        if stats.tensor is None:
-            raise ValueError("the exact rule needs LayerStats(tensor=...): the gradient to measure")
-        x = stats.tensor.detach().abs().double().reshape(-1)
-        if not a > 0:
-            return float((x == 0).double().mean())
-        below = x < a
-        if not stochastic:
-            return float(below.double().mean())
-        return float(torch.where(below, 1.0 - x / a, torch.zeros_like(x)).mean())
-
-    def predicted_sparsity(self, target: float, a: float, stats: LayerStats) -> float:
-        return float(target)
-
-
-register(ExactRule())

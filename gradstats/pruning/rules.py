@@ -10,9 +10,9 @@ Every rule answers the same three questions about the layers a :class:`LayerStat
   ``target`` (``expected_sparsity``, with the shortcuts a rule knows: a solved model gives
   ``target`` back, a threshold above the tensor's maximum is exact on the tensor).
 
-:data:`THRESHOLD_RULES` maps each name of :data:`gradstats.pruning.RULES` (and ``"exact"``, the
-selection on the tensor itself, registered beside it in :mod:`gradstats.pruning.operator`) to its
-rule. Adding a rule is one class here and its entry.
+:data:`THRESHOLD_RULES` maps each threshold rule's name to its rule: the rules that work from a
+layer's statistics (:data:`gradstats.pruning.RULES`) and ``"exact"``, the selection on the tensor
+itself (:func:`exact_threshold`). Adding a rule is one class here and its entry (or :func:`register`).
 
 The model rules are written once for one layer in Python floats (what apply's refresh solves on
 every step: microseconds, no array bookkeeping) and for many layers in numpy arrays of one shape
@@ -32,8 +32,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
 from gradstats._special import all_, any_, isfinite, maximum, minimum, shown, where
 from gradstats.families import Family, make_family, solve_sparsity
+from gradstats.ops.prune import check_tensor
 from gradstats.pruning.histogram import LogHistogram
 
 
@@ -106,9 +109,11 @@ def condition_on_amax(a: Any, target: Any, amax: Any, mean_abs: Any, stochastic:
 
 
 class ThresholdRule:
-    """Base of the rules: ``name`` and the three methods (see the module docstring)."""
+    """Base of the rules: ``name``, whether the rule works from a layer's statistics alone
+    (``from_statistics``; ``"exact"`` reads the tensor) and the three methods (see the module docstring)."""
 
     name = ""
+    from_statistics = True
 
     def threshold(self, target: Any, stats: LayerStats, *, stochastic: bool = True) -> Any:
         raise NotImplementedError
@@ -209,20 +214,118 @@ class HistogramRule(ThresholdRule):
         return self._hist(stats).expected_sparsity(float(a), stochastic=stochastic)
 
 
-#: the registry: each threshold rule name -> its rule (and ``"exact"``, registered by
-#: :mod:`gradstats.pruning.operator`, which holds the selection it runs)
+def check_target(target: Any) -> float:
+    """``target`` as a sparsity in ``[0, 1)``, or a ``ValueError`` that says what was expected.
+
+    Example:
+        >>> check_target(0.85)
+        0.85
+    """
+    try:
+        s = float(target)
+    except (TypeError, ValueError):
+        raise ValueError(f"target sparsity must be a number in [0, 1), got {target!r}") from None
+    if not (0.0 <= s < 1.0):
+        raise ValueError(f"target sparsity must lie in [0, 1) (a fraction of zeros below 1), got {s}")
+    return s
+
+
+def exact_threshold(x: torch.Tensor, target: float, *, stochastic: bool = False) -> float:
+    """The exact threshold of a tensor for a target sparsity (the sort/selection baseline).
+
+    ``stochastic=False``: the hard-threshold quantile by ``torch.kthvalue``: with
+    ``k = round(target * n)``, the ``(k+1)``-th smallest ``|x|``, so that hard thresholding
+    zeros exactly ``k`` entries when there are no ties (0 when the zeros already reach
+    ``k``). ``stochastic=True``: the threshold whose expected sparsity under
+    :func:`stochastic_prune` *on this very tensor* is ``target``, from the sorted ``|x|`` and
+    their prefix sums: ``S(a) = (1/n) * sum_{|x_i| < a} (1 - |x_i|/a)`` (an O(n log n) oracle).
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([0.0, 1.0, -2.0, 3.0, 4.0])
+        >>> exact_threshold(x, 0.4)
+        2.0
+        >>> a = exact_threshold(x, 0.4, stochastic=True)
+        >>> round((1 + (1 - 1 / a) + (1 - 2 / a)) / 5, 12) if 2 < a <= 3 else a
+        0.4
+    """
+    check_tensor(x)
+    s = check_target(target)
+    ax = x.detach().reshape(-1).abs()
+    n = ax.numel()
+    if not stochastic:
+        k = min(int(round(s * n)), n - 1)
+        return float(torch.kthvalue(ax.cpu() if ax.device.type == "mps" else ax, k + 1).values)
+    v = torch.sort(ax.double()).values
+    if s == 0.0:
+        return 0.0
+    csum = torch.cumsum(v, 0)
+    k = torch.arange(n, dtype=torch.float64, device=v.device)
+    # S at a = v[k]: the k entries before it are below a (ties at a contribute 0 either way)
+    prev = torch.cat([v.new_zeros(1), csum[:-1]])
+    with torch.no_grad():
+        s_at = torch.where(v > 0, (k - prev / v) / n, torch.zeros_like(v))
+    j = int(torch.searchsorted(s_at, torch.tensor([s], dtype=torch.float64, device=v.device),
+                               right=True)[0]) - 1
+    if j < 0:
+        return 0.0
+    # a in [v[j], v[j+1]): the j+1 entries v[0..j] are below a (or equal, contributing 0)
+    if float(s_at[j]) == s:
+        return float(v[j])
+    num, cnt = float(csum[j]), j + 1
+    return num / (cnt - n * s)
+
+
+class ExactRule(ThresholdRule):
+    """The selection baseline as a threshold rule (``"exact"`` of
+    :data:`~gradstats.pruning.rules.THRESHOLD_RULES`): :func:`exact_threshold` of ``stats.tensor``,
+    whose expected sparsity on that tensor is the target, exactly.
+
+    Example:
+        >>> import torch
+        >>> from gradstats.pruning.rules import LayerStats
+        >>> ExactRule().threshold(0.5, LayerStats(tensor=torch.tensor([1.0, 2.0, 3.0, 4.0])), stochastic=False)
+        3.0
+    """
+
+    name = "exact"
+    from_statistics = False
+
+    def threshold(self, target: float, stats: LayerStats, *, stochastic: bool = True) -> float:
+        if stats.tensor is None:
+            raise ValueError("the exact rule needs LayerStats(tensor=...): the gradient to select from")
+        return float(exact_threshold(stats.tensor, target, stochastic=stochastic))
+
+    def expected_sparsity(self, a: float, stats: LayerStats, *, stochastic: bool = True) -> float:
+        if stats.tensor is None:
+            raise ValueError("the exact rule needs LayerStats(tensor=...): the gradient to measure")
+        x = stats.tensor.detach().abs().double().reshape(-1)
+        if not a > 0:
+            return float((x == 0).double().mean())
+        below = x < a
+        if not stochastic:
+            return float(below.double().mean())
+        return float(torch.where(below, 1.0 - x / a, torch.zeros_like(x)).mean())
+
+    def predicted_sparsity(self, target: float, a: float, stats: LayerStats) -> float:
+        return float(target)
+
+
+#: the registry, the one home of the threshold rules' names: each name -> its rule (the models, the
+#: model-free histogram rule, and ``"exact"``, the selection on the tensor itself)
 THRESHOLD_RULES: dict[str, ThresholdRule] = {
     "lognormal": FamilyRule("lognormal", "lognormal"),
     "naive_lognormal": FamilyRule("naive_lognormal", "lognormal", rounds_up=False),
     "normal": FamilyRule("normal", "normal"),
     "laplace": FamilyRule("laplace", "laplace"),
     "histogram": HistogramRule(),
+    "exact": ExactRule(),
 }
 
 
 def register(rule: ThresholdRule) -> ThresholdRule:
-    """Add ``rule`` to :data:`THRESHOLD_RULES` under its name (a rule that needs what this module
-    must not import registers itself: ``"exact"``, in :mod:`gradstats.pruning.operator`).
+    """Add ``rule`` to :data:`THRESHOLD_RULES` under its name (a rule of one's own: every stage that
+    takes a threshold rule's name then takes it).
 
     Example:
         >>> register(THRESHOLD_RULES["laplace"]) is THRESHOLD_RULES["laplace"]

@@ -30,10 +30,10 @@ ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
 
 #: the families of the non-zero magnitudes (the names of :data:`gradstats.families.FAMILY_REGISTRY`)
 FAMILIES = tuple(FAMILY_REGISTRY)
-#: threshold rules: the models, the lognormal quantile that ignores the rounding up, and the
-#: model-free histogram rule (:mod:`gradstats.pruning.histogram`): the names of the registry
-#: :data:`gradstats.pruning.rules.THRESHOLD_RULES` but ``"exact"`` (a selection on the tensor itself)
-RULES = tuple(name for name in THRESHOLD_RULES if name != "exact")
+#: the threshold rules that work from a layer's statistics (the models, the lognormal quantile that
+#: ignores the rounding up, the model-free histogram rule): the names of the registry
+#: :data:`gradstats.pruning.rules.THRESHOLD_RULES` whose rule has ``from_statistics``
+RULES = tuple(name for name, rule in THRESHOLD_RULES.items() if rule.from_statistics)
 #: the default threshold rule: the model-free histogram rule, the most accurate sort-free rule on
 #: real gradients (``docs/pruning.md``); :func:`threshold` and :func:`expected_sparsity` use it
 #: where the source carries a histogram, the lognormal closed form where only its parameters exist
