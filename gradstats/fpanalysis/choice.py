@@ -388,8 +388,8 @@ def best_format(
                             amax=am, n_nonzero=nz)
             errs[:, i], scales[:, i] = e, np.exp2(j)
         else:
-            r = integrals(f, mu_, s_, p0_, np.zeros_like(mu_), rounding=rounding, overflow="saturate",
-                          mode=mode, block_size=block_size, scale_format=scale_format, tensor_amax=tamax)
+            r = integrals(f, mu_, s_, p0_, np.zeros_like(mu_), rounding=rounding, overflow="saturate", mode=mode,
+                          blocks=layout.replace(element=f, rounding=rounding), tensor_amax=tamax)
             errs[:, i] = r[:, :4].sum(axis=1)
     order = np.argsort(errs, axis=1, kind="stable")
     rs = lambda a: a.reshape(*shape, k)  # noqa: E731

@@ -21,6 +21,7 @@ from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis.choice import candidate_formats
 from gradstats.fpanalysis.error import default_tensor_amax, integrals
 from gradstats.fpanalysis.scale import _optimal
+from gradstats.scheme import Scheme
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -48,8 +49,9 @@ def _curve(fmt: FPFormat, sig2: np.ndarray, cfg: tuple) -> np.ndarray:
     else:
         mode = "elementwise" if criterion == "elementwise" else "relative"
         tamax = default_tensor_amax(mu, ss, 0.0, 2 ** 20) if scale_format == "e4m3" else None
+        blocks = Scheme(fmt, block_size=block_size, scale_format=scale_format, rounding=rounding)
         e = integrals(fmt, mu, ss, np.zeros_like(mu), np.zeros_like(mu), rounding=rounding, overflow="saturate",
-                      mode=mode, block_size=block_size, scale_format=scale_format, tensor_amax=tamax)[:, :4].sum(1)
+                      mode=mode, blocks=blocks, tensor_amax=tamax)[:, :4].sum(1)
     return e.reshape(s.size, _OFFSETS.size).mean(axis=1)
 
 

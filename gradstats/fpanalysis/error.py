@@ -40,6 +40,7 @@ from gradstats.fpanalysis._pieces import (
     integrate,
     point,
 )
+from gradstats.scheme import Scheme
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -162,15 +163,16 @@ def _series(pc: Pieces, mu, sigma, p0, B, log_scale, ln_a_lo, ln_a_hi, up_lo, up
     return res.reshape(n, k, -1).sum(axis=1)
 
 
-def block_integrals(fmt: FPFormat, rounding: str, overflow: str, mu, sigma, p0, B: int,
-                    scale_format: str, tensor_amax, mode: str) -> np.ndarray:
-    """``(N, 7)`` integrals (as :func:`._pieces.integrate`) under block scaling."""
-    pc = build(fmt, rounding, overflow)
+def block_integrals(s: Scheme, overflow: str, mu, sigma, p0, tensor_amax, mode: str) -> np.ndarray:
+    """``(N, 7)`` integrals (as :func:`._pieces.integrate`) under the block-scaled scheme ``s`` (its element
+    format, rounding, block size and block-scale rule)."""
+    fmt, B = s.element, s.block_size
+    pc = build(fmt, s.rounding, overflow)
     tilt = 2 * sigma if mode == "relative" else 0.0
     z_lo = ndtri(1e-16 ** (1.0 / B)) if B > 1 else -8.3
     lo = mu + sigma * z_lo  # ln of a block maximum below which blocks are negligible
     hi = mu + sigma * (tilt + 8.0)
-    if scale_format == "e8m0":
+    if s.tensor_scale is None:     # E8M0 (MX): the block maximum in the element's top binade
         emax = fmt.emax
         kmin = np.floor(lo / P.LN2) - emax - 1
         kmax = np.ceil(hi / P.LN2) - emax + 1
@@ -187,7 +189,7 @@ def block_integrals(fmt: FPFormat, rounding: str, overflow: str, mu, sigma, p0, 
         up_lo = np.where(kk <= -127, 0.0, up_lo)
         return _series(pc, mu, sigma, p0, B, -kk * P.LN2, ln_lo, ln_hi, up_lo, up_hi, valid, mode)
     # NVFP4 style: e4m3fn block scale times a float32 tensor scale
-    e4 = FPFormat(4, 3, special="fn")
+    e4 = s.scale_format
     w = e4.values().numpy()
     w = w[w > 0]
     mids = np.concatenate([[w[0] / 2], (w[:-1] + w[1:]) / 2, [math.inf]])
@@ -265,19 +267,19 @@ def default_tensor_amax(mu, sigma, p0, numel) -> np.ndarray:
 
 
 def integrals(fmt: FPFormat, mu, sigma, p0, log_scale, *, rounding: str, overflow: str, mode: str,
-              block_size: int | None = None, scale_format: str = "e8m0", tensor_amax=None,
-              amax=None, n_nonzero=None) -> np.ndarray:
-    """Flat-array core of :func:`expected_error`: ``(N, 7)``, error parts per non-zero entry.
+              blocks: Scheme | None = None, tensor_amax=None, amax=None, n_nonzero=None) -> np.ndarray:
+    """Flat-array core of :func:`expected_error`: ``(N, 7)``, error parts per non-zero entry; ``blocks``: the
+    block-scaled scheme of ``fmt`` at ``rounding`` (None: one scale per tensor, ``log_scale``).
 
     ``amax`` (per-tensor scales only): condition on the tensor's largest magnitude: one entry
     equals ``amax`` and the other ``n_nonzero - 1`` follow the lognormal truncated at ``amax``
     (``n_nonzero=None``: infinitely many, the truncated lognormal alone)."""
-    if block_size is None:
+    if blocks is None:
         pc = build(fmt, rounding, overflow)
         if amax is None:
             return integrate(pc, mu, sigma, log_scale, mode=mode)
         return _conditioned(pc, mu, sigma, log_scale, mode, amax, n_nonzero)
-    return block_integrals(fmt, rounding, overflow, mu, sigma, p0, block_size, scale_format, tensor_amax, mode)
+    return block_integrals(blocks, overflow, mu, sigma, p0, tensor_amax, mode)
 
 
 def expected_error(
@@ -343,6 +345,9 @@ def expected_error(
     P.check_choice("overflow", overflow, P.OVERFLOWS)
     P.check_choice("criterion", criterion, P.CRITERIA)
     block_size = P.check_block(block_size, scale_format)
+    blocks = None if block_size is None else Scheme(fmt, block_size=block_size, scale_format=scale_format,
+                                                   rounding=rounding)
+    e4m3 = blocks is not None and blocks.tensor_scale is not None        # NVFP4's two-level scale
     if not isinstance(relative, bool):
         raise ValueError(f"relative must be True or False, got {relative!r}")
     if criterion == "elementwise" and not relative:
@@ -352,7 +357,7 @@ def expected_error(
     if amax is not None and block_size is not None:
         raise ValueError("amax conditions a per-tensor scale; with block_size use tensor_amax (NVFP4 style)")
     extra = [("scale", 1.0 if scale is None else scale)]
-    if block_size is not None and scale_format == "e4m3" and tensor_amax is not None:
+    if e4m3 and tensor_amax is not None:
         extra.append(("tensor_amax", tensor_amax))
     if amax is not None:
         extra.append(("amax", amax))
@@ -363,7 +368,7 @@ def expected_error(
     if block_size is None:
         P.check_scale(sc)
     tamax = None
-    if block_size is not None and scale_format == "e4m3":
+    if e4m3:
         if tensor_amax is not None:
             tamax = arrs[4]
             if not (np.isfinite(tamax) & (tamax > 0)).all():
@@ -372,7 +377,7 @@ def expected_error(
             tamax = default_tensor_amax(mu_, s_, p0_, 2.0 ** 20 if nn is None else nn)
     mode = "elementwise" if criterion == "elementwise" else ("relative" if relative else "absolute")
     res = integrals(fmt, mu_, s_, p0_, np.log(sc), rounding=rounding, overflow=overflow, mode=mode,
-                    block_size=block_size, scale_format=scale_format, tensor_amax=tamax, amax=am,
+                    blocks=blocks, tensor_amax=tamax, amax=am,
                     n_nonzero=None if (am is None or nn is None) else (1 - p0_) * nn)
     if block_size is None:
         bias = magnitude_bias(fmt, mu_, s_, np.log(sc), rounding=rounding, overflow=overflow, amax=am,
