@@ -1,6 +1,7 @@
 """A quantisation scheme as one frozen value (gradstats.scheme): presets, text and dict forms,
 validation, and that a preset quantises bit for bit as its spelled-out keywords."""
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -228,3 +229,49 @@ def test_the_preset_quantizes_as_its_spelled_out_keywords():
         gradstats.quantize(x, "nvfp4_training", orientation="rows")
     with pytest.raises(ValueError, match="set\\s+block_size|set block_size"):
         gradstats.quantize(x, "e2m1fn", hadamard=16)
+
+
+def test_scheme_of_is_the_operators_one_door():
+    """Scheme.of reads what quantize and prune_quantize are given: a scheme's fields replaced by the keywords
+    given, a plain format with the defaults (keywords that do not apply checked, then dropped), the errors
+    naming the caller; the same arguments give the same scheme (resolved once)."""
+    assert Scheme.of("nvfp4", rounding="stochastic", hadamard=16) == PRESETS["nvfp4_training"]
+    assert Scheme.of("e2m1fn", block_size=32) == PRESETS["mxfp4"] and Scheme.of(PRESETS["mxfp4"]) is PRESETS["mxfp4"]
+    assert Scheme.of(FPFormat.parse("e4m3fn"), scale_format="e4m3", scale_rounding="rceil") == Scheme("e4m3fn")
+    assert Scheme.of("e2m1fn", block_size=16, scale_format="e4m3", scale_rounding="ceil") == PRESETS["nvfp4"]
+    assert Scheme.of("mxfp4", scale_rounding="rceil").scale_rounding == "rceil"
+    assert Scheme.of("e5m2", rounding="stochastic") is Scheme.of("e5m2", rounding="stochastic")
+    for kw, match in ((dict(rounding="up"), "quantize: rounding must be one of"),
+                      (dict(block_size=0), "quantize: block_size must be a positive int"),
+                      (dict(block_size=True), "quantize: block_size must be a positive int"),
+                      (dict(scale_format="e5m2"), "quantize: scale_format must be one of"),
+                      (dict(block_size=32, scale_rounding="up"), "quantize: scale_rounding must be one of"),
+                      (dict(hadamard=16), "quantize: a Hadamard transform .* set block_size"),
+                      (dict(block_size=16, hadamard=12), "quantize: hadamard must be one of")):
+        with pytest.raises(ValueError, match=match):
+            Scheme.of("e2m1fn", what="quantize", **kw)
+    with pytest.raises(ValueError, match="rounds E8M0"):
+        Scheme.of("nvfp4", scale_rounding="rceil")
+    with pytest.raises(ValueError, match="expected an FPFormat"):
+        Scheme.of(["e4m3fn"])
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp8_e4m3", "mxfp6_e3m2", "nvfp4"])
+def test_the_block_scale_rule_puts_a_blocks_maximum_where_the_estimators_say(name):
+    """block_decode_scales (the rule on tensors) and Scheme.block_top_log2 (the rule as the flush estimators
+    read it) agree: E8M0 puts a block's maximum in the element's top binade, E4M3 at its maximum up to the
+    scale's e4m3 rounding; NVFP4 flushes a block whole below block_scale_floor_log2."""
+    from gradstats.ops.block_scales import block_decode_scales
+
+    s = Scheme.parse(name)
+    amax = torch.exp2(torch.rand(20_000, generator=torch.Generator().manual_seed(1)) * 40 - 20)
+    scaled = torch.log2(amax / block_decode_scales(amax, s, tensor_amax=2.0 ** 21))
+    top = s.block_top_log2
+    if s.tensor_scale is None:
+        assert bool(((scaled >= top) & (scaled < top + 1)).all())
+    else:
+        ratio = torch.log2(amax / 2.0 ** 21)          # the block's maximum relative to the tensor's
+        normal = ratio > math.log2(E4M3.min_normal / E4M3.max)                 # the e4m3 scale a normal number
+        assert bool((scaled[normal] - top).abs().max() < 0.1)                   # e4m3 steps of at most 2**-3
+        floor = s.block_scale_floor_log2
+        assert bool(torch.isinf(scaled[ratio < floor - 0.1]).all()) and bool(torch.isfinite(scaled[ratio > floor + 0.1]).all())
