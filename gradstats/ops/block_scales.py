@@ -43,6 +43,11 @@ def mx_shared_exponent(amax: torch.Tensor, fmt: Union[FPFormat, str], rounding: 
     fmt = parse(fmt)
     if rounding not in SCALE_ROUNDINGS:
         raise ValueError(f"scale_rounding must be one of {SCALE_ROUNDINGS}, got {rounding!r}")
+    return _shared_exponent(amax, fmt, rounding)
+
+
+def _shared_exponent(amax: torch.Tensor, fmt: FPFormat, rounding: str) -> torch.Tensor:
+    """:func:`mx_shared_exponent` of a parsed format and a checked rounding (what a resolved scheme holds)."""
     a = torch.nan_to_num(amax.float().abs(), nan=0.0, posinf=torch.finfo(torch.float32).max)
     if rounding == "rceil":     # ceil(log2(a / fmax)) of the float32 quotient, exactly: on its bits
         with torch.no_grad():
@@ -81,7 +86,7 @@ def block_decode_scales(amax: torch.Tensor, s: Scheme, tensor_amax: Optional[flo
     if s.block_size is None:
         raise ValueError(f"block_decode_scales: scheme {s} has one scale per tensor: set block_size")
     if s.tensor_scale is None:          # E8M0 (MX)
-        return torch.ldexp(torch.ones_like(amax), mx_shared_exponent(amax, s.element, s.scale_rounding or "floor"))
+        return torch.ldexp(torch.ones_like(amax), _shared_exponent(amax, s.element, s.scale_rounding or "floor"))
     fmt, e4m3 = s.element, s.scale_format
     if tensor_amax is not None:
         tmax = torch.tensor(float(tensor_amax), dtype=torch.float32, device=amax.device)
