@@ -167,55 +167,86 @@ def coef_matrices(pc: Pieces, mode: str) -> dict[int, np.ndarray]:
 _COEF_CACHE: dict = {}
 
 
+def coef_stack(pc: Pieces, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`coef_matrices` stacked: the moment orders ``(K,)`` and their matrices ``(K, P, 7)`` (cached)."""
+    key = (id(pc), mode, "stack")
+    hit = _COEF_CACHE.get(key)
+    if hit is not None and hit[0] is pc:
+        return hit[1]
+    mats = coef_matrices(pc, mode)
+    out = (np.array(sorted(mats), dtype=np.float64), np.stack([mats[k] for k in sorted(mats)]))
+    _COEF_CACHE[key] = (pc, out)
+    return out
+
+
+_IS_ERR = np.arange(len(_OUT)) < _N_ERR
+
+
 def integrate(pc: Pieces, mu: np.ndarray, sigma: np.ndarray, log_scale: np.ndarray, *,
-              mode: str = "relative", upper: np.ndarray | None = None) -> np.ndarray:
+              mode: str = "relative", upper: np.ndarray | None = None,
+              lower: np.ndarray | None = None) -> np.ndarray:
     """Integrals of the tracked quantities for ``ln|x| ~ N(mu, sigma**2)`` quantised as ``|x| * s``.
 
-    Args: flat float64 arrays of one length ``N`` (``log_scale = ln s``); ``upper``: optional
-    per-row truncation ``y < upper`` (pieces are cut there: block scaling).
+    Args: flat float64 arrays of one length ``N`` (``log_scale = ln s``); ``upper``, ``lower``:
+    optional per-row truncation ``lower <= y < upper`` in scaled units (pieces are cut there: block
+    scaling, a pruning threshold, a tensor's maximum).
 
     Returns ``(N, 7)``: the error parts (:data:`PARTS`) normalised by ``mode`` -- ``"relative"``:
     divided by ``E[x**2]``; ``"absolute"``: in units of ``x**2``; ``"elementwise"``: the error of
     ``x`` divided by ``x**2`` -- then the probabilities (:data:`FRACTIONS`), all per non-zero entry.
 
-    Each moment order ``k`` is one matrix product: ``(Phi differences, N x P) @ (coefficients,
-    P x 7)``, scaled by ``exp(k m + k**2 s**2 / 2)`` over the normalisation.
+    Every moment order ``k`` at once: ``(Phi differences, K x N x P) @ (coefficients, K x P x 7)``,
+    scaled by ``exp(k m + k**2 s**2 / 2)`` over the normalisation and summed over ``k``.
+
+    Example:
+        >>> from gradstats.formats import FPFormat
+        >>> pc = build(FPFormat.parse("e4m3fn"), "nearest", "saturate")
+        >>> r = integrate(pc, np.array([-9.0]), np.array([1.5]), np.array([7 * math.log(2.0)]))
+        >>> round(float(r[0, :4].sum()) * 1e4, 2)
+        7.15
     """
     m = mu + log_scale  # location of ln y
     s = sigma
-    bounds = pc.bounds[None, :]
-    if upper is not None:
-        bounds = np.minimum(bounds, upper[:, None])
     with np.errstate(divide="ignore"):
-        lnb = np.log(bounds)
-    z0 = (lnb - m[:, None]) / s[:, None]
+        lnb = np.log(pc.bounds)[None, :]
+        if upper is not None:
+            lnb = np.minimum(lnb, np.log(upper)[:, None])
+        if lower is not None:
+            lnb = np.maximum(lnb, np.log(np.minimum(lower, np.inf if upper is None else upper))[:, None])
+    z0 = (lnb - m[:, None]) / s[:, None]                                    # (N, P + 1)
     if mode == "relative":
         lnn = 2 * m + 2 * s * s  # E[y^2]; relative error is scale free
     elif mode == "absolute":
         lnn = 2 * log_scale  # back to units of x
     else:
         lnn = np.zeros_like(m)
-    is_err = np.arange(len(_OUT)) < _N_ERR
-    out = np.zeros((m.size, len(_OUT)))
-    for kk, cm in coef_matrices(pc, mode).items():
-        dphi = _delta_phi(z0 - kk * s[:, None]) if kk else _delta_phi(z0)
-        base = kk * m + 0.5 * kk * kk * s * s
-        scale = np.exp(base[:, None] - np.where(is_err[None, :], lnn[:, None], 0.0))
-        out += (dphi @ cm) * scale
-    return out
+    k, cm = coef_stack(pc, mode)
+    z = z0[None, :, :] - (k[:, None] * s[None, :])[:, :, None]              # (K, N, P + 1)
+    dphi = _delta_phi(z)
+    base = k[:, None] * m[None, :] + (0.5 * k * k)[:, None] * (s * s)[None, :]          # (K, N)
+    w = np.exp(base[:, :, None] - np.where(_IS_ERR[None, None, :], lnn[None, :, None], 0.0))
+    return (np.matmul(dphi, cm) * w).sum(axis=0)
 
 
 def point(pc: Pieces, y: np.ndarray) -> np.ndarray:
     """The tracked quantities at single values ``y`` (``(N, 7)``: squared errors in units of ``y**2``
     -- not normalised -- then the probabilities): the exact error of one entry."""
-    idx = np.clip(np.searchsorted(pc.bounds, y, side="right") - 1, 0, pc.n_pieces - 1)
-    out = np.zeros((y.size, len(_OUT)))
-    coef = pc.sign * np.exp(pc.lnc)
-    for t in range(pc.piece.size):
-        sel = idx == pc.piece[t]
-        if sel.any():
-            out[sel, pc.out[t]] += coef[t] * y[sel] ** pc.k[t]
-    return out
+    idx = np.minimum(np.maximum(np.searchsorted(pc.bounds, y, side="right") - 1, 0), pc.n_pieces - 1)
+    c = _point_polys(pc)[idx]                                 # (N, 7, 4): the piece's polynomials
+    return ((c[:, :, 3] * y[:, None] + c[:, :, 2]) * y[:, None] + c[:, :, 1]) * y[:, None] + c[:, :, 0]
+
+
+def _point_polys(pc: Pieces) -> np.ndarray:
+    """Per piece, the polynomials (coefficients of ``y**0 .. y**3``) of the tracked quantities:
+    ``(P, 7, 4)`` (cached)."""
+    key = (id(pc), "points")
+    hit = _COEF_CACHE.get(key)
+    if hit is not None and hit[0] is pc:
+        return hit[1]
+    polys = np.zeros((pc.n_pieces, len(_OUT), 4))
+    np.add.at(polys, (pc.piece, pc.out, pc.k), pc.sign * np.exp(pc.lnc))
+    _COEF_CACHE[key] = (pc, polys)
+    return polys
 
 
 # --------------------------------------------------------------------------- first moments
@@ -281,70 +312,6 @@ def first_moments(bounds: np.ndarray, coef: np.ndarray, m: np.ndarray, s: np.nda
 
 def first_moments_at(bounds: np.ndarray, coef: np.ndarray, y: np.ndarray) -> np.ndarray:
     """The polynomials of :func:`first_moments` at single values ``y``: ``(N, columns)``."""
-    idx = np.clip(np.searchsorted(bounds, y, side="right") - 1, 0, bounds.size - 2)
+    idx = np.minimum(np.maximum(np.searchsorted(bounds, y, side="right") - 1, 0), bounds.size - 2)
     c = coef[idx]                                            # (N, columns, 3)
     return c[:, :, 0] + c[:, :, 1] * y[:, None] + c[:, :, 2] * (y * y)[:, None]
-
-
-# ----------------------------------------------------------------------------- one layer at a time
-class Cells:
-    """One format's pieces under a rounding (saturating, :func:`build`) prepared for one layer at a
-    time (what apply's refresh evaluates every step): the log bounds, the coefficient matrices per
-    moment order, and per piece the polynomials of the squared error, the flushed and the
-    saturated probability (for the point mass of :func:`predict`)."""
-
-    def __init__(self, fmt: FPFormat, rounding: str) -> None:
-        pc = build(fmt, rounding, "saturate")
-        self.fmt, self.rounding = fmt, rounding
-        self.bounds = pc.bounds.tolist()
-        with np.errstate(divide="ignore"):
-            self.lnb = np.log(pc.bounds)
-        self.mats = [(float(k), m) for k, m in coef_matrices(pc, "relative").items()]
-        self.n_err = n_err = len(PARTS)
-        self.is_err = np.arange(n_err + len(FRACTIONS)) < n_err
-        self.k = np.array([k for k, _ in self.mats])
-        self.cm = np.stack([m for _, m in self.mats])                        # (K, P, 7)
-        fl, sa = n_err + FRACTIONS.index("flushed"), n_err + FRACTIONS.index("saturated")
-        # per piece, polynomials in y (degree <= 3) of the squared error, flushed, saturated
-        coef = pc.sign * np.exp(pc.lnc)
-        polys = np.zeros((pc.n_pieces, 3, 4))
-        col = np.where(pc.out < n_err, 0, np.where(pc.out == fl, 1, np.where(pc.out == sa, 2, -1)))
-        for t in range(pc.piece.size):
-            if col[t] >= 0:
-                polys[pc.piece[t], col[t], pc.k[t]] += coef[t]
-        self.polys = polys.tolist()
-        self.top = pc.n_pieces - 1                                   # the saturating piece
-        self.centre = 0.5 * (math.log(fmt.max) + math.log(fmt.min_normal))
-
-    def integrate(self, mu: float, sigma: float, log_scale: np.ndarray, lower: float = 0.0,
-                  upper: float = math.inf) -> np.ndarray:
-        """``(J, 7)``: :func:`integrate` (relative mode) for one
-        ``mu``, ``sigma`` at the scales ``exp(log_scale)``, term for term in the same order, with
-        the distribution cut to ``lower <= y < upper`` (in scaled units)."""
-        s = sigma
-        m = mu + log_scale                                                   # (J,)
-        lnb = self.lnb
-        if upper < math.inf:
-            lnb = np.minimum(lnb, math.log(upper))
-        if lower > 0:
-            lnb = np.maximum(lnb, math.log(min(lower, upper)))
-        z0 = (lnb[None, :] - m[:, None]) / s                                 # (J, P + 1)
-        lnn = 2 * m + 2 * s * s
-        # every moment order at once (K, J, P + 1): the reference's terms, in its order
-        z = z0[None, :, :] - (self.k * s)[:, None, None]
-        t = _tails(z)
-        za, zb, ta, tb = z[..., :-1], z[..., 1:], t[..., :-1], t[..., 1:]
-        dphi = np.where(za >= 0, ta - tb, np.where(zb <= 0, tb - ta, 1.0 - ta - tb))
-        base = self.k[:, None] * m[None, :] + (0.5 * self.k * self.k * s * s)[:, None]      # (K, J)
-        w = np.exp(base[:, :, None] - np.where(self.is_err[None, None, :], lnn[None, :, None], 0.0))
-        return (np.matmul(dphi, self.cm) * w).sum(axis=0)
-
-    def errors(self, mu: float, sigma: float, log2_scales: np.ndarray) -> np.ndarray:
-        """Relative MSE at the scales ``2**log2_scales`` (what the scale search minimises)."""
-        return self.integrate(mu, sigma, log2_scales * math.log(2.0))[:, :self.n_err].sum(axis=1)
-
-
-@functools.lru_cache(maxsize=64)
-def cells(fmt: FPFormat, rounding: str) -> Cells:
-    """The :class:`Cells` of ``fmt`` under ``rounding`` (cached)."""
-    return Cells(fmt, rounding)

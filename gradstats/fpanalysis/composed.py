@@ -31,18 +31,17 @@ Example:
 """
 from __future__ import annotations
 
-import bisect
 import functools
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import numpy as np
 from scipy.special import ndtr
 
-from gradstats._special import exp_or_inf, log_ndtr1
+from gradstats import _special as S
 from gradstats.formats import ROUNDINGS, FPFormat, parse
-from gradstats.fpanalysis._pieces import cells as one_layer_cells
+from gradstats.fpanalysis._pieces import _N_ERR, Pieces, build, build_bias, first_moments_at, integrate, point
 
 __all__ = ["ComposedPrediction", "predict_composed", "composed_from_moments", "composed_blocks", "lognormal_moments_fn",
            "predict_one"]
@@ -364,14 +363,9 @@ def predict_composed(stats: Union[Mapping[str, Any], Any], fmt: Union[FPFormat, 
     return composed_from_moments(pm, fmt, threshold=threshold, scale=scale, rounding=rounding, p0=p0)
 
 
-# ----------------------------------------------------------------------------- one layer, lognormal, in floats
-def _poly(c: Sequence[float], y: float) -> float:
-    return ((c[3] * y + c[2]) * y + c[1]) * y + c[0]
-
-
-def predict_one(fmt: Optional[FPFormat], rounding: str, mu: float, sigma: float, p0: float,
-            threshold: float, scale: float, amax: Optional[float] = None,
-            numel: Optional[float] = None) -> tuple[float, float, float]:
+# ----------------------------------------------------------------------------- the lognormal, given amax
+def predict_one(fmt: Optional[FPFormat], rounding: str, mu: Any, sigma: Any, p0: Any, threshold: Any, scale: Any,
+                amax: Any = None, numel: Any = None) -> tuple[Any, Any, Any]:
     """What the lognormal model ``ln|g| ~ N(mu, sigma^2)`` (non-zero entries, a fraction ``p0``
     exactly zero) predicts for stochastic pruning at ``threshold`` (0: none) followed by rounding
     to ``fmt`` at ``scale`` (saturating): ``(underflow, saturated, error)``, the fractions of all
@@ -380,10 +374,16 @@ def predict_one(fmt: Optional[FPFormat], rounding: str, mu: float, sigma: float,
     output (pruning and rounding together; without pruning the rounding's alone, which is
     :func:`gradstats.fpanalysis.expected_error`'s ``total``, ``flushed`` and ``saturated``).
 
+    One layer's floats give floats, arrays (one entry per layer, broadcast together) give arrays:
+    one formula, on the engine of :func:`~gradstats.fpanalysis.expected_error`
+    (:func:`gradstats.fpanalysis._pieces.integrate` over the cells between the threshold and the
+    maximum, :func:`~gradstats.fpanalysis._pieces.point` at single values).
+
     Given the tensor's largest magnitude ``amax`` (and its ``numel`` entries), conditioned on it
     as :func:`~gradstats.fpanalysis.expected_error` is: one entry at ``amax``, the other non-zero
     ones from the lognormal truncated there (infinitely many without ``numel``), so that a tail
-    beyond the data does not count as saturation or error that never happen.
+    beyond the data does not count as saturation or error that never happen. ``amax`` None, NaN or
+    not positive: unconditioned.
 
     Kept entries (``|g| >= a``) are summed over the format's cells from ``a`` up; those below are
     output as ``a`` with probability ``|g|/a``: a point mass at ``a`` whose rounding is exact. With
@@ -391,69 +391,100 @@ def predict_one(fmt: Optional[FPFormat], rounding: str, mu: float, sigma: float,
     ``E[(x/a) (Q - x)^2 + (1 - x/a) x^2] = E[Q^2] M1/a - 2 E[Q] M2/a + M2`` in the partial
     moments ``Mk = E[x^k 1{x<a}]``. ``fmt=None``: no rounding (the pruning's error alone).
     Stochastic rounding takes ``rounding="stochastic"``; other roundings are modelled as nearest.
-    One layer in floats (what apply's refresh records every step); :func:`predict_composed` with
+    What apply's refresh records every step; :func:`predict_composed` with
     :func:`lognormal_moments_fn` is the same model for any law and any operator setting.
 
     Example:
         >>> u, s, e = predict_one(FPFormat.parse("e4m3fn"), "nearest", -9.0, 1.5, 0.0, 0.0, 2.0 ** 7)
         >>> round(e * 1e4, 2), round(s, 9)
         (7.15, 0.0)
+        >>> u, s, e = predict_one(FPFormat.parse("e4m3fn"), "nearest", np.array([-9.0, -20.0]), 1.5, 0.0, 0.0, 2.0 ** 7)
+        >>> [round(v * 1e4, 2) for v in e.tolist()]
+        [7.15, 9953.09]
     """
-    if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0 and 0 <= p0 < 1
-            and 0 <= threshold < math.inf and 0 < scale < math.inf):
+    one = all(v is None or S.is_float(v) for v in (mu, sigma, p0, threshold, scale, amax, numel))
+    am = math.nan if amax is None else amax
+    nn = math.nan if numel is None else numel
+    if one:
+        args = tuple(float(v) for v in (mu, sigma, p0, threshold, scale, am, nn))
+    else:
+        args = tuple(np.ravel(v) for v in np.broadcast_arrays(
+            *(np.asarray(v, dtype=np.float64) for v in (mu, sigma, p0, threshold, scale, am, nn))))
+    mu_, s, p0_, a_, sc = args[:5]
+    ok = (S.isfinite(mu_) & S.isfinite(s) & (s > 0) & (p0_ >= 0) & (p0_ < 1) & (a_ >= 0) & (a_ < math.inf)
+          & (sc > 0) & (sc < math.inf))
+    if not S.all_(ok):
         raise ValueError(f"predict_one needs finite mu, sigma > 0, p0 in [0, 1), a threshold in [0, inf) and a "
-                         f"scale in (0, inf); got mu={mu!r}, sigma={sigma!r}, p0={p0!r}, threshold={threshold!r}, "
-                         f"scale={scale!r}")
-    s = sigma
-    ls = math.log(scale)
+                         f"scale in (0, inf); got mu={S.shown(mu_, ok)!r}, sigma={S.shown(s, ok)!r}, "
+                         f"p0={S.shown(p0_, ok)!r}, threshold={S.shown(a_, ok)!r}, scale={S.shown(sc, ok)!r}")
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        return _predict_lognormal(fmt, "stochastic" if rounding == "stochastic" else "nearest", *args)
+
+
+def _predict_lognormal(fmt: Optional[FPFormat], rounding: str, mu: Any, s: Any, p0: Any, threshold: Any,
+                       scale: Any, amax: Any, numel: Any) -> tuple[Any, Any, Any]:
+    """:func:`predict_one` on floats or flat arrays of one length (``amax``, ``numel`` NaN where not
+    given): the moments in :mod:`gradstats._special` (``math`` for a float), the cells on the engine."""
+    ls = S.log(scale)
     m = mu + ls                                  # ln of the scaled magnitudes y = |g| s
     ln_e2 = 2 * m + 2 * s * s                    # ln E[y^2] of the lognormal
     A = threshold * scale
-    cond = amax is not None and 0 < amax < math.inf
-    ym = amax * scale if cond else math.inf      # the tensor's largest scaled magnitude
-    w = 1.0 / max((1 - p0) * numel, 1.0) if cond and numel is not None else 0.0   # its weight
-    ln_mass = log_ndtr1((math.log(ym) - m) / s) if cond else 0.0                  # P(y < ym)
-    e2 = exp_or_inf(ln_e2 + log_ndtr1((math.log(ym) - m) / s - 2 * s) - ln_mass) if cond else exp_or_inf(ln_e2)
-    if A > 0:                                    # the truncated lognormal below min(A, ym)
-        zb = (math.log(min(A, ym)) - m) / s
-        m1 = exp_or_inf(m + 0.5 * s * s + log_ndtr1(zb - s) - ln_mass)                 # E[y 1{y<A}]
-        m2 = exp_or_inf(ln_e2 + log_ndtr1(zb - 2 * s) - ln_mass)                        # E[y^2 1{y<A}]
-    else:
-        m1 = m2 = 0.0
+    cond = (amax > 0) & (amax < math.inf)
+    ym = S.where(cond, amax * scale, math.inf)   # the tensor's largest scaled magnitude
+    atom = cond & S.isfinite(numel)
+    w = S.where(atom, 1.0 / S.maximum((1 - p0) * S.where(atom, numel, 0.0), 1.0), 0.0)   # its weight
+    z_m = (S.log(ym) - m) / s
+    ln_mass = S.where(cond, S.log_ndtr(z_m), 0.0)                          # P(y < ym)
+    e2 = S.exp(ln_e2 + S.where(cond, S.log_ndtr(z_m - 2 * s) - ln_mass, 0.0))
+    zb = (S.log(S.minimum(A, ym)) - m) / s                                 # -inf without pruning
+    m1 = S.exp(m + 0.5 * s * s + S.log_ndtr(zb - s) - ln_mass)             # E[y 1{y<A}], truncated at ym
+    m2 = S.exp(ln_e2 + S.log_ndtr(zb - 2 * s) - ln_mass)                   # E[y^2 1{y<A}]
+    y_a = S.where(atom, ym, 0.0)
+    den = (1 - w) * e2 + w * y_a * y_a
+    pruned = A > 0
+    A1 = S.where(pruned, A, 1.0)
+    below = atom & (y_a < A)                     # the maximum below A: rounded up to A with prob y_a / A
     if fmt is None:
-        err_t = A * m1 - m2 if A > 0 else 0.0            # E[(x/A)(A - x)^2 + (1 - x/A) x^2]
-        err_a = (ym * (A - ym) if ym < A else 0.0) if w else 0.0
-        err = ((1 - w) * err_t + w * err_a) / ((1 - w) * e2 + (w * ym * ym if w else 0.0))
-        return 0.0, 0.0, max(err, 0.0)
-    cells = one_layer_cells(fmt, "stochastic" if rounding == "stochastic" else "nearest")
-    res = cells.integrate(mu, sigma, np.array([ls]), lower=A, upper=ym)[0]
-    mass = math.exp(ln_mass)
-    err_t = float(res[:cells.n_err].sum()) * exp_or_inf(ln_e2) / mass                 # kept, E[err 1{A<=y<ym}]
-    uf_t, sat_t = float(res[cells.n_err]) / mass, float(res[cells.n_err + 1]) / mass
+        err_t = S.where(pruned, A * m1 - m2, 0.0)                # E[(x/A)(A - x)^2 + (1 - x/A) x^2]
+        err_a = S.where(below, y_a * (A - y_a), 0.0)
+        return 0.0 * m, 0.0 * m, S.maximum(((1 - w) * err_t + w * err_a) / den, 0.0)
+    one = S.is_float(m)
+    arr = (lambda v: np.array([v])) if one else (lambda v: v)  # noqa: E731
+    pc = build(fmt, rounding, "saturate")
+    res = integrate(pc, arr(mu), arr(s), arr(ls), upper=arr(ym), lower=arr(A))   # relative to the whole E[y^2]
+    # the single values: the threshold (values below it rounded up to it) and the maximum
+    if one:
+        res = res[0]
+        at = _at(fmt, rounding, pc, np.array([A, y_a]))
+        e_a, eq_a, eq2_a, fl_a, sa_a = (float(v[0]) for v in at)
+        e_m, fl_m, sa_m = (float(at[i][1]) for i in (0, 3, 4))
+    else:
+        e_a, eq_a, eq2_a, fl_a, sa_a = _at(fmt, rounding, pc, A)
+        e_m, fl_m, sa_m = (_at(fmt, rounding, pc, y_a)[i] for i in (0, 3, 4))
+    mass = S.exp(ln_mass)
+    err_t = res[..., :_N_ERR].sum(axis=-1) * S.exp(ln_e2) / mass           # kept, E[err 1{A<=y<ym}]
+    uf_t, sat_t = res[..., _N_ERR] / mass, res[..., _N_ERR + 1] / mass
+    q_up = m1 / A1                                                          # P(rounded up to A)
+    err_t = err_t + S.where(pruned, (eq2_a / A1) * m1 - 2 * (eq_a / A1) * m2 + m2, 0.0)
+    uf_t = uf_t + S.where(pruned, q_up * fl_a, 0.0)
+    sat_t = sat_t + S.where(pruned, q_up * sa_a, 0.0)
+    q = y_a / A1
+    err_a = S.where(below, q * (eq2_a - 2 * eq_a * y_a + y_a * y_a) + (1 - q) * y_a * y_a, e_m)
+    uf_a = S.where(below, q * fl_a, fl_m)
+    sat_a = S.where(below, q * sa_a, sa_m)
+    err = ((1 - w) * err_t + S.where(atom, w * err_a, 0.0)) / den
+    uf = (1 - w) * uf_t + S.where(atom, w * uf_a, 0.0)
+    sat = (1 - w) * sat_t + S.where(atom, w * sat_a, 0.0)
+    if one:
+        uf, sat, err = float(uf), float(sat), float(err)
+    return (1 - p0) * uf, (1 - p0) * sat, S.maximum(err, 0.0)
 
-    def at(y: float) -> tuple[float, float, float, float, float]:
-        """E[(Q(y) - y)^2], E[Q(y)], E[Q(y)^2], P(flushed), P(saturated) of one value."""
-        i = min(max(bisect.bisect_right(cells.bounds, y) - 1, 0), cells.top)
-        pe, pf, ps = cells.polys[i]
-        e = _poly(pe, y)
-        eq = -0.5 * pe[1] if (cells.rounding == "nearest" or i == cells.top) else y
-        return e, eq, e + 2 * y * eq - y * y, _poly(pf, y), _poly(ps, y)
 
-    if A > 0:                                    # values below A, rounded up to it with prob x/A
-        _, eq, eq2, fl_a, sa_a = at(A)
-        err_t += (eq2 / A) * m1 - 2 * (eq / A) * m2 + m2
-        uf_t += m1 / A * fl_a
-        sat_t += m1 / A * sa_a
-    err_a = uf_a = sat_a = 0.0
-    if w:                                        # the entry at amax
-        if ym >= A:
-            err_a, _, _, uf_a, sat_a = at(ym)
-        else:
-            q = ym / A
-            _, eq, eq2, fl_a, sa_a = at(A)
-            err_a = q * (eq2 - 2 * eq * ym + ym * ym) + (1 - q) * ym * ym
-            uf_a, sat_a = q * fl_a, q * sa_a
-    err = ((1 - w) * err_t + w * err_a) / ((1 - w) * e2 + (w * ym * ym if w else 0.0))
-    uf = (1 - w) * uf_t + w * uf_a
-    sat = (1 - w) * sat_t + w * sat_a
-    return (1 - p0) * uf, (1 - p0) * sat, max(err, 0.0)
+def _at(fmt: FPFormat, rounding: str, pc: Pieces, y: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``E[(Q(y) - y)^2]``, ``E[Q(y)]``, ``E[Q(y)^2]``, ``P(flushed)``, ``P(saturated)`` of single
+    scaled values ``y`` (saturating)."""
+    pt = point(pc, y)
+    bounds, coef = build_bias(fmt, rounding, "saturate")
+    eq = y + first_moments_at(bounds, coef, y)[:, 0]
+    e = pt[:, :_N_ERR].sum(axis=1)
+    return e, eq, e + 2 * y * eq - y * y, pt[:, _N_ERR], pt[:, _N_ERR + 1]

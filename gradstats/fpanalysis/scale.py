@@ -25,7 +25,6 @@ import numpy as np
 
 from gradstats.formats import FPFormat
 from gradstats.fpanalysis import _params as P
-from gradstats.fpanalysis._pieces import cells
 from gradstats.fpanalysis.error import integrals
 
 if TYPE_CHECKING:
@@ -168,40 +167,6 @@ def _optimal(fmt, mu, sigma, *, power_of_two, rounding, criterion, amax=None, n_
     return j, e
 
 
-_OFFS = np.arange(-2, 3, dtype=np.float64)
-
-
-def _optimal_one(fmt: FPFormat, mu: float, sigma: float, rounding: str) -> tuple[float, float] | None:
-    """``(log2 scale, relative MSE)`` of the power-of-two MSE search for one layer in floats, or
-    None outside its domain (a format the cells do not cover, sigma beyond ``SIGMA_MAX``): the
-    same centring start, five neighbouring powers of two with the same tie rule (within
-    :data:`TIE_RTOL` of the best, the one nearest the start wins, the lower one of two), and the
-    same downhill walk from the edge of the five, on :class:`~gradstats.fpanalysis._pieces.Cells`
-    (the reference's terms in its order, without its validation and broadcasting)."""
-    if not (fmt.signed and fmt.has_zero and fmt.bits <= 16) or rounding not in ("nearest", "stochastic"):
-        return None
-    if not (math.isfinite(mu) and math.isfinite(sigma) and 0 < sigma <= P.SIGMA_MAX):
-        return None
-    c = cells(fmt, rounding)
-    j0 = float(np.round((c.centre - (mu + 2 * sigma * sigma)) / math.log(2.0)))
-    e = c.errors(mu, sigma, j0 + _OFFS).tolist()
-    best = min(e)
-    pick, far = 0, math.inf
-    for i, ei in enumerate(e):           # within the tolerance of the best, nearest the start
-        if ei <= best * (1 + TIE_RTOL) and abs(_OFFS[i]) < far:
-            pick, far = i, abs(_OFFS[i])
-    j, ej = j0 + _OFFS[pick], e[pick]
-    if pick in (0, len(e) - 1):          # on the edge of the five: walk downhill
-        for _ in range(400):
-            lo_e, hi_e = c.errors(mu, sigma, np.array([j - 1.0, j + 1.0])).tolist()
-            side, emin = (0, lo_e) if lo_e <= hi_e else (1, hi_e)
-            if not emin < ej * (1 - TIE_RTOL):
-                break
-            j, ej = j + (-1.0 if side == 0 else 1.0), emin
-    _check_range(fmt, np.array([j]))
-    return j, float(ej)
-
-
 @dataclass(frozen=True)
 class ScaleResult:
     """The error-minimising scale of one format (see :func:`optimal_scale`).
@@ -292,13 +257,6 @@ def optimal_scale(
     fmt = P.check_format(fmt)
     P.check_choice("rounding", rounding, P.PREDICTED_ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
-    if (power_of_two and criterion == "mse" and amax is None and numel is None and isinstance(mu, (int, float))
-            and isinstance(sigma, (int, float)) and isinstance(p0, (int, float)) and 0 <= p0 < 1):
-        one = _optimal_one(fmt, float(mu), float(sigma), rounding)      # one layer: in floats
-        if one is not None:
-            j1, e1 = one
-            return ScaleResult(format=fmt, scale=math.ldexp(1.0, int(j1)), log2_scale=float(j1), error=e1, mu=float(mu),
-                               sigma=float(sigma), power_of_two=True, rounding=rounding, criterion=criterion)
     shape, arrs = P.lognormal(mu, sigma, p0, *([("amax", amax)] if amax is not None else []))
     mu_, s_, p0_ = arrs[:3]
     am = P.check_amax(arrs[3]) if amax is not None else None
