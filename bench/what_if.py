@@ -1,17 +1,17 @@
-"""what_if on a long run: milliseconds per (step, layer, format), row by row and all rows at once.
+"""what_if on a long run: milliseconds per (step, layer, format), one row at a time and all rows at once.
 
 Builds a synthetic run through the tracer: a 24-layer MLP (Linear 64 -> 64 + tanh, batch 64,
 random data) trained 300 steps with statistics of every layer on every step (7,200 statistics
 rows), then times ``gradstats.what_if(run, ["e4m3fn", "e5m2", "e2m1fn"], block_size=32)``
 (MX blocks) and the same per tensor, as medians of repeats:
 
-- ``row by row``: :func:`gradstats.fpanalysis.predict_from_stats` on each row (what ``what_if``
-  did before it predicted all rows at once), on the rows of ``--ref-steps`` steps (all 300 take
-  minutes);
+- ``row by row``: :func:`gradstats.fpanalysis.predict_from_stats` on each row (the same predictor
+  on a table of one row: its fixed cost per call), on the rows of ``--ref-steps`` steps;
 - ``all rows at once``: ``what_if`` on the whole run (reading the run included).
 
 The target is at most 0.5 ms per (step, layer, format) with blocks. The largest difference
-between the two on the rows timed row by row is printed too (they agree within float rounding).
+between the two on the rows timed row by row is printed too (rows padded together with rows of
+other binade spans predict as they do alone, within float rounding).
 
     python bench/what_if.py [--steps 300] [--layers 24] [--repeats 5] [--ref-steps 4]
 """

@@ -5,19 +5,22 @@ same relative places in every row; the integrals of a piece are linear in the la
 primitives at those places, so one matrix product per moment gives every row's every binade at every
 scale.
 
-:func:`_predict_rows` gives, per row, the columns of :data:`gradstats.fpanalysis.what_if.WHAT_IF_COLUMNS`
-in that order (``underflow``, ``overflow``, ``rel_mse``, ``bias``, ``log2_scale``); :func:`_fast_applies`
-says which calls it covers. Used by :func:`gradstats.fpanalysis.what_if.what_if_stats`."""
+:func:`predict_rows` gives, per row, the columns of :data:`gradstats.fpanalysis.what_if.WHAT_IF_COLUMNS`
+in that order (``underflow``, ``overflow``, ``rel_mse``, ``bias``, ``log2_scale``); :func:`rows_apply`
+says which schemes it covers (all but NVFP4's E4M3 block scales). Any per-tensor multiplier
+``r 2**k`` works the same way, the tables made for its mantissa ``r``. The one path of
+:func:`gradstats.fpanalysis.what_if.predict_from_stats` and ``what_if_stats``: a single row is a
+table of one row."""
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Union
 
 import numpy as np
-import pandas as pd
 
 from gradstats.formats import FPFormat, amax_scale
-from gradstats.scheme import E8M0, scale_format_of
+from gradstats.scheme import E8M0, Scheme
 from gradstats.stats import HIST_MIN_EXP
 from gradstats.stats.law import MAX_SLOPE, TOP_FIELD, expm1_ratio
 
@@ -103,15 +106,23 @@ def _row_laws(hist: np.ndarray, top: np.ndarray, max_abs: np.ndarray) -> dict[st
             "W": W}
 
 
-def _tables(fmt: FPFormat, rounding: str) -> dict[str, Any]:
-    """The format's pieces within each binade ``m`` of the scaled values from ``m0`` (the binade of
-    half the smallest positive value) to ``emax``, as coefficients on the law's primitives at the
-    relative cuts ``cuts`` (``1 <= c <= 2``): ``coef[q][k]`` ``(C, M)`` such that quantity ``q`` of
-    binade ``m0 + j`` is ``sum_k G_k @ coef[q][k][:, j]`` (units of the binade's lower edge)."""
-    u = _grid(fmt)
+def _floor_log2(x: float) -> int:
+    """``floor(log2(x))`` of a positive float, exact at powers of two."""
+    return math.frexp(x)[1] - 1
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(fmt: FPFormat, rounding: str, r: float = 1.0) -> dict[str, Any]:
+    """The format's pieces within each binade ``m`` of the values ``y 2**k`` quantised at the
+    multiplier ``r 2**k`` (``1 <= r < 2``; a power-of-two scale has ``r = 1``), from ``m0`` (a binade
+    below half the smallest positive value) to ``emax`` (that of the largest), as coefficients on
+    the law's primitives at the relative cuts ``cuts`` (``1 <= c <= 2``): ``coef[q][k]`` ``(C, M)``
+    such that quantity ``q`` of binade ``m0 + j`` is ``sum_k G_k @ coef[q][k][:, j]`` (units of the
+    binade's lower edge). Cached: read-only."""
+    u = _grid(fmt) / r                                  # the grid in the units of y 2**k
     vmax, u1 = float(u[-1]), float(u[1])
-    m0 = int(round(math.log2(u1))) - 1
-    emax = int(math.floor(math.log2(vmax)))
+    m0 = _floor_log2(u1) - 1
+    emax = _floor_log2(vmax)
     cells = np.concatenate([[0.0], (u[:-1] + u[1:]) / 2]) if rounding == "nearest" else u
     per_m = []
     for m in range(m0, emax + 1):
@@ -185,46 +196,48 @@ def _atom_terms(tab: dict[str, Any], rounding: str, y: np.ndarray, ls: np.ndarra
     return out
 
 
-def _fast_applies(fmt: FPFormat, scale: Union[str, float], block_size: Optional[int], scale_format: str) -> bool:
-    """Whether :func:`_predict_rows` covers a call: power-of-two scales (per tensor at ``"amax"``,
-    MX blocks) on a format whose smallest positive value is a power of two."""
-    u1 = float(_grid(fmt)[1])
-    pow2 = math.log2(u1) == round(math.log2(u1))
-    return pow2 and ((block_size is None and isinstance(scale, str) and scale == "amax")
-                     or (block_size is not None and scale_format_of(scale_format) == E8M0))
+def rows_apply(sch: Scheme) -> bool:
+    """Whether :func:`predict_rows` covers a scheme: a per-tensor scale (``"amax"`` or any
+    multiplier) or MX (E8M0) block scales; NVFP4's E4M3 block scales are continuous per tensor."""
+    return sch.block_size is None or sch.scale_format == E8M0
 
 
-def _predict_rows(rows: pd.DataFrame, fmt: FPFormat, *, rounding: str, block_size: Optional[int],
-                  chunk: int = 512) -> np.ndarray:
-    """:func:`predict_from_stats` of every row of ``rows`` at once (``scale="amax"`` or MX blocks,
-    :func:`_fast_applies`): an ``(R, 5)`` array of the :data:`~gradstats.fpanalysis.what_if.WHAT_IF_COLUMNS`, one row per row, equal to
-    the row-by-row predictions within float rounding."""
-    hist = np.stack([np.asarray(h, dtype=np.float64) for h in rows["hist"]]) if len(rows) else np.zeros((0, 1))
+def predict_rows(rows: Mapping[str, Any], sch: Scheme, *, rounding: str, scale: Union[str, float] = "amax",
+                 chunk: int = 512) -> np.ndarray:
+    """The :data:`~gradstats.fpanalysis.what_if.WHAT_IF_COLUMNS` of every row of ``rows`` (a
+    statistics table, or a mapping of its columns: one row is a table of one row) quantised with
+    the scheme ``sch`` (:func:`rows_apply`) at ``rounding``: an ``(R, 5)`` array, one row per row.
+    ``scale``: ``"amax"`` or a multiplier (per tensor; ignored with blocks)."""
+    fmt, block_size = sch.element, sch.block_size
+    hist = np.stack([np.asarray(h, dtype=np.float64) for h in rows["hist"]]) if len(rows["n"]) else np.zeros((0, 1))
+    R = hist.shape[0]
     K = max((np.asarray(t).size for t in rows[TOP_FIELD]), default=0) if TOP_FIELD in rows else 0
-    top = np.zeros((len(rows), K))
+    top = np.zeros((R, K))
     if K:
         for i, t in enumerate(rows[TOP_FIELD]):
             t = np.asarray(t, dtype=np.float64).reshape(-1)
             top[i, :t.size] = t
-    n = rows["n"].to_numpy(np.int64)
-    nz = n - rows["n_zero"].to_numpy(np.int64)
-    max_abs = rows["max_abs"].to_numpy(np.float64)
+    n = np.asarray(rows["n"], dtype=np.int64)
+    nz = n - np.asarray(rows["n_zero"], dtype=np.int64)
+    max_abs = np.asarray(rows["max_abs"], dtype=np.float64)
     empty = (nz <= 0) | (hist.sum(axis=1) <= 0)
-    out = np.full((len(rows), _N_COLUMNS), np.nan)
+    out = np.full((R, _N_COLUMNS), np.nan)
     out[empty, :4] = 0.0
-    tab = _tables(fmt, rounding)
+    per_tensor = block_size is None and not isinstance(scale, str)
+    r = float(scale) / math.ldexp(1.0, _floor_log2(float(scale))) if per_tensor else 1.0
+    tab = _tables(fmt, rounding, r)
     live = np.flatnonzero(~empty)
     # rows of similar binade spans together: a chunk's arrays are as wide as its widest row
     nzb = hist[live] > 0
     span = hist.shape[1] - np.argmax(nzb[:, ::-1], axis=1) - np.argmax(nzb, axis=1)
     live = live[np.argsort(span, kind="stable")]
     for s0 in range(0, live.size, chunk):
-        r = live[s0:s0 + chunk]
-        out[r] = _predict_chunk(hist[r], top[r], max_abs[r], n[r], nz[r], fmt, tab, rounding, block_size)
+        i = live[s0:s0 + chunk]
+        out[i] = _predict_chunk(hist[i], top[i], max_abs[i], n[i], nz[i], fmt, tab, rounding, block_size, scale)
     return out
 
 
-def _predict_chunk(hist, top, max_abs, n, nz, fmt, tab, rounding, block_size) -> np.ndarray:
+def _predict_chunk(hist, top, max_abs, n, nz, fmt, tab, rounding, block_size, scale) -> np.ndarray:
     law = _row_laws(hist, top, max_abs)
     R, W = hist.shape[0], law["W"]
     w, beta, ratio, lo = law["w"], law["beta"], law["ratio"], law["lo"]
@@ -246,12 +259,16 @@ def _predict_chunk(hist, top, max_abs, n, nz, fmt, tab, rounding, block_size) ->
     def binade_terms(m: np.ndarray) -> dict[str, np.ndarray]:           # m: (R, W, ...) scaled binades
         shape = m.shape
         mi = np.clip(m - m0, 0, M - 1).reshape(R, W, -1)
+        extra = (slice(None), slice(None)) + (None,) * (len(shape) - 2)
+        fk = {k: full[k][extra] for k in range(3)}
+        vm = tab["vmax"] / np.exp2(m.astype(np.float64))                # the largest value, binade units
+        high = {"flushed": 0.0 * fk[0], "saturated": fk[0], "sq": vm * vm * fk[0] - 2 * vm * fk[1] + fk[2],
+                "signed": vm * fk[0] - fk[1]}                           # binades above it saturate whole
         res = {}
         for q in _SUMS:
             tabbed = np.take_along_axis(Q[q], mi, axis=2).reshape(shape)
-            extra = (slice(None), slice(None)) + (None,) * (len(shape) - 2)
-            deep = _deep(q, rounding, {k: full[k][extra] for k in range(3)}, m, u1)
-            res[q] = np.where(m < m0, deep, tabbed) * scale_of[q][extra]
+            tabbed = np.where(m > tab["emax"], high[q], tabbed)
+            res[q] = np.where(m < m0, _deep(q, rounding, fk, m, u1), tabbed) * scale_of[q][extra]
         return res
 
     atoms, aw = law["atoms"], law["aw"]
@@ -260,15 +277,18 @@ def _predict_chunk(hist, top, max_abs, n, nz, fmt, tab, rounding, block_size) ->
     Ja = ex.astype(np.int64) - 1
     tot = {}
     if block_size is None:
-        k = np.array([math.log2(amax_scale(fmt, float(v))) for v in max_abs])    # the "amax" scale, per row
+        if isinstance(scale, str):              # "amax": a power of two per row
+            k = np.array([math.log2(amax_scale(fmt, float(v))) for v in max_abs])
+            log2_scale = k
+        else:                                   # a multiplier r 2**k, the same for every row
+            k = np.full(R, float(_floor_log2(float(scale))))
+            log2_scale = np.full(R, math.log2(float(scale)))
         terms = binade_terms(J + k[:, None].astype(np.int64))
         for q in _SUMS:
             tot[q] = terms[q].sum(axis=1)
         at = _atom_terms(tab, rounding, atoms, np.broadcast_to(k[:, None], atoms.shape), per_tensor=True)
         for q in _SUMS:
             tot[q] = tot[q] + aw * np.sum(np.where(has_atom, at[q], 0.0), axis=1)
-        tot["flushed_only"] = None
-        log2_scale = k
     else:
         # P(the other block_size - 1 entries' largest < 2**L), L = lo .. lo + W
         L = lo[:, None] + np.arange(W + 1)[None, :]

@@ -50,11 +50,11 @@ import numpy as np
 import pandas as pd
 
 from gradstats.formats import FPFormat, parse
-from gradstats.fpanalysis._what_if_rows import _SUMS, _fast_applies, _grid, _predict_rows
+from gradstats.fpanalysis._what_if_rows import _SUMS, _grid, predict_rows, rows_apply
 from gradstats.fpanalysis.histogram import HistogramLaw
-from gradstats.scheme import E4M3, E8M0, Scheme, names_scheme, scale_format_of
+from gradstats.scheme import E4M3, Scheme, names_scheme, scale_format_of
 from gradstats.stats import StatsRow
-from gradstats.stats.law import law_flushed, tensor_scale
+from gradstats.stats.law import tensor_scale
 
 __all__ = ["what_if", "what_if_stats", "predict_from_stats", "WHAT_IF_COLUMNS"]
 
@@ -126,56 +126,30 @@ def predict_from_stats(stats: StatsRow | Mapping[str, Any], fmt: Union[FPFormat,
     (``"nvfp4"``), which brings its own blocks, scale format and non-nearest rounding. Example: see the module.
     """
     _, sch = _schemes([fmt], block_size, scale_format)[0]
-    f, block_size = sch.element, sch.block_size
     rounding = sch.rounding if sch.rounding != "nearest" else rounding
     _check_rounding(rounding)
+    if sch.block_size is None:
+        tensor_scale(sch.element, scale, 1.0)             # a ValueError for a bad scale
+    if rows_apply(sch):                                   # one row: a table of one row
+        cols = {k: [v] for k, v in stats.items()}
+        got = predict_rows(cols, sch, rounding=rounding, scale=scale)[0].tolist()
+        return {k: v if v == v else math.nan for k, v in zip(WHAT_IF_COLUMNS, got)}   # NaN: math.nan itself
+    return _nvfp4_row(stats, sch, rounding)
+
+
+def _nvfp4_row(stats: StatsRow | Mapping[str, Any], sch: Scheme, rounding: str) -> dict[str, float]:
+    """:func:`predict_from_stats` of one row under NVFP4's E4M3 block scales (:func:`_nvfp4_blocks`)."""
+    f = sch.element
     n, nz = int(stats.get("n", 0)), int(stats.get("n", 0)) - int(stats.get("n_zero", 0))
     nan = {k: math.nan for k in WHAT_IF_COLUMNS}
     if nz <= 0 or not np.asarray(stats.get("hist", [])).sum():
         return {**nan, "underflow": 0.0, "overflow": 0.0, "rel_mse": 0.0, "bias": 0.0}
     law = HistogramLaw.from_stats(stats)
-    grid = _grid(f)
-    if block_size is None:
-        s = tensor_scale(f, scale, float(stats["max_abs"]))
-        pc = _pieces(law, grid, s, rounding)
-        c = {k: float(pc[k].sum()) for k in _SUMS} | {"mean": pc["mean"], "energy": pc["energy"]}
-        c["flushed"] = law_flushed(law, f, s, rounding)   # the one home of the flush law (the alarms use it)
-        log2_scale = math.log2(s)
-    else:
-        if sch.scale_format == E8M0:
-            c = _blocks(law, grid, f, int(block_size), rounding, zero_fraction=1.0 - nz / n)
-        else:                                   # E4M3 (NVFP4) block scales
-            c = _nvfp4_blocks(law, grid, f, int(block_size), rounding, zero_fraction=1.0 - nz / n,
-                              tensor_amax=float(stats["max_abs"]))
-        log2_scale = math.nan
+    c = _nvfp4_blocks(law, _grid(f), f, int(sch.block_size or 0), rounding, zero_fraction=1.0 - nz / n,
+                      tensor_amax=float(stats["max_abs"]))
     return {"underflow": c["flushed"], "overflow": c["saturated"],
             "rel_mse": c["sq"] / c["energy"] if c["energy"] > 0 else 0.0,
-            "bias": c["signed"] / c["mean"] if c["mean"] > 0 else 0.0, "log2_scale": log2_scale}
-
-
-def _blocks(law: HistogramLaw, grid: np.ndarray, fmt: FPFormat, block: int, rounding: str, *,
-            zero_fraction: float) -> dict[str, float]:
-    """MX blocks of exchangeable entries: an entry of binade ``j`` in a block whose maximum is in
-    binade ``L >= j`` is quantised at the block scale of ``L``; ``P(L | j)`` from the law of the
-    block's other ``block - 1`` entries (zeros included)."""
-    lo_e, hi_e = _binade_range(law)
-    edges = np.exp2(np.arange(lo_e, hi_e + 2, dtype=np.float64))
-    cdf = zero_fraction + (1 - zero_fraction) * law.partial_moments(edges, 0, np.zeros(1))[0]
-    others = np.clip(cdf, 0.0, 1.0) ** (block - 1)                     # P(the others' max < 2**(lo_e + i))
-    total = {k: 0.0 for k in _SUMS}
-    mean = energy = 0.0
-    for L in range(lo_e, hi_e + 1):
-        e = max(min(L - fmt.emax, 127), -127)                          # mx_shared_exponent of such a block
-        pc = _pieces(law, grid, math.ldexp(1.0, -e), rounding)
-        mean, energy = pc["mean"], pc["energy"]
-        i = L - lo_e
-        # an entry of binade j < L: the others' max in binade L; of binade L itself: all others below 2**(L+1)
-        w_lower = others[i + 1] - others[i]
-        j = pc["binade"]
-        w = np.where(j < L, w_lower, np.where(j == L, others[i + 1], 0.0))
-        for k in _SUMS:
-            total[k] += float(np.sum(w * pc[k]))
-    return total | {"mean": mean, "energy": energy}
+            "bias": c["signed"] / c["mean"] if c["mean"] > 0 else 0.0, "log2_scale": math.nan}
 
 
 def _nvfp4_blocks(law: HistogramLaw, grid: np.ndarray, fmt: FPFormat, block: int, rounding: str, *,
@@ -220,10 +194,12 @@ def _nvfp4_blocks(law: HistogramLaw, grid: np.ndarray, fmt: FPFormat, block: int
     return total | {"mean": mean, "energy": energy}
 
 
-def _schemes(formats: Any, block_size: Optional[int], scale_format: str) -> list[tuple[str, Scheme]]:
-    """``(label, scheme)`` of each of ``formats`` (a name, a format, a scheme, a list of them, or a
-    comma-separated text): a scheme or preset name (``"nvfp4"``) brings its own blocks, labelled by
-    its name; a plain format gets the call's ``block_size`` and ``scale_format``, labelled by the format."""
+def _schemes(formats: Any, block_size: Optional[int], scale_format: Union[str, FPFormat]) -> list[tuple[str, Scheme]]:
+    """The door of :func:`what_if`, :func:`what_if_stats` and :func:`predict_from_stats`: ``(label,
+    scheme)`` of each of ``formats`` (a name, a format, a scheme, a list of them, or a
+    comma-separated text), resolved once; everything below takes the :class:`~gradstats.scheme.Scheme`.
+    A scheme or preset name (``"nvfp4"``) brings its own blocks, labelled by its name; a plain format
+    gets the call's ``block_size`` and ``scale_format`` (:meth:`Scheme.of`), labelled by the format."""
     if isinstance(formats, (str, FPFormat, Scheme)):
         formats = [p.strip() for p in formats.split(",") if p.strip()] if isinstance(formats, str) else [formats]
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
@@ -241,8 +217,9 @@ def _schemes(formats: Any, block_size: Optional[int], scale_format: str) -> list
             out.append((str(sch), sch))
         else:
             fmt = parse(f)
-            out.append((str(fmt), Scheme(fmt, block_size=None if block_size is None else int(block_size),
-                                         scale_format=None if block_size is None else scale_format)))
+            out.append((str(fmt), Scheme.of(fmt, block_size=None if block_size is None else int(block_size),
+                                            scale_format=None if block_size is None else scale_format,
+                                            what="what_if")))
     return out
 
 
@@ -369,7 +346,7 @@ def what_if_stats(stats: pd.DataFrame, formats: Union[str, FPFormat, Scheme, Ite
             estimate = np.where(used == each, "blocks", np.where(used == 0, "exchangeable", "mixed")).astype(object)
         else:
             estimate = np.full(n_g, None, dtype=object)
-        p = _predictions(st, f, scale=scale, rounding=rnd, block_size=block_size, scale_format=scale_format)
+        p = _predictions(st, sch, scale=scale, rounding=rnd)
         if below is not None and below[1].any():
             from gradstats.stats.blocks import flushed_entries
 
@@ -424,13 +401,14 @@ def _recorded_blocks(stats: pd.DataFrame, blocks: Optional[pd.DataFrame], block_
     return h, has & (h.sum(axis=1) > 0), top
 
 
-def _predictions(stats: pd.DataFrame, fmt: FPFormat, *, scale: Union[str, float], rounding: str,
-                 block_size: Optional[int], scale_format: str) -> pd.DataFrame:
-    """The :data:`WHAT_IF_COLUMNS` of every row of ``stats`` (index kept): all rows at once where
-    :func:`_fast_applies`, else :func:`predict_from_stats` row by row."""
-    if _fast_applies(fmt, scale, block_size, scale_format):
-        return pd.DataFrame(_predict_rows(stats, fmt, rounding=rounding, block_size=block_size),
+def _predictions(stats: pd.DataFrame, sch: Scheme, *, scale: Union[str, float], rounding: str) -> pd.DataFrame:
+    """The :data:`WHAT_IF_COLUMNS` of every row of ``stats`` (index kept) under the scheme ``sch``:
+    all rows at once (:func:`~gradstats.fpanalysis._what_if_rows.predict_rows`); NVFP4's E4M3 block
+    scales row by row."""
+    if sch.block_size is None:
+        tensor_scale(sch.element, scale, 1.0)             # a ValueError for a bad scale
+    if rows_apply(sch):
+        return pd.DataFrame(predict_rows(stats, sch, rounding=rounding, scale=scale),
                             columns=list(WHAT_IF_COLUMNS), index=stats.index)
-    return pd.DataFrame([predict_from_stats(x, fmt, scale=scale, rounding=rounding, block_size=block_size,
-                                            scale_format=scale_format) for x in stats.to_dict("records")],
+    return pd.DataFrame([_nvfp4_row(x, sch, rounding) for x in stats.to_dict("records")],
                         columns=list(WHAT_IF_COLUMNS), index=stats.index)

@@ -586,8 +586,8 @@ def test_lognormal_prediction_of_many_layers_matches_quantized_samples():
     """composed.predict_one on arrays (one entry per layer, what apply's refresh computes for one layer
     in floats) against quantising lognormal samples with exact zeros: the fractions of all entries
     flushed and saturated and the relative error, within the Monte Carlo noise of 2**20 entries."""
-    from gradstats.fpanalysis.composed import predict_one
     from gradstats.formats import FPFormat
+    from gradstats.fpanalysis.composed import predict_one
 
     mu, sigma, p0 = np.array([-9.0, -12.0, -7.0]), np.array([1.0, 0.9, 0.5]), np.array([0.0, 0.2, 0.1])
     scale = np.array([2.0 ** 7, 2.0 ** 13, 2.0 ** 10])          # the last saturates in e2m1fn

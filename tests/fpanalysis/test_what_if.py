@@ -2,6 +2,8 @@
 against quantising the stored tensors (runs traced with whole tensors kept, samples=None)."""
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import pytest
 import torch
@@ -43,7 +45,7 @@ def gpt2_run(tmp_path_factory):
 
 
 def _measure(x: torch.Tensor, fmt: str, rounding: str, block: int | None, max_abs: float,
-             scale_format: str = "e8m0") -> dict[str, float]:
+             scale_format: str = "e8m0", scale: float | None = None) -> dict[str, float]:
     """Quantise the whole tensor ``x`` as what_if assumes; fractions per non-zero entry (stochastic
     rounding: the mean over 4 draws, whose single-draw bias has a standard deviation of up to ~0.008
     on these tensors)."""
@@ -56,7 +58,7 @@ def _measure(x: torch.Tensor, fmt: str, rounding: str, block: int | None, max_ab
         X = block_scales(x, f, block_size=block, scale_format=scale_format).double()
         over = (x.view(-1, block).abs().double() / torch.where(X > 0, X, 1.0)[:, None] > f.max).reshape(-1)
     else:
-        s = amax_scale(f, max_abs)
+        s = amax_scale(f, max_abs) if scale is None else scale
         over = (x.abs().double() * s > f.max)
     xd, nz = x.double(), x != 0
     out = {"underflow": 0.0, "overflow": float(over[nz].double().mean()), "rel_mse": 0.0, "bias": 0.0}
@@ -168,10 +170,42 @@ def test_the_command_line_and_the_figure(cnn_run, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("which", ["cnn_run", "gpt2_run"])
+def test_any_multiplier_holds_on_the_stored_tensors(request, which, rounding):
+    """A per-tensor multiplier that is not a power of two (the format's cells then cut the binades at
+    other places than at "amax"), against quantising the stored tensors at it: within the bounds of
+    stochastic rounding at "amax" (the cell boundaries no longer fall on binade edges)."""
+    from gradstats.layers import output_layer
+
+    run = request.getfixturevalue(which)
+    logits = output_layer(run)
+    st = run.stats(kinds=["grad"])
+    idx = run.sample_index()
+    checked = 0
+    for _, r in idx[idx.kind == "grad"].iterrows():
+        row = st[(st.step == r.step) & (st.layer == r.layer) & (st.call == r.call)].iloc[0].to_dict()
+        x = run.samples(r.layer, int(r.step), call=int(r.call))
+        for fmt in FORMATS:
+            s = amax_scale(parse(fmt), float(row["max_abs"])) * 0.7        # not a power of two
+            p = predict_from_stats(row, fmt, rounding=rounding, scale=s)
+            m = _measure(x, fmt, rounding, None, float(row["max_abs"]), scale=s)
+            d_frac, r_mse, d_bias = BOUNDS["stochastic", None, "e8m0"][r.layer == logits]
+            assert p["log2_scale"] == pytest.approx(math.log2(s))
+            assert abs(p["underflow"] - m["underflow"]) <= d_frac, (r.layer, fmt, p, m)
+            assert abs(p["overflow"] - m["overflow"]) <= d_frac, (r.layer, fmt, p, m)
+            if m["rel_mse"] > 1e-12:
+                assert abs(p["rel_mse"] / m["rel_mse"] - 1) <= r_mse, (r.layer, fmt, p, m)
+            assert abs(p["bias"] - m["bias"]) <= d_bias, (r.layer, fmt, p, m)
+            checked += 1
+    assert checked >= 8 * len(FORMATS)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("block", [None, 32])
 @pytest.mark.parametrize("which", ["cnn_run", "gpt2_run"])
-def test_all_rows_at_once_equal_row_by_row(request, which, rounding, block):
-    """what_if predicts every (step, layer) row at once; each equals predict_from_stats of its row."""
+def test_a_row_alone_equals_the_row_in_the_table(request, which, rounding, block):
+    """what_if predicts every (step, layer) row at once, rows of other binade spans padded into the
+    same arrays; predict_from_stats predicts one row as a table of one: the padding changes nothing."""
     run = request.getfixturevalue(which)
     st = run.stats(kinds=["grad"])
     df = what_if(run, FORMATS, rounding=rounding, block_size=block)
