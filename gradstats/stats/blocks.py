@@ -188,18 +188,11 @@ check_orientation = _layout.check_orientation
 BELOW_BINS = 64
 
 
-def _in_blocks(fmt: Scheme | FPFormat | str, scale_format: str | None = None) -> Scheme:
+def _in_blocks(fmt: Scheme | FPFormat | str) -> Scheme:
     """The block-scaled scheme an estimator models: a scheme (or its name) with blocks as it is, a format
     (or a scheme without blocks) in MX blocks, E8M0 scales (the block size is the histograms' own)."""
     s = Scheme.of(fmt, what="block flush estimate")
-    if s.block_size is None:
-        s = s.replace(block_size=32)
-    if scale_format is not None:
-        if scale_format not in SCALE_FORMATS:
-            raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
-        if scale_format != s.scale_format_name:
-            s = s.replace(scale_format=scale_format)
-    return s
+    return s if s.block_size is not None else s.replace(block_size=32)
 
 
 def _orientation_of(row: Mapping[str, Any]) -> str:
@@ -400,7 +393,11 @@ def flushed_entries(below_hist: Iterable[int] | np.ndarray, fmt: Scheme | FPForm
         total = counts.sum(axis=-1)
         return np.where(total > 0, counts @ prob / np.where(total > 0, total, 1.0), 0.0)
 
-    s = _in_blocks(fmt, scale_format)
+    s = _in_blocks(fmt)
+    if scale_format is not None and scale_format != s.scale_format_name:
+        if scale_format not in SCALE_FORMATS:
+            raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
+        s = s.replace(scale_format=scale_format)
     out = share(h, flush_probability(s, rounding=rounding))
     if top_hist is not None:
         whole = share(np.asarray(top_hist, dtype=np.float64), block_flush_probability(s))
