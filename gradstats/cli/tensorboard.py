@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from gradstats.formats import PREDICTED_ROUNDINGS
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tensorboard", help="write a run's statistics to a TensorBoard log directory")
@@ -12,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--formats", default=None, help="comma-separated formats whose what-if underflow and "
                                                   "overflow are logged too (e.g. e4m3fn,e5m2,e2m1fn)")
     p.add_argument("--block", type=int, default=None, help="MX block size of those what-if predictions")
-    p.add_argument("--rounding", default="nearest", choices=["nearest", "stochastic"])
+    p.add_argument("--rounding", default="nearest", choices=list(PREDICTED_ROUNDINGS))
     p.add_argument("--kinds", nargs="*", default=["grad"], help="kinds of tensors (default grad)")
     p.add_argument("--layers", nargs="*", default=None, help="names or globs (default every layer)")
     p.add_argument("--no-histograms", action="store_true", help="scalars only")
