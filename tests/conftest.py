@@ -1,6 +1,7 @@
 """Shared test fixtures."""
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -10,6 +11,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # each xdist worker gets one core: two workers with two OpenMP threads each on a 2-core
     # machine stall on each other
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _gradstats_log_level():
+    """Each test starts with the package's loggers as the process had them: an experiment's main()
+    run in-process quiets ``gradstats`` below ERROR for its own output, which would hide the warnings
+    later tests of the same worker assert on."""
+    lg = logging.getLogger("gradstats")
+    level = lg.level
+    yield
+    lg.setLevel(level)
 
 
 @pytest.fixture(autouse=True)
