@@ -76,6 +76,24 @@ SCALE_FORMATS: tuple[str, ...] = tuple(_SCALE_FORMAT_OF)
 SCALE_ROUNDINGS: tuple[str, ...] = ("floor", "ceil", "even", "rceil")
 #: the sizes of a random Hadamard transform (:mod:`gradstats.ops.hadamard`): powers of two; the recipe uses 16
 HADAMARD_SIZES: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def check_hadamard(hadamard: int | None, block_size: int | None, what: str = "quantize") -> None:
+    """Raise a ValueError unless ``hadamard`` is None or a size of :data:`HADAMARD_SIZES` with blocks.
+
+    Example:
+        >>> check_hadamard(16, 16)
+    """
+    if hadamard is None:
+        return
+    if isinstance(hadamard, bool) or hadamard not in HADAMARD_SIZES:
+        raise ValueError(f"{what}: hadamard must be one of {HADAMARD_SIZES} (NVFP4 training uses 16) or None, "
+                         f"got {hadamard!r}")
+    if block_size is None:
+        raise ValueError(f"{what}: a Hadamard transform feeds block-scaled quantisation along the tokens: set "
+                         "block_size (NVFP4 uses 16), or remove hadamard")
+
+
 _KEYS = ("block", "scale", "scale_rounding", "rounding", "hadamard")
 
 
@@ -435,13 +453,7 @@ def _of(fmt: Any, rounding: Any, block_size: Any, scale_format: Any, scale_round
     rounding = "nearest" if rounding is None else rounding
     if rounding not in ROUNDINGS:
         raise ValueError(f"{what}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    if hadamard is not None:
-        if isinstance(hadamard, bool) or hadamard not in HADAMARD_SIZES:
-            raise ValueError(f"{what}: hadamard must be one of {HADAMARD_SIZES} (NVFP4 training uses 16) or None, "
-                             f"got {hadamard!r}")
-        if block_size is None:
-            raise ValueError(f"{what}: a Hadamard transform feeds block-scaled quantisation along the tokens: set "
-                             "block_size (NVFP4 uses 16), or remove hadamard")
+    check_hadamard(hadamard, block_size, what)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"{what}: block_size must be a positive int, got {block_size!r}")
     try:

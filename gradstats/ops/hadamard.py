@@ -40,29 +40,13 @@ import torch
 
 from gradstats.ops import random as _rng
 from gradstats.ops.layout import check_orientation, from_gemm_matrix, gemm_matrix
-from gradstats.scheme import HADAMARD_SIZES
+from gradstats.scheme import HADAMARD_SIZES, check_hadamard
 
 __all__ = ["HADAMARD_SIZES", "SIGN_SEED", "check_hadamard", "resolve_orientation", "sylvester", "signs",
            "rht_matrix", "rotate", "unrotate", "RotatedContext"]
 
 #: the seed of the random signs (one fixed sign vector, as in the recipe)
 SIGN_SEED = 0
-
-
-def check_hadamard(hadamard: Optional[int], block_size: Optional[int], what: str = "quantize") -> None:
-    """Raise a ValueError unless ``hadamard`` is None or a size of :data:`HADAMARD_SIZES` with blocks.
-
-    Example:
-        >>> check_hadamard(16, 16)
-    """
-    if hadamard is None:
-        return
-    if isinstance(hadamard, bool) or hadamard not in HADAMARD_SIZES:
-        raise ValueError(f"{what}: hadamard must be one of {HADAMARD_SIZES} (NVFP4 training uses 16) or None, "
-                         f"got {hadamard!r}")
-    if block_size is None:
-        raise ValueError(f"{what}: a Hadamard transform feeds block-scaled quantisation along the tokens: set "
-                         "block_size (NVFP4 uses 16), or remove hadamard")
 
 
 def resolve_orientation(orientation: Optional[str], hadamard: Optional[int]) -> str:
