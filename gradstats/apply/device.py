@@ -53,6 +53,7 @@ from gradstats.apply.refresh import LayerState, Refresher, snapshot
 from gradstats.ops import random as _rng
 from gradstats.ops.fused import CompressCounts, prune_quantize_into
 from gradstats.ops.host import Outbox
+from gradstats.pruning.rules import THRESHOLD_RULES
 
 #: a call's record on the device: counts (int64[5], as float64 bits), sums (float64[6]), the threshold
 #: and scale the kernel used (float64[2])
@@ -144,7 +145,8 @@ class DevicePath:
         rule, st = self.rules[name], self.state[name]
         k = st.seq - self.config.warmup
         refresh = k < 0 or self.refresher.refreshes(k)
-        hist = rule.prunes and rule.threshold_rule == "histogram"
+        threshold_rule = THRESHOLD_RULES[rule.threshold_rule] if rule.prunes else None
+        hist = threshold_rule is not None and threshold_rule.needs_histogram
         v = stats_vector(g, full=refresh and hist)   # every call: its location corrects the lag below
         if self.config.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
             v = all_reduce_stats(v)
@@ -154,7 +156,7 @@ class DevicePath:
         if k < 0 or math.isnan(st.mu):       # warm-up, or the layer's first call: no statistics back yet
             st.seq += 1
             return g
-        if refresh and rule.prunes and rule.threshold_rule == "exact":
+        if refresh and threshold_rule is not None and not threshold_rule.from_statistics:
             self.refresher.solve(name, True, g.numel(), g)    # (reads its threshold back)
         q = self.quantize_args(name, rule, g)
         fmt = q.pop("fmt")                           # the rule's scheme (None: no quantisation)

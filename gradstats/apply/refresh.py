@@ -341,7 +341,7 @@ class Refresher:
         """The statistics of ``g`` folded into the layer's state, then its settings solved from
         them (the synchronous path: the host reads the statistics in the backward pass)."""
         rule = self.rules[name]
-        hist_rule = rule.prunes and rule.threshold_rule == "histogram"
+        hist_rule = rule.prunes and THRESHOLD_RULES[rule.threshold_rule].needs_histogram
         if self.needs_stats(rule, refresh):   # the histogram rule reads the binade counts; the others the moments alone
             v = stats_vector(g, full=refresh and hist_rule)
             if self.config.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -110,10 +110,12 @@ def condition_on_amax(a: Any, target: Any, amax: Any, mean_abs: Any, stochastic:
 
 class ThresholdRule:
     """Base of the rules: ``name``, whether the rule works from a layer's statistics alone
-    (``from_statistics``; ``"exact"`` reads the tensor) and the three methods (see the module docstring)."""
+    (``from_statistics``; ``"exact"`` reads the tensor), whether it reads their binade histogram
+    (``needs_histogram``) and the three methods (see the module docstring)."""
 
     name = ""
     from_statistics = True
+    needs_histogram = False
 
     def threshold(self, target: Any, stats: LayerStats, *, stochastic: bool = True) -> Any:
         raise NotImplementedError
@@ -199,6 +201,7 @@ class HistogramRule(ThresholdRule):
     (:class:`~gradstats.pruning.histogram.LogHistogram`)."""
 
     name = "histogram"
+    needs_histogram = True
 
     @staticmethod
     def _hist(stats: LayerStats) -> LogHistogram:
