@@ -237,22 +237,22 @@ def where(cond: Any, a: Any, b: Any) -> Any:
     return np.where(cond, a, b)
 
 
+def _pairwise(a: Any, b: Any, on_floats: Any, on_tensors: Any, on_arrays: Any) -> Any:
+    if type(a) is float and type(b) is float or is_float(a) and is_float(b):
+        return on_floats(a, b)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return on_tensors(torch.as_tensor(a), torch.as_tensor(b))
+    return on_arrays(a, b)
+
+
 def minimum(a: Any, b: Any) -> Any:
     """The elementwise smaller (``min`` of two floats)."""
-    if type(a) is float and type(b) is float or is_float(a) and is_float(b):
-        return min(a, b)
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return torch.minimum(torch.as_tensor(a), torch.as_tensor(b))
-    return np.minimum(a, b)
+    return _pairwise(a, b, min, torch.minimum, np.minimum)
 
 
 def maximum(a: Any, b: Any) -> Any:
     """The elementwise larger (``max`` of two floats)."""
-    if type(a) is float and type(b) is float or is_float(a) and is_float(b):
-        return max(a, b)
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
-    return np.maximum(a, b)
+    return _pairwise(a, b, max, torch.maximum, np.maximum)
 
 
 def any_(cond: Any) -> bool:
