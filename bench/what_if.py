@@ -2,7 +2,7 @@
 
 Builds a synthetic run through the tracer: a 24-layer MLP (Linear 64 -> 64 + tanh, batch 64,
 random data) trained 300 steps with statistics of every layer on every step (7,200 statistics
-rows), then times ``gradstats.what_if(run, ["e4m3fn", "e5m2", "e2m1fn"], block_size=32)``
+rows), then times ``gradstats.what_if(run, ["e4m3fn", "e5m2", "e2m1fn"], granularity=32)``
 (MX blocks) and the same per tensor, as medians of repeats:
 
 - ``row by row``: :func:`gradstats.fpanalysis.predict_from_stats` on each row (the same predictor
@@ -71,12 +71,12 @@ def main() -> None:
             per = []
             for _ in range(max(1, a.repeats // 2)):
                 t = time.perf_counter()
-                ref = [[predict_from_stats(x, f, block_size=block) for f in FORMATS] for x in ref_rows]
+                ref = [[predict_from_stats(x, f, granularity=block) for f in FORMATS] for x in ref_rows]
                 per.append((time.perf_counter() - t) / (len(ref_rows) * len(FORMATS)))
             times = []
             for _ in range(a.repeats):
                 t = time.perf_counter()
-                df = what_if(run, FORMATS, block_size=block)
+                df = what_if(run, FORMATS, granularity=block)
                 times.append((time.perf_counter() - t) / len(df))
             diff = 0.0
             for x, preds in zip(ref_rows, ref):

@@ -76,8 +76,8 @@ def plans(model: str, calib: gradstats.run.Run) -> list[tuple[str, dict, dict]]:
         for rounding in ("nearest", "stochastic"):
             out.append((f"e2m1fn {label}{' SR' if rounding == 'stochastic' else ''}",
                         {"bits": 4, "format": "e2m1fn", "rounding": rounding, "scaling": f"block {label}"},
-                        gradstats.Plan.uniform(format="e2m1fn", scale="amax", block_size=block,
-                                               scale_format=scale_format, rounding=rounding).to_dict()))
+                        gradstats.Plan.uniform(format=f"e2m1fn:block={block}:scale={scale_format}", scale="amax",
+                                               rounding=rounding).to_dict()))
     return out
 
 

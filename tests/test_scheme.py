@@ -115,7 +115,7 @@ def test_names_are_defined_once():
 
     assert Q.ROUNDINGS is formats.ROUNDINGS and _rules.ROUNDINGS is formats.ROUNDINGS
     assert Q.OVERFLOWS is OVERFLOWS and P.OVERFLOWS is OVERFLOWS
-    assert Q.SCALE_FORMATS is SCALE_FORMATS and P.SCALE_FORMATS is SCALE_FORMATS
+    assert Q.SCALE_FORMATS is SCALE_FORMATS
     assert _rules.SCALE_FORMATS is SCALE_FORMATS and _rules.SCALE_ROUNDINGS is SCALE_ROUNDINGS
     assert Q.SCALE_ROUNDINGS is scheme.SCALE_ROUNDINGS
     assert P.PREDICTED_ROUNDINGS is formats.PREDICTED_ROUNDINGS
@@ -142,7 +142,7 @@ def test_preset_quantizes_bit_for_bit_as_spelled_out(name, seed, n, spread, zero
     b = gradstats.quantize(x, **SPELLED[name])
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     sa = gradstats.block_scales(x, name)
-    sb = gradstats.block_scales(x, **SPELLED[name])
+    sb = gradstats.block_scales(x, gradstats.Scheme.of(**SPELLED[name]))
     assert torch.equal(sa.view(torch.int32), sb.view(torch.int32))
 
 

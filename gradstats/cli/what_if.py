@@ -6,7 +6,7 @@ import argparse
 
 from gradstats.cli.recommend import granularity_arg
 from gradstats.formats import PREDICTED_ROUNDINGS
-from gradstats.scheme import E4M3, PRESETS, SCALE_FORMATS, scale_format_of
+from gradstats.scheme import E4M3, PRESETS, scale_format_of
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,13 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--formats", default="e4m3fn,e5m2,e2m1fn",
                    help=f"comma-separated format names or schemes (presets {', '.join(PRESETS)} bring their own "
                         "blocks; default e4m3fn,e5m2,e2m1fn)")
-    p.add_argument("--block", type=int, default=None,
-                   help="block size (a scale per block) of the plain formats; default per tensor")
     p.add_argument("--granularity", type=granularity_arg, default=None, metavar="NAME|N",
-                   help="instead of --block and --scale-format: tensor, mx (blocks of 32, E8M0 scales), nvfp4 "
-                        "(blocks of 16, E4M3 scales) or a block size N (E8M0 scales)")
-    p.add_argument("--scale-format", default="e8m0", choices=list(SCALE_FORMATS),
-                   help="block scales: e8m0 (MX, default) or e4m3 (NVFP4)")
+                   help="where the plain formats' scales live: tensor (default), mx (blocks of 32, E8M0 scales), "
+                        "nvfp4 (blocks of 16, E4M3 scales) or a block size N (E8M0 scales)")
+    p.add_argument("--block", type=int, default=None, metavar="N", help="the same as --granularity N")
     p.add_argument("--rounding", default="nearest", choices=list(PREDICTED_ROUNDINGS))
     p.add_argument("--layers", nargs="*", default=None, help="names or globs (default every layer)")
     p.add_argument("--steps", type=int, nargs="*", default=None, help="steps (default every step)")
@@ -36,16 +33,11 @@ def run(args: argparse.Namespace) -> int:
 
     import gradstats
 
-    block_size, scale_format = args.block, args.scale_format
-    if args.granularity is not None:
-        from gradstats.fpanalysis.granularity import granularity_layout
-
-        if block_size is not None:
-            raise ValueError("give --granularity or --block (with --scale-format), not both")
-        layout = granularity_layout(args.granularity)
-        block_size, scale_format = layout.block_size, layout.scale_format_name or scale_format
-    df = gradstats.what_if(args.run, args.formats, block_size=block_size, rounding=args.rounding,
-                           steps=args.steps, layers=args.layers, scale_format=scale_format)
+    if args.granularity is not None and args.block is not None:
+        raise ValueError("give --granularity or --block (its shorthand for blocks of N), not both")
+    granularity = args.granularity if args.block is None else args.block
+    df = gradstats.what_if(args.run, args.formats, granularity=granularity, rounding=args.rounding,
+                           steps=args.steps, layers=args.layers)
     per_layer = (df.groupby(["layer", "format"], sort=False)[["underflow", "overflow", "rel_mse", "bias"]]
                  .median().reset_index())
     with pd.option_context("display.width", 160, "display.max_rows", 500):

@@ -9,7 +9,6 @@ import torch
 
 # the value layer's names, read by the verbs as P.OVERFLOWS and P.PREDICTED_ROUNDINGS
 from gradstats.formats import OVERFLOWS, PREDICTED_ROUNDINGS, FPFormat, parse  # noqa: F401
-from gradstats.scheme import SCALE_FORMATS
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
 
@@ -55,15 +54,6 @@ def check_bits(bits: Any) -> int:
         raise ValueError(f"bits must be an integer in 3..16 (sign + at least one exponent and one "
                          f"mantissa bit, at most 16), got {bits!r}")
     return int(bits)
-
-
-def check_block(block_size: Any, scale_format: Any) -> int | None:
-    check_choice("scale_format", scale_format, SCALE_FORMATS)
-    if block_size is None:
-        return None
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int (MX uses 32, NVFP4 16) or None, got {block_size!r}")
-    return int(block_size)
 
 
 def lognormal(mu: Any, sigma: Any, p0: Any = 0.0, *extra: tuple[str, Any]) -> tuple[tuple[int, ...], list[np.ndarray]]:

@@ -23,7 +23,7 @@ from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis.error import default_tensor_amax, integrals
 from gradstats.fpanalysis.granularity import granularity_layout, granularity_of
 from gradstats.fpanalysis.scale import _mode, _optimal
-from gradstats.scheme import E4M3, FP32, Scheme
+from gradstats.scheme import E4M3, Scheme
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -211,8 +211,9 @@ class BestFormat:
             NaN under block scaling (the block rule sets them).
         order: candidate indices per layer, best first.
         format, scale, error, exp_bits: the winner per layer (a single value for one layer).
-        mu, sigma, p0, names, amax: the inputs; rounding, criterion, block_size, scale_format,
-        power_of_two: the setting.
+        mu, sigma, p0, names, amax: the inputs; rounding, criterion, power_of_two: the setting;
+        blocks: the block layout (:attr:`~gradstats.scheme.Scheme.block_layout`; None: one scale per
+        tensor), whose ``block_size`` and ``scale_format_name`` the properties of the same names give.
 
     Example:
         >>> b = best_format(6, mu=[-8.0, -8.0], sigma=[1.0, 2.5])
@@ -231,10 +232,19 @@ class BestFormat:
     names: Optional[tuple[str, ...]] = None
     rounding: str = "nearest"
     criterion: str = "mse"
-    block_size: Optional[int] = None
-    scale_format: Optional[str] = None
+    blocks: Optional[Scheme] = None
     power_of_two: bool = True
     amax: Any = None
+
+    @property
+    def block_size(self) -> Optional[int]:
+        """Entries per block scale, None for one scale per tensor."""
+        return None if self.blocks is None else self.blocks.block_size
+
+    @property
+    def scale_format(self) -> Optional[str]:
+        """The block scale's format (``"e8m0"``, ``"e4m3"``), None for one scale per tensor."""
+        return None if self.blocks is None else self.blocks.scale_format_name
 
     @property
     def single(self) -> bool:
@@ -324,11 +334,10 @@ def best_format(
     sigma: P.ArrayLike,
     p0: P.ArrayLike = 0.0,
     candidates: Union[None, str, Sequence[Union[FPFormat, str]]] = None,
-    block_size: int | None = None,
+    granularity: str | int | Scheme | None = None,
     rounding: str = "nearest",
     criterion: str = "mse",
     power_of_two: bool = True,
-    scale_format: str = "e8m0",
     numel: P.ArrayLike | None = None,
     names: Sequence[str] | None = None,
     amax: P.ArrayLike | None = None,
@@ -345,8 +354,10 @@ def best_format(
             that exist (``"ocp"``, ``"torchao"``, ``"te"``: :data:`CANDIDATE_PRESETS`, at the
             granularity of the block rule), ``"any"`` (every split), a convention name (see
             :func:`candidate_formats`), or a list of formats of ``bits`` bits.
-        block_size: rank under block scaling (MX ``scale_format="e8m0"``, NVFP4 ``"e4m3"``, with
-            ``numel`` entries per tensor, default 2**20) instead of a per-tensor scale.
+        granularity: None or ``"tensor"`` (one scale per tensor, at its best value), or rank under block
+            scaling (:func:`~gradstats.fpanalysis.granularity.granularity_layout`: ``"mx"``, ``"nvfp4"``, an
+            int block size with E8M0 scales, or a scheme's layout; NVFP4 with ``numel`` entries per tensor,
+            default 2**20).
         rounding, criterion, power_of_two: as in :func:`optimal_scale`.
         names: optional layer names (kept in the result and its table).
         amax: the layers' largest magnitudes, if known (per-tensor scales): rank for each tensor
@@ -360,13 +371,13 @@ def best_format(
     bits = P.check_bits(bits)
     P.check_choice("rounding", rounding, P.PREDICTED_ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
-    block_size = P.check_block(block_size, scale_format)
-    layout = Scheme(FP32, block_size=block_size, scale_format=scale_format if block_size else None).block_layout
+    layout = granularity_layout("tensor" if granularity is None else granularity)
+    block_size = layout.block_size
     cands = _resolve(candidates, bits, granularity_of(layout))
     for c in cands:
         P.check_format(c)
     if amax is not None and block_size is not None:
-        raise ValueError("amax conditions per-tensor scales; it does not apply with block_size")
+        raise ValueError("amax conditions per-tensor scales; it does not apply with block scales (granularity)")
     shape, arrs = P.lognormal(mu, sigma, p0, *([("amax", amax)] if amax is not None else []))
     mu_, s_, p0_ = arrs[:3]
     am = P.check_amax(arrs[3]) if amax is not None else None
@@ -395,6 +406,6 @@ def best_format(
     rs = lambda a: a.reshape(*shape, k)  # noqa: E731
     return BestFormat(bits=bits, candidates=tuple(cands), errors=rs(errs), scales=rs(scales), order=rs(order),
                       mu=P.out(mu_, shape), sigma=P.out(s_, shape), p0=P.out(p0_, shape), names=names,
-                      rounding=rounding, criterion=criterion, block_size=block_size,
-                      scale_format=scale_format if block_size else None, power_of_two=bool(power_of_two),
+                      rounding=rounding, criterion=criterion, blocks=None if block_size is None else layout,
+                      power_of_two=bool(power_of_two),
                       amax=None if am is None else P.out(am, shape))

@@ -42,6 +42,8 @@ from scipy.special import ndtr
 from gradstats import _special as S
 from gradstats.formats import ROUNDINGS, FPFormat, parse
 from gradstats.fpanalysis._pieces import _N_ERR, Pieces, build, build_bias, first_moments_at, integrate, point
+from gradstats.fpanalysis.granularity import analysed_scheme
+from gradstats.scheme import Scheme
 
 __all__ = ["ComposedPrediction", "predict_composed", "composed_from_moments", "composed_blocks", "lognormal_moments_fn",
            "predict_one"]
@@ -223,20 +225,19 @@ def _assemble(raw: np.ndarray, p0: float) -> ComposedPrediction:
                               flushed=under, overflow=nz * over, error=max(err, 0.0), bias=bias, gain=gain)
 
 
-def composed_blocks(pm: PartialMoments, fmt: Union[FPFormat, str], *, threshold: float, block_size: int,
-                    scale_format: str = "e8m0", scale_rounding: str = "floor", rounding: str = "nearest",
-                    p0: float = 0.0, amax: float | None = None, per_binade: int = 16) -> ComposedPrediction:
-    """:class:`ComposedPrediction` of the composed operator with shared block scales (MX ``e8m0``,
-    NVFP4 ``e4m3``), for blocks of ``block_size`` *exchangeable* entries of the law: the block's
-    maximum ``m`` (distributed as the maximum of ``block_size`` draws) sets its scale as
+def composed_blocks(pm: PartialMoments, scheme: Union[Scheme, str], *, threshold: float, p0: float = 0.0,
+                    amax: float | None = None, per_binade: int = 16) -> ComposedPrediction:
+    """:class:`ComposedPrediction` of the composed operator with shared block scales, for a block-scaled
+    ``scheme`` (a :class:`~gradstats.scheme.Scheme` or its name: MX E8M0 scales rounded as its
+    ``scale_rounding`` says, NVFP4 E4M3 ones; its element rounding), for blocks of ``B`` *exchangeable*
+    entries of the law: the block's maximum ``m`` (distributed as the maximum of ``B`` draws) sets its scale as
     :func:`gradstats.ops.quantization.block_scales` does (from ``max(m, threshold)``, since pruning
     rounds small values up to the threshold); the other entries are draws below ``m``. Real tensors
     whose rows differ in magnitude have more uniform blocks than exchangeable entries, so this
     over-predicts their flushing; ``amax`` (the tensor's maximum) sets NVFP4's per-tensor scale.
 
     Example:
-        >>> p = composed_blocks(lognormal_moments_fn(-10.0, 2.0), "e2m1fn", threshold=0.0, block_size=16,
-        ...                     scale_format="e4m3", rounding="stochastic")
+        >>> p = composed_blocks(lognormal_moments_fn(-10.0, 2.0), "nvfp4:rounding=stochastic", threshold=0.0)
         >>> round(p.overflow, 2), bool(0.0 < p.flushed < 1.0)     # a block maximum rounded down: clipped
         (0.03, True)
     """
@@ -244,8 +245,12 @@ def composed_blocks(pm: PartialMoments, fmt: Union[FPFormat, str], *, threshold:
 
     from gradstats.ops.quantization import block_scales
 
+    s = Scheme.parse(scheme)
+    if s.block_size is None:
+        raise ValueError(f"composed_blocks: scheme {str(s)!r} has one scale per tensor: use composed_from_moments, "
+                         "or a block-scaled scheme such as 'mxfp8_e4m3' or 'nvfp4'")
+    f, block_size, rounding = s.element, s.block_size, s.rounding
     _check_args(threshold, 1.0, rounding, p0)
-    f = parse(fmt)
     pm = _normalised(pm)
     a = float(threshold)
     top = float(amax) if amax is not None and math.isfinite(amax) and amax > 0 else None
@@ -267,7 +272,7 @@ def composed_blocks(pm: PartialMoments, fmt: Union[FPFormat, str], *, threshold:
     x = torch.zeros((len(m_i) + 1, block_size), dtype=torch.float32)
     x[:-1, 0] = torch.from_numpy(post.astype(np.float32))
     x[-1, 0] = float(max(top, a))                   # NVFP4's per-tensor scale comes from the tensor's max
-    dec = block_scales(x, f, block_size=block_size, scale_format=scale_format, scale_rounding=scale_rounding)
+    dec = block_scales(x, s)
     dec = dec.reshape(-1)[:-1].double().numpy()
     ok = dec > 0
     m_i, p_i, dec = m_i[ok], p_i[ok], dec[ok]
@@ -308,17 +313,18 @@ def _point(y: float, v: np.ndarray, M: float, rounding: str) -> tuple[float, flo
     return q, q * q, float(q == 0), 0.0
 
 
-def predict_composed(stats: Union[Mapping[str, Any], Any], fmt: Union[FPFormat, str, None], *, threshold: float = 0.0,
-                     scale: float = 1.0, rounding: str = "nearest", law: Any = "histogram",
-                     block_size: int | None = None, scale_format: str = "e8m0",
-                     scale_rounding: str | None = None) -> ComposedPrediction:
+def predict_composed(stats: Union[Mapping[str, Any], Any], fmt: Union[FPFormat, Scheme, str, None], *,
+                     threshold: float = 0.0, scale: float = 1.0, rounding: str | None = None, law: Any = "histogram",
+                     granularity: Union[str, int, Scheme, None] = None) -> ComposedPrediction:
     """The composed operator's :class:`ComposedPrediction` for one tensor from its statistics row
     (:func:`gradstats.tensor_stats`, a row of a run's ``stats()``): ``law="histogram"`` (the row's
     binade histogram and top magnitudes, :class:`gradstats.stats.law.HistogramLaw`) or ``"lognormal"``
     (the row's mu and sigma of ``ln|g|``, the tail capped at the row's maximum), or the row's
     :class:`~gradstats.stats.law.HistogramLaw` already made (``HistogramLaw.from_stats(stats)``: a
-    caller predicting many operators on one row makes it once). With ``block_size``
-    the scales are shared per block (``scale`` is then not used; :func:`composed_blocks`).
+    caller predicting many operators on one row makes it once). ``fmt``: a format (with ``granularity``'s
+    blocks: :func:`~gradstats.fpanalysis.granularity.analysed_scheme`), a scheme (its blocks and rounding), or
+    None (pruning alone); ``rounding`` None: the scheme's. With blocks the scales are shared per block
+    (``scale`` is then not used; :func:`composed_blocks`).
 
     Example:
         >>> import torch
@@ -356,11 +362,13 @@ def predict_composed(stats: Union[Mapping[str, Any], Any], fmt: Union[FPFormat, 
             return capped(t, k) / mass
     else:
         raise ValueError(f"law must be 'histogram', 'lognormal' or the row's HistogramLaw, got {law!r}")
-    if block_size is not None and fmt is not None:
-        return composed_blocks(pm, fmt, threshold=threshold, block_size=block_size, scale_format=scale_format,
-                               scale_rounding=scale_rounding or "floor", rounding=rounding, p0=p0,
-                               amax=float(stats.get("max_abs", math.nan)))
-    return composed_from_moments(pm, fmt, threshold=threshold, scale=scale, rounding=rounding, p0=p0)
+    if fmt is None:
+        return composed_from_moments(pm, None, threshold=threshold, scale=scale, rounding=rounding or "nearest", p0=p0)
+    s = analysed_scheme(fmt, granularity, what="predict_composed", exact_scales=True)
+    s = s if rounding is None else s.replace(rounding=rounding)
+    if s.block_size is not None:
+        return composed_blocks(pm, s, threshold=threshold, p0=p0, amax=float(stats.get("max_abs", math.nan)))
+    return composed_from_moments(pm, s.element, threshold=threshold, scale=scale, rounding=s.rounding, p0=p0)
 
 
 # ----------------------------------------------------------------------------- the lognormal, given amax

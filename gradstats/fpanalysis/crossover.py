@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from gradstats.formats import FPFormat
 from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis.choice import candidate_formats
 from gradstats.fpanalysis.error import default_tensor_amax, integrals
+from gradstats.fpanalysis.granularity import granularity_layout
 from gradstats.fpanalysis.scale import _optimal
 from gradstats.scheme import Scheme
 
@@ -36,7 +37,8 @@ _OFFSETS = np.arange(8) / 8.0  # binade positions of mu averaged over for power-
 
 def _curve(fmt: FPFormat, sig2: np.ndarray, cfg: tuple) -> np.ndarray:
     """Error at the best (or rule-given) scale for sigma (log2 units) ``sig2``."""
-    rounding, criterion, power_of_two, block_size, scale_format = cfg
+    rounding, criterion, power_of_two, layout = cfg
+    block_size = layout.block_size
     s = sig2 * P.LN2
     # only mu + ln(scale) matters: put mu where the best scale is near 1
     centre = -2 * s * s if (criterion == "mse" and block_size is None) else np.zeros_like(s)
@@ -48,8 +50,8 @@ def _curve(fmt: FPFormat, sig2: np.ndarray, cfg: tuple) -> np.ndarray:
         e = _optimal(fmt, mu, ss, power_of_two=True, rounding=rounding, criterion=criterion)[1]
     else:
         mode = "elementwise" if criterion == "elementwise" else "relative"
-        tamax = default_tensor_amax(mu, ss, 0.0, 2 ** 20) if scale_format == "e4m3" else None
-        blocks = Scheme(fmt, block_size=block_size, scale_format=scale_format, rounding=rounding)
+        tamax = default_tensor_amax(mu, ss, 0.0, 2 ** 20) if layout.tensor_scale is not None else None
+        blocks = layout.replace(element=fmt, rounding=rounding)
         e = integrals(fmt, mu, ss, np.zeros_like(mu), np.zeros_like(mu), rounding=rounding, overflow="saturate",
                       mode=mode, blocks=blocks, tensor_amax=tamax)[:, :4].sum(1)
     return e.reshape(s.size, _OFFSETS.size).mean(axis=1)
@@ -177,8 +179,8 @@ def _table(bits: tuple[int, ...], special: str, subnormals: bool, cfg: tuple, si
             f = fmts[best[s]]
             ranges.append({"bits": b, "exp_bits": f.exp_bits, "man_bits": f.man_bits, "format": str(f),
                            "sigma_lo": bounds[n], "sigma_hi": bounds[n + 1], "open_end": n == len(starts) - 1})
-    rounding, criterion, power_of_two, block_size, scale_format = cfg
-    scale_desc = (f"block scaling: {block_size} entries per {scale_format} scale" if block_size else
+    rounding, criterion, power_of_two, layout = cfg
+    scale_desc = (f"block scaling: {layout.block_size} entries per {layout.scale_format_name} scale" if layout.block_size else
                   "per-tensor power-of-two scale, best for each split (error averaged over mu within a binade)"
                   if power_of_two else "per-tensor scale, best for each split (continuous)")
     assumptions = {
@@ -199,8 +201,7 @@ def crossover_table(
     rounding: str = "nearest",
     criterion: str = "mse",
     power_of_two: bool = False,
-    block_size: Optional[int] = None,
-    scale_format: str = "e8m0",
+    granularity: str | int | Scheme | None = None,
     sigma_min: float = 0.05,
     sigma_max: float = 10.0,
     step: float = 0.05,
@@ -218,7 +219,8 @@ def crossover_table(
         criterion: ``"mse"`` or ``"elementwise"``; with the continuous best scale both give the same
             table (the error minima are equal, see ``docs/fpanalysis.md``).
         power_of_two: restrict scales to powers of two.
-        block_size, scale_format: block scaling instead of a per-tensor scale.
+        granularity: block scaling instead of a per-tensor scale (``"mx"``, ``"nvfp4"``, an int block size
+            with E8M0 scales: :func:`~gradstats.fpanalysis.granularity.granularity_layout`).
         sigma_min, sigma_max, step: the sigma grid (log2 units).
 
     Example:
@@ -231,9 +233,9 @@ def crossover_table(
         raise ValueError("bits is empty")
     P.check_choice("rounding", rounding, P.PREDICTED_ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
-    block_size = P.check_block(block_size, scale_format)
+    layout = granularity_layout("tensor" if granularity is None else granularity)
     if not (0 < sigma_min < sigma_max <= P.SIGMA_MAX / P.LN2) or not 0 < step <= (sigma_max - sigma_min) / 4:
         raise ValueError(f"need 0 < sigma_min < sigma_max <= {P.SIGMA_MAX / P.LN2:.1f} (log2 units) and a step of "
                          f"at most a quarter of the range; got {sigma_min}, {sigma_max}, step {step}")
-    cfg = (rounding, criterion, bool(power_of_two), block_size, scale_format)
+    cfg = (rounding, criterion, bool(power_of_two), layout)
     return _table(bits_t, special, bool(subnormals), cfg, float(sigma_min), float(sigma_max), float(step))

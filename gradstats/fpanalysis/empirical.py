@@ -18,8 +18,10 @@ import torch
 from gradstats.formats import FPFormat
 from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis.choice import best_format
+from gradstats.fpanalysis.granularity import analysed_scheme
 from gradstats.fpanalysis.scale import TIE_RTOL
 from gradstats.ops.quantization import quantize
+from gradstats.scheme import Scheme
 from gradstats.stats import lognormal_moments, tensor_stats
 
 __all__ = ["measured_error", "check_prediction", "energy_moments", "PredictionCheck"]
@@ -43,8 +45,7 @@ def measured_error(
     scale: Union[float, Sequence[float], np.ndarray, None] = 1.0,
     rounding: str = "nearest",
     criterion: str = "mse",
-    block_size: Optional[int] = None,
-    scale_format: str = "e8m0",
+    granularity: Union[str, int, Scheme, None] = None,
     generator: Optional[torch.Generator] = None,
 ) -> Any:
     """The error of ``quantize(x * scale, fmt) / scale`` on a real tensor.
@@ -52,8 +53,9 @@ def measured_error(
     ``criterion="mse"``: ``sum((Q(x) - x)**2) / sum(x**2)`` (the relative MSE of
     :func:`~gradstats.fpanalysis.expected_error`); ``"elementwise"``: the mean of
     ``((Q(x) - x)/x)**2`` over the non-zero entries. ``scale`` may be a list (one error each, one
-    vectorised call). With ``block_size`` the block scales follow the blocks (MX/NVFP4) along the
-    last dimension of ``x`` flattened.
+    vectorised call). With a block-scaled ``fmt`` (``"mxfp4"``, ``"nvfp4"``, a scheme) or ``granularity``
+    (``"mx"``, ``"nvfp4"``, a block size: :func:`~gradstats.fpanalysis.granularity.analysed_scheme`) the block
+    scales follow the blocks of ``x`` flattened.
 
     Example:
         >>> import torch
@@ -64,16 +66,17 @@ def measured_error(
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError("x must be a floating-point torch.Tensor")
     P.check_choice("criterion", criterion, P.CRITERIA)
-    fmt = P.check_format(fmt)
+    sch = analysed_scheme(fmt, granularity, what="measured_error")
+    fmt = P.check_format(sch.element)
+    rounding = sch.rounding if rounding == "nearest" else rounding      # a scheme's own rounding, unless told
     x = x.detach().reshape(-1).float()
     x = x[torch.isfinite(x)]
     if x.numel() == 0 or not bool((x != 0).any()):
         raise ValueError("x has no non-zero finite values: its relative error is undefined")
-    if block_size is not None:
+    if sch.block_size is not None:
         if scale not in (None, 1.0):
-            raise ValueError("pass either scale or block_size, not both")
-        q = quantize(x, fmt, rounding=rounding, block_size=block_size, scale_format=scale_format,
-                     generator=generator)
+            raise ValueError("pass either scale or a block-scaled format (its scales follow the blocks), not both")
+        q = quantize(x, sch.replace(rounding=rounding), generator=generator)
         return float(_errors(x, q[None, :], criterion)[0])
     scalar = np.ndim(scale) == 0
     s = np.atleast_1d(np.asarray(1.0 if scale is None else scale, dtype=np.float64))

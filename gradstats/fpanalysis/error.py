@@ -1,7 +1,7 @@
 """Expected quantisation error of lognormal gradients: :func:`expected_error`.
 
 Per tensor scale: the exact sum of lognormal partial moments over the format's cells
-(:mod:`._pieces`). Block scaling (``block_size``): exact as well, by conditioning on the block's
+(:mod:`._pieces`). Block scaling (a block-scaled scheme, or ``granularity=``): exact as well, by conditioning on the block's
 shared scale. With ``B`` elements per block, ``F`` the CDF of one entry's magnitude (zeros
 included) and the block scale ``X_j`` chosen when the block maximum lies in ``[A_j, A_{j+1})``,
 exchangeability gives, per entry,
@@ -9,11 +9,11 @@ exchangeability gives, per entry,
     E[err] = sum_j  F(A_{j+1})**(B-1) E[err_j(x) 1{x < A_{j+1}}] - F(A_j)**(B-1) E[err_j(x) 1{x < A_j}]
 
 where ``err_j`` is the error under the fixed scale ``X_j``: one more partial-moment sum, cut at
-the block-maximum bounds. MX (``scale_format="e8m0"``): ``X_j = 2**j``, ``A_j = 2**(j + emax)``
+the block-maximum bounds. MX (E8M0 scales): ``X_j = 2**j``, ``A_j = 2**(j + emax)``
 (:func:`gradstats.ops.quantization.mx_shared_exponent`, clamped to ``-127..127`` as there); the series runs
 over the shared exponents whose probability under the block maximum (tilted by ``x**2`` for the
 MSE) is above about 1e-15.
-NVFP4 style (``"e4m3"``): ``X_j = w_j t`` over the e4m3fn codes ``w_j``, with the per-tensor
+NVFP4 style (E4M3 scales): ``X_j = w_j t`` over the e4m3fn codes ``w_j``, with the per-tensor
 float32 scale ``t = tensor_amax / (fmt.max * 448)`` (:func:`gradstats.ops.quantization.block_scales`);
 ``tensor_amax`` defaults to the median maximum of ``numel`` draws. Blocks are assumed full and
 independent; the float32 rounding of ``w_j t`` is ignored.
@@ -40,6 +40,7 @@ from gradstats.fpanalysis._pieces import (
     integrate,
     point,
 )
+from gradstats.fpanalysis.granularity import analysed_scheme
 from gradstats.scheme import Scheme
 
 if TYPE_CHECKING:
@@ -70,7 +71,9 @@ class ErrorResult:
             Negative: shrinkage. Stochastic rounding has none inside the range.
         flushed_mass: the fraction of ``E[|g|]`` carried by values that become zero (with
             stochastic rounding compensated by the values rounded up to the smallest one).
-        format, rounding, overflow_mode, relative, criterion, block_size, scale_format: the setting.
+        format, rounding, overflow_mode, relative, criterion: the setting; blocks: the block-scaled
+            :class:`~gradstats.scheme.Scheme` (None: one scale per tensor), whose ``block_size`` and
+            ``scale_format_name`` the properties of the same names give.
         mu, sigma, p0, scale: the inputs (``scale`` is NaN under block scaling).
 
     Example:
@@ -98,12 +101,21 @@ class ErrorResult:
     overflow_mode: str = "saturate"
     relative: bool = True
     criterion: str = "mse"
-    block_size: Optional[int] = None
-    scale_format: Optional[str] = None
+    blocks: Optional[Scheme] = None
     bias: Any = math.nan
     flushed_mass: Any = math.nan
     _fields: tuple = field(default=("total", *PARTS, *FRACTIONS, "bias", "flushed_mass", "mu", "sigma", "p0",
                                     "scale"), repr=False)
+
+    @property
+    def block_size(self) -> Optional[int]:
+        """Entries per block scale, None for one scale per tensor."""
+        return None if self.blocks is None else self.blocks.block_size
+
+    @property
+    def scale_format(self) -> Optional[str]:
+        """The block scale's format (``"e8m0"``, ``"e4m3"``), None for one scale per tensor."""
+        return None if self.blocks is None else self.blocks.scale_format_name
 
     @property
     def parts(self) -> dict[str, Any]:
@@ -291,10 +303,9 @@ def expected_error(
     rounding: str = "nearest",
     relative: bool = True,
     p0: P.ArrayLike = 0.0,
-    block_size: int | None = None,
+    granularity: str | int | Scheme | None = None,
     overflow: str = "saturate",
     criterion: str = "mse",
-    scale_format: str = "e8m0",
     tensor_amax: P.ArrayLike | None = None,
     numel: P.ArrayLike | None = None,
     amax: P.ArrayLike | None = None,
@@ -307,21 +318,23 @@ def expected_error(
 
     Args:
         fmt: an :class:`~gradstats.formats.FPFormat` or a name (any convention, with or without
-            subnormals, 3 to 16 bits).
+            subnormals, 3 to 16 bits), or a block-scaled scheme (:class:`~gradstats.scheme.Scheme` or a
+            name such as ``"mxfp4"``, ``"nvfp4"``, ``"e2m1fn:block=16:scale=e4m3"``).
         mu, sigma: mean and std of ``ln|g|``; numbers or arrays (one per layer), broadcast together
             with ``p0``, ``scale`` and ``tensor_amax``.
-        scale: per-tensor scale ``s`` (quantise ``g*s``); ignored (pass None or 1) with ``block_size``.
+        scale: per-tensor scale ``s`` (quantise ``g*s``); ignored (pass None or 1) with blocks.
         rounding: ``"nearest"`` (ties to even) or ``"stochastic"``.
         relative: divide the MSE by ``E[g**2]`` (the inverse SNR; does not depend on ``p0``).
             ``False``: the MSE in units of ``g**2`` (scales with ``1 - p0``).
         p0: fraction of exact zeros; they quantise exactly and add no error.
-        block_size: shared-scale blocks of this many entries (MX: 32, NVFP4: 16); see the module doc.
+        granularity: where a plain format's scales live (:func:`~gradstats.fpanalysis.granularity.analysed_scheme`):
+            None or ``"tensor"`` (one scale), ``"mx"`` (blocks of 32, E8M0 scales), ``"nvfp4"`` (blocks
+            of 16, E4M3 scales under a float32 one), or an int ``N`` (blocks of ``N``, E8M0); see the module doc.
         overflow: ``"saturate"`` or ``"nonfinite"`` (the format's inf/NaN; entries that become
             non-finite are excluded from ``total`` and reported in ``nonfinite``).
         criterion: ``"mse"``, or ``"elementwise"``: the mean of ``((Q(g) - g)/g)**2`` over the
             non-zero entries (``relative`` must stay True).
-        scale_format: block scale type, ``"e8m0"`` (MX) or ``"e4m3"`` (NVFP4 style).
-        tensor_amax: for ``"e4m3"`` blocks, the tensor's largest magnitude (default: the median
+        tensor_amax: for E4M3 (NVFP4) blocks, the tensor's largest magnitude (default: the median
             maximum of ``numel`` entries, ``numel`` defaulting to 2**20).
         amax: the tensor's largest magnitude, if known (per-tensor scales): predict the error of
             *this* tensor, given its maximum: one entry equals ``amax``, the other non-zero ones
@@ -337,25 +350,27 @@ def expected_error(
         >>> r = expected_error("e5m2", mu=[-10.0, -4.0], sigma=[2.0, 1.0], scale=2.0 ** 10)
         >>> [round(float(t) * 1e3, 3) for t in r.total]
         [3.027, 2.78]
-        >>> round(expected_error("e2m1fn", mu=0.0, sigma=1.0, block_size=32).total, 4)
+        >>> round(expected_error("e2m1fn", mu=0.0, sigma=1.0, granularity=32).total, 4)
         0.022
+        >>> expected_error("mxfp4", mu=0.0, sigma=1.0).total == expected_error("e2m1fn", mu=0.0, sigma=1.0, granularity="mx").total
+        True
     """
-    fmt = P.check_format(fmt)
+    sch = analysed_scheme(fmt, granularity, what="expected_error")
+    fmt = P.check_format(sch.element)
     P.check_choice("rounding", rounding, P.PREDICTED_ROUNDINGS)
     P.check_choice("overflow", overflow, P.OVERFLOWS)
     P.check_choice("criterion", criterion, P.CRITERIA)
-    block_size = P.check_block(block_size, scale_format)
-    blocks = None if block_size is None else Scheme(fmt, block_size=block_size, scale_format=scale_format,
-                                                   rounding=rounding)
+    block_size = sch.block_size
+    blocks = None if block_size is None else sch.replace(rounding=rounding)
     e4m3 = blocks is not None and blocks.tensor_scale is not None        # NVFP4's two-level scale
     if not isinstance(relative, bool):
         raise ValueError(f"relative must be True or False, got {relative!r}")
     if criterion == "elementwise" and not relative:
         raise ValueError("criterion='elementwise' is a relative measure; use relative=True")
     if block_size is not None and scale is not None and not (np.ndim(scale) == 0 and float(as_float(scale)) == 1.0):
-        raise ValueError("pass either scale or block_size (block scales follow the block maxima), not both")
+        raise ValueError("pass either scale or a block-scaled format (block scales follow the block maxima), not both")
     if amax is not None and block_size is not None:
-        raise ValueError("amax conditions a per-tensor scale; with block_size use tensor_amax (NVFP4 style)")
+        raise ValueError("amax conditions a per-tensor scale; with blocks use tensor_amax (NVFP4 style)")
     extra = [("scale", 1.0 if scale is None else scale)]
     if e4m3 and tensor_amax is not None:
         extra.append(("tensor_amax", tensor_amax))
@@ -394,8 +409,7 @@ def expected_error(
         subnormal=o(parts[:, 2]), underflow=o(parts[:, 3]), flushed=o(fr[:, 0]), saturated=o(fr[:, 1]),
         nonfinite=o(fr[:, 2]), mu=o(mu_), sigma=o(s_), p0=o(p0_),
         scale=o(np.full_like(sc, np.nan) if block_size else sc), rounding=rounding, overflow_mode=overflow,
-        relative=relative, criterion=criterion, block_size=block_size,
-        scale_format=scale_format if block_size else None, bias=o(bias[:, 0]), flushed_mass=o(bias[:, 1]))
+        relative=relative, criterion=criterion, blocks=blocks, bias=o(bias[:, 0]), flushed_mass=o(bias[:, 1]))
 
 
 def as_float(v: Any) -> float:

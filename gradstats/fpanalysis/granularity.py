@@ -28,9 +28,9 @@ from typing import Optional, Union
 
 import numpy as np
 
-from gradstats.scheme import E8M0, FP32, PRESETS, Scheme
+from gradstats.scheme import E8M0, FP32, PRESETS, Scheme, names_scheme
 
-__all__ = ["GRANULARITIES", "granularity_layout", "granularity_of"]
+__all__ = ["GRANULARITIES", "granularity_layout", "granularity_of", "analysed_scheme"]
 
 #: the granularity names (besides an int block size): one scale per tensor, MX blocks, NVFP4 blocks
 GRANULARITIES = ("tensor", "mx", "nvfp4")
@@ -72,3 +72,41 @@ def granularity_layout(granularity: Union[str, int, Scheme]) -> Scheme:
         return Scheme(FP32, block_size=int(granularity), scale_format=E8M0)
     raise ValueError(f"granularity must be one of {list(GRANULARITIES)} or a block size (an int N: "
                      f"blocks of N with E8M0 scales), got {granularity!r}")
+
+
+def analysed_scheme(fmt: Union[str, Scheme, object], granularity: Union[str, int, Scheme, None] = None, *,
+                    what: str = "the analysis", exact_scales: bool = False) -> Scheme:
+    """The scheme an analysis function predicts for ``fmt``: the one door of the ``granularity=`` of
+    :func:`~gradstats.fpanalysis.expected_error`, :func:`~gradstats.fpanalysis.best_format`,
+    :func:`~gradstats.fpanalysis.what_if` and the other predictions.
+
+    A scheme, or a scheme's name (``"nvfp4"``, ``"e2m1fn:block=16:scale=e4m3"``), brings its own block
+    layout; a plain format (a name or an :class:`~gradstats.formats.FPFormat`) takes ``granularity``'s
+    (:func:`granularity_layout`; None: one scale per tensor). A scheme with a ``granularity`` of another
+    layout is a ``ValueError`` (say it once). The estimators model E8M0 scales rounded by the OCP rule:
+    another ``scale_rounding`` is refused with the fix, unless the caller computes the block scales
+    exactly (``exact_scales``: :func:`~gradstats.fpanalysis.composed.composed_blocks`).
+
+    Example:
+        >>> str(analysed_scheme("e2m1fn", "nvfp4")), str(analysed_scheme("nvfp4")), str(analysed_scheme("e4m3fn", 32))
+        ('nvfp4', 'nvfp4', 'mxfp8_e4m3')
+        >>> analysed_scheme("mxfp4", "nvfp4")
+        Traceback (most recent call last):
+        ...
+        ValueError: the analysis: 'mxfp4' brings its own blocks; granularity='nvfp4' names another layout: pass the format alone ('mxfp4'), or a plain element format with granularity='nvfp4'
+    """
+    if names_scheme(fmt):
+        s = Scheme.parse(fmt)  # type: ignore[arg-type]
+        if granularity is not None and granularity_layout(granularity) != s.block_layout:
+            raise ValueError(f"{what}: {str(s)!r} brings its own blocks; granularity={granularity!r} names another "
+                             f"layout: pass the format alone ({str(s)!r}), or a plain element format with "
+                             f"granularity={granularity!r}")
+    else:
+        from gradstats.formats import parse
+
+        layout = granularity_layout("tensor" if granularity is None else granularity)
+        s = layout.replace(element=parse(fmt))  # type: ignore[arg-type]
+    if s.scale_rounding not in (None, "floor") and not exact_scales:
+        raise ValueError(f"{what}: scheme {str(s)!r}: the predictions model E8M0 scales rounded by the OCP rule "
+                         f"('floor'); drop ':scale_rounding={s.scale_rounding}' (quantize and apply honour it)")
+    return s

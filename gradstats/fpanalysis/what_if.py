@@ -22,7 +22,7 @@ exact where the values above the format's maximum are among the 64 largest (alwa
 ``"amax"`` scale). The error bound on real runs is in ``docs/fpanalysis.md`` (measured against
 quantising the stored samples, ``tests/fpanalysis/test_what_if.py``).
 
-Blocks (``block_size=B``, OCP MX: an E8M0 power-of-two scale per block from the block's largest
+Blocks (a block-scaled scheme such as ``"mxfp8_e4m3"``, or ``granularity=B``; OCP MX: an E8M0 power-of-two scale per block from the block's largest
 magnitude, :func:`gradstats.ops.quantization.mx_shared_exponent`) are predicted for exchangeable entries: a
 block is ``B`` entries drawn from the tensor at random, so the binade of a block's maximum, given
 one of its entries, follows from the law of the others (``P(max < 2**L) = F(2**L)**(B-1)``). This
@@ -51,8 +51,9 @@ import pandas as pd
 
 from gradstats.formats import FPFormat, parse
 from gradstats.fpanalysis._what_if_rows import _SUMS, _grid, predict_rows, rows_apply
+from gradstats.fpanalysis.granularity import analysed_scheme, granularity_layout
 from gradstats.fpanalysis.histogram import HistogramLaw
-from gradstats.scheme import E4M3, Scheme, names_scheme, scale_format_of
+from gradstats.scheme import E4M3, Scheme, names_scheme
 from gradstats.stats import StatsRow
 from gradstats.stats.law import tensor_scale
 
@@ -112,20 +113,22 @@ def _check_rounding(rounding: str) -> None:
 
 
 def predict_from_stats(stats: StatsRow | Mapping[str, Any], fmt: Union[FPFormat, Scheme, str], *, scale: Union[str, float] = "amax",
-                       rounding: str = "nearest", block_size: Optional[int] = None,
-                       scale_format: str = "e8m0") -> dict[str, float]:
+                       rounding: str = "nearest",
+                       granularity: Union[str, int, Scheme, None] = None) -> dict[str, float]:
     """What quantising the tensor a statistics row describes (``hist``, ``max_abs``, ``top_abs``,
     ``n``, ``n_zero``: :func:`gradstats.stats.tensor_stats` or a row of ``Run.stats()``) with ``fmt``
     would do: the :data:`WHAT_IF_COLUMNS` (see the module doc), fractions per non-zero entry.
 
     ``scale``: ``"amax"`` (the largest power of two that keeps the tensor's maximum representable,
-    as ``apply`` does) or a number (the multiplier); ignored with ``block_size``, whose scales are
-    per block: ``scale_format`` ``"e8m0"`` (MX, power of two) or ``"e4m3"`` (NVFP4: the block's amax
-    over the format's maximum, rounded to e4m3fn, times a per-tensor float32 scale that maps the
-    tensor's amax to 448; :func:`gradstats.ops.quantization.block_scales`). ``fmt`` may be a scheme
-    (``"nvfp4"``), which brings its own blocks, scale format and non-nearest rounding. Example: see the module.
+    as ``apply`` does) or a number (the multiplier); ignored with blocks, whose scales are per block:
+    E8M0 (MX, power of two) or E4M3 (NVFP4: the block's amax over the format's maximum, rounded to
+    e4m3fn, times a per-tensor float32 scale that maps the tensor's amax to 448;
+    :func:`gradstats.ops.quantization.block_scales`). ``fmt`` may be a scheme (``"nvfp4"``), which brings
+    its own blocks, scale format and non-nearest rounding; a plain format takes ``granularity``'s blocks
+    (``"mx"``, ``"nvfp4"``, a block size: :func:`~gradstats.fpanalysis.granularity.analysed_scheme`).
+    Example: see the module.
     """
-    _, sch = _schemes([fmt], block_size, scale_format)[0]
+    _, sch = _schemes([fmt], granularity)[0]
     rounding = sch.rounding if sch.rounding != "nearest" else rounding
     _check_rounding(rounding)
     if sch.block_size is None:
@@ -194,38 +197,24 @@ def _nvfp4_blocks(law: HistogramLaw, grid: np.ndarray, fmt: FPFormat, block: int
     return total | {"mean": mean, "energy": energy}
 
 
-def _schemes(formats: Any, block_size: Optional[int], scale_format: Union[str, FPFormat]) -> list[tuple[str, Scheme]]:
+def _schemes(formats: Any, granularity: Union[str, int, Scheme, None]) -> list[tuple[str, Scheme]]:
     """The door of :func:`what_if`, :func:`what_if_stats` and :func:`predict_from_stats`: ``(label,
     scheme)`` of each of ``formats`` (a name, a format, a scheme, a list of them, or a
     comma-separated text), resolved once; everything below takes the :class:`~gradstats.scheme.Scheme`.
     A scheme or preset name (``"nvfp4"``) brings its own blocks, labelled by its name; a plain format
-    gets the call's ``block_size`` and ``scale_format`` (:meth:`Scheme.of`), labelled by the format."""
+    gets the call's ``granularity`` (:func:`~gradstats.fpanalysis.granularity.analysed_scheme`), labelled by
+    the format."""
     if isinstance(formats, (str, FPFormat, Scheme)):
         formats = [p.strip() for p in formats.split(",") if p.strip()] if isinstance(formats, str) else [formats]
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
-                                   or block_size < 1):
-        raise ValueError(f"block_size must be a positive int (an MX block size such as 32) or None, got {block_size!r}")
-    if block_size is not None:
-        scale_format_of(scale_format)          # a ValueError naming the two block scale formats
-    out = []
-    for f in formats:
-        if names_scheme(f):
-            sch = Scheme.parse(f)
-            if sch.scale_rounding not in (None, "floor"):
-                raise ValueError(f"scheme {str(sch)!r}: what_if predicts E8M0 scales rounded by the OCP rule "
-                                 f"('floor'); drop ':scale_rounding={sch.scale_rounding}'")
-            out.append((str(sch), sch))
-        else:
-            fmt = parse(f)
-            out.append((str(fmt), Scheme.of(fmt, block_size=None if block_size is None else int(block_size),
-                                            scale_format=None if block_size is None else scale_format,
-                                            what="what_if")))
-    return out
+    if granularity is not None:
+        granularity_layout(granularity)        # a ValueError naming the granularities, with no format to blame
+    return [(str(Scheme.parse(f)), analysed_scheme(f, what="what_if")) if names_scheme(f)
+            else (str(parse(f)), analysed_scheme(f, granularity, what="what_if")) for f in formats]
 
 
 def what_if(run: Any, formats: Union[str, FPFormat, Scheme, Iterable[Union[str, FPFormat, Scheme]]], *,
-            block_size: Optional[int] = None, rounding: str = "nearest", scale: Union[str, float] = "amax",
-            scale_format: str = "e8m0", orientation: str = "rows",
+            granularity: Union[str, int, Scheme, None] = None, rounding: str = "nearest",
+            scale: Union[str, float] = "amax", orientation: str = "rows",
             steps: Union[None, int, Sequence[int]] = None, layers: Union[None, str, Sequence[str]] = None,
             kind: str = "grad") -> pd.DataFrame:
     """What each format would do to each traced tensor of ``run``, from its statistics alone.
@@ -236,12 +225,12 @@ def what_if(run: Any, formats: Union[str, FPFormat, Scheme, Iterable[Union[str, 
             schemes (:class:`~gradstats.scheme.Scheme`, a preset such as ``"nvfp4"`` or ``"mxfp8_e4m3"``),
             which bring their own blocks, scale format and (when not nearest) rounding; their rows are
             labelled by the scheme's name.
-        block_size: None (per-tensor scale) or a block size (a scale per block of exchangeable
-            entries, see the module doc) for the plain formats: MX with ``scale_format="e8m0"`` (32),
-            NVFP4 with ``"e4m3"`` (16).
+        granularity: where the plain formats' scales live (a scheme keeps its own): None or ``"tensor"``
+            (one per tensor), or a scale per block of exchangeable entries (see the module doc): ``"mx"``
+            (32, E8M0), ``"nvfp4"`` (16, E4M3 under a float32 scale), an int block size (E8M0).
         rounding: ``"nearest"`` or ``"stochastic"`` (a scheme's own non-nearest rounding wins).
         scale: ``"amax"`` or a multiplier (per tensor).
-        orientation: with ``block_size``, how the blocks run (:data:`gradstats.stats.blocks.ORIENTATIONS`):
+        orientation: with blocks, how they run (:data:`gradstats.stats.blocks.ORIENTATIONS`):
             on the gradient's channels-last matrix (:mod:`gradstats.ops.layout`): ``"rows"`` (along
             the channels: the data-gradient GEMM's, as ``quantize`` and ``apply`` lay blocks out),
             ``"columns"`` (along the tokens: the weight-gradient GEMM's) or ``"2d"`` (``B x B`` tiles).
@@ -254,8 +243,8 @@ def what_if(run: Any, formats: Union[str, FPFormat, Scheme, Iterable[Union[str, 
         kind: which tensors (``"grad"``: the neural gradients).
 
     Returns a DataFrame, one row per (step, layer, format): ``step``, ``layer``, ``format``,
-    ``block_size``, ``rounding``, ``n`` (entries, every call and rank of the step), then
-    :data:`WHAT_IF_COLUMNS`, ``orientation`` and ``estimate`` (with ``block_size``, which estimate
+    ``block_size``, ``scale_format``, ``rounding``, ``n`` (entries, every call and rank of the step), then
+    :data:`WHAT_IF_COLUMNS`, ``orientation`` and ``estimate`` (with blocks, which estimate
     ``underflow`` is: ``"blocks"``, from the recorded blocks of every call and rank of the step,
     ``"exchangeable"``, or ``"mixed"``; None without blocks). The calls and ranks of a step are each quantised on their own (each has
     its own amax) and combined: fractions weighted by non-zero entries, ``rel_mse`` by energy,
@@ -273,7 +262,7 @@ def what_if(run: Any, formats: Union[str, FPFormat, Scheme, Iterable[Union[str, 
 
     r = run if isinstance(run, Run) else open_run(run)
 
-    fmts = _schemes(formats, block_size, scale_format)
+    fmts = _schemes(formats, granularity)
     if not fmts:
         raise ValueError("what_if needs at least one format (names such as 'e4m3fn', 'e5m2', 'e2m1fn', 'nvfp4')")
     _check_rounding(rounding)
@@ -290,19 +279,20 @@ def what_if(run: Any, formats: Union[str, FPFormat, Scheme, Iterable[Union[str, 
         raise ValueError(f"no {kind!r} statistics in {r.path} for steps={steps!r}, layers={layers!r}; the run "
                          f"has steps {r.steps[:5]}{' ...' if len(r.steps) > 5 else ''} and layers {r.layers}")
     blocks = r.table("blocks") if any(sch.block_size is not None for _, sch in fmts) else None
-    return what_if_stats(st, formats, block_size=block_size, rounding=rounding, scale=scale, order=r.layers,
-                         scale_format=scale_format, orientation=orientation, blocks=blocks)
+    return what_if_stats(st, formats, granularity=granularity, rounding=rounding, scale=scale, order=r.layers,
+                         orientation=orientation, blocks=blocks)
 
 
 def what_if_stats(stats: pd.DataFrame, formats: Union[str, FPFormat, Scheme, Iterable[Union[str, FPFormat, Scheme]]], *,
-                  block_size: Optional[int] = None,
+                  granularity: Union[str, int, Scheme, None] = None,
                   rounding: str = "nearest", scale: Union[str, float] = "amax",
-                  order: Optional[Sequence[str]] = None, scale_format: str = "e8m0", orientation: str = "rows",
+                  order: Optional[Sequence[str]] = None, orientation: str = "rows",
                   blocks: Optional[pd.DataFrame] = None) -> pd.DataFrame:
     """:func:`what_if` on a statistics table (rows as ``Run.stats()`` gives them, of one kind), in
     ``order`` of layers (default: as they first appear): what a live sink computes on each commit.
     ``blocks``: the run's ``"blocks"`` table (``Run.table("blocks")``), whose rows of ``block_size``
-    and ``orientation`` give the MX underflow of the captures they match (see :func:`what_if`).
+    and ``orientation`` give the MX underflow of the captures they match (see :func:`what_if`, which
+    documents the other arguments).
 
     Example:
         >>> import torch
@@ -311,7 +301,7 @@ def what_if_stats(stats: pd.DataFrame, formats: Union[str, FPFormat, Scheme, Ite
         >>> what_if_stats(pd.DataFrame([row]), ["e4m3fn"])[["layer", "format"]].values.tolist()
         [['fc', 'e4m3fn']]
     """
-    fmts = _schemes(formats, block_size, scale_format)
+    fmts = _schemes(formats, granularity)
     _check_rounding(rounding)
     for label, sch in fmts:
         if sch.rounding != "nearest":
@@ -337,7 +327,7 @@ def what_if_stats(stats: pd.DataFrame, formats: Union[str, FPFormat, Scheme, Ite
     n_sum = np.bincount(grp, weights=st["n"].to_numpy(np.float64), minlength=n_g)
     out = []
     for label, sch in fmts:
-        f, block_size, scale_format = sch.element, sch.block_size, sch.scale_format_name
+        block_size, scale_format = sch.block_size, sch.scale_format_name
         rnd = sch.rounding if sch.rounding != "nearest" else rounding
         below = _recorded_blocks(st, blocks, block_size, orientation) if block_size else None
         if block_size:
@@ -351,7 +341,7 @@ def what_if_stats(stats: pd.DataFrame, formats: Union[str, FPFormat, Scheme, Ite
             from gradstats.stats.blocks import flushed_entries
 
             h, has, top = below                # top: NVFP4's blocks flushed whole (None in older runs)
-            from_blocks = flushed_entries(h, f, scale_format=scale_format, rounding=rnd, top_hist=top)
+            from_blocks = flushed_entries(h, sch, rounding=rnd, top_hist=top)
             p["underflow"] = np.where(has, from_blocks, p["underflow"].to_numpy())
         df = pd.DataFrame({"step": first["step"].to_numpy(), "layer": first["layer"].to_numpy(), "format": label,
                            "block_size": block_size, "scale_format": scale_format if block_size else None,

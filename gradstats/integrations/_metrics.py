@@ -62,7 +62,7 @@ def scalars(stats: pd.DataFrame, *, formats: Sequence[Any] = (), block_size: Opt
     if formats:
         from gradstats.fpanalysis.what_if import what_if_stats
 
-        w = what_if_stats(stats, formats, block_size=block_size, rounding=rounding)
+        w = what_if_stats(stats, formats, granularity=block_size, rounding=rounding)
         for r in w.itertuples():
             rows.append((int(r.step), r.layer, f"underflow/{r.format}", float(r.underflow)))
             rows.append((int(r.step), r.layer, f"overflow/{r.format}", float(r.overflow)))

@@ -111,7 +111,6 @@ def _unquantized(rounding: Optional[str]) -> None:
 def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Scheme, str, None], *,
                    scale: float = 1.0, rounding: Optional[str] = None,
                    generator: Optional[torch.Generator] = None, block_size: Optional[int] = None,
-                   scale_format: Optional[str] = None, scale_rounding: Optional[str] = None,
                    out: Optional[torch.Tensor] = None,
                    seed: Optional[int] = None, block_dim: int = -1,
                    tensor_amax: Optional[float] = None,
@@ -120,12 +119,12 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
     at ``scale`` with ``rounding``, saturating at the format's max. Returns ``(result, counts)``.
 
     ``scale`` multiplies before rounding and divides after (exact for powers of two);
-    ``block_size`` uses shared block scales instead (``scale`` is then ignored): ``scale_format``
-    ``"e8m0"`` (MX, rounded as ``scale_rounding`` says) or ``"e4m3"`` (NVFP4), as :func:`gradstats.quantize`.
-    ``fmt`` may be a :class:`~gradstats.scheme.Scheme` or a preset name (``"nvfp4"``, ``"mxfp8_e4m3"``),
-    which sets ``rounding``, ``block_size``, ``scale_format`` and ``scale_rounding`` (those given here
-    replace the scheme's), resolved once as :func:`gradstats.quantize` does (:meth:`~gradstats.scheme.Scheme.of`);
-    the defaults are nearest rounding, one scale per tensor, and E8M0 block scales rounded by the OCP rule.
+    block scales are used instead with a block-scaled ``fmt`` (``scale`` is then ignored): a
+    :class:`~gradstats.scheme.Scheme` or its name (``"nvfp4"``, ``"mxfp8_e4m3"``,
+    ``"e4m3fn:block=32:scale_rounding=rceil"``), which sets the rounding, blocks, block scale format and
+    its rounding, or a plain format with ``block_size`` (MX: E8M0 scales rounded by the OCP rule);
+    ``rounding``, ``block_size`` and ``hadamard`` given here replace the scheme's, resolved once as
+    :func:`gradstats.quantize` does (:meth:`~gradstats.scheme.Scheme.of`).
     ``seed`` (an int in ``[0, 2**64)``) or ``generator`` (one seed drawn from it) seeds both the
     pruning and the rounding streams. Blocks run along the channels, ``block_dim`` (1 for a
     convolution's output, :func:`gradstats.ops.layout.channel_dim`), as the data-gradient GEMM reads
@@ -142,15 +141,15 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
         ([1.0, 6.0], 1)
         >>> x = torch.linspace(-3, 3, 32)
         >>> torch.equal(prune_quantize(x, 0.0, "nvfp4")[0],
-        ...             prune_quantize(x, 0.0, "e2m1fn", block_size=16, scale_format="e4m3")[0])
+        ...             prune_quantize(x, 0.0, "e2m1fn:block=16:scale=e4m3")[0])
         True
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError(f"prune_quantize expects a floating-point tensor, got {type(x).__name__}")
     if not (threshold >= 0):
         raise ValueError(f"threshold must be >= 0 (0 = no pruning), got {threshold}")
-    s = None if fmt is None else Scheme.of(fmt, rounding=rounding, block_size=block_size, scale_format=scale_format,
-                                           scale_rounding=scale_rounding, hadamard=hadamard, what="prune_quantize")
+    s = None if fmt is None else Scheme.of(fmt, rounding=rounding, block_size=block_size, hadamard=hadamard,
+                                           what="prune_quantize")
     if s is None:
         _unquantized(rounding)
     if not (scale > 0):
@@ -262,8 +261,7 @@ def _composed_on_device(x: torch.Tensor, threshold: Any, s: Optional[Scheme], sc
 
 def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
                         fmt: Union[FPFormat, Scheme, str, None], *, scale: Union[float, torch.Tensor] = 1.0, rounding: Optional[str] = None, seed: int = 0,
-                        block_size: Optional[int] = None, scale_format: Optional[str] = None,
-                        scale_rounding: Optional[str] = None, block_dim: int = -1,
+                        block_size: Optional[int] = None, block_dim: int = -1,
                         hadamard: Optional[int] = None, tensor_amax: Optional[float] = None,
                         stats: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`prune_quantize` for the device path: ``(result, counts, sums)`` with the counts
@@ -283,8 +281,8 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
         >>> y.tolist(), c.tolist()
         ([1.0, 6.0], [0, 0, 0, 1, 0])
     """
-    s = None if fmt is None else Scheme.of(fmt, rounding=rounding, block_size=block_size, scale_format=scale_format,
-                                           scale_rounding=scale_rounding, hadamard=hadamard, what="prune_quantize")
+    s = None if fmt is None else Scheme.of(fmt, rounding=rounding, block_size=block_size, hadamard=hadamard,
+                                           what="prune_quantize")
     if s is None:
         _unquantized(rounding)
     el = None if s is None else s.element

@@ -209,8 +209,6 @@ def block_scales(
     *,
     block_size: Optional[int] = None,
     block_dim: int = -1,
-    scale_format: Optional[str] = None,
-    scale_rounding: Optional[str] = None,
     orientation: Optional[str] = None,
     tensor_amax: Optional[float] = None,
 ) -> torch.Tensor:
@@ -222,8 +220,9 @@ def block_scales(
     is taken over finite values. ``"e8m0"``: ``X = 2**mx_shared_exponent(amax)``. ``"e4m3"``
     (NVFP4 style): a float32 tensor scale ``t = amax(x) / (fmt.max * 448)`` (1 if ``x`` is all zero)
     and ``X = e4m3fn(amax_block / (fmt.max * t)) * t`` rounded to float32; ``X == 0`` marks blocks
-    that encode as zeros. ``fmt`` may be a scheme (``"nvfp4"``), as in :func:`quantize`; ``block_size``
-    None is the scheme's, or 32 (MX) for a plain format. A scheme with a Hadamard transform gives the
+    that encode as zeros. ``fmt``: a scheme or its name (``"nvfp4"``, ``"mxfp8_e4m3:scale_rounding=rceil"``),
+    or a plain format in MX blocks (E8M0 scales, the OCP rule); ``block_size`` None is the scheme's, or
+    32 (MX) for a plain format. A scheme with a Hadamard transform gives the
     scales of the rotated matrix (:func:`gradstats.ops.hadamard.rotate`), blocks along its tokens.
 
     Example:
@@ -233,8 +232,7 @@ def block_scales(
     """
     if block_size is None and not (names_scheme(fmt) and Scheme.parse(fmt).block_size is not None):
         block_size = 32                 # MX's, where neither the call nor its scheme sets one
-    s = Scheme.of(fmt, block_size=block_size, scale_format=scale_format, scale_rounding=scale_rounding,
-                  what="block_scales")
+    s = Scheme.of(fmt, block_size=block_size, what="block_scales")
     block_size = s.block_size
     orientation = resolve_orientation(orientation, s.hadamard)
     if s.hadamard is not None:

@@ -157,13 +157,15 @@ class Plan:
     def uniform(cls, *, format: FPFormat | Scheme | str | None = None, sparsity: float | None = None,
                 rounding: str | None = None, scale: str | None = None,
                 layers: Sequence[str] | str | None = None, scale_value: float | None = None,
-                threshold_rule: str | None = None, block_size: int | None = None,
-                scale_format: str | None = None, scale_rounding: str | None = None,
+                threshold_rule: str | None = None,
                 source: str | os.PathLike[str] | None = None,
                 output_layer: str | bool | None = None, prune_at: str | bool | None = None,
                 scale_shift: int = 0) -> "Plan":
         """The same rule on every selected layer.
 
+        ``format``: a format, or a block-scaled scheme (:class:`~gradstats.scheme.Scheme`, a preset such as
+        ``"mxfp4"`` or ``"nvfp4"``, or a text such as ``"e4m3fn:block=32:scale_rounding=rceil"``), which sets
+        the rule's block fields.
         ``layers``: names or globs (``"re:..."`` for a regex); ``None`` selects every matmul layer
         (:func:`gradstats.layers.matmul_types`: convolutions, linear layers and their subclasses,
         ``transformers``' ``Conv1D``, ``nn.MultiheadAttention``, registered types) but the model's
@@ -202,13 +204,12 @@ class Plan:
             rounding = fmt.rounding
         if rounding is None:
             rounding = "stochastic" if fmt is not None and fmt.element.bits <= 6 else "nearest"
-        blocks = block_size is not None or (fmt is not None and fmt.block_size is not None)
+        blocks = fmt is not None and fmt.block_size is not None
         if scale is None:
             scale = "amax" if (rounding == "stochastic" or blocks) else "lognormal"
         kw = {} if threshold_rule is None else {"threshold_rule": threshold_rule}
         defaults = Rule(format=format, sparsity=sparsity, rounding=rounding, scale=scale,
-                        scale_value=scale_value, block_size=block_size, scale_format=scale_format,
-                        scale_rounding=scale_rounding, scale_shift=scale_shift, **kw)
+                        scale_value=scale_value, scale_shift=scale_shift, **kw)
         if layers is None:
             from gradstats.layers import matmul_types
 

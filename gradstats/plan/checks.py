@@ -152,19 +152,16 @@ def replay(rule: Any, x: torch.Tensor, threshold: float, scale: float, *, seed: 
 def predict(rule: Any, row: Any, threshold: float, scale: float) -> dict[str, float]:
     """The composed operator's prediction (:data:`QUANTITIES`) for a tensor of statistics ``row``
     (block-scaled rules: blocks of exchangeable entries, :func:`gradstats.fpanalysis.composed.composed_blocks`)."""
-    blocks = ({"block_size": rule.block_size, "scale_format": rule.scale_format,
-               "scale_rounding": rule.scale_rounding} if rule.quantizes and rule.block_size is not None else {})
-    fmt = rule.format if rule.quantizes else None
-    key = ("predict", row_key(row), fmt, rule.rounding, tuple(blocks.values()), float(threshold), float(scale))
-    return dict(remember(key, lambda: _predict(row, fmt, float(threshold), float(scale), rule.rounding, blocks)))
+    s = rule.scheme.replace(hadamard=None) if rule.quantizes else None    # the transform is checked on samples
+    key = ("predict", row_key(row), s, rule.rounding, float(threshold), float(scale))
+    return dict(remember(key, lambda: _predict(row, s, float(threshold), float(scale), rule.rounding)))
 
 
-def _predict(row: Any, fmt: Any, threshold: float, scale: float, rounding: str,
-             blocks: dict[str, Any]) -> dict[str, float]:
+def _predict(row: Any, s: Any, threshold: float, scale: float, rounding: str) -> dict[str, float]:
     from gradstats.fpanalysis.composed import predict_composed
 
     try:
-        p = predict_composed(row, fmt, threshold=threshold, scale=scale, rounding=rounding, law=_law(row), **blocks)
+        p = predict_composed(row, s, threshold=threshold, scale=scale, rounding=rounding, law=_law(row))
     except ValueError:
         return {k: math.nan for k in QUANTITIES}
     return {k: getattr(p, k) for k in QUANTITIES}

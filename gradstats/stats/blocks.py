@@ -36,7 +36,7 @@ import torch
 
 from gradstats.formats import FPFormat
 from gradstats.ops import layout as _layout
-from gradstats.scheme import SCALE_FORMATS, Scheme
+from gradstats.scheme import Scheme
 
 __all__ = ["block_stats", "blocks_stats", "kernel_block_stats", "flushed_blocks", "oriented_block_stats", "flush_probability",
            "block_flush_probability", "flushed_entries", "RANGE_BINS", "BLOCK_SIZES", "BELOW_BINS", "ORIENTATIONS"]
@@ -366,8 +366,7 @@ def block_flush_probability(fmt: Scheme | FPFormat | str) -> np.ndarray:
     return ((pos[None, :] - d[:, None]) < floor).mean(axis=1).astype(np.float64)   # log2(m / max|x|) below it
 
 
-def flushed_entries(below_hist: Iterable[int] | np.ndarray, fmt: Scheme | FPFormat | str, *,
-                    scale_format: str | None = None, rounding: str = "nearest",
+def flushed_entries(below_hist: Iterable[int] | np.ndarray, fmt: Scheme | FPFormat | str, *, rounding: str = "nearest",
                     top_hist: Iterable[int] | np.ndarray | None = None) -> Any:
     """The fraction of the non-zero entries that block scaling flushes to zero (the expected fraction
     under stochastic rounding), from a ``below_hist`` (:func:`oriented_block_stats`; several rows'
@@ -375,8 +374,7 @@ def flushed_entries(below_hist: Iterable[int] | np.ndarray, fmt: Scheme | FPForm
     ``top_hist`` (NVFP4's two-level scale), the entries of blocks flushed whole
     (:func:`block_flush_probability`) count too, the rest as before. Rows of histograms
     (``(R, BELOW_BINS)``) give an array of ``R`` fractions. ``fmt``: a block-scaled scheme or its name, or a
-    format in MX blocks; ``scale_format`` (``"e8m0"``, ``"e4m3"``) replaces the scheme's (for callers that
-    still hold the pieces: pass a scheme instead).
+    format in MX blocks.
 
     Example:
         >>> flushed_entries(oriented_block_stats(torch.tensor([[1.0, 2.0 ** -8]]), 2)["below_hist"], "e2m1fn")
@@ -394,10 +392,6 @@ def flushed_entries(below_hist: Iterable[int] | np.ndarray, fmt: Scheme | FPForm
         return np.where(total > 0, counts @ prob / np.where(total > 0, total, 1.0), 0.0)
 
     s = _in_blocks(fmt)
-    if scale_format is not None and scale_format != s.scale_format_name:
-        if scale_format not in SCALE_FORMATS:
-            raise ValueError(f"scale_format must be 'e8m0' (MX) or 'e4m3' (NVFP4), got {scale_format!r}")
-        s = s.replace(scale_format=scale_format)
     out = share(h, flush_probability(s, rounding=rounding))
     if top_hist is not None:
         whole = share(np.asarray(top_hist, dtype=np.float64), block_flush_probability(s))

@@ -171,8 +171,8 @@ def test_block_scaling_matches_monte_carlo(name, scale_format, block):
     x = x.float()
     q = quantize(x, name, block_size=block, scale_format=scale_format)
     r = ((q[:, 0] - x[:, 0]) / x[:, 0]).double() ** 2
-    a = fa.expected_error(name, mu=mu, sigma=sigma, scale=None, block_size=block, scale_format=scale_format,
-                          tensor_amax=float(x.abs().max())).total
+    a = fa.expected_error(gradstats.Scheme.of(name, block_size=block, scale_format=scale_format), mu=mu, sigma=sigma,
+                          scale=None, tensor_amax=float(x.abs().max())).total
     assert agrees(a, float(r.mean()), float(r.std()) / math.sqrt(nb)), (a, float(r.mean()))
 
 
@@ -184,7 +184,7 @@ def test_block_scaling_with_zeros_and_elementwise():
     q = quantize(x, "e2m1fn", block_size=B)
     nz = x != 0
     r = ((q[nz] - x[nz]) / x[nz]).double() ** 2
-    a = fa.expected_error("e2m1fn", mu=mu, sigma=sigma, p0=p0, block_size=B, scale=None, criterion="elementwise")
+    a = fa.expected_error("e2m1fn", mu=mu, sigma=sigma, p0=p0, granularity=B, scale=None, criterion="elementwise")
     assert agrees(a.total, float(r.mean()), float(r.std()) / math.sqrt(r.numel()))
     flushed = float(((q == 0) & nz).double().mean())
     assert abs(a.flushed - flushed) <= 4 * math.sqrt(flushed / x.numel()) + 1e-6
@@ -321,8 +321,8 @@ def test_best_format_candidates_and_blocks():
     assert "e5m2" in [str(c) for c in hw.candidates]
     mine = fa.best_format(8, mu=-9.0, sigma=1.0, candidates=["e4m3fn", "e5m2"])
     assert len(mine.candidates) == 2
-    mx = fa.best_format(4, mu=-9.0, sigma=1.5, block_size=32)
-    direct = [fa.expected_error(f, mu=-9.0, sigma=1.5, block_size=32, scale=None).total for f in mx.candidates]
+    mx = fa.best_format(4, mu=-9.0, sigma=1.5, granularity=32)
+    direct = [fa.expected_error(f, mu=-9.0, sigma=1.5, granularity=32, scale=None).total for f in mx.candidates]
     assert mx.format == mx.candidates[int(np.argmin(direct))] and math.isnan(mx.scale)
     assert mx.error == pytest.approx(min(direct), rel=1e-12)
     assert fa.candidate_formats(8, "ieee")[0] == FPFormat(2, 5)
@@ -398,9 +398,9 @@ def test_best_format_with_presets():
     # the block rule picks the granularity: torchao's FP6 is MX only
     with pytest.raises(ValueError, match="granularity='mx'"):
         fa.best_format(6, mu=-9.0, sigma=1.0, candidates="torchao")
-    mx = fa.best_format(6, mu=-9.0, sigma=1.0, candidates="torchao", block_size=32)
+    mx = fa.best_format(6, mu=-9.0, sigma=1.0, candidates="torchao", granularity=32)
     assert _names(mx.candidates) == ["e2m3fn", "e3m2fn"]
-    nv = fa.best_format(4, mu=-9.0, sigma=1.0, candidates="te", block_size=16, scale_format="e4m3")
+    nv = fa.best_format(4, mu=-9.0, sigma=1.0, candidates="te", granularity="nvfp4")
     assert _names(nv.candidates) == ["e2m1fn"]
     with pytest.raises(ValueError, match="candidates='any'"):
         fa.best_format(5, mu=-9.0, sigma=1.0, candidates="ocp")
@@ -485,7 +485,7 @@ def test_results_to_dict_and_dataframe():
     (lambda: fa.expected_error("float32", mu=0.0, sigma=1.0), "3 to 16 bits"),
     (lambda: fa.expected_error("e4m3fn", mu=0.0, sigma=1.0, p0=1.0), "p0"),
     (lambda: fa.expected_error("e4m3fn", mu=0.0, sigma=1.0, rounding="up"), "rounding"),
-    (lambda: fa.expected_error("e4m3fn", mu=0.0, sigma=1.0, scale=2.0, block_size=32), "either scale"),
+    (lambda: fa.expected_error("e4m3fn", mu=0.0, sigma=1.0, scale=2.0, granularity=32), "either scale"),
     (lambda: fa.expected_error("e4m3fn", mu=0.0, sigma=1.0, relative=False, criterion="elementwise"),
      "relative"),
     (lambda: fa.expected_error("e4m3fn", mu=[0.0, 1.0], sigma=[1.0, 1.0, 1.0]), "broadcast"),

@@ -51,7 +51,7 @@ def test_stochastic_rounding_has_no_bias_inside_the_range():
     assert r.flushed > 0.8 and abs(float(r.bias)) < 1e-12
     nearest = fpanalysis.expected_error("e3m2fn", mu=-9.0, sigma=2.0, scale=2.0 ** 4, amax=1e-2)
     assert float(nearest.bias) < -0.3                   # the same flush, as a shrinkage
-    assert math.isnan(fpanalysis.expected_error("e2m1fn", mu=0.0, sigma=1.0, block_size=32).bias)
+    assert math.isnan(fpanalysis.expected_error("e2m1fn", mu=0.0, sigma=1.0, granularity=32).bias)
 
 
 def test_choice_respects_the_bias_bound_and_prefers_low_noise():

@@ -44,9 +44,9 @@ def test_best_format_and_preset_formats_take_the_granularity_of_the_layout():
     assert [str(f) for f in fa.preset_formats("te", 8, granularity=16)] == ["e4m3fn", "e5m2"]
     with pytest.raises(ValueError, match="granularity must be one of"):
         fa.preset_formats("ocp", 8, granularity="channel")
-    nv = fa.best_format(4, mu=-9.0, sigma=1.5, candidates="te", block_size=16, scale_format="e4m3")
+    nv = fa.best_format(4, mu=-9.0, sigma=1.5, candidates="te", granularity="nvfp4")
     assert [str(c) for c in nv.candidates] == ["e2m1fn"]
-    mx = fa.best_format(6, mu=-9.0, sigma=1.5, candidates="torchao", block_size=32)
+    mx = fa.best_format(6, mu=-9.0, sigma=1.5, candidates="torchao", granularity=32)
     assert [str(c) for c in mx.candidates] == ["e2m3fn", "e3m2fn"]
 
 
@@ -56,12 +56,14 @@ def test_the_commands_read_the_granularity_through_the_one_resolver(tmp_path, ca
         main(["recommend", str(SAMPLE_RUN), "--granularity", "channel"])
     err = capsys.readouterr().err
     assert "argument --granularity" in err and "['tensor', 'mx', 'nvfp4']" in err
-    # what-if's --granularity nvfp4 is --block 16 --scale-format e4m3
-    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    # what-if's --granularity nvfp4 gives NVFP4 blocks; --block 32 is --granularity mx
+    a, b, c = tmp_path / "a.csv", tmp_path / "b.csv", tmp_path / "c.csv"
     args = ["what-if", str(SAMPLE_RUN), "--formats", "e2m1fn", "--steps", "0", "--layers", "conv1"]
     assert main([*args, "--granularity", "nvfp4", "-o", str(a)]) == 0
-    assert main([*args, "--block", "16", "--scale-format", "e4m3", "-o", str(b)]) == 0
-    assert a.read_text() == b.read_text() and ",16,e4m3," in a.read_text()
+    assert ",16,e4m3," in a.read_text()
+    assert main([*args, "--granularity", "mx", "-o", str(b)]) == 0
+    assert main([*args, "--block", "32", "-o", str(c)]) == 0
+    assert b.read_text() == c.read_text() and ",32,e8m0," in b.read_text()
     assert main([*args, "--granularity", "mx", "--block", "32"]) == 2
     assert "--granularity or --block" in capsys.readouterr().err
 
@@ -80,4 +82,4 @@ def test_the_commands_choices_come_from_the_vocabulary(capsys):
     with pytest.raises(SystemExit):
         main(["what-if", "--help"])
     out = capsys.readouterr().out
-    assert all(name in out for name in PRESETS) and "{e8m0,e4m3}" in out
+    assert all(name in out for name in PRESETS) and all(g in out for g in GRANULARITIES)

@@ -12,6 +12,7 @@ import gradstats
 from gradstats.formats import amax_scale, parse
 from gradstats.fpanalysis import predict_from_stats, what_if
 from gradstats.ops.quantization import block_scales, quantize
+from gradstats.scheme import Scheme
 
 FORMATS = ("e4m3fn", "e5m2", "e2m1fn", "e3m2fn")
 
@@ -55,7 +56,7 @@ def _measure(x: torch.Tensor, fmt: str, rounding: str, block: int | None, max_ab
     if block is not None:
         n = (x.numel() // block) * block
         x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(1))[:n]]   # exchangeable
-        X = block_scales(x, f, block_size=block, scale_format=scale_format).double()
+        X = block_scales(x, Scheme.of(f, block_size=block, scale_format=scale_format)).double()
         over = (x.view(-1, block).abs().double() / torch.where(X > 0, X, 1.0)[:, None] > f.max).reshape(-1)
     else:
         s = amax_scale(f, max_abs) if scale is None else scale
@@ -81,8 +82,8 @@ def _pairs(run, rounding, block, scale_format="e8m0", formats=FORMATS):
         x = run.samples(r.layer, int(r.step), call=int(r.call))
         assert x.numel() == row["n"]                      # the whole tensor, in order
         for fmt in formats:
-            yield (r.layer, int(r.step), fmt), predict_from_stats(row, fmt, rounding=rounding, block_size=block,
-                                                                  scale_format=scale_format), \
+            s = fmt if block is None else Scheme.of(fmt, block_size=block, scale_format=scale_format)
+            yield (r.layer, int(r.step), fmt), predict_from_stats(row, s, rounding=rounding), \
                 _measure(x, fmt, rounding, block, float(row["max_abs"]), scale_format)
 
 
@@ -125,7 +126,7 @@ def test_predictions_hold_on_the_stored_tensors(request, which, rounding, block,
 
 def test_blocks_help_where_the_tensor_is_wide(cnn_run):
     per_tensor = what_if(cnn_run, "e2m1fn", steps=[0])
-    blocks = what_if(cnn_run, "e2m1fn", steps=[0], block_size=32)
+    blocks = what_if(cnn_run, "e2m1fn", steps=[0], granularity=32)
     assert (blocks["underflow"].to_numpy() <= per_tensor["underflow"].to_numpy() + 1e-9).all()
     assert blocks["log2_scale"].isna().all() and per_tensor["log2_scale"].notna().all()
 
@@ -147,7 +148,7 @@ def test_the_table(cnn_run):
     ({"formats": "e4m3fn", "rounding": "down"}, "rounding must be one of"),
     ({"formats": "e4m3fn", "steps": [999]}, "no 'grad' statistics"),
     ({"formats": "e4m3fn", "scale": "lognormal"}, "scale must be 'amax' or a positive number"),
-    ({"formats": "e4m3fn", "block_size": 0}, "block_size must be a positive int"),
+    ({"formats": "e4m3fn", "granularity": 0}, "granularity must be one of"),
 ])
 def test_bad_arguments_are_named(cnn_run, kw, match):
     with pytest.raises(ValueError, match=match):
@@ -208,14 +209,14 @@ def test_a_row_alone_equals_the_row_in_the_table(request, which, rounding, block
     same arrays; predict_from_stats predicts one row as a table of one: the padding changes nothing."""
     run = request.getfixturevalue(which)
     st = run.stats(kinds=["grad"])
-    df = what_if(run, FORMATS, rounding=rounding, block_size=block)
+    df = what_if(run, FORMATS, rounding=rounding, granularity=block)
     assert len(df) == len(st.groupby(["step", "layer"])) * len(FORMATS)
     checked = 0
     for _, x in st[st.call == 0].iterrows():
         if len(st[(st.step == x.step) & (st.layer == x.layer)]) != 1:
             continue
         for fmt in FORMATS:
-            ref = predict_from_stats(x.to_dict(), fmt, rounding=rounding, block_size=block)
+            ref = predict_from_stats(x.to_dict(), fmt, rounding=rounding, granularity=block)
             got = df[(df.step == x.step) & (df.layer == x.layer) & (df.format == fmt)].iloc[0]
             for col in ("underflow", "overflow", "rel_mse", "bias", "log2_scale"):
                 assert got[col] == pytest.approx(ref[col], rel=1e-9, abs=1e-12, nan_ok=True), (x.layer, fmt, col)
@@ -262,7 +263,7 @@ def test_blocks_recorded_by_orientation_give_the_underflow_of_the_whole_tensors(
     the exchangeable model, blind to the rows' magnitudes, was 0.16 off along rows."""
     shape = gru_run.layer_info()["output_shape"][0]
     for o in ("rows", "columns"):
-        df = what_if(gru_run, ["e2m1fn"], block_size=32, orientation=o)
+        df = what_if(gru_run, ["e2m1fn"], granularity=32, orientation=o)
         assert (df["estimate"] == "blocks").all() and (df["orientation"] == o).all()
         for step in gru_run.steps:
             g = gru_run.sample_matrix("conv", step)               # the whole gradient, (N*L, C)
@@ -271,8 +272,8 @@ def test_blocks_recorded_by_orientation_give_the_underflow_of_the_whole_tensors(
             measured = float(((quantize(g, "e2m1fn", block_size=32, orientation=o) == 0) & nz).sum() / nz.sum())
             got = float(df.loc[df.step == step, "underflow"].iloc[0])
             assert abs(got - measured) <= 0.02, (o, step, got, measured)
-    rows = what_if(gru_run, ["e2m1fn"], block_size=32)["underflow"].to_numpy()
-    cols = what_if(gru_run, ["e2m1fn"], block_size=32, orientation="columns")["underflow"].to_numpy()
+    rows = what_if(gru_run, ["e2m1fn"], granularity=32)["underflow"].to_numpy()
+    cols = what_if(gru_run, ["e2m1fn"], granularity=32, orientation="columns")["underflow"].to_numpy()
     assert (abs(rows - cols) > 0.05).all()              # the orientations differ on this layer
 
 
@@ -282,26 +283,26 @@ def test_runs_without_oriented_blocks_keep_the_exchangeable_estimate(gru_run, cn
     from gradstats.fpanalysis.what_if import what_if_stats
     from gradstats.run.select import layer_stats
 
-    df = what_if(cnn_run, ["e2m1fn"], block_size=32, steps=[0], orientation="columns")
+    df = what_if(cnn_run, ["e2m1fn"], granularity=32, steps=[0], orientation="columns")
     assert (df["estimate"] == "exchangeable").all()
     st = layer_stats(gru_run, ["grad"], None)
     old = gru_run.table("blocks")
     old = old[old["orientation"] == "rows"].drop(columns=["orientation", "below_hist"])
-    a = what_if_stats(st, ["e2m1fn"], block_size=32, blocks=old)
-    b = what_if_stats(st, ["e2m1fn"], block_size=32)
+    a = what_if_stats(st, ["e2m1fn"], granularity=32, blocks=old)
+    b = what_if_stats(st, ["e2m1fn"], granularity=32)
     assert (a["estimate"] == "exchangeable").all()
     assert a["underflow"].tolist() == b["underflow"].tolist()
-    nv = what_if(cnn_run, ["e2m1fn"], block_size=16, scale_format="e4m3", steps=[0])   # NVFP4 without blocks
+    nv = what_if(cnn_run, ["e2m1fn"], granularity="nvfp4", steps=[0])   # NVFP4 without blocks
     assert (nv["estimate"] == "exchangeable").all()
     with pytest.raises(ValueError, match="orientation must be one of"):
-        what_if(gru_run, ["e2m1fn"], block_size=32, orientation="cols")
+        what_if(gru_run, ["e2m1fn"], granularity=32, orientation="cols")
 
 
 @pytest.mark.parametrize("name, fmt, kw", [
-    ("nvfp4", "e2m1fn", {"block_size": 16, "scale_format": "e4m3"}),
-    ("mxfp4", "e2m1fn", {"block_size": 32}),
-    ("mxfp8_e4m3", "e4m3fn", {"block_size": 32, "scale_format": "e8m0"}),
-    ("mxfp6_e3m2:rounding=stochastic", "e3m2fn", {"block_size": 32, "rounding": "stochastic"}),
+    ("nvfp4", "e2m1fn", {"granularity": "nvfp4"}),
+    ("mxfp4", "e2m1fn", {"granularity": 32}),
+    ("mxfp8_e4m3", "e4m3fn", {"granularity": "mx"}),
+    ("mxfp6_e3m2:rounding=stochastic", "e3m2fn", {"granularity": 32, "rounding": "stochastic"}),
 ])
 def test_a_scheme_predicts_as_its_spelled_out_form(cnn_run, name, fmt, kw):
     a = what_if(cnn_run, name, layers="conv*")
@@ -314,7 +315,7 @@ def test_a_scheme_predicts_as_its_spelled_out_form(cnn_run, name, fmt, kw):
 
 
 def test_schemes_and_plain_formats_mix(cnn_run, tmp_path, capsys):
-    df = what_if(cnn_run, ["e4m3fn", "nvfp4"], layers="conv1", block_size=32)
+    df = what_if(cnn_run, ["e4m3fn", "nvfp4"], layers="conv1", granularity=32)
     e4, nv = df[df.format == "e4m3fn"], df[df.format == "nvfp4"]
     assert (e4["block_size"] == 32).all() and (e4["scale_format"] == "e8m0").all()
     assert (nv["block_size"] == 16).all() and (nv["scale_format"] == "e4m3").all()
@@ -343,9 +344,9 @@ def test_nvfp4_underflow_from_the_recorded_blocks(tmp_path):
             net(x).square().sum().backward()
             t.step()
     run = gradstats.open_run(tmp_path)
-    nv = what_if(run, ["e2m1fn"], block_size=16, scale_format="e4m3")
+    nv = what_if(run, ["e2m1fn"], granularity="nvfp4")
     assert (nv["estimate"] == "blocks").all()
-    exch = what_if_stats(layer_stats(run, ["grad"], None), ["e2m1fn"], block_size=16, scale_format="e4m3")
+    exch = what_if_stats(layer_stats(run, ["grad"], None), ["e2m1fn"], granularity="nvfp4")
     for step in run.steps:
         g = run.sample_matrix("conv", step)
         nz = g != 0

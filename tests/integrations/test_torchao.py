@@ -98,7 +98,7 @@ def test_an_mx_plan_is_torchaos_mxfp8_training_bit_for_bit(mode):
     pytest.importorskip("torchao.prototype.moe_training")
     from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
 
-    plan = gradstats.Plan.uniform(format="e4m3fn", block_size=32, scale_rounding=mode)
+    plan = gradstats.Plan.uniform(format=f"e4m3fn:block=32:scale_rounding={mode}")
     with pytest.warns(UserWarning, match="also casts the forward"):
         pairs = plan.to_torchao(_mlp(), emulate=True)
     assert len(pairs) == 1 and isinstance(pairs[0][0], MXFP8TrainingOpConfig)
@@ -143,12 +143,12 @@ def test_a_recommended_mx_plan_converts_and_nvfp4_is_listed(tmp_path):
     opt.step()
     assert torch.isfinite(loss0)
     with pytest.warns(UserWarning, match="multiples of 128 for torchao's NVFP4 GEMMs"):
-        assert gradstats.Plan.uniform(format="e2m1fn", block_size=16, scale_format="e4m3").to_torchao(_mlp()) == []
+        assert gradstats.Plan.uniform(format="nvfp4").to_torchao(_mlp()) == []
     with pytest.warns(UserWarning, match="MXFP8"):
-        assert gradstats.Plan.uniform(format="e5m2", block_size=32).to_torchao(_mlp()) == []
+        assert gradstats.Plan.uniform(format="mxfp8_e5m2").to_torchao(_mlp()) == []
     mlp = build_model("mlp", seed=0)                                  # 784 inputs: not a multiple of 32
     with pytest.warns(UserWarning, match="multiples of 32"):
-        assert gradstats.Plan.uniform(format="e4m3fn", block_size=32).to_torchao(mlp) == []
+        assert gradstats.Plan.uniform(format="mxfp8_e4m3").to_torchao(mlp) == []
 
 
 # -- torchao's named float8 recipes -------------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_the_recipe_table_names_mx_and_nvfp4_and_what_nvfp4_changes():
     pytest.importorskip("torchao.prototype.moe_training")
     from gradstats.integrations.torchao import recipe_table
 
-    mx = recipe_table(gradstats.Plan.uniform(format="e4m3fn", block_size=32, scale_rounding="rceil"), _mlp())
+    mx = recipe_table(gradstats.Plan.uniform(format="mxfp8_e4m3:scale_rounding=rceil"), _mlp())
     assert set(mx["recipe"]) == {"mxfp8"} and mx["exact"].all()       # the forward casts are not the gradient's
     nv = recipe_table(gradstats.Plan.uniform(format="nvfp4", rounding="nearest"), _mlp())
     assert set(nv["recipe"]) == {"nvfp4"} and not nv["exact"].any()

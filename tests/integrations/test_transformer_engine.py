@@ -166,7 +166,7 @@ def _transformer():
 def test_te_config_loads_in_nvdlfw_inspect_and_means_the_plan(tmp_path, debug_api, fmt, block, quant):
     api, features = debug_api
     model = _transformer()
-    plan = gradstats.Plan.uniform(format=fmt, scale="amax", block_size=block)
+    plan = gradstats.Plan.uniform(format=fmt if block is None else f"{fmt}:block={block}", scale="amax")
     path = tmp_path / "te.yaml"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)        # the amax note (TE's scale is not a power of two)

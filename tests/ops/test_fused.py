@@ -137,14 +137,16 @@ def test_gain_error_and_bias_sums_agree_between_the_kernel_and_the_composed_path
                                     "mxfp8_e5m2:scale_rounding=rceil"])
 def test_a_scheme_in_place_of_the_format_equals_its_spelled_out_keywords(preset):
     """prune_quantize takes a scheme or a preset name where it takes a format, as quantize does: bit
-    for bit the call with the scheme's fields spelled out, pruning and counts included."""
+    for bit the call with the scheme built from its fields spelled out, pruning and counts included."""
     from gradstats.scheme import Scheme
 
     x = lognormal(8_192, sigma=2.0).reshape(64, 128)
     s = Scheme.parse(preset)
-    kw = {"rounding": s.rounding, "block_size": s.block_size, "scale_format": s.scale_format_name,
-          "scale_rounding": s.scale_rounding}
-    ref, c_ref = prune_quantize(x, 0.05, s.element, seed=7, **kw)
+    spelled = Scheme(str(s.element), block_size=s.block_size, scale_format=s.scale_format_name,
+                     scale_rounding=s.scale_rounding, rounding=s.rounding)
+    ref, c_ref = prune_quantize(x, 0.05, spelled, seed=7)
+    by_kw, _ = prune_quantize(x, 0.05, spelled.replace(rounding="nearest"), rounding=s.rounding, seed=7)
+    assert bool(((ref.view(torch.int32) == by_kw.view(torch.int32)) | (ref.isnan() & by_kw.isnan())).all())
     for fmt in (preset, s):
         got, c = prune_quantize(x, 0.05, fmt, seed=7)
         same = (ref.view(torch.int32) == got.view(torch.int32)) | (ref.isnan() & got.isnan())
@@ -152,7 +154,7 @@ def test_a_scheme_in_place_of_the_format_equals_its_spelled_out_keywords(preset)
         assert c == c_ref
     # a keyword given replaces the scheme's field, as in quantize
     a, _ = prune_quantize(x, 0.0, "nvfp4", rounding="stochastic", seed=3)
-    b, _ = prune_quantize(x, 0.0, "e2m1fn", rounding="stochastic", seed=3, block_size=16, scale_format="e4m3")
+    b, _ = prune_quantize(x, 0.0, "e2m1fn:block=16:scale=e4m3", rounding="stochastic", seed=3)
     assert torch.equal(a.nan_to_num(), b.nan_to_num())
     with pytest.raises(ValueError, match="block_size"):
         prune_quantize(x, 0.0, "nvfp4", block_size=0)

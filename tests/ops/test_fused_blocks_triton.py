@@ -42,12 +42,15 @@ def gradient(shape, seed=0, specials=True):
     return x
 
 
-def cpu_path(x, threshold, fmt, **kw):
-    """The CPU path's result and counts (the Triton engine not asked for)."""
-    return prune_quantize(x, threshold, fmt, **kw)
-
-
 _SCHEME_KEYS = ("rounding", "block_size", "scale_format", "scale_rounding", "hadamard")
+
+
+def cpu_path(x, threshold, fmt, **kw):
+    """The CPU path's result and counts (the Triton engine not asked for), on the scheme the format and
+    keywords resolve to."""
+    kw = dict(kw)
+    s = Scheme.of(fmt, **{k: kw.pop(k) for k in _SCHEME_KEYS if k in kw})
+    return prune_quantize(x, threshold, s, **kw)
 
 
 def kernel(x, threshold, fmt, **kw):

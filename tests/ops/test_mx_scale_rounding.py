@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gradstats.ops.quantization import SCALE_ROUNDINGS, block_scales, mx_shared_exponent, quantize
+from gradstats.scheme import Scheme
 
 mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
@@ -33,7 +34,7 @@ def test_block_exponents_match_torchao(fmt, mode):
     amax = x.reshape(64, 4, 32).abs().amax(-1)
     ours = mx_shared_exponent(amax, fmt, mode)
     assert torch.equal(ours, theirs)
-    assert torch.equal(block_scales(x, fmt, block_size=32, scale_rounding=mode), torch.exp2(ours.float()))
+    assert torch.equal(block_scales(x, Scheme.of(fmt, block_size=32, scale_rounding=mode)), torch.exp2(ours.float()))
 
 
 @pytest.mark.parametrize("mode", SCALE_ROUNDINGS)
@@ -85,10 +86,10 @@ def test_apply_enforces_the_block_scales_the_plan_names(rule, kw):
 def test_plans_carry_the_scale_rounding():
     import gradstats
 
-    plan = gradstats.Plan.uniform(format="e4m3fn", block_size=32, scale_rounding="rceil")
+    plan = gradstats.Plan.uniform(format="e4m3fn:block=32:scale_rounding=rceil")
     again = gradstats.Plan.from_dict(plan.to_dict())
     assert again == plan and again.defaults.scale_rounding == "rceil"
-    assert gradstats.Plan.uniform(format="e2m1fn", block_size=32).defaults.scheme.scale_rounding == "floor"
+    assert gradstats.Plan.uniform(format="e2m1fn:block=32").defaults.scheme.scale_rounding == "floor"
     with pytest.raises(ValueError, match="rounds MX \\(e8m0\\) block scales"):
         gradstats.plan.Rule(format="e2m1fn", scale="amax", block_size=16, scale_format="e4m3", scale_rounding="rceil")
     with pytest.raises(ValueError, match="scale_rounding"):

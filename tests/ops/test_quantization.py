@@ -499,7 +499,7 @@ def test_nvfp4_style_blocks_equal_manual_with_ml_dtypes_scale():
                 out[i, j:j + 16] = q * X
     assert_same(y, torch.from_numpy(out), x, "nvfp4")
     assert bool((y[2, 16:32] == 0).all())
-    s = block_scales(x, fmt, block_size=16, scale_format="e4m3")
+    s = block_scales(x, gradstats.Scheme.of(fmt, block_size=16, scale_format="e4m3"))
     assert s.shape == (4, 4) and s[2, 1].item() == 0.0
 
 
