@@ -1,7 +1,9 @@
-"""The per-layer statistics a recommendation is made from: which layers of a run
-(:func:`_select_layers`), which steps (:func:`_steps_filter`), and their merged statistics and
+"""The per-layer statistics a recommendation is made from, the first stage of
+:func:`gradstats.recommend` (:func:`gather`): which layers of a run (:func:`_select_layers`; from the
+same layer table, the output layer left out and where the plan may prune), which steps
+(:func:`_steps_filter`, and the calibration steps the checks replay), their merged statistics and
 lognormal moments (:func:`_moments`; :func:`layer_moments` is the public view, exported by
-:mod:`gradstats.plan.recommend`)."""
+:mod:`gradstats.plan.recommend`), and the pruning thresholds those moments give (:func:`_thresholds`)."""
 from __future__ import annotations
 
 import logging
@@ -31,6 +33,12 @@ class _Moments:
     rows: list[dict[str, Any]]
     steps: tuple[int, int]
 
+    @property
+    def numel(self) -> np.ndarray:
+        """Per layer, the elements of one captured tensor: the size the format predictions are
+        conditioned on, with ``amax``."""
+        return np.array([r["numel"] for r in self.rows], dtype=np.float64)
+
 
 def _steps_filter(df, steps: Steps):
     """Rows of the statistics frame used for ``steps`` (:mod:`gradstats.run.select`'s grammar, and
@@ -48,8 +56,11 @@ def _steps_filter(df, steps: Steps):
     return df[df["step"].isin(chosen)], what
 
 
-def _select_layers(run, layers: str | Sequence[str] | None) -> list[str]:
-    info = run.layer_info()
+def _select_layers(run, layers: str | Sequence[str] | None, info: Any = None) -> list[str]:
+    """The names of the traced layers ``layers`` selects (None: every matmul layer), in the run's
+    order; ``info``: the run's layer table where it was read already."""
+    if info is None:
+        info = run.layer_info()
     names = [str(n) for n in info["name"]] if len(info) else []
     if layers is None:
         from gradstats.layers import matmul_layers
@@ -111,8 +122,8 @@ def layer_moments(run: Any, *, steps: Steps = "latest", layers: str | Sequence[s
     return pd.DataFrame(rows)
 
 
-def _moments(run, *, steps: Steps, layers, kind: str, skip_empty: bool = True) -> _Moments:
-    names = _select_layers(run, layers)
+def _moments(run, *, steps: Steps, layers, kind: str, skip_empty: bool = True, info: Any = None) -> _Moments:
+    names = _select_layers(run, layers, info)
     df = run.stats(kinds=[kind])
     if len(df) == 0:
         raise ValueError(f"the run at {run.path} has no {kind!r} statistics yet (no committed steps)")
@@ -169,3 +180,88 @@ def _moments(run, *, steps: Steps, layers, kind: str, skip_empty: bool = True) -
         raise ValueError(f"no layer of the run at {run.path} has non-zero gradients with a spread at {what}")
     return _Moments(out_layers, np.array(mus), np.array(sigmas), np.array(p0s), np.array(amaxs), rows,
                     (int(lo), int(hi)) if out_layers else (0, 0))
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """What a recommendation is made from (:func:`gather`): the planned layers' moments, the output
+    layer left out (None: none), the steps merged (those ``"auto"`` chose, else as given), the steps
+    the checks replay, and per layer the pruning threshold at the requested sparsity and the sparsity
+    it is predicted to reach (both NaN without sparsity and where the plan does not prune)."""
+
+    mom: _Moments
+    output_layer: str | None
+    steps: Steps
+    check_steps: list[int]
+    threshold: np.ndarray
+    sparsity: np.ndarray
+
+
+def gather(run, *, layers: str | Sequence[str] | None, output_layer: str | bool | None, prune_at: str | None,
+           steps: Steps, sparsity: float | None, threshold_rule: str) -> _Gathered:
+    """The statistics of ``run`` a recommendation is made from, its layer table read once: the layers
+    planned (``layers`` names or globs; None: every matmul layer but the output layer, which
+    ``output_layer`` names, finds (None, ``"auto"``, True) or keeps planned (False)), the steps merged
+    (``"auto"``: the calibration steps, :func:`gradstats.run.select.calibration_steps`), the layers'
+    moments, and the thresholds of ``threshold_rule`` at ``sparsity`` where ``prune_at``
+    (:attr:`gradstats.Plan.prune_at`, resolved) lets the plan prune.
+
+    Example:
+        >>> import tempfile, torch, gradstats
+        >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        >>> with gradstats.trace(m, tempfile.mkdtemp()) as t:
+        ...     for _ in range(2):
+        ...         m(torch.randn(16, 8)).square().sum().backward(); t.step()
+        >>> g = gather(gradstats.open_run(t.path), layers=None, output_layer=None, prune_at="auto", steps="latest",
+        ...            sparsity=0.5, threshold_rule="histogram")
+        >>> g.mom.layers, g.output_layer, g.check_steps, bool(g.threshold[0] > 0), float(g.sparsity[0])
+        (['0'], '2', [1], True, 0.5)
+    """
+    from gradstats.layers import output_layer as find_output
+    from gradstats.plan._plan import pruned_layers
+    from gradstats.plan.checks import calibration_steps  # the steps the checks calibrate on and replay
+
+    info = run.layer_info()
+    skip = None
+    if layers is None and output_layer is not False:
+        skip = find_output(info) if output_layer in (None, "auto", True) else str(output_layer)
+        names = [n for n in _select_layers(run, None, info) if n != skip]
+        if not names:
+            raise ValueError(f"the run at {run.path} traced no convolution or linear layer but its output "
+                             f"layer {skip!r}; pass output_layer=False to plan it")
+    else:
+        names = _select_layers(run, layers, info)
+    chosen = None
+    if isinstance(steps, str) and steps == "auto":
+        steps = chosen = calibration_steps(run, names, steps="auto")
+    mom = _moments(run, steps=steps, layers=names, kind="grad", info=info)
+    where = pruned_layers(prune_at, info) if sparsity is not None else None
+    thr, pred = _thresholds(mom, sparsity, threshold_rule, where)
+    check_steps = chosen or calibration_steps(run, mom.layers, steps=steps)
+    return _Gathered(mom, skip, steps, check_steps, thr, pred)
+
+
+def _thresholds(mom: _Moments, sparsity: float | None, rule: str,
+                where: Sequence[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer: the threshold of ``rule`` at ``sparsity`` (NaN for 'exact') and the sparsity it is
+    predicted to reach: the target for the model-free rules ('exact', 'histogram'), under the
+    lognormal model for the others. Both NaN without sparsity, and at the layers that ``where`` (the
+    layers the plan prunes; None: all) leaves out: no threshold, no prediction."""
+    n = len(mom.layers)
+    if sparsity is None:
+        return np.full(n, np.nan), np.full(n, np.nan)
+    from gradstats import pruning
+
+    if rule == "exact":
+        thr, pred = np.full(n, np.nan), np.maximum(sparsity, mom.p0)
+    else:
+        thr = np.asarray(pruning.threshold(np.full(n, float(sparsity)), mom.rows, threshold_rule=rule),
+                         dtype=np.float64)
+        if rule == "histogram":       # model-free: it aims at the target on the data itself
+            pred = np.maximum(float(sparsity), mom.p0)
+        else:
+            pred = np.asarray(pruning.expected_sparsity(thr, mu=mom.mu, sigma=mom.sigma, p0=mom.p0), dtype=np.float64)
+    if where is not None:
+        off = np.array([name not in set(where) for name in mom.layers])
+        thr, pred = np.where(off, np.nan, thr), np.where(off, np.nan, pred)
+    return thr, pred

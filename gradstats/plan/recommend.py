@@ -31,18 +31,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Iterable, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Iterable, NamedTuple, Sequence, Union
 
 import numpy as np
 
 from gradstats.fpanalysis.granularity import GRANULARITIES, granularity_layout, granularity_of
 from gradstats.fpanalysis.training import FLUSH_BOUND
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
-from gradstats.plan._statistics import Steps, _Moments, _moments, _select_layers, layer_moments
+from gradstats.plan._statistics import Steps, gather, layer_moments
 from gradstats.plan.config import RecommendConfig
 from gradstats.plan.noise_budget import bound_and_repair, log_bound
 from gradstats.plan.noise_prediction import NOISE_BOUND
 from gradstats.run import as_run
+from gradstats.scheme import Scheme
 
 log = logging.getLogger(__name__)
 
@@ -66,24 +68,6 @@ def _bits_list(bits: Any) -> tuple[list[int], bool]:
             raise ValueError(f"bits lists a width twice: {out}")
         return out, False
     raise ValueError(f"bits must be an int or a non-empty list of ints (3..16), got {bits!r}")
-
-
-def _pruning(mom: _Moments, sparsity: float | None, rule: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per layer: the threshold at recommendation time (NaN for 'exact') and the sparsity it is
-    predicted to reach: the target for the model-free rules ('exact', 'histogram'), under the
-    lognormal model for the others."""
-    n = len(mom.layers)
-    if sparsity is None:
-        return np.full(n, np.nan), np.full(n, np.nan)
-    from gradstats import pruning
-
-    if rule == "exact":
-        return np.full(n, np.nan), np.maximum(sparsity, mom.p0)
-    a = np.asarray(pruning.threshold(np.full(n, float(sparsity)), mom.rows, threshold_rule=rule), dtype=np.float64)
-    if rule == "histogram":       # model-free: it aims at the target on the data itself
-        return a, np.maximum(float(sparsity), mom.p0)
-    pred = pruning.expected_sparsity(a, mu=mom.mu, sigma=mom.sigma, p0=mom.p0)
-    return a, np.asarray(pred, dtype=np.float64)
 
 
 def _fmt(x: float) -> float | None:
@@ -219,12 +203,11 @@ def recommend(run: Any, config: RecommendConfig | None = None, *, bits: int | st
         objective=objective, bias_bound=bias_bound, flush_bound=flush_bound, output_layer=output_layer,
         prune_at=prune_at, check=check, noise_bound=noise_bound).options()
     if isinstance(bits, str):
-        if bits != "auto":
-            raise ValueError(f"bits must be an int (a width, 3..16) or 'auto' (per layer the fewest bits the "
-                             f"noise bound allows), got {bits!r}")
-        return _recommend_auto(run, **cfg)
-    widths, _ = _bits_list(bits)
-    return _plans(run, bits=widths, **cfg)[widths[0]]
+        cfg = _bits_auto(bits, cfg)
+    else:
+        cfg = {**cfg, "bits": _bits_list(bits)[0]}
+    plan, = _plans(run, **cfg).values()
+    return plan
 
 
 #: what ``bits="auto"`` chooses from, fewest bits per value first (``(granularity, bits)``): MXFP4
@@ -233,27 +216,21 @@ def recommend(run: Any, config: RecommendConfig | None = None, *, bits: int | st
 AUTO_LADDER: tuple[tuple[str, int], ...] = (("mx", 4), ("nvfp4", 4), ("tensor", 6), ("tensor", 8), ("mx", 8))
 
 
-def _recommend_auto(run: Any, *, granularity: Any, candidates: Any, noise_bound: float | None,
-                    **kw: Any) -> Plan:
-    """``recommend(bits="auto")``: each rung of :data:`AUTO_LADDER` recommended on its own (checked,
-    not bounded), then per layer the first rung, and the sparsity in it, that the noise bound allows."""
-    if noise_bound is None:
+def _bits_auto(bits: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``recommend(bits="auto")`` as the settings of :func:`_plans`: the first rung of :data:`AUTO_LADDER`,
+    bounded, with the other rungs as its wider options (each recommended on its own: checked, not
+    bounded), so that per layer the bound takes the first rung, and the sparsity in it, that it allows."""
+    if bits != "auto":
+        raise ValueError(f"bits must be an int (a width, 3..16) or 'auto' (per layer the fewest bits the "
+                         f"noise bound allows), got {bits!r}")
+    if cfg["noise_bound"] is None:
         raise ValueError("bits='auto' asks for the fewest bits the noise bound allows: give a noise_bound "
                          f"(default {NOISE_BOUND}), or a width as bits")
-    if granularity != "tensor" or candidates not in (None, "ocp"):
+    if cfg["granularity"] != "tensor" or cfg["candidates"] not in (None, "ocp"):
         raise ValueError("bits='auto' chooses among the formats hardware has (MXFP4, NVFP4, 6 and 8 bits per "
                          "tensor, MXFP8): leave granularity and candidates out, or give a width as bits")
-    r = as_run(run)
-    rungs = [_plans(r, bits=[b], granularity=g, candidates="ocp", noise_bound=None, **{**kw, "check": False})[b]
-             for g, b in AUTO_LADDER[1:]]       # checked once mixed (the base plan's check)
-    g, b = AUTO_LADDER[0]
-    plan = _plans(r, bits=[b], granularity=g, candidates="ocp", noise_bound=noise_bound, ladder=rungs,
-                  label="recommend(bits='auto')", **kw)[b]
-    gen = plan.provenance.generator if plan.provenance is not None else ""
-    if plan.provenance is not None:
-        plan = dataclasses.replace(plan, provenance=dataclasses.replace(
-            plan.provenance, generator="recommend(bits='auto', " + gen.split("(", 1)[1]))
-    return plan
+    (g, b), *rungs = AUTO_LADDER
+    return {**cfg, "bits": [b], "granularity": g, "candidates": "ocp", "ladder": tuple(rungs), "auto": True}
 
 
 def recommend_each(run: Any, config: RecommendConfig | None = None, *, bits: Sequence[int],
@@ -278,18 +255,168 @@ def _plans(run: Any, *, bits: Sequence[int], sparsity: float | str | None, granu
            rounding: str | None, steps: Steps, threshold_rule: str | None, candidates: Any,
            layers: str | Sequence[str] | None, format_rule: str, objective: str, bias_bound: float | None,
            flush_bound: float | None, output_layer: str | bool | None, prune_at: str | bool | None,
-           check: bool, noise_bound: float | None, ladder: Sequence[Plan] | None = None,
-           label: str | None = None) -> dict[int, Plan]:
-    """:func:`recommend_each`; ``ladder``: the wider options of every layer under the noise bound
-    (default: the 8-bit plan behind a narrower width, :func:`_fallback`); ``label``: the plan's name
-    in the logs."""
-    from gradstats import fpanalysis
+           check: bool, noise_bound: float | None, ladder: Sequence[tuple[Any, int]] | None = None,
+           auto: bool = False) -> dict[int, Plan]:
+    """:func:`recommend_each`, stage after stage: the options checked (:func:`_settings`) and the
+    wider options the noise bound may take (:func:`_wider`: the ``(granularity, bits)`` rungs of
+    ``ladder``, by default the 8-bit plan behind a narrower width); the run's layers, their moments
+    and pruning thresholds (:func:`gradstats.plan._statistics.gather`); then per width the formats,
+    the plan, and the plan bounded and repaired. ``auto``: the plan is ``bits="auto"``'s (so named in
+    the logs and in its provenance)."""
+    from gradstats import fpanalysis, pruning
     from gradstats._version import __version__  # noqa: F401 - provenance
 
-    model = format_rule
     again = dict(sparsity=sparsity, rounding=rounding, steps=steps, threshold_rule=threshold_rule, layers=layers,
                  format_rule=format_rule, objective=objective, bias_bound=bias_bound, flush_bound=flush_bound,
                  output_layer=output_layer, prune_at=prune_at, check=check)
+    s = _settings(bits=bits, sparsity=sparsity, granularity=granularity, rounding=rounding,
+                  threshold_rule=threshold_rule, candidates=candidates, layers=layers, format_rule=format_rule,
+                  objective=objective, bias_bound=bias_bound, prune_at=prune_at, noise_bound=noise_bound)
+    r = as_run(run)
+    wider = _wider(r, s.widths, ladder, candidates, noise_bound, again)
+    st = gather(r, layers=layers, output_layer=output_layer, prune_at=s.prune_at, steps=steps,
+                sparsity=s.sparsity, threshold_rule=s.threshold_rule)
+    mom, thr, block_size, cands = st.mom, st.threshold, s.layout.block_size, s.candidates
+    n = len(mom.layers)
+    plans: dict[int, Plan] = {}
+    for b in s.widths:
+        plan_name = "recommend(bits='auto')" if auto else (     # in the logs
+            f"recommend(bits={b}" + (f", sparsity={sparsity!r}" if sparsity is not None else "")
+            + (f", granularity={s.granularity!r}" if s.granularity != "tensor" else "") + ")")
+        # the formats: per layer the format, its scale and predicted error (and rounding, scale shift,
+        # bias and flushed fraction where the training objective chooses them)
+        b_round = s.rounding or ("stochastic" if b <= 6 else "nearest")
+        roundings, shifts, bias, flushed = [b_round] * n, [0] * n, [None] * n, [None] * n
+        if s.training:
+            fmts_ = cands if isinstance(cands, list) else fpanalysis.preset_formats(cands, b, granularity="tensor")
+            tc = fpanalysis.choose_for_training(
+                b, mu=mom.mu, sigma=mom.sigma, p0=mom.p0, amax=mom.amax, numel=mom.numel,
+                candidates=[f for f in fmts_ if f.bits == b] or fmts_,
+                roundings=[s.rounding] if s.rounding else _ROUNDINGS, bias_bound=s.bias_bound,
+                flush_bound=flush_bound, threshold=np.where(np.isfinite(thr), thr, 0.0) if s.sparsity else None,
+                names=mom.layers)
+            fmts, scales, errors = list(tc.format), np.asarray(tc.scale), np.asarray(tc.error)
+            roundings, shifts = list(tc.rounding), [int(k) for k in tc.scale_shift]
+            bias, flushed = [float(v) for v in tc.bias], [float(v) for v in tc.flushed]
+            b_round = max(set(roundings), key=roundings.count)     # the plan's default: the common one
+            biased = [f"  {mom.layers[i]}: best {tc.bias[i]:+.3f} with {fmts[i]}, {roundings[i]} rounding"
+                      for i in range(n) if not tc.feasible[i]]
+            if biased:
+                log.warning("%s: for %d layer(s) no %d-bit format keeps the predicted magnitude bias within %g; "
+                            "each is planned with its least biased choice%s:\n%s", plan_name, len(biased), b,
+                            s.bias_bound, ", which the check on the samples then tests" if check else "",
+                            "\n".join(biased))
+        elif format_rule == "histogram":       # each layer's binade histogram and maximum
+            picks = [fpanalysis.best_format_from_stats(b, row, candidates=s.candidates_of(b), rounding=b_round)
+                     for row in mom.rows]
+            fmts, scales, errors = [c.format for c in picks], np.array([c.scale for c in picks]), \
+                np.array([c.error for c in picks])
+        else:
+            # the closed forms in mu and sigma; per-tensor scales are chosen for each tensor given its
+            # observed maximum: the lognormal's tail beyond amax does not exist in the data, and without
+            # this condition the MSE-optimal scale of a wide layer chases it and flushes every real value
+            res = fpanalysis.best_format(b, mu=mom.mu, sigma=mom.sigma, p0=mom.p0, candidates=s.candidates_of(b),
+                                         granularity=s.layout, rounding=b_round, names=mom.layers,
+                                         **({} if block_size is not None else {"amax": mom.amax, "numel": mom.numel}))
+            fmts = res.format if isinstance(res.format, list) else [res.format]    # one layer: a scalar
+            scales, errors = (np.atleast_1d(np.asarray(v, dtype=np.float64)) for v in (res.scale, res.error))
+        # the plan: the shared settings as defaults, one entry per layer with what it was predicted to do
+        defaults = Rule(scale="amax" if (block_size or s.training) else "lognormal", rounding=b_round,
+                        block_size=block_size, scale_format=s.layout.scale_format_name, sparsity=s.sparsity,
+                        threshold_rule=s.threshold_rule, **s.recipe)
+        entries = [PlanEntry(name, format=fmts[i], predicted=Prediction(
+            error=_fmt(errors[i]), sparsity=_fmt(st.sparsity[i]), mu=float(mom.mu[i]), sigma=float(mom.sigma[i]),
+            p0=float(mom.p0[i]), scale=_fmt(scales[i]) if block_size is None else None, threshold=_fmt(thr[i]),
+            amax=_fmt(mom.amax[i]), bias=bias[i], flushed=flushed[i]),
+            **({"rounding": roundings[i]} if roundings[i] != b_round else {}),
+            **({"scale_shift": shifts[i]} if shifts[i] else {})) for i, name in enumerate(mom.layers)]
+        gen = (f"recommend(bits={b}, sparsity={sparsity!r}, granularity={s.granularity!r}, "
+               f"rounding={s.rounding!r}, steps={st.steps!r}, threshold_rule={s.threshold_rule!r}"
+               + (f", format_rule={format_rule!r}" if format_rule != "lognormal" else "")
+               + f", objective={objective!r}"
+               + (f", flush_bound={flush_bound!r}" if s.training else "")
+               + f", candidates={cands if isinstance(cands, str) else [str(c) for c in cands]!r}"
+               + (f", noise_bound={noise_bound!r})" if sparsity is not None else ")"))
+        plans[b] = Plan(entries, defaults, Provenance.now(source=str(r.path), generator=gen, steps=mom.steps),
+                        output_layer=st.output_layer, prune_at=s.prune_at if s.sparsity is not None else None)
+        # bounded and repaired: the formats (its own, or the wider ones) and sparsities the noise bound
+        # allows, each rule checked on the calibration steps
+        pool = (cands if isinstance(cands, list) else fpanalysis.preset_formats(
+            cands, b, granularity="tensor" if block_size is None else s.granularity)) if check else None
+        if pool is not None and wider[b].plans:      # the wider options are checked in the mixed plan
+            pool = list(dict.fromkeys([*pool, *wider[b].formats]))
+        plans[b] = bound_and_repair(plans[b], r, st.check_steps, noise_bound, bounded=s.sparsity is not None or
+                                    noise_bound is not None, pool=pool, bias_bound=s.bias_bound,
+                                    flush_bound=flush_bound, ladder=wider[b].plans)
+        # each pruned entry's predicted threshold at the sparsity the plan grants it: the bound may lower the
+        # one asked for (0.99 for "auto"), and what explain shows and the exports hand to training code must
+        # be the threshold of the rule that is enforced
+        rules = plans[b].resolve(r, strict=False) if s.threshold_rule != "exact" else {}    # exact: none
+        at = {name: i for i, name in enumerate(mom.layers)}
+        granted = [(k, e) for k, e in enumerate(plans[b].entries) if not e.is_pattern and e.layer in at
+                   and isinstance(e.predicted, Prediction) and e.layer in rules and rules[e.layer].sparsity is not None]
+        if granted:
+            now = pruning.threshold(np.array([rules[e.layer].sparsity for _, e in granted], dtype=np.float64),
+                                    [mom.rows[at[e.layer]] for _, e in granted], threshold_rule=s.threshold_rule)
+            entries = list(plans[b].entries)
+            for (k, e), a in zip(granted, np.asarray(now, dtype=np.float64)):
+                entries[k] = dataclasses.replace(e, predicted=dataclasses.replace(e.predicted, threshold=_fmt(a)))
+            plans[b] = dataclasses.replace(plans[b], entries=tuple(entries))
+        if plans[b].noise_bound is not None:
+            log_bound(plan_name, plans[b])
+        if auto and plans[b].provenance is not None:     # named as asked, once the check named it by its rung
+            plans[b] = dataclasses.replace(plans[b], provenance=dataclasses.replace(
+                plans[b].provenance, generator="recommend(bits='auto', " + gen.split("(", 1)[1]))
+    if layers is None:
+        from gradstats.layers import log_unplanned
+
+        log_unplanned(log, "gradstats.recommend", plans[s.widths[0]].unplanned(r))
+    return plans
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """:func:`recommend`'s options checked and resolved (:func:`_settings`)."""
+
+    widths: list[int]
+    sparsity: float | None          # requested of every pruned layer; ``"auto"``: :data:`AUTO_SPARSITY`
+    granularity: Any                # plain: a block preset's extras and the candidates' layout resolved
+    layout: Scheme                  # its block layout (:func:`granularity_layout`)
+    recipe: dict[str, Any]          # the rule fields a block preset adds (its Hadamard transform)
+    rounding: str | None            # None: the objective chooses
+    threshold_rule: str
+    candidates: Union[str, list[Any]]
+    bias_bound: float
+    prune_at: str | None
+    training: bool                  # the training objective applies: per-tensor scales, lognormal model
+
+    def candidates_of(self, bits: int) -> Union[str, list[Any]]:
+        """The candidates the MSE choice ranks for ``bits``: a preset's name as it is, or the formats of that
+        width of a list (one without any is a ``ValueError``)."""
+        if not isinstance(self.candidates, list):
+            return self.candidates
+        mine = [c for c in self.candidates if c.bits == bits]
+        if not mine:
+            raise ValueError(f"candidates hold no {bits}-bit format (given: {[str(c) for c in self.candidates]})")
+        return mine
+
+
+def _settings(*, bits: Sequence[int], sparsity: float | str | None, granularity: Any, rounding: str | None,
+              threshold_rule: str | None, candidates: Any, layers: Any, format_rule: str, objective: str,
+              bias_bound: float | None, prune_at: str | bool | None, noise_bound: float | None) -> _Settings:
+    """:func:`recommend`'s options checked, each error naming the fix, and resolved to what the stages
+    read (the run is not read yet).
+
+    Example:
+        >>> s = _settings(bits=[4], sparsity="auto", granularity="nvfp4_training", rounding=None,
+        ...               threshold_rule=None, candidates="ocp", layers=None, format_rule="lognormal",
+        ...               objective="training", bias_bound=None, prune_at=None, noise_bound=0.02)
+        >>> s.sparsity, s.granularity, s.rounding, s.recipe, s.layout.block_size, s.prune_at, s.training
+        (0.99, 'nvfp4', 'stochastic', {'hadamard': 16}, 16, 'auto', False)
+    """
+    from gradstats import fpanalysis
+    from gradstats.plan._plan import default_prune_at
+
     widths, _ = _bits_list(bits)
     if rounding is not None and rounding not in _ROUNDINGS:
         raise ValueError(f"rounding must be None (the objective chooses) or one of {list(_ROUNDINGS)} (the "
@@ -304,7 +431,6 @@ def _plans(run: Any, *, bits: Sequence[int], sparsity: float | str | None, granu
                                     or not noise_bound > 0):
         raise ValueError(f"noise_bound must be a positive noise ratio (default {NOISE_BOUND}: the noise a plan adds "
                          f"to each weight gradient, against SGD's own) or None (not bounded), got {noise_bound!r}")
-    asked = sparsity
     if isinstance(sparsity, str):
         if sparsity != "auto":
             raise ValueError(f"sparsity must be a number in [0, 1), 'auto' or None, got {sparsity!r}")
@@ -317,133 +443,53 @@ def _plans(run: Any, *, bits: Sequence[int], sparsity: float | str | None, granu
             raise ValueError(f"sparsity must be a number in [0, 1), 'auto' or None, got {sparsity!r}")
         sparsity = float(sparsity)
     Rule(threshold_rule=threshold_rule)  # validates the rule name
-    if model not in FORMAT_RULES:
-        raise ValueError(f"format_rule must be one of {list(FORMAT_RULES)}, got {model!r}")
+    if format_rule not in FORMAT_RULES:
+        raise ValueError(f"format_rule must be one of {list(FORMAT_RULES)}, got {format_rule!r}")
     granularity, recipe = granularity_recipe(granularity)
     if rounding is None and recipe.get("rounding"):
         rounding = recipe.pop("rounding")
     recipe.pop("rounding", None)
     granularity = _candidate_granularity(candidates, granularity)
     layout = granularity_layout(granularity)
-    block_size, scale_format = layout.block_size, layout.scale_format_name
     cands = _candidates(fpanalysis, candidates, widths, granularity)
-    if model == "histogram" and block_size is not None:
+    if format_rule == "histogram" and layout.block_size is not None:
         raise ValueError("format_rule='histogram' chooses per-tensor formats and scales; block-scaled plans "
                          "(granularity='mx', 'nvfp4' or a block size) use format_rule='lognormal'")
-    r = as_run(run)
-    skip = None
-    default_selection = layers is None
-    if layers is None and output_layer is not False:
-        from gradstats.layers import output_layer as find_output
-
-        skip = find_output(r) if output_layer in (None, "auto", True) else str(output_layer)
-        chosen = [n for n in _select_layers(r, None) if n != skip]
-        if not chosen:
-            raise ValueError(f"the run at {r.path} traced no convolution or linear layer but its output "
-                             f"layer {skip!r}; pass output_layer=False to plan it")
-        layers = chosen
-    from gradstats.plan._plan import default_prune_at, pruned_layers
-
-    prune_at = default_prune_at(prune_at, default_selection)
-    cal_steps = None
-    if isinstance(steps, str) and steps == "auto":
-        from gradstats.plan.checks import calibration_steps
-
-        cal_steps = calibration_steps(r, _select_layers(r, layers), steps="auto")
-        steps = cal_steps
-    mom = _moments(r, steps=steps, layers=layers, kind="grad")
-    thr, pred_sp = _pruning(mom, sparsity, threshold_rule)
-    if sparsity is not None and prune_at is not None:
-        where = pruned_layers(prune_at, r)
-        if where is not None:                # the layers not pruned: no threshold, no prediction
-            off = np.array([n not in set(where) for n in mom.layers])
-            thr, pred_sp = np.where(off, np.nan, thr), np.where(off, np.nan, pred_sp)
-    training = objective == "training" and block_size is None and model == "lognormal"
-    plans: dict[int, Plan] = {}
-    for b in widths:
-        plan_name = label or (f"recommend(bits={b}" + (f", sparsity={asked!r}" if asked is not None else "")
-                     + (f", granularity={granularity!r}" if granularity != "tensor" else "") + ")")   # in the logs
-        b_round = rounding or ("stochastic" if b <= 6 else "nearest")
-        per_layer: list[dict[str, Any]] = [{} for _ in mom.layers]
-        if training:
-            numel = np.array([row["numel"] for row in mom.rows], dtype=np.float64)
-            fmts_ = cands if isinstance(cands, list) else fpanalysis.preset_formats(cands, b, granularity="tensor")
-            tc = fpanalysis.choose_for_training(
-                b, mu=mom.mu, sigma=mom.sigma, p0=mom.p0, amax=mom.amax, numel=numel,
-                candidates=[f for f in fmts_ if f.bits == b] or fmts_,
-                roundings=[rounding] if rounding else _ROUNDINGS, bias_bound=bias_bound, flush_bound=flush_bound,
-                threshold=np.where(np.isfinite(thr), thr, 0.0) if sparsity else None, names=mom.layers)
-            fmts, scales, errors = list(tc.format), np.asarray(tc.scale), np.asarray(tc.error)
-            roundings = list(tc.rounding)
-            b_round = max(set(roundings), key=roundings.count)     # the plan's default: the common one
-            for i in range(len(mom.layers)):
-                per_layer[i] = {"rounding": roundings[i], "scale_shift": int(tc.scale_shift[i]),
-                                "bias": float(tc.bias[i]), "flushed": float(tc.flushed[i])}
-            biased = [f"  {mom.layers[i]}: best {tc.bias[i]:+.3f} with {fmts[i]}, {roundings[i]} rounding"
-                      for i in range(len(mom.layers)) if not tc.feasible[i]]
-            if biased:
-                log.warning("%s: for %d layer(s) no %d-bit format keeps the predicted magnitude bias within %g; "
-                            "each is planned with its least biased choice%s:\n%s", plan_name, len(biased), b,
-                            bias_bound, ", which the check on the samples then tests" if check else "",
-                            "\n".join(biased))
-        else:
-            fmts, scales, errors = _choose(fpanalysis, b, mom, rounding=b_round, block_size=block_size,
-                                           scale_format=scale_format, candidates=cands, model=model)
-        defaults = Rule(scale="amax" if (block_size or training) else "lognormal", rounding=b_round,
-                        block_size=block_size, scale_format=scale_format, sparsity=sparsity,
-                        threshold_rule=threshold_rule, **recipe)
-        entries = []
-        for i, name in enumerate(mom.layers):
-            extra = per_layer[i]
-            pred = Prediction(error=_fmt(errors[i]), sparsity=_fmt(pred_sp[i]), mu=float(mom.mu[i]),
-                              sigma=float(mom.sigma[i]), p0=float(mom.p0[i]),
-                              scale=_fmt(scales[i]) if block_size is None else None,
-                              threshold=_fmt(thr[i]), amax=_fmt(mom.amax[i]),
-                              bias=extra.get("bias"), flushed=extra.get("flushed"))
-            kw = {}
-            if training:
-                if extra["rounding"] != b_round:
-                    kw["rounding"] = extra["rounding"]
-                if extra["scale_shift"]:
-                    kw["scale_shift"] = extra["scale_shift"]
-            entries.append(PlanEntry(name, format=fmts[i], predicted=pred, **kw))
-        gen = (f"recommend(bits={b}, sparsity={asked!r}, granularity={granularity!r}, "
-               f"rounding={rounding!r}, steps={steps!r}, threshold_rule={threshold_rule!r}"
-               + (f", format_rule={model!r}" if model != "lognormal" else "")
-               + f", objective={objective!r}"
-               + (f", flush_bound={flush_bound!r}" if training else "")
-               + f", candidates={cands if isinstance(cands, str) else [str(c) for c in cands]!r}"
-               + (f", noise_bound={noise_bound!r})" if asked is not None else ")"))
-        prov = Provenance.now(source=str(r.path), generator=gen, steps=mom.steps)
-        plans[b] = Plan(entries, defaults, prov, output_layer=skip,
-                        prune_at=prune_at if sparsity is not None else None)
-        from gradstats.plan.checks import calibration_steps
-
-        chk = cal_steps or calibration_steps(r, mom.layers, steps=steps)
-        pool = (cands if isinstance(cands, list) else fpanalysis.preset_formats(
-            cands, b, granularity="tensor" if block_size is None else granularity)) if check else None
-        wider = (ladder if ladder is not None else _fallback(r, b, granularity, candidates, again)) \
-            if noise_bound is not None else ()
-        if pool is not None and wider:      # the wider options are checked in the mixed plan
-            pool = list(dict.fromkeys([*pool, *_widths_formats(fpanalysis, wider)]))
-        plans[b] = bound_and_repair(plans[b], r, chk, noise_bound, bounded=sparsity is not None or
-                                    noise_bound is not None, pool=pool, bias_bound=bias_bound,
-                                    flush_bound=flush_bound, ladder=wider)
-        plans[b] = _granted_thresholds(plans[b], r, mom, threshold_rule)
-        if plans[b].noise_bound is not None:
-            log_bound(plan_name, plans[b])
-    if default_selection:
-        from gradstats.layers import log_unplanned
-
-        log_unplanned(log, "gradstats.recommend", plans[widths[0]].unplanned(r))
-    return plans
+    return _Settings(widths=widths, sparsity=sparsity, granularity=granularity, layout=layout, recipe=recipe,
+                     rounding=rounding, threshold_rule=threshold_rule, candidates=cands, bias_bound=bias_bound,
+                     prune_at=default_prune_at(prune_at, layers is None),
+                     training=objective == "training" and layout.block_size is None and format_rule == "lognormal")
 
 
-def _fallback(r: Any, bits: int, granularity: Any, candidates: Any, kw: dict[str, Any]) -> list[Plan]:
+class _Wider(NamedTuple):
+    """The wider options of a width under the noise bound, and the hardware formats (per tensor) of every
+    width they use: the check's other choices for their rules (none without a check)."""
+
+    plans: Sequence[Plan]
+    formats: list[Any]
+
+
+def _wider(r: Any, widths: Sequence[int], ladder: Sequence[tuple[Any, int]] | None, candidates: Any,
+           noise_bound: float | None, kw: dict[str, Any]) -> dict[int, _Wider]:
+    """Per width, the wider options of every layer under the noise bound, each recommended on its own
+    (not bounded; checked where the bound chooses it): the ``(granularity, bits)`` rungs of ``ladder``
+    (the hardware formats), or else the 8-bit plan behind a width under 8 bits (:func:`_fallback`);
+    none without a bound. ``kw``: the other options of the plan they widen."""
+    if noise_bound is None:
+        return {b: _Wider((), []) for b in widths}
+    if ladder is not None:
+        rungs = [_plans(r, bits=[b], granularity=g, candidates="ocp", noise_bound=None, **{**kw, "check": False})[b]
+                 for g, b in ladder]
+        wide = _Wider(rungs, _widths_formats(rungs) if kw["check"] else [])
+        return {b: wide for b in widths}
+    fallback = _fallback(r, candidates, kw) if any(b < 8 for b in widths) else []
+    wide = _Wider(fallback, _widths_formats(fallback) if kw["check"] and fallback else [])
+    return {b: wide if b < 8 else _Wider([], []) for b in widths}
+
+
+def _fallback(r: Any, candidates: Any, kw: dict[str, Any]) -> list[Plan]:
     """The wider option behind a width under 8 bits: the 8-bit plan per tensor (of ``candidates`` where
     they have 8-bit formats, else the hardware formats), not bounded, checked where it is chosen."""
-    if bits >= 8:
-        return []
     from gradstats import fpanalysis
 
     try:
@@ -455,38 +501,14 @@ def _fallback(r: Any, bits: int, granularity: Any, candidates: Any, kw: dict[str
     return [_plans(r, bits=[8], granularity="tensor", candidates=cands, noise_bound=None, **{**kw, "check": False})[8]]
 
 
-def _widths_formats(fpanalysis: Any, plans: Sequence[Plan]) -> list[Any]:
+def _widths_formats(plans: Sequence[Plan]) -> list[Any]:
     """The hardware formats (per tensor) of every width the ``plans`` use: the check's other choices
     for their rules."""
+    from gradstats import fpanalysis
     from gradstats.formats import FPFormat
 
     widths = sorted({e.format.bits for p in plans for e in p.entries if isinstance(e.format, FPFormat)})
     return [f for w in widths for f in fpanalysis.preset_formats("ocp", w, granularity="tensor")]
-
-
-def _granted_thresholds(plan: Plan, r: Any, mom: _Moments, threshold_rule: str) -> Plan:
-    """``plan`` with each pruned entry's predicted threshold at the sparsity the plan grants it. The
-    thresholds were first computed at the requested sparsity (0.99 for ``"auto"``), which the noise
-    bound may lower: what ``explain`` shows and what the exports hand to training code must be the
-    threshold of the rule that is enforced."""
-    if threshold_rule == "exact":
-        return plan
-    from gradstats import pruning
-
-    rules = plan.resolve(r, strict=False)
-    at = {n: i for i, n in enumerate(mom.layers)}
-    todo = [(k, e) for k, e in enumerate(plan.entries)
-            if not e.is_pattern and e.layer in at and isinstance(e.predicted, Prediction)
-            and e.layer in rules and rules[e.layer].sparsity is not None]
-    if not todo:
-        return plan
-    sp = np.array([rules[e.layer].sparsity for _, e in todo], dtype=np.float64)
-    thr = np.asarray(pruning.threshold(sp, [mom.rows[at[e.layer]] for _, e in todo], threshold_rule=threshold_rule),
-                     dtype=np.float64)
-    entries = list(plan.entries)
-    for (k, e), a in zip(todo, thr):
-        entries[k] = dataclasses.replace(e, predicted=dataclasses.replace(e.predicted, threshold=_fmt(a)))
-    return dataclasses.replace(plan, entries=tuple(entries))
 
 
 def granularity_recipe(granularity: Any) -> tuple[Any, dict[str, Any]]:
@@ -516,7 +538,7 @@ def granularity_recipe(granularity: Any) -> tuple[Any, dict[str, Any]]:
 def _candidate_granularity(candidates: Any, granularity: Any) -> Any:
     """The granularity of candidates that are schemes (``["nvfp4"]``, ``["mxfp8_e4m3", "mxfp4"]``):
     their one block layout, which the default ``"tensor"`` gives way to and any other must equal."""
-    from gradstats.scheme import Scheme, names_scheme
+    from gradstats.scheme import names_scheme
 
     if candidates is None or isinstance(candidates, str):
         return granularity
@@ -548,7 +570,7 @@ def _candidates(fpanalysis, candidates: Any, widths: Sequence[int], granularity:
             fpanalysis.preset_formats(candidates, b, granularity=granularity)
         return candidates
     from gradstats.formats import FPFormat
-    from gradstats.scheme import Scheme, names_scheme
+    from gradstats.scheme import names_scheme
 
     try:
         out = [Scheme.parse(c).element if names_scheme(c) else FPFormat.parse(c) for c in candidates]
@@ -558,35 +580,3 @@ def _candidates(fpanalysis, candidates: Any, widths: Sequence[int], granularity:
     if not out:
         raise ValueError("candidates is empty")
     return out
-
-
-def _choose(fpanalysis, bits: int, mom: _Moments, *, rounding: str, block_size: int | None,
-            scale_format: str | None, candidates: Any, model: str = "lognormal"):
-    """Per layer: the best format of ``bits`` bits, its scale (NaN under block scaling) and its
-    predicted error, from :func:`gradstats.fpanalysis.best_format` (or, with
-    ``format_rule="histogram"``, :func:`~gradstats.fpanalysis.best_format_from_stats` per layer)."""
-    if isinstance(candidates, list):
-        from gradstats.formats import FPFormat
-
-        mine = [c for c in (FPFormat.parse(c) for c in candidates) if c.bits == bits]
-        if not mine:
-            raise ValueError(f"candidates hold no {bits}-bit format (given: {[str(FPFormat.parse(c)) for c in candidates]})")
-        candidates = mine
-    if model == "histogram":
-        picks = [fpanalysis.best_format_from_stats(bits, row, candidates=candidates, rounding=rounding)
-                 for row in mom.rows]
-        return ([c.format for c in picks], np.array([c.scale for c in picks]),
-                np.array([c.error for c in picks]))
-    # per-tensor scales are chosen for each tensor given its observed maximum: the lognormal's
-    # tail beyond amax does not exist in the data, and without this condition the MSE-optimal
-    # scale of a wide layer chases it and flushes every real value to zero
-    cond = {"scale_format": scale_format} if block_size is not None else {
-        "amax": mom.amax, "numel": np.array([r["numel"] for r in mom.rows], dtype=np.float64)}
-    res = fpanalysis.best_format(bits, mu=mom.mu, sigma=mom.sigma, p0=mom.p0, candidates=candidates,
-                                 block_size=block_size, rounding=rounding,
-                                 names=mom.layers, **cond)
-    fmts = res.format
-    if not isinstance(fmts, list):  # one layer given as a scalar
-        fmts = [fmts]
-    return fmts, np.atleast_1d(np.asarray(res.scale, dtype=np.float64)), \
-        np.atleast_1d(np.asarray(res.error, dtype=np.float64))
