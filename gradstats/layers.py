@@ -173,6 +173,16 @@ def module_types(module: Any) -> tuple[str, ...]:
     return tuple(c.__name__ for c in type(module).__mro__ if c.__name__ not in ("Module", "object"))
 
 
+def _model_layers(model: Any) -> list[tuple[LayerRecord, Any]]:
+    """Every module of ``model`` with its record, in ``named_modules()`` order, wrappers looked through
+    (:func:`gradstats.wrappers.named_layers`): the one listing of a model's layers here, which
+    :func:`layer_records` and :func:`batchnorm_inputs` read."""
+    from gradstats.wrappers import named_layers
+
+    return [(LayerRecord(n, tuple(c.__name__ for c in type(m).__mro__), _width_of_module(m)), m)
+            for n, m in named_layers(model)]
+
+
 def layer_records(source: Any) -> list[LayerRecord]:
     """The layers of ``source`` in model order: a :class:`gradstats.run.Run` (its traced layers,
     in the order they were first called), its ``layer_info()`` DataFrame (columns ``name``,
@@ -192,10 +202,7 @@ def layer_records(source: Any) -> list[LayerRecord]:
     if isinstance(source, Run):
         source = source.layer_info()
     if isinstance(source, nn.Module):
-        from gradstats.wrappers import named_layers
-
-        return [LayerRecord(n, tuple(c.__name__ for c in type(m).__mro__), _width_of_module(m))
-                for n, m in named_layers(source)]
+        return [rec for rec, _ in _model_layers(source)]
     if isinstance(source, pd.DataFrame):
         if len(source) == 0:
             return []
@@ -289,12 +296,10 @@ def batchnorm_inputs(source: Any, *inputs: Any, **kwargs: Any) -> list[str]:
     if isinstance(source, (int, float)) or source is None:
         raise ValueError(f"batchnorm_inputs needs a torch.nn.Module, a Run or a layer table, got "
                          f"{type(source).__name__}")
-    recs = [r for r in layer_records(source) if r.types]
     if isinstance(source, nn.Module):           # leaves only: containers do not sit between
-        from gradstats.wrappers import named_layers
-
-        leaves = {n for n, m in named_layers(source) if not any(True for _ in m.children())}
-        recs = [r for r in recs if r.name in leaves]
+        recs = [r for r, m in _model_layers(source) if not any(True for _ in m.children())]
+    else:
+        recs = [r for r in layer_records(source) if r.types]
     out = []
     for a, b in zip(recs, recs[1:]):
         if a.is_a(*_WEIGHT_TYPES) or a.linear:
@@ -306,8 +311,6 @@ def batchnorm_inputs(source: Any, *inputs: Any, **kwargs: Any) -> list[str]:
 def _traced_batchnorm_inputs(model: Any, *inputs: Any, **kwargs: Any) -> list[str]:
     import torch
     import torch.nn as nn
-
-    from gradstats.wrappers import named_layers
 
     bn = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
     layers = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
@@ -327,7 +330,8 @@ def _traced_batchnorm_inputs(model: Any, *inputs: Any, **kwargs: Any) -> list[st
             if name not in found:
                 found.append(name)
 
-    for name, m in named_layers(model):
+    listed = [(rec.name, m) for rec, m in _model_layers(model)]
+    for name, m in listed:
         if isinstance(m, layers):
             handles.append(m.register_forward_hook(after(name)))
         elif isinstance(m, bn):
@@ -338,7 +342,7 @@ def _traced_batchnorm_inputs(model: Any, *inputs: Any, **kwargs: Any) -> list[st
     finally:
         for h in handles:
             h.remove()
-    order = [n for n, _ in named_layers(model)]
+    order = [n for n, _ in listed]
     return sorted(found, key=order.index)
 
 
