@@ -33,7 +33,7 @@ import torch
 from gradstats.formats import ROUNDING_CODES, FPFormat
 from gradstats.ops import random as _rng
 from gradstats.ops.consts import fused_covers
-from gradstats.ops.engine import use_native, use_triton
+from gradstats.ops.engine import triton_available, use_native, use_triton
 from gradstats.scheme import Scheme
 
 
@@ -154,8 +154,6 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
         _unquantized(rounding)
     if not (scale > 0):
         raise ValueError(f"scale must be a positive number, got {scale}")
-    el = None if s is None else s.element
-    blocks = s is not None and s.block_size is not None
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     stochastic = threshold > 0 or (s is not None and s.rounding == "stochastic")
@@ -163,64 +161,107 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
         seed = _rng.resolve_seed(seed, generator, "prune_quantize")
     elif stochastic:
         seed = _rng.draw_seed(generator)
-    n = x.numel()
-    if blocks and n > 0 and use_triton(x.device.type):
-        from gradstats.ops.triton import blocks as kblocks
-
-        if kblocks.supports(s, x, block_dim):   # one Triton pass
-            y, c, sums = kblocks.prune_quantize_blocks_triton(
-                x, threshold, s, seed=seed or 0, block_dim=block_dim, tensor_amax=tensor_amax,
-                out=out if out is not None and out.is_contiguous() else None)
-            if out is not None and y is not out:
-                out.copy_(y)
-                y = out
-            return y, CompressCounts(n, *c.tolist(), *sums.tolist())
-    if not blocks and n > 0 and use_triton(x.device.type) and fused_covers(el, scale):
-        from gradstats.ops.triton import fused as kfused
-
-        if kfused.supports(el):        # one Triton pass; the counts read back once, here
-            y, c, sums = kfused.prune_quantize_triton(x, threshold, el, scale=scale,
-                                                      rounding="nearest" if s is None else s.rounding,
-                                                      seed=seed or 0, out=out)
-            return y, CompressCounts(n, *c.tolist(), *sums.tolist())
-    fn = _native() if use_native(x.device.type) and x.dtype == torch.float32 else None
-    if fn is not None and not blocks and fused_covers(el, scale) and n > 0:
-        xc = x.contiguous()
-        res = out if out is not None and out.is_contiguous() else torch.empty_like(xc)
-        counts = torch.zeros(5, dtype=torch.int64)
-        sums = torch.zeros(6, dtype=torch.float64)
-        q = el is not None
-        rc = fn(xc.data_ptr(), res.data_ptr(), n, float(threshold), float(scale), int(q),
-                el.man_bits if q else 0, el.emin if q else 0, el.max if q else 0.0,
-                int(el.subnormals) if q else 1, ROUNDING_CODES["nearest" if s is None else s.rounding],
-                int(el.has_negative_zero) if q else 1, _rng.stream(seed or 0, _rng.PRUNE),
-                _rng.stream(seed or 0, _rng.ROUND), torch.get_num_threads(), counts.data_ptr(), sums.data_ptr())
-        if rc != 0:  # pragma: no cover - arguments are validated above
-            raise RuntimeError("the fused prune/quantise kernel rejected its arguments")
-        c = counts.tolist()
-        result = res.view_as(x)
-        if out is not None:
-            if res is not out:
-                out.copy_(result)
-            result = out
-        return result, CompressCounts(n, *c, *sums.tolist())
-    return _composed(x, threshold, s, scale, seed, out, block_dim, tensor_amax)
-
-
-def _composed(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: float, seed: Optional[int],
-              out: Optional[torch.Tensor] = None, block_dim: int = -1, tensor_amax: Optional[float] = None
-              ) -> tuple[torch.Tensor, CompressCounts]:
-    """Reference path: the pruning and quantisation operators one after the other, with one seed; ``s`` the
-    resolved scheme (None: no quantisation)."""
-    y, c, sums = _composed_on_device(x, threshold, s, scale, seed, out, block_dim, tensor_amax)
+    y, c, sums = _PATHS[_path(x, s, scale, block_dim)](x, threshold, s, scale, seed, block_dim, tensor_amax, out, None)
     return y, CompressCounts(x.numel(), *c.tolist(), *sums.tolist())
+
+
+def _path(x: torch.Tensor, s: Optional[Scheme], scale: Any, block_dim: int) -> str:
+    """The one place where a call of :func:`prune_quantize` or :func:`prune_quantize_into` is given its engine's
+    path (a key of :data:`_PATHS`): one Triton pass over ``x`` (block scales: :mod:`gradstats.ops.triton.blocks`;
+    a per-tensor scale: :mod:`gradstats.ops.triton.fused`) where the engine is Triton and the kernel covers
+    the call, the fused C kernel (``"native"``, per-tensor scales, float32) where it is native, and the
+    operators one after the other (``"composed"``) elsewhere. A scale on the device is not read back to be
+    checked (the caller made it positive)."""
+    if x.numel() == 0:
+        return "composed"
+    if s is not None and s.block_size is not None:       # block scales: Triton's kernel, where it covers the call
+        if use_triton(x.device.type):
+            from gradstats.ops.triton import blocks as kblocks
+
+            if kblocks.supports(s, x, block_dim):
+                return "triton_blocks"
+        return "composed"
+    if not fused_covers(None if s is None else s.element, 1.0 if isinstance(scale, torch.Tensor) else scale):
+        return "composed"
+    if use_triton(x.device.type):
+        return "triton_tensor" if triton_available() else "composed"
+    return "native" if use_native(x.device.type) and x.dtype == torch.float32 and _native() is not None \
+        else "composed"
+
+
+def _triton_blocks(x: torch.Tensor, threshold: Any, s: Scheme, scale: Any, seed: Optional[int], block_dim: int,
+                   tensor_amax: Optional[float], out: Optional[torch.Tensor], stats: Optional[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from gradstats.ops.triton import blocks as kblocks
+
+    y, c, sums = kblocks.prune_quantize_blocks_triton(
+        x, threshold, s, seed=seed or 0, block_dim=block_dim, tensor_amax=tensor_amax, stats=stats,
+        out=out if out is not None and out.is_contiguous() else None)
+    if out is not None and y is not out:
+        out.copy_(y)
+        y = out
+    return y, c, sums
+
+
+def _triton_tensor(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: Any, seed: Optional[int],
+                   block_dim: int, tensor_amax: Optional[float], out: Optional[torch.Tensor],
+                   stats: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from gradstats.ops.triton import fused as kfused
+
+    return kfused.prune_quantize_triton(x, threshold, None if s is None else s.element, scale=scale,
+                                        rounding="nearest" if s is None else s.rounding, seed=seed or 0, out=out)
+
+
+def _native_pass(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: Any, seed: Optional[int],
+                 block_dim: int, tensor_amax: Optional[float], out: Optional[torch.Tensor],
+                 stats: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused C kernel: one pass, its counts and sums in host tensors."""
+    fn = _native()
+    el = None if s is None else s.element
+    threshold, scale = float(threshold), float(scale)
+    xc = x.contiguous()
+    res = out if out is not None and out.is_contiguous() else torch.empty_like(xc)
+    counts = torch.zeros(5, dtype=torch.int64)
+    sums = torch.zeros(6, dtype=torch.float64)
+    q = el is not None
+    rc = fn(xc.data_ptr(), res.data_ptr(), x.numel(), threshold, scale, int(q),
+            el.man_bits if q else 0, el.emin if q else 0, el.max if q else 0.0,
+            int(el.subnormals) if q else 1, ROUNDING_CODES["nearest" if s is None else s.rounding],
+            int(el.has_negative_zero) if q else 1, _rng.stream(seed or 0, _rng.PRUNE),
+            _rng.stream(seed or 0, _rng.ROUND), torch.get_num_threads(), counts.data_ptr(), sums.data_ptr())
+    if rc != 0:  # pragma: no cover - arguments are validated by the operators
+        raise RuntimeError("the fused prune/quantise kernel rejected its arguments")
+    result = res.view_as(x)
+    if out is not None:
+        if res is not out:
+            out.copy_(result)
+        result = out
+    return result, counts, sums
+
+
+def _composed_pass(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: Any, seed: Optional[int],
+                   block_dim: int, tensor_amax: Optional[float], out: Optional[torch.Tensor],
+                   stats: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The operators one after the other; host numbers where the engine is not Triton (a threshold solved
+    on the device stays there for Triton's pruning kernel; block scales ignore ``scale``)."""
+    if isinstance(threshold, torch.Tensor) and not use_triton(x.device.type):
+        threshold = float(threshold)
+    scale = float(scale) if isinstance(scale, torch.Tensor) else scale
+    return _composed_on_device(x, threshold, s, scale, seed, out, block_dim, tensor_amax)
+
+
+#: the engines' paths by the names :func:`_path` gives: ``(x, threshold, s, scale, seed, block_dim,
+#: tensor_amax, out, stats) -> (result, counts, sums)``, the counts and sums left on ``x``'s device
+_PATHS = {"triton_blocks": _triton_blocks, "triton_tensor": _triton_tensor, "native": _native_pass,
+          "composed": _composed_pass}
 
 
 def _composed_on_device(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: Any, seed: Optional[int],
                         out: Optional[torch.Tensor] = None, block_dim: int = -1, tensor_amax: Optional[float] = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_composed` with its counts (int64[5]) and sums (float64[6]) left as tensors on ``x``'s
-    device (nothing read back)."""
+    """Reference path: the pruning and quantisation operators one after the other, with one seed; ``s`` the
+    resolved scheme (None: no quantisation); the counts (int64[5]) and sums (float64[6]) left as tensors
+    on ``x``'s device (nothing read back)."""
     from gradstats.ops.prune import stochastic_prune
     from gradstats.ops.quantization import quantize
 
@@ -285,29 +326,7 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
                                            what="prune_quantize")
     if s is None:
         _unquantized(rounding)
-    el = None if s is None else s.element
-    blocks = s is not None and s.block_size is not None
-    if blocks and x.numel() > 0 and use_triton(x.device.type):
-        from gradstats.ops.triton import blocks as kblocks
-
-        if kblocks.supports(s, x, block_dim):
-            return kblocks.prune_quantize_blocks_triton(x, threshold, s, seed=seed, block_dim=block_dim,
-                                                        tensor_amax=tensor_amax, stats=stats)
-    if not blocks and x.numel() > 0 and use_triton(x.device.type):
-        from gradstats.ops.triton import fused as kfused
-
-        # a scale on the device is not read back to be checked (the caller made it positive)
-        if kfused.supports(el) and fused_covers(el, 1.0 if isinstance(scale, torch.Tensor) else scale):
-            return kfused.prune_quantize_triton(x, threshold, el, scale=scale,
-                                                rounding="nearest" if s is None else s.rounding, seed=seed)
-    if not use_triton(x.device.type):              # other engines take host numbers
-        threshold = float(threshold) if isinstance(threshold, torch.Tensor) else threshold
-    scale = float(scale) if isinstance(scale, torch.Tensor) else scale   # (block scales ignore it)
-    if use_native(x.device.type) and x.numel() > 0:
-        y, c = prune_quantize(x, threshold, s, scale=scale, seed=seed, block_dim=block_dim, tensor_amax=tensor_amax)
-        return y, torch.tensor([c.zeros, c.pruned, c.underflow, c.saturated, c.nonfinite]), torch.tensor(
-            [c.dot, c.norm2, c.err2, c.noise2, c.abs_out, c.abs_in], dtype=torch.float64)
-    return _composed_on_device(x, threshold, s, scale, seed, None, block_dim, tensor_amax)
+    return _PATHS[_path(x, s, scale, block_dim)](x, threshold, s, scale, seed, block_dim, tensor_amax, None, stats)
 
 
 def _block_saturated(y: torch.Tensor, s: Scheme, block_dim: int = -1,

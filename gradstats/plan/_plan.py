@@ -163,9 +163,8 @@ class Plan:
                 scale_shift: int = 0) -> "Plan":
         """The same rule on every selected layer.
 
-        ``format``: a format, or a block-scaled scheme (:class:`~gradstats.scheme.Scheme`, a preset such as
-        ``"mxfp4"`` or ``"nvfp4"``, or a text such as ``"e4m3fn:block=32:scale_rounding=rceil"``), which sets
-        the rule's block fields.
+        ``format``: a format, or a block-scaled scheme (:class:`~gradstats.scheme.Scheme`, ``"nvfp4"``,
+        ``"e4m3fn:block=32:scale_rounding=rceil"``), which sets the rule's block fields.
         ``layers``: names or globs (``"re:..."`` for a regex); ``None`` selects every matmul layer
         (:func:`gradstats.layers.matmul_types`: convolutions, linear layers and their subclasses,
         ``transformers``' ``Conv1D``, ``nn.MultiheadAttention``, registered types) but the model's
