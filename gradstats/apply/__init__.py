@@ -74,7 +74,7 @@ from gradstats.apply.settings import (
     widen,
 )
 from gradstats.layers import module_types
-from gradstats.ops.engine import use_triton
+from gradstats.ops.engine import use_triton, using
 from gradstats.ops.fused import prune_quantize
 from gradstats.ops.layout import channel_dim
 from gradstats.tracer import taps
@@ -207,6 +207,12 @@ class Applied:
 
     @torch.compiler.disable
     def _compress(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        if self.config.engine is None:
+            return self._compress_on(name, g)
+        with using(self.config.engine):
+            return self._compress_on(name, g)
+
+    def _compress_on(self, name: str, g: torch.Tensor) -> torch.Tensor:
         if use_triton(g.device.type):       # the device path: nothing read back here (apply.device)
             with torch.no_grad():
                 return self.device_path.compress(name, g)
@@ -299,7 +305,8 @@ class Applied:
         """Bring the device path's statistics and counts of every call so far to the host (one wait)
         and solve, check and record them, in order (:meth:`~gradstats.apply.device.DevicePath.settle`); the handle calls it
         itself (next forward, results, checkpoints), and it is harmless to call again."""
-        self.device_path.settle()
+        with using(self.config.engine):
+            self.device_path.settle()
 
     @property
     def alerts(self) -> dict[str, dict[str, str]]:
@@ -482,7 +489,7 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
           zero_calls: Optional[int] = ZERO_CALLS,
           fallback: Union[Fallback, str, None] = None,
           overflow_bound: Optional[float] = OVERFLOW_BOUND,
-          bias_bound: Optional[float] = BIAS_BOUND,
+          bias_bound: Optional[float] = BIAS_BOUND, engine: Optional[str] = None,
           config: Optional[ApplyConfig] = None) -> Applied:
     """Enforce ``plan`` on the neural gradients of ``model`` in the backward pass.
 
@@ -525,6 +532,8 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
             drifts past the fallback's bounds, change its rule a step at a time (logged, in
             ``Applied.fallbacks``, ``summary()``, the records, the run with ``log_to=``, and the
             state dict).
+        engine: the engine of the handle's passes (:data:`gradstats.ops.engine.ENGINES`: ``"native"``,
+            ``"torch"``, ``"triton"``); None (default): ``GRADSTATS_ENGINE``'s, else each device's default.
         config: the options above as one value (:class:`ApplyConfig`, what the trainer callbacks
             pass on); keywords given beside it must agree with it.
 
@@ -547,5 +556,5 @@ def apply(model: nn.Module, plan: Union[Any, str, os.PathLike], *,
     cfg = ApplyConfig.resolve(config, refresh_every=refresh_every, warmup=warmup, ema=ema, seed=seed,
                               sync_stats=sync_stats, record=record, sparsity_margin=sparsity_margin,
                               underflow_bound=underflow_bound, zero_calls=zero_calls, fallback=fallback,
-                              overflow_bound=overflow_bound, bias_bound=bias_bound)
+                              overflow_bound=overflow_bound, bias_bound=bias_bound, engine=engine)
     return Applied(model, plan, cfg, log_to=log_to)

@@ -4,6 +4,7 @@
 Example:
     >>> from gradstats.apply.settings import Fallback, widen
     >>> from gradstats.formats import FPFormat
+from gradstats.ops.engine import check_engine
     >>> Fallback().patience, str(widen(FPFormat.parse("e2m1fn")))
     (2, 'e3m2fn')
 """
@@ -15,6 +16,7 @@ from typing import Any, Optional
 from gradstats._config import resolve_config
 from gradstats.alarms import ALERT_KINDS as ALERT_KINDS  # declared with the tracer's alarms (one vocabulary)
 from gradstats.formats import FPFormat
+from gradstats.ops.engine import check_engine
 
 #: Alert "sparsity": the achieved sparsity of a call exceeds the layer's target (or the zero
 #: fraction its gradient arrived with, if larger) by more than this, beyond sampling noise
@@ -202,8 +204,10 @@ class ApplyConfig:
     fallback: Any = None                    # None, a Fallback, or a name of FALLBACK_PRESETS
     overflow_bound: Optional[float] = OVERFLOW_BOUND
     bias_bound: Optional[float] = BIAS_BOUND
+    engine: Optional[str] = None            # None: GRADSTATS_ENGINE's, else each device's default
 
     def __post_init__(self) -> None:
+        check_engine(self.engine)
         r = self.refresh_every
         if not callable(r) and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
             raise ValueError("refresh_every must be a positive int (1 = every gradient) or a schedule, a "

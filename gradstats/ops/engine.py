@@ -14,7 +14,9 @@ tensors of a device: the one switch, ``GRADSTATS_ENGINE``.
 ============  ==================================================================================
 
 Unset, each device gets its default: ``native`` on the CPU, ``triton`` on CUDA (``torch`` without Triton). The variable is read at each call (tests and
-notebooks may change it between calls).
+notebooks may change it between calls). :func:`gradstats.apply` and :func:`gradstats.trace` take the engine as an
+option too (``ApplyConfig.engine``, ``TraceConfig.engine``; None: the variable's): their hooks run under
+:func:`using`, which this module's one choice, :func:`active_engine`, reads before the variable.
 
 Example:
     >>> active_engine("cpu") == (requested_engine() or "native")   # the CPU's: the one asked for, else native
@@ -24,13 +26,52 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
+from typing import Iterator
 
 #: the engines, by name
 ENGINES = ("native", "torch", "triton")
 #: the environment variable that picks one
 ENV = "GRADSTATS_ENGINE"
+#: the engine a caller asked for in code (:func:`using`), which comes before the variable
+_ASKED: contextvars.ContextVar[str | None] = contextvars.ContextVar("gradstats_engine", default=None)
+
+
+def check_engine(engine: str | None, what: str = "engine") -> str | None:
+    """``engine`` if it names one of :data:`ENGINES` (or is None: the variable's, else each device's default),
+    else a ValueError naming them.
+
+    Example:
+        >>> check_engine("torch"), check_engine(None)
+        ('torch', None)
+    """
+    if engine is None or engine in ENGINES:
+        return engine
+    raise ValueError(f"{what} must be one of {ENGINES} or None (GRADSTATS_ENGINE's, else each device's default), "
+                     f"got {engine!r}")
+
+
+@contextlib.contextmanager
+def using(engine: str | None) -> Iterator[None]:
+    """Run the passes inside under ``engine`` (None: as :envvar:`GRADSTATS_ENGINE` says): how
+    ``apply(..., engine=)`` and ``trace(..., engine=)`` hold their hooks to the engine of their config.
+
+    Example:
+        >>> with using("torch"):
+        ...     active_engine("cpu")
+        'torch'
+    """
+    if engine is None:
+        yield
+        return
+    token = _ASKED.set(check_engine(engine))
+    try:
+        yield
+    finally:
+        _ASKED.reset(token)
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,13 +103,16 @@ def interpreting() -> bool:
 
 
 def requested_engine() -> str | None:
-    """The engine ``GRADSTATS_ENGINE`` asks for (None: unset or empty, every device's default).
+    """The engine asked for: :func:`using`'s, else ``GRADSTATS_ENGINE``'s (None: unset or empty, every device's default).
 
     Example:
         >>> import os
         >>> requested_engine() == (os.environ.get(ENV, "").strip().lower() or None)   # " Torch " asks for "torch"
         True
     """
+    asked = _ASKED.get()
+    if asked is not None:
+        return asked
     name = os.environ.get(ENV, "").strip().lower()
     if not name:
         return None
@@ -92,8 +136,8 @@ def active_engine(device_type: str) -> str:
         >>> active_engine("cuda") == ("triton" if triton_available() and requested_engine() != "torch" else "torch")
         True
     """
-    if device_type == "cpu" and not os.environ.get(ENV):
-        return "native"                        # the common case, first: one lookup per call
+    if device_type == "cpu" and not os.environ.get(ENV) and _ASKED.get() is None:
+        return "native"                        # the common case, first: two lookups per call
     asked = requested_engine()
     if device_type == "cuda":
         if asked == "torch" or not triton_available():
@@ -103,10 +147,10 @@ def active_engine(device_type: str) -> str:
         return "torch"                         # mps, xpu...: the reference path
     if asked == "triton":
         if not triton_available():
-            raise ValueError(f"{ENV}=triton needs the triton package (pip install triton), which is not "
+            raise ValueError(f"the triton engine ({ENV}=triton or engine='triton') needs the triton package (pip install triton), which is not "
                              "importable here; unset it for the C kernels")
         if not interpreting():
-            raise ValueError(f"{ENV}=triton on CPU tensors runs Triton's interpreter: set TRITON_INTERPRET=1 "
+            raise ValueError(f"the triton engine ({ENV}=triton or engine='triton') on CPU tensors runs Triton's interpreter: set TRITON_INTERPRET=1 "
                              "too (before the first kernel is built), or unset it for the C kernels")
         return "triton"
     if asked == "torch":
@@ -138,5 +182,5 @@ def use_native(device_type: str) -> bool:
     return device_type == "cpu" and active_engine("cpu") == "native"
 
 
-__all__ = ["ENGINES", "ENV", "active_engine", "requested_engine", "use_triton", "use_native", "triton_available",
+__all__ = ["ENGINES", "ENV", "using", "check_engine", "active_engine", "requested_engine", "use_triton", "use_native", "triton_available",
            "interpreting"]

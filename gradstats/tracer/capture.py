@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from gradstats.layers import module_types
+from gradstats.ops.engine import using
 from gradstats.ops.host import Outbox
 from gradstats.ops.layout import channel_dim, gemm_matrix
 from gradstats.run import sample_key
@@ -482,6 +483,15 @@ class Capture:
 
     def _record_now(self, step: int, layer: str, kind: str, call: int, t: torch.Tensor,
                     do_stats: bool, do_samples: bool) -> None:
+        """Record one captured tensor, under the trace's engine (``TraceConfig.engine``) when it names one."""
+        engine = self.config.engine
+        if engine is None:
+            return self._record_on(step, layer, kind, call, t, do_stats, do_samples)
+        with using(engine):
+            return self._record_on(step, layer, kind, call, t, do_stats, do_samples)
+
+    def _record_on(self, step: int, layer: str, kind: str, call: int, t: torch.Tensor,
+                   do_stats: bool, do_samples: bool) -> None:
         # every tensor read here is detached first (or only its memory is): no graph is recorded,
         # with or without grad mode
         vec = None

@@ -23,6 +23,7 @@ from torch import nn
 
 from gradstats._version import __version__
 from gradstats.layers import module_types
+from gradstats.ops.engine import using
 from gradstats.ops.host import Outbox
 from gradstats.run import FORMAT_VERSION, RunWriter, atomic_write_json
 from gradstats.stats import VectorRows
@@ -83,6 +84,10 @@ class Commit:
     MAX_PENDING_ROWS = 4096
 
     def _flush(self, step: int, *, force: bool = False) -> None:
+        with using(self.config.engine):     # the trace's engine (TraceConfig.engine; None: GRADSTATS_ENGINE's)
+            self._flush_on(step, force=force)
+
+    def _flush_on(self, step: int, *, force: bool) -> None:
         if not (force or self._pending_samples
                 or len(self._pending) + len(self._rows) >= self.MAX_PENDING_ROWS
                 or time.monotonic() - self._last_commit >= self.flush_secs):

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from torch import nn
 
 from gradstats._config import resolve_config
+from gradstats.ops.engine import check_engine
 from gradstats.run.select import layer_matcher
 
 #: the tensors of a layer the tracer can record
@@ -106,10 +107,13 @@ class TraceConfig:
     blocks: Union[str, Sequence[int], None] = "samples"
     block_sample: Optional[int] = 512
     noise: bool = True
+    engine: Optional[str] = None            # None: GRADSTATS_ENGINE's, else each device's default
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
+
+        check_engine(self.engine)
 
         kinds = tuple(self.kinds)
         bad = [k for k in kinds if k not in KINDS]

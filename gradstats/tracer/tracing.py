@@ -69,7 +69,7 @@ class Tracer(Capture, Commit):
                  max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
                  resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
                  alarms: Any = True, blocks: str | Sequence[int] | None = "samples",
-                 block_sample: int | None = 512, noise: bool = True) -> None:
+                 block_sample: int | None = 512, noise: bool = True, engine: str | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"trace() needs a torch.nn.Module as model, got {type(model).__name__}")
         if not isinstance(path, (str, os.PathLike)):
@@ -81,7 +81,7 @@ class Tracer(Capture, Commit):
         self.config = cfg = TraceConfig.resolve(
             config, layers=layers, every=every, sample_every=sample_every, samples=samples, kinds=kinds,
             max_bytes=max_bytes, seed=seed, flush_secs=flush_secs, resume=resume, start_step=start_step,
-            sinks=sinks, alarms=alarms, blocks=blocks, block_sample=block_sample, noise=noise)
+            sinks=sinks, alarms=alarms, blocks=blocks, block_sample=block_sample, noise=noise, engine=engine)
         layers, samples, max_bytes, seed = cfg.layers, cfg.samples, cfg.max_bytes, cfg.seed
         resume, start_step, noise = cfg.resume, cfg.start_step, cfg.noise
         self.kinds = tuple(cfg.kinds)
@@ -320,7 +320,7 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, config: TraceConfig
           max_bytes: int | None = None, seed: int = 0, flush_secs: float = 1.0,
           resume: bool = False, start_step: int | None = None, sinks: Iterable[Any] = (),
           alarms: Any = True, blocks: str | Sequence[int] | None = "samples", block_sample: int | None = 512,
-          noise: bool = True) -> Tracer:
+          noise: bool = True, engine: str | None = None) -> Tracer:
     """Trace the neural gradients of ``model`` into the run directory ``path``.
 
     Args:
@@ -382,6 +382,8 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, config: TraceConfig
             1-d/2-d convolution one extra weight-gradient product per layer on those steps; for
             other modules, a GRU, an Embedding, two backward passes through the module; the
             ``"noise"`` and ``"noise_graph"`` tables, :mod:`gradstats.tracer.noise`). Default on.
+        engine: the engine of the trace's passes (:data:`gradstats.ops.engine.ENGINES`: ``"native"``,
+            ``"torch"``, ``"triton"``); None (default): ``GRADSTATS_ENGINE``'s, else each device's default.
 
     Returns a :class:`Tracer`; use it as a context manager (or ``.attach()``/``.detach()``).
 
@@ -397,4 +399,4 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *, config: TraceConfig
     return Tracer(model, path, config=config, layers=layers, every=every, sample_every=sample_every,
                   samples=samples, kinds=kinds, optimizer=optimizer, max_bytes=max_bytes, seed=seed,
                   flush_secs=flush_secs, resume=resume, start_step=start_step, sinks=sinks, alarms=alarms,
-                  blocks=blocks, block_sample=block_sample, noise=noise)
+                  blocks=blocks, block_sample=block_sample, noise=noise, engine=engine)

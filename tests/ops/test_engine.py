@@ -69,3 +69,76 @@ def test_a_wrong_name_is_named(monkeypatch):
         active_engine("cpu")
     monkeypatch.setenv(ENV, " Native ")
     assert active_engine("cpu") == "native"
+
+
+# ----------------------------------------------------------------------------- the engine as an option
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _weight_grads(handle_of, env=None, monkeypatch=None):
+    """The weight gradients of one step of the model under ``handle_of(model)``, and the engine each
+    prune-quantise call of the step ran under."""
+    from gradstats.ops import fused
+
+    model = _model()
+    seen = []
+    path = fused._path
+    monkeypatch.setattr(fused, "_path", lambda *a: seen.append(active_engine("cpu")) or path(*a))
+    if env is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, env)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    with handle_of(model):
+        model(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()], seen
+
+
+def test_apply_runs_on_the_engine_of_its_config(monkeypatch):
+    """apply(..., engine="torch") runs every call of the handle on the torch engine while GRADSTATS_ENGINE
+    is unset, with the gradients GRADSTATS_ENGINE=torch gives; a bad name is refused where it is given."""
+    import gradstats
+
+    plan = gradstats.Plan.uniform(format="e4m3fn", sparsity=0.5, scale="amax", layers=["0", "2"])
+    by_option, seen = _weight_grads(lambda m: gradstats.apply(m, plan, engine="torch"), monkeypatch=monkeypatch)
+    assert seen and set(seen) == {"torch"}
+    by_env, seen_env = _weight_grads(lambda m: gradstats.apply(m, plan), env="torch", monkeypatch=monkeypatch)
+    assert set(seen_env) == {"torch"}
+    assert all(torch.equal(a, b) for a, b in zip(by_option, by_env))
+    _, seen_default = _weight_grads(lambda m: gradstats.apply(m, plan), monkeypatch=monkeypatch)
+    assert set(seen_default) == {"native"}
+    assert active_engine("cpu") == "native"                 # the option ends with the handle's calls
+    with pytest.raises(ValueError, match="engine must be one of"):
+        gradstats.ApplyConfig(engine="cuda")
+
+
+def test_trace_records_on_the_engine_of_its_config(monkeypatch, tmp_path):
+    """trace(..., engine="torch") computes its statistics on the torch engine: the rows GRADSTATS_ENGINE=torch
+    gives, bit for bit."""
+    import gradstats
+    from gradstats.tracer import capture
+
+    seen = []
+    record = capture.Capture._record_on
+    monkeypatch.setattr(capture.Capture, "_record_on",
+                        lambda self, *a: seen.append(active_engine("cpu")) or record(self, *a))
+    runs = {}
+    for label, env, engine in (("option", None, "torch"), ("env", "torch", None)):
+        if env is None:
+            monkeypatch.delenv(ENV, raising=False)
+        else:
+            monkeypatch.setenv(ENV, env)
+        model, seen[:] = _model(), []
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        with gradstats.trace(model, tmp_path / label, engine=engine, noise=False) as t:
+            model(x).square().sum().backward()
+            t.step()
+        assert seen and set(seen) == {"torch"}, label
+        runs[label] = gradstats.open_run(tmp_path / label).stats().drop(columns=["time"], errors="ignore")
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(runs["option"], runs["env"])
+    with pytest.raises(ValueError, match="engine must be one of"):
+        gradstats.TraceConfig(engine="gpu")
