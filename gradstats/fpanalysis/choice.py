@@ -21,7 +21,7 @@ import numpy as np
 from gradstats.formats import FPFormat, parse
 from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis.error import default_tensor_amax, integrals
-from gradstats.fpanalysis.granularity import granularity_layout, granularity_of
+from gradstats.fpanalysis.granularity import BlockViews, granularity_layout, granularity_of
 from gradstats.fpanalysis.scale import _mode, _optimal
 from gradstats.scheme import E4M3, Scheme
 
@@ -202,7 +202,7 @@ class FormatChoice:
 
 
 @dataclass(frozen=True)
-class BestFormat:
+class BestFormat(BlockViews):
     """Candidates of one bit width ranked by predicted error, per layer (see :func:`best_format`).
 
     Attributes:
@@ -235,16 +235,6 @@ class BestFormat:
     blocks: Optional[Scheme] = None
     power_of_two: bool = True
     amax: Any = None
-
-    @property
-    def block_size(self) -> Optional[int]:
-        """Entries per block scale, None for one scale per tensor."""
-        return None if self.blocks is None else self.blocks.block_size
-
-    @property
-    def scale_format(self) -> Optional[str]:
-        """The block scale's format (``"e8m0"``, ``"e4m3"``), None for one scale per tensor."""
-        return None if self.blocks is None else self.blocks.scale_format_name
 
     @property
     def single(self) -> bool:

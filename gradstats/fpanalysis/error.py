@@ -40,7 +40,7 @@ from gradstats.fpanalysis._pieces import (
     integrate,
     point,
 )
-from gradstats.fpanalysis.granularity import analysed_scheme
+from gradstats.fpanalysis.granularity import BlockViews, analysed_scheme
 from gradstats.scheme import Scheme
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ __all__ = ["expected_error", "ErrorResult"]
 
 
 @dataclass(frozen=True)
-class ErrorResult:
+class ErrorResult(BlockViews):
     """Predicted quantisation error of lognormal gradients (see :func:`expected_error`).
 
     Array attributes have the broadcast shape of the inputs (floats for one layer).
@@ -106,16 +106,6 @@ class ErrorResult:
     flushed_mass: Any = math.nan
     _fields: tuple = field(default=("total", *PARTS, *FRACTIONS, "bias", "flushed_mass", "mu", "sigma", "p0",
                                     "scale"), repr=False)
-
-    @property
-    def block_size(self) -> Optional[int]:
-        """Entries per block scale, None for one scale per tensor."""
-        return None if self.blocks is None else self.blocks.block_size
-
-    @property
-    def scale_format(self) -> Optional[str]:
-        """The block scale's format (``"e8m0"``, ``"e4m3"``), None for one scale per tensor."""
-        return None if self.blocks is None else self.blocks.scale_format_name
 
     @property
     def parts(self) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import numpy as np
 
 from gradstats.scheme import E8M0, FP32, PRESETS, Scheme, names_scheme
 
-__all__ = ["GRANULARITIES", "granularity_layout", "granularity_of", "analysed_scheme"]
+__all__ = ["GRANULARITIES", "granularity_layout", "granularity_of", "analysed_scheme", "BlockViews"]
 
 #: the granularity names (besides an int block size): one scale per tensor, MX blocks, NVFP4 blocks
 GRANULARITIES = ("tensor", "mx", "nvfp4")
@@ -110,3 +110,27 @@ def analysed_scheme(fmt: Union[str, Scheme, object], granularity: Union[str, int
         raise ValueError(f"{what}: scheme {str(s)!r}: the predictions model E8M0 scales rounded by the OCP rule "
                          f"('floor'); drop ':scale_rounding={s.scale_rounding}' (quantize and apply honour it)")
     return s
+
+
+class BlockViews:
+    """The views of a result's block scheme ``blocks`` (None: one scale per tensor): what
+    :class:`~gradstats.fpanalysis.ErrorResult` and :class:`~gradstats.fpanalysis.BestFormat` show of it.
+
+    Example:
+        >>> from gradstats.fpanalysis import expected_error
+        >>> r = expected_error("nvfp4", mu=0.0, sigma=1.0)
+        >>> r.block_size, r.scale_format, expected_error("e4m3fn", mu=0.0, sigma=1.0).block_size
+        (16, 'e4m3', None)
+    """
+
+    blocks: Optional[Scheme]
+
+    @property
+    def block_size(self) -> Optional[int]:
+        """Entries per block scale, None for one scale per tensor."""
+        return None if self.blocks is None else self.blocks.block_size
+
+    @property
+    def scale_format(self) -> Optional[str]:
+        """The block scale's format (``"e8m0"``, ``"e4m3"``), None for one scale per tensor."""
+        return None if self.blocks is None else self.blocks.scale_format_name
