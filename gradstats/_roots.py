@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from gradstats._special import quiet
+
 #: ``fn(x, idx) -> (value, slope)``: ``idx`` None for one root, else the indices of the entries of
 #: ``x`` (those not yet done); ``slope`` may be None (bisection)
 RootFunction = Callable[[Any, Optional[np.ndarray]], tuple[Any, Any]]
@@ -38,19 +40,19 @@ def bracketed_newton(fn: RootFunction, lo: Any, hi: Any, x: Any = None, *, tol: 
         >>> bracketed_newton(lambda x, i: (x * x - c[i], 2.0 * x), np.zeros(2), np.full(2, 2.0)).round(12).tolist()
         [1.414213562373, 1.732050807569]
     """
-    if type(lo) is float and type(hi) is float or isinstance(lo, (float, int)) and isinstance(hi, (float, int)):
-        return _one(fn, float(lo), float(hi), 0.5 * (lo + hi) if x is None else x, tol, iters, best)
-    return _many(fn, lo, hi, x, tol, iters, best)
-
-
-def _one(fn: RootFunction, lo: float, hi: float, x: float, tol: float, iters: int, best: bool) -> float:
-    """One root, in floats (a few microseconds: what apply's refresh solves on every step)."""
+    if not (type(lo) is float and type(hi) is float or isinstance(lo, (float, int)) and isinstance(hi, (float, int))):
+        return _many(fn, lo, hi, x, tol, iters, best)
+    # one root, in floats (a few microseconds: what apply's refresh solves on every step)
+    x = 0.5 * (lo + hi) if x is None else x
+    lo, hi = float(lo), float(hi)
     best_v, best_x = math.inf, hi
+    isfinite = math.isfinite
     for _ in range(iters):
         v, slope = fn(x, None)
-        if abs(v) < best_v:
-            best_v, best_x = abs(v), x
-        if abs(v) <= tol:
+        av = abs(v)
+        if best and av < best_v:
+            best_v, best_x = av, x
+        if av <= tol:
             break
         if v < 0:
             lo = x
@@ -58,21 +60,23 @@ def _one(fn: RootFunction, lo: float, hi: float, x: float, tol: float, iters: in
             hi = x
         mid = 0.5 * (lo + hi)
         nx = x - v / slope if slope else math.nan
-        x = nx if (math.isfinite(nx) and lo < nx < hi) else mid
+        x = nx if (isfinite(nx) and lo < nx < hi) else mid
         if mid <= lo or mid >= hi:  # the bracket is two adjacent floats
             break
     return best_x if best else x
 
 
 def _many(fn: RootFunction, lo: Any, hi: Any, x0: Any, tol: float, iters: int, best: bool) -> np.ndarray:
-    """Every root of the arrays at once: the iteration of :func:`_one`, entry by entry."""
+    """Every root of the arrays at once: the iteration of one root, entry by entry."""
     lo = np.array(lo, dtype=np.float64, copy=True)
     hi = np.array(hi, dtype=np.float64, copy=True)
     x = 0.5 * (lo + hi) if x0 is None else np.array(np.broadcast_to(x0, lo.shape), dtype=np.float64)
-    best_v, best_x = np.full(x.shape, np.inf), hi.copy()
+    best_x = hi.copy() if best else None
+    bv_f = np.full(x.size, np.inf) if best else None
     active = np.arange(x.size)
-    lo_f, hi_f, x_f, bv_f, bx_f = (a.reshape(-1) for a in (lo, hi, x, best_v, best_x))
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+    lo_f, hi_f, x_f = lo.reshape(-1), hi.reshape(-1), x.reshape(-1)
+    bx_f = best_x.reshape(-1) if best else None
+    with quiet():
         for _ in range(iters):
             if active.size == 0:
                 break

@@ -9,15 +9,25 @@ a few tens of nanoseconds. The float versions follow numpy where ``math`` would 
 overflows to ``inf``, ``log(0)`` is ``-inf``. ``numpy`` scalars (``np.float64``) and ints count as
 floats; anything else (lists, 0-d arrays) as arrays.
 
+Each library's functions form a namespace (:data:`Backend`: :data:`MATH`, :data:`NUMPY`, :data:`TORCH`)
+under the same names as this module's functions; :func:`backend` picks one from the arguments' types,
+once per formula, and the formula calls its functions (``S.exp(x)``), which then check nothing. The
+module's functions (``exp(x)``, ...) pick the library on every call: for the odd call outside a formula.
+
 Example:
     >>> import numpy as np
-    >>> from gradstats._special import ndtr
+    >>> from gradstats._special import backend, ndtr
     >>> ndtr(0.0), ndtr(np.array([0.0])).tolist()
     (0.5, [0.5])
+    >>> S = backend(0.0, 1.0)
+    >>> S.name, S.ndtr(0.0), backend(np.zeros(1), 1.0).name
+    ('math', 0.5, 'numpy')
 """
 from __future__ import annotations
 
+import contextvars
 import math
+import types
 from statistics import NormalDist
 from typing import Any
 
@@ -36,6 +46,18 @@ _inv_cdf = NormalDist().inv_cdf
 def exp_or_inf(x: float) -> float:
     """``exp`` that overflows to inf instead of raising (numpy's behaviour): ``exp_or_inf(1e3) == inf``."""
     return math.exp(x) if x < _EXP_MAX else math.inf
+
+
+def _log1(x: float) -> float:
+    return math.log(x) if x > 0 else (-math.inf if x == 0 else math.nan)
+
+
+def _expm1_1(x: float) -> float:
+    return math.expm1(x) if x < _EXP_MAX else math.inf
+
+
+def _log1p1(x: float) -> float:
+    return math.log1p(x) if x > -1.0 else (-math.inf if x == -1.0 else math.nan)
 
 
 def ndtr1(x: float) -> float:
@@ -110,120 +132,13 @@ def erfinv1(q: float) -> float:
     return x
 
 
-# ----------------------------------------------------------------------------- dispatch
+# ----------------------------------------------------------------------------- selections, any kind
 _FLOATS = (float, int, np.floating, np.integer)
 
 
 def is_float(x: Any) -> bool:
     """Whether ``x`` is one number (a Python or numpy scalar), which the functions here compute in ``math``."""
     return type(x) is float or isinstance(x, _FLOATS)
-
-
-def _array(x: Any) -> Any:
-    """``x`` for the numpy or torch branch: a tensor as it is, anything else as an array."""
-    return x if isinstance(x, (np.ndarray, torch.Tensor)) else np.asarray(x, dtype=np.float64)
-
-
-def _other(x: Any, on_array: Any, on_tensor: Any, on_float: Any) -> Any:
-    """The branch of anything but a Python float: an array, a tensor, a numpy scalar or int (as a
-    float), or what converts to an array."""
-    if type(x) is np.ndarray:
-        return on_array(x)
-    if isinstance(x, _FLOATS):
-        return on_float(float(x))
-    x = _array(x)
-    return on_tensor(x) if isinstance(x, torch.Tensor) else on_array(x)
-
-
-def _quiet(fn: Any) -> Any:
-    def g(x: np.ndarray) -> np.ndarray:
-        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-            return fn(x)
-    return g
-
-
-_np_exp, _np_log = _quiet(np.exp), _quiet(np.log)
-
-# Each function: the float branch written inline (one call per operation on one layer's floats),
-# then numpy or torch. The float branches of ndtr and log_ndtr are ndtr1 and log_ndtr1, inlined.
-
-
-def exp(x: Any) -> Any:
-    """``e**x`` (a float overflows to inf)."""
-    if type(x) is float:
-        return math.exp(x) if x < _EXP_MAX else math.inf
-    return _other(x, _np_exp, torch.exp, exp)
-
-
-def log(x: Any) -> Any:
-    """The natural logarithm (``-inf`` at 0, NaN below)."""
-    if type(x) is float:
-        return math.log(x) if x > 0 else (-math.inf if x == 0 else math.nan)
-    return _other(x, _np_log, torch.log, log)
-
-
-def expm1(x: Any) -> Any:
-    """``e**x - 1``."""
-    if type(x) is float:
-        return math.expm1(x) if x < _EXP_MAX else math.inf
-    return _other(x, np.expm1, torch.expm1, expm1)
-
-
-def log1p(x: Any) -> Any:
-    """``ln(1 + x)``."""
-    if type(x) is float:
-        return math.log1p(x) if x > -1.0 else (-math.inf if x == -1.0 else math.nan)
-    return _other(x, np.log1p, torch.log1p, log1p)
-
-
-def erf(x: Any) -> Any:
-    """The error function."""
-    if type(x) is float:
-        return math.erf(x)
-    return _other(x, special.erf, torch.erf, erf)
-
-
-def erfinv(x: Any) -> Any:
-    """The inverse error function."""
-    if type(x) is float:
-        return erfinv1(x)
-    return _other(x, special.erfinv, torch.erfinv, erfinv)
-
-
-def ndtr(x: Any) -> Any:
-    """The standard normal CDF."""
-    if type(x) is float:
-        z = abs(x) * _SQRT1_2
-        if z < _SQRT1_2:
-            return 0.5 + 0.5 * math.erf(x * _SQRT1_2)
-        y = 0.5 * math.erfc(z)
-        return 1.0 - y if x > 0 else y
-    return _other(x, special.ndtr, torch.special.ndtr, ndtr)
-
-
-def log_ndtr(x: Any) -> Any:
-    """``ln`` of the standard normal CDF, accurate in the lower tail."""
-    if type(x) is float:
-        if x >= -1.0:
-            return math.log1p(-0.5 * math.erfc(x * _SQRT1_2))
-        if x > -37.0:
-            return math.log(0.5 * math.erfc(-x * _SQRT1_2))
-        return log_ndtr1(x)
-    return _other(x, special.log_ndtr, torch.special.log_ndtr, log_ndtr)
-
-
-def ndtri(x: Any) -> Any:
-    """The standard normal quantile."""
-    if type(x) is float:
-        return ndtri1(x)
-    return _other(x, special.ndtri, torch.special.ndtri, ndtri)
-
-
-def isfinite(x: Any) -> Any:
-    """Whether finite."""
-    if type(x) is float:
-        return math.isfinite(x)
-    return _other(x, np.isfinite, torch.isfinite, isfinite)
 
 
 def where(cond: Any, a: Any, b: Any) -> Any:
@@ -275,3 +190,190 @@ def shown(v: Any, ok: Any) -> Any:
     if isinstance(ok, (bool, np.bool_)):
         return v
     return np.asarray(v)[~np.asarray(ok)].reshape(-1)[:5]
+
+
+# ----------------------------------------------------------------------------- the libraries
+#: a library's functions under the names of this module's functions (``exp``, ``log``, ``expm1``,
+#: ``log1p``, ``erf``, ``erfinv``, ``ndtr``, ``log_ndtr``, ``ndtri``, ``isfinite``, ``where``,
+#: ``minimum``, ``maximum``, ``any_``, ``all_``, ``shown``), its ``name`` and ``rank`` (math < numpy <
+#: torch: an expression in values of two libraries is in the higher one's). A plain module object,
+#: whose attributes a call site looks up as fast as a global: :data:`MATH`, :data:`NUMPY`, :data:`TORCH`
+Backend = types.ModuleType
+
+
+def _library(name: str, rank: int, doc: str, **fns: Any) -> Backend:
+    lib = types.ModuleType(f"{__name__}.{name}", doc)
+    lib.__dict__.update(fns, name=name, rank=rank)
+    return lib
+
+
+def join(lib: Backend, x: Any) -> Backend:
+    """The library of an expression in ``lib``'s values and ``x``: the higher of the two.
+
+    Example:
+        >>> import numpy as np
+        >>> join(MATH, 1.0).name, join(MATH, np.zeros(1)).name
+        ('math', 'numpy')
+    """
+    t = type(x)
+    if t is float:
+        return lib
+    o = NUMPY if t is np.ndarray else backend(x)
+    return o if o.rank > lib.rank else lib
+
+
+#: whether numpy's floating-point warnings are known to be off here (inside :class:`quiet`)
+_QUIET = contextvars.ContextVar("gradstats_special_quiet", default=False)
+
+
+class quiet:
+    """A context with numpy's floating-point warnings off (``np.errstate(all="ignore")``) in which the
+    :data:`NUMPY` library's ``exp`` and ``log`` know it and skip their own ``errstate`` (a microsecond
+    a call): for the array solvers' loops.
+
+    Example:
+        >>> import numpy as np
+        >>> with quiet():
+        ...     float(NUMPY.log(np.zeros(1))[0])
+        -inf
+    """
+
+    __slots__ = ("_state", "_token")
+
+    @staticmethod
+    def active() -> bool:
+        """Whether inside a :class:`quiet` context."""
+        return _QUIET.get()
+
+    def __enter__(self) -> "quiet":
+        self._state = np.errstate(all="ignore")
+        self._state.__enter__()
+        self._token = _QUIET.set(True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _QUIET.reset(self._token)
+        self._state.__exit__(*exc)
+
+
+def _quiet(fn: Any) -> Any:
+    """``fn`` without numpy's divide, overflow and invalid warnings."""
+    def g(x: np.ndarray) -> np.ndarray:
+        if _QUIET.get():
+            return fn(x)
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            return fn(x)
+    return g
+
+
+def _where1(cond: Any, a: Any, b: Any) -> Any:
+    return a if cond else b
+
+
+def _shown1(v: Any, ok: Any) -> Any:
+    return v
+
+
+#: one number, in ``math`` (numpy's conventions where ``math`` would raise)
+MATH = _library("math", 0, "One number, in math.", exp=exp_or_inf, log=_log1, expm1=_expm1_1, log1p=_log1p1,
+                erf=math.erf, erfinv=erfinv1, ndtr=ndtr1, log_ndtr=log_ndtr1, ndtri=ndtri1, isfinite=math.isfinite,
+                where=_where1, minimum=min, maximum=max, any_=bool, all_=bool, shown=_shown1)
+#: numpy arrays, in numpy and scipy (``exp`` and ``log`` without warnings); the selections take any kind
+NUMPY = _library("numpy", 1, "Arrays, in numpy and scipy.", exp=_quiet(np.exp), log=_quiet(np.log),
+                 expm1=np.expm1, log1p=np.log1p, erf=special.erf, erfinv=special.erfinv, ndtr=special.ndtr,
+                 log_ndtr=special.log_ndtr, ndtri=special.ndtri, isfinite=np.isfinite, where=where,
+                 minimum=minimum, maximum=maximum, any_=any_, all_=all_, shown=shown)
+#: torch tensors, in torch; the selections take any kind
+TORCH = _library("torch", 2, "Tensors, in torch.", exp=torch.exp, log=torch.log, expm1=torch.expm1,
+                 log1p=torch.log1p, erf=torch.erf, erfinv=torch.erfinv, ndtr=torch.special.ndtr,
+                 log_ndtr=torch.special.log_ndtr, ndtri=torch.special.ndtri, isfinite=torch.isfinite, where=where,
+                 minimum=minimum, maximum=maximum, any_=any_, all_=all_, shown=shown)
+
+
+def backend(*xs: Any) -> Backend:
+    """The library of an expression in ``xs``: :data:`TORCH` if any is a tensor, else :data:`NUMPY`
+    if any is an array (or anything but a number and None), else :data:`MATH`.
+
+    Example:
+        >>> backend(1.0, None).name, backend(1.0, [2.0]).name
+        ('math', 'numpy')
+    """
+    b = MATH
+    for x in xs:
+        t = type(x)
+        if t is float or x is None:
+            continue
+        if t is np.ndarray:
+            b = NUMPY
+        elif isinstance(x, torch.Tensor):
+            return TORCH
+        elif not isinstance(x, _FLOATS):
+            b = NUMPY
+    return b
+
+
+# ----------------------------------------------------------------------------- one call, any kind
+def _array(x: Any) -> Any:
+    """``x`` for the numpy or torch branch: a tensor as it is, anything else as an array."""
+    return x if isinstance(x, (np.ndarray, torch.Tensor)) else np.asarray(x, dtype=np.float64)
+
+
+def _call(name: str, x: Any) -> Any:
+    """The function ``name`` of the library of ``x``, but a float: an array, a tensor, a numpy
+    scalar or int (as a float), or what converts to an array."""
+    if type(x) is np.ndarray:
+        return getattr(NUMPY, name)(x)
+    if isinstance(x, _FLOATS):
+        return getattr(MATH, name)(float(x))
+    x = _array(x)
+    return getattr(TORCH if isinstance(x, torch.Tensor) else NUMPY, name)(x)
+
+
+def exp(x: Any) -> Any:
+    """``e**x`` (a float overflows to inf)."""
+    return exp_or_inf(x) if type(x) is float else _call("exp", x)
+
+
+def log(x: Any) -> Any:
+    """The natural logarithm (``-inf`` at 0, NaN below)."""
+    return _log1(x) if type(x) is float else _call("log", x)
+
+
+def expm1(x: Any) -> Any:
+    """``e**x - 1``."""
+    return _expm1_1(x) if type(x) is float else _call("expm1", x)
+
+
+def log1p(x: Any) -> Any:
+    """``ln(1 + x)``."""
+    return _log1p1(x) if type(x) is float else _call("log1p", x)
+
+
+def erf(x: Any) -> Any:
+    """The error function."""
+    return math.erf(x) if type(x) is float else _call("erf", x)
+
+
+def erfinv(x: Any) -> Any:
+    """The inverse error function."""
+    return erfinv1(x) if type(x) is float else _call("erfinv", x)
+
+
+def ndtr(x: Any) -> Any:
+    """The standard normal CDF."""
+    return ndtr1(x) if type(x) is float else _call("ndtr", x)
+
+
+def log_ndtr(x: Any) -> Any:
+    """``ln`` of the standard normal CDF, accurate in the lower tail."""
+    return log_ndtr1(x) if type(x) is float else _call("log_ndtr", x)
+
+
+def ndtri(x: Any) -> Any:
+    """The standard normal quantile."""
+    return ndtri1(x) if type(x) is float else _call("ndtri", x)
+
+
+def isfinite(x: Any) -> Any:
+    """Whether finite."""
+    return math.isfinite(x) if type(x) is float else _call("isfinite", x)

@@ -16,7 +16,8 @@ Example:
 Each family describes ``|g|`` of the non-zero entries and works in a standardised log-threshold
 ``x``. Every formula is written once, for Python floats (one layer, in ``math``: what apply's refresh
 solves on every step) and float64 numpy arrays (vectorised over layers) alike, and the fitting's
-for torch tensors too (:mod:`gradstats._special` picks the library by the argument):
+for torch tensors too (:func:`gradstats._special.backend` picks the library from the arguments' types,
+once per method, and the formula runs on its functions):
 
 ============  ========================  =====================================================
 model         parameters                ``x`` for a threshold ``a``
@@ -42,23 +43,7 @@ import numpy as np
 import torch
 
 from gradstats._roots import bracketed_newton
-from gradstats._special import (
-    all_,
-    any_,
-    erf,
-    erfinv,
-    exp,
-    expm1,
-    isfinite,
-    log,
-    log1p,
-    log_ndtr,
-    maximum,
-    ndtr,
-    ndtri,
-    shown,
-    where,
-)
+from gradstats._special import MATH, Backend, backend, join, quiet
 
 _SQRT2 = math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -67,11 +52,16 @@ _HALF_LN_2PI = 0.5 * math.log(2.0 * math.pi)
 _HALF_LN_2_OVER_PI = 0.5 * math.log(2.0 / math.pi)
 
 
+def _size(p: Any) -> int:
+    return p.size if type(p) is np.ndarray else np.size(p)
+
+
 class Family:
     """Base of the magnitude models: subclasses set ``name``, ``n_params``, ``magnitude_model``
     and implement the methods once, for parameters and arguments that are Python floats (one layer,
     computed in ``math``), numpy arrays of one shape (many layers) or, for the fitting's methods,
-    torch tensors (:mod:`gradstats._special` picks the library by the argument).
+    torch tensors (:func:`gradstats._special.backend` picks the library once per method: the
+    parameters' at construction, joined with the argument's).
 
     Example:
         >>> import numpy as np
@@ -92,6 +82,11 @@ class Family:
         """The parameters, in the constructor's order."""
         raise NotImplementedError
 
+    @property
+    def _S(self) -> Backend:
+        """The library of the parameters (the families here keep it from their construction)."""
+        return backend(*self.params())
+
     @classmethod
     def from_params(cls, p: Mapping[str, Any]) -> "Family":
         """The family at a fit's parameters (``{"mu": ..., "sigma": ...}`` or ``{"scale": ...}``)."""
@@ -102,9 +97,9 @@ class Family:
         if idx is None:
             return self
         ps = self.params()
-        if idx.size == np.size(ps[0]):
+        if idx.size == _size(ps[0]):
             return self
-        return type(self)(*(p if np.size(p) == 1 else np.reshape(p, -1)[idx] for p in ps))
+        return type(self)(*(p if _size(p) == 1 else np.reshape(p, -1)[idx] for p in ps))
 
     # -- the threshold's maths, in x
     def to_x(self, a: Any) -> Any:
@@ -145,7 +140,7 @@ class Family:
 
     def added_rel(self, x: Any) -> Any:
         """``E[T(g)^2] / E[g^2] - 1`` (relative added variance), >= 0."""
-        return maximum(self.et2_ratio(x) - 1.0, 0.0)
+        return (self._S if type(x) is float else join(self._S, x)).maximum(self.et2_ratio(x) - 1.0, 0.0)
 
     def stochastic(self, x: Any) -> Any:
         """The stochastic operator's zero fraction ``S = H - U`` of the non-zero entries."""
@@ -166,8 +161,9 @@ class Family:
 
     def log2_density(self, t: Any) -> Any:
         """The density of ``log2|g|`` at ``t``: ``ln 2 * a * f(a)`` at ``a = 2**t``, in logs."""
-        a = exp(t * _LN2_)
-        return _LN2_ * exp(self.log_density(a) + log(a))
+        T = backend(t)
+        a = T.exp(t * _LN2_)
+        return _LN2_ * join(self._S, t).exp(self.log_density(a) + T.log(a))
 
     def ln_quantile(self, q: Any) -> Any:
         """The quantiles of ``ln|g|`` at probabilities ``q`` (Q-Q plots)."""
@@ -182,13 +178,14 @@ class Lognormal(Family):
         0.238422
     """
 
-    __slots__ = ("mu", "sigma")
+    __slots__ = ("mu", "sigma", "_S")
     name = "lognormal"
     n_params = 2
     magnitude_model = "lognormal"
 
     def __init__(self, mu: Any, sigma: Any) -> None:
         self.mu, self.sigma = mu, sigma
+        self._S = MATH if type(mu) is float and type(sigma) is float else backend(mu, sigma)
 
     def params(self) -> tuple[Any, ...]:
         return self.mu, self.sigma
@@ -198,63 +195,67 @@ class Lognormal(Family):
         return cls(p["mu"], p["sigma"])
 
     def to_x(self, a):
-        return log(a) - self.mu
+        return (MATH if type(a) is float else backend(a)).log(a) - self.mu
 
     def from_x(self, x):
-        return exp(self.mu + x)
+        return (self._S if type(x) is float else join(self._S, x)).exp(self.mu + x)
 
     def ln_from_x(self, x):
         return self.mu + x
 
     def hard(self, x):
-        return ndtr(x / self.sigma)
+        return (self._S if type(x) is float else join(self._S, x)).ndtr(x / self.sigma)
 
     def up(self, x):
+        S = self._S if type(x) is float else join(self._S, x)
         s = self.sigma
         # exp(mu + s^2/2) / a * Phi(z - s), in logs so that no factor overflows: the exponent
         # is about -x^2 / (2 s^2) for very negative x, and at most s^2/2 - x + 0 otherwise
-        return exp(0.5 * s * s - x + log_ndtr(x / s - s))
+        return S.exp(0.5 * s * s - x + S.log_ndtr(x / s - s))
 
     def hard_quantile(self, q):
-        return self.sigma * ndtri(q)
+        return self.sigma * (MATH if type(q) is float else backend(q)).ndtri(q)
 
     def step(self):
         return self.sigma
 
     def et2_ratio(self, x):
+        S = self._S if type(x) is float else join(self._S, x)
         s = self.sigma
         z = x / s
-        tail = ndtr(2.0 * s - z)  # E[g^2 1{|g| >= a}] / E g^2
-        low = exp(x - 1.5 * s * s + log_ndtr(z - s))  # a E[|g| 1{|g|<a}] / E g^2
+        tail = S.ndtr(2.0 * s - z)  # E[g^2 1{|g| >= a}] / E g^2
+        low = S.exp(x - 1.5 * s * s + S.log_ndtr(z - s))  # a E[|g| 1{|g|<a}] / E g^2
         return tail + low
 
     def m2(self):
-        return exp(2.0 * self.mu + 2.0 * self.sigma ** 2)
+        return self._S.exp(2.0 * self.mu + 2.0 * self.sigma ** 2)
 
     def added_rel(self, x):
         # a E[|g| 1{|g|<a}] / E g^2 - E[g^2 1{|g|<a}] / E g^2, without forming 1 + tiny - 1
+        S = self._S if type(x) is float else join(self._S, x)
         s = self.sigma
         z = x / s
-        up = exp(x - 1.5 * s * s + log_ndtr(z - s))
-        return maximum(up - ndtr(z - 2.0 * s), 0.0)
+        up = S.exp(x - 1.5 * s * s + S.log_ndtr(z - s))
+        return S.maximum(up - S.ndtr(z - 2.0 * s), 0.0)
 
     def log_density(self, a):
-        la = log(a)
+        la = backend(a).log(a)
         z = (la - self.mu) / self.sigma
-        return -la - log(self.sigma) - _HALF_LN_2PI - 0.5 * z * z
+        return -la - backend(self.sigma).log(self.sigma) - _HALF_LN_2PI - 0.5 * z * z
 
     def mean_loglik(self):
-        return -self.mu - log(self.sigma) - _HALF_LN_2PI - 0.5
+        return -self.mu - backend(self.sigma).log(self.sigma) - _HALF_LN_2PI - 0.5
 
 
 class _ScaleFamily(Family):
     """A magnitude model with one scale parameter, solved in ``x = ln(a / scale)``."""
 
-    __slots__ = ("scale",)
+    __slots__ = ("scale", "_S")
     n_params = 1
 
     def __init__(self, scale: Any) -> None:
         self.scale = scale
+        self._S = MATH if type(scale) is float else backend(scale)
 
     def params(self) -> tuple[Any, ...]:
         return (self.scale,)
@@ -264,13 +265,13 @@ class _ScaleFamily(Family):
         return cls(p["scale"])
 
     def to_x(self, a):
-        return log(a / self.scale)
+        return (self._S if type(a) is float else join(self._S, a)).log(a / self.scale)
 
     def from_x(self, x):
-        return self.scale * exp(x)
+        return self.scale * (MATH if type(x) is float else backend(x)).exp(x)
 
     def ln_from_x(self, x):
-        return log(self.scale) + x
+        return self._S.log(self.scale) + x
 
 
 class HalfNormal(_ScaleFamily):
@@ -286,27 +287,31 @@ class HalfNormal(_ScaleFamily):
     magnitude_model = "half-normal"
 
     def hard(self, x):
-        return erf(exp(x) / _SQRT2)
+        S = MATH if type(x) is float else backend(x)
+        return S.erf(S.exp(x) / _SQRT2)
 
     def up(self, x):
-        u = exp(x)
-        return _SQRT_2_OVER_PI * -expm1(-0.5 * u * u) / u
+        S = MATH if type(x) is float else backend(x)
+        u = S.exp(x)
+        return _SQRT_2_OVER_PI * -S.expm1(-0.5 * u * u) / u
 
     def hard_quantile(self, q):
-        return log(_SQRT2 * erfinv(q))
+        S = MATH if type(q) is float else backend(q)
+        return S.log(_SQRT2 * S.erfinv(q))
 
     def et2_ratio(self, x):
-        u = exp(x)
-        return 2.0 * ndtr(-u) + _SQRT_2_OVER_PI * u
+        S = MATH if type(x) is float else backend(x)
+        u = S.exp(x)
+        return 2.0 * S.ndtr(-u) + _SQRT_2_OVER_PI * u
 
     def m2(self):
         return self.scale ** 2
 
     def log_density(self, a):
-        return _HALF_LN_2_OVER_PI - log(self.scale) - 0.5 * (a / self.scale) ** 2
+        return _HALF_LN_2_OVER_PI - self._S.log(self.scale) - 0.5 * (a / self.scale) ** 2
 
     def mean_loglik(self):
-        return _HALF_LN_2_OVER_PI - log(self.scale) - 0.5
+        return _HALF_LN_2_OVER_PI - self._S.log(self.scale) - 0.5
 
 
 class Exponential(_ScaleFamily):
@@ -322,27 +327,31 @@ class Exponential(_ScaleFamily):
     magnitude_model = "exponential"
 
     def hard(self, x):
-        return -expm1(-exp(x))
+        S = MATH if type(x) is float else backend(x)
+        return -S.expm1(-S.exp(x))
 
     def up(self, x):
-        v = exp(x)
-        return -expm1(-v) / v - exp(-v)      # (1 - e^-v) / v - e^-v: 0 at v = inf
+        S = MATH if type(x) is float else backend(x)
+        v = S.exp(x)
+        return -S.expm1(-v) / v - S.exp(-v)      # (1 - e^-v) / v - e^-v: 0 at v = inf
 
     def hard_quantile(self, q):
-        return log(-log1p(-q))
+        S = MATH if type(q) is float else backend(q)
+        return S.log(-S.log1p(-q))
 
     def et2_ratio(self, x):
-        v = exp(x)
-        return 0.5 * (exp(-v) * (v + 2.0) + v)
+        S = MATH if type(x) is float else backend(x)
+        v = S.exp(x)
+        return 0.5 * (S.exp(-v) * (v + 2.0) + v)
 
     def m2(self):
         return 2.0 * self.scale ** 2
 
     def log_density(self, a):
-        return -log(self.scale) - a / self.scale
+        return -self._S.log(self.scale) - a / self.scale
 
     def mean_loglik(self):
-        return -log(self.scale) - 1.0
+        return -self._S.log(self.scale) - 1.0
 
 
 #: the registry of magnitude families: name -> its class. Adding a family is one class with the
@@ -382,15 +391,17 @@ def make_family(name: str, *, mu: Any = None, sigma: Any = None, scale: Any = No
     if cls is Lognormal:
         if type(mu) is float and type(sigma) is float and math.isfinite(mu) and 0 < sigma < math.inf:
             return Lognormal(mu, sigma)          # one layer: the common case, checked in floats
-        if mu is None or sigma is None or not all_(isfinite(mu) & isfinite(sigma) & (sigma > 0)):
+        S = backend(mu, sigma)
+        if mu is None or sigma is None or not S.all_(S.isfinite(mu) & S.isfinite(sigma) & (sigma > 0)):
             raise ValueError(f"the lognormal family needs a finite mu and a positive finite sigma (of ln|g|), "
                              f"got mu={mu!r}, sigma={sigma!r}")
         return Lognormal(mu, sigma)
     if type(scale) is float and 0 < scale < math.inf:
         return cls(scale)
-    if scale is None or not all_(isfinite(scale) & (scale > 0)):
+    S = backend(scale)
+    if scale is None or not S.all_(S.isfinite(scale) & (scale > 0)):
         raise ValueError(f"scale of the {name} family must be positive and finite, got "
-                         f"{scale if scale is None else shown(scale, isfinite(scale) & (scale > 0))!r}")
+                         f"{scale if scale is None else S.shown(scale, S.isfinite(scale) & (scale > 0))!r}")
     return cls(scale)
 
 
@@ -404,20 +415,30 @@ def solve_sparsity(model: Family, target: Any, *, stochastic: bool = True) -> An
         >>> abs(solve_sparsity(Lognormal(0.0, 1.0), 0.238422)) < 1e-5
         True
     """
-    xh = model.hard_quantile(target)
     if not stochastic:
-        return xh
+        return model.hard_quantile(target)
+    S = model._S if type(target) is float else join(model._S, target)
+    if S is not MATH and not quiet.active():
+        with quiet():                            # arrays: numpy's warnings off once for the whole solve
+            return solve_sparsity(model, target)
+    xh = model.hard_quantile(target)
     step = model.step()
     hi = xh + step
     for _ in range(64):
         low = model.stochastic(hi) < target
-        if not any_(low):
+        if not S.any_(low):
             break
-        step = where(low, 2.0 * step, step)
-        hi = where(low, hi + step, hi)
+        if S.all_(low):                          # every entry walks on
+            step = 2.0 * step
+            hi = hi + step
+        else:
+            step = S.where(low, 2.0 * step, step)
+            hi = S.where(low, hi + step, hi)
 
     def fg(x: Any, i: Optional[np.ndarray]) -> tuple[Any, Any]:
-        m, t = (model, target) if i is None else (model.at(i), target[i])
+        m, t = model, target
+        if i is not None:
+            m, t = model.at(i), target[i]
         u = m.up(x)  # dS/dx
         return m.hard(x) - u - t, u
 
@@ -433,18 +454,19 @@ def solve_ratio(model: Family, ratio: Any) -> Any:
         >>> abs(m.et2_ratio(solve_ratio(m, 1.25)) - 1.25) < 1e-12
         True
     """
+    S = join(model._S, ratio)
     lo = -1.0 + 0.0 * ratio
     hi = 1.0 + 0.0 * ratio
     for _ in range(200):
         bad = model.et2_ratio(lo) > ratio
-        if not any_(bad):
+        if not S.any_(bad):
             break
-        lo = where(bad, 2.0 * lo, lo)
+        lo = S.where(bad, 2.0 * lo, lo)
     for _ in range(200):
         bad = model.et2_ratio(hi) < ratio
-        if not any_(bad):
+        if not S.any_(bad):
             break
-        hi = where(bad, 2.0 * hi, hi)
+        hi = S.where(bad, 2.0 * hi, hi)
 
     def f(x: Any, i: Optional[np.ndarray]) -> tuple[Any, None]:
         return model.at(i).et2_ratio(x) - (ratio if i is None else ratio[i]), None

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch
 
-from gradstats._special import all_, any_, isfinite, maximum, minimum, shown, where
+from gradstats._special import MATH, all_, backend, join, shown
 from gradstats.families import Family, make_family, solve_sparsity
 from gradstats.ops.prune import check_tensor
 from gradstats.pruning.histogram import LogHistogram
@@ -94,18 +94,20 @@ def condition_on_amax(a: Any, target: Any, amax: Any, mean_abs: Any, stochastic:
         >>> condition_on_amax(1e-3, 0.9, 1e-4, 2e-6, True)     # capped at amax
         0.0001
     """
-    ok = isfinite(amax) & (amax > 0)
-    if not all_(ok):
-        raise ValueError(f"amax must be positive and finite (the largest |g| of the tensor), got {shown(amax, ok)!r}")
+    S = MATH if type(a) is float and type(target) is float and type(amax) is float and type(mean_abs) is float \
+        else backend(a, target, amax, mean_abs)
+    ok = S.isfinite(amax) & (amax > 0)
+    if not S.all_(ok):
+        raise ValueError(f"amax must be positive and finite (the largest |g| of the tensor), got {S.shown(amax, ok)!r}")
     if not stochastic:
-        return minimum(a, amax)
+        return S.minimum(a, amax)
     if mean_abs is None:
         raise ValueError("conditioning the stochastic operator's threshold on amax needs mean_abs= too "
                          "(the mean |g| over all entries, zeros included)")
-    if not all_((mean_abs >= 0) & (mean_abs <= amax)):
+    if not S.all_((mean_abs >= 0) & (mean_abs <= amax)):
         raise ValueError("mean_abs must lie in [0, amax] (the mean |g| over all entries, zeros included)")
     above = (a > 0) & (target >= 1.0 - mean_abs / amax)      # every entry lies below: exact on the tensor
-    return where(above, mean_abs / (1.0 - target), minimum(a, amax))
+    return S.where(above, mean_abs / (1.0 - target), S.minimum(a, amax))
 
 
 class ThresholdRule:
@@ -157,33 +159,50 @@ class FamilyRule(ThresholdRule):
         return make_family(self.family, scale=stats.scale_normal if self.family == "normal" else stats.scale_laplace)
 
     def threshold(self, target: Any, stats: LayerStats, *, stochastic: bool = True) -> Any:
-        stochastic = stochastic and self.rounds_up
         s = _check_fraction("target sparsity", target)
         z = _check_fraction("p0 (fraction of exact zeros)", stats.p0)
-        m = self.model(stats)
+        return self._threshold(s, z, self.model(stats), stats, stochastic)
+
+    def _threshold(self, s: Any, z: Any, m: Family, stats: LayerStats, stochastic: bool) -> Any:
+        """:meth:`threshold` from checked inputs: the target ``s`` and ``p0`` ``z`` in ``[0, 1)`` and the
+        family ``m`` at the layers' parameters (:meth:`model`)."""
+        stochastic = stochastic and self.rounds_up
+        S = MATH if type(s) is float and type(z) is float else backend(s, z)
         q = (s - z) / (1.0 - z)
         pos = q > 0                              # else the zeros meet the target: nothing to prune
-        if any_(pos):
-            a = where(pos, m.from_x(solve_sparsity(m, where(pos, q, 0.5), stochastic=stochastic)), 0.0)
+        if S.all_(pos):
+            a = m.from_x(solve_sparsity(m, q, stochastic=stochastic))
+        elif S.any_(pos):
+            a = S.where(pos, m.from_x(solve_sparsity(m, S.where(pos, q, 0.5), stochastic=stochastic)), 0.0)
         else:
-            a = where(pos, q, 0.0)
+            a = S.where(pos, q, 0.0)
         if stats.amax is None:
             return a
         return condition_on_amax(a, s, stats.amax, stats.mean_abs, stochastic)
 
     def expected_sparsity(self, a: Any, stats: LayerStats, *, stochastic: bool = True) -> Any:
         a = float(a) if isinstance(a, int) else a
-        if not all_(a >= 0):
-            raise ValueError(f"threshold must be >= 0, got {shown(a, a >= 0)!r}")
+        A = MATH if type(a) is float else backend(a)
+        if not A.all_(a >= 0):
+            raise ValueError(f"threshold must be >= 0, got {A.shown(a, a >= 0)!r}")
         z = _check_fraction("p0 (fraction of exact zeros)", stats.p0)
-        m = self.model(stats)
-        pos = (a > 0) & isfinite(a)
-        if any_(pos):
-            x = m.to_x(where(pos, a, 1.0))
-            s = where(pos, m.stochastic(x) if stochastic else m.hard(x), where(a > 0, 1.0, 0.0))
+        return self._expected_sparsity(a, z, self.model(stats), stochastic)
+
+    def _expected_sparsity(self, a: Any, z: Any, m: Family, stochastic: bool) -> Any:
+        """:meth:`expected_sparsity` from checked inputs: thresholds ``a >= 0``, ``p0`` ``z`` in ``[0, 1)``
+        and the family ``m`` at the layers' parameters."""
+        A = MATH if type(a) is float else backend(a)
+        pos = (a > 0) & A.isfinite(a)
+        if A.all_(pos):
+            x = m.to_x(a)
+            s = m.stochastic(x) if stochastic else m.hard(x)
+        elif A.any_(pos):
+            x = m.to_x(A.where(pos, a, 1.0))
+            s = A.where(pos, m.stochastic(x) if stochastic else m.hard(x), A.where(a > 0, 1.0, 0.0))
         else:
-            s = where(a > 0, 1.0, 0.0)           # inf: every finite value below
-        return z + (1.0 - z) * minimum(maximum(s, 0.0), 1.0)
+            s = A.where(a > 0, 1.0, 0.0)         # inf: every finite value below
+        S = m._S if type(a) is float else join(m._S, a)
+        return z + (1.0 - z) * S.minimum(S.maximum(s, 0.0), 1.0)
 
     def predicted_sparsity(self, target: float, a: float, stats: LayerStats) -> float:
         """Exact on the tensor above its ``amax`` (``1 - mean_abs / a``); ``target`` where the

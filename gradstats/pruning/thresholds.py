@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gradstats.families import FAMILY_REGISTRY, Exponential, Family, HalfNormal, Lognormal
-from gradstats.pruning.rules import THRESHOLD_RULES, LayerStats
+from gradstats.pruning.rules import THRESHOLD_RULES, FamilyRule, LayerStats
 from gradstats.stats import lognormal_moments, n_nonzero
 
 ArrayLike = Union[float, int, np.ndarray, torch.Tensor, list, tuple]
@@ -285,8 +285,12 @@ def expected_sparsity(threshold: ArrayLike, source: Any = None, *, mu: ArrayLike
     if np.isnan(a).any() or (a < 0).any():
         raise ValueError(f"threshold must be >= 0, got {a[~(a >= 0)].reshape(-1)[:5]}")
     m, p0f, af, shape = _broadcast(m, p0v, a)
-    out = THRESHOLD_RULES[model].expected_sparsity(af, _layer_stats(m, p0f), stochastic=stochastic).reshape(shape)
-    return _wrap(out, (threshold, mu, sigma, p0, scale))
+    rule = THRESHOLD_RULES[model]
+    if _checked(rule, "expected_sparsity"):      # the inputs are checked above: straight to the model
+        out = rule._expected_sparsity(af, p0f, m, stochastic)
+    else:
+        out = rule.expected_sparsity(af, _layer_stats(m, p0f), stochastic=stochastic)
+    return _wrap(out.reshape(shape), (threshold, mu, sigma, p0, scale))
 
 
 def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = None,
@@ -371,8 +375,18 @@ def threshold(target: ArrayLike, source: Any = None, *, mu: ArrayLike | None = N
             amax, mean_abs = params["amax"], params["mean_abs"]
     flat = (lambda v: None if v is None else np.broadcast_to(_as_array(v), shape).ravel())  # noqa: E731
     stats = _layer_stats(m, p0f, flat(amax), flat(mean_abs))
-    a = THRESHOLD_RULES[model].threshold(sf, stats, stochastic=stochastic)    # the rule apply's refresh runs too
+    rule = THRESHOLD_RULES[model]                # the rule apply's refresh runs too
+    if _checked(rule, "threshold"):              # the inputs are checked above: straight to the model
+        a = rule._threshold(sf, p0f, m, stats, stochastic)
+    else:
+        a = rule.threshold(sf, stats, stochastic=stochastic)
     return _wrap(a.reshape(shape), (target, mu, sigma, p0, scale))
+
+
+def _checked(rule: Any, method: str) -> bool:
+    """Whether ``rule`` is a :class:`~gradstats.pruning.rules.FamilyRule` whose ``method`` is the class's
+    (which checks its inputs, then calls ``_<method>`` on them): then :func:`resolve`'s checks suffice."""
+    return isinstance(rule, FamilyRule) and getattr(type(rule), method) is getattr(FamilyRule, method)
 
 
 def _layer_stats(m: Family, p0: np.ndarray, amax: np.ndarray | None = None,
