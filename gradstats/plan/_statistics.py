@@ -251,16 +251,18 @@ def _thresholds(mom: _Moments, sparsity: float | None, rule: str,
     if sparsity is None:
         return np.full(n, np.nan), np.full(n, np.nan)
     from gradstats import pruning
+    from gradstats.pruning.rules import THRESHOLD_RULES
 
-    if rule == "exact":
-        thr, pred = np.full(n, np.nan), np.maximum(sparsity, mom.p0)
+    entry = THRESHOLD_RULES[rule]
+    if not entry.from_statistics:     # set on each tensor when the plan runs ('exact'): no threshold yet
+        thr = np.full(n, np.nan)
     else:
         thr = np.asarray(pruning.threshold(np.full(n, float(sparsity)), mom.rows, threshold_rule=rule),
                          dtype=np.float64)
-        if rule == "histogram":       # model-free: it aims at the target on the data itself
-            pred = np.maximum(float(sparsity), mom.p0)
-        else:
-            pred = np.asarray(pruning.expected_sparsity(thr, mu=mom.mu, sigma=mom.sigma, p0=mom.p0), dtype=np.float64)
+    if entry.model_free:              # it aims at the target on the data itself
+        pred = np.maximum(float(sparsity), mom.p0)
+    else:
+        pred = np.asarray(pruning.expected_sparsity(thr, mu=mom.mu, sigma=mom.sigma, p0=mom.p0), dtype=np.float64)
     if where is not None:
         off = np.array([name not in set(where) for name in mom.layers])
         thr, pred = np.where(off, np.nan, thr), np.where(off, np.nan, pred)

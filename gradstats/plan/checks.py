@@ -77,12 +77,13 @@ def operator_settings(rule: Any, row: Any, samples: Optional[torch.Tensor] = Non
     """
     a = 0.0
     if rule.prunes:
-        if rule.threshold_rule == "exact" and samples is not None:
-            from gradstats import pruning
+        from gradstats.pruning.rules import THRESHOLD_RULES, LayerStats
 
-            a = float(pruning.exact_threshold(samples.reshape(-1), rule.sparsity, stochastic=True))
+        entry = THRESHOLD_RULES[rule.threshold_rule]
+        if not entry.from_statistics and samples is not None:       # it reads the tensor: the samples
+            a = float(entry.threshold(rule.sparsity, LayerStats(tensor=samples.reshape(-1)), stochastic=True))
         else:
-            how = "histogram" if rule.threshold_rule == "exact" else rule.threshold_rule
+            how = rule.threshold_rule if entry.from_statistics else entry.stand_in
             a = remember(("threshold", row_key(row), how, float(rule.sparsity)),
                          lambda: _threshold(row, how, float(rule.sparsity)))
         if not (math.isfinite(a) and a >= 0):
@@ -95,9 +96,10 @@ def operator_settings(rule: Any, row: Any, samples: Optional[torch.Tensor] = Non
 
 def _threshold(row: Any, how: str, sparsity: float) -> float:
     from gradstats import pruning
+    from gradstats.pruning.rules import THRESHOLD_RULES
 
     src = row
-    if how == "histogram" and int(row["n"]) > 0:     # the row's histogram made once, its interpolation kept
+    if THRESHOLD_RULES[how].needs_histogram and int(row["n"]) > 0:   # the row's histogram made once, kept
         from gradstats.pruning.histogram import LogHistogram
 
         src = remember(("log_histogram", row_key(row)), lambda: LogHistogram.from_stats(row))

@@ -113,11 +113,16 @@ def condition_on_amax(a: Any, target: Any, amax: Any, mean_abs: Any, stochastic:
 class ThresholdRule:
     """Base of the rules: ``name``, whether the rule works from a layer's statistics alone
     (``from_statistics``; ``"exact"`` reads the tensor), whether it reads their binade histogram
-    (``needs_histogram``) and the three methods (see the module docstring)."""
+    (``needs_histogram``), whether it is model-free (``model_free``: its threshold aims at the target on
+    the data itself, so the target is its prediction), the rule a layer's statistics stand in with where
+    a rule that reads the tensor does not have it (``stand_in``), and the three methods (see the module
+    docstring)."""
 
     name = ""
     from_statistics = True
     needs_histogram = False
+    model_free = False
+    stand_in: str | None = None
 
     def threshold(self, target: Any, stats: LayerStats, *, stochastic: bool = True) -> Any:
         raise NotImplementedError
@@ -221,6 +226,7 @@ class HistogramRule(ThresholdRule):
 
     name = "histogram"
     needs_histogram = True
+    model_free = True
 
     @staticmethod
     def _hist(stats: LayerStats) -> LogHistogram:
@@ -312,6 +318,8 @@ class ExactRule(ThresholdRule):
 
     name = "exact"
     from_statistics = False
+    model_free = True
+    stand_in = "histogram"        # the model-free rule on the statistics, where the tensor is not at hand
 
     def threshold(self, target: float, stats: LayerStats, *, stochastic: bool = True) -> float:
         if stats.tensor is None:
