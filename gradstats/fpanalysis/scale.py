@@ -17,12 +17,14 @@ lower tail than the lognormal).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradstats._special import backend
 from gradstats.formats import FPFormat
 from gradstats.fpanalysis import _params as P
 from gradstats.fpanalysis.error import integrals
@@ -40,13 +42,20 @@ def _mode(criterion: str) -> str:
     return "elementwise" if criterion == "elementwise" else "relative"
 
 
-def _anchor(fmt: FPFormat, mu: np.ndarray, sigma: np.ndarray, criterion: str, amax=None) -> np.ndarray:
+@functools.lru_cache(maxsize=256)
+def _centre(fmt: FPFormat) -> float:
+    """ln of the middle of the format's normal range (in ln)."""
+    return 0.5 * (math.log(fmt.max) + math.log(fmt.min_normal))
+
+
+def _anchor(fmt: FPFormat, mu: Any, sigma: Any, criterion: str, amax=None) -> Any:
     """log2 of the scale that centres the normal range on the distribution the criterion weighs
-    (kept a sigma below ``amax`` when the lognormal is truncated there)."""
-    centre = 0.5 * (math.log(fmt.max) + math.log(fmt.min_normal))
+    (kept a sigma below ``amax`` when the lognormal is truncated there); floats or arrays."""
+    centre = _centre(fmt)
     loc = mu + (2 * sigma * sigma if criterion == "mse" else 0.0)
     if amax is not None:
-        loc = np.minimum(loc, np.log(amax) - sigma)
+        S = backend(amax)
+        loc = S.minimum(loc, S.log(amax) - sigma)
     return (centre - loc) / P.LN2
 
 
@@ -60,13 +69,16 @@ class _Objective:
     def __call__(self, j: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """``j``: (len(rows), K) log2 scales; returns the totals, same shape."""
         k = j.shape[1]
-        mu = np.repeat(self.mu[rows], k)
-        s = np.repeat(self.sigma[rows], k)
-        am = None if self.amax is None else np.repeat(self.amax[rows], k)
-        nz = None if self.nnz is None else np.repeat(self.nnz[rows], k)
-        res = integrals(self.fmt, mu, s, None, j.ravel() * P.LN2, rounding=self.rounding,
-                        overflow="saturate", mode=self.mode, amax=am, n_nonzero=nz)
-        return res[:, :4].sum(axis=1).reshape(j.shape)
+        every = rows.size == self.mu.size                  # all rows, in order: no gather
+
+        def at(v: np.ndarray) -> np.ndarray:
+            v = v if every else v[rows]
+            return v.repeat(k) if k > 1 else v
+
+        res = integrals(self.fmt, at(self.mu), at(self.sigma), None, j.ravel() * P.LN2, rounding=self.rounding,
+                        overflow="saturate", mode=self.mode, amax=None if self.amax is None else at(self.amax),
+                        n_nonzero=None if self.nnz is None else at(self.nnz))
+        return np.add.reduce(res[:, :4], axis=1).reshape(j.shape)
 
 
 def _parabola(a, b, c, fa, fb, fc):
@@ -81,35 +93,45 @@ def _parabola(a, b, c, fa, fb, fc):
     return np.where(bad, fallback, x)
 
 
-def _search(obj: _Objective, anchor: np.ndarray, power_of_two: bool, tie_rtol: float,
+#: the powers of two of the search's first grid (log2, around the centring scale), their distance
+#: from it, and the two neighbours of a power of two
+_OFFS = np.arange(-2, 3, dtype=np.float64)
+_FAR = np.abs(_OFFS)[None, :]
+_INNER = np.array([False, True, True, True, False])      # the grid's interior
+_EDGE = ~_INNER
+_SIDES = np.array([[-1.0, 1.0]])
+
+
+def _search(obj: _Objective, j0: np.ndarray, power_of_two: bool, tie_rtol: float,
             prefer_large: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    n = anchor.size
+    """The search (see the module doc) from the powers of two ``2**j0`` (the rounded anchors)."""
+    n = j0.size
     allrows = np.arange(n)
-    j0 = np.round(anchor)
-    offs = np.arange(-2, 3, dtype=np.float64)
-    grid = j0[:, None] + offs[None, :]
+    grid = j0[:, None] + _OFFS
     e = obj(grid, allrows)
-    best = e.min(axis=1)
-    ok = e <= best[:, None] * (1 + tie_rtol)
-    pick = np.argmin(np.where(ok, np.abs(offs)[None, :], np.inf), axis=1)
+    ok = e <= np.minimum.reduce(e, axis=1, keepdims=True) * (1 + tie_rtol)
+    pick = np.where(ok, _FAR, np.inf).argmin(axis=1)
     j = grid[allrows, pick]
     ej = e[allrows, pick]
-    nbr = np.empty((n, 2))  # errors at j - 1 and j + 1
+    # the errors at j - 1 and j + 1, which only the continuous refinement reads
+    nbr = None if power_of_two else np.empty((n, 2))
     # an interior pick is the grid's minimum (up to the tie tolerance): its neighbours are known and
     # no step from it goes downhill, so only picks on the grid's edge walk on
-    inner = (pick > 0) & (pick < offs.size - 1)
-    nbr[inner, 0] = e[allrows[inner], pick[inner] - 1]
-    nbr[inner, 1] = e[allrows[inner], pick[inner] + 1]
-    active = allrows[~inner]
+    if nbr is not None:
+        inner = _INNER[pick]
+        nbr[inner, 0] = e[allrows[inner], pick[inner] - 1]
+        nbr[inner, 1] = e[allrows[inner], pick[inner] + 1]
+    active = allrows[_EDGE[pick]]
     for _ in range(400):  # walk downhill (rarely more than a few steps)
         if active.size == 0:
             break
-        nb = j[active, None] + np.array([-1.0, 1.0])[None, :]
+        nb = j[active, None] + _SIDES
         en = obj(nb, active)
         side = np.argmin(en, axis=1)
         emin = en[np.arange(active.size), side]
         move = emin < ej[active] * (1 - tie_rtol)
-        nbr[active[~move]] = en[~move]
+        if nbr is not None:
+            nbr[active[~move]] = en[~move]
         j[active[move]] = nb[move, side[move]]
         ej[active[move]] = emin[move]
         active = active[move]
@@ -121,9 +143,10 @@ def _search(obj: _Objective, anchor: np.ndarray, power_of_two: bool, tie_rtol: f
             up = obj(j[active, None] + 1.0, active)[:, 0]
             move = up <= ej[active] * (1 + tie_rtol)
             j[active[move]] += 1.0
-            nbr[active[move], 0] = ej[active[move]]
+            if nbr is not None:
+                nbr[active[move], 0] = ej[active[move]]
+                nbr[active[~move], 1] = up[~move]
             ej[active[move]] = np.minimum(ej[active[move]], up[move])
-            nbr[active[~move], 1] = up[~move]
             active = active[move]
     if power_of_two:
         return j, ej
@@ -149,22 +172,41 @@ def _search(obj: _Objective, anchor: np.ndarray, power_of_two: bool, tie_rtol: f
     return b, fb
 
 
-def _check_range(fmt: FPFormat, j: np.ndarray) -> None:
+def _check_range(fmt: FPFormat, j: Any) -> None:
     lo, hi = P.LOG2_SCALE_RANGE
     bad = (j < lo) | (j > hi)
-    if bad.any():
-        raise ValueError(f"format {fmt}: the best scale 2**{j[bad][0]:.1f} lies outside 2**{lo}..2**{hi}, "
+    if backend(j).any_(bad):
+        first = j if type(j) is float else j[bad][0]
+        raise ValueError(f"format {fmt}: the best scale 2**{first:.1f} lies outside 2**{lo}..2**{hi}, "
                          "which float32 (and an E8M0 scale) cannot represent: mu of ln|g| is too far "
                          "from the format's range")
 
 
 def _optimal(fmt, mu, sigma, *, power_of_two, rounding, criterion, amax=None, n_nonzero=None,
              tie_rtol=TIE_RTOL):
+    """``(log2 scale, error)`` per layer: ``mu``, ``sigma`` flat arrays (and ``amax``, ``n_nonzero``),
+    or one layer's floats (then floats out; the search runs on arrays of one entry, the anchor
+    and the range check in floats)."""
+    one = type(mu) is float
+    anchor = _anchor(fmt, mu, sigma, criterion, amax)
+    if one:
+        v = np.array([mu, sigma, round(anchor)], dtype=np.float64)
+        mu, sigma, j0 = v[0:1], v[1:2], v[2:3]
+    else:
+        j0 = np.round(anchor)
     obj = _Objective(fmt, mu, sigma, rounding, criterion, amax, n_nonzero)
-    j, e = _search(obj, _anchor(fmt, mu, sigma, criterion, amax), power_of_two, tie_rtol,
-                   prefer_large=amax is not None)
+    j, e = _search(obj, j0, power_of_two, tie_rtol, prefer_large=amax is not None)
+    if one:
+        j, e = float(j[0]), float(e[0])
     _check_range(fmt, j)
     return j, e
+
+
+def _valid_floats(mu: Any, sigma: Any, p0: Any) -> bool:
+    """Whether ``mu``, ``sigma``, ``p0`` are one layer's numbers in the domain of
+    :func:`gradstats.fpanalysis._params.lognormal` (which checks, and names, anything else)."""
+    return (type(mu) is float and type(sigma) is float and type(p0) is float
+            and math.isfinite(mu) and 0 < sigma <= P.SIGMA_MAX and 0 <= p0 < 1)
 
 
 @dataclass(frozen=True)
@@ -257,6 +299,11 @@ def optimal_scale(
     fmt = P.check_format(fmt)
     P.check_choice("rounding", rounding, P.PREDICTED_ROUNDINGS)
     P.check_choice("criterion", criterion, P.CRITERIA)
+    if amax is None and _valid_floats(mu, sigma, p0):        # one layer: its floats, checked in floats
+        P.numel_array(numel, ())
+        j, e = _optimal(fmt, mu, sigma, power_of_two=bool(power_of_two), rounding=rounding, criterion=criterion)
+        return ScaleResult(format=fmt, scale=float(np.exp2(j)), log2_scale=j, error=e, mu=mu, sigma=sigma,
+                           power_of_two=bool(power_of_two), rounding=rounding, criterion=criterion)
     shape, arrs = P.lognormal(mu, sigma, p0, *([("amax", amax)] if amax is not None else []))
     mu_, s_, p0_ = arrs[:3]
     am = P.check_amax(arrs[3]) if amax is not None else None
