@@ -410,89 +410,113 @@ def predict_one(fmt: Optional[FPFormat], rounding: str, mu: Any, sigma: Any, p0:
         >>> [round(v * 1e4, 2) for v in e.tolist()]
         [7.15, 9953.09]
     """
-    one = all(v is None or S.is_float(v) for v in (mu, sigma, p0, threshold, scale, amax, numel))
+    one = all(v is None or type(v) is float or S.is_float(v) for v in (mu, sigma, p0, threshold, scale, amax, numel))
     am = math.nan if amax is None else amax
     nn = math.nan if numel is None else numel
     if one:
-        args = tuple(float(v) for v in (mu, sigma, p0, threshold, scale, am, nn))
+        B, args = S.MATH, tuple([float(v) for v in (mu, sigma, p0, threshold, scale, am, nn)])
     else:
-        args = tuple(np.ravel(v) for v in np.broadcast_arrays(
+        B, args = S.NUMPY, tuple(np.ravel(v) for v in np.broadcast_arrays(
             *(np.asarray(v, dtype=np.float64) for v in (mu, sigma, p0, threshold, scale, am, nn))))
     mu_, s, p0_, a_, sc = args[:5]
-    ok = (S.isfinite(mu_) & S.isfinite(s) & (s > 0) & (p0_ >= 0) & (p0_ < 1) & (a_ >= 0) & (a_ < math.inf)
+    ok = (B.isfinite(mu_) & B.isfinite(s) & (s > 0) & (p0_ >= 0) & (p0_ < 1) & (a_ >= 0) & (a_ < math.inf)
           & (sc > 0) & (sc < math.inf))
-    if not S.all_(ok):
+    if not B.all_(ok):
         raise ValueError(f"predict_one needs finite mu, sigma > 0, p0 in [0, 1), a threshold in [0, inf) and a "
-                         f"scale in (0, inf); got mu={S.shown(mu_, ok)!r}, sigma={S.shown(s, ok)!r}, "
-                         f"p0={S.shown(p0_, ok)!r}, threshold={S.shown(a_, ok)!r}, scale={S.shown(sc, ok)!r}")
+                         f"scale in (0, inf); got mu={B.shown(mu_, ok)!r}, sigma={B.shown(s, ok)!r}, "
+                         f"p0={B.shown(p0_, ok)!r}, threshold={B.shown(a_, ok)!r}, scale={B.shown(sc, ok)!r}")
+    rounding = "stochastic" if rounding == "stochastic" else "nearest"
+    if fmt is None and one:                      # floats in math alone: nothing to warn about
+        return _predict_lognormal(B, fmt, rounding, *args)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        return _predict_lognormal(fmt, "stochastic" if rounding == "stochastic" else "nearest", *args)
+        return _predict_lognormal(B, fmt, rounding, *args)
 
 
-def _predict_lognormal(fmt: Optional[FPFormat], rounding: str, mu: Any, s: Any, p0: Any, threshold: Any,
-                       scale: Any, amax: Any, numel: Any) -> tuple[Any, Any, Any]:
-    """:func:`predict_one` on floats or flat arrays of one length (``amax``, ``numel`` NaN where not
-    given): the moments in :mod:`gradstats._special` (``math`` for a float), the cells on the engine."""
-    ls = S.log(scale)
+def _predict_lognormal(B: S.Backend, fmt: Optional[FPFormat], rounding: str, mu: Any, s: Any, p0: Any,
+                       threshold: Any, scale: Any, amax: Any, numel: Any) -> tuple[Any, Any, Any]:
+    """:func:`predict_one` on floats (``B`` :data:`gradstats._special.MATH`) or flat arrays of one length
+    (``B`` :data:`~gradstats._special.NUMPY`; ``amax``, ``numel`` NaN where not given): the moments in
+    ``B``, the cells on the engine (one layer as arrays of one entry). The terms of the maximum and of
+    the threshold are computed where some layer has them; elsewhere they take the values their
+    selections give where they are absent."""
+    ls = B.log(scale)
     m = mu + ls                                  # ln of the scaled magnitudes y = |g| s
     ln_e2 = 2 * m + 2 * s * s                    # ln E[y^2] of the lognormal
     A = threshold * scale
     cond = (amax > 0) & (amax < math.inf)
-    ym = S.where(cond, amax * scale, math.inf)   # the tensor's largest scaled magnitude
-    atom = cond & S.isfinite(numel)
-    w = S.where(atom, 1.0 / S.maximum((1 - p0) * S.where(atom, numel, 0.0), 1.0), 0.0)   # its weight
-    z_m = (S.log(ym) - m) / s
-    ln_mass = S.where(cond, S.log_ndtr(z_m), 0.0)                          # P(y < ym)
-    e2 = S.exp(ln_e2 + S.where(cond, S.log_ndtr(z_m - 2 * s) - ln_mass, 0.0))
-    zb = (S.log(S.minimum(A, ym)) - m) / s                                 # -inf without pruning
-    m1 = S.exp(m + 0.5 * s * s + S.log_ndtr(zb - s) - ln_mass)             # E[y 1{y<A}], truncated at ym
-    m2 = S.exp(ln_e2 + S.log_ndtr(zb - 2 * s) - ln_mass)                   # E[y^2 1{y<A}]
-    y_a = S.where(atom, ym, 0.0)
+    if B.any_(cond):
+        ym = B.where(cond, amax * scale, math.inf)   # the tensor's largest scaled magnitude
+        atom = cond & B.isfinite(numel)
+        w = B.where(atom, 1.0 / B.maximum((1 - p0) * B.where(atom, numel, 0.0), 1.0), 0.0)   # its weight
+        z_m = (B.log(ym) - m) / s
+        ln_mass = B.where(cond, B.log_ndtr(z_m), 0.0)                      # P(y < ym)
+        e2 = B.exp(ln_e2 + B.where(cond, B.log_ndtr(z_m - 2 * s) - ln_mass, 0.0))
+        y_a = B.where(atom, ym, 0.0)
+    else:
+        ym, atom, w, ln_mass, e2, y_a = math.inf, False, 0.0, 0.0, B.exp(ln_e2), 0.0
     den = (1 - w) * e2 + w * y_a * y_a
     pruned = A > 0
-    A1 = S.where(pruned, A, 1.0)
-    below = atom & (y_a < A)                     # the maximum below A: rounded up to A with prob y_a / A
-    if fmt is None:
-        err_t = S.where(pruned, A * m1 - m2, 0.0)                # E[(x/A)(A - x)^2 + (1 - x/A) x^2]
-        err_a = S.where(below, y_a * (A - y_a), 0.0)
-        return 0.0 * m, 0.0 * m, S.maximum(((1 - w) * err_t + w * err_a) / den, 0.0)
-    one = S.is_float(m)
-    arr = (lambda v: np.array([v])) if one else (lambda v: v)  # noqa: E731
-    pc = build(fmt, rounding, "saturate")
-    res = integrate(pc, arr(mu), arr(s), arr(ls), upper=arr(ym), lower=arr(A))   # relative to the whole E[y^2]
-    # the single values: the threshold (values below it rounded up to it) and the maximum
-    if one:
-        res = res[0]
-        at = _at(fmt, rounding, pc, np.array([A, y_a]))
-        e_a, eq_a, eq2_a, fl_a, sa_a = (float(v[0]) for v in at)
-        e_m, fl_m, sa_m = (float(at[i][1]) for i in (0, 3, 4))
+    if B.any_(pruned):
+        zb = (B.log(B.minimum(A, ym)) - m) / s                             # -inf without pruning
+        m1 = B.exp(m + 0.5 * s * s + B.log_ndtr(zb - s) - ln_mass)         # E[y 1{y<A}], truncated at ym
+        m2 = B.exp(ln_e2 + B.log_ndtr(zb - 2 * s) - ln_mass)               # E[y^2 1{y<A}]
+        A1 = B.where(pruned, A, 1.0)
+        below = atom & (y_a < A)                 # the maximum below A: rounded up to A with prob y_a / A
     else:
-        e_a, eq_a, eq2_a, fl_a, sa_a = _at(fmt, rounding, pc, A)
-        e_m, fl_m, sa_m = (_at(fmt, rounding, pc, y_a)[i] for i in (0, 3, 4))
-    mass = S.exp(ln_mass)
-    err_t = res[..., :_N_ERR].sum(axis=-1) * S.exp(ln_e2) / mass           # kept, E[err 1{A<=y<ym}]
-    uf_t, sat_t = res[..., _N_ERR] / mass, res[..., _N_ERR + 1] / mass
-    q_up = m1 / A1                                                          # P(rounded up to A)
-    err_t = err_t + S.where(pruned, (eq2_a / A1) * m1 - 2 * (eq_a / A1) * m2 + m2, 0.0)
-    uf_t = uf_t + S.where(pruned, q_up * fl_a, 0.0)
-    sat_t = sat_t + S.where(pruned, q_up * sa_a, 0.0)
-    q = y_a / A1
-    err_a = S.where(below, q * (eq2_a - 2 * eq_a * y_a + y_a * y_a) + (1 - q) * y_a * y_a, e_m)
-    uf_a = S.where(below, q * fl_a, fl_m)
-    sat_a = S.where(below, q * sa_a, sa_m)
-    err = ((1 - w) * err_t + S.where(atom, w * err_a, 0.0)) / den
-    uf = (1 - w) * uf_t + S.where(atom, w * uf_a, 0.0)
-    sat = (1 - w) * sat_t + S.where(atom, w * sat_a, 0.0)
+        m1, m2, A1, below = 0.0, 0.0, 1.0, False
+    if fmt is None:
+        err_t = B.where(pruned, A * m1 - m2, 0.0)                # E[(x/A)(A - x)^2 + (1 - x/A) x^2]
+        err_a = B.where(below, y_a * (A - y_a), 0.0)
+        return 0.0 * m, 0.0 * m, B.maximum(((1 - w) * err_t + w * err_a) / den, 0.0)
+    one = B is S.MATH
+    if one:                                      # the engine's arrays of one entry
+        v = np.array([mu, s, ls, ym, A])
+        mu_, s_, ls_, ym_, A_ = v[0:1], v[1:2], v[2:3], v[3:4], v[4:5]
+    else:
+        mu_, s_, ls_, ym_, A_ = mu, s, ls, ym, A
+    pc = build(fmt, rounding, "saturate")
+    # relative to the whole E[y^2]; cut at the maximum and at the threshold where they cut
+    res = integrate(pc, mu_, s_, ls_, upper=ym_ if B.any_(cond) else None, lower=A_ if B.any_(pruned) else None)
+    # the single values: the threshold (values below it rounded up to it) and the maximum
+    e_a = eq_a = fl_a = sa_a = e_m = fl_m = sa_m = 0.0
     if one:
-        uf, sat, err = float(uf), float(sat), float(err)
-    return (1 - p0) * uf, (1 - p0) * sat, S.maximum(err, 0.0)
+        kept, (uf_t, sat_t) = float(np.add.reduce(res[0, :_N_ERR])), res[0, _N_ERR:_N_ERR + 2].tolist()
+        if pruned or atom:
+            y = np.array([A, y_a])
+            (e_a, e_m), (fl_a, fl_m), (sa_a, sa_m) = (t.tolist() for t in _at(pc, y))
+            if pruned:
+                eq_a = float(_mean_q(fmt, rounding, y[:1])[0])
+    else:
+        kept, uf_t, sat_t = np.add.reduce(res[:, :_N_ERR], axis=-1), res[:, _N_ERR], res[:, _N_ERR + 1]
+        if B.any_(pruned):
+            (e_a, fl_a, sa_a), eq_a = _at(pc, A), _mean_q(fmt, rounding, A)
+        if B.any_(atom):
+            e_m, fl_m, sa_m = _at(pc, y_a)
+    eq2_a = e_a + 2 * A * eq_a - A * A                                      # E[Q(A)^2]
+    mass = B.exp(ln_mass)
+    err_t = kept * B.exp(ln_e2) / mass                                      # kept, E[err 1{A<=y<ym}]
+    uf_t, sat_t = uf_t / mass, sat_t / mass
+    q_up = m1 / A1                                                          # P(rounded up to A)
+    err_t = err_t + B.where(pruned, (eq2_a / A1) * m1 - 2 * (eq_a / A1) * m2 + m2, 0.0)
+    uf_t = uf_t + B.where(pruned, q_up * fl_a, 0.0)
+    sat_t = sat_t + B.where(pruned, q_up * sa_a, 0.0)
+    q = y_a / A1
+    err_a = B.where(below, q * (eq2_a - 2 * eq_a * y_a + y_a * y_a) + (1 - q) * y_a * y_a, e_m)
+    uf_a = B.where(below, q * fl_a, fl_m)
+    sat_a = B.where(below, q * sa_a, sa_m)
+    err = ((1 - w) * err_t + B.where(atom, w * err_a, 0.0)) / den
+    uf = (1 - w) * uf_t + B.where(atom, w * uf_a, 0.0)
+    sat = (1 - w) * sat_t + B.where(atom, w * sat_a, 0.0)
+    return (1 - p0) * uf, (1 - p0) * sat, B.maximum(err, 0.0)
 
 
-def _at(fmt: FPFormat, rounding: str, pc: Pieces, y: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``E[(Q(y) - y)^2]``, ``E[Q(y)]``, ``E[Q(y)^2]``, ``P(flushed)``, ``P(saturated)`` of single
-    scaled values ``y`` (saturating)."""
+def _at(pc: Pieces, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``E[(Q(y) - y)^2]``, ``P(flushed)``, ``P(saturated)`` of single scaled values ``y`` (saturating)."""
     pt = point(pc, y)
+    return np.add.reduce(pt[:, :_N_ERR], axis=1), pt[:, _N_ERR], pt[:, _N_ERR + 1]
+
+
+def _mean_q(fmt: FPFormat, rounding: str, y: np.ndarray) -> np.ndarray:
+    """``E[Q(y)]`` of single scaled values ``y`` (saturating)."""
     bounds, coef = build_bias(fmt, rounding, "saturate")
-    eq = y + first_moments_at(bounds, coef, y)[:, 0]
-    e = pt[:, :_N_ERR].sum(axis=1)
-    return e, eq, e + 2 * y * eq - y * y, pt[:, _N_ERR], pt[:, _N_ERR + 1]
+    return y + first_moments_at(bounds, coef, y)[:, 0]
