@@ -4,7 +4,6 @@
 Example:
     >>> from gradstats.apply.settings import Fallback, widen
     >>> from gradstats.formats import FPFormat
-from gradstats.ops.engine import check_engine
     >>> Fallback().patience, str(widen(FPFormat.parse("e2m1fn")))
     (2, 'e3m2fn')
 """
