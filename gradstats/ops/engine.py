@@ -54,20 +54,22 @@ def check_engine(engine: str | None, what: str = "engine") -> str | None:
                      f"got {engine!r}")
 
 
-@contextlib.contextmanager
-def using(engine: str | None) -> Iterator[None]:
-    """Run the passes inside under ``engine`` (None: as :envvar:`GRADSTATS_ENGINE` says): how
-    ``apply(..., engine=)`` and ``trace(..., engine=)`` hold their hooks to the engine of their config.
+def using(engine: str | None) -> contextlib.AbstractContextManager[None]:
+    """Run the passes inside under ``engine`` (None: as :envvar:`GRADSTATS_ENGINE` says, a context that does
+    nothing): how ``apply(..., engine=)`` and ``trace(..., engine=)`` hold their hooks to the engine of their
+    config.
 
     Example:
         >>> with using("torch"):
         ...     active_engine("cpu")
         'torch'
     """
-    if engine is None:
-        yield
-        return
-    token = _ASKED.set(check_engine(engine))
+    return contextlib.nullcontext() if engine is None else _held(check_engine(engine))
+
+
+@contextlib.contextmanager
+def _held(engine: str | None) -> Iterator[None]:
+    token = _ASKED.set(engine)
     try:
         yield
     finally:
