@@ -49,7 +49,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from gradstats.formats import FPFormat, parse
+from gradstats.formats import FPFormat
 from gradstats.fpanalysis._what_if_rows import _SUMS, _grid, predict_rows, rows_apply
 from gradstats.fpanalysis.granularity import analysed_scheme, granularity_layout
 from gradstats.fpanalysis.histogram import HistogramLaw
@@ -208,8 +208,11 @@ def _schemes(formats: Any, granularity: Union[str, int, Scheme, None]) -> list[t
         formats = [p.strip() for p in formats.split(",") if p.strip()] if isinstance(formats, str) else [formats]
     if granularity is not None:
         granularity_layout(granularity)        # a ValueError naming the granularities, with no format to blame
-    return [(str(Scheme.parse(f)), analysed_scheme(f, what="what_if")) if names_scheme(f)
-            else (str(parse(f)), analysed_scheme(f, granularity, what="what_if")) for f in formats]
+    out = []
+    for f in formats:
+        s = analysed_scheme(f, None if names_scheme(f) else granularity, what="what_if")
+        out.append((str(s) if names_scheme(f) else str(s.element), s))
+    return out
 
 
 def what_if(run: Any, formats: Union[str, FPFormat, Scheme, Iterable[Union[str, FPFormat, Scheme]]], *,
