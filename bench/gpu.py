@@ -262,7 +262,7 @@ def bench_blocks(timer: Timer, n: int, copy_gbs: float) -> list[dict]:
 
             resolved = Scheme.of(scheme)
             path = (f"Triton block kernel ({'two passes' if resolved.hadamard else 'one pass'}, counts on the device)"
-                    if kb.supports(resolved, x, block_dim) else "composed (not the block kernel)")
+                    if kb.covers(resolved, x, block_dim) else "composed (not the block kernel)")
             ms, _ = timer.median_ms(lambda s=scheme: prune_quantize_into(x, thr, s, seed=1, block_dim=block_dim,
                                                                           stats=v))
             gbs = 8 * m / ms / 1e6

@@ -73,7 +73,7 @@ def _one_kernel(g: torch.Tensor, fmt: Any, scale: float) -> bool:
 
 def _block_kernel(g: torch.Tensor, fmt: Any, q: dict[str, Any], st: LayerState, rule: Any) -> dict[str, Any] | None:
     """The block kernel's arguments for the call (the rule's scheme ``fmt`` and the block dim), or None where
-    it does not take it whole (:func:`gradstats.ops.triton.blocks.supports`, a finite threshold, a contiguous
+    it does not take it whole (:func:`gradstats.ops.triton.blocks.covers`, a finite threshold, a contiguous
     gradient)."""
     from gradstats.ops.engine import use_triton
     from gradstats.ops.triton import blocks as kblocks
@@ -83,7 +83,7 @@ def _block_kernel(g: torch.Tensor, fmt: Any, q: dict[str, Any], st: LayerState, 
     if rule.prunes and not (math.isfinite(st.threshold) and st.threshold >= 0):
         return None
     block_dim = q.get("block_dim", -1)
-    if not kblocks.supports(fmt, g, block_dim):
+    if not kblocks.covers(fmt, g, block_dim):
         return None
     return {"s": fmt, "block_dim": block_dim}
 

@@ -178,7 +178,7 @@ def _path(x: torch.Tensor, s: Optional[Scheme], scale: Any, block_dim: int) -> s
         if use_triton(x.device.type):
             from gradstats.ops.triton import blocks as kblocks
 
-            if kblocks.supports(s, x, block_dim):
+            if kblocks.covers(s, x, block_dim):
                 return "triton_blocks"
         return "composed"
     if not fused_covers(None if s is None else s.element, 1.0 if isinstance(scale, torch.Tensor) else scale):

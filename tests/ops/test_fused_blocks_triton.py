@@ -171,8 +171,8 @@ def test_counts_and_sums_add_up_over_calls():
 
 def test_rejects_what_it_does_not_take():
     x = torch.ones(4, 16)
-    assert not kb.supports(Scheme.of("e2m1fn", block_size=16, scale_format="e4m3", hadamard=8))
-    assert not kb.supports(Scheme.of("e2m1fn", block_size=16, scale_format="e4m3"), x=x.double())
+    assert not kb.covers(Scheme.of("e2m1fn", block_size=16, scale_format="e4m3", hadamard=8))
+    assert not kb.covers(Scheme.of("e2m1fn", block_size=16, scale_format="e4m3"), x=x.double())
     with pytest.raises(ValueError, match="block_size"):
         kernel(x, 0.0, "e2m1fn", block_size=16, hadamard=8)
     with pytest.raises(ValueError, match="scale_rounding"):

@@ -25,7 +25,7 @@ largest magnitude of the *rotated* tensor, which no earlier pass knows: that cal
 
 Example:
     >>> from gradstats.scheme import Scheme
-    >>> supports(Scheme.parse("nvfp4")), supports(Scheme.parse("nvfp4:hadamard=8"))
+    >>> covers(Scheme.parse("nvfp4")), covers(Scheme.parse("nvfp4:hadamard=8"))
     (True, False)
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ try:  # the kernel bodies refer to ``tl``; they are only compiled when Triton is
 except Exception:  # pragma: no cover - depends on the installation
     tl = None
 
-__all__ = ["supports", "prune_quantize_blocks_triton", "TILE", "SCALE_ROUNDING_CODES"]
+__all__ = ["covers", "prune_quantize_blocks_triton", "TILE", "SCALE_ROUNDING_CODES"]
 
 #: elements per Triton program (a tile of whole blocks)
 TILE = 2048
@@ -292,7 +292,7 @@ def _kernels(interpret: bool):
     return rows, had
 
 
-def supports(s: Scheme | None, x: torch.Tensor | None = None, block_dim: int = -1) -> bool:
+def covers(s: Scheme | None, x: torch.Tensor | None = None, block_dim: int = -1) -> bool:
     """Whether :func:`prune_quantize_blocks_triton` takes a call of the resolved scheme ``s``: Triton installed;
     an element format the fused kernels cover (:func:`gradstats.ops.consts.fused_covers`), blocks of up to 256;
     no Hadamard transform or one of ``block_size`` points; and, given ``x``: a float32 tensor of at least one
@@ -301,7 +301,7 @@ def supports(s: Scheme | None, x: torch.Tensor | None = None, block_dim: int = -
 
     Example:
         >>> from gradstats.scheme import Scheme
-        >>> supports(Scheme.parse("mxfp4")), supports(Scheme.parse("e2m1fn")), supports(Scheme.parse("nvfp4_training"))
+        >>> covers(Scheme.parse("mxfp4")), covers(Scheme.parse("e2m1fn")), covers(Scheme.parse("nvfp4_training"))
         (True, False, True)
     """
     from gradstats.ops.consts import fused_covers
@@ -362,7 +362,7 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
     ``used`` (float64, 2) receives the threshold used and ``scale`` (block scaling uses no per-tensor
     scale: it is only recorded), so that a planned block call is one statistics launch and this one.
     ``x``: float32, contiguous or not (copied), on CUDA or, under ``TRITON_INTERPRET=1``, the CPU; the
-    call must be one :func:`supports` takes. Nothing is read back to the host. The kernels are compiled
+    call must be one :func:`covers` takes. Nothing is read back to the host. The kernels are compiled
     without floating-point contraction (``enable_fp_fusion=False``): a product feeding a sum (the scaled
     values into the inverse rotation) is rounded first, as on the CPU.
 
@@ -381,7 +381,7 @@ def prune_quantize_blocks_triton(x: torch.Tensor, threshold: Union[float, torch.
     if not isinstance(s, Scheme):
         raise ValueError(f"prune_quantize_blocks_triton takes a resolved Scheme (gradstats.scheme.Scheme.of), got "
                          f"{type(s).__name__}")
-    if not isinstance(x, torch.Tensor) or not supports(s, x, block_dim):
+    if not isinstance(x, torch.Tensor) or not covers(s, x, block_dim):
         got = (x.dtype, tuple(x.shape), block_dim) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"prune_quantize_blocks_triton takes a float32 tensor of at least one dim (fewer than 2**32 "
                          f"elements, padding included) with block_dim one of its dims, and a scheme whose format the "
