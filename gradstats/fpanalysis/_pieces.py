@@ -19,9 +19,11 @@ the engine neither overflows nor loses the tails.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from scipy.special import ndtr
@@ -56,6 +58,11 @@ class Pieces:
     lnc: np.ndarray
     sign: np.ndarray
     out: np.ndarray
+    lnb: np.ndarray = field(init=False, repr=False, compare=False)   #: ``log(bounds)`` (``-inf`` at 0)
+
+    def __post_init__(self) -> None:
+        with np.errstate(divide="ignore"):
+            object.__setattr__(self, "lnb", np.log(self.bounds))
 
     @property
     def n_pieces(self) -> int:
@@ -207,12 +214,13 @@ def integrate(pc: Pieces, mu: np.ndarray, sigma: np.ndarray, log_scale: np.ndarr
     """
     m = mu + log_scale  # location of ln y
     s = sigma
-    with np.errstate(divide="ignore"):
-        lnb = np.log(pc.bounds)[None, :]
-        if upper is not None:
-            lnb = np.minimum(lnb, np.log(upper)[:, None])
-        if lower is not None:
-            lnb = np.maximum(lnb, np.log(np.minimum(lower, np.inf if upper is None else upper))[:, None])
+    lnb = pc.lnb[None, :]
+    if upper is not None or lower is not None:
+        with np.errstate(divide="ignore"):
+            if upper is not None:
+                lnb = np.minimum(lnb, np.log(upper)[:, None])
+            if lower is not None:
+                lnb = np.maximum(lnb, np.log(np.minimum(lower, np.inf if upper is None else upper))[:, None])
     z0 = (lnb - m[:, None]) / s[:, None]                                    # (N, P + 1)
     if mode == "relative":
         lnn = 2 * m + 2 * s * s  # E[y^2]; relative error is scale free
@@ -228,9 +236,14 @@ def integrate(pc: Pieces, mu: np.ndarray, sigma: np.ndarray, log_scale: np.ndarr
     return (np.matmul(dphi, cm) * w).sum(axis=0)
 
 
-def point(pc: Pieces, y: np.ndarray) -> np.ndarray:
+def point(pc: Pieces, y: Any) -> Any:
     """The tracked quantities at single values ``y`` (``(N, 7)``: squared errors in units of ``y**2``
-    -- not normalised -- then the probabilities): the exact error of one entry."""
+    -- not normalised -- then the probabilities): the exact error of one entry. A float ``y`` gives
+    the list of its 7 (one layer's refresh: no array is built)."""
+    if isinstance(y, float):
+        bounds, polys = _point_lists(pc)
+        c = polys[min(max(bisect.bisect_right(bounds, y) - 1, 0), len(polys) - 1)]
+        return [((c3 * y + c2) * y + c1) * y + c0 for c0, c1, c2, c3 in c]
     idx = np.minimum(np.maximum(np.searchsorted(pc.bounds, y, side="right") - 1, 0), pc.n_pieces - 1)
     c = _point_polys(pc)[idx]                                 # (N, 7, 4): the piece's polynomials
     return ((c[:, :, 3] * y[:, None] + c[:, :, 2]) * y[:, None] + c[:, :, 1]) * y[:, None] + c[:, :, 0]
@@ -247,6 +260,17 @@ def _point_polys(pc: Pieces) -> np.ndarray:
     np.add.at(polys, (pc.piece, pc.out, pc.k), pc.sign * np.exp(pc.lnc))
     _COEF_CACHE[key] = (pc, polys)
     return polys
+
+
+def _point_lists(pc: Pieces) -> tuple[list[float], list[list[list[float]]]]:
+    """:func:`_point_polys` and the bounds as Python lists, for one float (cached)."""
+    key = (id(pc), "point lists")
+    hit = _COEF_CACHE.get(key)
+    if hit is not None and hit[0] is pc:
+        return hit[1]
+    out = (pc.bounds.tolist(), _point_polys(pc).tolist())
+    _COEF_CACHE[key] = (pc, out)
+    return out
 
 
 # --------------------------------------------------------------------------- first moments
@@ -310,8 +334,12 @@ def first_moments(bounds: np.ndarray, coef: np.ndarray, m: np.ndarray, s: np.nda
     return out
 
 
-def first_moments_at(bounds: np.ndarray, coef: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """The polynomials of :func:`first_moments` at single values ``y``: ``(N, columns)``."""
+def first_moments_at(bounds: np.ndarray, coef: np.ndarray, y: Any) -> Any:
+    """The polynomials of :func:`first_moments` at single values ``y``: ``(N, columns)`` (a float ``y``:
+    the list of its columns)."""
+    if isinstance(y, float):
+        i = min(max(int(np.searchsorted(bounds, y, side="right")) - 1, 0), bounds.size - 2)
+        return [c0 + c1 * y + c2 * (y * y) for c0, c1, c2 in coef[i].tolist()]
     idx = np.minimum(np.maximum(np.searchsorted(bounds, y, side="right") - 1, 0), bounds.size - 2)
     c = coef[idx]                                            # (N, columns, 3)
     return c[:, :, 0] + c[:, :, 1] * y[:, None] + c[:, :, 2] * (y * y)[:, None]

@@ -481,11 +481,10 @@ def _predict_lognormal(B: S.Backend, fmt: Optional[FPFormat], rounding: str, mu:
     e_a = eq_a = fl_a = sa_a = e_m = fl_m = sa_m = 0.0
     if one:
         kept, (uf_t, sat_t) = float(np.add.reduce(res[0, :_N_ERR])), res[0, _N_ERR:_N_ERR + 2].tolist()
-        if pruned or atom:
-            y = np.array([A, y_a])
-            (e_a, e_m), (fl_a, fl_m), (sa_a, sa_m) = (t.tolist() for t in _at(pc, y))
-            if pruned:
-                eq_a = float(_mean_q(fmt, rounding, y[:1])[0])
+        if pruned:
+            (e_a, fl_a, sa_a), eq_a = _at(pc, A), _mean_q(fmt, rounding, A)
+        if atom:
+            e_m, fl_m, sa_m = _at(pc, y_a)
     else:
         kept, uf_t, sat_t = np.add.reduce(res[:, :_N_ERR], axis=-1), res[:, _N_ERR], res[:, _N_ERR + 1]
         if B.any_(pruned):
@@ -510,13 +509,18 @@ def _predict_lognormal(B: S.Backend, fmt: Optional[FPFormat], rounding: str, mu:
     return (1 - p0) * uf, (1 - p0) * sat, B.maximum(err, 0.0)
 
 
-def _at(pc: Pieces, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``E[(Q(y) - y)^2]``, ``P(flushed)``, ``P(saturated)`` of single scaled values ``y`` (saturating)."""
+def _at(pc: Pieces, y: Any) -> tuple[Any, Any, Any]:
+    """``E[(Q(y) - y)^2]``, ``P(flushed)``, ``P(saturated)`` of single scaled values ``y`` (saturating;
+    a float gives floats)."""
     pt = point(pc, y)
+    if isinstance(y, float):
+        return sum(pt[:_N_ERR]), pt[_N_ERR], pt[_N_ERR + 1]
     return np.add.reduce(pt[:, :_N_ERR], axis=1), pt[:, _N_ERR], pt[:, _N_ERR + 1]
 
 
-def _mean_q(fmt: FPFormat, rounding: str, y: np.ndarray) -> np.ndarray:
-    """``E[Q(y)]`` of single scaled values ``y`` (saturating)."""
+def _mean_q(fmt: FPFormat, rounding: str, y: Any) -> Any:
+    """``E[Q(y)]`` of single scaled values ``y`` (saturating; a float gives a float)."""
     bounds, coef = build_bias(fmt, rounding, "saturate")
+    if isinstance(y, float):
+        return y + first_moments_at(bounds, coef, y)[0]
     return y + first_moments_at(bounds, coef, y)[:, 0]
