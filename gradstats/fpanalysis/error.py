@@ -145,19 +145,26 @@ def _zero_pieces() -> Pieces:
                   np.array([0, 0]), np.array([2, 0]), np.zeros(2), np.ones(2), np.array([PARTS.index("underflow"), 4]))
 
 
-def _log_cdf_all(ln_t: np.ndarray, mu: np.ndarray, sigma: np.ndarray, p0: np.ndarray) -> np.ndarray:
-    """``ln F(t)`` of one entry's magnitude, exact zeros included."""
-    lf = log_ndtr((ln_t - mu) / sigma)
+def _log_cdf_all(ln_t: np.ndarray, mu: np.ndarray, sigma: np.ndarray, p0: np.ndarray,
+                 ln_cap: np.ndarray | None = None) -> np.ndarray:
+    """``ln F(t)`` of one entry's magnitude, exact zeros included; given ``ln_cap``, of the lognormal
+    truncated at ``exp(ln_cap)`` (the tensor's largest magnitude: no entry lies above it)."""
+    if ln_cap is None:
+        lf = log_ndtr((ln_t - mu) / sigma)
+    else:
+        lf = log_ndtr((np.minimum(ln_t, ln_cap) - mu) / sigma) - log_ndtr((ln_cap - mu) / sigma)
     with np.errstate(divide="ignore"):
         return np.logaddexp(np.log(p0), np.log1p(-p0) + lf)
 
 
-def _series(pc: Pieces, mu, sigma, p0, B, log_scale, ln_a_lo, ln_a_hi, up_lo, up_hi, valid, mode):
-    """Sum over block-scale rows (layers x rows, 2-D arrays) of the conditioned error."""
+def _series(pc: Pieces, mu, sigma, p0, B, log_scale, ln_a_lo, ln_a_hi, up_lo, up_hi, valid, mode, ln_cap=None):
+    """Sum over block-scale rows (layers x rows, 2-D arrays) of the conditioned error; ``ln_cap`` (per
+    layer): the law truncated there (the caller cuts ``up_lo``, ``up_hi`` and normalises)."""
     n, k = log_scale.shape
     rep = lambda v: np.repeat(v, k)  # noqa: E731
-    w_hi = np.exp((B - 1) * _log_cdf_all(ln_a_hi, mu[:, None], sigma[:, None], p0[:, None]))
-    w_lo = np.exp((B - 1) * _log_cdf_all(ln_a_lo, mu[:, None], sigma[:, None], p0[:, None]))
+    cap = None if ln_cap is None else ln_cap[:, None]
+    w_hi = np.exp((B - 1) * _log_cdf_all(ln_a_hi, mu[:, None], sigma[:, None], p0[:, None], cap))
+    w_lo = np.exp((B - 1) * _log_cdf_all(ln_a_lo, mu[:, None], sigma[:, None], p0[:, None], cap))
     w_hi, w_lo = np.where(valid, w_hi, 0.0), np.where(valid, w_lo, 0.0)
     j_hi = integrate(pc, rep(mu), rep(sigma), log_scale.ravel(), mode=mode, upper=up_hi.ravel())
     j_lo = integrate(pc, rep(mu), rep(sigma), log_scale.ravel(), mode=mode, upper=up_lo.ravel())
@@ -165,9 +172,16 @@ def _series(pc: Pieces, mu, sigma, p0, B, log_scale, ln_a_lo, ln_a_hi, up_lo, up
     return res.reshape(n, k, -1).sum(axis=1)
 
 
-def block_integrals(s: Scheme, overflow: str, mu, sigma, p0, tensor_amax, mode: str) -> np.ndarray:
+def block_integrals(s: Scheme, overflow: str, mu, sigma, p0, tensor_amax, mode: str,
+                    n_nonzero=None) -> np.ndarray:
     """``(N, 7)`` integrals (as :func:`._pieces.integrate`) under the block-scaled scheme ``s`` (its element
-    format, rounding, block size and block-scale rule)."""
+    format, rounding, block size and block-scale rule).
+
+    E4M3 block scales under a tensor scale (NVFP4) are conditioned on the tensor's largest magnitude
+    ``tensor_amax``, as :func:`integrals` conditions a per-tensor scale on ``amax``: the entries follow the
+    lognormal truncated there (no block holds a value above the tensor's maximum, so none saturates
+    beyond it), and one of the ``n_nonzero`` entries (None: infinitely many) is the maximum itself,
+    which its block's scale represents exactly."""
     fmt, B = s.element, s.block_size
     pc = build(fmt, s.rounding, overflow)
     tilt = 2 * sigma if mode == "relative" else 0.0
@@ -200,16 +214,41 @@ def block_integrals(s: Scheme, overflow: str, mu, sigma, p0, tensor_amax, mode: 
     ln_lo = ln_t[:, None] + math.log(fmt.max) + np.log(mids[None, :-1])
     with np.errstate(divide="ignore"):
         ln_hi = ln_t[:, None] + math.log(fmt.max) + np.log(mids[None, 1:])
-    valid = (ln_hi > lo[:, None]) & (ln_lo < hi[:, None])
+    ln_cap = np.log(tensor_amax)
+    valid = (ln_hi > lo[:, None]) & (ln_lo < np.minimum(hi, ln_cap)[:, None])
     log_scale = -(np.log(w)[None, :] + ln_t[:, None])
-    up_lo = np.broadcast_to(fmt.max * mids[:-1] / w, valid.shape)
-    up_hi = np.broadcast_to(fmt.max * mids[1:] / w, valid.shape)
-    res = _series(pc, mu, sigma, p0, B, log_scale, ln_lo, ln_hi, up_lo, up_hi, valid, mode)
+    cap = np.exp(ln_cap[:, None] + log_scale)                    # the maximum in each row's scaled units
+    up_lo = np.minimum(fmt.max * mids[:-1] / w, cap)
+    up_hi = np.minimum(fmt.max * mids[1:] / w, cap)
+    res = _series(pc, mu, sigma, p0, B, log_scale, ln_lo, ln_hi, up_lo, up_hi, valid, mode, ln_cap)
     # blocks whose scale rounds to zero encode as zeros
     ln_z = ln_t + math.log(fmt.max) + math.log(mids[0])
-    w0 = np.exp((B - 1) * _log_cdf_all(ln_z, mu, sigma, p0))
-    zp = integrate(_zero_pieces(), mu, sigma, np.zeros_like(mu), mode=mode, upper=np.exp(ln_z))
-    return res + w0[:, None] * zp
+    w0 = np.exp((B - 1) * _log_cdf_all(ln_z, mu, sigma, p0, ln_cap))
+    zp = integrate(_zero_pieces(), mu, sigma, np.zeros_like(mu), mode=mode,
+                   upper=np.exp(np.minimum(ln_z, ln_cap)))
+    return _given_max(res + w0[:, None] * zp, mu, sigma, ln_cap, mode, n_nonzero)
+
+
+def _given_max(res: np.ndarray, mu, sigma, ln_cap, mode: str, n_nonzero) -> np.ndarray:
+    """Integrals of the lognormal cut at ``exp(ln_cap)`` (not yet normalised) as the conditioned law's, and
+    with the maximum's own entry (error 0, neither flushed nor saturated) among ``n_nonzero``."""
+    za = (ln_cap - mu) / sigma
+    ln_mass = log_ndtr(za)
+    lt2 = log_ndtr(za - 2 * sigma)                  # ln E[x^2 1{x < a}] / E[x^2]
+    res = res.copy()
+    res[:, :4] /= np.exp(lt2 if mode == "relative" else ln_mass)[:, None]
+    res[:, 4:] /= np.exp(ln_mass)[:, None]
+    if n_nonzero is None:
+        return res
+    m = np.maximum(n_nonzero, 1.0)
+    if mode == "relative":                          # the maximum's share of sum(x^2)
+        ln_rest = np.log(m - 1 + 1e-300) + 2 * mu + 2 * sigma * sigma + lt2 - ln_mass
+        keep = 1.0 - 1.0 / (1.0 + np.exp(ln_rest - 2 * ln_cap))
+    else:
+        keep = 1.0 - 1.0 / m
+    res[:, :4] *= keep[:, None]
+    res[:, 4:] *= (1.0 - 1.0 / m)[:, None]
+    return res
 
 
 def _conditioned(pc: Pieces, mu, sigma, log_scale, mode, amax, n_nonzero) -> np.ndarray:
@@ -281,7 +320,7 @@ def integrals(fmt: FPFormat, mu, sigma, p0, log_scale, *, rounding: str, overflo
         if amax is None:
             return integrate(pc, mu, sigma, log_scale, mode=mode)
         return _conditioned(pc, mu, sigma, log_scale, mode, amax, n_nonzero)
-    return block_integrals(blocks, overflow, mu, sigma, p0, tensor_amax, mode)
+    return block_integrals(blocks, overflow, mu, sigma, p0, tensor_amax, mode, n_nonzero)
 
 
 def expected_error(
@@ -325,7 +364,8 @@ def expected_error(
         criterion: ``"mse"``, or ``"elementwise"``: the mean of ``((Q(g) - g)/g)**2`` over the
             non-zero entries (``relative`` must stay True).
         tensor_amax: for E4M3 (NVFP4) blocks, the tensor's largest magnitude (default: the median
-            maximum of ``numel`` entries, ``numel`` defaulting to 2**20).
+            maximum of ``numel`` entries, ``numel`` defaulting to 2**20). It sets the tensor scale and
+            conditions the law as ``amax`` does: no entry lies above it, and with ``numel`` one entry is it.
         amax: the tensor's largest magnitude, if known (per-tensor scales): predict the error of
             *this* tensor, given its maximum: one entry equals ``amax``, the other non-zero ones
             (``(1 - p0) numel - 1`` of them; infinitely many when ``numel`` is None) follow the
@@ -383,7 +423,7 @@ def expected_error(
     mode = "elementwise" if criterion == "elementwise" else ("relative" if relative else "absolute")
     res = integrals(fmt, mu_, s_, p0_, np.log(sc), rounding=rounding, overflow=overflow, mode=mode,
                     blocks=blocks, tensor_amax=tamax, amax=am,
-                    n_nonzero=None if (am is None or nn is None) else (1 - p0_) * nn)
+                    n_nonzero=None if (nn is None or (am is None and not e4m3)) else (1 - p0_) * nn)
     if block_size is None:
         bias = magnitude_bias(fmt, mu_, s_, np.log(sc), rounding=rounding, overflow=overflow, amax=am,
                               n_nonzero=None if (am is None or nn is None) else (1 - p0_) * nn)

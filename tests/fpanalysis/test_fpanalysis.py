@@ -608,3 +608,23 @@ def test_lognormal_prediction_of_many_layers_matches_quantized_samples():
             one = predict_one(FPFormat.parse(name), "nearest", float(mu[i]), float(sigma[i]), float(p0[i]), 0.0,
                               float(scale[i]))
             assert isinstance(one[0], float)
+
+
+@pytest.mark.parametrize("mu,sigma,n,seeds,each", [(-7.0, 1.5, 4096, 5, 0.2), (-7.0, 1.5, 2 ** 20, 3, 0.07),
+                                                    (-9.0, 1.0, 2 ** 16, 3, 0.07)])
+def test_nvfp4_error_given_the_tensor_maximum_matches_measurement(mu, sigma, n, seeds, each):
+    """NVFP4 conditioned on the tensor's largest magnitude (its tensor scale): predicted over measured on
+    iid lognormal tensors of 4k to 1M entries. Unconditioned, the lognormal's tail above the maximum
+    counted as saturated blocks: 0.164 predicted against 0.0067 measured at 4096 entries."""
+    ratios = []
+    for seed in range(seeds):
+        gen = torch.Generator().manual_seed(seed)
+        g = torch.exp(torch.randn(n, dtype=torch.float64, generator=gen) * sigma + mu).float()
+        g = g * torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+        p = fa.expected_error("nvfp4", mu=mu, sigma=sigma, numel=n, tensor_amax=float(g.abs().max()))
+        ratios.append(float(p.total) / fa.measured_error(g, "nvfp4", scale=None))
+        q = quantize(g, "nvfp4", tensor_amax=float(g.abs().max()))
+        flushed = float((q == 0).double().mean())
+        assert abs(float(p.flushed) - flushed) <= 5 * math.sqrt(flushed * (1 - flushed) / n) + 2e-3, (p.flushed, flushed)
+    assert all(abs(r - 1) <= each for r in ratios), ratios
+    assert abs(float(np.median(ratios)) - 1) <= 0.05, ratios
