@@ -261,13 +261,18 @@ def _predict_chunk(hist, top, max_abs, n, nz, fmt, tab, rounding, block_size, sc
         mi = np.clip(m - m0, 0, M - 1).reshape(R, W, -1)
         extra = (slice(None), slice(None)) + (None,) * (len(shape) - 2)
         fk = {k: full[k][extra] for k in range(3)}
-        vm = tab["vmax"] / np.exp2(m.astype(np.float64))                # the largest value, binade units
-        high = {"flushed": 0.0 * fk[0], "saturated": fk[0], "sq": vm * vm * fk[0] - 2 * vm * fk[1] + fk[2],
-                "signed": vm * fk[0] - fk[1]}                           # binades above it saturate whole
+        high = None
+        if block_size is None:     # a per-tensor scale: the binades above the largest value saturate whole
+            vm = tab["vmax"] / np.exp2(m.astype(np.float64))            # the largest value, binade units
+            high = {"flushed": 0.0 * fk[0], "saturated": fk[0], "sq": vm * vm * fk[0] - 2 * vm * fk[1] + fk[2],
+                    "signed": vm * fk[0] - fk[1]}
+        # (E8M0 blocks: an entry's binade lies above emax only beside a block maximum below it, whose
+        # weight is 0, or beyond float32's range)
         res = {}
         for q in _SUMS:
             tabbed = np.take_along_axis(Q[q], mi, axis=2).reshape(shape)
-            tabbed = np.where(m > tab["emax"], high[q], tabbed)
+            if high is not None:
+                tabbed = np.where(m > tab["emax"], high[q], tabbed)
             res[q] = np.where(m < m0, _deep(q, rounding, fk, m, u1), tabbed) * scale_of[q][extra]
         return res
 
