@@ -4,12 +4,15 @@ the largest ``|g|``, what-if fractions for chosen formats, and the ``log2|g|`` h
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
 
 from gradstats.stats import HIST_MIN_EXP, lognormal_moments, merge_stats
+
+if TYPE_CHECKING:
+    from gradstats.scheme import Scheme
 
 LN2 = math.log(2.0)
 #: the section every logged key is under (``gradstats/<layer>/<name>``), apart from the user's own keys
@@ -39,7 +42,7 @@ def merged_rows(stats: pd.DataFrame) -> list[tuple[int, str, dict[str, Any]]]:
     return out
 
 
-def scalars(stats: pd.DataFrame, *, formats: Sequence[Any] = (), block_size: Optional[int] = None,
+def scalars(stats: pd.DataFrame, *, formats: Sequence[Any] = (), granularity: Union[str, int, Scheme, None] = None,
             rounding: str = "nearest") -> pd.DataFrame:
     """Long table ``step, layer, tag, value``: ``mean_log2``, ``std_log2``, ``zero_fraction``,
     ``amax``, and for each format ``underflow/<fmt>`` and ``overflow/<fmt>``
@@ -62,7 +65,7 @@ def scalars(stats: pd.DataFrame, *, formats: Sequence[Any] = (), block_size: Opt
     if formats:
         from gradstats.fpanalysis.what_if import what_if_stats
 
-        w = what_if_stats(stats, formats, granularity=block_size, rounding=rounding)
+        w = what_if_stats(stats, formats, granularity=granularity, rounding=rounding)
         for r in w.itertuples():
             rows.append((int(r.step), r.layer, f"underflow/{r.format}", float(r.underflow)))
             rows.append((int(r.step), r.layer, f"overflow/{r.format}", float(r.overflow)))

@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 import pandas as pd
 
 from gradstats.integrations._metrics import check_formats, log2_histogram, merged_rows, run_stats, scalars, tag
+
+if TYPE_CHECKING:
+    from gradstats.scheme import Scheme
 
 __all__ = ["TensorBoardSink", "export_run"]
 
@@ -56,7 +59,8 @@ class TensorBoardSink:
         logdir: the TensorBoard log directory.
         formats: formats whose what-if underflow and overflow fractions are logged (names, a
             comma-separated string, or None).
-        block_size, rounding: of those what-if predictions (:func:`gradstats.what_if`).
+        granularity, rounding: of those what-if predictions (:func:`gradstats.what_if`: ``"mx"``,
+            ``"nvfp4"``, a block size, a scheme; None: one scale per tensor).
         kinds: which kinds of tensors (default the neural gradients).
         histograms: log the ``log2|g|`` histograms too.
         rank: only this rank writes (None: every rank, each into ``logdir/rank<R>``).
@@ -73,11 +77,11 @@ class TensorBoardSink:
     """
 
     def __init__(self, logdir: Union[str, os.PathLike[str]], *, formats: Union[str, Iterable[Any], None] = None,
-                 block_size: Optional[int] = None, rounding: str = "nearest", kinds: Sequence[str] = ("grad",),
+                 granularity: Union[str, int, Scheme, None] = None, rounding: str = "nearest", kinds: Sequence[str] = ("grad",),
                  histograms: bool = True, rank: Optional[int] = 0) -> None:
         self.logdir = os.fspath(logdir)
         self.formats = check_formats(formats)
-        self.block_size, self.rounding = block_size, rounding
+        self.granularity, self.rounding = granularity, rounding
         self.kinds, self.histograms, self.rank = tuple(kinds), histograms, rank
         self._writers: dict[int, Any] = {}
 
@@ -95,7 +99,7 @@ class TensorBoardSink:
         for r in ranks:
             part = stats[stats["rank"] == r]
             if len(part):
-                write_stats(self._writer_for(int(r)), part, formats=self.formats, block_size=self.block_size,
+                write_stats(self._writer_for(int(r)), part, formats=self.formats, granularity=self.granularity,
                             rounding=self.rounding, kinds=self.kinds, histograms=self.histograms)
                 self._writer_for(int(r)).flush()
 
@@ -108,7 +112,7 @@ class TensorBoardSink:
         return f"TensorBoardSink({self.logdir!r}, formats={self.formats})"
 
 
-def write_stats(writer: Any, stats: pd.DataFrame, *, formats: Sequence[str] = (), block_size: Optional[int] = None,
+def write_stats(writer: Any, stats: pd.DataFrame, *, formats: Sequence[str] = (), granularity: Union[str, int, Scheme, None] = None,
                 rounding: str = "nearest", kinds: Sequence[str] = ("grad",), histograms: bool = True) -> int:
     """Write statistics rows to a ``SummaryWriter``; returns the number of scalar values written."""
     n = 0
@@ -116,7 +120,7 @@ def write_stats(writer: Any, stats: pd.DataFrame, *, formats: Sequence[str] = ()
         part = stats[stats["kind"] == kind]
         if not len(part):
             continue
-        for r in scalars(part, formats=formats, block_size=block_size, rounding=rounding).itertuples():
+        for r in scalars(part, formats=formats, granularity=granularity, rounding=rounding).itertuples():
             writer.add_scalar(tag(kind, r.layer, r.tag), r.value, global_step=int(r.step))
             n += 1
         if histograms:
@@ -128,7 +132,7 @@ def write_stats(writer: Any, stats: pd.DataFrame, *, formats: Sequence[str] = ()
 
 
 def export_run(run: Any, logdir: Union[str, os.PathLike[str]], *, formats: Union[str, Iterable[Any], None] = None,
-               block_size: Optional[int] = None, rounding: str = "nearest", kinds: Sequence[str] = ("grad",),
+               granularity: Union[str, int, Scheme, None] = None, rounding: str = "nearest", kinds: Sequence[str] = ("grad",),
                layers: Union[None, str, Sequence[str]] = None, histograms: bool = True) -> int:
     """Write a run's statistics (every step, calls and ranks merged) into the TensorBoard log
     directory ``logdir``; returns the number of scalar values written. ``formats``: formats whose
@@ -136,7 +140,7 @@ def export_run(run: Any, logdir: Union[str, os.PathLike[str]], *, formats: Union
     r, st = run_stats(run, kinds, layers)
     w = _writer(logdir)
     try:
-        n = write_stats(w, st, formats=check_formats(formats), block_size=block_size, rounding=rounding,
+        n = write_stats(w, st, formats=check_formats(formats), granularity=granularity, rounding=rounding,
                         kinds=kinds, histograms=histograms)
     finally:
         w.close()

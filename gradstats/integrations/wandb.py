@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -47,6 +47,9 @@ from gradstats.integrations._metrics import (
     tag,
 )
 
+if TYPE_CHECKING:
+    from gradstats.scheme import Scheme
+
 __all__ = ["WandbSink", "log_run", "step_payloads"]
 
 log = logging.getLogger(__name__)
@@ -60,7 +63,7 @@ def _wandb() -> Any:
     return wandb
 
 
-def step_payloads(stats: pd.DataFrame, *, formats: Sequence[str] = (), block_size: Optional[int] = None,
+def step_payloads(stats: pd.DataFrame, *, formats: Sequence[str] = (), granularity: Union[str, int, Scheme, None] = None,
                   rounding: str = "nearest", kinds: Sequence[str] = ("grad",),
                   histograms: bool = True) -> dict[int, dict[str, Any]]:
     """``{step: {key: value}}`` as logged to W&B (without the ``gradstats/step`` key the sink adds);
@@ -79,7 +82,7 @@ def step_payloads(stats: pd.DataFrame, *, formats: Sequence[str] = (), block_siz
         part = stats[stats["kind"] == kind] if "kind" in stats else stats
         if not len(part):
             continue
-        for r in scalars(part, formats=formats, block_size=block_size, rounding=rounding).itertuples():
+        for r in scalars(part, formats=formats, granularity=granularity, rounding=rounding).itertuples():
             out.setdefault(int(r.step), {})[tag(kind, r.layer, r.tag)] = float(r.value)
         if histograms:
             wandb = _wandb()
@@ -111,14 +114,14 @@ class WandbSink:
     """
 
     def __init__(self, wandb_run: Any = None, *, formats: Union[str, Iterable[Any], None] = None,
-                 block_size: Optional[int] = None, rounding: str = "nearest", kinds: Sequence[str] = ("grad",),
+                 granularity: Union[str, int, Scheme, None] = None, rounding: str = "nearest", kinds: Sequence[str] = ("grad",),
                  histograms: bool = True, rank: Optional[int] = 0, max_pending: int = 10_000) -> None:
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 0:
             raise ValueError(f"max_pending must be an int >= 0 (steps kept while W&B cannot log them), "
                              f"got {max_pending!r}")
         self.wandb_run = wandb_run
         self.formats = check_formats(formats)
-        self.block_size, self.rounding, self.kinds = block_size, rounding, tuple(kinds)
+        self.granularity, self.rounding, self.kinds = granularity, rounding, tuple(kinds)
         self.histograms, self.rank, self.max_pending = histograms, rank, max_pending
         self._pending: dict[int, dict[str, Any]] = {}
         self._defined: set[int] = set()         # ids of the W&B runs gradstats' step metric is declared in
@@ -132,7 +135,7 @@ class WandbSink:
         if self.rank is not None:
             stats = stats[stats["rank"] == self.rank]
         if len(stats):
-            for step, payload in step_payloads(stats, formats=self.formats, block_size=self.block_size,
+            for step, payload in step_payloads(stats, formats=self.formats, granularity=self.granularity,
                                                rounding=self.rounding, kinds=self.kinds,
                                                histograms=self.histograms).items():
                 self._pending.setdefault(step, {}).update(payload)
@@ -181,7 +184,7 @@ class WandbSink:
 
 
 def log_run(run: Any, *, wandb_run: Any = None, formats: Union[str, Iterable[Any], None] = None,
-            block_size: Optional[int] = None, rounding: str = "nearest", kinds: Sequence[str] = ("grad",),
+            granularity: Union[str, int, Scheme, None] = None, rounding: str = "nearest", kinds: Sequence[str] = ("grad",),
             layers: Union[None, str, Sequence[str]] = None, histograms: bool = True, **init: Any) -> Any:
     """Log a run's statistics, step by step, into W&B: into ``wandb_run`` if given (left open),
     else into a new run started with ``wandb.init(**init)`` (``project=``, ``mode=``, ``dir=``,
@@ -193,7 +196,7 @@ def log_run(run: Any, *, wandb_run: Any = None, formats: Union[str, Iterable[Any
         init.setdefault("config", {"gradstats_run": os.fspath(r.path), "model_class": r.manifest.get("model_class")})
         wandb_run = wandb.init(**init)
     try:
-        sink = WandbSink(wandb_run, formats=formats, block_size=block_size, rounding=rounding, kinds=kinds,
+        sink = WandbSink(wandb_run, formats=formats, granularity=granularity, rounding=rounding, kinds=kinds,
                          histograms=histograms, rank=None)
         sink.write(st)
         sink.close()

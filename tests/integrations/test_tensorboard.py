@@ -143,3 +143,25 @@ def test_the_command_line(tmp_path, capsys):
     acc = _read(tmp_path / "tb")
     assert "gradstats/0/underflow/e5m2" in acc.Tags()["scalars"] and not acc.Tags()["histograms"]
     assert main(["tensorboard", str(run.path), "--logdir", str(tmp_path / "x"), "--layers", "nope"]) == 2
+
+
+def test_block_scaled_what_if_columns_take_what_what_if_takes(tmp_path, capsys):
+    """``granularity=`` of the sinks and ``--granularity``/``--block`` of the command are what-if's: the logged
+    underflow is ``what_if``'s at the same granularity (MX blocks here), and differs from the per-tensor one."""
+    from gradstats.cli import main
+
+    run = _train(tmp_path / "run", steps=2)
+    export_run(run, tmp_path / "mx", formats="e2m1fn", granularity="mx", histograms=False)
+    w = gradstats.what_if(run, "e2m1fn", granularity="mx").set_index(["step", "layer"])
+    under = {e.step: e.value for e in _read(tmp_path / "mx").Scalars("gradstats/2/underflow/e2m1fn")}
+    assert math.isclose(under[1], w.loc[(1, "2"), "underflow"], rel_tol=1e-6, abs_tol=1e-7)
+    per_tensor = gradstats.what_if(run, "e2m1fn").set_index(["step", "layer"]).loc[(1, "2"), "underflow"]
+    assert not math.isclose(under[1], per_tensor, rel_tol=1e-3)
+    assert main(["tensorboard", str(run.path), "--logdir", str(tmp_path / "cli"), "--formats", "e2m1fn",
+                 "--block", "32", "--no-histograms"]) == 0
+    cli = {e.step: e.value for e in _read(tmp_path / "cli").Scalars("gradstats/2/underflow/e2m1fn")}
+    assert cli == pytest.approx(under, rel=1e-6)
+    capsys.readouterr()
+    assert main(["tensorboard", str(run.path), "--logdir", str(tmp_path / "y"), "--granularity", "mx",
+                 "--block", "32"]) == 2
+    assert "not both" in capsys.readouterr().err
