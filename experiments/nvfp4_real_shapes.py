@@ -16,7 +16,6 @@ fraction of non-zero entries flushed to zero, predicted and measured.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -94,7 +93,7 @@ def predicted(fa, g: torch.Tensor) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", default=str(ROOT), help="the checkout whose package predicts and quantises")
-    args = ap.parse_args(argv)
+    ap.parse_args(argv)
     print(f"gradstats from {Path(gradstats.__file__).parent}")
     data = workloads()
     print("| model | layer | shape | blocks along | predicted | measured | ratio | flushed pred. | flushed meas. |")
