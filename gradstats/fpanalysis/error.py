@@ -229,32 +229,12 @@ def block_integrals(s: Scheme, overflow: str, mu, sigma, p0, tensor_amax, mode: 
     return _given_max(res + w0[:, None] * zp, mu, sigma, ln_cap, mode, n_nonzero)
 
 
-def _given_max(res: np.ndarray, mu, sigma, ln_cap, mode: str, n_nonzero) -> np.ndarray:
-    """Integrals of the lognormal cut at ``exp(ln_cap)`` (not yet normalised) as the conditioned law's, and
-    with the maximum's own entry (error 0, neither flushed nor saturated) among ``n_nonzero``."""
-    za = (ln_cap - mu) / sigma
-    ln_mass = log_ndtr(za)
-    lt2 = log_ndtr(za - 2 * sigma)                  # ln E[x^2 1{x < a}] / E[x^2]
-    res = res.copy()
-    res[:, :4] /= np.exp(lt2 if mode == "relative" else ln_mass)[:, None]
-    res[:, 4:] /= np.exp(ln_mass)[:, None]
-    if n_nonzero is None:
-        return res
-    m = np.maximum(n_nonzero, 1.0)
-    if mode == "relative":                          # the maximum's share of sum(x^2)
-        ln_rest = np.log(m - 1 + 1e-300) + 2 * mu + 2 * sigma * sigma + lt2 - ln_mass
-        keep = 1.0 - 1.0 / (1.0 + np.exp(ln_rest - 2 * ln_cap))
-    else:
-        keep = 1.0 - 1.0 / m
-    res[:, :4] *= keep[:, None]
-    res[:, 4:] *= (1.0 - 1.0 / m)[:, None]
-    return res
-
-
-def _conditioned(pc: Pieces, mu, sigma, log_scale, mode, amax, n_nonzero) -> np.ndarray:
-    """Per non-zero entry, given the maximum ``amax``: the truncated lognormal, plus the atom."""
-    res = integrate(pc, mu, sigma, log_scale, mode=mode, upper=amax * np.exp(log_scale))
-    za = (np.log(amax) - mu) / sigma
+def _given_max(res: np.ndarray, mu, sigma, ln_amax, mode: str, n_nonzero, atom=None) -> np.ndarray:
+    """Integrals of the lognormal cut at the tensor's maximum ``exp(ln_amax)`` (``res``, per non-zero entry,
+    not yet normalised; modified) as those of the law conditioned on it: the entries below it follow the
+    truncated lognormal, and one of the ``n_nonzero`` (None: infinitely many) is the maximum, whose error
+    parts and fractions are ``atom`` (None: exact, neither flushed nor saturated)."""
+    za = (ln_amax - mu) / sigma
     mass = ndtr(za)
     lt2 = log_ndtr(za - 2 * sigma)  # ln E[x^2 1{x < a}] / E[x^2]
     res[:, :4] /= np.exp(lt2)[:, None] if mode == "relative" else mass[:, None]
@@ -262,19 +242,28 @@ def _conditioned(pc: Pieces, mu, sigma, log_scale, mode, amax, n_nonzero) -> np.
     if n_nonzero is None:
         return res
     m = np.maximum(n_nonzero, 1.0)
-    ya = amax * np.exp(log_scale)
-    pt = point(pc, ya)
     if mode == "relative":
         # weight of the maximum in sum(x^2): a^2 / (a^2 + (m - 1) E[x^2 | x < a])
         ln_rest = np.log(m - 1 + 1e-300) + 2 * mu + 2 * sigma * sigma + lt2 - np.log(mass)
-        w = 1.0 / (1.0 + np.exp(ln_rest - 2 * np.log(amax)))
-        pt_err = pt[:, :4] / (ya * ya)[:, None]
+        w = 1.0 / (1.0 + np.exp(ln_rest - 2 * ln_amax))
     else:
         w = 1.0 / m
-        pt_err = pt[:, :4] / ((ya * ya)[:, None] if mode == "elementwise" else np.exp(2 * log_scale)[:, None])
-    res[:, :4] = w[:, None] * pt_err + (1 - w)[:, None] * res[:, :4]
-    res[:, 4:] = pt[:, 4:] / m[:, None] + (1 - 1 / m)[:, None] * res[:, 4:]
+    err_a, frac_a = atom if atom is not None else (0.0, 0.0)
+    res[:, :4] = w[:, None] * err_a + (1 - w)[:, None] * res[:, :4]
+    res[:, 4:] = frac_a / m[:, None] + (1 - 1 / m)[:, None] * res[:, 4:]
     return res
+
+
+def _conditioned(pc: Pieces, mu, sigma, log_scale, mode, amax, n_nonzero) -> np.ndarray:
+    """Per non-zero entry, given the maximum ``amax``: the truncated lognormal, plus the atom."""
+    ya = amax * np.exp(log_scale)
+    res = integrate(pc, mu, sigma, log_scale, mode=mode, upper=ya)
+    atom = None
+    if n_nonzero is not None:
+        pt = point(pc, ya)
+        den = np.exp(2 * log_scale) if mode == "absolute" else ya * ya
+        atom = (pt[:, :4] / den[:, None], pt[:, 4:])
+    return _given_max(res, mu, sigma, np.log(amax), mode, n_nonzero, atom)
 
 
 def magnitude_bias(fmt: FPFormat, mu, sigma, log_scale, *, rounding: str, overflow: str,
