@@ -390,7 +390,8 @@ def best_format(
             errs[:, i], scales[:, i] = e, np.exp2(j)
         else:
             r = integrals(f, mu_, s_, p0_, np.zeros_like(mu_), rounding=rounding, overflow="saturate", mode=mode,
-                          blocks=layout.replace(element=f, rounding=rounding), tensor_amax=tamax)
+                          blocks=layout.replace(element=f, rounding=rounding), tensor_amax=tamax,
+                          n_nonzero=None if nn is None else (1 - p0_) * nn)
             errs[:, i] = r[:, :4].sum(axis=1)
     order = np.argsort(errs, axis=1, kind="stable")
     rs = lambda a: a.reshape(*shape, k)  # noqa: E731

@@ -317,7 +317,7 @@ def _plans(run: Any, *, bits: Sequence[int], sparsity: float | str | None, granu
             # this condition the MSE-optimal scale of a wide layer chases it and flushes every real value
             res = fpanalysis.best_format(b, mu=mom.mu, sigma=mom.sigma, p0=mom.p0, candidates=s.candidates_of(b),
                                          granularity=s.layout, rounding=b_round, names=mom.layers,
-                                         **({} if block_size is not None else {"amax": mom.amax, "numel": mom.numel}))
+                                         numel=mom.numel, **({} if block_size is not None else {"amax": mom.amax}))
             fmts = res.format if isinstance(res.format, list) else [res.format]    # one layer: a scalar
             scales, errors = (np.atleast_1d(np.asarray(v, dtype=np.float64)) for v in (res.scale, res.error))
         # the plan: the shared settings as defaults, one entry per layer with what it was predicted to do
