@@ -177,11 +177,11 @@ def block_integrals(s: Scheme, overflow: str, mu, sigma, p0, tensor_amax, mode: 
     """``(N, 7)`` integrals (as :func:`._pieces.integrate`) under the block-scaled scheme ``s`` (its element
     format, rounding, block size and block-scale rule).
 
-    E4M3 block scales under a tensor scale (NVFP4) are conditioned on the tensor's largest magnitude
-    ``tensor_amax``, as :func:`integrals` conditions a per-tensor scale on ``amax``: the entries follow the
-    lognormal truncated there (no block holds a value above the tensor's maximum, so none saturates
-    beyond it), and one of the ``n_nonzero`` entries (None: infinitely many) is the maximum itself,
-    which its block's scale represents exactly."""
+    Given the tensor's largest magnitude ``tensor_amax`` (always with E4M3 block scales under a tensor scale,
+    NVFP4, whose tensor scale it sets; MX where given) the law is conditioned on it, as :func:`integrals`
+    conditions a per-tensor scale on ``amax``: the entries follow the lognormal truncated there (no block
+    holds a value above the tensor's maximum), and one of the ``n_nonzero`` entries (None: infinitely many)
+    is the maximum itself, which sets its block's scale (NVFP4 represents it exactly)."""
     fmt, B = s.element, s.block_size
     pc = build(fmt, s.rounding, overflow)
     tilt = 2 * sigma if mode == "relative" else 0.0
@@ -203,7 +203,21 @@ def block_integrals(s: Scheme, overflow: str, mu, sigma, p0, tensor_amax, mode: 
         ln_hi = np.where(kk >= 127, np.inf, ln_hi)
         up_hi = np.where(kk >= 127, np.inf, up_hi)
         up_lo = np.where(kk <= -127, 0.0, up_lo)
-        return _series(pc, mu, sigma, p0, B, -kk * P.LN2, ln_lo, ln_hi, up_lo, up_hi, valid, mode)
+        if tensor_amax is None:
+            return _series(pc, mu, sigma, p0, B, -kk * P.LN2, ln_lo, ln_hi, up_lo, up_hi, valid, mode)
+        ln_cap = np.log(tensor_amax)              # given the tensor's maximum: the law cut there
+        cap = np.exp(ln_cap[:, None] - kk * P.LN2)
+        valid = valid & (ln_lo < ln_cap[:, None])
+        res = _series(pc, mu, sigma, p0, B, -kk * P.LN2, ln_lo, ln_hi, np.minimum(up_lo, cap),
+                      np.minimum(up_hi, cap), valid, mode, ln_cap)
+        atom = None
+        if n_nonzero is not None:                 # the maximum sets its block's scale: its own rounding
+            k_max = np.clip(np.floor(ln_cap / P.LN2) - emax, -127, 127)
+            ya = np.exp(ln_cap - k_max * P.LN2)
+            pt = point(pc, ya)
+            den = np.exp(-2 * k_max * P.LN2) if mode == "absolute" else ya * ya
+            atom = (pt[:, :4] / den[:, None], pt[:, 4:])
+        return _given_max(res, mu, sigma, ln_cap, mode, n_nonzero, atom)
     # NVFP4 style: e4m3fn block scale times a float32 tensor scale
     e4 = s.scale_format
     w = e4.values().numpy()
@@ -352,9 +366,10 @@ def expected_error(
             non-finite are excluded from ``total`` and reported in ``nonfinite``).
         criterion: ``"mse"``, or ``"elementwise"``: the mean of ``((Q(g) - g)/g)**2`` over the
             non-zero entries (``relative`` must stay True).
-        tensor_amax: for E4M3 (NVFP4) blocks, the tensor's largest magnitude (default: the median
-            maximum of ``numel`` entries, ``numel`` defaulting to 2**20). It sets the tensor scale and
-            conditions the law as ``amax`` does: no entry lies above it, and with ``numel`` one entry is it.
+        tensor_amax: with block scales, the tensor's largest magnitude: it conditions the law as ``amax``
+            does (no entry lies above it, and with ``numel`` one entry is it); for E4M3 (NVFP4) blocks it
+            also sets the tensor scale, and defaults to the median maximum of ``numel`` entries (``numel``
+            defaulting to 2**20); MX without it: unconditioned.
         amax: the tensor's largest magnitude, if known (per-tensor scales): predict the error of
             *this* tensor, given its maximum: one entry equals ``amax``, the other non-zero ones
             (``(1 - p0) numel - 1`` of them; infinitely many when ``numel`` is None) follow the
@@ -390,8 +405,10 @@ def expected_error(
         raise ValueError("pass either scale or a block-scaled format (block scales follow the block maxima), not both")
     if amax is not None and block_size is not None:
         raise ValueError("amax conditions a per-tensor scale; with blocks use tensor_amax (NVFP4 style)")
+    if tensor_amax is not None and block_size is None:
+        raise ValueError("tensor_amax is the tensor's maximum under block scales; with a per-tensor scale pass amax")
     extra = [("scale", 1.0 if scale is None else scale)]
-    if e4m3 and tensor_amax is not None:
+    if tensor_amax is not None:
         extra.append(("tensor_amax", tensor_amax))
     if amax is not None:
         extra.append(("amax", amax))
@@ -402,17 +419,16 @@ def expected_error(
     if block_size is None:
         P.check_scale(sc)
     tamax = None
-    if e4m3:
-        if tensor_amax is not None:
-            tamax = arrs[4]
-            if not (np.isfinite(tamax) & (tamax > 0)).all():
-                raise ValueError("tensor_amax must be positive and finite")
-        else:
-            tamax = default_tensor_amax(mu_, s_, p0_, 2.0 ** 20 if nn is None else nn)
+    if tensor_amax is not None:
+        tamax = arrs[4]
+        if not (np.isfinite(tamax) & (tamax > 0)).all():
+            raise ValueError("tensor_amax must be positive and finite")
+    elif e4m3:
+        tamax = default_tensor_amax(mu_, s_, p0_, 2.0 ** 20 if nn is None else nn)
     mode = "elementwise" if criterion == "elementwise" else ("relative" if relative else "absolute")
     res = integrals(fmt, mu_, s_, p0_, np.log(sc), rounding=rounding, overflow=overflow, mode=mode,
                     blocks=blocks, tensor_amax=tamax, amax=am,
-                    n_nonzero=None if (nn is None or (am is None and not e4m3)) else (1 - p0_) * nn)
+                    n_nonzero=None if (nn is None or (am is None and tamax is None)) else (1 - p0_) * nn)
     if block_size is None:
         bias = magnitude_bias(fmt, mu_, s_, np.log(sc), rounding=rounding, overflow=overflow, amax=am,
                               n_nonzero=None if (am is None or nn is None) else (1 - p0_) * nn)
