@@ -1,4 +1,4 @@
-"""NVFP4's predicted error beside the measured one on real layers' output gradients.
+"""NVFP4's (or MX's) predicted error beside the measured one on real layers' output gradients.
 
 For a MobileNetV2-style CNN's convolutions (Fashion-MNIST, batch 64), a ``transformers`` GPT-NeoX's fused
 q/k/v projection and MLP (tiny config, 16 windows of 64 Shakespeare characters) and the character
@@ -9,7 +9,7 @@ tensor's own maximum, against the relative MSE ``gradstats.prune_quantize`` meas
 apply quantises it (blocks along the channels, :func:`gradstats.ops.layout.channel_dim`), and the
 fraction of non-zero entries flushed to zero, predicted and measured.
 
-    python experiments/nvfp4_real_shapes.py [--tree DIR]
+    python experiments/nvfp4_real_shapes.py [--scheme nvfp4|mxfp4] [--tree DIR]
 
 ``--tree DIR``: the package of another checkout (``git worktree add``) predicts and quantises instead.
 """
@@ -79,13 +79,13 @@ def workloads() -> dict[str, dict[str, tuple[torch.Tensor, str]]]:
     return out
 
 
-def predicted(fa, g: torch.Tensor) -> tuple[float, float]:
+def predicted(fa, g: torch.Tensor, scheme: str) -> tuple[float, float]:
     """``(relative MSE, flushed fraction of the non-zero entries)`` the lognormal fit predicts."""
     a = g.double().abs().reshape(-1)
     nz = a[a > 0]
     ln = nz.log()
     p0 = 1 - nz.numel() / a.numel()
-    r = fa.expected_error("nvfp4", mu=float(ln.mean()), sigma=float(ln.std()), p0=p0, numel=a.numel(),
+    r = fa.expected_error(scheme, mu=float(ln.mean()), sigma=float(ln.std()), p0=p0, numel=a.numel(),
                           tensor_amax=float(a.max()))
     return float(r.total), float(r.flushed) / max(1 - p0, 1e-12)
 
@@ -93,7 +93,8 @@ def predicted(fa, g: torch.Tensor) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", default=str(ROOT), help="the checkout whose package predicts and quantises")
-    ap.parse_args(argv)
+    ap.add_argument("--scheme", default="nvfp4", choices=["nvfp4", "mxfp4"])
+    args = ap.parse_args(argv)
     print(f"gradstats from {Path(gradstats.__file__).parent}")
     data = workloads()
     print("| model | layer | shape | blocks along | predicted | measured | ratio | flushed pred. | flushed meas. |")
@@ -103,11 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, (g, typ) in grads.items():
             dim = channel_dim(typ, g.dim())
             amax = float(g.abs().max())
-            q, _ = gradstats.ops.prune_quantize(g.float(), 0.0, "nvfp4", block_dim=dim, tensor_amax=amax)
+            q, _ = gradstats.ops.prune_quantize(g.float(), 0.0, args.scheme, block_dim=dim,
+                                                **({"tensor_amax": amax} if args.scheme == "nvfp4" else {}))
             err = float(((q.double() - g.double()) ** 2).sum() / (g.double() ** 2).sum())
             nz = g != 0
             fl = float(((q == 0) & nz).sum() / nz.sum())
-            pe, pf = predicted(fa, g)
+            pe, pf = predicted(fa, g, args.scheme)
             ratios.append(pe / err)
             print(f"| {model} | {name} | {tuple(g.shape)} | {dim} | {pe:.4f} | {err:.4f} | {pe / err:.2f} "
                   f"| {pf:.3f} | {fl:.3f} |", flush=True)
