@@ -3,11 +3,13 @@
 For a MobileNetV2-style CNN's convolutions (Fashion-MNIST, batch 64), a ``transformers`` GPT-NeoX's fused
 q/k/v projection and MLP (tiny config, 16 windows of 64 Shakespeare characters) and the character
 LSTM's recurrent layer (its output gradient, batch 32): one backward pass after 20 training steps,
-each layer's output gradient captured. Per layer: the lognormal fit of its non-zero magnitudes (mu,
-sigma of ``ln|g|``, the zero fraction), ``expected_error("nvfp4", ..., numel=, tensor_amax=)`` at the
-tensor's own maximum, against the relative MSE ``gradstats.prune_quantize`` measures on the gradient as
-apply quantises it (blocks along the channels, :func:`gradstats.ops.layout.channel_dim`), and the
-fraction of non-zero entries flushed to zero, predicted and measured.
+each layer's output gradient captured. Per layer, the relative MSE and the fraction of the non-zero
+entries flushed to zero: predicted by the lognormal fit of its non-zero magnitudes (mu, sigma of
+``ln|g|``, the zero fraction: ``expected_error(scheme, ..., numel=, tensor_amax=)`` at the tensor's own
+maximum) and by ``what_if``'s histogram law (``predict_from_stats`` of its statistics row); measured by
+``gradstats.prune_quantize`` on the gradient as apply quantises it (blocks along the channels,
+:func:`gradstats.ops.layout.channel_dim`), and on the same entries shuffled (exchangeable blocks, which
+both predictions assume).
 
     python experiments/nvfp4_real_shapes.py [--scheme nvfp4|mxfp4] [--tree DIR]
 
@@ -32,6 +34,7 @@ sys.path.insert(1, str(ROOT / "bench"))
 import gradstats  # noqa: E402
 import gradstats.fpanalysis as fa  # noqa: E402
 from gradstats.ops.layout import channel_dim  # noqa: E402
+from gradstats.stats import tensor_stats  # noqa: E402
 
 
 def captured(model: nn.Module, names: list[str], batches: list, loss_fn) -> dict[str, tuple[torch.Tensor, str]]:
@@ -97,24 +100,31 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     print(f"gradstats from {Path(gradstats.__file__).parent}")
     data = workloads()
-    print("| model | layer | shape | blocks along | predicted | measured | ratio | flushed pred. | flushed meas. |")
-    print("|---" * 9 + "|")
+    print("| model | layer | shape | blocks along | rel. MSE: lognormal | what-if | measured | shuffled "
+          "| flushed: lognormal | what-if | measured | shuffled |")
+    print("|---" * 12 + "|")
     ratios = []
+    gen = torch.Generator().manual_seed(0)
     for model, grads in data.items():
         for name, (g, typ) in grads.items():
             dim = channel_dim(typ, g.dim())
             amax = float(g.abs().max())
-            q, _ = gradstats.ops.prune_quantize(g.float(), 0.0, args.scheme, block_dim=dim,
-                                                **({"tensor_amax": amax} if args.scheme == "nvfp4" else {}))
-            err = float(((q.double() - g.double()) ** 2).sum() / (g.double() ** 2).sum())
+            kw = {"tensor_amax": amax} if args.scheme == "nvfp4" else {}
             nz = g != 0
-            fl = float(((q == 0) & nz).sum() / nz.sum())
+            cells = []
+            for x, d in ((g.float(), dim), (g.float().reshape(-1)[torch.randperm(g.numel(), generator=gen)], -1)):
+                q, _ = gradstats.ops.prune_quantize(x, 0.0, args.scheme, block_dim=d, **kw)
+                err = float(((q.double() - x.double()) ** 2).sum() / (x.double() ** 2).sum())
+                cells.append((err, float(((q == 0) & (x != 0)).sum() / nz.sum())))
+            (err, fl), (err_s, fl_s) = cells
             pe, pf = predicted(fa, g, args.scheme)
+            w = fa.predict_from_stats(dict(tensor_stats(g.float())), args.scheme)
+            we, wf = w["rel_mse"], w["underflow"] * g.numel() / float(nz.sum())
             ratios.append(pe / err)
-            print(f"| {model} | {name} | {tuple(g.shape)} | {dim} | {pe:.4f} | {err:.4f} | {pe / err:.2f} "
-                  f"| {pf:.3f} | {fl:.3f} |", flush=True)
+            print(f"| {model} | {name} | {tuple(g.shape)} | {dim} | {pe:.4f} | {we:.4f} | {err:.4f} | {err_s:.4f} "
+                  f"| {pf:.3f} | {wf:.3f} | {fl:.3f} | {fl_s:.3f} |", flush=True)
     ratios.sort()
-    print(f"\npredicted / measured ({len(ratios)} layers): median {ratios[len(ratios) // 2]:.2f}, "
+    print(f"\nlognormal rel. MSE predicted / measured ({len(ratios)} layers): median {ratios[len(ratios) // 2]:.2f}, "
           f"range {ratios[0]:.2f}-{ratios[-1]:.2f}")
     return 0
 
