@@ -52,6 +52,22 @@ def granularity_arg(text: str) -> str | int:
     return g
 
 
+def add_what_if_granularity(p: argparse.ArgumentParser, what: str) -> None:
+    """``--granularity NAME|N`` and its shorthand ``--block N`` for the what-if predictions of a command
+    (read back by :func:`what_if_granularity`)."""
+    p.add_argument("--granularity", type=granularity_arg, default=None, metavar="NAME|N",
+                   help=f"where {what} scales live: tensor (default), mx (blocks of 32, E8M0 scales), "
+                        "nvfp4 (blocks of 16, E4M3 scales) or a block size N (E8M0 scales)")
+    p.add_argument("--block", type=int, default=None, metavar="N", help="the same as --granularity N")
+
+
+def what_if_granularity(args: argparse.Namespace) -> str | int | None:
+    """The granularity :func:`add_what_if_granularity`'s options give (a ``ValueError`` for both)."""
+    if args.granularity is not None and args.block is not None:
+        raise ValueError("give --granularity or --block (its shorthand for blocks of N), not both")
+    return args.granularity if args.block is None else args.block
+
+
 def _one_of(source: Callable[[], Iterable[str]], what: str) -> Callable[[str], str]:
     """An argument type that accepts the names ``source()`` lists (imported when the option is given,
     so that ``--help`` imports nothing heavy) and refuses any other, naming them."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gradstats.cli.recommend import granularity_arg
+from gradstats.cli.recommend import add_what_if_granularity, what_if_granularity
 from gradstats.formats import PREDICTED_ROUNDINGS
 from gradstats.scheme import E4M3, PRESETS, scale_format_of
 
@@ -16,10 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--formats", default="e4m3fn,e5m2,e2m1fn",
                    help=f"comma-separated format names or schemes (presets {', '.join(PRESETS)} bring their own "
                         "blocks; default e4m3fn,e5m2,e2m1fn)")
-    p.add_argument("--granularity", type=granularity_arg, default=None, metavar="NAME|N",
-                   help="where the plain formats' scales live: tensor (default), mx (blocks of 32, E8M0 scales), "
-                        "nvfp4 (blocks of 16, E4M3 scales) or a block size N (E8M0 scales)")
-    p.add_argument("--block", type=int, default=None, metavar="N", help="the same as --granularity N")
+    add_what_if_granularity(p, "the plain formats'")
     p.add_argument("--rounding", default="nearest", choices=list(PREDICTED_ROUNDINGS))
     p.add_argument("--layers", nargs="*", default=None, help="names or globs (default every layer)")
     p.add_argument("--steps", type=int, nargs="*", default=None, help="steps (default every step)")
@@ -33,10 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     import gradstats
 
-    if args.granularity is not None and args.block is not None:
-        raise ValueError("give --granularity or --block (its shorthand for blocks of N), not both")
-    granularity = args.granularity if args.block is None else args.block
-    df = gradstats.what_if(args.run, args.formats, granularity=granularity, rounding=args.rounding,
+    df = gradstats.what_if(args.run, args.formats, granularity=what_if_granularity(args), rounding=args.rounding,
                            steps=args.steps, layers=args.layers)
     per_layer = (df.groupby(["layer", "format"], sort=False)[["underflow", "overflow", "rel_mse", "bias"]]
                  .median().reset_index())
