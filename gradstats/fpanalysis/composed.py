@@ -478,19 +478,15 @@ def _predict_lognormal(B: S.Backend, fmt: Optional[FPFormat], rounding: str, mu:
     # relative to the whole E[y^2]; cut at the maximum and at the threshold where they cut
     res = integrate(pc, mu_, s_, ls_, upper=ym_ if B.any_(cond) else None, lower=A_ if B.any_(pruned) else None)
     # the single values: the threshold (values below it rounded up to it) and the maximum
-    e_a = eq_a = fl_a = sa_a = e_m = fl_m = sa_m = 0.0
     if one:
         kept, (uf_t, sat_t) = float(np.add.reduce(res[0, :_N_ERR])), res[0, _N_ERR:_N_ERR + 2].tolist()
-        if pruned:
-            (e_a, fl_a, sa_a), eq_a = _at(pc, A), _mean_q(fmt, rounding, A)
-        if atom:
-            e_m, fl_m, sa_m = _at(pc, y_a)
     else:
         kept, uf_t, sat_t = np.add.reduce(res[:, :_N_ERR], axis=-1), res[:, _N_ERR], res[:, _N_ERR + 1]
-        if B.any_(pruned):
-            (e_a, fl_a, sa_a), eq_a = _at(pc, A), _mean_q(fmt, rounding, A)
-        if B.any_(atom):
-            e_m, fl_m, sa_m = _at(pc, y_a)
+    e_a = eq_a = fl_a = sa_a = e_m = fl_m = sa_m = 0.0
+    if B.any_(pruned):
+        (e_a, fl_a, sa_a), eq_a = _at(pc, A), _mean_q(fmt, rounding, A)
+    if B.any_(atom):
+        e_m, fl_m, sa_m = _at(pc, y_a)
     eq2_a = e_a + 2 * A * eq_a - A * A                                      # E[Q(A)^2]
     mass = B.exp(ln_mass)
     err_t = kept * B.exp(ln_e2) / mass                                      # kept, E[err 1{A<=y<ym}]
