@@ -213,10 +213,7 @@ def block_integrals(s: Scheme, overflow: str, mu, sigma, p0, tensor_amax, mode: 
         atom = None
         if n_nonzero is not None:                 # the maximum sets its block's scale: its own rounding
             k_max = np.clip(np.floor(ln_cap / P.LN2) - emax, -127, 127)
-            ya = np.exp(ln_cap - k_max * P.LN2)
-            pt = point(pc, ya)
-            den = np.exp(-2 * k_max * P.LN2) if mode == "absolute" else ya * ya
-            atom = (pt[:, :4] / den[:, None], pt[:, 4:])
+            atom = _atom(pc, tensor_amax, -k_max * P.LN2, mode)
         return _given_max(res, mu, sigma, ln_cap, mode, n_nonzero, atom)
     # NVFP4 style: e4m3fn block scale times a float32 tensor scale
     e4 = s.scale_format
@@ -272,12 +269,17 @@ def _conditioned(pc: Pieces, mu, sigma, log_scale, mode, amax, n_nonzero) -> np.
     """Per non-zero entry, given the maximum ``amax``: the truncated lognormal, plus the atom."""
     ya = amax * np.exp(log_scale)
     res = integrate(pc, mu, sigma, log_scale, mode=mode, upper=ya)
-    atom = None
-    if n_nonzero is not None:
-        pt = point(pc, ya)
-        den = np.exp(2 * log_scale) if mode == "absolute" else ya * ya
-        atom = (pt[:, :4] / den[:, None], pt[:, 4:])
+    atom = None if n_nonzero is None else _atom(pc, amax, log_scale, mode)
     return _given_max(res, mu, sigma, np.log(amax), mode, n_nonzero, atom)
+
+
+def _atom(pc: Pieces, amax, log_scale, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """The tensor's maximum ``amax`` quantised at the scale ``exp(log_scale)``: its error parts, in the
+    units of ``mode`` (per ``amax**2``; absolute: per unit), and its fractions (:func:`_given_max`'s atom)."""
+    ya = amax * np.exp(log_scale)
+    pt = point(pc, ya)
+    den = np.exp(2 * log_scale) if mode == "absolute" else ya * ya
+    return pt[:, :4] / den[:, None], pt[:, 4:]
 
 
 def magnitude_bias(fmt: FPFormat, mu, sigma, log_scale, *, rounding: str, overflow: str,
