@@ -4,9 +4,11 @@ runs in the backward pass.
 ``prune_quantize(x, threshold, fmt, ...)`` is ``quantize(stochastic_prune(x, threshold), fmt)``
 with the counts a training log needs (zeros, entries pruned, entries flushed to zero by
 rounding, entries saturated, non-finite inputs) and, over the finite entries, the sums that give
-the call's magnitude gain ``<out, g> / <g, g>``, its relative error and magnitude bias. On the CPU one fused C kernel (:mod:`gradstats.ops.native`) does
-it in a single pass over the data; block scaling, other devices, and machines without a C
-compiler go through :func:`gradstats.ops.stochastic_prune` and :func:`gradstats.quantize`;
+the call's magnitude gain ``<out, g> / <g, g>``, its relative error and magnitude bias. On the CPU fused C
+kernels (:mod:`gradstats.ops.native`) do it in a single pass over the data, for per-tensor scales and for
+block scales (MX, NVFP4; a first pass finds NVFP4's tensor maximum unless ``tensor_amax`` is given); the
+Hadamard recipe, other devices, and machines without a C compiler go through
+:func:`gradstats.ops.stochastic_prune` and :func:`gradstats.quantize`;
 on the Triton engine (CUDA) one kernel does it for per-tensor scales (:mod:`gradstats.ops.triton.fused`)
 and one for block scales, MX and NVFP4 with its Hadamard recipe (:mod:`gradstats.ops.triton.blocks`).
 All draw their random bits from the one stream of
@@ -169,17 +171,20 @@ def _path(x: torch.Tensor, s: Optional[Scheme], scale: Any, block_dim: int) -> s
     """The one place where a call of :func:`prune_quantize` or :func:`prune_quantize_into` is given its engine's
     path (a key of :data:`_PATHS`): one Triton pass over ``x`` (block scales: :mod:`gradstats.ops.triton.blocks`;
     a per-tensor scale: :mod:`gradstats.ops.triton.fused`) where the engine is Triton and the kernel covers
-    the call, the fused C kernel (``"native"``, per-tensor scales, float32) where it is native, and the
-    operators one after the other (``"composed"``) elsewhere. A scale on the device is not read back to be
-    checked (the caller made it positive)."""
+    the call, the fused C kernels (``"native"``, per-tensor scales; ``"native_blocks"``, block scales without
+    a Hadamard transform; float32) where it is native, and the operators one after the other
+    (``"composed"``) elsewhere. A scale on the device is not read back to be checked (the caller made it
+    positive)."""
     if x.numel() == 0:
         return "composed"
-    if s is not None and s.block_size is not None:       # block scales: Triton's kernel, where it covers the call
+    if s is not None and s.block_size is not None:       # block scales: a fused kernel, where one covers the call
         if use_triton(x.device.type):
             from gradstats.ops.triton import blocks as kblocks
 
             if kblocks.covers(s, x, block_dim):
                 return "triton_blocks"
+        elif use_native(x.device.type) and _native_blocks_cover(s, x, block_dim):
+            return "native_blocks"
         return "composed"
     if not fused_covers(None if s is None else s.element, 1.0 if isinstance(scale, torch.Tensor) else scale):
         return "composed"
@@ -239,6 +244,59 @@ def _native_pass(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: An
     return result, counts, sums
 
 
+def _native_blocks_cover(s: Scheme, x: torch.Tensor, block_dim: int) -> bool:
+    """Whether the fused C block kernel takes the call: float32, ``block_dim`` one of ``x``'s dims, an element
+    format the fused kernels cover, no Hadamard transform, its element and blocked-layout indices below
+    ``2**32`` (one segment of the random streams), and the kernel compiled here."""
+    from gradstats.ops.layout import geometry
+    from gradstats.ops.native import prune_quant_blocks
+
+    if x.dtype != torch.float32 or x.dim() == 0 or s.hadamard is not None or not fused_covers(s.element, 1.0):
+        return False
+    if not isinstance(block_dim, int) or not -x.dim() <= block_dim < x.dim():
+        return False
+    P, K, Q = geometry(tuple(x.shape), block_dim)
+    if P * Q * -(-K // s.block_size) * s.block_size >= 1 << 32:
+        return False
+    return prune_quant_blocks() is not None
+
+
+def _native_blocks(x: torch.Tensor, threshold: Any, s: Scheme, scale: Any, seed: Optional[int],
+                   block_dim: int, tensor_amax: Optional[float], out: Optional[torch.Tensor],
+                   stats: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused C block kernel (:func:`gradstats.ops.native.prune_quant_blocks`): one pass over the blocks in
+    place (MX's and NVFP4's scales; NVFP4's tensor maximum from ``tensor_amax`` or a first pass that finds it),
+    bit for bit the composed operators; its counts and sums in host tensors. ``scale`` and ``stats`` are not
+    read (block scales replace the one, ``tensor_amax`` the other)."""
+    from gradstats.ops.layout import geometry
+    from gradstats.ops.native import prune_quant_blocks
+    from gradstats.scheme import E4M3, SCALE_ROUNDINGS
+
+    el = s.element
+    xc = x.contiguous()
+    P, K, Q = geometry(tuple(xc.shape), block_dim)
+    own = out is not None and out.is_contiguous() and out.data_ptr() != xc.data_ptr()
+    res = out if own else torch.empty_like(xc)
+    counts = torch.zeros(5, dtype=torch.int64)
+    sums = torch.zeros(6, dtype=torch.float64)
+    e4m3 = s.tensor_scale is not None
+    tdiv = float(torch.tensor(el.max * E4M3.max, dtype=torch.float32))
+    rc = prune_quant_blocks()(
+        xc.data_ptr(), res.data_ptr(), P, K, Q, s.block_size, float(threshold), el.man_bits, el.emin, el.max,
+        int(el.subnormals), ROUNDING_CODES[s.rounding], int(el.has_negative_zero), int(e4m3),
+        SCALE_ROUNDINGS.index(s.scale_rounding or "floor"), el.emax, el.man_bits, el.max, tdiv,
+        -1.0 if tensor_amax is None or not e4m3 else float(tensor_amax), _rng.stream(seed or 0, _rng.PRUNE),
+        _rng.stream(seed or 0, _rng.ROUND), torch.get_num_threads(), counts.data_ptr(), sums.data_ptr())
+    if rc != 0:  # pragma: no cover - arguments are validated by the operators; -3: out of memory
+        raise RuntimeError(f"the fused block kernel rejected its arguments (code {rc})")
+    result = res.view_as(x)
+    if out is not None:
+        if not own:
+            out.copy_(result)
+        result = out
+    return result, counts, sums
+
+
 def _composed_pass(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: Any, seed: Optional[int],
                    block_dim: int, tensor_amax: Optional[float], out: Optional[torch.Tensor],
                    stats: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,7 +311,7 @@ def _composed_pass(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: 
 #: the engines' paths by the names :func:`_path` gives: ``(x, threshold, s, scale, seed, block_dim,
 #: tensor_amax, out, stats) -> (result, counts, sums)``, the counts and sums left on ``x``'s device
 _PATHS = {"triton_blocks": _triton_blocks, "triton_tensor": _triton_tensor, "native": _native_pass,
-          "composed": _composed_pass}
+          "native_blocks": _native_blocks, "composed": _composed_pass}
 
 
 def _composed_on_device(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: Any, seed: Optional[int],

@@ -32,11 +32,12 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+import math
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
-__all__ = ["ORIENTATIONS", "CHANNEL_FIRST_TYPES", "channel_dim", "gemm_matrix", "from_gemm_matrix", "to_blocks",
+__all__ = ["ORIENTATIONS", "CHANNEL_FIRST_TYPES", "channel_dim", "geometry", "gemm_matrix", "from_gemm_matrix", "to_blocks",
            "from_blocks", "n_blocks", "check_orientation", "BlockContext"]
 
 #: where blocks run on the channels-last matrix ``(M tokens, K channels)`` (see the module doc)
@@ -126,6 +127,19 @@ class BlockContext(NamedTuple):
     block_size: int
     M: int
     K: int
+
+
+def geometry(shape: Sequence[int], channel_dim: int = -1) -> tuple[int, int, int]:
+    """``(P, K, Q)``: a contiguous tensor of ``shape`` as the dims before, at and after its channel dim
+    ``channel_dim`` (blocks of ``"rows"`` run along ``K``, at each ``(p, q)``): what the fused block
+    kernels walk, in place.
+
+    Example:
+        >>> geometry((64, 96, 14, 14), 1), geometry((3, 7, 24), -1)
+        ((64, 96, 196), (21, 24, 1))
+    """
+    d = _norm(channel_dim, len(shape))
+    return math.prod(shape[:d]), shape[d], math.prod(shape[d + 1:])
 
 
 def n_blocks(M: int, K: int, block_size: int, orientation: str = "rows") -> int:

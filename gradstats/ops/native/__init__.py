@@ -153,6 +153,26 @@ def prune_quant() -> Any:
 
 
 @functools.lru_cache(maxsize=1)
+def prune_quant_blocks() -> Any:
+    """``gs_prune_quantize_blocks_f32`` of ``prune_quant.c`` with its signature set, or None (see
+    :func:`load`): stochastic pruning and block-scaled rounding (MX's E8M0 scales, NVFP4's E4M3 scales
+    under a float32 tensor scale) of a float32 ``(P, K, Q)`` array in one pass, blocks along ``K``: the CPU
+    path of :func:`gradstats.ops.fused.prune_quantize` for block-scaled schemes. Arguments: ``x``, ``out``
+    (addresses, ``out`` not ``x``), ``P``, ``K``, ``Q``, ``block_size``, threshold ``a``, the element format's
+    ``man_bits``, ``emin``, ``maxv``, ``subnormals``, ``rounding``, ``neg_zero`` (as :func:`prune_quant`),
+    ``e4m3`` (E4M3 block scales), the E8M0 ``scale_rounding`` code (:data:`gradstats.scheme.SCALE_ROUNDINGS`),
+    the element format's ``emax``, ``man_bits`` and ``max``, NVFP4's tensor-scale divisor (``max * 448`` in
+    float32), ``tensor_amax`` (negative: the pruned tensor's own), ``prune_seed``, ``round_seed``,
+    ``nthreads``, ``counts`` (5 int64), ``sums`` (6 float64); returns 0 or a negative code."""
+    return function("prune_quant", "gs_prune_quantize_blocks_f32",
+                    [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                     ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                     ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,
+                     ctypes.c_void_p, ctypes.c_void_p])
+
+
+@functools.lru_cache(maxsize=1)
 def prune_f64() -> Any:
     """``gs_stochastic_prune_f64(x, out, n, a, prune_seed, low_seed, nthreads)`` of
     ``prune_quant.c`` (float64 stochastic pruning with 53-bit uniforms from the PRUNE and

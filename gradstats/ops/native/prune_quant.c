@@ -42,6 +42,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -93,35 +94,108 @@ static inline float sel(int c, float a, float b) {
     return f_of((u_of(a) & m) | (u_of(b) & ~m));
 }
 
+/* The call's sums over x[0..m) and its result o (see the top of the file) added to acc, reduced in vector
+ * lanes (their order of summation is free: only the counts and the output are exact; a serial double chain
+ * would keep the loop scalar, 5x slower): o has x's sign
+ * (or is a zero), so x o = |x| |o| and (o - x)^2 = (|o| - |x|)^2 need the two magnitudes alone (products
+ * exact in double); non-finite x are left out. A loop of its own over data in L1: the double
+ * accumulators beside the rounding's constants would spill registers. */
+static inline __attribute__((always_inline)) void
+sums_run(const float *restrict x, const float *restrict out, int m, double *restrict acc) {
+    double sxo = 0.0, sxx = 0.0, sdd = 0.0, sxd = 0.0, sao = 0.0, sax = 0.0;
+#pragma omp simd reduction(+:sxo, sxx, sdd, sxd, sao, sax)
+    for (int j = 0; j < m; j++) {
+        uint32_t vb = u_of(x[j]);
+        int fin = (vb & 0x7f800000u) != 0x7f800000u;
+        double xa = (double)sel(fin, f_of(vb & 0x7fffffffu), 0.f);
+        double oa = (double)sel(fin, f_of(u_of(out[j]) & 0x7fffffffu), 0.f);
+        double d = oa - xa, xdd = xa * d;
+        sxo = MADD(xa, oa, sxo); sxx = MADD(xa, xa, sxx); sdd = MADD(d, d, sdd); sxd = MADD(xdd, xdd, sxd);
+        sao += oa; sax += xa;
+    }
+    acc[0] += sxo; acc[1] += sxx; acc[2] += sdd; acc[3] += sxd; acc[4] += sao; acc[5] += sax;
+}
+
 typedef struct {
     float a, scale, maxv;
     int man_bits, emin, neg_zero;
     uint64_t prune_mix, round_mix;  /* mix64 of the two stream seeds */
 } params_t;
 
+/* The constants of rounding to a format with man_bits mantissa bits, smallest normal exponent emin and
+ * largest finite value maxv (see the top of the file). */
+typedef struct {
+    int drop;
+    uint32_t low, half, rshift, e0bits;
+    float maxv, min_normal, half_min_normal, step, inv_step, magic;
+} rconst_t;
+
+static inline rconst_t rconsts(int man_bits, int emin, float maxv) {
+    rconst_t k;
+    k.drop = 23 - man_bits;
+    k.low = k.drop > 0 ? ((1u << k.drop) - 1u) : 0u;
+    k.half = k.drop > 0 ? (1u << (k.drop - 1)) - 1u : 0u;
+    k.rshift = (uint32_t)(32 - k.drop);
+    k.maxv = maxv;
+    k.min_normal = f_of((uint32_t)(emin + 127) << 23);
+    k.half_min_normal = 0.5f * k.min_normal;
+    k.step = f_of((uint32_t)(emin - man_bits + 127) << 23);
+    k.inv_step = 1.0f / k.step;
+    k.magic = f_of((uint32_t)(emin - man_bits + 23 + 127) << 23);
+    k.e0bits = (uint32_t)(emin + 127) << 23;
+    return k;
+}
+
+/* The non-negative float32 ws (inf included; NaN means nothing, the caller replaces it) rounded to the
+ * format of k by ROUNDING (0 nearest-even, 1 stochastic with the word rnd, 2 toward zero), saturated at
+ * its max: the rounding of the top of the file, shared by the per-tensor and the block-scaled loops. */
+static inline __attribute__((always_inline)) float
+round_mag(float ws, uint32_t rnd, const rconst_t k, const int ROUNDING, const int SUBNORMALS) {
+    uint32_t wb = u_of(ws);
+    uint32_t add;
+    if (ROUNDING == 0) add = k.half + ((wb >> k.drop) & 1u);
+    else if (ROUNDING == 1) add = k.drop > 0 ? (rnd >> k.rshift) : 0u;
+    else add = 0u;
+    float rn = f_of((wb + add) & ~k.low);
+    float rs;
+    if (SUBNORMALS) {
+        if (ROUNDING == 0) {
+            rs = (ws + k.magic) - k.magic;
+        } else if (ROUNDING == 1) {
+            /* offset by 2^emin (float32 rounds to nearest even on the grid 2^(emin-23)),
+             * add the random bits, truncate, remove the offset (exact) */
+            float t = ws + k.min_normal;
+            rs = f_of((u_of(t) + add) & ~k.low) - k.min_normal;
+        } else {
+            float q = sel(ws < k.min_normal, ws * k.inv_step, 0.f);  /* < 2^M there: exact */
+            rs = (float)(int32_t)q * k.step;
+        }
+    } else {
+        if (ROUNDING == 0) {
+            rs = sel(ws > k.half_min_normal, k.min_normal, 0.f);
+        } else if (ROUNDING == 1) {
+            /* ws / 2^(emin-23) rounded to nearest even, plus 23 random bits, carries */
+            uint32_t q = u_of(ws + k.min_normal) - k.e0bits;
+            rs = sel(q + (rnd >> 9) >= 0x800000u, k.min_normal, 0.f);
+        } else {
+            rs = 0.f;
+        }
+    }
+    float res = sel(ws < k.min_normal, rs, rn);
+    return sel((ws > k.maxv) | (res > k.maxv), k.maxv, res);              /* saturate, inf included */
+}
+
 static inline __attribute__((always_inline)) void
 block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, const params_t *p,
           int64_t *restrict cnt, double *restrict acc, const int PRUNE, const int QUANT, const int ROUNDING,
           const int SUBNORMALS) {
     int32_t nzero = 0, npruned = 0, nunder = 0, nover = 0, nnonfin = 0;   /* per block: m <= BLOCK */
-    double sxo = 0.0, sxx = 0.0, sdd = 0.0, sxd = 0.0, sao = 0.0, sax = 0.0;
     const float a = p->a, scale = p->scale, inv_scale = 1.0f / p->scale, maxv = p->maxv;
-    const int drop = 23 - p->man_bits;
-    const uint32_t low = drop > 0 ? ((1u << drop) - 1u) : 0u;
-    const uint32_t half = drop > 0 ? (1u << (drop - 1)) - 1u : 0u;
-    const uint32_t rshift = 32 - drop;
-    const float min_normal = f_of((uint32_t)(p->emin + 127) << 23);
-    const float half_min_normal = 0.5f * min_normal;
-    const float step = f_of((uint32_t)(p->emin - p->man_bits + 127) << 23);
-    const float inv_step = 1.0f / step;
-    const float magic = f_of((uint32_t)(p->emin - p->man_bits + 23 + 127) << 23);
+    const rconst_t k = rconsts(p->man_bits, p->emin, maxv);
     const uint32_t zero_sign = p->neg_zero ? 0x80000000u : 0u;
-    const uint32_t e0bits = (uint32_t)(p->emin + 127) << 23;
     uint32_t pk1, pk2, rk1, rk2;   /* a block never straddles a multiple of 2^32: BLOCK divides it */
     seg_key(p->prune_mix, lo, &pk1, &pk2);
     seg_key(p->round_mix, lo, &rk1, &rk2);
-    /* the sums are reduced in vector lanes (their order of summation is free: only the counts and
-     * the output are exact); a serial double chain would keep the loop scalar, 5x slower */
     const uint32_t c0 = (uint32_t)lo;             /* the low index word in 32-bit lanes (m <= BLOCK) */
     const int mi = (int)m;
 #pragma omp simd reduction(+:nzero, npruned, nunder, nover, nnonfin)
@@ -142,41 +216,8 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
         float r = w;
         if (QUANT) {
             float ws = w * scale;
-            int over = ws > maxv;
-            nover += over;
-            uint32_t rnd = ROUNDING == 1 ? word(c, rk1, rk2) : 0u;
-            uint32_t wb = u_of(ws);
-            uint32_t add;
-            if (ROUNDING == 0) add = half + ((wb >> drop) & 1u);
-            else if (ROUNDING == 1) add = drop > 0 ? (rnd >> rshift) : 0u;
-            else add = 0u;
-            float rn = f_of((wb + add) & ~low);
-            float rs;
-            if (SUBNORMALS) {
-                if (ROUNDING == 0) {
-                    rs = (ws + magic) - magic;
-                } else if (ROUNDING == 1) {
-                    /* offset by 2^emin (float32 rounds to nearest even on the grid 2^(emin-23)),
-                     * add the random bits, truncate, remove the offset (exact) */
-                    float t = ws + min_normal;
-                    rs = f_of((u_of(t) + add) & ~low) - min_normal;
-                } else {
-                    float q = sel(ws < min_normal, ws * inv_step, 0.f);  /* < 2^M there: exact */
-                    rs = (float)(int32_t)q * step;
-                }
-            } else {
-                if (ROUNDING == 0) {
-                    rs = sel(ws > half_min_normal, min_normal, 0.f);
-                } else if (ROUNDING == 1) {
-                    /* ws / 2^(emin-23) rounded to nearest even, plus 23 random bits, carries */
-                    uint32_t q = u_of(ws + min_normal) - e0bits;
-                    rs = sel(q + (rnd >> 9) >= 0x800000u, min_normal, 0.f);
-                } else {
-                    rs = 0.f;
-                }
-            }
-            float res = sel(ws < min_normal, rs, rn);
-            res = sel(over | (res > maxv), maxv, res);              /* saturate, inf included */
+            nover += ws > maxv;
+            float res = round_mag(ws, ROUNDING == 1 ? word(c, rk1, rk2) : 0u, k, ROUNDING, SUBNORMALS);
             nunder += (res == 0.f) & (w != 0.f) & !isnan_;  /* NaN is never an underflow */
             r = res * inv_scale;
         }
@@ -189,20 +230,9 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
         int fin = (vb & 0x7f800000u) != 0x7f800000u;
         nnonfin += !fin;
     }
-    /* the sums, over the block again (in L1): o has x's sign (or is a zero), so x o = |x| |o| and
-     * (o - x)^2 = (|o| - |x|)^2 need the two magnitudes alone (products exact in double) */
-#pragma omp simd reduction(+:sxo, sxx, sdd, sxd, sao, sax)
-    for (int j = 0; j < mi; j++) {
-        uint32_t vb = u_of(x[j]);
-        int fin = (vb & 0x7f800000u) != 0x7f800000u;
-        double xa = (double)sel(fin, f_of(vb & 0x7fffffffu), 0.f);
-        double oa = (double)sel(fin, f_of(u_of(out[j]) & 0x7fffffffu), 0.f);
-        double d = oa - xa, xdd = xa * d;
-        sxo = MADD(xa, oa, sxo); sxx = MADD(xa, xa, sxx); sdd = MADD(d, d, sdd); sxd = MADD(xdd, xdd, sxd);
-        sao += oa; sax += xa;
-    }
+    /* the sums, over the block again (in L1) */
+    sums_run(x, out, mi, acc);
     cnt[0] += nzero; cnt[1] += npruned; cnt[2] += nunder; cnt[3] += nover; cnt[4] += nnonfin;
-    acc[0] += sxo; acc[1] += sxx; acc[2] += sdd; acc[3] += sxd; acc[4] += sao; acc[5] += sax;
 }
 
 /* one specialised copy of the loop per combination of the switches */
@@ -256,6 +286,252 @@ int gs_prune_quantize_f32(const float *x, float *out, int64_t n, float a, float 
             for (int j = 0; j < 6; j++) totals[j] += acc[j];
         }
     }
+    for (int j = 0; j < 5; j++) counts[j] = total[j];
+    if (sums) for (int j = 0; j < 6; j++) sums[j] = totals[j];
+    return 0;
+}
+
+/* ---- block-scaled formats: MX (E8M0 block scales) and NVFP4 (E4M3 block scales under a float32 tensor
+ * scale), the blocks of gradstats/ops/layout.py ("rows": B consecutive channels of one token) ----
+ *
+ * x is a (P, K, Q) array (K the channels, the blocks' dim; a convolution's gradient: P the batch, Q the
+ * pixels), blocks of B channels at each (p, q), the last block of each p and q padded. Each element is
+ * pruned as in the per-tensor loop (the pruning stream at its flat index), its block's decode scale X is
+ * taken from the largest finite magnitude after pruning (gradstats/ops/block_scales.py's rule, on the same
+ * bits), and it is rounded as Q(|y| / X) * X (the rounding stream at its index in the blocked layout
+ * (p Q + q) KP + k, KP = B ceil(K / B), as gradstats.ops.layout.to_blocks orders it); an E4M3 scale of 0
+ * encodes its block as zeros. So the result equals gradstats.quantize's (and the Triton block kernel's)
+ * bit for bit, and the counts are those of gradstats.ops.fused.prune_quantize ("saturated": entries whose
+ * |y| / X exceeds the format's max where X > 0). Indices below 2^32 (the caller checks). */
+typedef struct {
+    params_t e;               /* the element format and the streams (e.scale unused) */
+    int e4m3, sround;         /* E4M3 scales (NVFP4) or E8M0 with rounding 0 floor, 1 ceil, 2 even, 3 rceil */
+    int fmt_emax, fmt_man_bits;
+    float fmax, t;            /* the element format's max; NVFP4's tensor scale */
+    int64_t K, Q, B, KP;
+} bparams_t;
+
+/* The E8M0 decode scale 2^e of a block whose largest finite magnitude is amax (>= 0), e as
+ * gradstats.ops.block_scales.mx_shared_exponent computes it, clamped to [-127, 127]. */
+static float e8m0_scale(float amax, const bparams_t *p) {
+    int e;
+    if (!(amax > 0.f)) {
+        e = -127;
+    } else if (p->sround == 3) {     /* rceil: ceil(log2(amax / fmax)) on the bits of the float32 quotient */
+        uint32_t vb = u_of(amax / p->fmax);
+        int ex = (int)(vb >> 23);
+        e = ex > 0 ? ex - 127 + ((vb & 0x7fffffu) != 0u) : (vb > 0x400000u ? -126 : -127);
+    } else {
+        uint32_t ab = u_of(amax);
+        if (p->sround == 2) ab = (ab + (1u << (22 - p->fmt_man_bits))) & 0x7f800000u;
+        e = (int)((ab >> 23) & 0xffu) - 127;
+        if (p->sround == 1) e += (ab & 0x7fffffu) != 0u;
+        e -= p->fmt_emax;
+    }
+    e = e < -127 ? -127 : e > 127 ? 127 : e;
+    return e >= -126 ? f_of((uint32_t)(e + 127) << 23) : f_of(0x400000u);
+}
+
+/* The decode scale of a block whose largest finite magnitude is amax: E8M0, or NVFP4's
+ * e4m3fn(min(amax / (fmax t), 448)) t (nearest-even; 0 marks a block encoded as zeros). */
+static float block_scale(float amax, const bparams_t *p, const rconst_t *e4m3) {
+    if (!p->e4m3) return e8m0_scale(amax, p);
+    float v = amax / (p->fmax * p->t);
+    v = v > 448.f ? 448.f : v;
+    return round_mag(v, 0u, *e4m3, 0, 1) * p->t;
+}
+
+/* The rounding of one run of m pruned values y (signed) with their decode scales X (per element), the
+ * input x beside them for the sums and the non-finite count, into out; the rounding stream's counter of
+ * element j is c0 + j * cstep. */
+static inline __attribute__((always_inline)) void
+block_round(const float *restrict x, const float *restrict y, const float *restrict X, float *restrict out, int m,
+            uint32_t c0, uint32_t cstep, uint32_t rk1, uint32_t rk2, const rconst_t k, uint32_t zero_sign,
+            int64_t *restrict cnt, double *restrict acc, const int ROUNDING, const int SUBNORMALS) {
+    int32_t nzero = 0, nunder = 0, nover = 0, nnonfin = 0;
+#pragma omp simd reduction(+:nzero, nunder, nover, nnonfin)
+    for (int j = 0; j < m; j++) {
+        float v = y[j], Xj = X[j];
+        uint32_t vb = u_of(v);
+        float w = f_of(vb & 0x7fffffffu);
+        int isnan_ = v != v, live = Xj > 0.f;
+        float Xd = sel(live, Xj, 1.f);
+        float ws = w / Xd;
+        nover += (ws > k.maxv) & live;
+        float res = round_mag(ws, ROUNDING == 1 ? word(c0 + (uint32_t)j * cstep, rk1, rk2) : 0u, k, ROUNDING,
+                              SUBNORMALS);
+        float r = sel(live, res * Xd, 0.f);
+        uint32_t rb = u_of(r);
+        float o = f_of(rb | (vb & 0x80000000u & (rb == 0u ? zero_sign : 0xffffffffu)));
+        o = sel(isnan_, v, o);
+        out[j] = o;
+        nunder += (o == 0.f) & (w != 0.f) & !isnan_;
+        nzero += o == 0.f;
+        nnonfin += (u_of(x[j]) & 0x7f800000u) == 0x7f800000u;
+    }
+    sums_run(x, out, m, acc);
+    cnt[0] += nzero; cnt[2] += nunder; cnt[3] += nover; cnt[4] += nnonfin;
+}
+
+/* Stochastic pruning of x[0..m) at a (a > 0) into y, the pruning stream at flat indices c0 + j; returns
+ * the non-zero entries set to zero. */
+static inline int32_t block_prune(const float *restrict x, float *restrict y, int m, uint32_t c0, float a,
+                                  uint32_t pk1, uint32_t pk2) {
+    int32_t npruned = 0;
+#pragma omp simd reduction(+:npruned)
+    for (int j = 0; j < m; j++) {
+        uint32_t vb = u_of(x[j]);
+        float w = f_of(vb & 0x7fffffffu);
+        float u = prune_uniform(word(c0 + (uint32_t)j, pk1, pk2));
+        int small = w < a, up = u * a < w;
+        npruned += small & !up & (w != 0.f);
+        y[j] = f_of(u_of(sel(small, sel(up, a, 0.f), w)) | (vb & 0x80000000u));
+    }
+    return npruned;
+}
+
+#define QCHUNK 256    /* the columns (tokens) of a tile: B rows of them stay in L1 */
+
+/* The tokens p of one thread: for Q == 1 each token's K channels are contiguous (blocks of B consecutive
+ * values); otherwise a tile is B channels x up to QCHUNK tokens, each row contiguous, a block a column. */
+static void blocks_tokens(const float *x, float *out, int64_t p0, int64_t p1, const bparams_t *p,
+                          int PRUNE, int ROUNDING, int SUBNORMALS, int64_t *cnt, double *acc) {
+    const int64_t K = p->K, Q = p->Q, B = p->B, KP = p->KP;
+    const rconst_t k = rconsts(p->e.man_bits, p->e.emin, p->e.maxv), e4 = rconsts(3, -6, 448.f);
+    const uint32_t zero_sign = p->e.neg_zero ? 0x80000000u : 0u;
+    uint32_t pk1, pk2, rk1, rk2;
+    seg_key(p->e.prune_mix, 0, &pk1, &pk2);
+    seg_key(p->e.round_mix, 0, &rk1, &rk2);
+    float *y = (float *)malloc(sizeof(float) * (size_t)(Q == 1 ? K : B * QCHUNK));
+    float *X = (float *)malloc(sizeof(float) * (size_t)(Q == 1 ? K : B * QCHUNK));
+    float cmax[QCHUNK], cX[QCHUNK];
+    if (y == NULL || X == NULL) { free(y); free(X); cnt[0] = -1; return; }
+#define ROUND_RUN(XP, YP, SP, OP, M, C0, CS) do { \
+        if (ROUNDING == 0 && SUBNORMALS) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, acc, 0, 1); \
+        else if (ROUNDING == 0) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, acc, 0, 0); \
+        else if (ROUNDING == 1 && SUBNORMALS) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, acc, 1, 1); \
+        else if (ROUNDING == 1) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, acc, 1, 0); \
+        else if (SUBNORMALS) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, acc, 2, 1); \
+        else block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, acc, 2, 0); } while (0)
+    for (int64_t pi = p0; pi < p1; pi++) {
+        if (Q == 1) {
+            const float *xr = x + pi * K;
+            const float *yr = xr;
+            if (PRUNE) { cnt[1] += block_prune(xr, y, (int)K, (uint32_t)(pi * K), p->e.a, pk1, pk2); yr = y; }
+            for (int64_t b0 = 0; b0 < K; b0 += B) {
+                int64_t b1 = b0 + B < K ? b0 + B : K;
+                float mx = 0.f;
+                for (int64_t j = b0; j < b1; j++) {
+                    float w = f_of(u_of(yr[j]) & 0x7fffffffu);
+                    mx = w < INFINITY && w > mx ? w : mx;
+                }
+                float s = block_scale(mx, p, &e4);
+                for (int64_t j = b0; j < b1; j++) X[j] = s;
+            }
+            ROUND_RUN(xr, yr, X, out + pi * K, (int)K, (uint32_t)(pi * KP), 1u);
+            continue;
+        }
+        for (int64_t kb = 0; kb < K; kb += B) {
+            int64_t rows = kb + B < K ? B : K - kb;
+            for (int64_t q0 = 0; q0 < Q; q0 += QCHUNK) {
+                int qn = (int)(Q - q0 < QCHUNK ? Q - q0 : QCHUNK);
+                for (int j = 0; j < qn; j++) cmax[j] = 0.f;
+                for (int64_t r = 0; r < rows; r++) {
+                    int64_t off = (pi * K + kb + r) * Q + q0;
+                    const float *yr = x + off;
+                    if (PRUNE) {
+                        cnt[1] += block_prune(x + off, y + r * QCHUNK, qn, (uint32_t)off, p->e.a, pk1, pk2);
+                        yr = y + r * QCHUNK;
+                    }
+#pragma omp simd
+                    for (int j = 0; j < qn; j++) {
+                        float w = f_of(u_of(yr[j]) & 0x7fffffffu);
+                        cmax[j] = sel(w < INFINITY && w > cmax[j], w, cmax[j]);
+                    }
+                }
+                for (int j = 0; j < qn; j++) cX[j] = block_scale(cmax[j], p, &e4);
+                for (int64_t r = 0; r < rows; r++) {
+                    int64_t off = (pi * K + kb + r) * Q + q0;
+                    ROUND_RUN(x + off, PRUNE ? y + r * QCHUNK : x + off, cX, out + off, qn,
+                              (uint32_t)((pi * Q + q0) * KP + kb + r), (uint32_t)KP);
+                }
+            }
+        }
+    }
+#undef ROUND_RUN
+    free(y); free(X);
+}
+
+/* The largest finite |x| of x[0..n). */
+static float finite_max(const float *x, int64_t n, int nthreads) {
+    uint32_t mb = 0u;
+#ifdef _OPENMP
+    if (n < 65536) nthreads = 1;
+#pragma omp parallel for simd reduction(max:mb) num_threads(nthreads) schedule(static)
+#endif
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t b = u_of(x[i]) & 0x7fffffffu;
+        b = b < 0x7f800000u ? b : 0u;
+        mb = b > mb ? b : mb;
+    }
+    return f_of(mb);
+}
+
+/* Prune at a (0: none) and round to a block-scaled format, as above: x (P, K, Q) float32, out its result
+ * (not x), blocks of B along K; the element format (man_bits, emin, maxv, subnormals, rounding, neg_zero
+ * as gs_prune_quantize_f32 takes them), e4m3 (NVFP4: E4M3 block scales under the tensor scale
+ * tmax / tdiv, tmax the largest magnitude after pruning, or tensor_amax where it is >= 0) or E8M0 scales
+ * rounded by sround, fmt_emax and fmt_man_bits the element format's (for E8M0), fmax its max; the counts
+ * and sums of gs_prune_quantize_f32. Returns 0, or a negative code for arguments it rejects (-3: no memory). */
+int gs_prune_quantize_blocks_f32(const float *x, float *out, int64_t P, int64_t K, int64_t Q, int64_t B, float a,
+                                 int man_bits, int emin, float maxv, int subnormals, int rounding, int neg_zero,
+                                 int e4m3, int sround, int fmt_emax, int fmt_man_bits, float fmax, float tdiv,
+                                 float tensor_amax, uint64_t prune_seed, uint64_t round_seed, int nthreads,
+                                 int64_t *counts, double *sums) {
+    if (rounding < 0 || rounding > 2 || sround < 0 || sround > 3 || B < 1 || K < 1 || P < 0 || Q < 1) return -1;
+    if (man_bits < 0 || man_bits > 23 || emin - man_bits < -126 || emin > 127) return -2;
+    bparams_t p;
+    params_t e = {a, 1.f, maxv, man_bits, emin, neg_zero, mix64(prune_seed), mix64(round_seed)};
+    p.e = e;
+    p.e4m3 = e4m3; p.sround = sround; p.fmt_emax = fmt_emax; p.fmt_man_bits = fmt_man_bits; p.fmax = fmax;
+    p.K = K; p.Q = Q; p.B = B; p.KP = B * ((K + B - 1) / B);
+    int64_t n = P * K * Q;
+    if (nthreads < 1) nthreads = 1;
+    p.t = 1.f;
+    if (e4m3) {
+        float tmax = tensor_amax;
+        if (!(tmax >= 0.f)) {            /* the pruned tensor's largest: max|x| when kept, else a */
+            tmax = finite_max(x, n, nthreads);
+            if (a > tmax) tmax = a;      /* (with none rounded up to a every block is zeros either way) */
+        }
+        p.t = tmax > 0.f ? tmax / tdiv : 1.f;
+    }
+    int64_t total[5] = {0, 0, 0, 0, 0};
+    double totals[6] = {0, 0, 0, 0, 0, 0};
+    int failed = 0;
+#ifdef _OPENMP
+    if (n < 65536) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+#endif
+    {
+        int64_t c[5] = {0, 0, 0, 0, 0};
+        double acc[6] = {0, 0, 0, 0, 0, 0};
+        int64_t p0 = 0, p1 = P;
+#ifdef _OPENMP
+        int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        p0 = P * id / nt; p1 = P * (id + 1) / nt;
+#endif
+        if (p1 > p0) blocks_tokens(x, out, p0, p1, &p, a > 0.f, rounding, subnormals != 0, c, acc);
+#ifdef _OPENMP
+#pragma omp critical
+#endif
+        {
+            if (c[0] < 0) failed = 1;
+            for (int j = 0; j < 5; j++) total[j] += c[j];
+            for (int j = 0; j < 6; j++) totals[j] += acc[j];
+        }
+    }
+    if (failed) return -3;
     for (int j = 0; j < 5; j++) counts[j] = total[j];
     if (sums) for (int j = 0; j < 6; j++) sums[j] = totals[j];
     return 0;

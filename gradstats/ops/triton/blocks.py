@@ -324,9 +324,10 @@ def covers(s: Scheme | None, x: torch.Tensor | None = None, block_dim: int = -1)
 
 
 def _geometry(x: torch.Tensor, block_dim: int) -> tuple[int, int, int]:
-    """``(P, K, Q)``: ``x`` (contiguous) as dims before, at and after its channel dim."""
-    d = block_dim + x.dim() if block_dim < 0 else block_dim
-    return math.prod(x.shape[:d]), x.shape[d], math.prod(x.shape[d + 1:])
+    """``(P, K, Q)`` of ``x`` (contiguous) about its channel dim (:func:`gradstats.ops.layout.geometry`)."""
+    from gradstats.ops.layout import geometry
+
+    return geometry(tuple(x.shape), block_dim)
 
 
 def _padded_numel(x: torch.Tensor, block_size: int, hadamard: int | None, block_dim: int = -1) -> int:
