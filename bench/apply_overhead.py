@@ -8,6 +8,9 @@ the zoo's MobileNetV2-style CNN (``mobilenet``, Fashion-MNIST 28x28, batch 64), 
 width 128, 16 windows of 64 Shakespeare characters). With ``--reference``, also the earlier reference
 setting: FP6 (e3m2fn) at lognormal-optimal per-layer scales, nearest rounding, plus 85% stochastic
 pruning on every convolution and linear layer, with the lognormal and the histogram threshold rule.
+With ``--four-bit``, also the four-bit block formats on every matmul layer (``Plan.uniform(format="nvfp4")``
+and ``"mxfp4"``; the output layer exact), each through the fused C block kernel and, as its peer in the same
+run, through the composed operators it replaces (``gradstats.quantize`` after ``stochastic_prune``).
 
 Interleaved blocks: ms/step is the median block, ratio the median over rounds of a block's time over
 the plain block of the same round (quartiles and the 90% confidence interval of the median beside
@@ -17,6 +20,7 @@ On a shared machine the wall clock measures the neighbours too: ``--clock cpu`` 
 CPU time on one thread (torch's and the kernels' alike), the work a step costs.
 
     python bench/apply_overhead.py [--models mobilenet resnet20 gpt_neox] [--rounds 7] [--block 6] [--clock cpu]
+                                   [--reference] [--four-bit]
 """
 from __future__ import annotations
 
@@ -44,6 +48,9 @@ TARGET = 1.20
 PLANS = {"recommend(bits=8)": {"bits": 8}, "recommend(bits=6, sparsity=0.85)": {"bits": 6, "sparsity": 0.85}}
 REFERENCE = ("fp6 + 85%, lognormal rule", "fp6 + 85%, histogram rule")
 TARGETS = {label: TARGET for label in (*PLANS, *REFERENCE)}
+#: the four-bit block formats of --four-bit (no target: the composed operators are their peer)
+FOUR_BIT = ("nvfp4", "mxfp4")
+COMPOSED = " (composed operators)"
 #: each model's batch (GPT-NeoX: windows of 64 characters)
 BATCH = {"mobilenet": 64, "resnet20": 128, "cnn": 128, "gpt_neox": 16}
 
@@ -72,8 +79,20 @@ def recommended(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: lis
     return {label: gradstats.recommend(path, **kw) for label, kw in PLANS.items()}
 
 
+def composed_blocks(run: Callable[[], float]) -> float:
+    """``run()`` with the fused C block kernel not offered: block formats through the composed operators."""
+    from gradstats.ops import fused
+
+    keep = fused._native_blocks_cover
+    fused._native_blocks_cover = lambda *a: False
+    try:
+        return run()
+    finally:
+        fused._native_blocks_cover = keep
+
+
 def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_steps: int,
-                reference: bool) -> dict[str, tuple[float, ...]]:
+                reference: bool, four_bit: bool = False) -> dict[str, tuple[float, ...]]:
     logging.getLogger("gradstats.apply").setLevel(logging.ERROR)
     logging.getLogger("gradstats").setLevel(logging.ERROR)
     model, batches, loss_fn = workload(name, block, batch)
@@ -91,17 +110,26 @@ def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_ste
     time_block(model, opt, batches[:2], loss_fn=loss_fn)
     configs: dict[str, Callable[[], float]] = {"plain": lambda: time_block(model, opt, batches, loss_fn=loss_fn)}
     configs.update({label: (lambda p=p: applied(p)) for label, p in plans.items()})
+    if four_bit:
+        for fmt in FOUR_BIT:
+            p = Plan.uniform(format=fmt)
+            label = f"Plan.uniform(format={fmt!r})"
+            configs[label] = lambda p=p: applied(p)
+            configs[label + COMPOSED] = lambda p=p: composed_blocks(lambda: applied(p))
     return interleaved_ratios(configs, rounds)
 
 
 def main() -> None:
     step_benchmark_main(__doc__, "apply overhead",
-                        lambda name, a: bench_model(name, a.rounds, a.block, a.batch, a.trace_steps, a.reference),
+                        lambda name, a: bench_model(name, a.rounds, a.block, a.batch, a.trace_steps, a.reference,
+                                                    a.four_bit),
                         models=["mobilenet", "resnet20", "gpt_neox"], rounds=7, block=6, targets=TARGETS,
                         batch=None, add_args=lambda ap: (
                             ap.add_argument("--trace-steps", type=int, default=8),
                             ap.add_argument("--reference", action="store_true",
-                                            help="also the FP6 + 85%% reference plan on every conv and linear layer")))
+                                            help="also the FP6 + 85%% reference plan on every conv and linear layer"),
+                            ap.add_argument("--four-bit", action="store_true",
+                                            help="also NVFP4 and MXFP4 on every matmul layer, fused and composed")))
 
 
 if __name__ == "__main__":

@@ -311,43 +311,59 @@ typedef struct {
     int64_t K, Q, B, KP;
 } bparams_t;
 
-/* The E8M0 decode scale 2^e of a block whose largest finite magnitude is amax (>= 0), e as
- * gradstats.ops.block_scales.mx_shared_exponent computes it, clamped to [-127, 127]. */
-static float e8m0_scale(float amax, const bparams_t *p) {
+/* The decode scale of a block whose largest finite magnitude has the float32 bits mb: E8M0, 2^e with e as
+ * gradstats.ops.block_scales.mx_shared_exponent computes it (SROUND 0 floor, 1 ceil, 2 even, 3 rceil),
+ * clamped to [-127, 127]; or (E4M3) NVFP4's e4m3fn(min(amax / (fmax t), 448)) t, nearest-even (0 marks a
+ * block encoded as zeros). Branch-free for given switches: a loop over blocks vectorises. */
+static inline __attribute__((always_inline)) float
+scale_of(uint32_t mb, const bparams_t *p, const rconst_t e4, const int E4M3, const int SROUND) {
+    if (E4M3) {
+        float v = f_of(mb) / (p->fmax * p->t);
+        v = v > 448.f ? 448.f : v;
+        return round_mag(v, 0u, e4, 0, 1) * p->t;
+    }
     int e;
-    if (!(amax > 0.f)) {
-        e = -127;
-    } else if (p->sround == 3) {     /* rceil: ceil(log2(amax / fmax)) on the bits of the float32 quotient */
-        uint32_t vb = u_of(amax / p->fmax);
+    if (SROUND == 3) {     /* rceil: ceil(log2(amax / fmax)) on the bits of the float32 quotient */
+        uint32_t vb = u_of(f_of(mb) / p->fmax);
         int ex = (int)(vb >> 23);
         e = ex > 0 ? ex - 127 + ((vb & 0x7fffffu) != 0u) : (vb > 0x400000u ? -126 : -127);
     } else {
-        uint32_t ab = u_of(amax);
-        if (p->sround == 2) ab = (ab + (1u << (22 - p->fmt_man_bits))) & 0x7f800000u;
+        uint32_t ab = mb;
+        if (SROUND == 2) ab = (ab + (1u << (22 - p->fmt_man_bits))) & 0x7f800000u;
         e = (int)((ab >> 23) & 0xffu) - 127;
-        if (p->sround == 1) e += (ab & 0x7fffffu) != 0u;
+        if (SROUND == 1) e += (ab & 0x7fffffu) != 0u;
         e -= p->fmt_emax;
     }
+    e = mb == 0u ? -127 : e;
     e = e < -127 ? -127 : e > 127 ? 127 : e;
-    return e >= -126 ? f_of((uint32_t)(e + 127) << 23) : f_of(0x400000u);
+    return f_of(e >= -126 ? (uint32_t)(e + 127) << 23 : 0x400000u);
 }
 
-/* The decode scale of a block whose largest finite magnitude is amax: E8M0, or NVFP4's
- * e4m3fn(min(amax / (fmax t), 448)) t (nearest-even; 0 marks a block encoded as zeros). */
-static float block_scale(float amax, const bparams_t *p, const rconst_t *e4m3) {
-    if (!p->e4m3) return e8m0_scale(amax, p);
-    float v = amax / (p->fmax * p->t);
-    v = v > 448.f ? 448.f : v;
-    return round_mag(v, 0u, *e4m3, 0, 1) * p->t;
+/* X[0..nb) the decode scales of blocks whose largest finite magnitudes have the bits mb[0..nb). */
+static void scales_run(const uint32_t *restrict mb, float *restrict X, int nb, const bparams_t *p,
+                       const rconst_t e4) {
+#define SCALES(E, R) do { _Pragma("omp simd") for (int j = 0; j < nb; j++) X[j] = scale_of(mb[j], p, e4, E, R); } while (0)
+    if (p->e4m3) SCALES(1, 0);
+    else if (p->sround == 0) SCALES(0, 0);
+    else if (p->sround == 1) SCALES(0, 1);
+    else if (p->sround == 2) SCALES(0, 2);
+    else SCALES(0, 3);
+#undef SCALES
+}
+
+/* The bits of |v| where v is finite, else 0 (a block's maximum leaves inf and NaN out). */
+static inline uint32_t finite_bits(float v) {
+    uint32_t b = u_of(v) & 0x7fffffffu;
+    return b < 0x7f800000u ? b : 0u;
 }
 
 /* The rounding of one run of m pruned values y (signed) with their decode scales X (per element), the
- * input x beside them for the sums and the non-finite count, into out; the rounding stream's counter of
- * element j is c0 + j * cstep. */
+ * input x beside them for the non-finite count, into out; the rounding stream's counter of element j is
+ * c0 + j * cstep. (The sums are the caller's: sums_run over whole tiles.) */
 static inline __attribute__((always_inline)) void
 block_round(const float *restrict x, const float *restrict y, const float *restrict X, float *restrict out, int m,
             uint32_t c0, uint32_t cstep, uint32_t rk1, uint32_t rk2, const rconst_t k, uint32_t zero_sign,
-            int64_t *restrict cnt, double *restrict acc, const int ROUNDING, const int SUBNORMALS) {
+            int64_t *restrict cnt, const int ROUNDING, const int SUBNORMALS) {
     int32_t nzero = 0, nunder = 0, nover = 0, nnonfin = 0;
 #pragma omp simd reduction(+:nzero, nunder, nover, nnonfin)
     for (int j = 0; j < m; j++) {
@@ -369,7 +385,6 @@ block_round(const float *restrict x, const float *restrict y, const float *restr
         nzero += o == 0.f;
         nnonfin += (u_of(x[j]) & 0x7f800000u) == 0x7f800000u;
     }
-    sums_run(x, out, m, acc);
     cnt[0] += nzero; cnt[2] += nunder; cnt[3] += nover; cnt[4] += nnonfin;
 }
 
@@ -390,10 +405,11 @@ static inline int32_t block_prune(const float *restrict x, float *restrict y, in
     return npruned;
 }
 
-#define QCHUNK 256    /* the columns (tokens) of a tile: B rows of them stay in L1 */
+#define QCHUNK 1024   /* the most columns (tokens) of a tile: B rows of them stay in L2 */
 
 /* The tokens p of one thread: for Q == 1 each token's K channels are contiguous (blocks of B consecutive
- * values); otherwise a tile is B channels x up to QCHUNK tokens, each row contiguous, a block a column. */
+ * values); otherwise a tile is B channels x up to QCHUNK tokens, each row contiguous, a block a column (the
+ * whole tile contiguous where Q <= QCHUNK). */
 static void blocks_tokens(const float *x, float *out, int64_t p0, int64_t p1, const bparams_t *p,
                           int PRUNE, int ROUNDING, int SUBNORMALS, int64_t *cnt, double *acc) {
     const int64_t K = p->K, Q = p->Q, B = p->B, KP = p->KP;
@@ -402,64 +418,76 @@ static void blocks_tokens(const float *x, float *out, int64_t p0, int64_t p1, co
     uint32_t pk1, pk2, rk1, rk2;
     seg_key(p->e.prune_mix, 0, &pk1, &pk2);
     seg_key(p->e.round_mix, 0, &rk1, &rk2);
+    const int64_t row = Q == 1 ? K : QCHUNK;            /* a row of a tile, at most */
+    const int64_t nbmax = Q == 1 ? (K + B - 1) / B : QCHUNK;
     float *y = (float *)malloc(sizeof(float) * (size_t)(Q == 1 ? K : B * QCHUNK));
-    float *X = (float *)malloc(sizeof(float) * (size_t)(Q == 1 ? K : B * QCHUNK));
-    float cmax[QCHUNK], cX[QCHUNK];
-    if (y == NULL || X == NULL) { free(y); free(X); cnt[0] = -1; return; }
+    float *X = (float *)malloc(sizeof(float) * (size_t)row);
+    float *Xb = (float *)malloc(sizeof(float) * (size_t)nbmax);
+    uint32_t *mb = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)nbmax);
+    if (y == NULL || X == NULL || Xb == NULL || mb == NULL) {
+        free(y); free(X); free(Xb); free(mb); cnt[0] = -1; return;
+    }
 #define ROUND_RUN(XP, YP, SP, OP, M, C0, CS) do { \
-        if (ROUNDING == 0 && SUBNORMALS) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, acc, 0, 1); \
-        else if (ROUNDING == 0) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, acc, 0, 0); \
-        else if (ROUNDING == 1 && SUBNORMALS) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, acc, 1, 1); \
-        else if (ROUNDING == 1) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, acc, 1, 0); \
-        else if (SUBNORMALS) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, acc, 2, 1); \
-        else block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, acc, 2, 0); } while (0)
+        if (ROUNDING == 0 && SUBNORMALS) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, 0, 1); \
+        else if (ROUNDING == 0) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, 0, 0); \
+        else if (ROUNDING == 1 && SUBNORMALS) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, 1, 1); \
+        else if (ROUNDING == 1) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, 1, 0); \
+        else if (SUBNORMALS) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, 2, 1); \
+        else block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, 2, 0); } while (0)
     for (int64_t pi = p0; pi < p1; pi++) {
         if (Q == 1) {
             const float *xr = x + pi * K;
             const float *yr = xr;
             if (PRUNE) { cnt[1] += block_prune(xr, y, (int)K, (uint32_t)(pi * K), p->e.a, pk1, pk2); yr = y; }
-            for (int64_t b0 = 0; b0 < K; b0 += B) {
-                int64_t b1 = b0 + B < K ? b0 + B : K;
-                float mx = 0.f;
-                for (int64_t j = b0; j < b1; j++) {
-                    float w = f_of(u_of(yr[j]) & 0x7fffffffu);
-                    mx = w < INFINITY && w > mx ? w : mx;
-                }
-                float s = block_scale(mx, p, &e4);
+            int nb = (int)((K + B - 1) / B);
+            for (int b = 0; b < nb; b++) {
+                int64_t b0 = b * B, b1 = b0 + B < K ? b0 + B : K;
+                uint32_t m = 0u;
+#pragma omp simd reduction(max:m)
+                for (int64_t j = b0; j < b1; j++) { uint32_t f = finite_bits(yr[j]); m = f > m ? f : m; }
+                mb[b] = m;
+            }
+            scales_run(mb, Xb, nb, p, e4);
+            for (int b = 0; b < nb; b++) {
+                int64_t b0 = b * B, b1 = b0 + B < K ? b0 + B : K;
+                float s = Xb[b];
+#pragma omp simd
                 for (int64_t j = b0; j < b1; j++) X[j] = s;
             }
             ROUND_RUN(xr, yr, X, out + pi * K, (int)K, (uint32_t)(pi * KP), 1u);
+            sums_run(xr, out + pi * K, (int)K, acc);
             continue;
         }
         for (int64_t kb = 0; kb < K; kb += B) {
             int64_t rows = kb + B < K ? B : K - kb;
             for (int64_t q0 = 0; q0 < Q; q0 += QCHUNK) {
                 int qn = (int)(Q - q0 < QCHUNK ? Q - q0 : QCHUNK);
-                for (int j = 0; j < qn; j++) cmax[j] = 0.f;
+                int whole = qn == Q;                    /* the tile's rows are one contiguous span */
+                int64_t off0 = (pi * K + kb) * Q + q0;
+                if (PRUNE && whole)
+                    cnt[1] += block_prune(x + off0, y, (int)(rows * Q), (uint32_t)off0, p->e.a, pk1, pk2);
+                for (int j = 0; j < qn; j++) mb[j] = 0u;
                 for (int64_t r = 0; r < rows; r++) {
-                    int64_t off = (pi * K + kb + r) * Q + q0;
-                    const float *yr = x + off;
-                    if (PRUNE) {
-                        cnt[1] += block_prune(x + off, y + r * QCHUNK, qn, (uint32_t)off, p->e.a, pk1, pk2);
-                        yr = y + r * QCHUNK;
-                    }
+                    int64_t off = off0 + r * Q;
+                    float *yr = y + r * qn;
+                    if (PRUNE && !whole) cnt[1] += block_prune(x + off, yr, qn, (uint32_t)off, p->e.a, pk1, pk2);
+                    const float *src = PRUNE ? yr : x + off;
 #pragma omp simd
-                    for (int j = 0; j < qn; j++) {
-                        float w = f_of(u_of(yr[j]) & 0x7fffffffu);
-                        cmax[j] = sel(w < INFINITY && w > cmax[j], w, cmax[j]);
-                    }
+                    for (int j = 0; j < qn; j++) { uint32_t f = finite_bits(src[j]); mb[j] = f > mb[j] ? f : mb[j]; }
                 }
-                for (int j = 0; j < qn; j++) cX[j] = block_scale(cmax[j], p, &e4);
+                scales_run(mb, X, qn, p, e4);
                 for (int64_t r = 0; r < rows; r++) {
-                    int64_t off = (pi * K + kb + r) * Q + q0;
-                    ROUND_RUN(x + off, PRUNE ? y + r * QCHUNK : x + off, cX, out + off, qn,
+                    int64_t off = off0 + r * Q;
+                    ROUND_RUN(x + off, PRUNE ? y + r * qn : x + off, X, out + off, qn,
                               (uint32_t)((pi * Q + q0) * KP + kb + r), (uint32_t)KP);
+                    if (!whole) sums_run(x + off, out + off, qn, acc);
                 }
+                if (whole) sums_run(x + off0, out + off0, (int)(rows * Q), acc);
             }
         }
     }
 #undef ROUND_RUN
-    free(y); free(X);
+    free(y); free(X); free(Xb); free(mb);
 }
 
 /* The largest finite |x| of x[0..n). */

@@ -1,0 +1,137 @@
+"""Where the tracer's and a plan's cost per training step goes: the kernels against the Python around them.
+
+Per model (the workloads of ``apply_overhead.py``), on the gradients of one real training step:
+
+- ``plain step``: a training step without gradstats (median of ``--repeats`` steps);
+- trace: ``stats kernel``, the fused statistics kernel (``gradstats.stats.write_stats``) over every traced
+  layer's output gradient, which ``trace``'s defaults read on every step: the least the tracer can cost
+  without reading less;
+- apply (``recommend(bits=6, sparsity=0.85)``, or ``--plan``): per planned layer, one call of the hook's
+  work on its real gradient, split into the statistics kernel (``refresh``'s sweep), the prune + quantise
+  kernel, the histogram rule's distribution (where the layer's rule uses it), and the rest (the
+  threshold and scale solve, the counts, records and alerts, the Python glue).
+
+Every part is the median of ``--repeats`` calls on the same tensors (their data warm in the caches, so
+this is a floor: in a training step the kernels meet gradients fresh from the backward pass, and
+``apply_overhead.py``/``trace_overhead.py``, interleaved with plain steps, measure the whole). CPU time,
+one thread.
+
+    python bench/step_breakdown.py [--models mobilenet resnet20 gpt_neox] [--repeats 30]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+
+import torch
+from _common import time_block
+from apply_overhead import workload
+
+import gradstats  # noqa: E402
+from gradstats.apply import refresh  # noqa: E402
+from gradstats.ops.fused import prune_quantize  # noqa: E402
+from gradstats.pruning.rules import THRESHOLD_RULES  # noqa: E402
+from gradstats.stats import VectorRows, kernel_applies, write_stats  # noqa: E402
+
+
+def median_us(f, repeats: int) -> float:
+    ts = []
+    for _ in range(repeats):
+        t = time.process_time()
+        f()
+        ts.append(time.process_time() - t)
+    return statistics.median(ts) * 1e6
+
+
+def traced_gradients(model, batches, loss_fn) -> dict[str, torch.Tensor]:
+    """The output gradient of every module with parameters (what ``trace`` reads), one step."""
+    grads: dict[str, torch.Tensor] = {}
+    handles = []
+    for name, m in model.named_modules():
+        if any(True for _ in m.parameters(recurse=False)):
+            def fwd(mod, i, out, name=name):
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(lambda g: grads.__setitem__(name, g.detach().clone()))
+            handles.append(m.register_forward_hook(fwd))
+    x, y = batches[0]
+    (loss_fn(model, x, y) if loss_fn else torch.nn.functional.cross_entropy(model(x), y)).backward()
+    for h in handles:
+        h.remove()
+    return grads
+
+
+def bench_model(name: str, plan_kw: dict, repeats: int) -> dict[str, float]:
+    logging.getLogger("gradstats").setLevel(logging.ERROR)
+    model, batches, loss_fn = workload(name, 4, None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    step_us = statistics.median(time_block(model, opt, batches[:1], loss_fn=loss_fn) for _ in range(repeats)) * 1e6
+    rows = VectorRows()
+    stats_us = 0.0
+    grads = traced_gradients(model, batches, loss_fn)
+    for g in grads.values():
+        g = g.contiguous()
+        if kernel_applies(g):
+            address = rows.claim()
+            stats_us += median_us(lambda: write_stats(g, address), repeats)
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="step-breakdown-")
+    with gradstats.trace(model, path) as t:              # the plan a user gets from 8 traced steps
+        time_block(model, opt, (batches * 8)[:8], t.step, loss_fn=loss_fn)
+    handle = gradstats.apply(model, gradstats.recommend(path, **plan_kw))
+    calls: dict[str, torch.Tensor] = {}
+    compress = handle._compress_on
+
+    def grab(layer: str, g: torch.Tensor) -> torch.Tensor:
+        calls[layer] = g.detach().clone()
+        return compress(layer, g)
+
+    handle._compress_on = grab
+    x, y = batches[0]
+    (loss_fn(model, x, y) if loss_fn else torch.nn.functional.cross_entropy(model(x), y)).backward()
+    handle._compress_on = compress
+    parts = {"call": 0.0, "stats": 0.0, "prune": 0.0, "hist": 0.0}
+    for layer, g in calls.items():
+        rule, st = handle.rules[layer], handle.state[layer]
+        hist = rule.prunes and THRESHOLD_RULES[rule.threshold_rule].needs_histogram
+        parts["call"] += median_us(lambda: compress(layer, g), repeats)
+        parts["stats"] += median_us(lambda: refresh.stats_vector(g, hist), repeats)
+        v = refresh.stats_vector(g, hist)
+        if hist:
+            parts["hist"] += median_us(lambda: refresh.histogram_of(v), repeats)
+        q = handle._quantize_args(layer, rule, g)
+        fmt = q.pop("fmt")
+        parts["prune"] += median_us(lambda: prune_quantize(g, st.threshold if rule.prunes else 0.0, fmt,
+                                                           scale=st.scale, generator=handle.generator, **q), repeats)
+    handle.remove()
+    return {"step": step_us, "trace_layers": len(grads), "trace_stats": stats_us, "apply_layers": len(calls),
+            **parts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["mobilenet", "resnet20", "gpt_neox"])
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--bits", type=int, default=6)
+    ap.add_argument("--sparsity", type=float, default=0.85)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    print(f"step breakdown: torch {torch.__version__}, 1 thread, CPU time, medians of {a.repeats}; "
+          f"apply: recommend(bits={a.bits}, sparsity={a.sparsity}); us per step (share of the plain step)")
+    head = (f"{'model':10s} {'plain step':>10s} | {'trace: layers':>13s} {'stats kernel':>16s} | "
+            f"{'apply: layers':>13s} {'stats kernel':>16s} {'prune+quantise':>16s} {'histogram':>14s} "
+            f"{'rest (Python)':>16s} {'all':>16s}")
+    print(head)
+    for name in a.models:
+        r = bench_model(name, {"bits": a.bits, "sparsity": a.sparsity}, a.repeats)
+        pct = lambda us: f"{us:7.0f} ({us / r['step'] * 100:4.1f}%)"  # noqa: E731
+        rest = r["call"] - r["stats"] - r["prune"] - r["hist"]
+        print(f"{name:10s} {r['step']:10.0f} | {r['trace_layers']:13d} {pct(r['trace_stats']):>16s} | "
+              f"{r['apply_layers']:13d} {pct(r['stats']):>16s} {pct(r['prune']):>16s} {pct(r['hist']):>14s} "
+              f"{pct(rest):>16s} {pct(r['call']):>16s}")
+
+
+if __name__ == "__main__":
+    main()
