@@ -25,6 +25,7 @@ import logging
 import statistics
 import time
 
+import _common
 import torch
 from _common import time_block
 from apply_overhead import workload
@@ -118,6 +119,7 @@ def main() -> None:
     ap.add_argument("--sparsity", type=float, default=0.85)
     a = ap.parse_args()
     torch.set_num_threads(1)
+    _common.CLOCK = time.process_time                     # the plain step in CPU time too
     print(f"step breakdown: torch {torch.__version__}, 1 thread, CPU time, medians of {a.repeats}; "
           f"apply: recommend(bits={a.bits}, sparsity={a.sparsity}); us per step (share of the plain step)")
     head = (f"{'model':10s} {'plain step':>10s} | {'trace: layers':>13s} {'stats kernel':>16s} | "
