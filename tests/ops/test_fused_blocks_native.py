@@ -9,9 +9,10 @@ import math
 
 import pytest
 import torch
+from block_cases import close_sums, gradient, same_bits, sums_of
 
 from gradstats.ops import fused
-from gradstats.ops.fused import CompressCounts, prune_quantize
+from gradstats.ops.fused import prune_quantize
 from gradstats.scheme import Scheme
 
 pytestmark = pytest.mark.skipif(fused._native() is None, reason="no C compiler here")
@@ -26,14 +27,6 @@ SHAPES = [((2, 20, 3, 3), 1), ((3, 7, 24), -1), ((5, 37), -1), ((16, 40, 9, 9), 
           ((2, 18, 37, 41), 1)]
 
 
-def gradient(shape, seed=0, specials=True):
-    """Lognormal magnitudes over many binades, random signs, zeros, and an inf and a NaN."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.exp(torch.randn(shape, generator=g) * 2) * torch.sign(torch.randn(shape, generator=g))
-    x.view(-1)[::7] = 0.0
-    if specials:
-        x.view(-1)[3], x.view(-1)[5] = math.inf, math.nan
-    return x
 
 
 def composed(monkeypatch, *args, **kw):
@@ -43,18 +36,10 @@ def composed(monkeypatch, *args, **kw):
         return prune_quantize(*args, **kw)
 
 
-def same_bits(a, b):
-    both_nan = torch.isnan(a) & torch.isnan(b)
-    return bool(((a.view(torch.int32) == b.view(torch.int32)) | both_nan).all())
 
 
-def sums_of(c: CompressCounts):
-    return [c.dot, c.norm2, c.err2, c.noise2, c.abs_out, c.abs_in]
 
 
-def close_sums(got, want):
-    return all((math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-30)
-               for a, b in zip(got, want))
 
 
 @pytest.mark.parametrize("preset", SCHEMES)

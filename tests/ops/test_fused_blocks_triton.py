@@ -10,7 +10,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from gradstats.ops.fused import CompressCounts, prune_quantize, prune_quantize_into  # noqa: E402
+from block_cases import close_sums, counts_of, gradient, same_bits, sums_of  # noqa: E402
+
+from gradstats.ops.fused import prune_quantize, prune_quantize_into  # noqa: E402
 from gradstats.ops.triton import blocks as kb  # noqa: E402
 from gradstats.scheme import Scheme  # noqa: E402
 
@@ -32,14 +34,6 @@ def _interpret(interpreted):
     """The kernels under Triton's interpreter (the shared fixture of tests/conftest.py)."""
 
 
-def gradient(shape, seed=0, specials=True):
-    """Lognormal magnitudes over many binades, random signs, zeros, and an inf and a NaN."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.exp(torch.randn(shape, generator=g) * 2) * torch.sign(torch.randn(shape, generator=g))
-    x.view(-1)[::7] = 0.0
-    if specials:
-        x.view(-1)[3], x.view(-1)[5] = math.inf, math.nan
-    return x
 
 
 _SCHEME_KEYS = ("rounding", "block_size", "scale_format", "scale_rounding", "hadamard")
@@ -59,22 +53,12 @@ def kernel(x, threshold, fmt, **kw):
     return kb.prune_quantize_blocks_triton(x, threshold, s, **kw)
 
 
-def same_bits(a, b):
-    both_nan = torch.isnan(a) & torch.isnan(b)
-    return bool(((a.view(torch.int32) == b.view(torch.int32)) | both_nan).all())
 
 
-def counts_of(c: CompressCounts):
-    return [c.zeros, c.pruned, c.underflow, c.saturated, c.nonfinite]
 
 
-def sums_of(c: CompressCounts):
-    return [c.dot, c.norm2, c.err2, c.noise2, c.abs_out, c.abs_in]
 
 
-def close_sums(got, want):
-    return all((math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-30)
-               for a, b in zip(got, want))
 
 
 def check(x, threshold, fmt, kw, **extra):
