@@ -5,7 +5,8 @@ e5m2 and for arbitrary formats (e3m3, e6m1), our stochastic rounding, ml_dtypes 
 trips, qtorch 0.3 ``float_quantize`` when it imports (its C++ extension is built on first use;
 if that fails the table says so), and the operator :func:`gradstats.apply` runs per gradient,
 ``prune_quantize`` (pruning, rounding, counts and float64 sums in one pass of the C kernel), beside
-the same computed with torch ops (the path without a C compiler). Each row is timed with torch's default intra-op threads and with
+the same computed with torch ops (the path without a C compiler), and the same for NVFP4 and MXFP4 blocks
+(the C block kernel beside the composed operators it replaces). Each row is timed with torch's default intra-op threads and with
 one thread; ratios are against the native cast measured in the same run and setting.
 
 GPU (only when ``torch.cuda.is_available()``): the Triton kernel on a 256M-element float32 tensor,
@@ -28,13 +29,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import describe, interleaved  # noqa: E402
-from gradstats.ops.fused import _composed, prune_quantize  # noqa: E402
+from gradstats.ops.fused import _composed_on_device, prune_quantize  # noqa: E402
 from gradstats.ops.quantization import quantize  # noqa: E402
 from gradstats.scheme import Scheme  # noqa: E402
 
 #: the row a row's "vs ours" divides by, where it is not our nearest (or stochastic) e5m2
 REFERENCE = {"the same, torch ops (no-compiler path)": "gradstats prune_quantize e5m2, fused",
-             "gradstats prune_quantize e5m2, fused": "gradstats prune_quantize e5m2, fused"}
+             "gradstats prune_quantize e5m2, fused": "gradstats prune_quantize e5m2, fused",
+             "gradstats prune_quantize nvfp4, fused": "gradstats prune_quantize nvfp4, fused",
+             "the same, composed operators (nvfp4)": "gradstats prune_quantize nvfp4, fused",
+             "gradstats prune_quantize mxfp4, fused": "gradstats prune_quantize mxfp4, fused",
+             "the same, composed operators (mxfp4)": "gradstats prune_quantize mxfp4, fused"}
 
 
 def timed(fn):
@@ -63,7 +68,14 @@ def peers(x: torch.Tensor):
         # in one pass, with the counts and float64 sums of the training log
         "gradstats prune_quantize e5m2, fused": (lambda: prune_quantize(x, 0.67, "e5m2", seed=1), ""),
         "the same, torch ops (no-compiler path)": (
-            lambda: _composed(x, 0.67, Scheme.of("e5m2"), scale=1.0, seed=1), ""),
+            lambda: _composed_on_device(x, 0.67, Scheme.of("e5m2"), 1.0, 1), ""),
+        # the block-scaled formats: the C block kernel, and the operators it replaces
+        "gradstats prune_quantize nvfp4, fused": (lambda: prune_quantize(x, 0.67, "nvfp4", seed=1), ""),
+        "the same, composed operators (nvfp4)": (
+            lambda: _composed_on_device(x, 0.67, Scheme.of("nvfp4"), 1.0, 1), ""),
+        "gradstats prune_quantize mxfp4, fused": (lambda: prune_quantize(x, 0.67, "mxfp4", seed=1), ""),
+        "the same, composed operators (mxfp4)": (
+            lambda: _composed_on_device(x, 0.67, Scheme.of("mxfp4"), 1.0, 1), ""),
     }
     try:
         from qtorch.quant import float_quantize

@@ -21,10 +21,11 @@ pytestmark = pytest.mark.skipif(fused._native() is None, reason="no C compiler h
 SCHEMES = ["e2m1fn:block=32", "e4m3fn:block=32:scale_rounding=rceil", "e3m2fn:block=32:scale_rounding=even",
            "e2m3fn:block=32:scale_rounding=ceil", "nvfp4", "mxfp8_e5m2"]
 #: (shape, block_dim): a convolution's (N, C, H, W) with C not a multiple of the block, a (B, T, C) linear
-#: gradient, a matrix, two with more than 2**16 entries (the kernel's threads split them), and a feature map
-#: of more than 1024 pixels (the kernel's tiles then take the pixels in chunks)
+#: gradient, a matrix, two with more than 2**16 entries (the kernel's threads split them), a feature map
+#: of more than 1024 pixels (the kernel's tiles then take the pixels in chunks), and rows longer than the
+#: kernel's units of 4096 channels, of a matrix and of a 1-d tensor
 SHAPES = [((2, 20, 3, 3), 1), ((3, 7, 24), -1), ((5, 37), -1), ((16, 40, 9, 9), 1), ((4, 300, 60), -1),
-          ((2, 18, 37, 41), 1)]
+          ((2, 18, 37, 41), 1), ((3, 10000), -1), ((70001,), 0)]
 
 
 

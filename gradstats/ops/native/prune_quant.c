@@ -407,10 +407,18 @@ static inline int32_t block_prune(const float *restrict x, float *restrict y, in
 
 #define QCHUNK 1024   /* the most columns (tokens) of a tile: B rows of them stay in L2 */
 
-/* The tokens p of one thread: for Q == 1 each token's K channels are contiguous (blocks of B consecutive
- * values); otherwise a tile is B channels x up to QCHUNK tokens, each row contiguous, a block a column (the
- * whole tile contiguous where Q <= QCHUNK). */
-static void blocks_tokens(const float *x, float *out, int64_t p0, int64_t p1, const bparams_t *p,
+/* Elements per unit of work along a token's channels when Q == 1 (a multiple of the block size): a linear
+ * layer's gradient, or a 1-d tensor, splits into units of about this many values. */
+#define ROWCHUNK 4096
+
+/* The units of work of a (P, K, Q) tensor: for Q == 1, P tokens times the chunks of ROWCHUNK channels (whole
+ * blocks) of each; otherwise P (a token's channel blocks times its Q pixels). */
+static int64_t row_chunk(const bparams_t *p) { return p->B * (ROWCHUNK / p->B > 0 ? ROWCHUNK / p->B : 1); }
+
+/* The units u0..u1 of one thread: for Q == 1 a unit is a run of whole blocks of one token's contiguous
+ * channels; otherwise a token, its tiles B channels x up to QCHUNK pixels, each row contiguous, a block a
+ * column (the whole tile contiguous where Q <= QCHUNK). */
+static void blocks_tokens(const float *x, float *out, int64_t u0, int64_t u1, const bparams_t *p,
                           int PRUNE, int ROUNDING, int SUBNORMALS, int64_t *cnt, double *acc) {
     const int64_t K = p->K, Q = p->Q, B = p->B, KP = p->KP;
     const rconst_t k = rconsts(p->e.man_bits, p->e.emin, p->e.maxv), e4 = rconsts(3, -6, 448.f);
@@ -418,9 +426,10 @@ static void blocks_tokens(const float *x, float *out, int64_t p0, int64_t p1, co
     uint32_t pk1, pk2, rk1, rk2;
     seg_key(p->e.prune_mix, 0, &pk1, &pk2);
     seg_key(p->e.round_mix, 0, &rk1, &rk2);
-    const int64_t row = Q == 1 ? K : QCHUNK;            /* a row of a tile, at most */
-    const int64_t nbmax = Q == 1 ? (K + B - 1) / B : QCHUNK;
-    float *y = (float *)malloc(sizeof(float) * (size_t)(Q == 1 ? K : B * QCHUNK));
+    const int64_t CH = row_chunk(p), nch = (K + CH - 1) / CH;
+    const int64_t row = Q == 1 ? CH : QCHUNK;           /* a row of a tile, at most */
+    const int64_t nbmax = Q == 1 ? CH / B : QCHUNK;
+    float *y = (float *)malloc(sizeof(float) * (size_t)(Q == 1 ? CH : B * QCHUNK));
     float *X = (float *)malloc(sizeof(float) * (size_t)row);
     float *Xb = (float *)malloc(sizeof(float) * (size_t)nbmax);
     uint32_t *mb = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)nbmax);
@@ -434,30 +443,32 @@ static void blocks_tokens(const float *x, float *out, int64_t p0, int64_t p1, co
         else if (ROUNDING == 1) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, 1, 0); \
         else if (SUBNORMALS) block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, 2, 1); \
         else block_round(XP, YP, SP, OP, M, C0, CS, rk1, rk2, k, zero_sign, cnt, 2, 0); } while (0)
-    for (int64_t pi = p0; pi < p1; pi++) {
+    for (int64_t u = u0; u < u1; u++) {
         if (Q == 1) {
-            const float *xr = x + pi * K;
+            const int64_t pi = u / nch, k0 = (u % nch) * CH, m = K - k0 < CH ? K - k0 : CH;
+            const float *xr = x + pi * K + k0;
             const float *yr = xr;
-            if (PRUNE) { cnt[1] += block_prune(xr, y, (int)K, (uint32_t)(pi * K), p->e.a, pk1, pk2); yr = y; }
-            int nb = (int)((K + B - 1) / B);
+            if (PRUNE) { cnt[1] += block_prune(xr, y, (int)m, (uint32_t)(pi * K + k0), p->e.a, pk1, pk2); yr = y; }
+            int nb = (int)((m + B - 1) / B);
             for (int b = 0; b < nb; b++) {
-                int64_t b0 = b * B, b1 = b0 + B < K ? b0 + B : K;
-                uint32_t m = 0u;
-#pragma omp simd reduction(max:m)
-                for (int64_t j = b0; j < b1; j++) { uint32_t f = finite_bits(yr[j]); m = f > m ? f : m; }
-                mb[b] = m;
+                int64_t b0 = b * B, b1 = b0 + B < m ? b0 + B : m;
+                uint32_t mx = 0u;
+#pragma omp simd reduction(max:mx)
+                for (int64_t j = b0; j < b1; j++) { uint32_t f = finite_bits(yr[j]); mx = f > mx ? f : mx; }
+                mb[b] = mx;
             }
             scales_run(mb, Xb, nb, p, e4);
             for (int b = 0; b < nb; b++) {
-                int64_t b0 = b * B, b1 = b0 + B < K ? b0 + B : K;
-                float s = Xb[b];
+                int64_t b0 = b * B, b1 = b0 + B < m ? b0 + B : m;
+                float sc = Xb[b];
 #pragma omp simd
-                for (int64_t j = b0; j < b1; j++) X[j] = s;
+                for (int64_t j = b0; j < b1; j++) X[j] = sc;
             }
-            ROUND_RUN(xr, yr, X, out + pi * K, (int)K, (uint32_t)(pi * KP), 1u);
-            sums_run(xr, out + pi * K, (int)K, acc);
+            ROUND_RUN(xr, yr, X, out + pi * K + k0, (int)m, (uint32_t)(pi * KP + k0), 1u);
+            sums_run(xr, out + pi * K + k0, (int)m, acc);
             continue;
         }
+        const int64_t pi = u;
         for (int64_t kb = 0; kb < K; kb += B) {
             int64_t rows = kb + B < K ? B : K - kb;
             for (int64_t q0 = 0; q0 < Q; q0 += QCHUNK) {
@@ -534,6 +545,7 @@ int gs_prune_quantize_blocks_f32(const float *x, float *out, int64_t P, int64_t 
         }
         p.t = tmax > 0.f ? tmax / tdiv : 1.f;
     }
+    const int64_t units = Q == 1 ? P * ((K + row_chunk(&p) - 1) / row_chunk(&p)) : P;
     int64_t total[5] = {0, 0, 0, 0, 0};
     double totals[6] = {0, 0, 0, 0, 0, 0};
     int failed = 0;
@@ -544,12 +556,12 @@ int gs_prune_quantize_blocks_f32(const float *x, float *out, int64_t P, int64_t 
     {
         int64_t c[5] = {0, 0, 0, 0, 0};
         double acc[6] = {0, 0, 0, 0, 0, 0};
-        int64_t p0 = 0, p1 = P;
+        int64_t u0 = 0, u1 = units;
 #ifdef _OPENMP
         int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        p0 = P * id / nt; p1 = P * (id + 1) / nt;
+        u0 = units * id / nt; u1 = units * (id + 1) / nt;
 #endif
-        if (p1 > p0) blocks_tokens(x, out, p0, p1, &p, a > 0.f, rounding, subnormals != 0, c, acc);
+        if (u1 > u0) blocks_tokens(x, out, u0, u1, &p, a > 0.f, rounding, subnormals != 0, c, acc);
 #ifdef _OPENMP
 #pragma omp critical
 #endif
