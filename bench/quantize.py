@@ -124,7 +124,7 @@ def cpu_table(n: int, rounds: int) -> None:
             line += f"{r[name] * 1e3:10.1f}{r[name] / nat:9.2f}x{r[name] / ours:7.1f}x"
         print(line)
     print("('vs ours': time relative to our nearest e5m2, to our stochastic e5m2 for stochastic rows, and to "
-          "the fused prune_quantize for its two rows)")
+          "the fused prune_quantize of the same format for the rows that prune)")
 
 
 def gpu_table(n: int = 256 * 2 ** 20, reps: int = 20) -> None:
