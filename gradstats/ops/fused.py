@@ -280,11 +280,11 @@ def _native_blocks(x: torch.Tensor, threshold: Any, s: Scheme, scale: Any, seed:
     counts = torch.zeros(5, dtype=torch.int64)
     sums = torch.zeros(6, dtype=torch.float64)
     e4m3 = s.tensor_scale is not None
-    tdiv = float(torch.tensor(el.max * E4M3.max, dtype=torch.float32))
     rc = prune_quant_blocks()(
         xc.data_ptr(), res.data_ptr(), P, K, Q, s.block_size, float(threshold), el.man_bits, el.emin, el.max,
         int(el.subnormals), ROUNDING_CODES[s.rounding], int(el.has_negative_zero), int(e4m3),
-        SCALE_ROUNDINGS.index(s.scale_rounding or "floor"), el.emax, el.man_bits, el.max, tdiv,
+        SCALE_ROUNDINGS.index(s.scale_rounding or "floor"), el.emax, el.man_bits, el.max,
+        el.max * E4M3.max,                        # NVFP4's tensor-scale divisor, rounded to float32 by ctypes
         -1.0 if tensor_amax is None or not e4m3 else float(tensor_amax), _rng.stream(seed or 0, _rng.PRUNE),
         _rng.stream(seed or 0, _rng.ROUND), torch.get_num_threads(), counts.data_ptr(), sums.data_ptr())
     if rc != 0:  # pragma: no cover - arguments are validated by the operators; -3: out of memory
