@@ -371,8 +371,9 @@ def prune_quantize_into(x: torch.Tensor, threshold: Union[float, torch.Tensor],
     :mod:`gradstats.ops.triton.blocks`), and ``threshold`` and ``scale`` may be one-element tensors
     on ``x``'s device (solved there). ``tensor_amax`` (a host float) or ``stats`` (``x``'s float64
     statistics vector on its device) give NVFP4's tensor scale without a pass of its own (a Hadamard
-    transform's rotated maximum always takes one: two launches); elsewhere the operators run one
-    after the other.
+    transform's rotated maximum always takes one: two launches). On the CPU the C kernels of
+    :func:`prune_quantize` run (counts and sums in host tensors; ``stats`` is not read there);
+    elsewhere the operators run one after the other.
 
     Example:
         >>> import torch
