@@ -81,14 +81,14 @@ def recommended(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: lis
 
 def composed_blocks(run: Callable[[], float]) -> float:
     """``run()`` with the fused C block kernel not offered: block formats through the composed operators."""
-    from gradstats.ops import fused
+    from gradstats.ops import cpu_blocks
 
-    keep = fused._native_blocks_cover
-    fused._native_blocks_cover = lambda *a: False
+    keep = cpu_blocks.takes
+    cpu_blocks.takes = lambda *a: False
     try:
         return run()
     finally:
-        fused._native_blocks_cover = keep
+        cpu_blocks.takes = keep
 
 
 def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_steps: int,

@@ -50,6 +50,20 @@ def timed(fn):
     return run
 
 
+def composed(run):
+    """``run`` with the C block kernel offered neither to prune_quantize nor to quantize: the operators it replaces."""
+    from gradstats.ops import cpu_blocks
+
+    def call():
+        keep = cpu_blocks.takes
+        cpu_blocks.takes = lambda *a: False
+        try:
+            return run()
+        finally:
+            cpu_blocks.takes = keep
+    return call
+
+
 def peers(x: torch.Tensor):
     """name -> (callable, note) for every row of the CPU table."""
     import ml_dtypes
@@ -72,10 +86,10 @@ def peers(x: torch.Tensor):
         # the block-scaled formats: the C block kernel, and the operators it replaces
         "gradstats prune_quantize nvfp4, fused": (lambda: prune_quantize(x, 0.67, "nvfp4", seed=1), ""),
         "the same, composed operators (nvfp4)": (
-            lambda: _composed_on_device(x, 0.67, Scheme.of("nvfp4"), 1.0, 1), ""),
+            composed(lambda: _composed_on_device(x, 0.67, Scheme.of("nvfp4"), 1.0, 1)), ""),
         "gradstats prune_quantize mxfp4, fused": (lambda: prune_quantize(x, 0.67, "mxfp4", seed=1), ""),
         "the same, composed operators (mxfp4)": (
-            lambda: _composed_on_device(x, 0.67, Scheme.of("mxfp4"), 1.0, 1), ""),
+            composed(lambda: _composed_on_device(x, 0.67, Scheme.of("mxfp4"), 1.0, 1)), ""),
     }
     try:
         from qtorch.quant import float_quantize

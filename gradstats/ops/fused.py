@@ -33,6 +33,7 @@ from typing import Any, Optional, Union
 import torch
 
 from gradstats.formats import ROUNDING_CODES, FPFormat
+from gradstats.ops import cpu_blocks
 from gradstats.ops import random as _rng
 from gradstats.ops.consts import fused_covers
 from gradstats.ops.engine import triton_available, use_native, use_triton
@@ -183,7 +184,7 @@ def _path(x: torch.Tensor, s: Optional[Scheme], scale: Any, block_dim: int) -> s
 
             if kblocks.covers(s, x, block_dim):
                 return "triton_blocks"
-        elif use_native(x.device.type) and _native_blocks_cover(s, x, block_dim):
+        elif cpu_blocks.takes(s, x, block_dim):
             return "native_blocks"
         return "composed"
     if not fused_covers(None if s is None else s.element, 1.0 if isinstance(scale, torch.Tensor) else scale):
@@ -244,57 +245,13 @@ def _native_pass(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: An
     return result, counts, sums
 
 
-def _native_blocks_cover(s: Scheme, x: torch.Tensor, block_dim: int) -> bool:
-    """Whether the fused C block kernel takes the call: float32, ``block_dim`` one of ``x``'s dims, an element
-    format the fused kernels cover, no Hadamard transform, its element and blocked-layout indices below
-    ``2**32`` (one segment of the random streams), and the kernel compiled here."""
-    from gradstats.ops.layout import geometry
-    from gradstats.ops.native import prune_quant_blocks
-
-    if x.dtype != torch.float32 or x.dim() == 0 or s.hadamard is not None or not fused_covers(s.element, 1.0):
-        return False
-    if not isinstance(block_dim, int) or not -x.dim() <= block_dim < x.dim():
-        return False
-    P, K, Q = geometry(tuple(x.shape), block_dim)
-    if P * Q * -(-K // s.block_size) * s.block_size >= 1 << 32:
-        return False
-    return prune_quant_blocks() is not None
-
-
 def _native_blocks(x: torch.Tensor, threshold: Any, s: Scheme, scale: Any, seed: Optional[int],
                    block_dim: int, tensor_amax: Optional[float], out: Optional[torch.Tensor],
                    stats: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused C block kernel (:func:`gradstats.ops.native.prune_quant_blocks`): one pass over the blocks in
-    place (MX's and NVFP4's scales; NVFP4's tensor maximum from ``tensor_amax`` or a first pass that finds it),
-    bit for bit the composed operators; its counts and sums in host tensors. ``scale`` and ``stats`` are not
-    read (block scales replace the one, ``tensor_amax`` the other)."""
-    from gradstats.ops.layout import geometry
-    from gradstats.ops.native import prune_quant_blocks
-    from gradstats.scheme import E4M3, SCALE_ROUNDINGS
-
-    el = s.element
-    xc = x.contiguous()
-    P, K, Q = geometry(tuple(xc.shape), block_dim)
-    own = out is not None and out.is_contiguous() and out.data_ptr() != xc.data_ptr()
-    res = out if own else torch.empty_like(xc)
-    counts = torch.zeros(5, dtype=torch.int64)
-    sums = torch.zeros(6, dtype=torch.float64)
-    e4m3 = s.tensor_scale is not None
-    rc = prune_quant_blocks()(
-        xc.data_ptr(), res.data_ptr(), P, K, Q, s.block_size, float(threshold), el.man_bits, el.emin, el.max,
-        int(el.subnormals), ROUNDING_CODES[s.rounding], int(el.has_negative_zero), int(e4m3),
-        SCALE_ROUNDINGS.index(s.scale_rounding or "floor"), el.emax, el.man_bits, el.max,
-        el.max * E4M3.max,                        # NVFP4's tensor-scale divisor, rounded to float32 by ctypes
-        -1.0 if tensor_amax is None or not e4m3 else float(tensor_amax), _rng.stream(seed or 0, _rng.PRUNE),
-        _rng.stream(seed or 0, _rng.ROUND), torch.get_num_threads(), counts.data_ptr(), sums.data_ptr())
-    if rc != 0:  # pragma: no cover - arguments are validated by the operators; -3: out of memory
-        raise RuntimeError(f"the fused block kernel rejected its arguments (code {rc})")
-    result = res.view_as(x)
-    if out is not None:
-        if not own:
-            out.copy_(result)
-        result = out
-    return result, counts, sums
+    """The C block kernel (:func:`gradstats.ops.cpu_blocks.prune_quantize_blocks_cpu`); ``scale`` and ``stats``
+    are not read (block scales replace the one, ``tensor_amax`` or the kernel's own pass the other)."""
+    return cpu_blocks.prune_quantize_blocks_cpu(x, threshold, s, seed=seed, block_dim=block_dim,
+                                                tensor_amax=tensor_amax, out=out)
 
 
 def _composed_pass(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: Any, seed: Optional[int],

@@ -32,12 +32,14 @@ import torch
 
 from gradstats import _threads
 from gradstats.formats import OVERFLOWS, ROUNDINGS, FPFormat, amax_scale
+from gradstats.ops import cpu_blocks
 from gradstats.ops.block_scales import _scales_of_blocks, mx_shared_exponent
 from gradstats.ops.consts import _BF16, _EXP, _FP16, _FP32
 from gradstats.ops.consts import consts as _consts
 from gradstats.ops.engine import use_triton
 from gradstats.ops.hadamard import resolve_orientation, rotate, unrotate
 from gradstats.ops.layout import check_orientation, from_blocks, from_gemm_matrix, to_blocks
+from gradstats.ops.random import draw_seed as _draw_seed
 from gradstats.ops.random import hash_bits as _hash_bits
 from gradstats.ops.random import iota as _iota
 from gradstats.ops.random import resolve_seed as _resolve_seed
@@ -542,6 +544,10 @@ def _quantize_blocks(x: torch.Tensor, s: Scheme, overflow: str, generator: Union
                      block_dim: int = -1, orientation: str = "rows", tensor_amax: Optional[float] = None
                      ) -> torch.Tensor:
     fmt, rounding = s.element, s.rounding
+    if orientation == "rows" and overflow == "saturate" and cpu_blocks.takes(s, x, block_dim):   # one C pass
+        seed = (generator if isinstance(generator, int) else _draw_seed(generator)) if rounding == "stochastic" else 0
+        return cpu_blocks.prune_quantize_blocks_cpu(x, 0.0, s, seed=seed, block_dim=block_dim,
+                                                    tensor_amax=tensor_amax)[0]
     xb, ctx = to_blocks(x, s.block_size, orientation, block_dim)
     X = _scales_of_blocks(xb, s, tensor_amax)
     Xs = torch.where(X > 0, X, 1.0)

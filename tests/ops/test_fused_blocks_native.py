@@ -11,7 +11,7 @@ import pytest
 import torch
 from block_cases import close_sums, gradient, same_bits, sums_of
 
-from gradstats.ops import fused
+from gradstats.ops import cpu_blocks, fused
 from gradstats.ops.fused import prune_quantize
 from gradstats.scheme import Scheme
 
@@ -31,9 +31,10 @@ SHAPES = [((2, 20, 3, 3), 1), ((3, 7, 24), -1), ((5, 37), -1), ((16, 40, 9, 9), 
 
 
 def composed(monkeypatch, *args, **kw):
-    """The same call on the composed operators (the fused block kernel not offered)."""
+    """The same call on the composed operators (the C block kernel offered neither to prune_quantize nor to
+    the quantize it calls)."""
     with monkeypatch.context() as m:
-        m.setattr(fused, "_native_blocks_cover", lambda *a: False)
+        m.setattr(cpu_blocks, "takes", lambda *a: False)
         return prune_quantize(*args, **kw)
 
 
@@ -107,3 +108,35 @@ def test_what_the_kernel_leaves_to_the_composed_operators():
     assert fused._path(x.double(), Scheme.of("nvfp4"), 1.0, -1) == "composed"           # float64
     assert fused._path(x, Scheme.of("e8m0fnu:block=32"), 1.0, -1) == "composed"         # not a fused format
     assert fused._path(x.half(), Scheme.of("nvfp4"), 1.0, -1) == "composed"             # float16
+
+
+@pytest.mark.parametrize("preset", ["nvfp4", "mxfp4", "mxfp8_e4m3:scale_rounding=rceil", "e5m2fnuz:block=32"])
+def test_quantize_takes_the_kernel_and_equals_the_operators(monkeypatch, preset):
+    """gradstats.quantize of a block scheme on a float32 CPU tensor runs the kernel (no pruning): bit for bit
+    the composed operators, for nearest and stochastic rounding, a seed or a generator (which it draws one seed
+    from, as they do), along a convolution's channels and a linear layer's, with and without tensor_amax."""
+    from gradstats import quantize
+
+    for shape, block_dim in (((4, 40, 5, 5), 1), ((6, 50), -1)):
+        x = gradient(shape, seed=3)
+        for rounding in ("nearest", "stochastic"):
+            for kw in (dict(seed=5), dict(generator=7), dict(seed=5, tensor_amax=80.0)):
+                def call():
+                    k = dict(kw)
+                    if "generator" in k:
+                        k["generator"] = torch.Generator().manual_seed(k["generator"])
+                    gen = k.get("generator")
+                    y = quantize(x, preset, rounding=rounding, block_dim=block_dim, **k)
+                    return y, (None if gen is None else gen.initial_seed(), None if gen is None else
+                               torch.randint(0, 2 ** 30, (1,), generator=gen).item())
+                with monkeypatch.context() as m:
+                    calls = []
+                    m.setattr(cpu_blocks, "prune_quantize_blocks_cpu",
+                              lambda *a, _f=cpu_blocks.prune_quantize_blocks_cpu, **k: calls.append(1) or _f(*a, **k))
+                    y, after = call()
+                assert calls, "quantize did not take the kernel"
+                with monkeypatch.context() as m:
+                    m.setattr(cpu_blocks, "takes", lambda *a: False)
+                    y0, after0 = call()
+                assert same_bits(y, y0), (preset, shape, rounding, kw)
+                assert after == after0          # the generator drew as many values
