@@ -34,7 +34,7 @@ from gradstats.ops import random as _rng
 from gradstats.ops.consts import fused_covers
 from gradstats.ops.engine import use_native
 from gradstats.ops.layout import geometry
-from gradstats.ops.native import prune_quant_blocks
+from gradstats.ops.native import addressable, prune_quant_blocks
 from gradstats.scheme import E4M3, SCALE_ROUNDINGS, Scheme
 
 __all__ = ["takes", "prune_quantize_blocks_cpu"]
@@ -42,7 +42,8 @@ __all__ = ["takes", "prune_quantize_blocks_cpu"]
 
 def takes(s: Scheme, x: torch.Tensor, block_dim: int) -> bool:
     """Whether the kernel takes a call of the resolved block-scaled scheme ``s`` on ``x``: a float32 CPU tensor
-    on the native engine, ``block_dim`` one of its dims, an element format the fused kernels cover, no
+    (a plain one or a parameter: a subclass such as torchao's weight wrappers goes to the operators) on the
+    native engine, ``block_dim`` one of its dims, an element format the fused kernels cover, no
     Hadamard transform, element and blocked-layout indices below ``2**32`` (one segment of the random
     streams), and the kernel compiled here.
 
@@ -53,6 +54,8 @@ def takes(s: Scheme, x: torch.Tensor, block_dim: int) -> bool:
         False
     """
     if s.block_size is None or s.hadamard is not None or x.dtype != torch.float32 or x.dim() == 0:
+        return False
+    if not addressable(x):             # a subclass (torchao's weight wrappers) may hold no memory of its own
         return False
     if not use_native(x.device.type) or not fused_covers(s.element, 1.0):
         return False

@@ -191,8 +191,10 @@ def _path(x: torch.Tensor, s: Optional[Scheme], scale: Any, block_dim: int) -> s
         return "composed"
     if use_triton(x.device.type):
         return "triton_tensor" if triton_available() else "composed"
-    return "native" if use_native(x.device.type) and x.dtype == torch.float32 and _native() is not None \
-        else "composed"
+    from gradstats.ops.native import addressable
+
+    return "native" if use_native(x.device.type) and x.dtype == torch.float32 and addressable(x) \
+        and _native() is not None else "composed"
 
 
 def _triton_blocks(x: torch.Tensor, threshold: Any, s: Scheme, scale: Any, seed: Optional[int], block_dim: int,

@@ -140,3 +140,35 @@ def test_quantize_takes_the_kernel_and_equals_the_operators(monkeypatch, preset)
                     y0, after0 = call()
                 assert same_bits(y, y0), (preset, shape, rounding, kw)
                 assert after == after0          # the generator drew as many values
+
+
+class _NoMemory(torch.Tensor):
+    """A wrapper subclass without memory of its own (``data_ptr() == 0``), as torchao's weight wrappers are:
+    every operation runs on the tensor it wraps."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.inner if isinstance(t, _NoMemory) else t  # noqa: E731
+        return func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+def test_a_tensor_without_memory_of_its_own_takes_the_operators():
+    """The C kernels read a tensor by its address: a subclass that has none is left to the operators (it
+    crashed the process before), with the same result."""
+    from gradstats import quantize
+    from gradstats.stats import kernel_applies
+
+    x = gradient((8, 64), seed=1)
+    w = _NoMemory(x)
+    assert w.data_ptr() == 0 and not kernel_applies(w)
+    assert fused._path(w, Scheme.of("nvfp4"), 1.0, -1) == "composed"
+    assert fused._path(w, Scheme.of("e4m3fn"), 1.0, -1) == "composed"
+    assert same_bits(quantize(w, "nvfp4", seed=2), quantize(x, "nvfp4", seed=2))
+    assert same_bits(prune_quantize(w, 0.5, "mxfp4", seed=2)[0], prune_quantize(x, 0.5, "mxfp4", seed=2)[0])

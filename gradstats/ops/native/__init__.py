@@ -134,6 +134,21 @@ def function(name: str, symbol: str, argtypes: list, defines: tuple[str, ...] = 
     return fn
 
 
+def addressable(x: Any) -> bool:
+    """Whether the C kernels may read ``x`` by its ``data_ptr()``: a plain tensor or a parameter. A tensor
+    subclass (torchao's weight wrappers, for one) may hold no memory of its own (``data_ptr() == 0``):
+    the operators take those.
+
+    Example:
+        >>> import torch
+        >>> addressable(torch.ones(2)), addressable(torch.nn.Parameter(torch.ones(2)))
+        (True, True)
+    """
+    import torch
+
+    return type(x) in (torch.Tensor, torch.nn.Parameter)
+
+
 @functools.lru_cache(maxsize=1)
 def prune_quant() -> Any:
     """``gs_prune_quantize_f32`` of ``prune_quant.c`` with its signature set, or None (see
