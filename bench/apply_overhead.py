@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 from _common import (
+    composed_operators,
     fixed_batches,
     gpt_neox_tiny,
     interleaved_ratios,
@@ -80,15 +81,9 @@ def recommended(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: lis
 
 
 def composed_blocks(run: Callable[[], float]) -> float:
-    """``run()`` with the fused C block kernel not offered: block formats through the composed operators."""
-    from gradstats.ops import cpu_blocks
-
-    keep = cpu_blocks.takes
-    cpu_blocks.takes = lambda *a: False
-    try:
+    """``run()`` with block formats through the composed operators (:func:`_common.composed_operators`)."""
+    with composed_operators():
         return run()
-    finally:
-        cpu_blocks.takes = keep
 
 
 def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_steps: int,

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import describe, interleaved  # noqa: E402
+from bench._common import composed_operators, describe, interleaved  # noqa: E402
 from gradstats.ops.fused import _composed_on_device, prune_quantize  # noqa: E402
 from gradstats.ops.quantization import quantize  # noqa: E402
 from gradstats.scheme import Scheme  # noqa: E402
@@ -51,16 +51,10 @@ def timed(fn):
 
 
 def composed(run):
-    """``run`` with the C block kernel offered neither to prune_quantize nor to quantize: the operators it replaces."""
-    from gradstats.ops import cpu_blocks
-
+    """``run`` with block formats through the composed operators (``bench._common.composed_operators``)."""
     def call():
-        keep = cpu_blocks.takes
-        cpu_blocks.takes = lambda *a: False
-        try:
+        with composed_operators():
             return run()
-        finally:
-            cpu_blocks.takes = keep
     return call
 
 
