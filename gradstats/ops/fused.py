@@ -37,6 +37,7 @@ from gradstats.ops import cpu_blocks
 from gradstats.ops import random as _rng
 from gradstats.ops.consts import fused_covers
 from gradstats.ops.engine import triton_available, use_native, use_triton
+from gradstats.ops.native import addressable
 from gradstats.scheme import Scheme
 
 
@@ -191,8 +192,6 @@ def _path(x: torch.Tensor, s: Optional[Scheme], scale: Any, block_dim: int) -> s
         return "composed"
     if use_triton(x.device.type):
         return "triton_tensor" if triton_available() else "composed"
-    from gradstats.ops.native import addressable
-
     return "native" if use_native(x.device.type) and x.dtype == torch.float32 and addressable(x) \
         and _native() is not None else "composed"
 
