@@ -15,6 +15,16 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def cpu_median(fn: Callable[[], Any], repeats: int) -> float:
+    """Median CPU seconds (this process) of ``repeats`` calls of ``fn``."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return statistics.median(times)
+
+
 @contextlib.contextmanager
 def composed_operators():
     """Within it, block-scaled formats run as the composed operators (``stochastic_prune``, then ``quantize``'s

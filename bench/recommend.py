@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -24,6 +22,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gradstats  # noqa: E402
+from bench._common import cpu_median  # noqa: E402
 
 #: the most the check may add per planned layer and calibration step (CPU seconds)
 CHECK_TARGET_S = 0.005
@@ -40,15 +39,6 @@ def deep_run(path: str, n_layers: int = 100, sample_every=None) -> "gradstats.Ru
             model(torch.randn(32, 16)).square().mean().backward()
             t.step()
     return gradstats.open_run(path)
-
-
-def cpu_median(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
