@@ -595,81 +595,66 @@ def reuse_check(df: pd.DataFrame, quick: bool = False) -> str:
     return "\n## Reuse check\n\n" + "\n".join(lines) + "\n"
 
 
-def report(out: Path, *, quick: bool = False) -> str:
-    """The protocol's tables and its four answers, from whatever has finished in ``out``."""
+def arm_table(ok: pd.DataFrame, protocol: dict) -> pd.DataFrame:
+    """Every arm of the finished jobs ``ok`` against its seed's baseline (``paired_table`` with
+    section 1's verdicts), with the arm's mean predicted and measured R and granted sparsity."""
     import report as R
 
-    df, store = finished_rows(out, quick=quick)
-    head = ("# The noise bound's study (docs/protocol-bound.md)\n\n"
-            "Paired differences with the baseline (or the reference arm) of the same seed: mean and 95% t interval "
-            "(section 1's test, `scale_study.paired_table`); positive is better (accuracy points for ResNet-20, "
-            "nats of validation loss for the transformer and the LSTM). Margins: -0.3 points, -0.01 nats.\n")
-    if not len(df):
-        return head + "\nNo results yet.\n"
-    protocol = {m: protocol_of(m, quick) for m in MODELS}
-    ok = df[df["error"].isna() & (df["label"] != REPEAT)]
-    failed_jobs = df[df["error"].notna()]
     vs = R._scale_rows(paired_table(ok, {m: p for m, p in protocol.items() if m in set(ok["model"])}))
     r_means = ok.groupby(["model", "label"])[[c for c in ("R_predicted", "R_measured", "granted_sparsity")
                                              if c in ok]].mean()
     for c in r_means.columns:
         vs[c] = [r_means[c].get((m, lab), math.nan) for m, lab in zip(vs["model"], vs["label"])]
-    vs["seeds_of"] = [f"{int(a)}/{int(b)}" for a, b in zip(vs["seeds"], vs["seeds_planned"])]
-    fmt = lambda v, k=3: "-" if v is None or v != v else f"{v:.{k}f}"  # noqa: E731
-    for c in ("R_predicted", "R_measured", "granted_sparsity"):
-        vs[c + "_s"] = vs[c].map(fmt) if c in vs else "-"
-    vs["achieved"] = vs["achieved_sparsity"].map(lambda v: fmt(v, 2))
-    text = head + reuse_check(df, quick) + "\n## Every arm against the baseline\n\n" + R.md_table(vs, {
-        "model": "model", "label": "configuration", "seeds_of": "seeds", "value": "metric (mean ± sd)",
-        "delta": "paired diff", "ci": "95% CI", "verdict": "verdict", "granted_sparsity_s": "granted (el.-weighted)",
-        "achieved": "achieved", "R_predicted_s": "R predicted", "R_measured_s": "R measured"})
+    return vs
+
+
+def study_tables(out: Path, *, quick: bool = False) -> dict[str, Any]:
+    """The protocol's tables from whatever has finished in ``out``: ``arms`` (every arm against the
+    baseline), ``q1``-``q4`` (one per question, each row with its verdict), ``q2_answers`` (per
+    model), and the finished rows (``jobs``, ``ok``: without errors and repeats), ``store``,
+    ``protocol``. Empty tables where nothing has finished."""
+    df, store = finished_rows(out, quick=quick)
+    protocol = {m: protocol_of(m, quick) for m in MODELS}
+    t: dict[str, Any] = {"jobs": df, "store": store, "protocol": protocol}
+    if not len(df):
+        return t
+    ok = df[df["error"].isna() & (df["label"] != REPEAT)]
+    vs = arm_table(ok, protocol)
+    t.update(ok=ok, arms=vs)
 
     # question 1: the loss against the bound
     rows = []
     for model in ("resnet20", "transformer"):
         for loose in BOUNDS[1:]:
-            t = contrast(ok[ok["model"] == model], protocol, bounded_label(loose), bounded_label(BOUNDS[0]))
-            for _, r in t.iterrows():
+            c = contrast(ok[ok["model"] == model], protocol, bounded_label(loose), bounded_label(BOUNDS[0]))
+            for _, r in c.iterrows():
                 rows.append({"model": model, "contrast": f"B={loose:g} - B={BOUNDS[0]:g}",
                              "seeds": f"{r['seeds']}/{r['seeds_planned']}", "diff": _ci(r),
                              "verdict": growth_verdict(r["ci_low"], r["ci_high"], r["margin"]) if _judged(r)
                              else f"pending ({r['seeds']}/{r['seeds_planned']} seeds)",
                              "primary": loose == BOUNDS[-1]})
-    q1 = pd.DataFrame(rows, columns=["model", "contrast", "seeds", "diff", "verdict", "primary"])
-    text += ("\n## 1. Does the loss grow with the bound?\n\nPaired, the looser bound's plan minus the default's "
-             f"(B={BOUNDS[0]:g}) on the same seed; the primary contrast is B={BOUNDS[-1]:g}. *grows*: the interval "
-             "below zero.\n\n" + (R.md_table(q1, {"model": "model", "contrast": "contrast", "seeds": "seeds",
-                                                   "diff": "paired diff [95% CI]", "verdict": "verdict",
-                                                   "primary": "primary"}) if len(q1) else "No pairs yet.\n"))
+    t["q1"] = pd.DataFrame(rows, columns=["model", "contrast", "seeds", "diff", "verdict", "primary"])
 
     # question 2: the bounded plan against its matched control
     rows = []
     for model in ("resnet20", "transformer"):
         for b in BOUNDS:
-            t = contrast(ok[ok["model"] == model], protocol, bounded_label(b), matched_label(b))
-            for _, r in t.iterrows():
+            c = contrast(ok[ok["model"] == model], protocol, bounded_label(b), matched_label(b))
+            for _, r in c.iterrows():
                 rows.append({"model": model, "bound": f"{b:g}", "seeds": f"{r['seeds']}/{r['seeds_planned']}",
                              "diff": _ci(r), "verdict": comparison_verdict(r["ci_low"], r["ci_high"], r["margin"])
                              if _judged(r) else f"pending ({r['seeds']}/{r['seeds_planned']} seeds)"})
     q2 = pd.DataFrame(rows, columns=["model", "bound", "seeds", "diff", "verdict"])
-    answers = []
+    answers = {}
     for model, g in q2.groupby("model", sort=False):
         v = list(g["verdict"])
         if len(v) < len(BOUNDS) or any(x.startswith("pending") for x in v):
-            answers.append(f"{model}: pending")
+            answers[model] = "pending"
             continue
         better, worse = sum(x == "**better**" for x in v), sum(x == "**worse**" for x in v)
-        ans = ("yes" if better and not worse else "mixed" if better and worse else
-               "no" if worse or all(x == "**equivalent**" for x in v) else "inconclusive")
-        answers.append(f"{model}: **{ans}**")
-    text += ("\n## 2. Does a bounded plan beat its matched uniform control?\n\nPaired, the bounded plan minus its "
-             "control (the same rules, the bounded plan's element-weighted mean granted sparsity on every layer "
-             "it prunes). Per model: *yes* when better at one bound or more and worse at none; *no* when worse at "
-             "one or more and better at none, or equivalent at all three; *mixed*, *inconclusive* otherwise.\n\n"
-             + (R.md_table(q2, {"model": "model", "bound": "noise bound", "seeds": "seeds",
-                                "diff": "bounded - control [95% CI]", "verdict": "verdict"}) if len(q2)
-                else "No pairs yet.\n")
-             + ("\nAnswer: " + "; ".join(answers) + ".\n" if answers else ""))
+        answers[model] = ("yes" if better and not worse else "mixed" if better and worse else
+                          "no" if worse or all(x == "**equivalent**" for x in v) else "inconclusive")
+    t["q2"], t["q2_answers"] = q2, answers
 
     # question 3: bits="auto" where uniform NVFP4 loses
     rows = []
@@ -680,8 +665,8 @@ def report(out: Path, *, quick: bool = False) -> str:
             row[key] = f"{r.iloc[0]['delta']} {r.iloc[0]['ci']}: {r.iloc[0]['verdict']}" if len(r) else "-"
             row[key + "_pass"] = None if not len(r) or not _judged(r.iloc[0]) else bool(r.iloc[0]["no_loss"])
             row[key + "_loss"] = None if not len(r) or not _judged(r.iloc[0]) else bool(r.iloc[0]["loss"])
-        t = contrast(ok[ok["model"] == model], protocol, AUTO, NVFP4)
-        row["auto_vs_nvfp4"] = _ci(t.iloc[0]) if len(t) else "-"
+        c = contrast(ok[ok["model"] == model], protocol, AUTO, NVFP4)
+        row["auto_vs_nvfp4"] = _ci(c.iloc[0]) if len(c) else "-"
         if row["nvfp4_pass"] is None or row["auto_pass"] is None:
             row["answer"] = "pending"
         elif row["nvfp4_pass"]:
@@ -689,12 +674,7 @@ def report(out: Path, *, quick: bool = False) -> str:
         else:
             row["answer"] = "**yes**" if row["auto_pass"] else "**no**" if row["auto_loss"] else "inconclusive"
         rows.append(row)
-    q3 = pd.DataFrame(rows)
-    text += ("\n## 3. Does bits=\"auto\" lose nothing where uniform NVFP4 loses?\n\nEach against the baseline. Asked "
-             "on the models where NVFP4 fails the non-inferiority test (its lower end at or below the margin): "
-             "*yes* when bits=\"auto\" passes it (no loss or non-inferior), *no* when its verdict is loss.\n\n"
-             + R.md_table(q3, {"model": "model", "nvfp4": "Plan.uniform(format='nvfp4')", "auto": "recommend(bits='auto')",
-                               "auto_vs_nvfp4": "auto - nvfp4 [95% CI]", "answer": "answer"}))
+    t["q3"] = pd.DataFrame(rows)
 
     # question 4: does R rank the losses within each model
     pr = paired_rows(ok, protocol)
@@ -708,7 +688,7 @@ def report(out: Path, *, quick: bool = False) -> str:
             gg = g[g[key].notna()]
             rho, lo, hi = spearman_by_seed(gg[key], gg["loss_margins"], gg["seed"])
             row[key] = "-" if rho != rho else f"{rho:.2f} [{lo:.2f}, {hi:.2f}]"
-            row[key + "_lo"], row[key + "_hi"] = lo, hi
+            row[key + "_rho"], row[key + "_lo"], row[key + "_hi"] = rho, lo, hi
         arm = g.groupby("label").agg(R=("R_predicted", "mean"), loss=("loss_margins", "mean")).dropna()
         if len(arm) >= 3:
             from noise_ranking import spearman
@@ -718,11 +698,64 @@ def report(out: Path, *, quick: bool = False) -> str:
         else:
             row["arm_level"] = "-"
         lo, hi = row["R_predicted_lo"], row["R_predicted_hi"]
-        complete = all(_judged(r) for _, r in vs[(vs["model"] == model) & ~vs["label"].map(R._is_base)].iterrows())
+        complete = all(_judged(r) for _, r in vs[(vs["model"] == model) & ~vs["label"].map(_is_base)].iterrows())
         row["answer"] = ("pending" if not complete else "-" if lo != lo else "**yes**" if lo > 0 else
                          "**inverse**" if hi < 0 else "**no**")
         rows.append(row)
-    q4 = pd.DataFrame(rows)
+    t["q4"] = pd.DataFrame(rows)
+    return t
+
+
+def _is_base(label: str) -> bool:
+    import report as R
+
+    return R._is_base(label)
+
+
+def report(out: Path, *, quick: bool = False, tables: dict[str, Any] | None = None) -> str:
+    """The protocol's tables and its four answers, from whatever has finished in ``out`` (or from
+    ``tables``, ``study_tables(out)`` made already)."""
+    import report as R
+
+    t = study_tables(out, quick=quick) if tables is None else tables
+    df, store = t["jobs"], t["store"]
+    head = ("# The noise bound's study (docs/protocol-bound.md)\n\n"
+            "Paired differences with the baseline (or the reference arm) of the same seed: mean and 95% t interval "
+            "(section 1's test, `scale_study.paired_table`); positive is better (accuracy points for ResNet-20, "
+            "nats of validation loss for the transformer and the LSTM). Margins: -0.3 points, -0.01 nats.\n")
+    if not len(df):
+        return head + "\nNo results yet.\n"
+    failed_jobs = df[df["error"].notna()]
+    vs = t["arms"].copy()
+    vs["seeds_of"] = [f"{int(a)}/{int(b)}" for a, b in zip(vs["seeds"], vs["seeds_planned"])]
+    fmt = lambda v, k=3: "-" if v is None or v != v else f"{v:.{k}f}"  # noqa: E731
+    for c in ("R_predicted", "R_measured", "granted_sparsity"):
+        vs[c + "_s"] = vs[c].map(fmt) if c in vs else "-"
+    vs["achieved"] = vs["achieved_sparsity"].map(lambda v: fmt(v, 2))
+    text = head + reuse_check(df, quick) + "\n## Every arm against the baseline\n\n" + R.md_table(vs, {
+        "model": "model", "label": "configuration", "seeds_of": "seeds", "value": "metric (mean ± sd)",
+        "delta": "paired diff", "ci": "95% CI", "verdict": "verdict", "granted_sparsity_s": "granted (el.-weighted)",
+        "achieved": "achieved", "R_predicted_s": "R predicted", "R_measured_s": "R measured"})
+    q1, q2, q3, q4 = t["q1"], t["q2"], t["q3"], t["q4"]
+    text += ("\n## 1. Does the loss grow with the bound?\n\nPaired, the looser bound's plan minus the default's "
+             f"(B={BOUNDS[0]:g}) on the same seed; the primary contrast is B={BOUNDS[-1]:g}. *grows*: the interval "
+             "below zero.\n\n" + (R.md_table(q1, {"model": "model", "contrast": "contrast", "seeds": "seeds",
+                                                   "diff": "paired diff [95% CI]", "verdict": "verdict",
+                                                   "primary": "primary"}) if len(q1) else "No pairs yet.\n"))
+    answers = [f"{m}: " + (a if a == "pending" else f"**{a}**") for m, a in t["q2_answers"].items()]
+    text += ("\n## 2. Does a bounded plan beat its matched uniform control?\n\nPaired, the bounded plan minus its "
+             "control (the same rules, the bounded plan's element-weighted mean granted sparsity on every layer "
+             "it prunes). Per model: *yes* when better at one bound or more and worse at none; *no* when worse at "
+             "one or more and better at none, or equivalent at all three; *mixed*, *inconclusive* otherwise.\n\n"
+             + (R.md_table(q2, {"model": "model", "bound": "noise bound", "seeds": "seeds",
+                                "diff": "bounded - control [95% CI]", "verdict": "verdict"}) if len(q2)
+                else "No pairs yet.\n")
+             + ("\nAnswer: " + "; ".join(answers) + ".\n" if answers else ""))
+    text += ("\n## 3. Does bits=\"auto\" lose nothing where uniform NVFP4 loses?\n\nEach against the baseline. Asked "
+             "on the models where NVFP4 fails the non-inferiority test (its lower end at or below the margin): "
+             "*yes* when bits=\"auto\" passes it (no loss or non-inferior), *no* when its verdict is loss.\n\n"
+             + R.md_table(q3, {"model": "model", "nvfp4": "Plan.uniform(format='nvfp4')", "auto": "recommend(bits='auto')",
+                               "auto_vs_nvfp4": "auto - nvfp4 [95% CI]", "answer": "answer"}))
     text += ("\n## 4. Does the predicted R rank the losses within each model?\n\nSpearman's rho of each planned job's R "
              "(its plan's mean over layers, at its calibration) against its paired loss in margins, over the model's "
              "jobs; 95% interval from a bootstrap of seeds (4,000 draws). *yes*: the predicted R's interval above "

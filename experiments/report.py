@@ -962,6 +962,12 @@ def main(argv: list[str] | None = None) -> str:
     study, seconds = report_noise.section_noise_study(res, figures=Path(args.figures) if args.figures else None)
     parts[0] += study
     total += seconds
+    if (res / "bound_jobs.jsonl").exists():
+        import report_bound
+
+        study, seconds = report_bound.section_bound_study(res, figures=Path(args.figures) if args.figures else None)
+        parts[0] += study
+        total += seconds
     for name, fn in (("distributions", section_distributions), ("pruning_accuracy", section_pruning),
                      ("lowprec_accuracy", section_lowprec), ("push", section_push),
                      ("recommend_accuracy", section_recommend), ("criteria_correlation", section_criteria),

@@ -142,7 +142,9 @@ def test_results_document_is_current(tmp_path):
         assert section in text
     assert "No results yet" not in text
     assert "### 1.8 The claims re-measured with the noise bound" in text
-    assert (tmp_path / "noise_ranking.png").stat().st_size > 10_000      # drawn beside the document
+    assert "### 1.9 What the noise bound is worth" in text
+    for figure in ("noise_ranking.png", "bound_study.png"):              # drawn beside the document
+        assert (tmp_path / figure).stat().st_size > 10_000
 
 
 def test_threshold_training_quick(out):

@@ -176,3 +176,33 @@ def test_verdicts_and_contrast(bs):
     assert t["ci_low"] < 1.0 < t["ci_high"]
     rho, lo, hi = bs.spearman_by_seed([1, 2, 3, 4, 5, 6], [1, 3, 2, 4, 6, 5], [0, 0, 1, 1, 2, 2], boot=50)
     assert rho == pytest.approx(0.8857, abs=1e-3) and lo <= rho <= hi
+
+
+def test_the_answers_in_words_follow_the_tables():
+    """Section 1.9's sentences carry each question's interval and verdict as the tables have them,
+    one line per model, bold where the protocol's rule gave an answer."""
+    rb = _load("report_bound")
+    t = {"q1": pd.DataFrame([{"model": "resnet20", "contrast": "B=0.5 - B=0.02", "seeds": "8/8",
+                              "diff": "-0.11 [-0.30, +0.08]", "verdict": "**does not grow** beyond the margin",
+                              "primary": True},
+                             {"model": "resnet20", "contrast": "B=0.1 - B=0.02", "seeds": "8/8",
+                              "diff": "-0.07 [-0.19, +0.05]", "verdict": "inconclusive", "primary": False}]),
+         "q2": pd.DataFrame([{"model": "transformer", "bound": b, "seeds": "8/8", "diff": d, "verdict": v}
+                             for b, d, v in (("0.02", "-0.000 [-0.007, +0.006]", "**equivalent**"),
+                                             ("0.1", "+0.004 [-0.005, +0.012]", "inconclusive"),
+                                             ("0.5", "+0.013 [+0.006, +0.020]", "**better**"))]),
+         "q2_answers": {"transformer": "yes"},
+         "q3": pd.DataFrame([{"model": "lstm", "nvfp4": "-0.000 [-0.004, +0.004]: **no loss**",
+                              "auto": "-0.000 [-0.009, +0.009]: **no loss**", "answer": "not asked (NVFP4 passes)"}]),
+         "q4": pd.DataFrame([{"model": "transformer", "jobs": 48, "R_predicted": "0.68 [0.59, 0.77]",
+                              "R_measured": "0.66 [0.59, 0.76]", "answer": "**yes**"}])}
+    text = rb.answers(t)
+    lines = text.splitlines()
+    assert lines[0] == "1. Does the loss grow with the bound?"
+    assert lines[1] == "   - ResNet-20: B=0.5 minus B=0.02 is -0.11 [-0.30, +0.08] points: **does not grow** beyond the margin."
+    assert "B=0.1" not in lines[1] and len([x for x in lines if x.startswith("   - ResNet-20")]) == 1  # the primary only
+    assert lines[3] == ("   - The transformer: **yes**; B=0.02: -0.000 [-0.007, +0.006], equivalent; "
+                        "B=0.1: +0.004 [-0.005, +0.012], inconclusive; B=0.5: +0.013 [+0.006, +0.020], better.")
+    assert lines[5] == ("   - The LSTM: **not asked (NVFP4 passes)**; NVFP4 -0.000 [-0.004, +0.004]: no loss; "
+                        "`bits=\"auto\"` -0.000 [-0.009, +0.009]: no loss.")
+    assert lines[7] == "   - The transformer: **yes**; rho 0.68 [0.59, 0.77] over 48 jobs (with the measured R: 0.66 [0.59, 0.76])."
