@@ -1,6 +1,7 @@
 """The noise a plan adds against SGD's own: what the trace records, the prediction, the probe, the bound."""
 from __future__ import annotations
 
+import json
 import logging
 import math
 
@@ -143,19 +144,30 @@ def test_trace_measures_how_noise_flows_back_without_touching_the_step(tmp_path)
     assert all(torch.equal(a, p.grad) for a, p in zip(plain, m.parameters()))     # the step is untouched
     g = gains(t.path)
     assert set(g) == {("2", "0"), ("4", "0"), ("4", "2")}
-    # the same measurement by hand: noise shaped like layer 4's gradient, sent back to layer 0's output
+    run = gradstats.open_run(t.path)
+    row = run.table("noise_gain").set_index(["source", "layer"]).loc[("4", "0")]
+    # the same measurement by hand: noise shaped like layer 4's gradient, sent back to layer 0's
+    # output (the relative noise there) and to its weight (what that adds to its gradient)
     outs = {}
     hooks = [m[i].register_forward_hook(lambda mod, inp, o, k=str(i): outs.__setitem__(k, o)) for i in (0, 4)]
     y = m(x).logsumexp(1).mean()
     g4, g0 = torch.autograd.grad(y, [outs["4"], outs["0"]], retain_graph=True)
-    ratios = []
+    ratios, weight = [], []
     for seed in range(200):
         xi = torch.randn(g4.shape, generator=torch.Generator().manual_seed(seed))
-        back = torch.autograd.grad(outs["4"], outs["0"], grad_outputs=g4 * xi, retain_graph=True)[0]
+        back, dw = torch.autograd.grad(outs["4"], [outs["0"], m[0].weight], grad_outputs=g4 * xi, retain_graph=True)
         ratios.append(float(back.square().sum() / g0.square().sum()))
+        weight.append(float(dw.square().sum()))
     for h in hooks:
         h.remove()
-    assert g[("4", "0")] == pytest.approx(np.mean(ratios), rel=0.5)
+    assert row["gain"] == pytest.approx(np.mean(ratios), rel=0.5)
+    assert row["weight_noise"] == pytest.approx(np.mean(weight), rel=0.5)
+    # what the prediction reads: the added weight-gradient variance over the layer's q2 of that step
+    noise = run.table("noise")
+    q2 = noise[(noise["layer"] == "0") & (noise["call"] >= 0) & (noise["step"] == 0)]["q2"].sum()
+    assert g[("4", "0")] == pytest.approx(row["weight_noise"] / q2, rel=1e-12)
+    # noise independent per entry and shaped like g_0 would add gain * q2: the backward pass mixes it
+    assert 0.2 < g[("4", "0")] / row["gain"] < 5.0
     # nothing the measurement sent back was recorded as a gradient
     assert len(gradstats.open_run(t.path).stats()) == 3
 
@@ -470,3 +482,30 @@ def test_the_fast_whole_plan_ratio_is_the_records_ratio(tmp_path):
         recs = noise_records(lambda n, s: errors[n], {n: 0.0 for n in layers}, terms, down, gain)
         want = max((r["noise"] for r in recs if r["noise"] == r["noise"]), default=0.0)
         assert worst(errors) == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+def test_a_run_recorded_before_weight_noise_reads_the_output_gains(tmp_path):
+    """A run whose ``noise_gain`` table has no ``weight_noise`` (recorded before it existed) gives
+    the relative noise of the output gradient, as it did then; with it, the weight-gradient reading."""
+    import pyarrow.parquet as pq
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+    with gradstats.trace(m, tmp_path / "run", sample_every=1) as t:
+        m(torch.randn(32, 4)).square().sum().backward()
+        t.step()
+    tab = gradstats.open_run(t.path).table("noise_gain")
+    now = gains(t.path)
+    assert now[("2", "0")] != pytest.approx(float(tab["gain"].iloc[0]))
+    import hashlib
+
+    run_dir = tmp_path / "run"
+    for part in (run_dir / "noise_gain").glob("*.parquet"):      # as the writer of then left it
+        pq.write_table(pq.read_table(part).drop(["weight_noise"]), part)
+        rel = part.relative_to(run_dir).as_posix()
+        for record in (run_dir / "commits").glob("*.json"):
+            meta = json.loads(record.read_text())
+            if rel in meta["files"]:
+                meta["files"][rel] = {"bytes": part.stat().st_size, "sha256": hashlib.sha256(part.read_bytes()).hexdigest()}
+                record.write_text(json.dumps(meta))
+    assert gains(t.path) == {("2", "0"): pytest.approx(float(tab["gain"].iloc[0]))}

@@ -11,9 +11,11 @@ For a planned layer ``l`` the *noise ratio* is
 - ``i_l``: the relative noise that the planned layers ``m`` downstream of ``l`` (its output feeds
   their input, from the autograd graph the trace recorded) send back into ``l``'s output gradient.
   ``gain[m, l]`` is measured once by the trace (:class:`gradstats.tracer.noise.Propagation`: noise
-  shaped like ``g_m`` sent back from ``m`` alone); each operator adds its error to the gradient it
-  receives, noise included, so noise compounds through pruned layers in series. A run without
-  measured gains falls back to ``gain = 1`` and no compounding;
+  shaped like ``g_m`` sent back from ``m`` alone), as ``l``'s weight gradient sees it (what it adds
+  there over ``q2_l``, :func:`gradstats.noise.gains`: noise mixed by the backward pass is not
+  independent per entry); each operator adds its error to the gradient it receives, noise included,
+  so noise compounds through pruned layers in series. A run without measured gains falls back to
+  ``gain = 1`` and no compounding;
 - ``q2_l = sum_r |g_r|^2 |x_r|^2`` turns a relative error of the output gradient into added variance
   of the weight gradient (independent per entry), and ``minibatch_l`` is that weight gradient's
   minibatch variance at the run's batch size (both recorded by the trace,

@@ -404,7 +404,7 @@ class Capture:
             if self._graph_step is None:
                 self._graph_step = step
             if step == self._graph_step:
-                self._propagation.keep(name, out, x)
+                self._propagation.keep(name, out, x, noise_params(module))
         if has_closed_form(module):
             if x is None:
                 return None

@@ -182,11 +182,22 @@ def _squared_norm_of_vjp(out: Any, v: torch.Tensor, params: list[torch.Tensor]) 
         got = torch.autograd.grad([out], params, grad_outputs=[v], retain_graph=True, allow_unused=True)
     finally:
         _SENDING_BACK[0] -= 1
+    return squared_sum(got)
+
+
+def squared_sum(grads: Any) -> torch.Tensor | None:
+    """The summed squares of the gradients ``grads`` (None entries skipped; a sparse one, from an
+    ``Embedding(sparse=True)``, with the rows of repeated indices added first); None when all are None.
+
+    Example:
+        >>> float(squared_sum([torch.ones(2, 2), None, torch.full((3,), 2.0)]))
+        16.0
+    """
     total = None
-    for t in got:
+    for t in grads:
         if t is None:
             continue
-        if t.is_sparse:                     # an Embedding(sparse=True): rows of repeated indices added first
+        if t.is_sparse:
             t = t.coalesce().values()
         part = t.detach().float().square().sum()
         total = part if total is None else total + part
@@ -336,20 +347,27 @@ class Propagation:
     back from ``m`` alone (a reentrant ``torch.autograd.grad`` on the retained graph; the step's own
     gradients are untouched), and what arrives at every layer ``l`` upstream is compared with
     ``l``'s own gradient: ``gain[m, l] = |J_ml^T (g_m * xi)|^2 / |g_l|^2``, the relative noise ``l``
-    receives per unit of relative noise at ``m``. One partial backward pass per traced layer, once
-    per run. While it runs, :attr:`busy` is True and the tracer's hooks record nothing.
+    receives per unit of relative noise at ``m``. The same pass takes what it adds to the gradient
+    of ``l``'s parameters (:func:`noise_params`, where :meth:`keep` was given them):
+    ``weight_noise[m, l] = |dW_l|^2``. Noise that arrives from later layers is not independent per
+    entry of ``g_l`` (the backward pass has mixed it), so it reaches the weight gradient otherwise
+    than ``gain * q2`` says (:mod:`gradstats.noise.terms` reads the two together). One partial
+    backward pass per traced layer, once per run. While it runs, :attr:`busy` is True and the
+    tracer's hooks record nothing.
 
     Example:
         >>> import torch
         >>> a, b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
         >>> p = Propagation()
-        >>> x = torch.randn(16, 4); h = a(x); p.keep("a", h, x); y = b(torch.tanh(h)); p.keep("b", y, h)
+        >>> x = torch.randn(16, 4); h = a(x); p.keep("a", h, x, [a.weight]); y = b(torch.tanh(h)); p.keep("b", y, h)
         >>> for name, t in (("b", y), ("a", h)):
         ...     _ = t.register_hook(lambda g, name=name: p.on_gradient(name, g, torch.Generator().manual_seed(0)))
         >>> y.square().sum().backward()
         >>> graph, gains = p.finish(step=0)
         >>> [r["layer"] for r in graph], [(r["source"], r["layer"]) for r in gains], gains[0]["gain"] > 0
         (['a', 'b'], [('b', 'a')], True)
+        >>> gains[0]["weight_noise"] > 0
+        True
     """
 
     def __init__(self) -> None:
@@ -358,13 +376,17 @@ class Propagation:
         self.nodes_in: dict[str, Any] = {}
         self.down: dict[str, list[str]] | None = None
         self.arrived: dict[str, dict[str, float]] = {}
+        self.weight_arrived: dict[str, dict[str, float]] = {}
+        self.params: dict[str, list[torch.Tensor]] = {}
         self.own: dict[str, float] = {}
 
-    def keep(self, name: str, out: torch.Tensor, x: Any) -> None:
-        """In the forward pass: the layer's output (its first call) and its input's autograd node."""
+    def keep(self, name: str, out: torch.Tensor, x: Any, params: Any = ()) -> None:
+        """In the forward pass: the layer's output (its first call), its input's autograd node and
+        the parameters whose gradient its noise terms describe (those that require one)."""
         if name not in self.outputs and out.grad_fn is not None:
             self.outputs[name] = out
             self.nodes_in[name] = node_of(x)
+            self.params[name] = [p for p in params if p.requires_grad]
 
     @torch.no_grad()
     def _noise(self, g: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -383,25 +405,36 @@ class Propagation:
             return
         self.busy = True
         _SENDING_BACK[0] += 1
+        params = [p for n in ups for p in self.params.get(n, [])]
         try:
-            got = torch.autograd.grad(self.outputs[name], [self.outputs[n] for n in ups],
+            got = torch.autograd.grad(self.outputs[name], [self.outputs[n] for n in ups] + params,
                                       grad_outputs=self._noise(g.detach(), generator), retain_graph=True,
                                       allow_unused=True)
         except RuntimeError as exc:      # a graph that cannot be walked twice: no gains, the prediction assumes 1
             log.warning("gradstats.trace: the noise propagation could not be measured (%s); predicted noise "
                         "assumes it reaches earlier layers unchanged", str(exc).splitlines()[0])
-            self.arrived, self.outputs = {}, {}
+            self.arrived, self.weight_arrived, self.outputs = {}, {}, {}
             return
         finally:
             self.busy = False
             _SENDING_BACK[0] -= 1
         self.arrived[name] = {n: float(t.detach().float().square().sum()) for n, t in zip(ups, got) if t is not None}
+        weights, i = {}, len(ups)
+        for n in ups:
+            k = len(self.params.get(n, []))
+            total = squared_sum(got[i:i + k])
+            i += k
+            if total is not None:
+                weights[n] = float(total)
+        self.weight_arrived[name] = weights
 
     def finish(self, step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """After the step's backward: the rows of the ``"noise_graph"`` table (layer, downstream)
-        and of the ``"noise_gain"`` table (source, layer, gain); the kept tensors are released."""
+        and of the ``"noise_gain"`` table (source, layer, gain, weight_noise: NaN where ``layer``'s
+        parameters were not kept); the kept tensors are released."""
         graph = [{"step": step, "layer": n, "downstream": json.dumps(d)} for n, d in (self.down or {}).items()]
-        gains = [{"step": step, "source": m, "layer": l, "gain": a / self.own[l]}
+        gains = [{"step": step, "source": m, "layer": l, "gain": a / self.own[l],
+                  "weight_noise": self.weight_arrived.get(m, {}).get(l, float("nan"))}
                  for m, arr in self.arrived.items() for l, a in arr.items() if self.own.get(l, 0.0) > 0]
-        self.outputs, self.nodes_in = {}, {}
+        self.outputs, self.nodes_in, self.params = {}, {}, {}
         return graph, gains
