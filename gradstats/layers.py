@@ -199,6 +199,7 @@ def layer_records(source: Any) -> list[LayerRecord]:
 
     from gradstats.run import Run
 
+    source = run_if_path(source)
     if isinstance(source, Run):
         source = source.layer_info()
     if isinstance(source, nn.Module):
@@ -237,9 +238,35 @@ def layer_records(source: Any) -> list[LayerRecord]:
             out.append(LayerRecord(str(rec["name"]), _types_of(rec.get("type"), rec.get("bases")),
                                    _width_of_shape(rec.get("output_shape"))))
         return out
-    raise ValueError("the layers of a model come from a Run, its layer_info() table, the manifest's layer "
-                     "records, an nn.Module or a mapping name -> module/class/class name; got "
-                     f"{type(source).__name__}")
+    raise ValueError("the layers of a model come from a Run (or the path of its directory), its layer_info() "
+                     "table, the manifest's layer records, an nn.Module or a mapping name -> module/class/class "
+                     f"name; got {_what(source)}")
+
+
+def run_if_path(target: Any) -> Any:
+    """The run at ``target`` where it is the path of a run's directory (it holds ``manifest.json``),
+    as every stage that reads a run takes it; else ``target`` itself.
+
+    Example:
+        >>> from gradstats.zoo.data import data_dir
+        >>> type(run_if_path(data_dir() / "sample-run")).__name__, run_if_path(["fc1"])
+        ('Run', ['fc1'])
+    """
+    import os
+
+    if isinstance(target, (str, os.PathLike)) and os.path.isfile(os.path.join(os.fspath(target), "manifest.json")):
+        from gradstats.run import open_run
+
+        return open_run(target)
+    return target
+
+
+def _what(target: Any) -> str:
+    import os
+
+    if isinstance(target, (str, os.PathLike)):
+        return f"{os.fspath(target)!r}, which holds no run"
+    return type(target).__name__
 
 
 def output_layer(source: Any) -> str | None:
@@ -348,16 +375,20 @@ def _traced_batchnorm_inputs(model: Any, *inputs: Any, **kwargs: Any) -> list[st
 
 def module_candidates(target: Any) -> list[tuple[str, tuple[str, ...] | None]]:
     """``(name, class names or None)`` of every candidate module of ``target``, in order
-    (:func:`gradstats.layers.layer_records`, or a plain list of names)."""
+    (:func:`gradstats.layers.layer_records`; a run also by the path of its directory, as every stage
+    that reads a run takes it; or a plain list of names)."""
+    import os
+
     import torch.nn as nn
 
     from gradstats.run import Run
 
+    target = run_if_path(target)
     if isinstance(target, (nn.Module, Run, Mapping)):
         return [(r.name, r.types or None) for r in layer_records(target)]
-    if isinstance(target, (str, bytes)) or not isinstance(target, Iterable):
-        raise ValueError("resolve a plan against an nn.Module, a gradstats Run, a mapping "
-                         f"name -> module/class/class name, or a list of module names; got {type(target).__name__}")
+    if isinstance(target, (str, bytes, os.PathLike)) or not isinstance(target, Iterable):
+        raise ValueError("resolve a plan against an nn.Module, a gradstats Run (or the path of its directory), a "
+                         f"mapping name -> module/class/class name, or a list of module names; got {_what(target)}")
     names = list(target)
     if not all(isinstance(n, str) for n in names):
         raise ValueError("a list of module names must hold strings only")

@@ -18,8 +18,9 @@ def explain(plan: Any, target: Any) -> "pd.DataFrame":
     import pandas as pd
     import torch.nn as nn
 
-    from gradstats.layers import LayerRecord, layer_records, why_not_matmul
+    from gradstats.layers import LayerRecord, layer_records, run_if_path, why_not_matmul
 
+    target = run_if_path(target)
     rows = []
     resolved = {name: (rule, idx) for name, rule, idx in plan.resolve_entries(target, strict=False)}
     skip = plan.output_layer_of(target)

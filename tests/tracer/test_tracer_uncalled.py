@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -69,6 +70,11 @@ def test_a_module_used_functionally_is_named_once(tmp_path, caplog):
     assert why.loc["side", "type"] == "Linear" and not why.loc["side", "planned"]
     assert why.loc["side", "why"].startswith("never called as a module: its weights are used functionally")
     assert "side" in gradstats.Plan.uniform(sparsity=0.5).unplanned(run)
+    # the run's path, as recommend and every stage that reads a run take it, explains the same
+    plan = gradstats.recommend(run.path, bits="auto")
+    assert plan.explain(run.path).equals(plan.explain(run)) and "side" in set(plan.explain(str(run.path))["layer"])
+    with pytest.raises(ValueError, match="which holds no run"):
+        plan.explain(str(tmp_path / "nowhere"))
 
 
 def test_multihead_attentions_out_proj_is_not_named(tmp_path, caplog):
