@@ -6,6 +6,7 @@ own report (``bound_study.report``), the answers in words are computed from the 
 from __future__ import annotations
 
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -54,8 +55,9 @@ def plot_arms(arms: pd.DataFrame, protocol: dict, path: Path) -> Path:
         ax.axhline(0.0, color="#bbbbbb", lw=0.7)
         ax.axhline(margin, color="#b2182b", lw=0.8, ls="--")
         ax.text(-0.5, margin, "margin", fontsize=7, color="#b2182b", ha="left", va="bottom")
-        ax.set_title(f"{NAMES[model][0].upper() + NAMES[model][1:]}: paired difference, {UNITS[model]}",
-                     fontsize=8)
+        ax.set_title(f"{NAMES[model][0].upper() + NAMES[model][1:]}\npaired difference, {UNITS[model]}", fontsize=8)
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(min(lo, 1.2 * margin), max(hi, -0.2 * margin))
         ax.tick_params(axis="y", labelsize=7)
         ax.set_xlim(-0.6, len(mine) - 0.4)
     axes[0][0].set_ylabel("plan - baseline (positive: better), 95% CI", fontsize=7)
@@ -78,16 +80,47 @@ def answers(t: dict) -> str:
     q2 = []
     for model, ans in t["q2_answers"].items():
         g = t["q2"][t["q2"]["model"] == model]
-        q2.append(f"   - {cap(model)}: **{ans}**; " + "; ".join(
+        q2.append(f"   - {cap(model)} ({UNITS[model]}): **{ans}**; " + "; ".join(
             f"B={r['bound']}: {r['diff']}, {_plain(r['verdict'])}" for _, r in g.iterrows()) + ".")
-    q3 = [f"   - {cap(r['model'])}: **{_plain(r['answer'])}**; NVFP4 {_plain(r['nvfp4'])}; `bits=\"auto\"` "
+    q3 = [f"   - {cap(r['model'])} ({UNITS[r['model']]}): **{_plain(r['answer'])}**; NVFP4 {_plain(r['nvfp4'])}; `bits=\"auto\"` "
           f"{_plain(r['auto'])}." for _, r in t["q3"].iterrows()]
     q4 = [f"   - {cap(r['model'])}: **{_plain(r['answer'])}**; rho {r['R_predicted']} over {r['jobs']} jobs "
           f"(with the measured R: {r['R_measured']})." for _, r in t["q4"].iterrows()]
+    probe = []
+    arms = t.get("arms")
+    if arms is not None and {"R_predicted", "R_measured"} <= set(arms.columns):
+        for model, g in arms.dropna(subset=["R_predicted", "R_measured"]).groupby("model", sort=False):
+            g = g[g["R_measured"] > 0]
+            if len(g):
+                ratio = g["R_predicted"] / g["R_measured"]
+                probe.append(f"{NAMES[model]} {ratio.min():.2f}-{ratio.max():.2f} ({len(g)} arms)")
+    tail = (["The plans' predicted R over the R the probe measured on them (each arm's means over its seeds): "
+             + "; ".join(probe) + "."] if probe else [])
+    bits = auto_bits(t.get("store") or {})
+    if bits:
+        tail += ["", "What `bits=\"auto\"` chose (`plan.storage()`: mean bits per gradient value, element-weighted, a "
+                 "layer left in full precision counted at 16; uniform NVFP4 is 4.5): " + "; ".join(
+                     f"{NAMES[m]} {min(v):.1f}-{max(v):.1f} over its {len(v)} seeds (median {statistics.median(v):.1f})"
+                     for m, v in bits.items()) + "."]
     return "\n".join(["1. Does the loss grow with the bound?", *q1,
                       "2. Does a bounded plan beat its matched uniform control?", *q2,
                       "3. Does `bits=\"auto\"` lose nothing where uniform NVFP4 loses?", *q3,
-                      "4. Does the predicted R rank the losses within each model?", *q4]) + "\n"
+                      "4. Does the predicted R rank the losses within each model?", *q4, "", *tail]) + "\n"
+
+
+def auto_bits(store: dict) -> dict[str, list[float]]:
+    """Per model, the mean bits per gradient value of each seed's stored ``bits="auto"`` plan."""
+    import bound_study as bs
+
+    from gradstats import Plan
+
+    out: dict[str, list[float]] = {}
+    for key, entry in store.items():
+        plan = (entry.get("plans") or {}).get(bs.AUTO)
+        storage = Plan.from_dict(plan).storage() if plan else None
+        if storage:
+            out.setdefault(key.split("/")[0], []).append(float(storage["mean_bits"]))
+    return {m: out[m] for m in bs.MODELS if m in out}
 
 
 def section_bound_study(res: Path, *, figures: Path | None = None) -> tuple[str, float]:

@@ -201,8 +201,8 @@ def test_the_answers_in_words_follow_the_tables():
     assert lines[0] == "1. Does the loss grow with the bound?"
     assert lines[1] == "   - ResNet-20: B=0.5 minus B=0.02 is -0.11 [-0.30, +0.08] points: **does not grow** beyond the margin."
     assert "B=0.1" not in lines[1] and len([x for x in lines if x.startswith("   - ResNet-20")]) == 1  # the primary only
-    assert lines[3] == ("   - The transformer: **yes**; B=0.02: -0.000 [-0.007, +0.006], equivalent; "
+    assert lines[3] == ("   - The transformer (nats): **yes**; B=0.02: -0.000 [-0.007, +0.006], equivalent; "
                         "B=0.1: +0.004 [-0.005, +0.012], inconclusive; B=0.5: +0.013 [+0.006, +0.020], better.")
-    assert lines[5] == ("   - The LSTM: **not asked (NVFP4 passes)**; NVFP4 -0.000 [-0.004, +0.004]: no loss; "
+    assert lines[5] == ("   - The LSTM (nats): **not asked (NVFP4 passes)**; NVFP4 -0.000 [-0.004, +0.004]: no loss; "
                         "`bits=\"auto\"` -0.000 [-0.009, +0.009]: no loss.")
     assert lines[7] == "   - The transformer: **yes**; rho 0.68 [0.59, 0.77] over 48 jobs (with the measured R: 0.66 [0.59, 0.76])."
