@@ -136,10 +136,13 @@ def workload(name: str):
     return model, opt, batch, loss_fn
 
 
-def measure(name: str, plans: dict, steps: int, batches: int, draws: int) -> dict:
+def calibrated(name: str, steps: int, batches: int) -> tuple:
+    """The model ``name`` trained and traced for ``steps`` steps, the last 8 with the model fixed (4
+    sampled steps and their pairs): (model, run path, sampled steps, ``batches`` probe batches drawn
+    after them, loss_fn)."""
     model, opt, batch, loss_fn = workload(name)
     path = tempfile.mkdtemp(prefix=f"noise-{name}-")
-    fixed = steps - 8                 # the last 8 steps see the same model: 4 sampled steps and their pairs
+    fixed = steps - 8
     sampled = list(range(fixed, steps, 2))
     with gradstats.trace(model, path, sample_every=sampled) as t:
         for s in range(steps):
@@ -149,7 +152,11 @@ def measure(name: str, plans: dict, steps: int, batches: int, draws: int) -> dic
             if s < fixed:
                 opt.step()
             t.step()
-    probe_batches = [batch() for _ in range(batches)]
+    return model, path, sampled, [batch() for _ in range(batches)], loss_fn
+
+
+def measure(name: str, plans: dict, steps: int, batches: int, draws: int) -> dict:
+    model, path, sampled, probe_batches, loss_fn = calibrated(name, steps, batches)
     out = {}
     for label, make in plans.items():
         plan = make(path)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,23 +40,6 @@ from gradstats.plan import PlanEntry  # noqa: E402
 from gradstats.plan.noise_budget import bits_of  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def calibrated(model_name: str, steps: int = 38) -> tuple:
-    """``noise_fidelity``'s model traced for ``steps`` steps: (model, run path, sampled steps, probe
-    batches, loss_fn)."""
-    model, opt, batch, loss_fn = nf.workload(model_name)
-    path = tempfile.mkdtemp(prefix=f"incoming-{model_name}-")
-    fixed = steps - 8
-    sampled = list(range(fixed, steps, 2))
-    with gradstats.trace(model, path, sample_every=sampled) as t:
-        for s in range(steps):
-            opt.zero_grad()
-            loss_fn(model, batch()).backward()
-            if s < fixed:
-                opt.step()
-            t.step()
-    return model, path, sampled, [batch() for _ in range(8)], loss_fn
 
 
 def output_gains(path: Any) -> dict[tuple[str, str], float]:
@@ -96,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=RESULTS / "noise_incoming.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    model, path, sampled, batches, loss_fn = calibrated(args.model)
+    model, path, sampled, batches, loss_fn = nf.calibrated(args.model, 38, 8)
     plan = nf.ALL_PLANS[args.plan](path)
     rules = plan.resolve(model)
     planned = [n for n, r in rules.items() if not r.is_identity]
