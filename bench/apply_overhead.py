@@ -8,7 +8,8 @@ the zoo's MobileNetV2-style CNN (``mobilenet``, Fashion-MNIST 28x28, batch 64), 
 width 128, 16 windows of 64 Shakespeare characters). With ``--reference``, also the earlier reference
 setting: FP6 (e3m2fn) at lognormal-optimal per-layer scales, nearest rounding, plus 85% stochastic
 pruning on every convolution and linear layer, with the lognormal and the histogram threshold rule.
-With ``--four-bit``, also the four-bit block formats on every matmul layer (``Plan.uniform(format="nvfp4")``
+With ``--refresh-every N``, also
+the recommended plans with ``apply(..., refresh_every=N)``: what refreshing less often would save. With ``--four-bit``, also the four-bit block formats on every matmul layer (``Plan.uniform(format="nvfp4")``
 and ``"mxfp4"``; the output layer exact), each through the fused C block kernel and, as its peer in the same
 run, through the composed operators it replaces (``gradstats.quantize`` after ``stochastic_prune``).
 
@@ -87,7 +88,8 @@ def composed_blocks(run: Callable[[], float]) -> float:
 
 
 def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_steps: int,
-                reference: bool, four_bit: bool = False) -> dict[str, tuple[float, ...]]:
+                reference: bool, four_bit: bool = False, refresh_every: int | None = None
+                ) -> dict[str, tuple[float, ...]]:
     logging.getLogger("gradstats.apply").setLevel(logging.ERROR)
     logging.getLogger("gradstats").setLevel(logging.ERROR)
     model, batches, loss_fn = workload(name, block, batch)
@@ -98,13 +100,16 @@ def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_ste
         plans[REFERENCE[0]] = every_conv_linear(**fp6, threshold_rule="lognormal")
         plans[REFERENCE[1]] = every_conv_linear(**fp6, threshold_rule="histogram")
 
-    def applied(plan: Plan) -> float:
-        handle = gradstats.apply(model, plan)
+    def applied(plan: Plan, **options: Any) -> float:
+        handle = gradstats.apply(model, plan, **options)
         return time_block(model, opt, batches, None, handle.remove, loss_fn=loss_fn)
 
     time_block(model, opt, batches[:2], loss_fn=loss_fn)
     configs: dict[str, Callable[[], float]] = {"plain": lambda: time_block(model, opt, batches, loss_fn=loss_fn)}
     configs.update({label: (lambda p=p: applied(p)) for label, p in plans.items()})
+    if refresh_every:
+        configs.update({f"{label}, refresh_every={refresh_every}": (lambda p=p: applied(p, refresh_every=refresh_every))
+                        for label, p in plans.items() if label in PLANS})
     if four_bit:
         for fmt in FOUR_BIT:
             p = Plan.uniform(format=fmt)
@@ -117,14 +122,17 @@ def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_ste
 def main() -> None:
     step_benchmark_main(__doc__, "apply overhead",
                         lambda name, a: bench_model(name, a.rounds, a.block, a.batch, a.trace_steps, a.reference,
-                                                    a.four_bit),
+                                                    a.four_bit, a.refresh_every),
                         models=["mobilenet", "resnet20", "gpt_neox"], rounds=7, block=6, targets=TARGETS,
                         batch=None, add_args=lambda ap: (
                             ap.add_argument("--trace-steps", type=int, default=8),
                             ap.add_argument("--reference", action="store_true",
                                             help="also the FP6 + 85%% reference plan on every conv and linear layer"),
                             ap.add_argument("--four-bit", action="store_true",
-                                            help="also NVFP4 and MXFP4 on every matmul layer, fused and composed")))
+                                            help="also NVFP4 and MXFP4 on every matmul layer, fused and composed"),
+                            ap.add_argument("--refresh-every", type=int, default=None, metavar="N",
+                                            help="also the recommended plans applied with refresh_every=N (the "
+                                                 "statistics, threshold and scale solved on every N-th gradient)")))
 
 
 if __name__ == "__main__":
