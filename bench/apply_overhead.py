@@ -8,8 +8,8 @@ the zoo's MobileNetV2-style CNN (``mobilenet``, Fashion-MNIST 28x28, batch 64), 
 width 128, 16 windows of 64 Shakespeare characters). With ``--reference``, also the earlier reference
 setting: FP6 (e3m2fn) at lognormal-optimal per-layer scales, nearest rounding, plus 85% stochastic
 pruning on every convolution and linear layer, with the lognormal and the histogram threshold rule.
-With ``--refresh-every N``, also
-the recommended plans with ``apply(..., refresh_every=N)``: what refreshing less often would save. With ``--four-bit``, also the four-bit block formats on every matmul layer (``Plan.uniform(format="nvfp4")``
+With ``--refresh-every N``, also the recommended plans with ``apply(..., refresh_every=N)``: what
+refreshing less often would save. With ``--four-bit``, also the four-bit block formats on every matmul layer (``Plan.uniform(format="nvfp4")``
 and ``"mxfp4"``; the output layer exact), each through the fused C block kernel and, as its peer in the same
 run, through the composed operators it replaces (``gradstats.quantize`` after ``stochastic_prune``).
 
