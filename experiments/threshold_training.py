@@ -16,6 +16,7 @@ study's closed form (``lognormal``); one seed. Achieved is the fraction of exact
 output (what the operator drew), so it carries the binomial noise of the draws.
 
     python experiments/threshold_training.py [--quick] [--out DIR] [--workers N] [--transformer-steps N]
+                                             [--rules histogram lognormal] [--refresh-every N]
 
 Writes ``threshold_training.json`` (per rule and layer type: mean and max over layers and targets of
 |achieved - target|, the signed mean, and the element-weighted mean over everything) to ``--out``;
@@ -46,6 +47,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(RESULTS), help="directory of the JSON results")
     ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each; 0: in this process)")
     ap.add_argument("--transformer-steps", type=int, default=TRANSFORMER_STEPS)
+    ap.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES))
+    ap.add_argument("--refresh-every", type=int, default=1, metavar="N",
+                    help="apply(..., refresh_every=N): statistics, threshold and scale solved on every N-th gradient "
+                         "(default 1, apply's own); the jobs of another N are other jobs")
     a = ap.parse_args(argv)
     a.out = Path(a.out)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -58,11 +63,12 @@ def jobs(args: argparse.Namespace) -> list[Job]:
     for model in ("cnn", "transformer"):
         steps = QUICK_STEPS if args.quick else (STEPS["cnn"] if model == "cnn" else args.transformer_steps)
         prep = (QUICK_PREPARE if model == "cnn" else {"n_layers": 1, "d_model": 32}) if args.quick else {}
-        for rule in RULES:
+        for rule in args.rules:
             for t in targets:
                 plan = gradstats.Plan.uniform(sparsity=t, threshold_rule=rule).to_dict()
                 out.append(Job("threshold", f"{rule} {t:g}", model, 0, steps, plan,
-                               {"threshold_rule": rule, "target_sparsity": t}, prep))
+                               {"threshold_rule": rule, "target_sparsity": t}, prep,
+                               apply={"refresh_every": args.refresh_every} if args.refresh_every != 1 else {}))
     return out
 
 
@@ -99,7 +105,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     pd.set_option("display.width", 160)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     write_json(args.out / "threshold_training.json", {
-        "command": "python experiments/threshold_training.py" + (" --quick" if args.quick else ""),
+        "command": "python experiments/threshold_training.py" + (" --quick" if args.quick else "")
+                   + (f" --refresh-every {args.refresh_every}" if args.refresh_every != 1 else "")
+                   + (f" --rules {' '.join(args.rules)}" if list(args.rules) != list(RULES) else ""),
+        "refresh_every": args.refresh_every,
         "steps": {"cnn": QUICK_STEPS if args.quick else STEPS["cnn"],
                   "transformer": QUICK_STEPS if args.quick else args.transformer_steps},
         "targets": sorted(set(layers["target"])), "wall_s": round(time.perf_counter() - t0, 1),
