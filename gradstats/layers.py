@@ -14,6 +14,7 @@ Example:
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, Optional
 
@@ -252,8 +253,6 @@ def run_if_path(target: Any) -> Any:
         >>> type(run_if_path(data_dir() / "sample-run")).__name__, run_if_path(["fc1"])
         ('Run', ['fc1'])
     """
-    import os
-
     if isinstance(target, (str, os.PathLike)) and os.path.isfile(os.path.join(os.fspath(target), "manifest.json")):
         from gradstats.run import open_run
 
@@ -262,8 +261,6 @@ def run_if_path(target: Any) -> Any:
 
 
 def _what(target: Any) -> str:
-    import os
-
     if isinstance(target, (str, os.PathLike)):
         return f"{os.fspath(target)!r}, which holds no run"
     return type(target).__name__
@@ -377,8 +374,6 @@ def module_candidates(target: Any) -> list[tuple[str, tuple[str, ...] | None]]:
     """``(name, class names or None)`` of every candidate module of ``target``, in order
     (:func:`gradstats.layers.layer_records`; a run also by the path of its directory, as every stage
     that reads a run takes it; or a plain list of names)."""
-    import os
-
     import torch.nn as nn
 
     from gradstats.run import Run

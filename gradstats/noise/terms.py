@@ -133,13 +133,12 @@ def gains(run: Any) -> dict[tuple[str, str], float]:
         return {}
     step = df["step"].max()
     df = df[df["step"] == step]
-    out = {(str(rec["source"]), str(rec["layer"])): float(rec["gain"]) for rec in df.to_dict("records")}
-    if "weight_noise" in df.columns:
-        q2 = _q2_of_step(r.table("noise"), int(step))
-        for rec in df.to_dict("records"):
-            w, q = float(rec["weight_noise"]), q2.get(str(rec["layer"]), 0.0)
-            if np.isfinite(w) and q > 0:
-                out[(str(rec["source"]), str(rec["layer"]))] = w / q
+    q2 = _q2_of_step(r.table("noise"), int(step)) if "weight_noise" in df.columns else {}
+    out = {}
+    for rec in df.to_dict("records"):
+        layer = str(rec["layer"])
+        w, q = float(rec.get("weight_noise", np.nan)), q2.get(layer, 0.0)
+        out[(str(rec["source"]), layer)] = w / q if np.isfinite(w) and q > 0 else float(rec["gain"])
     return out
 
 
