@@ -15,13 +15,17 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def cpu_median(fn: Callable[[], Any], repeats: int) -> float:
-    """Median CPU seconds (this process) of ``repeats`` calls of ``fn``."""
+def median_seconds(fn: Callable[[], Any], repeats: int, *, clock: Callable[[], float] = time.process_time,
+               warm_up: bool = False) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` on ``clock`` (default: this process's CPU time),
+    after one untimed call when ``warm_up``."""
+    if warm_up:
+        fn()
     times = []
     for _ in range(repeats):
-        t0 = time.process_time()
+        t0 = clock()
         fn()
-        times.append(time.process_time() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 

@@ -13,7 +13,6 @@ powers of two), extrapolated from 5 layers. Medians of repeats; ratios within on
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,18 +22,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import median_seconds  # noqa: E402
+
 from gradstats import fpanalysis as fa  # noqa: E402
 from gradstats.ops.quantization import quantize  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:
-    fn()  # warm up (caches of cells, first quantize call)
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    """Median wall seconds, after a warm-up call (caches of cells, the first quantize call)."""
+    return median_seconds(fn, repeats, clock=time.perf_counter, warm_up=True)
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gradstats  # noqa: E402
-from bench._common import cpu_median  # noqa: E402
+from bench._common import median_seconds  # noqa: E402
 
 #: the most the check may add per planned layer and calibration step (CPU seconds)
 CHECK_TARGET_S = 0.005
@@ -52,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(sparsity=0.85, candidates="any", objective="mse", rounding="nearest", output_layer=False,
               threshold_rule="lognormal", prune_at=False, steps="latest")
     gradstats.recommend_each(plain, bits=[8], **kw)              # warm the format analysis' caches
-    t_choice = cpu_median(lambda: gradstats.recommend_each(plain, bits=widths, check=False, **kw), args.repeats)
+    t_choice = median_seconds(lambda: gradstats.recommend_each(plain, bits=widths, check=False, **kw), args.repeats)
     sampled = deep_run(tempfile.mkdtemp(), n_layers=20, sample_every=2)
     sampled.stats()
-    t_check = cpu_median(lambda: gradstats.recommend(sampled, bits=6, sparsity=0.85), max(1, args.repeats // 2))
-    t_nocheck = cpu_median(lambda: gradstats.recommend(sampled, bits=6, sparsity=0.85, check=False),
+    t_check = median_seconds(lambda: gradstats.recommend(sampled, bits=6, sparsity=0.85), max(1, args.repeats // 2))
+    t_nocheck = median_seconds(lambda: gradstats.recommend(sampled, bits=6, sparsity=0.85, check=False),
                            max(1, args.repeats // 2))
     n_steps = 4
     per_check = (t_check - t_nocheck) / (20 * n_steps)

@@ -27,7 +27,7 @@ import time
 
 import _common
 import torch
-from _common import cpu_median, time_block
+from _common import median_seconds, time_block
 from apply_overhead import workload
 
 import gradstats  # noqa: E402
@@ -38,7 +38,7 @@ from gradstats.stats import VectorRows, kernel_applies, write_stats  # noqa: E40
 
 
 def median_us(f, repeats: int) -> float:
-    return cpu_median(f, repeats) * 1e6
+    return median_seconds(f, repeats) * 1e6
 
 
 def traced_gradients(model, batches, loss_fn) -> dict[str, torch.Tensor]:
