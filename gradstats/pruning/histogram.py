@@ -387,6 +387,12 @@ class LogHistogram:
                 if hi - lo < 4e-16 * max(1.0, abs(mid)):
                     break
             return math.exp(hi)
+        # S - target at the bracket's ends (the breakpoints' values): where a Newton step leaves the
+        # bracket (from the concave side, near the root, it overshoots an end just past the root), the
+        # secant of the bracket takes its place (bisection only where that fails too): superlinear to the
+        # end, where bisection would halve the last interval some forty times
+        f_lo = self._s_at_breakpoint(b[k - 1], True) - target
+        f_hi = self._s_at_breakpoint(b[k], True) - target
         x = 0.5 * (lo + hi)
         for _ in range(100):
             sx = self._at(x, True)
@@ -394,13 +400,19 @@ class LogHistogram:
             if f == 0.0:
                 break
             if f < 0:
-                lo = x
+                lo, f_lo = x, f
             else:
-                hi = x
+                hi, f_hi = x, f
             d = self._at(x, False) - sx
-            nx = x - f / d if d > 0 else math.nan
+            step = f / d if d > 0 else math.nan
+            if abs(step) <= 4e-16 * max(1.0, abs(x)):   # converged: the step is below the resolution of x
+                x -= step
+                break
+            nx = x - step
             if not lo < nx < hi:
-                nx = 0.5 * (lo + hi)
+                nx = lo - f_lo * (hi - lo) / (f_hi - f_lo) if f_hi > f_lo else math.nan
+                if not lo < nx < hi:
+                    nx = 0.5 * (lo + hi)
             done = abs(nx - x) <= 4e-16 * max(1.0, abs(x)) or hi - lo <= 4e-16 * max(1.0, abs(x))
             x = nx
             if done:
