@@ -86,12 +86,40 @@ def _piece_g(c0: float, c1: float, c2: float, c3: float, t: float) -> float:
     return math.exp(t) * (p - d1 + d2 - 6 * c0)
 
 
+def _native() -> Any:
+    """The C kernel's functions (:func:`gradstats.ops.native.histogram`), or None without a compiler."""
+    from gradstats.ops.native import histogram
+
+    return histogram()
+
+
+def _native_table(counts: Sequence[float], lower: Sequence[float], upper: Sequence[float], n: int, n_zero: int,
+                  atoms: Sequence[float]) -> Any:
+    """The C kernel's table of the distribution (a float64 array), or None where the kernel is not at hand
+    or leaves the bins to the Python path (edges not positive and increasing: the Python class raises)."""
+    fns = _native()
+    if fns is None:
+        return None
+    table_len, build, _, _ = fns
+    nb, na = len(counts), len(atoms)
+    if nb and (len(lower) != nb or len(upper) != nb):
+        return None
+    inputs = np.array([*counts, *lower, *upper, *atoms], dtype=np.float64)
+    tab = np.empty(table_len(nb, na), dtype=np.float64)
+    p, step = inputs.ctypes.data, 8 * nb
+    if build(p, p + step, p + 2 * step, nb, n, n_zero, p + 3 * step, na, tab.ctypes.data) != 0:
+        return None
+    return tab
+
+
 class LogHistogram:
     """Counts of the non-zero finite ``|g|`` in contiguous bins ``[lower, upper)``, plus the zero
     count, the total number of entries and ``atoms``: non-zero finite magnitudes known exactly
-    (each a step of ``1/n``; they are not in ``counts``). Computed in Python floats: what apply's
-    refresh solves on every step costs microseconds (no scipy, no arrays); ``counts``, ``lower``,
-    ``upper`` and ``atoms`` read back as arrays.
+    (each a step of ``1/n``; they are not in ``counts``). The tables (the cubic pieces and their
+    integrals) and the thresholds are computed by a small C kernel (``gradstats/ops/native/histogram.c``)
+    with this class's float operations, the same doubles bit for bit, in a few microseconds, which is
+    what apply's refresh solves on every call; where no C compiler is found, in Python floats here (no
+    scipy, no arrays). ``counts``, ``lower``, ``upper`` and ``atoms`` read back as arrays.
 
     Example:
         >>> import torch
@@ -106,7 +134,7 @@ class LogHistogram:
     """
 
     __slots__ = ("n", "n_zero", "binned", "l", "x", "F", "c", "J", "_atoms", "cs", "finite_fraction", "_b",
-                 "_g0", "_bins")
+                 "_g0", "_bins", "_tab")
 
     def __init__(self, counts: Sequence[float], lower: Sequence[float], upper: Sequence[float],
                  n: int, n_zero: int, atoms: Sequence[float] = ()) -> None:
@@ -117,18 +145,25 @@ class LogHistogram:
                                        for v in (counts, lower, upper, atoms))
         self._bins = (counts, lower, upper)
         self._atoms = sorted(float(t) for t in atoms)
-        cs = [0.0]
-        for t in self._atoms:
-            cs.append(cs[-1] + t)
-        self.cs = cs
         self.binned = len(counts) > 0
         self._b = None
         total = 0.0
         for v in counts:
             total += float(v)
         self.finite_fraction = (self.n_zero + total + len(self._atoms)) / self.n
+        self._tab = _native_table(counts, lower, upper, self.n, self.n_zero, self._atoms)
+        if self._tab is None:
+            self._tables()
+
+    def _tables(self) -> None:
+        """The Python path's tables (where the C kernel is not at hand, or cannot take the bins)."""
+        cs = [0.0]
+        for t in self._atoms:
+            cs.append(cs[-1] + t)
+        self.cs = cs
         if not self.binned:
             return
+        counts, lower, upper = self._bins
         x = [float(lower[0])] + [float(u) for u in upper]
         l = [math.log(v) for v in x]
         F = [float(self.n_zero)]
@@ -320,6 +355,8 @@ class LogHistogram:
             v = np.asarray(a, dtype=np.float64)
             return np.array([self.expected_sparsity(float(ai), stochastic=stochastic) for ai in v.reshape(-1)],
                             dtype=np.float64).reshape(v.shape)
+        if self._tab is not None:
+            return _native()[2](self._tab.ctypes.data, float(a), int(stochastic))
         if not a > 0 or (not self.binned and not self._atoms):
             return self.n_zero / self.n
         if math.isinf(a):
@@ -354,6 +391,8 @@ class LogHistogram:
         the float resolution of ``ln a``)."""
         if not 0.0 <= target < 1.0:
             raise ValueError(f"target sparsity must lie in [0, 1), got {target!r}")
+        if self._tab is not None:
+            return _native()[3](self._tab.ctypes.data, float(target), int(stochastic))
         if target * self.n <= self.n_zero or (not self.binned and not self._atoms):
             return 0.0
         if target >= self.finite_fraction:

@@ -431,9 +431,12 @@ def test_histogram_threshold_converges_in_a_few_evaluations(monkeypatch):
     """The stochastic threshold's Newton iteration ends in a few evaluations of the sparsity wherever the
     root lies in its bracket (apply solves it on every call): a Newton step that overshoots an end just
     past the root takes the bracket's secant, not forty halvings (58 evaluations on a real MobileNet
-    layer before). The threshold still inverts the sparsity to the float resolution."""
+    layer before). The threshold still inverts the sparsity to the float resolution. (Counted on the
+    Python class; the C kernel takes the same steps: the test below.)"""
+    from gradstats.pruning import histogram as hmod
     from gradstats.pruning.histogram import LogHistogram
 
+    monkeypatch.setattr(hmod, "_native", lambda: None)    # the Python class, which the C kernel follows step for step
     calls = []
     at = LogHistogram._at
     monkeypatch.setattr(LogHistogram, "_at", lambda self, *a, **k: calls.append(1) or at(self, *a, **k))
@@ -452,6 +455,50 @@ def test_histogram_threshold_converges_in_a_few_evaluations(monkeypatch):
             most = max(most, len(calls))
             assert h.expected_sparsity(a) == pytest.approx(target, abs=1e-12)
     assert most <= 20, most
+
+
+def test_histogram_rule_in_c_equals_the_python_class_bit_for_bit(monkeypatch):
+    """The C kernel (gradstats/ops/native/histogram.c) builds LogHistogram's tables and solves its thresholds
+    with the Python class's float operations: the same doubles, on statistics rows (with and without their
+    largest values as atoms), on the tensor path's four bins per binade, on atoms alone and on one bin."""
+    from gradstats.pruning import histogram as hmod
+    from gradstats.pruning.histogram import LogHistogram
+    from gradstats.pruning.operator import _histogram
+
+    if hmod._native() is None:
+        pytest.skip("no C compiler here")
+
+    def both(make):
+        fast = make()
+        with monkeypatch.context() as m:
+            m.setattr(hmod, "_native", lambda: None)
+            slow = make()
+        assert fast._tab is not None and slow._tab is None
+        return slow, fast
+
+    cases = []
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        n = 300 + 9_000 * seed
+        x = torch.exp(torch.randn(n, generator=g) * (0.4 + 0.5 * seed) - 9.0) * torch.randn(n, generator=g).sign()
+        x[torch.rand(n, generator=g) < 0.04 * seed] = 0.0
+        row = tensor_stats(x)
+        cases += [lambda row=row: LogHistogram.from_stats(row), lambda row=row: LogHistogram.from_stats(row, top=()),
+                  lambda x=x: _histogram(x)]
+    for vals in ([0.0, 1.0, 1.5, 3.0], [1.0, 3.0] * 50 + [0.0] * 10, [2.0 ** -140, 1e-3, 5.0]):
+        cases.append(lambda vals=vals: LogHistogram.from_stats(tensor_stats(torch.tensor(vals))))
+    cases.append(lambda: LogHistogram([10.0], [1.0], [2.0], 20, 10))
+    cases.append(lambda: LogHistogram([10.0, 5.0], [1.0, 2.0], [2.0, 4.0], 20, 5, atoms=[4.0, 9.0]))
+    for make in cases:
+        slow, fast = both(make)
+        for stochastic in (True, False):
+            for target in np.linspace(0.0, 0.999, 31):
+                a = slow.threshold(float(target), stochastic=stochastic)
+                assert fast.threshold(float(target), stochastic=stochastic) == a
+                for b in (a, 0.8 * a, 1.7 * a, 1e-30, 1e30, math.inf, 0.0, math.nan):
+                    want = slow.expected_sparsity(b, stochastic=stochastic)
+                    got = fast.expected_sparsity(b, stochastic=stochastic)
+                    assert got == want or (math.isnan(got) and math.isnan(want))
 
 
 def test_histogram_rule_on_a_skewed_distribution_beats_the_lognormal_fit():

@@ -208,3 +208,26 @@ def random_bits() -> Any:
     fn.restype = None
     fn.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     return fn
+
+
+@functools.lru_cache(maxsize=1)
+def histogram() -> Any:
+    """The functions of ``histogram.c`` with their signatures set, as ``(table_len, build, sparsity,
+    threshold)``, or None (see :func:`load`): :class:`gradstats.pruning.LogHistogram`'s tables built once
+    (``build(counts, lower, upper, nb, n, n_zero, atoms, na, table)``, addresses of float64 arrays; 0, or
+    -1 where the Python class must build them), then its expected sparsity (``sparsity(table, a,
+    stochastic)``) and its threshold (``threshold(table, target, stochastic)``), the same doubles as the
+    Python class bit for bit."""
+    lib = load("histogram")
+    if lib is None:
+        return None
+    table_len, build = lib.gs_hist_table_len, lib.gs_hist_build
+    table_len.restype, table_len.argtypes = ctypes.c_int64, [ctypes.c_int64, ctypes.c_int64]
+    build.restype = ctypes.c_int
+    build.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    sparsity, threshold = lib.gs_hist_sparsity, lib.gs_hist_threshold
+    for fn in (sparsity, threshold):
+        fn.restype = ctypes.c_double
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_double, ctypes.c_int]
+    return table_len, build, sparsity, threshold
