@@ -16,7 +16,15 @@ this is a floor: in a training step the kernels meet gradients fresh from the ba
 ``apply_overhead.py``/``trace_overhead.py``, interleaved with plain steps, measure the whole). CPU time,
 one thread.
 
-    python bench/step_breakdown.py [--models mobilenet resnet20 gpt_neox] [--repeats 30]
+With ``--in-step``, the same parts measured inside training steps instead (what the warm floor above
+leaves out: the kernels meet gradients fresh from the backward pass, and the Python runs between the
+backward's own kernels, its data gone from the caches): per plan (``recommend(bits=8)`` and the plan
+above), blocks of applied steps interleaved with blocks of plain steps, and in each applied step the CPU
+time of the two C kernels (the statistics and the prune + quantise kernels, per-tensor formats), of the
+planned layers' hooks as a whole (the rest of it: the Python), and of the step less the plain step's
+(what is left outside the hooks). Medians over the steps.
+
+    python bench/step_breakdown.py [--models mobilenet resnet20 gpt_neox] [--repeats 30] [--in-step]
 """
 from __future__ import annotations
 
@@ -106,15 +114,106 @@ def bench_model(name: str, plan_kw: dict, repeats: int) -> dict[str, float]:
             **parts}
 
 
+class _Timed:
+    """A C kernel's function, its calls' CPU time added to ``spent[key]``."""
+
+    def __init__(self, fn, spent: dict[str, float], key: str) -> None:
+        self.fn, self.spent, self.key = fn, spent, key
+
+    def __call__(self, *args):
+        t0 = time.process_time()
+        try:
+            return self.fn(*args)
+        finally:
+            self.spent[self.key] += time.process_time() - t0
+
+
+def in_step(name: str, plans: dict[str, dict], rounds: int) -> dict[str, dict[str, float]]:
+    """Per plan: the median per-step ms of the plain step, the applied step, and in the applied step the
+    statistics kernel, the prune + quantise kernel, the hooks' rest, and what lies outside the hooks."""
+    from gradstats.ops import fused
+    from gradstats.stats import kernel as skernel
+
+    logging.getLogger("gradstats").setLevel(logging.ERROR)
+    model, batches, loss_fn = workload(name, 6, None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="step-breakdown-")
+    with gradstats.trace(model, path) as t:              # the plans a user gets from 8 traced steps
+        time_block(model, opt, (batches * 8)[:8], t.step, loss_fn=loss_fn)
+    spent = {"stats": 0.0, "prune": 0.0, "hook": 0.0}
+    stats_fn, prune_fn = skernel._native_kernel(), fused._native()
+    keep = skernel._native_kernel, fused._native
+    skernel._native_kernel = lambda portable=False: _Timed(stats_fn, spent, "stats")
+    fused._native = lambda: _Timed(prune_fn, spent, "prune")
+
+    def steps(handle=None) -> list[tuple[float, ...]]:
+        rows = []
+        for x, y in batches:
+            for k in spent:
+                spent[k] = 0.0
+            t0 = time.process_time()
+            opt.zero_grad(set_to_none=True)
+            (loss_fn(model, x, y) if loss_fn else torch.nn.functional.cross_entropy(model(x), y)).backward()
+            opt.step()
+            rows.append((time.process_time() - t0, spent["stats"], spent["prune"], spent["hook"]))
+        return rows
+
+    out = {}
+    try:
+        for label, kw in plans.items():
+            plan = gradstats.recommend(path, **kw)
+            plain, applied = [], []
+            for r in range(rounds):
+                plain += steps()
+                handle = gradstats.apply(model, plan)
+                compress = handle._compress_on
+
+                def timed(layer, g, compress=compress):
+                    t0 = time.process_time()
+                    try:
+                        return compress(layer, g)
+                    finally:
+                        spent["hook"] += time.process_time() - t0
+
+                handle._compress_on = timed
+                applied += steps()
+                handle.remove()
+            med = lambda rows, i: statistics.median(r[i] for r in rows) * 1e3  # noqa: E731
+            out[label] = {"plain": med(plain, 0), "step": med(applied, 0), "stats": med(applied, 1),
+                          "prune": med(applied, 2), "hook": med(applied, 3)}
+    finally:
+        skernel._native_kernel, fused._native = keep
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["mobilenet", "resnet20", "gpt_neox"])
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--bits", type=int, default=6)
     ap.add_argument("--sparsity", type=float, default=0.85)
+    ap.add_argument("--in-step", action="store_true", help="the parts inside training steps (see above)")
+    ap.add_argument("--rounds", type=int, default=5, help="--in-step: blocks of 6 steps per configuration")
     a = ap.parse_args()
     torch.set_num_threads(1)
     _common.CLOCK = time.process_time                     # the plain step in CPU time too
+    if a.in_step:
+        plans = {"recommend(bits=8)": {"bits": 8},
+                 f"recommend(bits={a.bits}, sparsity={a.sparsity})": {"bits": a.bits, "sparsity": a.sparsity}}
+        print(f"in the step: torch {torch.__version__}, 1 thread, CPU time, medians of {a.rounds} x 6 steps; ms per "
+              "step (share of the plain step)")
+        print(f"{'model':10s} {'plan':34s} {'plain':>7s} {'applied':>8s} {'added':>14s} {'stats kernel':>14s} "
+              f"{'prune+quantise':>15s} {'hooks: rest':>14s} {'outside hooks':>14s}")
+        for name in a.models:
+            for label, r in in_step(name, plans, a.rounds).items():
+                pct = lambda ms: f"{ms:5.1f} ({ms / r['plain'] * 100:4.1f}%)"  # noqa: E731
+                rest = r["hook"] - r["stats"] - r["prune"]
+                print(f"{name:10s} {label:34s} {r['plain']:7.1f} {r['step']:8.1f} {pct(r['step'] - r['plain']):>14s} "
+                      f"{pct(r['stats']):>14s} {pct(r['prune']):>15s} {pct(rest):>14s} "
+                      f"{pct(r['step'] - r['plain'] - r['hook']):>14s}")
+        return
     print(f"step breakdown: torch {torch.__version__}, 1 thread, CPU time, medians of {a.repeats}; "
           f"apply: recommend(bits={a.bits}, sparsity={a.sparsity}); us per step (share of the plain step)")
     head = (f"{'model':10s} {'plain step':>10s} | {'trace: layers':>13s} {'stats kernel':>16s} | "

@@ -983,3 +983,47 @@ def test_a_pending_prediction_is_computed_once_and_then_kept():
     st.mu = -9.0
     refresh.predict(rule, st, 1000)
     assert (st.predicted_underflow, st.predicted_overflow, st.predicted_error) == got
+
+
+@pytest.mark.parametrize("plan", [
+    uniform(format="e4m3fn", sparsity=0.6, rounding="stochastic", scale="amax", threshold_rule="histogram"),
+    uniform(format="e3m2fn", rounding="nearest"),
+    uniform(sparsity=0.5, threshold_rule="histogram"),
+])
+def test_the_prepared_native_call_trains_as_the_operator(monkeypatch, plan):
+    """On the CPU's native engine a hook runs the C kernels directly (the statistics into the layer's own
+    array, prune + quantise through a prepared :class:`~gradstats.ops.fused.NativeCall`, seeds drawn from the
+    handle's generator as prune_quantize draws them): the same weights and records, bit for bit, as the
+    hook through stats_vector and prune_quantize."""
+    from gradstats.ops import fused
+
+    data = batches()
+    fast, h_fast = train(_seeded_net(), data, plan)
+    calls = []
+    call = fused.NativeCall.__call__
+    monkeypatch.setattr(fused.NativeCall, "__call__", lambda self, *a, **k: calls.append(1) or call(self, *a, **k))
+    again, _ = train(_seeded_net(), data, plan)
+    assert calls and same_weights(fast, again)                   # the prepared call ran, and deterministically
+    monkeypatch.setattr(fused.NativeCall, "takes", lambda self, x, scale=1.0: False)
+    monkeypatch.setattr(APPLY.Applied, "_compress_on", _through_the_operators(APPLY.Applied._compress_on))
+    slow, h_slow = train(_seeded_net(), data, plan)
+    assert same_weights(fast, slow)
+    keys = ("layer", "seq", "threshold", "scale", "achieved_sparsity", "underflow_fraction", "gain", "mu", "sigma")
+    assert [[r[k] for k in keys] for r in h_fast.history] == [[r[k] for k in keys] for r in h_slow.history]
+
+
+def _through_the_operators(compress_on):
+    """_compress_on with the statistics through stats_vector (as where the caller's ``flat`` check says no)."""
+    def run(self, name, g):
+        keep = self.refresher.refresh
+        self.refresher.refresh = lambda n, g_, r, flat=False: keep(n, g_, r, flat=False)
+        try:
+            return compress_on(self, name, g)
+        finally:
+            self.refresher.refresh = keep
+    return run
+
+
+def _seeded_net():
+    torch.manual_seed(0)
+    return Net()

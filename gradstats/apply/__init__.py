@@ -74,9 +74,10 @@ from gradstats.apply.settings import (
     widen,
 )
 from gradstats.layers import module_types
-from gradstats.ops.engine import use_triton, using
-from gradstats.ops.fused import prune_quantize
+from gradstats.ops.engine import active_engine, using
+from gradstats.ops.fused import NativeCall, prune_quantize
 from gradstats.ops.layout import channel_dim
+from gradstats.ops.native import addressable
 from gradstats.tracer import taps
 from gradstats.tracer.capture import first_grad_tensor
 from gradstats.tracer.noise import sending_back
@@ -145,6 +146,7 @@ class Applied:
         #: the device path (:class:`~gradstats.apply.device.DevicePath`)
         self.device_path = DevicePath(self.refresher, self.config, self._quantize_args, self._account)
         self._records = Records()
+        self._calls: dict[str, tuple[Any, Optional[NativeCall]]] = {}   # per layer: (rule, its prepared call)
         modules = dict(named_layers(root))
         self._types = {n: module_types(modules[n]) for n in self.rules}
         # the taps of a compiled model (gradstats.tracer.taps): per layer, the settling and compressing slots
@@ -213,28 +215,48 @@ class Applied:
             return self._compress_on(name, g)
 
     def _compress_on(self, name: str, g: torch.Tensor) -> torch.Tensor:
-        if use_triton(g.device.type):       # the device path: nothing read back here (apply.device)
+        engine = active_engine(g.device.type)
+        if engine == "triton":       # the device path: nothing read back here (apply.device)
             with torch.no_grad():
                 return self.device_path.compress(name, g)
         rule, st = self.rules[name], self.state[name]
+        # the C kernels take the gradient as it is: then the call runs them directly (one check here; between
+        # the backward's own kernels every torch operation and check costs tens of microseconds)
+        flat = (engine == "native" and g.dtype is torch.float32 and g.is_contiguous() and g.numel() > 0
+                and addressable(g))
         k = st.seq - self.config.warmup                       # the call index since the warm-up
         if k < 0:                 # warm-up: the gradient passes unchanged, the statistics follow it
             with torch.no_grad():
-                self.refresher.refresh(name, g, True)
+                self.refresher.refresh(name, g, True, flat=flat)
             st.seq += 1
             return g
         refresh = self.refresher.refreshes(k)
         err = math.nan
         with torch.no_grad():
-            self.refresher.refresh(name, g, refresh)
-            q = self._quantize_args(name, rule, g)
-            out, counts = prune_quantize(g, st.threshold if rule.prunes else 0.0, q.pop("fmt"), scale=st.scale,
-                                         generator=self.generator, **q)
+            self.refresher.refresh(name, g, refresh, flat=flat)
+            threshold = st.threshold if rule.prunes else 0.0
+            call = self._native_call(name, rule) if flat else None
+            if call is not None and call.takes(g, st.scale):
+                out, counts = call(g, threshold, st.scale, generator=self.generator)
+            else:
+                q = self._quantize_args(name, rule, g)
+                out, counts = prune_quantize(g, threshold, q.pop("fmt"), scale=st.scale, generator=self.generator, **q)
             if self.config.fallback is not None and self.config.fallback.error is not None and counts.n:
                 err = relative_error(out, g)
         self._account(name, rule, st.seq, counts, err, record_snapshot(st))
         st.seq += 1
-        return out.to(g.dtype)
+        return out if out.dtype == g.dtype else out.to(g.dtype)
+
+    def _native_call(self, name: str, rule: Any) -> Optional[NativeCall]:
+        """The layer's rule prepared for the fused C kernel (:class:`~gradstats.ops.fused.NativeCall`), made
+        again when a fallback changes the rule; None for block scales (their own kernel, through
+        :func:`~gradstats.ops.fused.prune_quantize`)."""
+        made = self._calls.get(name)
+        if made is None or made[0] is not rule:
+            call = None if rule.quantizes and rule.scheme.block_size is not None else \
+                NativeCall(rule.scheme if rule.quantizes else None)
+            made = self._calls[name] = (rule, call)
+        return made[1]
 
     def _quantize_args(self, name: str, rule: Any, g: torch.Tensor) -> dict[str, Any]:
         """The rule's own quantize arguments (format, rounding, blocks and their scales: one home),

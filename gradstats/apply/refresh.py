@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from gradstats.fpanalysis.composed import predict_one
 from gradstats.pruning.histogram import LogHistogram
 from gradstats.pruning.rules import THRESHOLD_RULES, LayerStats
 from gradstats.stats import HIST_BINS, HIST_MIN_EXP, SCALAR_FIELDS, VECTOR_LEN, tensor_stats_vector
+from gradstats.stats.kernel import has_native_kernel, write_stats_raw
 
 log = logging.getLogger("gradstats.apply")
 
@@ -136,11 +137,11 @@ def stats_vector(g: torch.Tensor, full: bool) -> torch.Tensor:
     return out
 
 
-def histogram_of(v: torch.Tensor) -> LogHistogram:
+def histogram_of(v: Union[torch.Tensor, np.ndarray]) -> LogHistogram:
     """The histogram rule's distribution of a statistics vector: :meth:`LogHistogram.from_stats`
     of its row, in floats (the binade counts, the top magnitudes as atoms, the data's range)."""
     k = len(SCALAR_FIELDS)
-    a = v.cpu().numpy()
+    a = v if isinstance(v, np.ndarray) else v.cpu().numpy()
     h = a[k: k + HIST_BINS]
     nz = np.flatnonzero(h > 0)
     i = int(nz[0]) if nz.size else 0
@@ -150,7 +151,7 @@ def histogram_of(v: torch.Tensor) -> LogHistogram:
                                      float(a[_F["max_abs"]]))
 
 
-def stats_update(st: LayerState, v: torch.Tensor, ema: Optional[float]) -> None:
+def stats_update(st: LayerState, v: Union[torch.Tensor, np.ndarray], ema: Optional[float]) -> None:
     """Fold one statistics vector into the running state (EMA, or replace when ema is None)."""
     s = v[: len(SCALAR_FIELDS)].tolist()
     n, nz, nf = s[_F["n"]], s[_F["n_zero"]], s[_F["n_nonfinite"]]
@@ -336,17 +337,28 @@ class Refresher:
 
     def __init__(self, rules: dict[str, Any], state: dict[str, LayerState], config: Any) -> None:
         self.rules, self.state, self.config = rules, state, config
+        self._vectors: dict[str, np.ndarray] = {}    # per layer: the array the C kernel writes its statistics into
 
-    def refresh(self, name: str, g: torch.Tensor, refresh: bool) -> None:
+    def refresh(self, name: str, g: torch.Tensor, refresh: bool, *, flat: bool = False) -> None:
         """The statistics of ``g`` folded into the layer's state, then its settings solved from
-        them (the synchronous path: the host reads the statistics in the backward pass)."""
+        them (the synchronous path: the host reads the statistics in the backward pass). ``flat``: the
+        caller has found ``g`` a contiguous float32 CPU tensor and the CPU's engine the native one, so
+        the C kernel writes the statistics into the layer's own array (no torch operation)."""
         rule = self.rules[name]
         hist_rule = rule.prunes and THRESHOLD_RULES[rule.threshold_rule].needs_histogram
         if self.needs_stats(rule, refresh):   # the histogram rule reads the binade counts; the others the moments alone
-            v = stats_vector(g, full=refresh and hist_rule)
-            if self.config.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized():
-                v = all_reduce_stats(v)
-            self.fold(name, v, refresh and hist_rule)
+            full = refresh and hist_rule
+            sync = self.config.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized()
+            if flat and not sync and has_native_kernel():
+                v = self._vectors.get(name)
+                if v is None:
+                    v = self._vectors[name] = np.empty(VECTOR_LEN)
+                write_stats_raw(g.data_ptr(), g.numel(), v.ctypes.data, full=full)
+            else:
+                v = stats_vector(g, full=full)
+                if sync:
+                    v = all_reduce_stats(v)
+            self.fold(name, v, full)
         self.solve(name, refresh, g.numel(), g, lazy=True)
 
     @staticmethod
@@ -355,7 +367,7 @@ class Refresher:
         per-tensor ``"amax"`` scale."""
         return refresh or (rule.quantizes and rule.scale == "amax" and rule.block_size is None)
 
-    def fold(self, name: str, v: torch.Tensor, hist: bool) -> None:
+    def fold(self, name: str, v: Union[torch.Tensor, np.ndarray], hist: bool) -> None:
         """Fold one statistics vector (on the host) into the layer's running state; ``hist``: keep
         its binade counts for the histogram rule."""
         st = self.state[name]

@@ -30,6 +30,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 
 from gradstats.formats import ROUNDING_CODES, FPFormat
@@ -219,31 +220,90 @@ def _triton_tensor(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: 
                                         rounding="nearest" if s is None else s.rounding, seed=seed or 0, out=out)
 
 
+def _format_args(s: Optional[Scheme]) -> tuple:
+    """The C kernel's arguments that a scheme fixes (see :func:`gradstats.ops.native.prune_quant`): ``quant``,
+    ``man_bits``, ``emin``, ``maxv``, ``subnormals``, ``rounding``, ``neg_zero``."""
+    el = None if s is None else s.element
+    q = el is not None
+    return (int(q), el.man_bits if q else 0, el.emin if q else 0, el.max if q else 0.0,
+            int(el.subnormals) if q else 1, ROUNDING_CODES["nearest" if s is None else s.rounding],
+            int(el.has_negative_zero) if q else 1)
+
+
+def _native_call(fn: Any, x: torch.Tensor, res: torch.Tensor, threshold: float, scale: float, fargs: tuple,
+                 seed: Optional[int], counts: int, sums: int) -> None:
+    """One call of the fused C kernel on contiguous ``x`` into ``res`` (addresses of int64[5] counts and
+    float64[6] sums)."""
+    if fn(x.data_ptr(), res.data_ptr(), x.numel(), threshold, scale, *fargs, _rng.stream(seed or 0, _rng.PRUNE),
+          _rng.stream(seed or 0, _rng.ROUND), torch.get_num_threads(), counts, sums) != 0:
+        raise RuntimeError("the fused prune/quantise kernel rejected its arguments")  # pragma: no cover
+
+
 def _native_pass(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: Any, seed: Optional[int],
                  block_dim: int, tensor_amax: Optional[float], out: Optional[torch.Tensor],
                  stats: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused C kernel: one pass, its counts and sums in host tensors."""
-    fn = _native()
-    el = None if s is None else s.element
-    threshold, scale = float(threshold), float(scale)
     xc = x.contiguous()
     res = out if out is not None and out.is_contiguous() else torch.empty_like(xc)
     counts = torch.zeros(5, dtype=torch.int64)
     sums = torch.zeros(6, dtype=torch.float64)
-    q = el is not None
-    rc = fn(xc.data_ptr(), res.data_ptr(), x.numel(), threshold, scale, int(q),
-            el.man_bits if q else 0, el.emin if q else 0, el.max if q else 0.0,
-            int(el.subnormals) if q else 1, ROUNDING_CODES["nearest" if s is None else s.rounding],
-            int(el.has_negative_zero) if q else 1, _rng.stream(seed or 0, _rng.PRUNE),
-            _rng.stream(seed or 0, _rng.ROUND), torch.get_num_threads(), counts.data_ptr(), sums.data_ptr())
-    if rc != 0:  # pragma: no cover - arguments are validated by the operators
-        raise RuntimeError("the fused prune/quantise kernel rejected its arguments")
+    _native_call(_native(), xc, res, float(threshold), float(scale), _format_args(s), seed, counts.data_ptr(),
+                 sums.data_ptr())
     result = res.view_as(x)
     if out is not None:
         if res is not out:
             out.copy_(result)
         result = out
     return result, counts, sums
+
+
+class NativeCall:
+    """:func:`prune_quantize` of one scheme on the fused C kernel, prepared once: what a hook calls on every
+    gradient of a layer (:func:`gradstats.apply`). Between a backward pass's own kernels each torch operation
+    costs tens of microseconds (its code and data out of the caches), so the call makes one, the result's
+    allocation: the format's arguments are resolved here, the counts and sums land in arrays it keeps, and
+    nothing is checked but whether the kernel takes ``x`` as it is (:meth:`takes`; else
+    :func:`prune_quantize`, the same result). The same seed gives the same bits as :func:`prune_quantize`.
+
+    Example:
+        >>> import torch
+        >>> call = NativeCall("e4m3fn")
+        >>> x = torch.linspace(-1, 1, 64)
+        >>> if call.takes(x):
+        ...     y, c = call(x, 0.1, 1.0, seed=3)     # or generator=: one seed drawn, as prune_quantize draws it
+        ...     y2, c2 = prune_quantize(x, 0.1, "e4m3fn", seed=3)
+        ...     assert torch.equal(y, y2) and c == c2
+    """
+
+    def __init__(self, fmt: Union[FPFormat, Scheme, str, None], **scheme: Any) -> None:
+        self.scheme = None if fmt is None else Scheme.of(fmt, what="NativeCall", **scheme)
+        self._fn = _native()
+        self._fargs = _format_args(self.scheme)
+        self._element = None if self.scheme is None else self.scheme.element
+        self._stochastic = self.scheme is not None and self.scheme.rounding == "stochastic"
+        self._blocks = self.scheme is not None and self.scheme.block_size is not None
+        self._counts = np.zeros(5, dtype=np.int64)
+        self._sums = np.zeros(6, dtype=np.float64)
+
+    def takes(self, x: torch.Tensor, scale: float = 1.0) -> bool:
+        """Whether a call on ``x`` runs the C kernel directly (:func:`prune_quantize`'s ``"native"`` path: a
+        non-empty contiguous float32 CPU tensor, a per-tensor scheme the kernel covers, the C kernel built)
+        when the CPU's engine is the native one (the caller's check)."""
+        return (self._fn is not None and not self._blocks and x.dtype is torch.float32 and x.is_cpu
+                and x.is_contiguous() and x.numel() > 0 and addressable(x) and fused_covers(self._element, scale))
+
+    def __call__(self, x: torch.Tensor, threshold: float, scale: float, *, seed: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, CompressCounts]:
+        """``prune_quantize(x, threshold, scheme, scale=scale, seed=seed, generator=generator)`` where
+        :meth:`takes` holds (a seed drawn from ``generator`` only where the call is random, as there)."""
+        if not threshold >= 0:
+            raise ValueError(f"threshold must be >= 0 (0 = no pruning), got {threshold}")
+        if seed is None and (threshold > 0 or self._stochastic):
+            seed = _rng.draw_seed(generator)
+        res = torch.empty_like(x)
+        _native_call(self._fn, x, res, float(threshold), float(scale), self._fargs, seed, self._counts.ctypes.data,
+                     self._sums.ctypes.data)
+        return res, CompressCounts(x.numel(), *self._counts.tolist(), *self._sums.tolist())
 
 
 def _native_blocks(x: torch.Tensor, threshold: Any, s: Scheme, scale: Any, seed: Optional[int],

@@ -73,7 +73,6 @@ def write_stats(x: torch.Tensor, address: int, *, full: bool = True, blocks: np.
         ...     write_stats(x, rows.claim())
         ...     assert rows.take()[0, :3].tolist() == [3.0, 1.0, 0.0]
     """
-    import torch
 
     if not kernel_applies(x):
         raise ValueError("write_stats needs a non-empty contiguous float32 CPU tensor and the C "
@@ -89,12 +88,32 @@ def write_stats(x: torch.Tensor, address: int, *, full: bool = True, blocks: np.
                              f"(blocks of {BLOCK_SIZES}: zero blocks, then {RANGE_BINS} range bins)")
         blocks[...] = 0                  # the kernel adds to it
         bh = blocks.ctypes.data
+    write_stats_raw(x.data_ptr(), x.numel(), address, full=full, blocks=bh)
+
+
+_HIST_OFFSET = 8 * LAYOUT["hist"].start
+_TOP_OFFSET, _TOP_K = 8 * LAYOUT["top_abs"].start, LAYOUT["top_abs"].stop - LAYOUT["top_abs"].start
+
+
+def write_stats_raw(data: int, n: int, address: int, *, full: bool = True, blocks: int | None = None) -> None:
+    """:func:`write_stats` of the ``n`` float32 values at address ``data``, without its checks: for a caller
+    that has checked :func:`kernel_applies` on the tensor (a hook on every gradient, where each check costs
+    its share of a training step). ``blocks``: the address of the per-block counts, or None.
+
+    Example:
+        >>> import torch
+        >>> rows, x = VectorRows(), torch.tensor([0.0, 1.0, -2.0])
+        >>> if kernel_applies(x):
+        ...     write_stats_raw(x.data_ptr(), x.numel(), rows.claim())
+        ...     assert rows.take()[0, :3].tolist() == [3.0, 1.0, 0.0]
+    """
+    import torch
+
     if full:
-        _native_kernel()(x.data_ptr(), x.numel(), address, address + 8 * LAYOUT["hist"].start,
-                         address + 8 * LAYOUT["top_abs"].start, LAYOUT["top_abs"].stop - LAYOUT["top_abs"].start,
-                         torch.get_num_threads(), bh)
+        _native_kernel()(data, n, address, address + _HIST_OFFSET, address + _TOP_OFFSET, _TOP_K,
+                         torch.get_num_threads(), blocks)
     else:
-        _native_kernel()(x.data_ptr(), x.numel(), address, None, None, 0, torch.get_num_threads(), bh)
+        _native_kernel()(data, n, address, None, None, 0, torch.get_num_threads(), blocks)
 
 
 class VectorRows:

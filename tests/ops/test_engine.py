@@ -84,8 +84,10 @@ def _weight_grads(handle_of, env=None, monkeypatch=None):
 
     model = _model()
     seen = []
-    path = fused._path
+    path, native_call = fused._path, fused.NativeCall.__call__      # prune_quantize's paths, and apply's prepared call
     monkeypatch.setattr(fused, "_path", lambda *a: seen.append(active_engine("cpu")) or path(*a))
+    monkeypatch.setattr(fused.NativeCall, "__call__",
+                        lambda self, *a, **k: seen.append(active_engine("cpu")) or native_call(self, *a, **k))
     if env is None:
         monkeypatch.delenv(ENV, raising=False)
     else:
