@@ -26,6 +26,7 @@ from gradstats.ops.layout import channel_dim, gemm_matrix
 from gradstats.run import sample_key
 from gradstats.stats import VectorRows, kernel_applies, tensor_stats_vector, write_stats
 from gradstats.stats.blocks import BLOCK_SIZES, RANGE_BINS
+from gradstats.stats.kernel import write_stats_raw
 from gradstats.tracer.noise import (
     Propagation,
     flat_grad,
@@ -502,7 +503,10 @@ class Capture:
                 if want_blocks and set(self.blocks) & set(BLOCK_SIZES):   # and counts every block of those
                     counts = np.empty((len(BLOCK_SIZES), 1 + RANGE_BINS), np.int64)   # write_stats zeroes it
                 with self._lock:      # (held while it writes: a flush never takes a half-written row)
-                    write_stats(t, self._rows.claim(), blocks=counts)
+                    if counts is None:          # checked just above: the kernel on the tensor's memory
+                        write_stats_raw(t.data_ptr(), t.numel(), self._rows.claim())
+                    else:
+                        write_stats(t, self._rows.claim(), blocks=counts)
                     self._row_keys.append((step, layer, kind, call))
             else:
                 vec = tensor_stats_vector(t)
