@@ -260,8 +260,8 @@ def _native_pass(x: torch.Tensor, threshold: Any, s: Optional[Scheme], scale: An
 class NativeCall:
     """:func:`prune_quantize` of one scheme on the fused C kernel, prepared once: what a hook calls on every
     gradient of a layer (:func:`gradstats.apply`). Between a backward pass's own kernels each torch operation
-    costs tens of microseconds (its code and data out of the caches), so the call makes one, the result's
-    allocation: the format's arguments are resolved here, the counts and sums land in arrays it keeps, and
+    costs tens of microseconds (its code and data out of the caches), so the call makes only the seed's draw
+    and the result's allocation: the format's arguments are resolved here, the counts and sums land in arrays it keeps, and
     nothing is checked but whether the kernel takes ``x`` as it is (:meth:`takes`; else
     :func:`prune_quantize`, the same result). The same seed gives the same bits as :func:`prune_quantize`.
 
