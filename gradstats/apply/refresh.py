@@ -146,8 +146,8 @@ def histogram_of(v: Union[torch.Tensor, np.ndarray]) -> LogHistogram:
     nz = np.flatnonzero(h > 0)
     i = int(nz[0]) if nz.size else 0
     j = int(nz[-1]) + 1 if nz.size else 0
-    return LogHistogram.from_binades(h[i:j].tolist(), HIST_MIN_EXP + i, int(a[_F["n"]]), int(a[_F["n_zero"]]),
-                                     a[k + HIST_BINS:].astype(np.float32).tolist(), float(a[_F["min_abs"]]),
+    return LogHistogram.from_binades(h[i:j], HIST_MIN_EXP + i, int(a[_F["n"]]), int(a[_F["n_zero"]]),
+                                     a[k + HIST_BINS:].astype(np.float32), float(a[_F["min_abs"]]),
                                      float(a[_F["max_abs"]]))
 
 

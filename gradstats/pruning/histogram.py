@@ -86,6 +86,12 @@ def _piece_g(c0: float, c1: float, c2: float, c3: float, t: float) -> float:
     return math.exp(t) * (p - d1 + d2 - 6 * c0)
 
 
+#: from_binades' two errors (the C kernel's codes -2 and -3)
+_TOP_ERRORS = {-2: "top_abs holds a magnitude outside the binades of hist: pass the row's own top_abs "
+                   "(the largest |g| of the same tensor), or none",
+               -3: "top_abs is not the largest magnitudes the counts hold: pass the row's own top_abs, or none"}
+
+
 def _native() -> Any:
     """The C kernel's functions (:func:`gradstats.ops.native.histogram`), or None without a compiler."""
     from gradstats.ops.native import histogram
@@ -100,7 +106,7 @@ def _native_table(counts: Sequence[float], lower: Sequence[float], upper: Sequen
     fns = _native()
     if fns is None:
         return None
-    table_len, build, _, _ = fns
+    table_len, build = fns[0], fns[1]
     nb, na = len(counts), len(atoms)
     if nb and (len(lower) != nb or len(upper) != nb):
         return None
@@ -110,6 +116,15 @@ def _native_table(counts: Sequence[float], lower: Sequence[float], upper: Sequen
     if build(p, p + step, p + 2 * step, nb, n, n_zero, p + 3 * step, na, tab.ctypes.data) != 0:
         return None
     return tab
+
+
+def _table_given(tab: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The bins as given (counts, lower, upper) and the atoms of a C table (histogram.c's layout)."""
+    nb, na = int(tab[0]), int(tab[1])
+    atoms_at = 6 + 4 * (nb + 1) + 4 * nb + nb
+    given = atoms_at + na + (na + 1) + 2 * (nb + 1 + na)
+    return tab[given:given + nb], tab[given + nb:given + 2 * nb], tab[given + 2 * nb:given + 3 * nb], \
+        tab[atoms_at:atoms_at + na]
 
 
 class LogHistogram:
@@ -189,21 +204,27 @@ class LogHistogram:
         self._g0: list[float | None] = [None] * len(c)
         self.x = [math.exp(v) for v in l]           # the edges as the breakpoints evaluate them
 
+    def _given(self) -> tuple[Any, Any, Any, Any]:
+        """``(counts, lower, upper, atoms)`` as given (read back from the C table where it built them)."""
+        if self._bins is None:
+            return _table_given(self._tab)
+        return (*self._bins, self._atoms)
+
     @property
     def counts(self) -> np.ndarray:
-        return np.asarray(self._bins[0], dtype=np.float64)
+        return np.array(self._given()[0], dtype=np.float64)
 
     @property
     def lower(self) -> np.ndarray:
-        return np.asarray(self._bins[1], dtype=np.float64)
+        return np.array(self._given()[1], dtype=np.float64)
 
     @property
     def upper(self) -> np.ndarray:
-        return np.asarray(self._bins[2], dtype=np.float64)
+        return np.array(self._given()[2], dtype=np.float64)
 
     @property
     def atoms(self) -> np.ndarray:
-        return np.asarray(self._atoms, dtype=np.float64)
+        return np.array(self._given()[3], dtype=np.float64)
 
     @classmethod
     def from_stats(cls, row: StatsRow | Mapping[str, Any], *, top: Any = None) -> "LogHistogram":
@@ -249,18 +270,28 @@ class LogHistogram:
             >>> LogHistogram.from_binades([2.0, 1.0], 0, 4, 1, top=[3.0]).atoms.tolist()
             [3.0]
         """
+        fns = _native()
+        if fns is not None and int(n) > 0:
+            h_arr = np.ascontiguousarray(hist, dtype=np.float64).reshape(-1)
+            t_arr = np.ascontiguousarray(top, dtype=np.float64).reshape(-1)
+            tab = np.empty(fns[0](h_arr.size, t_arr.size), dtype=np.float64)
+            rc = fns[4](h_arr.ctypes.data, h_arr.size, min_exp, int(n), int(n_zero), t_arr.ctypes.data, t_arr.size,
+                        float(min_abs), float(max_abs), tab.ctypes.data)
+            if rc == 0:
+                return cls._of_table(tab)
+            if rc in (-2, -3):
+                raise ValueError(_TOP_ERRORS[rc])
         h = [float(v) for v in hist]
         t = sorted(abs(float(v)) for v in top if math.isfinite(v) and v != 0)
         for v in t:
             j = math.frexp(v)[1] - 1 - min_exp
             if not 0 <= j < len(h):
-                raise ValueError("top_abs holds a magnitude outside the binades of hist: pass the row's own top_abs "
-                                 "(the largest |g| of the same tensor), or none")
+                raise ValueError(_TOP_ERRORS[-2])
             h[j] -= 1.0
         if t:
             j0 = math.frexp(t[0])[1] - 1 - min_exp
             if min(h) < 0 or any(h[j0 + 1:]):
-                raise ValueError("top_abs is not the largest magnitudes the counts hold: pass the row's own top_abs, or none")
+                raise ValueError(_TOP_ERRORS[-3])
         nz = [i for i, v in enumerate(h) if v > 0]
         if not nz:
             return cls([], [], [], n, n_zero, t)
@@ -275,6 +306,14 @@ class LogHistogram:
         if low_edge > 0 and math.isfinite(low_edge):
             lower[0] = min(max(lower[0], low_edge), upper[0] * (1 - 2.0 ** -30))
         return cls(counts, lower, upper, n, n_zero, t)
+
+    @classmethod
+    def _of_table(cls, tab: np.ndarray) -> "LogHistogram":
+        """The distribution of a table the C kernel built (its bins and atoms read back when asked for)."""
+        h = cls.__new__(cls)
+        h.n, h.n_zero, h.finite_fraction = int(tab[2]), int(tab[3]), float(tab[4])
+        h.binned, h._b, h._tab, h._bins, h._atoms = bool(tab[5]), None, tab, None, None
+        return h
 
     @classmethod
     def from_counts(cls, counts: np.ndarray, *, mbits: int, float64: bool, n: int) -> "LogHistogram":

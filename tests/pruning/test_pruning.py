@@ -458,9 +458,10 @@ def test_histogram_threshold_converges_in_a_few_evaluations(monkeypatch):
 
 
 def test_histogram_rule_in_c_equals_the_python_class_bit_for_bit(monkeypatch):
-    """The C kernel (gradstats/ops/native/histogram.c) builds LogHistogram's tables and solves its thresholds
-    with the Python class's float operations: the same doubles, on statistics rows (with and without their
-    largest values as atoms), on the tensor path's four bins per binade, on atoms alone and on one bin."""
+    """The C kernel (gradstats/ops/native/histogram.c) builds LogHistogram's tables (from a statistics row's
+    binades too: the atoms taken out, the end bins cut) and solves its thresholds with the Python class's float
+    operations: the same bins, atoms and doubles, on statistics rows (with and without their largest values as
+    atoms), on the tensor path's four bins per binade, on atoms alone and on one bin; and the same errors."""
     from gradstats.pruning import histogram as hmod
     from gradstats.pruning.histogram import LogHistogram
     from gradstats.pruning.operator import _histogram
@@ -491,6 +492,10 @@ def test_histogram_rule_in_c_equals_the_python_class_bit_for_bit(monkeypatch):
     cases.append(lambda: LogHistogram([10.0, 5.0], [1.0, 2.0], [2.0, 4.0], 20, 5, atoms=[4.0, 9.0]))
     for make in cases:
         slow, fast = both(make)
+        assert (slow.n, slow.n_zero, slow.binned, slow.finite_fraction) == (fast.n, fast.n_zero, fast.binned,
+                                                                            fast.finite_fraction)
+        for part in ("counts", "lower", "upper", "atoms"):
+            assert np.array_equal(getattr(slow, part), getattr(fast, part)), part
         for stochastic in (True, False):
             for target in np.linspace(0.0, 0.999, 31):
                 a = slow.threshold(float(target), stochastic=stochastic)
@@ -499,6 +504,16 @@ def test_histogram_rule_in_c_equals_the_python_class_bit_for_bit(monkeypatch):
                     want = slow.expected_sparsity(b, stochastic=stochastic)
                     got = fast.expected_sparsity(b, stochastic=stochastic)
                     assert got == want or (math.isnan(got) and math.isnan(want))
+    row = tensor_stats(torch.tensor([0.0, 1.0, 1.5, 3.0, 5.0]))
+    for bad in ({**row, "top_abs": np.full(64, 1e-9, dtype=np.float32)},      # outside the binades
+                {**row, "top_abs": np.array([1.0], dtype=np.float32)}):      # not the largest
+        with pytest.raises(ValueError) as fast_error:
+            LogHistogram.from_stats(bad)
+        with monkeypatch.context() as m:
+            m.setattr(hmod, "_native", lambda: None)
+            with pytest.raises(ValueError) as slow_error:
+                LogHistogram.from_stats(bad)
+        assert str(fast_error.value) == str(slow_error.value)
 
 
 def test_histogram_rule_on_a_skewed_distribution_beats_the_lognormal_fit():

@@ -15,7 +15,8 @@
  *   x[nb+1] (exp(l): the edges as the breakpoints evaluate them), l[nb+1], F[nb+1], J[nb+1] (J_k = integral
  *   up to x_k), c[4 nb] (the pieces' cubic coefficients), g0[nb] (each piece's G(0)), atoms[na] (ascending),
  *   cs[na+1] (their running sums), bv[nb+1+na] (the breakpoints: edges and atoms, ascending, edges first among
- *   equals) and bi[nb+1+na] (an edge's index, or -1 for an atom).
+ *   equals), bi[nb+1+na] (an edge's index, or -1 for an atom), and the bins as given: counts[nb], lower[nb],
+ *   upper[nb] (what the class's properties read back).
  * With nb = 0 the distribution has no bins (atoms only).
  */
 #include <math.h>
@@ -31,7 +32,7 @@ typedef struct {
 } hist_t;
 
 int64_t gs_hist_table_len(int64_t nb, int64_t na) {
-    return HEAD + 4 * (nb + 1) + 4 * nb + nb + na + (na + 1) + 2 * (nb + 1 + na);
+    return HEAD + 4 * (nb + 1) + 4 * nb + nb + na + (na + 1) + 2 * (nb + 1 + na) + 3 * nb;
 }
 
 static hist_t view(const double *tab) {
@@ -157,6 +158,12 @@ int gs_hist_build(const double *counts, const double *lower, const double *upper
         for (int64_t i = 1; i <= nb; i++)
             if (!(h.x[i] >= h.x[i - 1])) return -1;
     }
+    double *given = h.bi + nb + 1 + na;
+    for (int64_t i = 0; i < nb; i++) {
+        given[i] = counts[i];
+        given[nb + i] = lower[i];
+        given[2 * nb + i] = upper[i];
+    }
     /* the breakpoints: edges and atoms merged, edges first among equals (a stable sort of edges then atoms) */
     int64_t ne = h.binned ? nb + 1 : 0, i = 0, k = 0, j = 0;
     while (i < ne || k < na) {
@@ -279,4 +286,60 @@ double gs_hist_threshold(const double *tab, double target, int stochastic) {
         if (done) break;
     }
     return exp(x);
+}
+
+/* LogHistogram.from_binades of a statistics row (gradstats/pruning/histogram.py): the counts of floor(log2|g|)
+ * hist[0..nh) from binade min_exp, the row's largest magnitudes top[0..nt) (NaN, inf and 0 ignored) taken out of their binades as atoms, the empty bins at both ends trimmed, the top bin ending at the
+ * smallest atom (or max_abs), the lowest starting at min_abs; then gs_hist_build. tab holds
+ * gs_hist_table_len(nh, nt) doubles. Returns 0; -2 where top holds a magnitude outside the binades; -3 where
+ * top is not the largest magnitudes the counts hold (the class's two ValueErrors); -1 as gs_hist_build. */
+int gs_hist_build_binades(const double *hist, int64_t nh, int64_t min_exp, int64_t n, int64_t n_zero,
+                          const double *top, int64_t nt, double min_abs, double max_abs, double *tab) {
+    if (nh < 0 || nt < 0 || nh > 4096 || nt > 4096) return -1;
+    double h[nh > 0 ? nh : 1], t[nt > 0 ? nt : 1], lower[nh > 0 ? nh : 1], upper[nh > 0 ? nh : 1];
+    for (int64_t i = 0; i < nh; i++) h[i] = hist[i];
+    int64_t na = 0;
+    for (int64_t k = 0; k < nt; k++) {
+        double v = top[k];
+        if (isfinite(v) && v != 0) t[na++] = fabs(v);
+    }
+    for (int64_t k = 1; k < na; k++) {               /* ascending (insertion: a few dozen values) */
+        double v = t[k];
+        int64_t j = k - 1;
+        while (j >= 0 && t[j] > v) { t[j + 1] = t[j]; j--; }
+        t[j + 1] = v;
+    }
+    for (int64_t k = 0; k < na; k++) {
+        int e;
+        frexp(t[k], &e);
+        int64_t j = (int64_t)e - 1 - min_exp;
+        if (!(0 <= j && j < nh)) return -2;
+        h[j] -= 1.0;
+    }
+    if (na) {
+        int e;
+        frexp(t[0], &e);
+        int64_t j0 = (int64_t)e - 1 - min_exp;
+        for (int64_t i = 0; i < nh; i++)
+            if (h[i] < 0 || (i > j0 && h[i] != 0)) return -3;
+    }
+    int64_t i0 = -1, i1 = -1;
+    for (int64_t i = 0; i < nh; i++)
+        if (h[i] > 0) { if (i0 < 0) i0 = i; i1 = i; }
+    if (i0 < 0) return gs_hist_build(h, lower, upper, 0, n, n_zero, t, na, tab);
+    int64_t nb = i1 - i0 + 1;
+    for (int64_t i = 0; i < nb; i++) {
+        lower[i] = ldexp(1.0, (int)(i0 + i + min_exp));
+        upper[i] = 2.0 * lower[i];
+    }
+    double top_edge = na ? t[0] : max_abs;
+    if (top_edge > 0 && isfinite(top_edge)) {               /* a sliver, where the bin is one value */
+        double a = upper[nb - 1] < top_edge ? upper[nb - 1] : top_edge, b = lower[nb - 1] * (1 + 0x1p-30);
+        upper[nb - 1] = a >= b ? a : b;
+    }
+    if (min_abs > 0 && isfinite(min_abs)) {
+        double a = lower[0] > min_abs ? lower[0] : min_abs, b = upper[0] * (1 - 0x1p-30);
+        lower[0] = a <= b ? a : b;
+    }
+    return gs_hist_build(h + i0, lower, upper, nb, n, n_zero, t, na, tab);
 }
