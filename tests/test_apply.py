@@ -1004,7 +1004,7 @@ def test_the_prepared_native_call_trains_as_the_operator(monkeypatch, plan):
     monkeypatch.setattr(fused.NativeCall, "__call__", lambda self, *a, **k: calls.append(1) or call(self, *a, **k))
     again, _ = train(_seeded_net(), data, plan)
     assert calls and same_weights(fast, again)                   # the prepared call ran, and deterministically
-    monkeypatch.setattr(fused.NativeCall, "takes", lambda self, x, scale=1.0: False)
+    monkeypatch.setattr(fused.NativeCall, "covers", lambda self, scale=1.0: False)
     monkeypatch.setattr(APPLY.Applied, "_compress_on", _through_the_operators(APPLY.Applied._compress_on))
     slow, h_slow = train(_seeded_net(), data, plan)
     assert same_weights(fast, slow)

@@ -235,8 +235,8 @@ class Applied:
         with torch.no_grad():
             self.refresher.refresh(name, g, refresh, flat=flat)
             threshold = st.threshold if rule.prunes else 0.0
-            call = self._native_call(name, rule) if flat else None
-            if call is not None and call.takes(g, st.scale):
+            call = self._native_call(name, rule) if flat else None      # (flat: what NativeCall.takes asks of g)
+            if call is not None and call.covers(st.scale):
                 out, counts = call(g, threshold, st.scale, generator=self.generator)
             else:
                 q = self._quantize_args(name, rule, g)

@@ -285,12 +285,16 @@ class NativeCall:
         self._counts = np.zeros(5, dtype=np.int64)
         self._sums = np.zeros(6, dtype=np.float64)
 
+    def covers(self, scale: float = 1.0) -> bool:
+        """Whether the C kernel takes the scheme at ``scale`` (built, a per-tensor scheme it covers)."""
+        return self._fn is not None and not self._blocks and fused_covers(self._element, scale)
+
     def takes(self, x: torch.Tensor, scale: float = 1.0) -> bool:
         """Whether a call on ``x`` runs the C kernel directly (:func:`prune_quantize`'s ``"native"`` path: a
-        non-empty contiguous float32 CPU tensor, a per-tensor scheme the kernel covers, the C kernel built)
-        when the CPU's engine is the native one (the caller's check)."""
-        return (self._fn is not None and not self._blocks and x.dtype is torch.float32 and x.is_cpu
-                and x.is_contiguous() and x.numel() > 0 and addressable(x) and fused_covers(self._element, scale))
+        non-empty contiguous float32 CPU tensor, and :meth:`covers`) when the CPU's engine is the native one
+        (the caller's check)."""
+        return (x.dtype is torch.float32 and x.is_cpu and x.is_contiguous() and x.numel() > 0 and addressable(x)
+                and self.covers(scale))
 
     def __call__(self, x: torch.Tensor, threshold: float, scale: float, *, seed: Optional[int] = None,
                  generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, CompressCounts]:
