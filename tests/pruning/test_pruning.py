@@ -516,6 +516,49 @@ def test_histogram_rule_in_c_equals_the_python_class_bit_for_bit(monkeypatch):
         assert str(fast_error.value) == str(slow_error.value)
 
 
+def test_histogram_rule_in_c_equals_the_python_class_on_odd_rows(monkeypatch):
+    """Random and degenerate binade rows (empty, NaN or negative counts, n below the counts, tops that are NaN,
+    zero, inf, outside the binades or not the largest): the C kernel and the Python class give the same
+    thresholds, sparsities, bins and atoms, or the same error."""
+    from gradstats.pruning import histogram as hmod
+    from gradstats.pruning.histogram import LogHistogram
+
+    if hmod._native() is None:
+        pytest.skip("no C compiler here")
+
+    def outcome(args):
+        try:
+            h = LogHistogram.from_binades(*args)
+            out = []
+            for target in (0.0, 0.3, 0.7, 0.95):
+                for stochastic in (True, False):
+                    a = h.threshold(target, stochastic=stochastic)
+                    out += [a, h.expected_sparsity(a if math.isfinite(a) else 1.0, stochastic=stochastic)]
+            return repr((out, h.counts.tolist(), h.lower.tolist(), h.upper.tolist(), h.atoms.tolist(), h.n,
+                         h.n_zero, h.finite_fraction))
+        except Exception as e:  # noqa: BLE001 - the same error on both paths is the check
+            return f"{type(e).__name__}: {e}"
+
+    rng = np.random.default_rng(1)
+    for _ in range(400):
+        nh = int(rng.integers(0, 12))
+        hist = rng.integers(0, 5, nh).astype(float)
+        if rng.random() < 0.1 and nh:
+            hist[rng.integers(nh)] = rng.choice([np.nan, -1.0, 0.5, 1e18])
+        min_exp = int(rng.integers(-30, 5))
+        n = int(np.nansum(hist.clip(0)) + rng.integers(0, 5)) if rng.random() < 0.9 else int(rng.integers(-2, 3))
+        top = [float(2.0 ** (min_exp + rng.uniform(0, max(nh, 1)))) for _ in range(int(rng.integers(0, 6)))]
+        if rng.random() < 0.2:
+            top += [math.nan, 0.0, math.inf]
+        args = (hist, min_exp, n, int(rng.integers(0, 4)), top,
+                float(rng.choice([math.nan, 2.0 ** (min_exp + rng.uniform(0, 1)), 0.0])),
+                float(rng.choice([math.nan, 2.0 ** (min_exp + nh), math.inf])))
+        fast = outcome(args)
+        with monkeypatch.context() as m:
+            m.setattr(hmod, "_native", lambda: None)
+            assert outcome(args) == fast, args
+
+
 def test_histogram_rule_on_a_skewed_distribution_beats_the_lognormal_fit():
     # ln|g| with a heavy left tail (negative skew), like many real gradient layers
     g = torch.Generator().manual_seed(3)
