@@ -119,10 +119,10 @@ def _native_table(counts: Sequence[float], lower: Sequence[float], upper: Sequen
 
 
 def _table_given(tab: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The bins as given (counts, lower, upper) and the atoms of a C table (histogram.c's layout)."""
+    """The bins as given (counts, lower, upper) and the atoms of a C table (where the kernel says they are)."""
     nb, na = int(tab[0]), int(tab[1])
-    atoms_at = 6 + 4 * (nb + 1) + 4 * nb + nb
-    given = atoms_at + na + (na + 1) + 2 * (nb + 1 + na)
+    offset = _native()[5]
+    atoms_at, given = offset(tab.ctypes.data, 0), offset(tab.ctypes.data, 1)
     return tab[given:given + nb], tab[given + nb:given + 2 * nb], tab[given + 2 * nb:given + 3 * nb], \
         tab[atoms_at:atoms_at + na]
 

@@ -213,12 +213,13 @@ def random_bits() -> Any:
 @functools.lru_cache(maxsize=1)
 def histogram() -> Any:
     """The functions of ``histogram.c`` with their signatures set, as ``(table_len, build, sparsity,
-    threshold, binades)``, or None (see :func:`load`): :class:`gradstats.pruning.LogHistogram`'s tables built
+    threshold, binades, offset)``, or None (see :func:`load`): :class:`gradstats.pruning.LogHistogram`'s tables built
     once (``build(counts, lower, upper, nb, n, n_zero, atoms, na, table)``, addresses of float64 arrays; 0, or
     -1 where the Python class must build them; ``binades(hist, nh, min_exp, n, n_zero, top, nt, min_abs,
     max_abs, table)``: from a statistics row's binade counts, as ``LogHistogram.from_binades``, -2 and -3 its
     two errors), then its expected sparsity (``sparsity(table, a, stochastic)``) and its threshold
-    (``threshold(table, target, stochastic)``), the same doubles as the Python class bit for bit."""
+    (``threshold(table, target, stochastic)``), the same doubles as the Python class bit for bit;
+    ``offset(table, part)``: where its atoms (0) and its bins as given (1) start."""
     lib = load("histogram")
     if lib is None:
         return None
@@ -235,4 +236,6 @@ def histogram() -> Any:
     binades.restype = ctypes.c_int
     binades.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_double, ctypes.c_void_p]
-    return table_len, build, sparsity, threshold, binades
+    offset = lib.gs_hist_offset
+    offset.restype, offset.argtypes = ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int]
+    return table_len, build, sparsity, threshold, binades, offset

@@ -58,6 +58,12 @@ static hist_t view(const double *tab) {
     return h;
 }
 
+/* Where the atoms (part 0) and the bins as given (part 1: counts, lower, upper) start in a built table. */
+int64_t gs_hist_offset(const double *tab, int part) {
+    hist_t h = view(tab);
+    return part == 0 ? h.atoms - tab : h.bi + h.nb + 1 + h.na - tab;
+}
+
 static double sign_of(double v) { return (double)((v > 0) - (v < 0)); }
 
 /* G(t), with e^(l_k) (G(T) - G(0)) the integral of F(l_k + t) e^(l_k + t) over [0, T] on the piece c */
