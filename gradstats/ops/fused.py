@@ -161,13 +161,18 @@ def prune_quantize(x: torch.Tensor, threshold: float, fmt: Union[FPFormat, Schem
         raise ValueError(f"scale must be a positive number, got {scale}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    stochastic = threshold > 0 or (s is not None and s.rounding == "stochastic")
-    if seed is not None:
-        seed = _rng.resolve_seed(seed, generator, "prune_quantize")
-    elif stochastic:
-        seed = _rng.draw_seed(generator)
+    seed = _call_seed(seed, generator, threshold > 0 or (s is not None and s.rounding == "stochastic"),
+                      "prune_quantize")
     y, c, sums = _PATHS[_path(x, s, scale, block_dim)](x, threshold, s, scale, seed, block_dim, tensor_amax, out, None)
     return y, CompressCounts(x.numel(), *c.tolist(), *sums.tolist())
+
+
+def _call_seed(seed: Optional[int], generator: Optional[torch.Generator], random: bool, what: str) -> Optional[int]:
+    """The seed of one call: ``seed`` checked (:func:`gradstats.ops.random.resolve_seed`), else one draw from
+    ``generator`` where the call draws random numbers (pruning, stochastic rounding), else None."""
+    if seed is not None:
+        return _rng.resolve_seed(seed, generator, what)
+    return _rng.draw_seed(generator) if random else None
 
 
 def _path(x: torch.Tensor, s: Optional[Scheme], scale: Any, block_dim: int) -> str:
@@ -302,8 +307,7 @@ class NativeCall:
         :meth:`takes` holds (a seed drawn from ``generator`` only where the call is random, as there)."""
         if not threshold >= 0:
             raise ValueError(f"threshold must be >= 0 (0 = no pruning), got {threshold}")
-        if seed is None and (threshold > 0 or self._stochastic):
-            seed = _rng.draw_seed(generator)
+        seed = _call_seed(seed, generator, threshold > 0 or self._stochastic, "NativeCall")
         res = torch.empty_like(x)
         _native_call(self._fn, x, res, float(threshold), float(scale), self._fargs, seed, self._counts.ctypes.data,
                      self._sums.ctypes.data)
