@@ -43,6 +43,30 @@ def composed_operators():
         cpu_blocks.takes = keep
 
 
+@contextlib.contextmanager
+def gradient_hooks(model: nn.Module, layers: list[str], fn: Callable[[str, torch.Tensor], Any]):
+    """Within it, the output gradient of each of ``layers`` passes through ``fn(layer, g)`` (its result
+    replaces ``g``; None leaves it): a forward hook that registers a tensor hook, nothing else. The least a
+    hook-based tool costs around its own work: the benchmarks' floor configurations put a kernel alone in it."""
+    from gradstats.tracer.capture import first_grad_tensor
+
+    modules = dict(model.named_modules())
+
+    def forward_hook(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            out = first_grad_tensor(output)
+            if out is not None:
+                out.register_hook(lambda g: fn(name, g))
+        return hook
+
+    handles = [modules[n].register_forward_hook(forward_hook(n)) for n in layers]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def fixed_batches(model_name: str, n: int, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` training batches of Fashion-MNIST (the committed subset) for a built-in model."""
     from gradstats.zoo.data import load_fashion_mnist
@@ -164,10 +188,11 @@ def print_table(rows: list[tuple], header: str, targets: dict | None = None) -> 
     print(header)
     iqr = any(len(r) > 4 for r in rows)
     ci = any(len(r) > 6 for r in rows)
-    print(f"{'model':<10} {'configuration':<34} {'ms/step':>9} {'ratio':>7}" + ("   ratio q1-q3" if iqr else "")
+    w = max([34] + [len(r[1]) for r in rows])
+    print(f"{'model':<10} {'configuration':<{w}} {'ms/step':>9} {'ratio':>7}" + ("   ratio q1-q3" if iqr else "")
           + ("   90% CI of median" if ci else "") + ("   target" if targets else ""))
     for model, label, t, ratio, *q in rows:
-        line = f"{model:<10} {label:<34} {t * 1e3:9.1f} {ratio:7.3f}"
+        line = f"{model:<10} {label:<{w}} {t * 1e3:9.1f} {ratio:7.3f}"
         if q:
             line += f"   {q[0]:.3f}-{q[1]:.3f}"
         if len(q) > 2:

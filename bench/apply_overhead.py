@@ -9,7 +9,10 @@ width 128, 16 windows of 64 Shakespeare characters). With ``--reference``, also 
 setting: FP6 (e3m2fn) at lognormal-optimal per-layer scales, nearest rounding, plus 85% stochastic
 pruning on every convolution and linear layer, with the lognormal and the histogram threshold rule.
 With ``--refresh-every N``, also the recommended plans with ``apply(..., refresh_every=N)``: what
-refreshing less often would save. With ``--four-bit``, also the four-bit block formats on every matmul layer (``Plan.uniform(format="nvfp4")``
+refreshing less often would save. With ``--floor``, also each recommended plan's floor,
+``<plan>, kernels alone`` (:func:`kernels_alone`): its statistics and prune + quantise kernels in bare
+hooks, no solve, checks or records; ``apply``'s ratio less the floor's is what ``apply`` adds to the
+per-value work its plan asks for. With ``--four-bit``, also the four-bit block formats on every matmul layer (``Plan.uniform(format="nvfp4")``
 and ``"mxfp4"``; the output layer exact), each through the fused C block kernel and, as its peer in the same
 run, through the composed operators it replaces (``gradstats.quantize`` after ``stochastic_prune``).
 
@@ -21,7 +24,7 @@ On a shared machine the wall clock measures the neighbours too: ``--clock cpu`` 
 CPU time on one thread (torch's and the kernels' alike), the work a step costs.
 
     python bench/apply_overhead.py [--models mobilenet resnet20 gpt_neox] [--rounds 7] [--block 6] [--clock cpu]
-                                   [--reference] [--four-bit]
+                                   [--reference] [--four-bit] [--floor]
 """
 from __future__ import annotations
 
@@ -29,11 +32,13 @@ import logging
 import tempfile
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from _common import (
     composed_operators,
     fixed_batches,
     gpt_neox_tiny,
+    gradient_hooks,
     interleaved_ratios,
     lm_loss,
     step_benchmark_main,
@@ -42,7 +47,11 @@ from _common import (
 )
 
 import gradstats  # noqa: E402
+from gradstats.ops.fused import NativeCall, prune_quantize  # noqa: E402
 from gradstats.plan import CONV_LINEAR_TYPES, Plan, PlanEntry, Rule  # noqa: E402
+from gradstats.pruning.rules import THRESHOLD_RULES  # noqa: E402
+from gradstats.stats import VECTOR_LEN  # noqa: E402
+from gradstats.stats.kernel import kernel_applies, write_stats_raw  # noqa: E402
 from gradstats.zoo.models import build_model  # noqa: E402
 
 #: the most a plan's ratio to a plain step may be, on this CPU
@@ -53,6 +62,8 @@ TARGETS = {label: TARGET for label in (*PLANS, *REFERENCE)}
 #: the four-bit block formats of --four-bit (no target: the composed operators are their peer)
 FOUR_BIT = ("nvfp4", "mxfp4")
 COMPOSED = " (composed operators)"
+#: the label suffix of a plan's floor configuration (--floor)
+FLOOR = ", kernels alone"
 #: each model's batch (GPT-NeoX: windows of 64 characters)
 BATCH = {"mobilenet": 64, "resnet20": 128, "cnn": 128, "gpt_neox": 16}
 
@@ -87,8 +98,40 @@ def composed_blocks(run: Callable[[], float]) -> float:
         return run()
 
 
+def kernels_alone(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, loss_fn: Callable | None,
+                  plan: Plan) -> Callable[[], float]:
+    """A block of training steps in which each planned layer's output gradient meets only the plan's C kernels,
+    in bare hooks (:func:`_common.gradient_hooks`): the statistics kernel (with the binade counts where the
+    layer's rule reads them, as ``apply``'s refresh) and the fused prune + quantise kernel, at the threshold and
+    scale ``apply`` reached after two steps, with a fixed seed. No solve, no checks, no records: the least a
+    plan costs that reads each gradient's statistics and rounds it on this CPU (``apply`` less this row: its
+    fixed costs)."""
+    handle = gradstats.apply(model, plan)
+    time_block(model, opt, batches[:2], loss_fn=loss_fn)
+    parts = {}
+    for name, rule in handle.rules.items():
+        st = handle.state[name]
+        full = rule.prunes and THRESHOLD_RULES[rule.threshold_rule].needs_histogram
+        scheme = rule.scheme if rule.quantizes else None
+        parts[name] = (full, NativeCall(scheme), scheme, st.threshold if rule.prunes else 0.0, st.scale,
+                       np.empty(VECTOR_LEN))
+    handle.remove()
+
+    def kernels(name: str, g: torch.Tensor) -> torch.Tensor:
+        full, call, scheme, threshold, scale, v = parts[name]
+        if kernel_applies(g) and call.takes(g, scale):
+            write_stats_raw(g.data_ptr(), g.numel(), v.ctypes.data, full=full)
+            return call(g, threshold, scale, seed=1)[0]
+        return prune_quantize(g, threshold, scheme, scale=scale, seed=1)[0]      # (not a flat float32 gradient)
+
+    def run() -> float:
+        with gradient_hooks(model, list(parts), kernels):
+            return time_block(model, opt, batches, loss_fn=loss_fn)
+    return run
+
+
 def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_steps: int,
-                reference: bool, four_bit: bool = False, refresh_every: int | None = None
+                reference: bool, four_bit: bool = False, refresh_every: int | None = None, floor: bool = False
                 ) -> dict[str, tuple[float, ...]]:
     logging.getLogger("gradstats.apply").setLevel(logging.ERROR)
     logging.getLogger("gradstats").setLevel(logging.ERROR)
@@ -107,6 +150,9 @@ def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_ste
     time_block(model, opt, batches[:2], loss_fn=loss_fn)
     configs: dict[str, Callable[[], float]] = {"plain": lambda: time_block(model, opt, batches, loss_fn=loss_fn)}
     configs.update({label: (lambda p=p: applied(p)) for label, p in plans.items()})
+    if floor:
+        configs.update({label + FLOOR: kernels_alone(model, opt, batches, loss_fn, p) for label, p in plans.items()
+                        if label in PLANS})
     if refresh_every:
         configs.update({f"{label}, refresh_every={refresh_every}": (lambda p=p: applied(p, refresh_every=refresh_every))
                         for label, p in plans.items() if label in PLANS})
@@ -122,7 +168,7 @@ def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_ste
 def main() -> None:
     step_benchmark_main(__doc__, "apply overhead",
                         lambda name, a: bench_model(name, a.rounds, a.block, a.batch, a.trace_steps, a.reference,
-                                                    a.four_bit, a.refresh_every),
+                                                    a.four_bit, a.refresh_every, a.floor),
                         models=["mobilenet", "resnet20", "gpt_neox"], rounds=7, block=6, targets=TARGETS,
                         batch=None, add_args=lambda ap: (
                             ap.add_argument("--trace-steps", type=int, default=8),
@@ -132,7 +178,10 @@ def main() -> None:
                                             help="also NVFP4 and MXFP4 on every matmul layer, fused and composed"),
                             ap.add_argument("--refresh-every", type=int, default=None, metavar="N",
                                             help="also the recommended plans applied with refresh_every=N (the "
-                                                 "statistics, threshold and scale solved on every N-th gradient)")))
+                                                 "statistics, threshold and scale solved on every N-th gradient)"),
+                            ap.add_argument("--floor", action="store_true",
+                                            help="also each recommended plan's C kernels alone in bare hooks "
+                                                 "(the least it can cost; apply less that: its fixed costs)")))
 
 
 if __name__ == "__main__":

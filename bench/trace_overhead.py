@@ -14,6 +14,9 @@ cost per layer-call, and the small ``cnn``:
 - ``stats every step + blocks (16, 32)``: with the per-block statistics on every step
   (:mod:`gradstats.stats.blocks`);
 - ``stats /10, samples /100``: what a long run would use;
+- ``stats kernel alone``: the floor of ``stats every step``: each traced layer's gradient meets only
+  the statistics kernel, in bare hooks (``trace`` less this row: what its hooks, records, commits and
+  alarms add to the per-value work);
 - ``naive numpy hooks``: hooks that copy each gradient to the CPU as numpy and compute the
   same statistics there (the way one would write it by hand), every step.
 
@@ -37,11 +40,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import fixed_batches, interleaved_ratios, step_benchmark_main, time_block
+from _common import fixed_batches, gradient_hooks, interleaved_ratios, step_benchmark_main, time_block
 from apply_overhead import workload
 from torch import nn
 
 import gradstats  # noqa: E402
+from gradstats.stats import VECTOR_LEN  # noqa: E402
+from gradstats.stats.kernel import kernel_applies, write_stats_raw  # noqa: E402
 
 
 class NaiveHooks:
@@ -89,6 +94,23 @@ def linear48(width: int = 128) -> nn.Sequential:
 TARGETS = {"stats every step": 1.10, "stats /10, samples /100": 1.03, ("linear48", "stats every step"): 1.30}
 
 
+def kernel_alone(model: nn.Module, opt: torch.optim.Optimizer, batches: list, loss_fn, layers: list[str]):
+    """A block of training steps in which each traced layer's output gradient meets only the statistics
+    kernel (the full row ``trace`` writes: moments, binade counts, top magnitudes), in bare hooks
+    (:func:`_common.gradient_hooks`), into a row of its own: the least ``trace``'s defaults can cost on this
+    CPU without reading less (``trace`` less this row: its fixed costs)."""
+    rows = {n: np.empty(VECTOR_LEN) for n in layers}
+
+    def stats(name: str, g: torch.Tensor) -> None:
+        if kernel_applies(g):
+            write_stats_raw(g.data_ptr(), g.numel(), rows[name].ctypes.data)
+
+    def run() -> float:
+        with gradient_hooks(model, layers, stats):
+            return time_block(model, opt, batches, loss_fn=loss_fn)
+    return run
+
+
 def bench_model(name: str, rounds: int, block: int, batch: int | None) -> dict[str, float]:
     if name == "linear48":
         model, batches, loss_fn = linear48(), fixed_batches("cnn", block, batch or 128), None
@@ -118,6 +140,7 @@ def bench_model(name: str, rounds: int, block: int, batch: int | None) -> dict[s
     time_block(model, opt, batches[:2], loss_fn=loss_fn)                    # warm up
     return interleaved_ratios({"plain": timed,
                                "stats every step": lambda: traced(every),
+                               "stats kernel alone": kernel_alone(model, opt, batches, loss_fn, list(every.modules)),
                                "stats every step, alarms off": lambda: traced(quiet),
                                "stats every step + blocks (16, 32)": lambda: traced(blocks),
                                "stats /10, samples /100": lambda: traced(tenth),
