@@ -567,9 +567,9 @@ def test_refresh_sets_the_thresholds_and_scales_recommend_computes(monkeypatch, 
     vectors = []
     histogram = enforce.histogram_of
 
-    def recorded(v):
+    def recorded(v, **kw):
         vectors.append(v)
-        return histogram(v)
+        return histogram(v, **kw)
 
     monkeypatch.setattr(enforce, "histogram_of", recorded)
     monkeypatch.setattr(enforce, "THRESHOLD_RULES", {**THRESHOLD_RULES, rule: Checked(THRESHOLD_RULES[rule])})

@@ -137,10 +137,20 @@ def stats_vector(g: torch.Tensor, full: bool) -> torch.Tensor:
     return out
 
 
-def histogram_of(v: Union[torch.Tensor, np.ndarray]) -> LogHistogram:
+def histogram_of(v: Union[torch.Tensor, np.ndarray], *, kernel_row: bool = False) -> LogHistogram:
     """The histogram rule's distribution of a statistics vector: :meth:`LogHistogram.from_stats`
-    of its row, in floats (the binade counts, the top magnitudes as atoms, the data's range)."""
+    of its row, in floats (the binade counts, the top magnitudes as atoms, the data's range).
+    ``kernel_row``: ``v`` is a float64 array the C statistics kernel wrote from float32 data (its top
+    magnitudes float32 values already): read in place, in one call."""
     k = len(SCALAR_FIELDS)
+    if kernel_row and isinstance(v, np.ndarray) and v.dtype == np.float64 and v.flags.c_contiguous \
+            and v.size == VECTOR_LEN:
+        p = v.ctypes.data
+        made = LogHistogram.from_binades_at(p + 8 * k, HIST_BINS, HIST_MIN_EXP, int(v[_F["n"]]), int(v[_F["n_zero"]]),
+                                            p + 8 * (k + HIST_BINS), VECTOR_LEN - k - HIST_BINS,
+                                            float(v[_F["min_abs"]]), float(v[_F["max_abs"]]))
+        if made is not None:
+            return made
     a = v if isinstance(v, np.ndarray) else v.cpu().numpy()
     h = a[k: k + HIST_BINS]
     nz = np.flatnonzero(h > 0)
@@ -373,7 +383,7 @@ class Refresher:
         st = self.state[name]
         stats_update(st, v, self.config.ema)
         if hist:
-            st.hist = histogram_of(v)
+            st.hist = histogram_of(v, kernel_row=isinstance(v, np.ndarray))   # (refresh's own kernel rows)
 
     def solve(self, name: str, refresh: bool, numel: int, g: Optional[torch.Tensor] = None, *,
                lazy: bool = False) -> None:

@@ -270,17 +270,13 @@ class LogHistogram:
             >>> LogHistogram.from_binades([2.0, 1.0], 0, 4, 1, top=[3.0]).atoms.tolist()
             [3.0]
         """
-        fns = _native()
-        if fns is not None and int(n) > 0:
+        if _native() is not None and int(n) > 0:
             h_arr = np.ascontiguousarray(hist, dtype=np.float64).reshape(-1)
             t_arr = np.ascontiguousarray(top, dtype=np.float64).reshape(-1)
-            tab = np.empty(fns[0](h_arr.size, t_arr.size), dtype=np.float64)
-            rc = fns[4](h_arr.ctypes.data, h_arr.size, min_exp, int(n), int(n_zero), t_arr.ctypes.data, t_arr.size,
-                        float(min_abs), float(max_abs), tab.ctypes.data)
-            if rc == 0:
-                return cls._of_table(tab)
-            if rc in (-2, -3):
-                raise ValueError(_TOP_ERRORS[rc])
+            made = cls.from_binades_at(h_arr.ctypes.data, h_arr.size, min_exp, int(n), int(n_zero), t_arr.ctypes.data,
+                                       t_arr.size, float(min_abs), float(max_abs))
+            if made is not None:
+                return made
         h = [float(v) for v in hist]
         t = sorted(abs(float(v)) for v in top if math.isfinite(v) and v != 0)
         for v in t:
@@ -306,6 +302,33 @@ class LogHistogram:
         if low_edge > 0 and math.isfinite(low_edge):
             lower[0] = min(max(lower[0], low_edge), upper[0] * (1 - 2.0 ** -30))
         return cls(counts, lower, upper, n, n_zero, t)
+
+    @classmethod
+    def from_binades_at(cls, hist: int, nh: int, min_exp: int, n: int, n_zero: int, top: int, nt: int,
+                        min_abs: float, max_abs: float) -> "LogHistogram | None":
+        """:meth:`from_binades` of ``nh`` float64 counts and ``nt`` float64 top magnitudes at the addresses
+        ``hist`` and ``top`` (a statistics vector's own memory: no array is made of them), on the C kernel:
+        the same distribution, in one call. None where the kernel is not at hand or leaves the row to the
+        Python path; the same ``ValueError`` as :meth:`from_binades` where ``top`` does not fit the counts.
+
+        Example:
+            >>> import numpy as np
+            >>> h, t = np.array([2.0, 1.0]), np.array([3.0])
+            >>> made = LogHistogram.from_binades_at(h.ctypes.data, 2, 0, 4, 1, t.ctypes.data, 1, np.nan, np.nan)
+            >>> made is None or made.atoms.tolist() == [3.0]
+            True
+        """
+        fns = _native()
+        if fns is None or n <= 0:
+            return None
+        tab = np.empty(fns[0](nh, nt), dtype=np.float64)
+        rc = fns[4](hist, nh, min_exp, n, n_zero, top, nt, min_abs, max_abs, tab.ctypes.data)
+        if rc in (-2, -3):
+            raise ValueError(_TOP_ERRORS[rc])
+        if rc != 0:
+            return None
+        used = fns[0](int(tab[0]), int(tab[1]))       # the bins the row holds (nh: all it could)
+        return cls._of_table(tab[:used].copy() if used < tab.size else tab)
 
     @classmethod
     def _of_table(cls, tab: np.ndarray) -> "LogHistogram":

@@ -516,6 +516,47 @@ def test_histogram_rule_in_c_equals_the_python_class_bit_for_bit(monkeypatch):
         assert str(fast_error.value) == str(slow_error.value)
 
 
+def test_a_kernel_row_read_in_place_gives_the_same_histogram(monkeypatch):
+    """apply's refresh reads the histogram rule's distribution from the C statistics kernel's own row in one call
+    (``histogram_of(v, kernel_row=True)``, :meth:`LogHistogram.from_binades_at`): the same table, thresholds and
+    sparsities as the row's trimmed slices through ``from_binades``, and as the Python class; rows with and without
+    zeros, atoms alone, one value, and subnormals."""
+    import importlib
+
+    from gradstats.pruning import histogram as hmod
+    from gradstats.stats import VECTOR_LEN
+    from gradstats.stats.kernel import has_native_kernel, write_stats_raw
+
+    refresh = importlib.import_module("gradstats.apply.refresh")
+    if hmod._native() is None or not has_native_kernel():
+        pytest.skip("no C compiler here")
+    xs = []
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        n = 50 + 40_000 * seed
+        x = torch.exp(torch.randn(n, generator=g) * (0.5 + 0.6 * seed) - 8.0) * torch.randn(n, generator=g).sign()
+        x[torch.rand(n, generator=g) < 0.05 * seed] = 0.0
+        xs.append(x)
+    xs += [torch.tensor([0.0, 1.0, 1.5, 3.0]), torch.tensor([2.0] * 7), torch.tensor([2.0 ** -140, 1e-3, 5.0, 0.0])]
+    for x in xs:
+        v = np.full(VECTOR_LEN, np.nan)
+        write_stats_raw(x.data_ptr(), x.numel(), v.ctypes.data)
+        fast = refresh.histogram_of(v, kernel_row=True)
+        sliced = refresh.histogram_of(v)
+        with monkeypatch.context() as m:
+            m.setattr(hmod, "_native", lambda: None)
+            slow = refresh.histogram_of(v)
+        for other in (sliced, slow):
+            assert (fast.n, fast.n_zero, fast.binned, fast.finite_fraction) == (other.n, other.n_zero, other.binned,
+                                                                                other.finite_fraction)
+            for part in ("counts", "lower", "upper", "atoms"):
+                assert np.array_equal(getattr(fast, part), getattr(other, part)), part
+        for target in np.linspace(0.0, 0.99, 12):
+            a = slow.threshold(float(target), stochastic=True)
+            assert fast.threshold(float(target), stochastic=True) == a
+            assert fast.expected_sparsity(1.3 * a, stochastic=True) == slow.expected_sparsity(1.3 * a, stochastic=True)
+
+
 def test_histogram_rule_in_c_equals_the_python_class_on_odd_rows(monkeypatch):
     """Random and degenerate binade rows (empty, NaN or negative counts, n below the counts, tops that are NaN,
     zero, inf, outside the binades or not the largest): the C kernel and the Python class give the same
