@@ -12,7 +12,8 @@ With ``--refresh-every N``, also the recommended plans with ``apply(..., refresh
 refreshing less often would save. With ``--floor``, also each recommended plan's floor,
 ``<plan>, kernels alone`` (:func:`kernels_alone`): its statistics and prune + quantise kernels in bare
 hooks, no solve, checks or records; ``apply``'s ratio less the floor's is what ``apply`` adds to the
-per-value work its plan asks for. With ``--four-bit``, also the four-bit block formats on every matmul layer (``Plan.uniform(format="nvfp4")``
+per-value work its plan asks for; and ``<plan>, prune + quantise alone``, the rounding kernel without the
+statistics: the least any design costs that rounds every gradient with that kernel. With ``--four-bit``, also the four-bit block formats on every matmul layer (``Plan.uniform(format="nvfp4")``
 and ``"mxfp4"``; the output layer exact), each through the fused C block kernel and, as its peer in the same
 run, through the composed operators it replaces (``gradstats.quantize`` after ``stochastic_prune``).
 
@@ -64,6 +65,8 @@ FOUR_BIT = ("nvfp4", "mxfp4")
 COMPOSED = " (composed operators)"
 #: the label suffix of a plan's floor configuration (--floor)
 FLOOR = ", kernels alone"
+#: ... and of its prune + quantise kernel alone (--floor)
+ROUNDING_FLOOR = ", prune + quantise alone"
 #: each model's batch (GPT-NeoX: windows of 64 characters)
 BATCH = {"mobilenet": 64, "resnet20": 128, "cnn": 128, "gpt_neox": 16}
 
@@ -99,13 +102,14 @@ def composed_blocks(run: Callable[[], float]) -> float:
 
 
 def kernels_alone(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, loss_fn: Callable | None,
-                  plan: Plan) -> Callable[[], float]:
+                  plan: Plan, stats: bool = True) -> Callable[[], float]:
     """A block of training steps in which each planned layer's output gradient meets only the plan's C kernels,
     in bare hooks (:func:`_common.gradient_hooks`): the statistics kernel (with the binade counts where the
     layer's rule reads them, as ``apply``'s refresh) and the fused prune + quantise kernel, at the threshold and
     scale ``apply`` reached after two steps, with a fixed seed. No solve, no checks, no records: the least a
     plan costs that reads each gradient's statistics and rounds it on this CPU (``apply`` less this row: its
-    fixed costs)."""
+    fixed costs). ``stats=False``: the prune + quantise kernel alone, the least any design costs that rounds
+    every gradient with it (one that gathered the statistics in the same pass would cost more)."""
     handle = gradstats.apply(model, plan)
     time_block(model, opt, batches[:2], loss_fn=loss_fn)
     parts = {}
@@ -120,7 +124,8 @@ def kernels_alone(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: l
     def kernels(name: str, g: torch.Tensor) -> torch.Tensor:
         full, call, scheme, threshold, scale, v = parts[name]
         if kernel_applies(g) and call.takes(g, scale):
-            write_stats_raw(g.data_ptr(), g.numel(), v.ctypes.data, full=full)
+            if stats:
+                write_stats_raw(g.data_ptr(), g.numel(), v.ctypes.data, full=full)
             return call(g, threshold, scale, seed=1)[0]
         return prune_quantize(g, threshold, scheme, scale=scale, seed=1)[0]      # (not a flat float32 gradient)
 
@@ -151,8 +156,10 @@ def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_ste
     configs: dict[str, Callable[[], float]] = {"plain": lambda: time_block(model, opt, batches, loss_fn=loss_fn)}
     configs.update({label: (lambda p=p: applied(p)) for label, p in plans.items()})
     if floor:
-        configs.update({label + FLOOR: kernels_alone(model, opt, batches, loss_fn, p) for label, p in plans.items()
-                        if label in PLANS})
+        for label, p in plans.items():
+            if label in PLANS:
+                configs[label + FLOOR] = kernels_alone(model, opt, batches, loss_fn, p)
+                configs[label + ROUNDING_FLOOR] = kernels_alone(model, opt, batches, loss_fn, p, stats=False)
     if refresh_every:
         configs.update({f"{label}, refresh_every={refresh_every}": (lambda p=p: applied(p, refresh_every=refresh_every))
                         for label, p in plans.items() if label in PLANS})
