@@ -457,6 +457,15 @@ def test_histogram_threshold_converges_in_a_few_evaluations(monkeypatch):
     assert most <= 20, most
 
 
+def signed_lognormal(seed: int, n: int, *, mu: float, sigma: float, zeros: float) -> torch.Tensor:
+    """``n`` values of random sign whose magnitudes are lognormal (``ln|x| ~ N(mu, sigma)``), about a fraction
+    ``zeros`` of them set to zero; reproducible from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.exp(torch.randn(n, generator=g) * sigma + mu) * torch.randn(n, generator=g).sign()
+    x[torch.rand(n, generator=g) < zeros] = 0.0
+    return x
+
+
 def test_histogram_rule_in_c_equals_the_python_class_bit_for_bit(monkeypatch):
     """The C kernel (gradstats/ops/native/histogram.c) builds LogHistogram's tables (from a statistics row's
     binades too: the atoms taken out, the end bins cut) and solves its thresholds with the Python class's float
@@ -479,10 +488,7 @@ def test_histogram_rule_in_c_equals_the_python_class_bit_for_bit(monkeypatch):
 
     cases = []
     for seed in range(8):
-        g = torch.Generator().manual_seed(seed)
-        n = 300 + 9_000 * seed
-        x = torch.exp(torch.randn(n, generator=g) * (0.4 + 0.5 * seed) - 9.0) * torch.randn(n, generator=g).sign()
-        x[torch.rand(n, generator=g) < 0.04 * seed] = 0.0
+        x = signed_lognormal(seed, 300 + 9_000 * seed, mu=-9.0, sigma=0.4 + 0.5 * seed, zeros=0.04 * seed)
         row = tensor_stats(x)
         cases += [lambda row=row: LogHistogram.from_stats(row), lambda row=row: LogHistogram.from_stats(row, top=()),
                   lambda x=x: _histogram(x)]
@@ -530,13 +536,8 @@ def test_a_kernel_row_read_in_place_gives_the_same_histogram(monkeypatch):
     refresh = importlib.import_module("gradstats.apply.refresh")
     if hmod._native() is None or not has_native_kernel():
         pytest.skip("no C compiler here")
-    xs = []
-    for seed in range(6):
-        g = torch.Generator().manual_seed(seed)
-        n = 50 + 40_000 * seed
-        x = torch.exp(torch.randn(n, generator=g) * (0.5 + 0.6 * seed) - 8.0) * torch.randn(n, generator=g).sign()
-        x[torch.rand(n, generator=g) < 0.05 * seed] = 0.0
-        xs.append(x)
+    xs = [signed_lognormal(seed, 50 + 40_000 * seed, mu=-8.0, sigma=0.5 + 0.6 * seed, zeros=0.05 * seed)
+          for seed in range(6)]
     xs += [torch.tensor([0.0, 1.0, 1.5, 3.0]), torch.tensor([2.0] * 7), torch.tensor([2.0 ** -140, 1e-3, 5.0, 0.0])]
     for x in xs:
         v = np.full(VECTOR_LEN, np.nan)
