@@ -36,6 +36,26 @@ def block_band(predicted: float) -> float:
     return predicted + max(0.5 * predicted, 0.01)
 
 
+def clip_reason(rule: Any) -> str:
+    """What the overflow alert tells about a rule whose calls clip more values than its bound: why, and what
+    to do (block scales clip by design, per-tensor scales where the scale is too large).
+
+    Example:
+        >>> from gradstats.plan import Rule
+        >>> "scale='amax'" in clip_reason(Rule(format="e4m3fn")), "by design" in clip_reason(Rule(format="nvfp4"))
+        (True, True)
+    """
+    if rule.block_size is None:
+        return ("the scale puts the largest values (or the threshold pruning rounds up to) above the format's "
+                "range. Use scale='amax' without a positive scale_shift, or check the plan with plan.verify(run)")
+    pruned = (", and pruning puts each small value it keeps at the threshold, often the block's maximum"
+              if rule.prunes else "")
+    return ("by design, a block scale rounded down puts the values nearest its block's maximum above the format's "
+            f"range, by less than one step of the scale (1/16 of the value under NVFP4's E4M3 scales){pruned}. "
+            "A plan made by gradstats.recommend predicts this share for each layer, and the alert then holds the "
+            "calls to it; check a plan with plan.verify(run)")
+
+
 class Alerts:
     """The checks of :class:`~gradstats.apply.Applied` (alerts and fallbacks, from the counts of each
     call). It shares the handle's ``rules`` (a fallback changes the rule in force there), the rules as
@@ -66,9 +86,7 @@ class Alerts:
             if sat > bound + 3 * math.sqrt(max(bound, 1.0 / c.n) / c.n):
                 self._alert(name, st, "overflow", (
                     f"{sat:.2%} of the values were clipped at {rule.format}'s maximum (call {st.seq}; bound "
-                    f"{bound:g}{', the plan predicted ' + format(pred, '.2%') if pred else ''}): the scale puts the "
-                    "largest values (or the threshold pruning rounds up to) above the format's range. Use "
-                    "scale='amax' without a positive scale_shift, or check the plan with plan.verify(run)"))
+                    f"{bound:g}{', the plan predicted ' + format(pred, '.2%') if pred else ''}): {clip_reason(rule)}"))
         pred_fl = getattr(planned, "flushed", None)
         if rule.quantizes and pred_fl is not None and "drift" not in st.alerts and c.underflow:
             fl = c.underflow / c.n
