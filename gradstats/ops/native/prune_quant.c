@@ -100,6 +100,22 @@ static inline float sel(int c, float a, float b) {
  * (or is a zero), so x o = |x| |o| and (o - x)^2 = (|o| - |x|)^2 need the two magnitudes alone (products
  * exact in double); non-finite x are left out. A loop of its own over data in L1: the double
  * accumulators beside the rounding's constants would spill registers. */
+/* sums_run over a block without non-finite entries (the common case: the caller has counted them), the same
+ * values with fewer operations: |x| and |o| without the select of the finite ones. */
+static inline __attribute__((always_inline)) void
+sums_run_finite(const float *restrict x, const float *restrict out, int m, double *restrict acc) {
+    double sxo = 0.0, sxx = 0.0, sdd = 0.0, sxd = 0.0, sao = 0.0, sax = 0.0;
+#pragma omp simd reduction(+:sxo, sxx, sdd, sxd, sao, sax)
+    for (int j = 0; j < m; j++) {
+        double xa = (double)fabsf(x[j]);
+        double oa = (double)fabsf(out[j]);
+        double d = oa - xa, xdd = xa * d;
+        sxo = MADD(xa, oa, sxo); sxx = MADD(xa, xa, sxx); sdd = MADD(d, d, sdd); sxd = MADD(xdd, xdd, sxd);
+        sao += oa; sax += xa;
+    }
+    acc[0] += sxo; acc[1] += sxx; acc[2] += sdd; acc[3] += sxd; acc[4] += sao; acc[5] += sax;
+}
+
 static inline __attribute__((always_inline)) void
 sums_run(const float *restrict x, const float *restrict out, int m, double *restrict acc) {
     double sxo = 0.0, sxx = 0.0, sdd = 0.0, sxd = 0.0, sao = 0.0, sax = 0.0;
@@ -189,7 +205,9 @@ static inline __attribute__((always_inline)) void
 block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, const params_t *p,
           int64_t *restrict cnt, double *restrict acc, const int PRUNE, const int QUANT, const int ROUNDING,
           const int SUBNORMALS) {
-    int32_t nzero = 0, npruned = 0, nunder = 0, nover = 0, nnonfin = 0;   /* per block: m <= BLOCK */
+    /* per block: m <= BLOCK. Each count is a conditional increment (c ? n + 1 : n), which the compiler makes one
+     * masked vector add, where n += c takes two operations (the mask made a vector, then added) */
+    int32_t nzero = 0, npruned = 0, nunder = 0, nover = 0, nnonfin = 0;
     const float a = p->a, scale = p->scale, inv_scale = 1.0f / p->scale, maxv = p->maxv;
     const rconst_t k = rconsts(p->man_bits, p->emin, maxv);
     const uint32_t zero_sign = p->neg_zero ? 0x80000000u : 0u;
@@ -210,15 +228,15 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
             float u = prune_uniform(word(c, pk1, pk2));
             int small = w < a;
             int up = u * a < w;
-            npruned += small & !up & (w != 0.f);
+            npruned = (small & !up & (w != 0.f)) ? npruned + 1 : npruned;
             w = sel(small, sel(up, a, 0.f), w);
         }
         float r = w;
         if (QUANT) {
             float ws = w * scale;
-            nover += ws > maxv;
+            nover = (ws > maxv) ? nover + 1 : nover;
             float res = round_mag(ws, ROUNDING == 1 ? word(c, rk1, rk2) : 0u, k, ROUNDING, SUBNORMALS);
-            nunder += (res == 0.f) & (w != 0.f) & !isnan_;  /* NaN is never an underflow */
+            nunder = ((res == 0.f) & (w != 0.f) & !isnan_) ? nunder + 1 : nunder;   /* NaN is never an underflow */
             r = res * inv_scale;
         }
         uint32_t rb = u_of(r);
@@ -226,12 +244,12 @@ block_run(const float *restrict x, float *restrict out, int64_t lo, int64_t m, c
         float o = f_of(rb | sgn);
         o = sel(isnan_, v, o);
         out[j] = o;
-        nzero += o == 0.f;
-        int fin = (vb & 0x7f800000u) != 0x7f800000u;
-        nnonfin += !fin;
+        nzero = (o == 0.f) ? nzero + 1 : nzero;
+        nnonfin = ((vb & 0x7f800000u) == 0x7f800000u) ? nnonfin + 1 : nnonfin;
     }
     /* the sums, over the block again (in L1) */
-    sums_run(x, out, mi, acc);
+    if (nnonfin == 0) sums_run_finite(x, out, mi, acc);
+    else sums_run(x, out, mi, acc);
     cnt[0] += nzero; cnt[1] += npruned; cnt[2] += nunder; cnt[3] += nover; cnt[4] += nnonfin;
 }
 
