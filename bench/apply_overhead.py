@@ -123,7 +123,7 @@ def kernels_alone(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: l
 
     def kernels(name: str, g: torch.Tensor) -> torch.Tensor:
         full, call, scheme, threshold, scale, v = parts[name]
-        if kernel_applies(g) and call.takes(g, scale):
+        if kernel_applies(g) and call.covers(scale):     # (kernel_applies: the tensor check takes makes)
             if stats:
                 write_stats_raw(g.data_ptr(), g.numel(), v.ctypes.data, full=full)
             return call(g, threshold, scale, seed=1)[0]

@@ -77,7 +77,7 @@ from gradstats.layers import module_types
 from gradstats.ops.engine import active_engine, using
 from gradstats.ops.fused import NativeCall, prune_quantize
 from gradstats.ops.layout import channel_dim
-from gradstats.ops.native import addressable
+from gradstats.ops.native import reads_in_place
 from gradstats.tracer import taps
 from gradstats.tracer.capture import first_grad_tensor
 from gradstats.tracer.noise import sending_back
@@ -222,8 +222,7 @@ class Applied:
         rule, st = self.rules[name], self.state[name]
         # the C kernels take the gradient as it is: then the call runs them directly (one check here; between
         # the backward's own kernels every torch operation and check costs tens of microseconds)
-        flat = (engine == "native" and g.dtype is torch.float32 and g.is_contiguous() and g.numel() > 0
-                and addressable(g))
+        flat = engine == "native" and reads_in_place(g)
         k = st.seq - self.config.warmup                       # the call index since the warm-up
         if k < 0:                 # warm-up: the gradient passes unchanged, the statistics follow it
             with torch.no_grad():

@@ -38,7 +38,7 @@ from gradstats.ops import cpu_blocks
 from gradstats.ops import random as _rng
 from gradstats.ops.consts import fused_covers
 from gradstats.ops.engine import triton_available, use_native, use_triton
-from gradstats.ops.native import addressable
+from gradstats.ops.native import addressable, reads_in_place
 from gradstats.scheme import Scheme
 
 
@@ -298,8 +298,7 @@ class NativeCall:
         """Whether a call on ``x`` runs the C kernel directly (:func:`prune_quantize`'s ``"native"`` path: a
         non-empty contiguous float32 CPU tensor, and :meth:`covers`) when the CPU's engine is the native one
         (the caller's check)."""
-        return (x.dtype is torch.float32 and x.is_cpu and x.is_contiguous() and x.numel() > 0 and addressable(x)
-                and self.covers(scale))
+        return reads_in_place(x) and self.covers(scale)
 
     def __call__(self, x: torch.Tensor, threshold: float, scale: float, *, seed: Optional[int] = None,
                  generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, CompressCounts]:

@@ -44,15 +44,12 @@ def has_native_kernel() -> bool:
 
 def kernel_applies(x: torch.Tensor) -> bool:
     """Whether :func:`write_stats` can take ``x`` as it is: a non-empty contiguous float32 CPU tensor that holds
-    its memory (:func:`gradstats.ops.native.addressable`), the C kernel available, and the CPU's engine the native one
+    its memory (:func:`gradstats.ops.native.reads_in_place`), the C kernel available, and the CPU's engine the native one
     (:func:`gradstats.ops.engine.active_engine`). (What a tracer checks before claiming a row.)"""
-    import torch
-
     from gradstats.ops.engine import use_native
-    from gradstats.ops.native import addressable
+    from gradstats.ops.native import reads_in_place
 
-    return (x.is_cpu and x.dtype is torch.float32 and x.is_contiguous() and x.numel() > 0 and addressable(x)
-            and _native_kernel() is not None and use_native("cpu"))
+    return reads_in_place(x) and _native_kernel() is not None and use_native("cpu")
 
 
 def write_stats(x: torch.Tensor, address: int, *, full: bool = True, blocks: np.ndarray | None = None) -> None:

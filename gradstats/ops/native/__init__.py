@@ -149,6 +149,22 @@ def addressable(x: Any) -> bool:
     return type(x) in (torch.Tensor, torch.nn.Parameter)
 
 
+def reads_in_place(x: Any) -> bool:
+    """Whether a C kernel can read ``x``'s values in place, by its ``data_ptr()``: a non-empty contiguous float32
+    CPU tensor that holds its memory (:func:`addressable`). The one tensor check of the statistics kernel
+    (:func:`gradstats.stats.kernel_applies`), of a prepared prune + quantise call
+    (:meth:`gradstats.ops.fused.NativeCall.takes`) and of apply's hook.
+
+    Example:
+        >>> import torch
+        >>> reads_in_place(torch.ones(4)), reads_in_place(torch.ones(4, 2).t()), reads_in_place(torch.ones(4).double())
+        (True, False, False)
+    """
+    import torch
+
+    return (x.is_cpu and x.dtype is torch.float32 and x.is_contiguous() and x.numel() > 0 and addressable(x))
+
+
 @functools.lru_cache(maxsize=1)
 def prune_quant() -> Any:
     """``gs_prune_quantize_f32`` of ``prune_quant.c`` with its signature set, or None (see
