@@ -101,7 +101,43 @@ static inline float sel(int c, float a, float b) {
  * exact in double); non-finite x are left out. A loop of its own over data in L1: the double
  * accumulators beside the rounding's constants would spill registers. */
 /* sums_run over a block without non-finite entries (the common case: the caller has counted them), the same
- * values with fewer operations: |x| and |o| without the select of the finite ones. */
+ * values with fewer operations: |x| and |o| without the select of the finite ones. With AVX2 and FMA (and
+ * without AVX-512, whose 32 registers hold the compiler's twelve accumulators) written out: four doubles a
+ * register, eight entries a step whose two halves are added before they meet the six accumulators (one
+ * dependent add a step; the compiler's version spilled four of its twelve to the stack): 0.6 -> 0.4 ns a
+ * value. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(GS_PORTABLE)
+#include <immintrin.h>
+static inline __attribute__((always_inline)) void
+sums_run_finite(const float *restrict x, const float *restrict out, int m, double *restrict acc) {
+    const __m128 absm = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+    __m256d sxo = _mm256_setzero_pd(), sxx = sxo, sdd = sxo, sxd = sxo, sao = sxo, sax = sxo;
+    int j = 0;
+    for (; j + 8 <= m; j += 8) {
+        __m256d xa = _mm256_cvtps_pd(_mm_and_ps(_mm_loadu_ps(x + j), absm));
+        __m256d oa = _mm256_cvtps_pd(_mm_and_ps(_mm_loadu_ps(out + j), absm));
+        __m256d ya = _mm256_cvtps_pd(_mm_and_ps(_mm_loadu_ps(x + j + 4), absm));
+        __m256d pa = _mm256_cvtps_pd(_mm_and_ps(_mm_loadu_ps(out + j + 4), absm));
+        __m256d d = _mm256_sub_pd(oa, xa), e = _mm256_sub_pd(pa, ya);
+        __m256d xd = _mm256_mul_pd(xa, d), ye = _mm256_mul_pd(ya, e);
+        sxo = _mm256_add_pd(sxo, _mm256_fmadd_pd(xa, oa, _mm256_mul_pd(ya, pa)));
+        sxx = _mm256_add_pd(sxx, _mm256_fmadd_pd(xa, xa, _mm256_mul_pd(ya, ya)));
+        sdd = _mm256_add_pd(sdd, _mm256_fmadd_pd(d, d, _mm256_mul_pd(e, e)));
+        sxd = _mm256_add_pd(sxd, _mm256_fmadd_pd(xd, xd, _mm256_mul_pd(ye, ye)));
+        sao = _mm256_add_pd(sao, _mm256_add_pd(oa, pa));
+        sax = _mm256_add_pd(sax, _mm256_add_pd(xa, ya));
+    }
+    double t[6][4];
+    _mm256_storeu_pd(t[0], sxo); _mm256_storeu_pd(t[1], sxx); _mm256_storeu_pd(t[2], sdd);
+    _mm256_storeu_pd(t[3], sxd); _mm256_storeu_pd(t[4], sao); _mm256_storeu_pd(t[5], sax);
+    for (; j < m; j++) {
+        double xa = (double)fabsf(x[j]), oa = (double)fabsf(out[j]), d = oa - xa, xd = xa * d;
+        t[0][0] = MADD(xa, oa, t[0][0]); t[1][0] = MADD(xa, xa, t[1][0]); t[2][0] = MADD(d, d, t[2][0]);
+        t[3][0] = MADD(xd, xd, t[3][0]); t[4][0] += oa; t[5][0] += xa;
+    }
+    for (int k = 0; k < 6; k++) acc[k] += (t[k][0] + t[k][1]) + (t[k][2] + t[k][3]);
+}
+#else
 static inline __attribute__((always_inline)) void
 sums_run_finite(const float *restrict x, const float *restrict out, int m, double *restrict acc) {
     double sxo = 0.0, sxx = 0.0, sdd = 0.0, sxd = 0.0, sao = 0.0, sax = 0.0;
@@ -115,6 +151,8 @@ sums_run_finite(const float *restrict x, const float *restrict out, int m, doubl
     }
     acc[0] += sxo; acc[1] += sxx; acc[2] += sdd; acc[3] += sxd; acc[4] += sao; acc[5] += sax;
 }
+
+#endif
 
 static inline __attribute__((always_inline)) void
 sums_run(const float *restrict x, const float *restrict out, int m, double *restrict acc) {
