@@ -26,9 +26,10 @@
  * - portable C that the compiler vectorises (`omp simd`), two loops per block: the sums of x,
  *   |x| and x^2, the counts and the extremes, then over the block in L1 the logarithms (one loop
  *   for both keeps more values live than AVX2's 16 vector registers: the spills cost 1.6x the
- *   time); the binade of each entry is stored and counted afterwards in eight interleaved copies
- *   of the counts (runs of one bin, such as the zeros of a ReLU layer, would otherwise queue on
- *   one counter);
+ *   time); the binades, where the CPU has AVX2, bit-sliced in a window of 32 as the AVX-512 loop
+ *   below counts them (hist2_t), else each entry's stored and counted afterwards in eight
+ *   interleaved copies of the counts (runs of one bin, such as the zeros of a ReLU layer, would
+ *   otherwise queue on one counter);
  * - AVX-512 intrinsics (x86-64 with AVX-512 F/BW/DQ, unless GS_PORTABLE is defined), two passes
  *   per block: the first finds the extremes and compacts the non-zero finite entries (one
  *   compare, b - 1 < bits(inf) - 1, and vpcompressd; the zeros, n less those, need no further
@@ -103,6 +104,25 @@
 #define GS_AVX512 0
 #define HIST_COPIES 8    /* eight interleaved copies (see the portable loop) */
 #endif
+/* the portable loop's binade counts bit-sliced in AVX2 registers (hist2_t below) where the CPU has AVX2 */
+#if !GS_AVX512 && defined(__AVX2__) && !defined(GS_PORTABLE)
+#define GS_AVX2_HIST 1
+#include <immintrin.h>
+#else
+#define GS_AVX2_HIST 0
+#endif
+
+#if GS_AVX2_HIST
+/* The binade counts of a window of 32 binades (exponent fields base..base+31), bit-sliced as the AVX-512
+ * loop counts them: an entry's binade is one bit of its 32-bit lane; 16 such one-hot vectors at a time are
+ * summed by carry-save adders (Harley-Seal) into the bit planes c1 of weight 1, 2, 4, 8, their carries 16
+ * at a time into c2 (weight 16 .. 128), whose carries (256) are counted out at once; the planes are
+ * counted out when the window moves or the pass ends. */
+typedef struct {
+    __m256i c1[4], c2[4], ring[16], ring2[16];
+    int nring, nring2, base;     /* base: the window's first exponent field; 0: no window */
+} hist2_t;
+#endif
 
 typedef struct {
     double n_zero, n_nonfinite, sum, sum_abs, sum_sq, sum_ln, sum_ln_sq;
@@ -111,6 +131,9 @@ typedef struct {
     int count_hist;              /* 0: skip the binade counts (hist == NULL) */
     int k, ntop;                 /* heap capacity and size */
     uint32_t top[MAX_TOP];       /* min-heap of the largest |x| bit patterns seen */
+#if GS_AVX2_HIST
+    hist2_t h2;
+#endif
 } acc_t;
 
 static void heap_push(acc_t *acc, uint32_t b) {
@@ -191,6 +214,114 @@ static inline float ln_from_parts(uint32_t bs, int32_t e) {
     return FMA((float)(e + big), 0.693147180559945309f, FMA(f2 * fm, p, FMA(-0.5f, f2, fm)));
 }
 
+#if GS_AVX2_HIST
+/* a carry-save adder: h, l the high and low bits of a + b + c, bit by bit */
+static inline void csa2(__m256i *h, __m256i *l, __m256i a, __m256i b, __m256i c) {
+    __m256i u = _mm256_xor_si256(a, b);
+    *h = _mm256_or_si256(_mm256_and_si256(a, b), _mm256_and_si256(u, c));
+    *l = _mm256_xor_si256(u, c);
+}
+
+/* the 16 bit vectors d added, bit position by bit position, into the bit-sliced counts c[0..4) (weights
+ * 1, 2, 4, 8); returns the carry out, of weight 16 */
+static inline __m256i harley_seal16_2(__m256i *c, const __m256i *d) {
+    __m256i ones = c[0], twos = c[1], fours = c[2], eights = c[3];
+    __m256i eightsA, eightsB, sixteens;
+    for (int h = 0; h < 2; h++) {
+        const __m256i *e = d + 8 * h;
+        __m256i twosA, twosB, foursA, foursB;
+        csa2(&twosA, &ones, ones, e[0], e[1]);
+        csa2(&twosB, &ones, ones, e[2], e[3]);
+        csa2(&foursA, &twos, twos, twosA, twosB);
+        csa2(&twosA, &ones, ones, e[4], e[5]);
+        csa2(&twosB, &ones, ones, e[6], e[7]);
+        csa2(&foursB, &twos, twos, twosA, twosB);
+        csa2(h ? &eightsB : &eightsA, &fours, fours, foursA, foursB);
+    }
+    csa2(&sixteens, &eights, eights, eightsA, eightsB);
+    c[0] = ones; c[1] = twos; c[2] = fours; c[3] = eights;
+    return sixteens;
+}
+
+/* the counts bit plane p stands for (bit j of each lane: exponent field base + j), w each, into acc */
+static void add_plane2(acc_t *acc, int base, __m256i p, int64_t w) {
+    if (_mm256_testz_si256(p, p)) return;
+    uint32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, p);
+    for (int l = 0; l < 8; l++)
+        for (uint32_t v = lanes[l]; v; v &= v - 1)
+            acc->hist[0][base + __builtin_ctz(v) + 22] += w;
+}
+
+static void ring_full2(hist2_t *h, acc_t *acc) {
+    h->ring2[h->nring2++] = harley_seal16_2(h->c1, h->ring);
+    h->nring = 0;
+    if (h->nring2 == 16) {
+        add_plane2(acc, h->base, harley_seal16_2(h->c2, h->ring2), 256);
+        h->nring2 = 0;
+    }
+}
+
+/* the window's counts into acc->hist; the window closed */
+static void window_flush2(acc_t *acc) {
+    hist2_t *h = &acc->h2;
+    if (h->base == 0) return;
+    if (h->nring > 0) {
+        while (h->nring < 16) h->ring[h->nring++] = _mm256_setzero_si256();
+        ring_full2(h, acc);
+    }
+    if (h->nring2 > 0) {
+        while (h->nring2 < 16) h->ring2[h->nring2++] = _mm256_setzero_si256();
+        add_plane2(acc, h->base, harley_seal16_2(h->c2, h->ring2), 256);
+        h->nring2 = 0;
+    }
+    for (int j = 0; j < 4; j++) {
+        add_plane2(acc, h->base, h->c1[j], (int64_t)1 << j);
+        add_plane2(acc, h->base, h->c2[j], (int64_t)16 << j);
+        h->c1[j] = h->c2[j] = _mm256_setzero_si256();
+    }
+    h->base = 0;
+}
+
+/* The binades of the non-zero finite entries of a block without subnormals (maxb: its largest finite |x|
+ * bits) into the window, moved first when the block's largest binade lies outside its top eight; entries
+ * below the window (rare) are counted one by one. */
+static void block_hist2(const float *restrict x, int64_t m, uint32_t maxb, acc_t *acc) {
+    hist2_t *h = &acc->h2;
+    if (maxb == 0u) return;                       /* no non-zero finite entry */
+    int top = (int)(maxb >> 23);
+    if (h->base == 0 || top > h->base + 31 || top < h->base + 24) {
+        window_flush2(acc);
+        int base = top - 29;
+        h->base = base < 1 ? 1 : (base > 223 ? 223 : base);
+    }
+    const __m256i ABS = _mm256_set1_epi32(0x7fffffff), INF = _mm256_set1_epi32(0x7f800000);
+    const __m256i ONE = _mm256_set1_epi32(1), ZERO = _mm256_setzero_si256();
+    const __m256i BASE = _mm256_set1_epi32(h->base);
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+        __m256i b = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), ABS);
+        /* non-zero and finite (b has its sign bit clear: signed compares) */
+        __m256i nz = _mm256_and_si256(_mm256_cmpgt_epi32(b, ZERO), _mm256_cmpgt_epi32(INF, b));
+        __m256i idx = _mm256_sub_epi32(_mm256_srli_epi32(b, 23), BASE);
+        /* a shift by a negative count (below the window) gives 0 */
+        h->ring[h->nring] = _mm256_and_si256(_mm256_sllv_epi32(ONE, idx), nz);
+        int below = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_and_si256(nz, idx)));   /* idx < 0 */
+        if (__builtin_expect(below != 0, 0)) {
+            uint32_t bb[8];
+            _mm256_storeu_si256((__m256i *)bb, b);
+            while (below) { int l = __builtin_ctz((unsigned)below); below &= below - 1; acc->hist[0][(bb[l] >> 23) + 22]++; }
+        }
+        if (++h->nring == 16) ring_full2(h, acc);
+    }
+    for (; i < m; i++) {
+        uint32_t raw; memcpy(&raw, &x[i], 4);
+        uint32_t b = raw & 0x7fffffffu;
+        if (b != 0u && b < 0x7f800000u) acc->hist[0][(b >> 23) + 22]++;
+    }
+}
+#endif
+
 #if !GS_AVX512    /* the portable block loop */
 /* candidates of one block for the top k: non-zero finite bit patterns above the heap's least;
  * chunks of 32 whose (vectorised) maximum does not beat it are skipped without a scalar look */
@@ -256,6 +387,7 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
         minb = bmin < minb ? bmin : minb;
         maxb = bmax > maxb ? bmax : maxb;
     }
+    int binned = 0;                                      /* bins[] holds the block's binades */
     if (minb >= 0x00800000u) {                           /* no subnormals */
 #pragma omp simd reduction(+:sl, sl2)
         for (int64_t i = 0; i < m; i++) {
@@ -266,6 +398,10 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
             sl += ln; sl2 = FMA(ln, ln, sl2);
         }
         if (acc->count_hist) {      /* a loop of its own: the sums then do not depend on whether it runs */
+#if GS_AVX2_HIST
+            block_hist2(x, m, maxb, acc);
+#else
+            binned = 1;
 #pragma omp simd
             for (int64_t i = 0; i < m; i++) {
                 uint32_t raw; memcpy(&raw, &x[i], 4);
@@ -273,6 +409,7 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
                 int nz = (b != 0u) & (b < 0x7f800000u);
                 bins[i] = (int16_t)(nz ? (int32_t)(b >> 23) - 127 - HIST_MIN_EXP : HIST_BINS);
             }
+#endif
         }
     } else {
 #pragma omp simd reduction(+:sl, sl2)
@@ -291,13 +428,14 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
             sl += ln; sl2 = FMA(ln, ln, sl2);
             bins[i] = (int16_t)(nz ? e - HIST_MIN_EXP : HIST_BINS);
         }
+        binned = 1;
     }
     acc->n_zero += nzero; acc->n_nonfinite += nnonfin;
     acc->sum += s; acc->sum_abs += sa; acc->sum_sq += ss; acc->sum_ln += sl; acc->sum_ln_sq += sl2;
     if (minb < acc->minb) acc->minb = minb;
     if (maxb > acc->maxb) acc->maxb = maxb;
     if (acc->k > 0 && maxb != 0u && (acc->ntop < acc->k || maxb > acc->top[0])) block_top(x, m, acc);
-    if (!acc->count_hist) return;
+    if (!acc->count_hist || !binned) return;
     int64_t i = 0;
     for (; i + 8 <= m; i += 8) {
         acc->hist[0][bins[i]]++; acc->hist[1][bins[i + 1]]++;
@@ -817,6 +955,9 @@ int gs_stats_f32(const float *x, int64_t n, double *out, double *hist, double *t
             if (bh != NULL) block_ranges(x + lo, m, lbh);
 #endif
         }
+#if GS_AVX2_HIST
+        window_flush2(&acc);
+#endif
 #if GS_AVX512
         if (va.ncand > 0) top_select(&acc, va.cand, va.ncand);
         window_flush(&va, &acc);
