@@ -174,12 +174,14 @@ static void block_ranges(const float *restrict x, int64_t m, int64_t *restrict b
     for (int64_t s = 0; s < m; s += 16) {
         int64_t e = s + 16 < m ? s + 16 : m;
         int hi = 0, lo = 255;
-        for (int64_t i = s; i < e; i++) {
+#pragma omp simd reduction(max:hi) reduction(min:lo)
+        for (int64_t i = s; i < e; i++) {         /* branch-free: zeros among the entries mispredict */
             uint32_t b; memcpy(&b, &x[i], 4);
             int f = (int)((b >> 23) & 0xffu);
-            if (f == 0 || f == 255) continue;
-            hi = f > hi ? f : hi;
-            lo = f < lo ? f : lo;
+            int ok = (f != 0) & (f != 255);
+            int fh = ok ? f : 0, fl = ok ? f : 255;
+            hi = fh > hi ? fh : hi;
+            lo = fl < lo ? fl : lo;
         }
         add_range(bh, hi, lo);
         hi32 = hi > hi32 ? hi : hi32;
