@@ -7,14 +7,16 @@ For each model the neural gradients of one training batch (batch 128, Fashion-MN
 every module with parameters are captured once; each row then computes the statistics of all of
 them, one tensor after another, as the tracer does in a step:
 
-  native, full          the C kernel as built for this CPU (AVX-512 where it has it):
+  native, full          the C kernel as built for this CPU (AVX-512 where it has it, else the
+                        portable loop, its binade counts in AVX2 where it has that):
                         scalar statistics, binade counts and top 64
   native, scalars       the same, scalar statistics alone (``full=False``: apply's refresh)
   native, full + blocks the same pass also counting every block of 16 and of 32 (per-block
                         dynamic ranges: ``trace(..., blocks=(16, 32))``)
   torch, blocks sampled ``gradstats.stats.blocks.blocks_stats(g, (16, 32), sample=2048)``: what
                         the tracer runs for blocks without the kernel (a GPU), for scale
-  native portable, full the C kernel's portable loop (what CPUs without AVX-512 run)
+  native portable, full the C kernel's portable loop in plain C (CPUs without AVX-512 run it
+                        with the binade counts in AVX2 where they have AVX2)
   torch ops, full       the same statistics from torch reductions (the reference path; what runs
                         without a C compiler)
   torch.histc only      one ``torch.histc`` over ``log2|g|`` (a single ingredient, for scale)

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 @functools.lru_cache(maxsize=2)
 def _native_kernel(portable: bool = False):
     """``gs_stats_f32`` of the C kernel (None without a compiler); ``portable``: the build
-    without its AVX-512 block loop (what CPUs without AVX-512 run)."""
+    in plain C, without its AVX-512 block loop and its AVX2 binade counts (CPUs without AVX-512 run the
+    same loop, with the AVX2 counts where they have AVX2)."""
     from gradstats.ops.native import function
 
     return function("stats", "gs_stats_f32",

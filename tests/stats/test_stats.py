@@ -23,8 +23,8 @@ from gradstats.stats import (
 
 @pytest.fixture(params=["native", "native-portable", "torch"], autouse=True)
 def kernel_path(request, monkeypatch):
-    """Every test runs on the fused C kernel (as built for this CPU, and its portable loop, which
-    CPUs without AVX-512 run) and on the pure-torch path."""
+    """Every test runs on the fused C kernel (as built for this CPU: its AVX-512 loop, or its portable
+    loop with the AVX2 binade counts; and its portable loop in plain C) and on the pure-torch path."""
     if request.param == "torch":
         monkeypatch.setattr(kernel_mod, "_native_kernel", lambda: None)
     elif kernel_mod._native_kernel() is None:

@@ -92,8 +92,8 @@ def load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled kernel library ``name`` (from ``name.c`` beside this module), or None.
 
     ``defines``: preprocessor symbols to compile it with (a separate library each), such as
-    ``("GS_PORTABLE",)``, which makes ``stats.c`` use its portable loop instead of its AVX-512
-    one (for testing that the two agree)."""
+    ``("GS_PORTABLE",)``, which makes ``stats.c`` use its portable loop in plain C instead of its
+    AVX-512 loop or its AVX2 binade counts (for testing that they agree)."""
     if os.environ.get("GRADSTATS_NATIVE", "1") == "0":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
