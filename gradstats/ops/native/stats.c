@@ -204,17 +204,24 @@ static void block_ranges(const float *restrict x, int64_t m, int64_t *restrict b
 #define C1 (-0.250008225440979f)
 #define C0 0.3333333134651184f
 
-/* ln of the normal float32 with bit pattern bs (sign clear) whose unbiased exponent is e */
+/* ln of the normal float32 with bit pattern bs (sign clear) whose unbiased exponent is e (that of bs, or less
+ * for a subnormal scaled into the normal range): e ln 2 + ln(m), m the mantissa in [sqrt(1/2), sqrt(2)]. The
+ * split at sqrt(2) is an integer carry, without a compare or a select: bs + 0x4afb0c carries into the
+ * exponent exactly where the mantissa field exceeds that of sqrt(2) (0x3504f3), and m is rebuilt from the
+ * low bits (halved where it carried). */
 static inline float ln_from_parts(uint32_t bs, int32_t e) {
-    float mant = bits_to_float((bs & 0x007fffffu) | 0x3f800000u);   /* in [1, 2) */
-    int big = mant > 1.41421356f;
-    mant = big ? mant * 0.5f : mant;
+    uint32_t t = bs + 0x4afb0cu;
+    int32_t big = (int32_t)(t >> 23) - (int32_t)(bs >> 23);
+    float mant = bits_to_float((t & 0x007fffffu) + 0x3f3504f4u);
     float fm = mant - 1.f, f2 = fm * fm;
     float p = C7;
     p = FMA(p, fm, C6); p = FMA(p, fm, C5); p = FMA(p, fm, C4); p = FMA(p, fm, C3);
     p = FMA(p, fm, C2); p = FMA(p, fm, C1); p = FMA(p, fm, C0);
     return FMA((float)(e + big), 0.693147180559945309f, FMA(f2 * fm, p, FMA(-0.5f, f2, fm)));
 }
+
+/* ln of a normal float32 bit pattern b (sign clear, exponent field in 1..254) */
+static inline float ln_normal(uint32_t b) { return ln_from_parts(b, (int32_t)(b >> 23) - 127); }
 
 #if GS_AVX2_HIST
 /* a carry-save adder: h, l the high and low bits of a + b + c, bit by bit */
@@ -346,21 +353,6 @@ static void block_top(const float *restrict x, int64_t m, acc_t *acc) {
             if (b > thr && b < 0x7f800000u) heap_push(acc, b);
         }
     }
-}
-
-/* ln of a normal float32 bit pattern b (sign clear, exponent field in 1..254) as ln_from_parts, the same
- * value: the mantissa's split at sqrt(2) as an integer carry (b + 0x4afb0c carries into the exponent
- * exactly where the mantissa field exceeds that of sqrt(2), 0x3504f3), and the mantissa in
- * [sqrt(1/2), sqrt(2)] rebuilt from the low bits, without a compare or a select */
-static inline float ln_normal(uint32_t b) {
-    uint32_t t = b + 0x4afb0cu;
-    float mant = bits_to_float((t & 0x007fffffu) + 0x3f3504f4u);
-    float e = (float)((int32_t)(t >> 23) - 127);
-    float fm = mant - 1.f, f2 = fm * fm;
-    float p = C7;
-    p = FMA(p, fm, C6); p = FMA(p, fm, C5); p = FMA(p, fm, C4); p = FMA(p, fm, C3);
-    p = FMA(p, fm, C2); p = FMA(p, fm, C1); p = FMA(p, fm, C0);
-    return FMA(e, 0.693147180559945309f, FMA(f2 * fm, p, FMA(-0.5f, f2, fm)));
 }
 
 /* One block: the sums of x, |x|, x^2, the zeros and non-finite entries and the extremes in one loop, then
