@@ -180,16 +180,16 @@ class FPFormat:
         """Whether the all-ones code is the (only) NaN: ``fnu``, and ``fn`` of 8 bits or more."""
         return self.special == "fnu" or (self.special == "fn" and self.has_nan)
 
-    @property
+    @functools.cached_property
     def emax(self) -> int:
         """Exponent of the largest finite value."""
         code = self._max_code_value()
         assert code is not None
         return code[0] - self.bias
 
-    @property
+    @functools.cached_property
     def max(self) -> float:
-        """Largest finite value."""
+        """Largest finite value (computed once per format: the hooks of ``apply`` read it on every call)."""
         ec, mc = self._max_code_value()  # type: ignore[misc]
         return math.ldexp(1.0 + mc / 2 ** self.man_bits, ec - self.bias)
 

@@ -183,7 +183,7 @@ class Applied:
                 return None
             out = first_grad_tensor(output)
             if out is not None:
-                out.register_hook(lambda g: None if sending_back() else self._compress(name, g))
+                out.register_hook(lambda g: None if sending_back() else self._compress_eager(name, g))
             return None
         return hook
 
@@ -207,6 +207,16 @@ class Applied:
         if self.device_path.inflight:
             self.settle()
 
+    def _compress_eager(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        """:meth:`_compress` from the eager hook, without dynamo's wrapper around it (7-10 us a call) unless a
+        graph is being traced (compiled autograd)."""
+        if torch.compiler.is_compiling():
+            return self._compress(name, g)
+        if self.config.engine is None:
+            return self._compress_on(name, g)
+        with using(self.config.engine):
+            return self._compress_on(name, g)
+
     @torch.compiler.disable
     def _compress(self, name: str, g: torch.Tensor) -> torch.Tensor:
         if self.config.engine is None:
@@ -215,33 +225,36 @@ class Applied:
             return self._compress_on(name, g)
 
     def _compress_on(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():       # (a backward pass that builds a graph: create_graph=True)
+            with torch.no_grad():
+                return self._compress_now(name, g)
+        return self._compress_now(name, g)     # (a backward pass runs its hooks with grad mode off)
+
+    def _compress_now(self, name: str, g: torch.Tensor) -> torch.Tensor:
         engine = active_engine(g.device.type)
         if engine == "triton":       # the device path: nothing read back here (apply.device)
-            with torch.no_grad():
-                return self.device_path.compress(name, g)
+            return self.device_path.compress(name, g)
         rule, st = self.rules[name], self.state[name]
         # the C kernels take the gradient as it is: then the call runs them directly (one check here; between
         # the backward's own kernels every torch operation and check costs tens of microseconds)
         flat = engine == "native" and reads_in_place(g)
         k = st.seq - self.config.warmup                       # the call index since the warm-up
         if k < 0:                 # warm-up: the gradient passes unchanged, the statistics follow it
-            with torch.no_grad():
-                self.refresher.refresh(name, g, True, flat=flat)
+            self.refresher.refresh(name, g, True, flat=flat)
             st.seq += 1
             return g
         refresh = self.refresher.refreshes(k)
         err = math.nan
-        with torch.no_grad():
-            self.refresher.refresh(name, g, refresh, flat=flat)
-            threshold = st.threshold if rule.prunes else 0.0
-            call = self._native_call(name, rule) if flat else None      # (flat: what NativeCall.takes asks of g)
-            if call is not None and call.covers(st.scale):
-                out, counts = call(g, threshold, st.scale, generator=self.generator)
-            else:
-                q = self._quantize_args(name, rule, g)
-                out, counts = prune_quantize(g, threshold, q.pop("fmt"), scale=st.scale, generator=self.generator, **q)
-            if self.config.fallback is not None and self.config.fallback.error is not None and counts.n:
-                err = relative_error(out, g)
+        self.refresher.refresh(name, g, refresh, flat=flat)
+        threshold = st.threshold if rule.prunes else 0.0
+        call = self._native_call(name, rule) if flat else None      # (flat: what NativeCall.takes asks of g)
+        if call is not None and call.covers(st.scale):
+            out, counts = call(g, threshold, st.scale, generator=self.generator)
+        else:
+            q = self._quantize_args(name, rule, g)
+            out, counts = prune_quantize(g, threshold, q.pop("fmt"), scale=st.scale, generator=self.generator, **q)
+        if self.config.fallback is not None and self.config.fallback.error is not None and counts.n:
+            err = relative_error(out, g)
         self._account(name, rule, st.seq, counts, err, record_snapshot(st))
         st.seq += 1
         return out if out.dtype == g.dtype else out.to(g.dtype)

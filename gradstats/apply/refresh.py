@@ -347,7 +347,8 @@ class Refresher:
 
     def __init__(self, rules: dict[str, Any], state: dict[str, LayerState], config: Any) -> None:
         self.rules, self.state, self.config = rules, state, config
-        self._vectors: dict[str, np.ndarray] = {}    # per layer: the array the C kernel writes its statistics into
+        self._vectors: dict[str, tuple[np.ndarray, int]] = {}   # per layer: the array the C kernel writes its
+        #                                                          statistics into, and its address
 
     def refresh(self, name: str, g: torch.Tensor, refresh: bool, *, flat: bool = False) -> None:
         """The statistics of ``g`` folded into the layer's state, then its settings solved from
@@ -360,10 +361,12 @@ class Refresher:
             full = refresh and hist_rule
             sync = self.config.sync_stats and torch.distributed.is_available() and torch.distributed.is_initialized()
             if flat and not sync and has_native_kernel():
-                v = self._vectors.get(name)
-                if v is None:
-                    v = self._vectors[name] = np.empty(VECTOR_LEN)
-                write_stats_raw(g.data_ptr(), g.numel(), v.ctypes.data, full=full)
+                made = self._vectors.get(name)
+                if made is None:
+                    v = np.empty(VECTOR_LEN)
+                    made = self._vectors[name] = (v, v.ctypes.data)
+                v = made[0]
+                write_stats_raw(g.data_ptr(), g.numel(), made[1], full=full)
             else:
                 v = stats_vector(g, full=full)
                 if sync:

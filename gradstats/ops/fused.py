@@ -289,6 +289,7 @@ class NativeCall:
         self._blocks = self.scheme is not None and self.scheme.block_size is not None
         self._counts = np.zeros(5, dtype=np.int64)
         self._sums = np.zeros(6, dtype=np.float64)
+        self._at = (self._counts.ctypes.data, self._sums.ctypes.data)    # (each .ctypes makes an object)
 
     def covers(self, scale: float = 1.0) -> bool:
         """Whether the C kernel takes the scheme at ``scale`` (built, a per-tensor scheme it covers)."""
@@ -308,8 +309,7 @@ class NativeCall:
             raise ValueError(f"threshold must be >= 0 (0 = no pruning), got {threshold}")
         seed = _call_seed(seed, generator, threshold > 0 or self._stochastic, "NativeCall")
         res = torch.empty_like(x)
-        _native_call(self._fn, x, res, float(threshold), float(scale), self._fargs, seed, self._counts.ctypes.data,
-                     self._sums.ctypes.data)
+        _native_call(self._fn, x, res, float(threshold), float(scale), self._fargs, seed, *self._at)
         return res, CompressCounts(x.numel(), *self._counts.tolist(), *self._sums.tolist())
 
 
