@@ -207,22 +207,21 @@ class Applied:
         if self.device_path.inflight:
             self.settle()
 
-    def _compress_eager(self, name: str, g: torch.Tensor) -> torch.Tensor:
-        """:meth:`_compress` from the eager hook, without dynamo's wrapper around it (7-10 us a call) unless a
-        graph is being traced (compiled autograd)."""
-        if torch.compiler.is_compiling():
-            return self._compress(name, g)
+    def _compress_with_engine(self, name: str, g: torch.Tensor) -> torch.Tensor:
         if self.config.engine is None:
             return self._compress_on(name, g)
         with using(self.config.engine):
             return self._compress_on(name, g)
 
-    @torch.compiler.disable
-    def _compress(self, name: str, g: torch.Tensor) -> torch.Tensor:
-        if self.config.engine is None:
-            return self._compress_on(name, g)
-        with using(self.config.engine):
-            return self._compress_on(name, g)
+    #: the same, opaque to dynamo: what the compiled path's taps call
+    _compress = torch.compiler.disable(_compress_with_engine)
+
+    def _compress_eager(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        """The eager hook's call: without dynamo's wrapper (7-10 us a call) unless a graph is being traced
+        (compiled autograd)."""
+        if torch.compiler.is_compiling():
+            return self._compress(name, g)
+        return self._compress_with_engine(name, g)
 
     def _compress_on(self, name: str, g: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():       # (a backward pass that builds a graph: create_graph=True)
