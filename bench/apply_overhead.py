@@ -117,15 +117,16 @@ def kernels_alone(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: l
         st = handle.state[name]
         full = rule.prunes and THRESHOLD_RULES[rule.threshold_rule].needs_histogram
         scheme = rule.scheme if rule.quantizes else None
-        parts[name] = (full, NativeCall(scheme), scheme, st.threshold if rule.prunes else 0.0, st.scale,
-                       np.empty(VECTOR_LEN))
+        row = np.empty(VECTOR_LEN)                # its address taken once, as apply's refresh does
+        parts[name] = (full, NativeCall(scheme), scheme, st.threshold if rule.prunes else 0.0, st.scale, row,
+                       row.ctypes.data)
     handle.remove()
 
     def kernels(name: str, g: torch.Tensor) -> torch.Tensor:
-        full, call, scheme, threshold, scale, v = parts[name]
+        full, call, scheme, threshold, scale, _, at = parts[name]
         if kernel_applies(g) and call.covers(scale):     # (kernel_applies: the tensor check takes makes)
             if stats:
-                write_stats_raw(g.data_ptr(), g.numel(), v.ctypes.data, full=full)
+                write_stats_raw(g.data_ptr(), g.numel(), at, full=full)
             return call(g, threshold, scale, seed=1)[0]
         return prune_quantize(g, threshold, scheme, scale=scale, seed=1)[0]      # (not a flat float32 gradient)
 

@@ -100,10 +100,12 @@ def kernel_alone(model: nn.Module, opt: torch.optim.Optimizer, batches: list, lo
     (:func:`_common.gradient_hooks`), into a row of its own: the least ``trace``'s defaults can cost on this
     CPU without reading less (``trace`` less this row: its fixed costs)."""
     rows = {n: np.empty(VECTOR_LEN) for n in layers}
+    rows_at = {n: (row, row.ctypes.data) for n, row in rows.items()}   # each row kept alive beside its address,
+    #                                                                    taken once as apply's refresh does
 
     def stats(name: str, g: torch.Tensor) -> None:
         if kernel_applies(g):
-            write_stats_raw(g.data_ptr(), g.numel(), rows[name].ctypes.data)
+            write_stats_raw(g.data_ptr(), g.numel(), rows_at[name][1])
 
     def run() -> float:
         with gradient_hooks(model, layers, stats):
