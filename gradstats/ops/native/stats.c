@@ -111,6 +111,12 @@
 #else
 #define GS_AVX2_HIST 0
 #endif
+/* ... and its first two loops too, where the CPU has FMA as well (the same ln|x| as the portable loop's) */
+#if GS_AVX2_HIST && defined(__FMA__)
+#define GS_AVX2_LOOP 1
+#else
+#define GS_AVX2_LOOP 0
+#endif
 
 #if GS_AVX2_HIST
 /* The binade counts of a window of 32 binades (exponent fields base..base+31), bit-sliced as the AVX-512
@@ -355,14 +361,18 @@ static void block_top(const float *restrict x, int64_t m, acc_t *acc) {
     }
 }
 
-/* One block: the sums of x, |x|, x^2, the zeros and non-finite entries and the extremes in one loop, then
- * the logarithms in a second over the block in L1 (one loop for all of it keeps more values live than
- * the 16 vector registers of AVX2 hold: its spills cost more than the second load), and the binades,
- * where counted, in a third. A block without subnormal entries (nearly all) takes ln_normal; one with
- * them the general form, binades included. */
-static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
-    int16_t bins[BLOCK];
-    float s = 0.f, sa = 0.f, ss = 0.f, sl = 0.f, sl2 = 0.f;
+/* a block's first loop, summed: sums of x, |x| and x^2 over its finite entries (float32, per lane), its
+ * zeros and non-finite entries, and its extremes (bit patterns of |x|: the least non-zero finite one,
+ * 0x7fffffff where none, and the largest finite one, 0 where none) */
+typedef struct {
+    float s, sa, ss;
+    int32_t nzero, nnonfin;
+    uint32_t minb, maxb;
+} part_t;
+
+/* the first loop over x[0..m) added to p (the compiler's vectorisation) */
+static void block_sums_c(const float *restrict x, int64_t m, part_t *p) {
+    float s = 0.f, sa = 0.f, ss = 0.f;
     int32_t nzero = 0, nnonfin = 0;
     uint32_t minb = 0x7fffffffu, maxb = 0u;
 #pragma omp simd reduction(+:s, sa, ss, nzero, nnonfin) reduction(min:minb) reduction(max:maxb)
@@ -381,16 +391,146 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
         minb = bmin < minb ? bmin : minb;
         maxb = bmax > maxb ? bmax : maxb;
     }
+    p->s += s; p->sa += sa; p->ss += ss; p->nzero += nzero; p->nnonfin += nnonfin;
+    if (minb < p->minb) p->minb = minb;
+    if (maxb > p->maxb) p->maxb = maxb;
+}
+
+/* the sums of ln|x| and ln^2|x| over the non-zero finite entries of x[0..m), none of them subnormal, added
+ * to sl and sl2 (the compiler's vectorisation) */
+static void block_ln_c(const float *restrict x, int64_t m, float *sl_, float *sl2_) {
+    float sl = 0.f, sl2 = 0.f;
+#pragma omp simd reduction(+:sl, sl2)
+    for (int64_t i = 0; i < m; i++) {
+        uint32_t raw; memcpy(&raw, &x[i], 4);
+        uint32_t b = raw & 0x7fffffffu;
+        int nz = (b != 0u) & (b < 0x7f800000u);
+        float ln = nz ? ln_normal(b) : 0.f;
+        sl += ln; sl2 = FMA(ln, ln, sl2);
+    }
+    *sl_ += sl; *sl2_ += sl2;
+}
+
+#if GS_AVX2_LOOP
+/* horizontal sums and extremes of 8 lanes */
+static inline float hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+static inline int32_t hsum8i(__m256i v) {
+    int32_t l[8]; _mm256_storeu_si256((__m256i *)l, v);
+    return l[0] + l[1] + l[2] + l[3] + l[4] + l[5] + l[6] + l[7];
+}
+static inline uint32_t hred8u(__m256i v, int max) {
+    uint32_t l[8], r; _mm256_storeu_si256((__m256i *)l, v);
+    r = l[0];
+    for (int j = 1; j < 8; j++) r = max ? (l[j] > r ? l[j] : r) : (l[j] < r ? l[j] : r);
+    return r;
+}
+
+/* block_sums_c in AVX2, two sets of accumulators (the adds' latency), the last m % 16 entries handed to it.
+ * The least non-zero finite |x| is the unsigned least of (b & finite) - 1 plus one: zeros and non-finite
+ * entries become 0xffffffff. */
+static void block_sums_avx2(const float *restrict x, int64_t m, part_t *p) {
+    const __m256i ABS = _mm256_set1_epi32(0x7fffffff), INF = _mm256_set1_epi32(0x7f800000);
+    const __m256i ZERO = _mm256_setzero_si256(), MONE = _mm256_set1_epi32(-1);
+    __m256 s[2], sa[2], ss[2];
+    __m256i nzero[2], nfin[2], mn[2], mx[2];
+    for (int u = 0; u < 2; u++) {
+        s[u] = sa[u] = ss[u] = _mm256_setzero_ps();
+        nzero[u] = nfin[u] = mx[u] = ZERO;
+        mn[u] = MONE;
+    }
+    int64_t mv = m & ~(int64_t)15;
+    for (int64_t i = 0; i < mv; i += 16) {
+        for (int u = 0; u < 2; u++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(x + i + 8 * u));
+            __m256i b = _mm256_and_si256(raw, ABS);
+            __m256i fin = _mm256_cmpgt_epi32(INF, b);          /* b has its sign bit clear: signed compares */
+            nzero[u] = _mm256_sub_epi32(nzero[u], _mm256_cmpeq_epi32(b, ZERO));
+            nfin[u] = _mm256_sub_epi32(nfin[u], fin);
+            __m256 v = _mm256_castsi256_ps(_mm256_and_si256(raw, fin));
+            __m256i bf = _mm256_and_si256(b, fin);
+            s[u] = _mm256_add_ps(s[u], v);
+            sa[u] = _mm256_add_ps(sa[u], _mm256_castsi256_ps(bf));
+            ss[u] = _mm256_fmadd_ps(v, v, ss[u]);
+            mx[u] = _mm256_max_epu32(mx[u], bf);
+            mn[u] = _mm256_min_epu32(mn[u], _mm256_add_epi32(bf, MONE));
+        }
+    }
+    if (mv > 0) {
+        uint32_t lo = hred8u(_mm256_min_epu32(mn[0], mn[1]), 0);
+        uint32_t hi = hred8u(_mm256_max_epu32(mx[0], mx[1]), 1);
+        p->s += hsum8(_mm256_add_ps(s[0], s[1]));
+        p->sa += hsum8(_mm256_add_ps(sa[0], sa[1]));
+        p->ss += hsum8(_mm256_add_ps(ss[0], ss[1]));
+        p->nzero += hsum8i(_mm256_add_epi32(nzero[0], nzero[1]));
+        p->nnonfin += (int32_t)mv - hsum8i(_mm256_add_epi32(nfin[0], nfin[1]));
+        lo = lo == 0xffffffffu ? 0x7fffffffu : lo + 1u;
+        if (lo < p->minb) p->minb = lo;
+        if (hi > p->maxb) p->maxb = hi;
+    }
+    block_sums_c(x + mv, m - mv, p);
+}
+
+/* block_ln_c in AVX2: ln_normal's operations in its order, lane by lane (the same ln|x|, bit for bit), two sets
+ * of accumulators, the last m % 16 entries handed to it */
+static void block_ln_avx2(const float *restrict x, int64_t m, float *sl_, float *sl2_) {
+    const __m256i ABS = _mm256_set1_epi32(0x7fffffff), INF = _mm256_set1_epi32(0x7f800000);
+    const __m256i ZERO = _mm256_setzero_si256(), CARRY = _mm256_set1_epi32(0x4afb0c);
+    const __m256i MANT = _mm256_set1_epi32(0x007fffff), REBASE = _mm256_set1_epi32(0x3f3504f4);
+    const __m256i BIAS = _mm256_set1_epi32(127);
+    const __m256 ONE = _mm256_set1_ps(1.f), HALF = _mm256_set1_ps(-0.5f), LN2 = _mm256_set1_ps(0.693147180559945309f);
+    __m256 sl[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, sl2[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t mv = m & ~(int64_t)15;
+    for (int64_t i = 0; i < mv; i += 16) {
+        for (int u = 0; u < 2; u++) {
+            __m256i b = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i + 8 * u)), ABS);
+            __m256i nz = _mm256_and_si256(_mm256_cmpgt_epi32(b, ZERO), _mm256_cmpgt_epi32(INF, b));
+            __m256i t = _mm256_add_epi32(b, CARRY);
+            __m256 ef = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(t, 23), BIAS));   /* e + big */
+            __m256 fm = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(_mm256_and_si256(t, MANT), REBASE)), ONE);
+            __m256 f2 = _mm256_mul_ps(fm, fm);
+            __m256 q = _mm256_set1_ps(C7);
+            q = _mm256_fmadd_ps(q, fm, _mm256_set1_ps(C6)); q = _mm256_fmadd_ps(q, fm, _mm256_set1_ps(C5));
+            q = _mm256_fmadd_ps(q, fm, _mm256_set1_ps(C4)); q = _mm256_fmadd_ps(q, fm, _mm256_set1_ps(C3));
+            q = _mm256_fmadd_ps(q, fm, _mm256_set1_ps(C2)); q = _mm256_fmadd_ps(q, fm, _mm256_set1_ps(C1));
+            q = _mm256_fmadd_ps(q, fm, _mm256_set1_ps(C0));
+            __m256 r = _mm256_fmadd_ps(_mm256_mul_ps(f2, fm), q, _mm256_fmadd_ps(HALF, f2, fm));
+            __m256 ln = _mm256_and_ps(_mm256_fmadd_ps(ef, LN2, r), _mm256_castsi256_ps(nz));
+            sl[u] = _mm256_add_ps(sl[u], ln);
+            sl2[u] = _mm256_fmadd_ps(ln, ln, sl2[u]);
+        }
+    }
+    if (mv > 0) {
+        *sl_ += hsum8(_mm256_add_ps(sl[0], sl[1]));
+        *sl2_ += hsum8(_mm256_add_ps(sl2[0], sl2[1]));
+    }
+    block_ln_c(x + mv, m - mv, sl_, sl2_);
+}
+#define BLOCK_SUMS block_sums_avx2
+#define BLOCK_LN block_ln_avx2
+#else
+#define BLOCK_SUMS block_sums_c
+#define BLOCK_LN block_ln_c
+#endif
+
+/* One block: the sums of x, |x|, x^2, the zeros and non-finite entries and the extremes in one loop, then
+ * the logarithms in a second over the block in L1 (one loop for all of it keeps more values live than
+ * the 16 vector registers of AVX2 hold: its spills cost more than the second load), and the binades,
+ * where counted, in a third. A block without subnormal entries (nearly all) takes ln_normal; one with
+ * them the general form, binades included. With AVX2 and FMA the first two loops are written out
+ * (block_sums_avx2, block_ln_avx2): the compiler's kept its reductions in memory. */
+static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
+    int16_t bins[BLOCK];
+    part_t p = {0.f, 0.f, 0.f, 0, 0, 0x7fffffffu, 0u};
+    BLOCK_SUMS(x, m, &p);
+    float sl = 0.f, sl2 = 0.f;
+    uint32_t minb = p.minb, maxb = p.maxb;
     int binned = 0;                                      /* bins[] holds the block's binades */
     if (minb >= 0x00800000u) {                           /* no subnormals */
-#pragma omp simd reduction(+:sl, sl2)
-        for (int64_t i = 0; i < m; i++) {
-            uint32_t raw; memcpy(&raw, &x[i], 4);
-            uint32_t b = raw & 0x7fffffffu;
-            int nz = (b != 0u) & (b < 0x7f800000u);
-            float ln = nz ? ln_normal(b) : 0.f;
-            sl += ln; sl2 = FMA(ln, ln, sl2);
-        }
+        BLOCK_LN(x, m, &sl, &sl2);
         if (acc->count_hist) {      /* a loop of its own: the sums then do not depend on whether it runs */
 #if GS_AVX2_HIST
             block_hist2(x, m, maxb, acc);
@@ -424,8 +564,8 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
         }
         binned = 1;
     }
-    acc->n_zero += nzero; acc->n_nonfinite += nnonfin;
-    acc->sum += s; acc->sum_abs += sa; acc->sum_sq += ss; acc->sum_ln += sl; acc->sum_ln_sq += sl2;
+    acc->n_zero += p.nzero; acc->n_nonfinite += p.nnonfin;
+    acc->sum += p.s; acc->sum_abs += p.sa; acc->sum_sq += p.ss; acc->sum_ln += sl; acc->sum_ln_sq += sl2;
     if (minb < acc->minb) acc->minb = minb;
     if (maxb > acc->maxb) acc->maxb = maxb;
     if (acc->k > 0 && maxb != 0u && (acc->ntop < acc->k || maxb > acc->top[0])) block_top(x, m, acc);
