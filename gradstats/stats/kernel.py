@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 @functools.lru_cache(maxsize=2)
 def _native_kernel(portable: bool = False):
     """``gs_stats_f32`` of the C kernel (None without a compiler); ``portable``: the build
-    in plain C, without its AVX-512 block loop and its AVX2 binade counts (CPUs without AVX-512 run the
-    same loop, with the AVX2 counts where they have AVX2)."""
+    in plain C, without its AVX-512 block loop and its AVX2 loops (CPUs without AVX-512 run the
+    same block loop, its sums, logarithms and binade counts in AVX2 where they have AVX2 and FMA)."""
     from gradstats.ops.native import function
 
     return function("stats", "gs_stats_f32",

@@ -93,7 +93,7 @@ def load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
     ``defines``: preprocessor symbols to compile it with (a separate library each), such as
     ``("GS_PORTABLE",)``, which makes ``stats.c`` use its portable loop in plain C instead of its
-    AVX-512 loop or its AVX2 binade counts (for testing that they agree)."""
+    AVX-512 loop or its AVX2 loops (for testing that they agree)."""
     if os.environ.get("GRADSTATS_NATIVE", "1") == "0":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

@@ -26,7 +26,8 @@
  * - portable C that the compiler vectorises (`omp simd`), two loops per block: the sums of x,
  *   |x| and x^2, the counts and the extremes, then over the block in L1 the logarithms (one loop
  *   for both keeps more values live than AVX2's 16 vector registers: the spills cost 1.6x the
- *   time); the binades, where the CPU has AVX2, bit-sliced in a window of 32 as the AVX-512 loop
+ *   time), both written out in AVX2 where the CPU has AVX2 and FMA (the same ln|x|); the binades,
+ *   where the CPU has AVX2, bit-sliced in a window of 32 as the AVX-512 loop
  *   below counts them (hist2_t), else each entry's stored and counted afterwards in eight
  *   interleaved copies of the counts (runs of one bin, such as the zeros of a ReLU layer, would
  *   otherwise queue on one counter);
