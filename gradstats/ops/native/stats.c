@@ -476,8 +476,10 @@ static void block_sums_avx2(const float *restrict x, int64_t m, part_t *p) {
 }
 
 /* block_ln_c in AVX2: ln_normal's operations in its order, lane by lane (the same ln|x|, bit for bit), two sets
- * of accumulators, the last m % 16 entries handed to it */
-static void block_ln_avx2(const float *restrict x, int64_t m, float *sl_, float *sl2_) {
+ * of accumulators, the last m % 16 entries handed to it. MASKED 0: the caller has found no zero and no
+ * non-finite entry in x[0..m), so no lane is masked (five operations of 27 fewer for each 8 entries). */
+static inline __attribute__((always_inline)) void
+block_ln_avx2_(const float *restrict x, int64_t m, float *sl_, float *sl2_, const int MASKED) {
     const __m256i ABS = _mm256_set1_epi32(0x7fffffff), INF = _mm256_set1_epi32(0x7f800000);
     const __m256i ZERO = _mm256_setzero_si256(), CARRY = _mm256_set1_epi32(0x4afb0c);
     const __m256i MANT = _mm256_set1_epi32(0x007fffff), REBASE = _mm256_set1_epi32(0x3f3504f4);
@@ -488,7 +490,6 @@ static void block_ln_avx2(const float *restrict x, int64_t m, float *sl_, float 
     for (int64_t i = 0; i < mv; i += 16) {
         for (int u = 0; u < 2; u++) {
             __m256i b = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i + 8 * u)), ABS);
-            __m256i nz = _mm256_and_si256(_mm256_cmpgt_epi32(b, ZERO), _mm256_cmpgt_epi32(INF, b));
             __m256i t = _mm256_add_epi32(b, CARRY);
             __m256 ef = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(t, 23), BIAS));   /* e + big */
             __m256 fm = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(_mm256_and_si256(t, MANT), REBASE)), ONE);
@@ -499,7 +500,10 @@ static void block_ln_avx2(const float *restrict x, int64_t m, float *sl_, float 
             q = _mm256_fmadd_ps(q, fm, _mm256_set1_ps(C2)); q = _mm256_fmadd_ps(q, fm, _mm256_set1_ps(C1));
             q = _mm256_fmadd_ps(q, fm, _mm256_set1_ps(C0));
             __m256 r = _mm256_fmadd_ps(_mm256_mul_ps(f2, fm), q, _mm256_fmadd_ps(HALF, f2, fm));
-            __m256 ln = _mm256_and_ps(_mm256_fmadd_ps(ef, LN2, r), _mm256_castsi256_ps(nz));
+            __m256 ln = _mm256_fmadd_ps(ef, LN2, r);
+            if (MASKED)
+                ln = _mm256_and_ps(ln, _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(b, ZERO),
+                                                                            _mm256_cmpgt_epi32(INF, b))));
             sl[u] = _mm256_add_ps(sl[u], ln);
             sl2[u] = _mm256_fmadd_ps(ln, ln, sl2[u]);
         }
@@ -510,11 +514,17 @@ static void block_ln_avx2(const float *restrict x, int64_t m, float *sl_, float 
     }
     block_ln_c(x + mv, m - mv, sl_, sl2_);
 }
+static void block_ln_avx2(const float *restrict x, int64_t m, float *sl, float *sl2) { block_ln_avx2_(x, m, sl, sl2, 1); }
+static void block_ln_avx2_all(const float *restrict x, int64_t m, float *sl, float *sl2) {
+    block_ln_avx2_(x, m, sl, sl2, 0);
+}
 #define BLOCK_SUMS block_sums_avx2
 #define BLOCK_LN block_ln_avx2
+#define BLOCK_LN_ALL block_ln_avx2_all
 #else
 #define BLOCK_SUMS block_sums_c
 #define BLOCK_LN block_ln_c
+#define BLOCK_LN_ALL block_ln_c
 #endif
 
 /* One block: the sums of x, |x|, x^2, the zeros and non-finite entries and the extremes in one loop, then
@@ -531,7 +541,8 @@ static void block_stats(const float *restrict x, int64_t m, acc_t *acc) {
     uint32_t minb = p.minb, maxb = p.maxb;
     int binned = 0;                                      /* bins[] holds the block's binades */
     if (minb >= 0x00800000u) {                           /* no subnormals */
-        BLOCK_LN(x, m, &sl, &sl2);
+        if (p.nzero == 0 && p.nnonfin == 0) BLOCK_LN_ALL(x, m, &sl, &sl2);    /* (a convolution's, as a rule) */
+        else BLOCK_LN(x, m, &sl, &sl2);
         if (acc->count_hist) {      /* a loop of its own: the sums then do not depend on whether it runs */
 #if GS_AVX2_HIST
             block_hist2(x, m, maxb, acc);
