@@ -223,6 +223,10 @@ def noise_records(error_at: Callable[[str, float], float], sparsity: dict[str, f
     over the rounding alone, propagated the same way."""
     layers = list(sparsity)
     recs = _combine({n: error_at(n, s) for n, s in sparsity.items()}, terms, down, layers, gain)
+    if not any(n in terms.index and terms.loc[n, "minibatch"] > 0 for n in layers):
+        for rec in recs:          # no layer has SGD's noise to compare with: every ratio is NaN (_combine),
+            rec["pruning_noise"] = math.nan      # and the errors without pruning are not computed for them
+        return recs
     pruning = _combine({n: max(error_at(n, s) - error_at(n, 0.0), 0.0) for n, s in sparsity.items()},
                        terms, down, layers, gain)
     for rec, p in zip(recs, pruning):
