@@ -39,6 +39,7 @@ import numpy as np
 from gradstats.fpanalysis.granularity import GRANULARITIES, granularity_layout, granularity_of
 from gradstats.fpanalysis.training import FLUSH_BOUND
 from gradstats.plan import Plan, PlanEntry, Prediction, Provenance, Rule
+from gradstats.plan._shared import shared_work
 from gradstats.plan._statistics import Steps, gather, layer_moments
 from gradstats.plan.config import RecommendConfig
 from gradstats.plan.noise_budget import bound_and_repair, log_bound
@@ -206,7 +207,8 @@ def recommend(run: Any, config: RecommendConfig | None = None, *, bits: int | st
         cfg = _bits_auto(bits, cfg)
     else:
         cfg = {**cfg, "bits": _bits_list(bits)[0]}
-    plan, = _plans(run, **cfg).values()
+    with shared_work():        # the wider rungs' plans and the checks read the same rows: each computed once
+        plan, = _plans(run, **cfg).values()
     return plan
 
 
@@ -248,7 +250,8 @@ def recommend_each(run: Any, config: RecommendConfig | None = None, *, bits: Seq
         >>> {b: p.resolve(m)["0"].format.bits for b, p in plans.items()}
         {8: 8, 4: 4}
     """
-    return _plans(run, bits=bits, **RecommendConfig.resolve(config, "recommend_each", **options).options())
+    with shared_work():        # the widths share the rows' thresholds, laws and predictions: each computed once
+        return _plans(run, bits=bits, **RecommendConfig.resolve(config, "recommend_each", **options).options())
 
 
 def _plans(run: Any, *, bits: Sequence[int], sparsity: float | str | None, granularity: str | int,
@@ -474,8 +477,9 @@ def _wider(r: Any, widths: Sequence[int], ladder: Sequence[tuple[Any, int]] | No
     """Per width, the wider options of every layer under the noise bound, each recommended on its own
     (not bounded; checked where the bound chooses it): the ``(granularity, bits)`` rungs of ``ladder``
     (the hardware formats), or else the 8-bit plan behind a width under 8 bits (:func:`_fallback`);
-    none without a bound. ``kw``: the other options of the plan they widen."""
-    if noise_bound is None:
+    none without a bound, and none unchecked from a run without noise records (whose plans the bound drops:
+    :func:`gradstats.plan.noise_budget.bound_plan`). ``kw``: the other options of the plan they widen."""
+    if noise_bound is None or (not kw["check"] and r.table("noise").empty):
         return {b: _Wider((), []) for b in widths}
     if ladder is not None:
         rungs = [_plans(r, bits=[b], granularity=g, candidates="ocp", noise_bound=None, **{**kw, "check": False})[b]
