@@ -277,7 +277,7 @@ def _improve(chosen: dict[str, dict[str, Any]], bits: dict[str, list[float]], nu
     compounded (:func:`gradstats.plan.noise_prediction.noise_records`), stays within ``bound``."""
     out = {n: dict(c) for n, c in chosen.items()}
     layers = list(out)
-    recordable = {n for n in layers if n in terms.index and terms.loc[n, "minibatch"] > 0}
+    recordable = [n for n in layers if n in terms.index and terms.loc[n, "minibatch"] > 0]   # (in order: ties)
     worst = _worst_ratio(layers, terms, down, gain)
 
     def fits(trial: dict[str, dict[str, Any]]) -> bool:
