@@ -14,6 +14,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
@@ -174,15 +175,28 @@ class HistogramLaw:
                 out += self.atom_weight * np.sum(np.where(below, ya[:, None, :] ** k, 0.0), axis=2)
         return out
 
+    @functools.cached_property
+    def _terms(self) -> dict[Any, np.ndarray]:
+        """What :meth:`_binade_moments` reads of the law alone, computed once per law (a law is read at many
+        scales and cuts): the binades' log-widths and normalisers, and per moment ``k`` their growth."""
+        width = np.log(self.edges[1:] / self.edges[:-1])
+        return {"width": width, "norm": expm1_ratio(self.slopes, width)}
+
+    def _binade_terms(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(norm, grow)``: the binades' normalisers and their moment ``k`` over ``w a**k``."""
+        t = self._terms
+        grow = t.get(k)
+        if grow is None:
+            grow = t[k] = expm1_ratio(k + self.slopes, t["width"]) / t["norm"]
+        return t["norm"], grow
+
     def _binade_moments(self, y: np.ndarray, k: int, s: np.ndarray) -> np.ndarray:
         """The binades' part of :meth:`partial_moments` (``s``: the scales, ``(S, 1)``)."""
         out = np.zeros((s.shape[0], y.size))
         if self.weights.size == 0:
             return out
         e = self.edges[None, :] * s                                    # (S, B+1)
-        width = np.log(self.edges[1:] / self.edges[:-1])
-        norm = expm1_ratio(self.slopes, width)
-        grow = expm1_ratio(k + self.slopes, width) / norm             # a binade's moment over w a**k
+        norm, grow = self._binade_terms(k)
         with np.errstate(over="ignore", under="ignore"):
             full = self.weights[None, :] * e[:, :-1] ** k * grow[None, :]
         cum = np.concatenate([np.zeros((s.shape[0], 1)), np.cumsum(full, axis=1)], axis=1)
