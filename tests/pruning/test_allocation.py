@@ -328,7 +328,9 @@ def test_plot_marks_excluded_and_cap(run, tmp_path):
 def test_allocated_budget_trains_as_well_as_uniform(tmp_path):
     """The allocated plan at a global 0.9 trains the CNN to within 0.5 points of 0.9 on every
     layer (Fashion-MNIST, 400 steps, same seeds; the calibration trace is the plain model's
-    first 50 steps)."""
+    first 50 steps). Four seeds: one seed's accuracy moves by 0.8 points between seeds, and a
+    difference in the last float32 bit of the calibration statistics (the order of a sum) had moved
+    the mean of two seeds across the bound (-0.55 against -0.15 over these four)."""
     sys.path.insert(0, str(ROOT / "experiments"))
     try:
         import allocation_accuracy as exp
@@ -336,10 +338,10 @@ def test_allocated_budget_trains_as_well_as_uniform(tmp_path):
     finally:
         sys.path.pop(0)
     calib = calibrate("cnn", prepare_kw={}, steps=exp.CALIBRATION_STEPS)
-    jobs, alloc = exp.jobs("cnn", exp.STEPS["cnn"], (0, 1), {}, calib)
+    jobs, alloc = exp.jobs("cnn", exp.STEPS["cnn"], (0, 1, 2, 3), {}, calib)
     assert alloc.output_layer == "fc2" and alloc.targets.max() <= DEFAULT_CAP
     df = run_jobs([j for j in jobs if j.label in ("uniform 0.9", "allocated 0.9")], tmp_path / "jobs.jsonl",
                   workers=2)
     acc = df.groupby("label")["test_accuracy"].mean() * 100
     assert not df["diverged"].any()
-    assert acc["allocated 0.9"] >= acc["uniform 0.9"] - 0.5, acc.to_dict()
+    assert acc["allocated 0.9"] >= acc["uniform 0.9"] - 0.5, df[["label", "seed", "test_accuracy"]].to_string()
