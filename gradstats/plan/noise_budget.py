@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from gradstats.noise.terms import downstream, gain_of, gains, noise_terms
-from gradstats.plan.noise_prediction import layer_errors, noise_records, rule_at
+from gradstats.plan.noise_prediction import layer_errors, noise_records, recorded_layers, rule_at
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -277,7 +277,7 @@ def _improve(chosen: dict[str, dict[str, Any]], bits: dict[str, list[float]], nu
     compounded (:func:`gradstats.plan.noise_prediction.noise_records`), stays within ``bound``."""
     out = {n: dict(c) for n, c in chosen.items()}
     layers = list(out)
-    recordable = [n for n in layers if n in terms.index and terms.loc[n, "minibatch"] > 0]   # (in order: ties)
+    recordable = recorded_layers(terms, layers)       # in the plan's order (sorted below: ties keep it)
     worst = _worst_ratio(layers, terms, down, gain)
 
     def fits(trial: dict[str, dict[str, Any]]) -> bool:

@@ -216,6 +216,12 @@ def predicted_noise(run: Any, plan: Any, *, steps: Any = "auto", bound: Optional
     return NoisePrediction(noise_records(error_at, sparsity, terms, downstream(r), gains(r)), bound, list(chosen))
 
 
+def recorded_layers(terms: "pd.DataFrame", layers: Sequence[str]) -> list[str]:
+    """The layers of ``layers``, in their order, that ``terms`` holds a record of SGD's noise for (a positive
+    minibatch term): those whose predicted ratio is a number."""
+    return [n for n in layers if n in terms.index and terms.loc[n, "minibatch"] > 0]
+
+
 def noise_records(error_at: Callable[[str, float], float], sparsity: dict[str, float], terms: "pd.DataFrame",
              down: dict[str, list[str]], gain: dict[tuple[str, str], float]) -> list[dict[str, Any]]:
     """The noise records of layers pruned at ``sparsity`` (and rounded as their rules say): the whole
@@ -223,7 +229,7 @@ def noise_records(error_at: Callable[[str, float], float], sparsity: dict[str, f
     over the rounding alone, propagated the same way."""
     layers = list(sparsity)
     recs = _combine({n: error_at(n, s) for n, s in sparsity.items()}, terms, down, layers, gain)
-    if not any(n in terms.index and terms.loc[n, "minibatch"] > 0 for n in layers):
+    if not recorded_layers(terms, layers):
         for rec in recs:          # no layer has SGD's noise to compare with: every ratio is NaN (_combine),
             rec["pruning_noise"] = math.nan      # and the errors without pruning are not computed for them
         return recs

@@ -176,19 +176,20 @@ class HistogramLaw:
         return out
 
     @functools.cached_property
-    def _terms(self) -> dict[Any, np.ndarray]:
+    def _terms(self) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
         """What :meth:`_binade_moments` reads of the law alone, computed once per law (a law is read at many
-        scales and cuts): the binades' log-widths and normalisers, and per moment ``k`` their growth."""
+        scales and cuts): the binades' log-widths and normalisers, and per moment ``k`` (filled as asked)
+        their growth."""
         width = np.log(self.edges[1:] / self.edges[:-1])
-        return {"width": width, "norm": expm1_ratio(self.slopes, width)}
+        return width, expm1_ratio(self.slopes, width), {}
 
     def _binade_terms(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """``(norm, grow)``: the binades' normalisers and their moment ``k`` over ``w a**k``."""
-        t = self._terms
-        grow = t.get(k)
+        width, norm, grows = self._terms
+        grow = grows.get(k)
         if grow is None:
-            grow = t[k] = expm1_ratio(k + self.slopes, t["width"]) / t["norm"]
-        return t["norm"], grow
+            grow = grows[k] = expm1_ratio(k + self.slopes, width) / norm
+        return norm, grow
 
     def _binade_moments(self, y: np.ndarray, k: int, s: np.ndarray) -> np.ndarray:
         """The binades' part of :meth:`partial_moments` (``s``: the scales, ``(S, 1)``)."""
