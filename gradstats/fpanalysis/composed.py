@@ -142,7 +142,20 @@ def _normalised(pm: PartialMoments) -> PartialMoments:
     mass = float(pm(np.array([np.inf]), 0)[0])
     if not mass > 0:
         raise ValueError("the law has no mass: there are no non-zero magnitudes to predict for")
-    return lambda t, k: pm(t, k) / mass
+
+    def normed(t: np.ndarray, k: int) -> np.ndarray:
+        return pm(t, k) / mass
+    many = getattr(pm, "many", None)
+    if many is not None:
+        normed.many = lambda t, ks: many(t, ks) / mass  # type: ignore[attr-defined]
+    return normed
+
+
+def _moments(pm: PartialMoments, t: np.ndarray, ks: tuple[int, ...]) -> list[np.ndarray]:
+    """``[pm(t, k) for k in ks]``, in one call where ``pm`` offers one (a ``many(t, ks)`` attribute: a law
+    that locates the points once for every order, :meth:`gradstats.stats.law.HistogramLaw.partial_moments`)."""
+    many = getattr(pm, "many", None)
+    return list(many(t, ks)) if many is not None else [pm(t, k) for k in ks]
 
 
 def _raw(pm: PartialMoments, f: FPFormat | None, a: float, scale: Any, rounding: str,
@@ -170,7 +183,7 @@ def _raw(pm: PartialMoments, f: FPFormat | None, a: float, scale: Any, rounding:
         pts = np.zeros((S, 0))
     allp = np.concatenate([np.full((S, 1), np.inf), np.full((S, 1), a), pts], axis=1)
     capped = np.minimum(allp, cp[:, None])
-    mom = [pm(capped.reshape(-1), k).reshape(S, -1) for k in (0, 1, 2)]
+    mom = [m.reshape(S, -1) for m in _moments(pm, capped.reshape(-1), (0, 1, 2))]
     mass = mom[0][:, 0:1]
     mom = [m / np.where(mass > 0, mass, 1.0) for m in mom]
     tot = [m[:, 0] for m in mom]
@@ -349,6 +362,7 @@ def predict_composed(stats: Union[Mapping[str, Any], Any], fmt: Union[FPFormat, 
 
         def pm(t: np.ndarray, k: int) -> np.ndarray:
             return h.partial_moments(np.asarray(t, dtype=np.float64), k, zero)[0]
+        pm.many = lambda t, ks: h.partial_moments(np.asarray(t, dtype=np.float64), ks, zero)[:, 0]  # type: ignore[attr-defined]
     elif isinstance(law, str) and law == "lognormal":
         mu, sigma = lognormal_moments(stats)
         if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):

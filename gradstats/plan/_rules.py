@@ -76,6 +76,11 @@ def amax_scale(fmt: FPFormat, amax: float) -> float:
 
 
 # --------------------------------------------------------------------------- value classes
+#: the rules made so far, by their fields as given (with their types: ``True`` is not ``1``): the checked
+#: fields and the scheme, so that the same rule made again (a plan resolved once per width, a sparsity set
+#: back) costs no second check. Rules are frozen and their schemes immutable: they share them.
+_MADE: dict[Any, tuple[dict[str, Any], Any]] = {}
+_MADE_MAX = 4096
 _RULE_NAMES = ("format", "scale", "scale_value", "scale_shift", "rounding", "block_size", "scale_format",
                "scale_rounding", "sparsity", "threshold_rule", "predicted", "hadamard")
 
@@ -141,11 +146,25 @@ class Rule:
     hadamard: int | None = None
 
     def __post_init__(self) -> None:
-        _set_fields(self, _check_fields({k: getattr(self, k) for k in _RULE_NAMES}, ""))
+        given = tuple(getattr(self, k) for k in _RULE_NAMES)
+        key: Any = tuple(zip(map(type, given), given))
+        try:
+            made = _MADE.get(key)
+        except TypeError:            # an unhashable field (a prediction given as a dict): checked, not kept
+            made, key = None, None
+        if made is not None:         # these very fields were checked before: their checked values and scheme
+            _set_fields(self, made[0])
+            object.__setattr__(self, "_scheme", made[1])
+            return
+        _set_fields(self, _check_fields(dict(zip(_RULE_NAMES, given)), ""))
         _check_combination(self, "")
         object.__setattr__(self, "_scheme", None if self.format is None else Scheme(
             self.format, block_size=self.block_size, scale_format=self.scale_format,
             scale_rounding=self.scale_rounding, rounding=self.rounding, hadamard=self.hadamard))
+        if key is not None:
+            if len(_MADE) >= _MADE_MAX:
+                _MADE.clear()
+            _MADE[key] = ({k: getattr(self, k) for k in _RULE_NAMES}, self._scheme)
 
     # -- what it does
     @property

@@ -159,21 +159,32 @@ class HistogramLaw:
             top = stats.get(TOP_FIELD)
         return cls.from_counts(stats["hist"], amax=amax, shape=shape, top=top)
 
-    def partial_moments(self, y: np.ndarray, k: int, log_scale: np.ndarray) -> np.ndarray:
-        """``E[Y**k 1{Y < y}]`` of the law scaled by ``exp(log_scale)``: ``(S, len(y))`` for ``S`` scales.
+    def partial_moments(self, y: np.ndarray, k: Union[int, Sequence[int]], log_scale: np.ndarray) -> np.ndarray:
+        """``E[Y**k 1{Y < y}]`` of the law scaled by ``exp(log_scale)``: ``(S, len(y))`` for ``S`` scales;
+        for a sequence of orders ``k``, ``(len(k), S, len(y))`` (the cuts located once for all of them).
 
         Within a binade ``[a, b)`` of slope ``beta``: ``E[Y**k 1{a <= Y < y}] = w a**k
         r(k + beta, ln(y/a)) / r(beta, ln(b/a))`` with ``r(c, t) = (exp(c t) - 1) / c``; an atom at
-        ``a`` adds ``atom_weight * a**k`` where ``a < y``."""
+        ``a`` adds ``atom_weight * a**k`` where ``a < y``.
+
+        Example:
+            >>> h = HistogramLaw.from_counts([0, 3, 1], min_exp=-2, amax=1.5, shape="flat")
+            >>> m = h.partial_moments(np.array([1.0, np.inf]), (0, 1), np.zeros(1))
+            >>> m.shape, m[0, 0].tolist()
+            ((2, 1, 2), [0.75, 1.0])
+        """
+        many = not isinstance(k, (int, np.integer))
+        ks = tuple(int(q) for q in k) if many else (int(k),)
         s = np.exp(np.asarray(log_scale, dtype=np.float64))[:, None]
         y = np.asarray(y, dtype=np.float64)
-        out = self._binade_moments(y, k, s)
+        out = self._binade_moments_of(y, ks, s)
         if self.atoms.size:
             ya = self.atoms[None, :] * s                                # (S, K)
-            with np.errstate(over="ignore", under="ignore"):
-                below = ya[:, None, :] < y[None, :, None]
-                out += self.atom_weight * np.sum(np.where(below, ya[:, None, :] ** k, 0.0), axis=2)
-        return out
+            below = ya[:, None, :] < y[None, :, None]
+            for i, q in enumerate(ks):
+                with np.errstate(over="ignore", under="ignore"):
+                    out[i] += self.atom_weight * np.sum(np.where(below, ya[:, None, :] ** q, 0.0), axis=2)
+        return out if many else out[0]
 
     @functools.cached_property
     def _terms(self) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
@@ -193,21 +204,30 @@ class HistogramLaw:
 
     def _binade_moments(self, y: np.ndarray, k: int, s: np.ndarray) -> np.ndarray:
         """The binades' part of :meth:`partial_moments` (``s``: the scales, ``(S, 1)``)."""
-        out = np.zeros((s.shape[0], y.size))
+        return self._binade_moments_of(y, (k,), s)[0]
+
+    def _binade_moments_of(self, y: np.ndarray, ks: tuple[int, ...], s: np.ndarray) -> np.ndarray:
+        """:meth:`_binade_moments` for each order of ``ks``: ``(len(ks), S, len(y))``, each cut's binade
+        and its log-offset found once."""
+        out = np.zeros((len(ks), s.shape[0], y.size))
         if self.weights.size == 0:
             return out
         e = self.edges[None, :] * s                                    # (S, B+1)
-        norm, grow = self._binade_terms(k)
-        with np.errstate(over="ignore", under="ignore"):
-            full = self.weights[None, :] * e[:, :-1] ** k * grow[None, :]
-        cum = np.concatenate([np.zeros((s.shape[0], 1)), np.cumsum(full, axis=1)], axis=1)
+        terms = [self._binade_terms(k) for k in ks]
+        cums = []
+        for k, (norm, grow) in zip(ks, terms):
+            with np.errstate(over="ignore", under="ignore"):
+                full = self.weights[None, :] * e[:, :-1] ** k * grow[None, :]
+            cums.append(np.concatenate([np.zeros((s.shape[0], 1)), np.cumsum(full, axis=1)], axis=1))
         for i in range(s.shape[0]):
             ei = e[i]
             j = np.clip(np.searchsorted(ei, y, side="right") - 1, 0, len(ei) - 2)
+            below, above = y <= ei[0], y >= ei[-1]
             with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
                 t = np.log(np.clip(y, ei[j], ei[j + 1]) / ei[j])
-                inside = cum[i, j] + self.weights[j] * ei[j] ** k * expm1_ratio(k + self.slopes[j], t) / norm[j]
-            out[i] = np.where(y <= ei[0], 0.0, np.where(y >= ei[-1], cum[i, -1], inside))
+                for q, (k, (norm, _)) in enumerate(zip(ks, terms)):
+                    inside = cums[q][i, j] + self.weights[j] * ei[j] ** k * expm1_ratio(k + self.slopes[j], t) / norm[j]
+                    out[q, i] = np.where(below, 0.0, np.where(above, cums[q][i, -1], inside))
         return out
 
 

@@ -61,6 +61,20 @@ def test_partial_moments_integrate_the_law(shape):
     assert h.partial_moments(np.array([y]), 2, np.array([0.0]))[0, 0] == pytest.approx(num, rel=2e-3)
 
 
+def test_partial_moments_of_several_orders_are_each_order_s():
+    """Several orders in one call (the cuts located once) give each order's own call, bit for bit, atoms and
+    several scales included."""
+    x = torch.exp(-8 + 1.7 * torch.randn(50_000, generator=torch.Generator().manual_seed(5)))
+    h = HistogramLaw.from_stats(tensor_stats(x))
+    assert h.atoms.size
+    y = np.concatenate([[0.0, np.inf], np.sort(x[:200].double().numpy()), h.atoms[:3]])
+    ln_s = np.array([0.0, 1.5, -2.0])
+    many = h.partial_moments(y, (0, 1, 2), ln_s)
+    assert many.shape == (3, 3, y.size)
+    for i, k in enumerate((0, 1, 2)):
+        assert np.array_equal(many[i], h.partial_moments(y, k, ln_s))
+
+
 def test_slope_shape_predicts_lognormal_samples():
     """On lognormal data the sloped binades follow the curvature: predicted within a few percent of
     the measured error at the best scale, and the same choice as a brute-force search."""

@@ -7,6 +7,7 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -70,6 +71,19 @@ def test_rule_validation_errors(kw, msg):
     with pytest.raises(ValueError) as exc:
         Rule(**kw)
     assert msg in str(exc.value)
+
+
+def test_a_rule_made_again_is_checked_as_given():
+    """Rules made again with the same fields reuse their checked values (one check per distinct rule), keyed by
+    value and type: a field equal to a valid one but of another type is still checked, and still refused."""
+    r1 = Rule(format="e2m1fn", scale="amax", block_size=1, sparsity=0.5)
+    r2 = Rule(format="e2m1fn", scale="amax", block_size=1, sparsity=0.5)
+    assert r1 == r2 and r2.scale_format == "e8m0" and r2.scheme == r1.scheme
+    assert isinstance(r2.format, FPFormat) and r2.sparsity == 0.5
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        Rule(format="e2m1fn", scale="amax", block_size=True, sparsity=0.5)      # True == 1, but not an int
+    assert Rule(format="e2m1fn", scale="amax", block_size=1, sparsity=np.float64(0.5)).sparsity == 0.5
+    assert Rule(predicted={"error": 0.1}).predicted.error == 0.1            # a dict field: checked, not kept
 
 
 def test_block_rule_defaults_to_mx_scale():
