@@ -124,7 +124,7 @@ def composed_from_moments(pm: PartialMoments, fmt: Union[FPFormat, str, None], *
     """
     _check_args(threshold, scale, rounding, p0)
     f = parse(fmt) if isinstance(fmt, str) else fmt
-    return _assemble(_raw(_normalised(pm), f, float(threshold), float(scale), rounding), p0)
+    return _assemble(_raw(pm, f, float(threshold), float(scale), rounding, whole=True), p0)
 
 
 def _check_args(threshold: float, scale: float, rounding: str, p0: float) -> None:
@@ -159,11 +159,13 @@ def _moments(pm: PartialMoments, t: np.ndarray, ks: tuple[int, ...]) -> list[np.
 
 
 def _raw(pm: PartialMoments, f: FPFormat | None, a: float, scale: Any, rounding: str,
-         cap: Any = None) -> np.ndarray:
-    """Per non-zero entry of the (normalised) law: P(pruned), P(flushed), P(saturated), E[Q x], E[Q],
+         cap: Any = None, whole: bool = False) -> np.ndarray:
+    """Per non-zero entry of the law: P(pruned), P(flushed), P(saturated), E[Q x], E[Q],
     E[Q^2], E[x], E[x^2] of the composed operator (Q the output's magnitude), for each of ``S`` scales
     (an array) and, with ``cap``, the law conditioned below each cap: ``(S, 8)``, or ``(8,)`` for a
-    scalar scale. One call of ``pm`` per moment order for all of them."""
+    scalar scale. One call of ``pm`` per moment order for all of them; each row's moments are divided by its
+    mass (``pm``'s at ``inf``, below the cap), so ``pm`` need not be normalised. ``whole``: ``pm`` is a whole
+    law (no cap), whose mass must be positive (else ``ValueError``)."""
     scalar = np.ndim(scale) == 0
     sc = np.atleast_1d(np.asarray(scale, dtype=np.float64))
     S = sc.size
@@ -185,6 +187,8 @@ def _raw(pm: PartialMoments, f: FPFormat | None, a: float, scale: Any, rounding:
     capped = np.minimum(allp, cp[:, None])
     mom = [m.reshape(S, -1) for m in _moments(pm, capped.reshape(-1), (0, 1, 2))]
     mass = mom[0][:, 0:1]
+    if whole and not np.all(mass > 0):     # (pm a law's own moments, not normalised: its mass is read here)
+        raise ValueError("the law has no mass: there are no non-zero magnitudes to predict for")
     mom = [m / np.where(mass > 0, mass, 1.0) for m in mom]
     tot = [m[:, 0] for m in mom]
     if a > 0:

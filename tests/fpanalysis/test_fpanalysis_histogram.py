@@ -258,3 +258,24 @@ def test_top_bad_input():
         fa.check_prediction(x, 8, fit="mle", top_k=8)
     with pytest.raises(ValueError, match="top_k"):
         fa.check_prediction(x, 8, fit="histogram", top_k=-1)
+
+
+def test_composed_prediction_reads_the_law_s_mass_itself():
+    """composed_from_moments takes a law's partial moments as they are: the same prediction, bit for bit, for
+    the law scaled by any mass (its mass is read at inf with the other points), and a law without mass refused."""
+    from gradstats.fpanalysis.composed import composed_from_moments
+
+    x = torch.exp(-8 + 1.7 * torch.randn(50_000, generator=torch.Generator().manual_seed(6)))
+    h = HistogramLaw.from_stats(tensor_stats(x))
+    zero = np.zeros(1)
+
+    def pm(t, k, c=1.0):
+        return c * h.partial_moments(np.asarray(t, dtype=np.float64), k, zero)[0]
+    for fmt, rounding in (("e4m3fn", "nearest"), ("e2m1fn", "stochastic"), (None, "nearest")):
+        a = composed_from_moments(pm, fmt, threshold=float(x.median()), scale=2.0 ** 12, rounding=rounding)
+        b = composed_from_moments(lambda t, k: pm(t, k, 0.25), fmt, threshold=float(x.median()), scale=2.0 ** 12,
+                                  rounding=rounding)
+        assert a.to_dict() == b.to_dict()          # (a power of two: the quotients are exact)
+        assert 0 < a.error < 1 and a.pruned > 0.3
+    with pytest.raises(ValueError, match="no mass"):
+        composed_from_moments(lambda t, k: pm(t, k, 0.0), "e4m3fn", threshold=0.0, scale=1.0)
