@@ -22,7 +22,12 @@ backward's own kernels, its data gone from the caches): per plan (``recommend(bi
 above), blocks of applied steps interleaved with blocks of plain steps, and in each applied step the CPU
 time of the two C kernels (the statistics and the prune + quantise kernels, per-tensor formats), of the
 planned layers' hooks as a whole (the rest of it: the Python), and of the step less the plain step's
-(what is left outside the hooks). Medians over the steps.
+(what is left outside the hooks). Medians over the steps. And first, the statistics kernel of ``trace``
+(``trace: stats alone (N M)``, N million gradient values a step): the same blocks with bare hooks on every
+layer ``trace`` reads by default that write each gradient's full statistics row (moments, binade counts, top
+magnitudes) and nothing else; the kernel's time per step and per value. Its "hooks: rest" is the step's time
+less the plain step's and the kernel's: the hooks' machinery and what the kernel's pass costs the backward
+around it.
 
     python bench/step_breakdown.py [--models mobilenet resnet20 gpt_neox] [--repeats 30] [--in-step]
 """
@@ -162,6 +167,26 @@ def in_step(name: str, plans: dict[str, dict], rounds: int) -> dict[str, dict[st
 
     out = {}
     try:
+        traced = [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+        rows = VectorRows()
+        values = {"n": 0.0}
+
+        def stats_alone(layer: str, g: torch.Tensor) -> None:      # trace's floor: the full row, nothing else
+            if kernel_applies(g):
+                values["n"] += g.numel()
+                write_stats(g, rows.claim())
+                rows.take()
+        plain, traced_steps = [], []
+        for r in range(rounds):
+            plain += steps()
+            values["n"] = 0.0
+            with _common.gradient_hooks(model, traced, stats_alone):
+                traced_steps += steps()
+        med = lambda rows_, i: statistics.median(r_[i] for r_ in rows_) * 1e3  # noqa: E731
+        per_step = values["n"] / len(batches)
+        out[f"trace: stats alone ({per_step / 1e6:.2f} M)"] = {
+            "plain": med(plain, 0), "step": med(traced_steps, 0), "stats": med(traced_steps, 1), "prune": 0.0,
+            "hook": med(traced_steps, 0) - med(plain, 0), "ns_per_value": med(traced_steps, 1) * 1e6 / per_step}
         for label, kw in plans.items():
             plan = gradstats.recommend(path, **kw)
             plain, applied = [], []
@@ -212,7 +237,8 @@ def main() -> None:
                 rest = r["hook"] - r["stats"] - r["prune"]
                 print(f"{name:10s} {label:34s} {r['plain']:7.1f} {r['step']:8.1f} {pct(r['step'] - r['plain']):>14s} "
                       f"{pct(r['stats']):>14s} {pct(r['prune']):>15s} {pct(rest):>14s} "
-                      f"{pct(r['step'] - r['plain'] - r['hook']):>14s}")
+                      f"{pct(r['step'] - r['plain'] - r['hook']):>14s}"
+                      + (f"   statistics kernel {r['ns_per_value']:.2f} ns a value" if "ns_per_value" in r else ""))
         return
     print(f"step breakdown: torch {torch.__version__}, 1 thread, CPU time, medians of {a.repeats}; "
           f"apply: recommend(bits={a.bits}, sparsity={a.sparsity}); us per step (share of the plain step)")
