@@ -13,7 +13,9 @@ refreshing less often would save. With ``--floor``, also each recommended plan's
 ``<plan>, kernels alone`` (:func:`kernels_alone`): its statistics and prune + quantise kernels in bare
 hooks, no solve, checks or records; ``apply``'s ratio less the floor's is what ``apply`` adds to the
 per-value work its plan asks for; and ``<plan>, prune + quantise alone``, the rounding kernel without the
-statistics: the least any design costs that rounds every gradient with that kernel. With ``--four-bit``, also the four-bit block formats on every matmul layer (``Plan.uniform(format="nvfp4")``
+statistics: the least any design costs that rounds every gradient with that kernel; and ``<plan>, a copy
+alone``, each planned gradient replaced by a copy of itself: the least any hook costs that hands back a new
+gradient. With ``--four-bit``, also the four-bit block formats on every matmul layer (``Plan.uniform(format="nvfp4")``
 and ``"mxfp4"``; the output layer exact), each through the fused C block kernel and, as its peer in the same
 run, through the composed operators it replaces (``gradstats.quantize`` after ``stochastic_prune``).
 
@@ -67,6 +69,8 @@ COMPOSED = " (composed operators)"
 FLOOR = ", kernels alone"
 #: ... and of its prune + quantise kernel alone (--floor)
 ROUNDING_FLOOR = ", prune + quantise alone"
+#: ... and of a copy of each gradient alone (--floor): what any hook that hands back a new tensor costs
+COPY_FLOOR = ", a copy alone"
 #: each model's batch (GPT-NeoX: windows of 64 characters)
 BATCH = {"mobilenet": 64, "resnet20": 128, "cnn": 128, "gpt_neox": 16}
 
@@ -136,6 +140,21 @@ def kernels_alone(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: l
     return run
 
 
+def copy_alone(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, loss_fn: Callable | None,
+               plan: Plan) -> Callable[[], float]:
+    """A block of training steps in which each planned layer's output gradient is replaced by a copy of itself,
+    in bare hooks: the least any hook costs that hands back a new gradient (its allocation, the pass that writes
+    it, and what that pass costs the backward around it), whatever it computes."""
+    handle = gradstats.apply(model, plan)
+    layers = list(handle.rules)
+    handle.remove()
+
+    def run() -> float:
+        with gradient_hooks(model, layers, lambda name, g: g.clone()):
+            return time_block(model, opt, batches, loss_fn=loss_fn)
+    return run
+
+
 def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_steps: int,
                 reference: bool, four_bit: bool = False, refresh_every: int | None = None, floor: bool = False
                 ) -> dict[str, tuple[float, ...]]:
@@ -161,6 +180,7 @@ def bench_model(name: str, rounds: int, block: int, batch: int | None, trace_ste
             if label in PLANS:
                 configs[label + FLOOR] = kernels_alone(model, opt, batches, loss_fn, p)
                 configs[label + ROUNDING_FLOOR] = kernels_alone(model, opt, batches, loss_fn, p, stats=False)
+                configs[label + COPY_FLOOR] = copy_alone(model, opt, batches, loss_fn, p)
     if refresh_every:
         configs.update({f"{label}, refresh_every={refresh_every}": (lambda p=p: applied(p, refresh_every=refresh_every))
                         for label, p in plans.items() if label in PLANS})
@@ -189,7 +209,8 @@ def main() -> None:
                                                  "statistics, threshold and scale solved on every N-th gradient)"),
                             ap.add_argument("--floor", action="store_true",
                                             help="also each recommended plan's C kernels alone in bare hooks "
-                                                 "(the least it can cost; apply less that: its fixed costs)")))
+                                                 "(the least it can cost; apply less that: its fixed costs), its "
+                                                 "rounding kernel alone, and a copy of each gradient alone")))
 
 
 if __name__ == "__main__":
