@@ -79,8 +79,8 @@ def _integrals(fmt: FPFormat, h: HistogramLaw, log2_scales: np.ndarray, *, round
     mats = coef_matrices(pc, mode)
     if h.weights.size:
         s = np.exp(ln_s)[:, None]
-        for kk, cm in mats.items():
-            g = h._binade_moments(pc.bounds, kk, s)                   # (S, P+1)
+        moments = h._binade_moments(pc.bounds, tuple(mats), s)      # (orders, S, P+1): the cuts located once
+        for g, cm in zip(moments, mats.values()):
             out += np.diff(g, axis=1) @ cm
     if h.atoms.size:
         y = h.atoms[None, :] * np.exp2(np.asarray(log2_scales, dtype=np.float64))[:, None]   # (S, K), exact

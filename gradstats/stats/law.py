@@ -177,7 +177,7 @@ class HistogramLaw:
         ks = tuple(int(q) for q in k) if many else (int(k),)
         s = np.exp(np.asarray(log_scale, dtype=np.float64))[:, None]
         y = np.asarray(y, dtype=np.float64)
-        out = self._binade_moments_of(y, ks, s)
+        out = self._binade_moments(y, ks, s)
         if self.atoms.size:
             ya = self.atoms[None, :] * s                                # (S, K)
             below = ya[:, None, :] < y[None, :, None]
@@ -202,13 +202,9 @@ class HistogramLaw:
             grow = grows[k] = expm1_ratio(k + self.slopes, width) / norm
         return norm, grow
 
-    def _binade_moments(self, y: np.ndarray, k: int, s: np.ndarray) -> np.ndarray:
-        """The binades' part of :meth:`partial_moments` (``s``: the scales, ``(S, 1)``)."""
-        return self._binade_moments_of(y, (k,), s)[0]
-
-    def _binade_moments_of(self, y: np.ndarray, ks: tuple[int, ...], s: np.ndarray) -> np.ndarray:
-        """:meth:`_binade_moments` for each order of ``ks``: ``(len(ks), S, len(y))``, each cut's binade
-        and its log-offset found once."""
+    def _binade_moments(self, y: np.ndarray, ks: tuple[int, ...], s: np.ndarray) -> np.ndarray:
+        """The binades' part of :meth:`partial_moments` for each order of ``ks`` (``s``: the scales, ``(S, 1)``):
+        ``(len(ks), S, len(y))``, each cut's binade and its log-offset found once."""
         out = np.zeros((len(ks), s.shape[0], y.size))
         if self.weights.size == 0:
             return out
